@@ -1,0 +1,277 @@
+//! The model configuration, read from a Hugging Face `config.json` (or the
+//! equivalent `kiln-formats` builds from GGUF metadata).
+
+use serde_json::Value;
+
+use crate::error::{ModelError, Result};
+
+/// The activation of the gated MLP.
+pub use kiln_tensor::Activation;
+
+/// How rotary frequencies are scaled.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    Linear {
+        factor: f32,
+    },
+    /// Llama 3.x frequency-dependent scaling.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// `model_type` as in config.json (`llama`, `qwen2`, ...).
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Biases on q, k, v projections (Qwen2).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama with `attention_bias`).
+    pub o_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub activation: Activation,
+    /// Sliding-window attention span for every layer (Mistral), if any.
+    pub sliding_window: Option<usize>,
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence ids from config.json (one or several).
+    pub eos_token_ids: Vec<u32>,
+}
+
+fn err(key: &str, what: impl Into<String>) -> ModelError {
+    ModelError::Config {
+        key: key.to_string(),
+        what: what.into(),
+    }
+}
+
+fn req_usize(c: &Value, key: &str) -> Result<usize> {
+    c.get(key)
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .ok_or_else(|| err(key, "missing or not a non-negative integer"))
+}
+
+fn opt_usize(c: &Value, key: &str) -> Result<Option<usize>> {
+    match c.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(|v| Some(v as usize))
+            .ok_or_else(|| err(key, "not a non-negative integer")),
+    }
+}
+
+fn opt_f32(c: &Value, key: &str) -> Result<Option<f32>> {
+    match c.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(|v| Some(v as f32))
+            .ok_or_else(|| err(key, "not a number")),
+    }
+}
+
+fn ids(c: &Value, key: &str) -> Vec<u32> {
+    match c.get(key) {
+        Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(|v| v.as_u64().map(|v| v as u32))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Model types the Llama-family decoder serves.
+pub const LLAMA_FAMILY: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "smollm3"];
+
+impl ModelConfig {
+    /// Parse a `config.json` value.
+    pub fn from_hf(c: &Value) -> Result<Self> {
+        let model_type = c
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| err("model_type", "missing"))?
+            .to_string();
+        let hidden_size = req_usize(c, "hidden_size")?;
+        let num_heads = req_usize(c, "num_attention_heads")?;
+        if num_heads == 0 || hidden_size == 0 {
+            return Err(err("num_attention_heads", "must be positive"));
+        }
+        let num_kv_heads = opt_usize(c, "num_key_value_heads")?.unwrap_or(num_heads);
+        if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(err(
+                "num_key_value_heads",
+                format!("{num_kv_heads} does not divide {num_heads} attention heads"),
+            ));
+        }
+        let head_dim = opt_usize(c, "head_dim")?.unwrap_or(hidden_size / num_heads);
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(err(
+                "head_dim",
+                format!("{head_dim} must be even and positive"),
+            ));
+        }
+        // transformers 5 moved rope settings into `rope_parameters`.
+        let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
+        let rope_theta = match opt_f32(c, "rope_theta")? {
+            Some(t) => t,
+            None => rope_params
+                .map(|p| opt_f32(p, "rope_theta"))
+                .transpose()?
+                .flatten()
+                .unwrap_or(10000.0),
+        };
+        let scaling = c
+            .get("rope_scaling")
+            .filter(|v| v.is_object())
+            .or(rope_params);
+        let rope_scaling = match scaling {
+            None => RopeScaling::None,
+            Some(s) => {
+                let kind = s
+                    .get("rope_type")
+                    .or_else(|| s.get("type"))
+                    .and_then(Value::as_str)
+                    .unwrap_or("default");
+                let factor = opt_f32(s, "factor")?.unwrap_or(1.0);
+                match kind {
+                    "default" => RopeScaling::None,
+                    "linear" => RopeScaling::Linear { factor },
+                    "llama3" => RopeScaling::Llama3 {
+                        factor,
+                        low_freq_factor: opt_f32(s, "low_freq_factor")?.unwrap_or(1.0),
+                        high_freq_factor: opt_f32(s, "high_freq_factor")?.unwrap_or(4.0),
+                        original_max_position_embeddings: opt_usize(
+                            s,
+                            "original_max_position_embeddings",
+                        )?
+                        .unwrap_or(8192)
+                            as f32,
+                    },
+                    other => {
+                        return Err(err(
+                            "rope_scaling",
+                            format!("rope type {other:?} is not supported yet"),
+                        ))
+                    }
+                }
+            }
+        };
+        let activation = match c
+            .get("hidden_act")
+            .and_then(Value::as_str)
+            .unwrap_or("silu")
+        {
+            "silu" | "swish" => Activation::Silu,
+            "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
+            other => return Err(err("hidden_act", format!("{other:?} is not supported"))),
+        };
+        let attention_bias = c.get("attention_bias").and_then(Value::as_bool);
+        let (qkv_bias, o_bias) = match model_type.as_str() {
+            // Qwen2 always has q/k/v biases and never an o bias.
+            "qwen2" => (true, false),
+            _ => {
+                let b = attention_bias.unwrap_or(false);
+                (b, b)
+            }
+        };
+        let use_sliding = c.get("use_sliding_window").and_then(Value::as_bool);
+        let sliding_window = match (model_type.as_str(), use_sliding) {
+            (_, Some(false)) => None,
+            ("mistral", _) | (_, Some(true)) => opt_usize(c, "sliding_window")?,
+            _ => None,
+        };
+        Ok(ModelConfig {
+            qk_norm: model_type == "qwen3",
+            model_type,
+            hidden_size,
+            intermediate_size: req_usize(c, "intermediate_size")?,
+            num_layers: req_usize(c, "num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size: req_usize(c, "vocab_size")?,
+            rms_norm_eps: opt_f32(c, "rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: opt_usize(c, "max_position_embeddings")?.unwrap_or(4096),
+            tie_word_embeddings: c
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            activation,
+            sliding_window,
+            bos_token_id: ids(c, "bos_token_id").first().copied(),
+            eos_token_ids: ids(c, "eos_token_id"),
+        })
+    }
+
+    /// Bytes of KV cache per token over all layers at `dtype_bytes` per element.
+    pub fn kv_bytes_per_token(&self, dtype_bytes: usize) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "vocab_size": 100, "rms_norm_eps": 1e-5, "rope_theta": 10000.0})
+    }
+
+    #[test]
+    fn parses_defaults_and_llama3_scaling() {
+        let c = ModelConfig::from_hf(&base()).unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert!(!c.qkv_bias && !c.tie_word_embeddings);
+        let mut v = base();
+        v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let c = ModelConfig::from_hf(&v).unwrap();
+        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+    }
+
+    #[test]
+    fn rejects_bad_configs_with_the_key() {
+        let mut v = base();
+        v["num_key_value_heads"] = json!(3);
+        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+        assert!(e.contains("num_key_value_heads"), "{e}");
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        assert!(ModelConfig::from_hf(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("hidden_size"));
+        let mut v = base();
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0});
+        assert!(ModelConfig::from_hf(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("yarn"));
+    }
+}

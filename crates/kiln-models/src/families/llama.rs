@@ -1,0 +1,150 @@
+//! The Llama-family decoder: Llama 2/3 (incl. `llama3` RoPE scaling),
+//! Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3 (per-head q/k
+//! RMSNorm), SmolLM. Reference: transformers `modeling_llama.py`,
+//! `modeling_qwen2.py`, `modeling_qwen3.py`.
+//!
+//! Quirks: weights use Hugging Face names and layout (GGUF's permuted q/k
+//! rows are undone by `kiln-formats`), so RoPE is rotate-half. Tied models
+//! reuse the embedding matrix as the output projection.
+
+use std::sync::Arc;
+
+use kiln_formats::WeightSource;
+use kiln_tensor::{Backend, KvCache, KvCacheSpec, Tensor};
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::layers::{Attention, AttentionConfig, GatedMlp, RmsNorm, Rope, WeightLoader};
+use crate::CausalLm;
+
+struct Block {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+pub struct Llama {
+    cfg: ModelConfig,
+    backend: Arc<dyn Backend>,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Tensor,
+    rope: Rope,
+}
+
+impl Llama {
+    pub fn load(
+        backend: Arc<dyn Backend>,
+        source: &dyn WeightSource,
+        cfg: ModelConfig,
+    ) -> Result<Self> {
+        let l = WeightLoader::new(&backend, source);
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let attn_cfg = AttentionConfig {
+            hidden_size: h,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+            qkv_bias: cfg.qkv_bias,
+            o_bias: cfg.o_bias,
+            qk_norm_eps: cfg.qk_norm.then_some(eps),
+            scale: (cfg.head_dim as f32).powf(-0.5),
+            sliding_window: cfg.sliding_window,
+        };
+        let blocks = (0..cfg.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                Ok(Block {
+                    input_norm: RmsNorm::load(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
+                    attn: Attention::load(&l, &format!("{p}.self_attn"), attn_cfg.clone())?,
+                    post_attn_norm: RmsNorm::load(
+                        &l,
+                        &format!("{p}.post_attention_layernorm.weight"),
+                        h,
+                        eps,
+                    )?,
+                    mlp: GatedMlp::load(
+                        &l,
+                        &format!("{p}.mlp"),
+                        h,
+                        cfg.intermediate_size,
+                        cfg.activation,
+                    )?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&l, "model.norm.weight", h, eps)?;
+        let lm_head = match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
+            Some(w) if !cfg.tie_word_embeddings => w,
+            _ => embed.clone(),
+        };
+        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling);
+        Ok(Llama {
+            cfg,
+            backend,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+}
+
+impl CausalLm for Llama {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    fn new_kv_cache(&self, capacity: usize) -> Result<KvCache> {
+        Ok(self.backend.alloc_kv_cache(KvCacheSpec {
+            num_layers: self.cfg.num_layers,
+            capacity,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        })?)
+    }
+
+    fn forward(
+        &self,
+        tokens: &[u32],
+        start_pos: usize,
+        cache: &mut KvCache,
+        logits_from: usize,
+    ) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let n = tokens.len();
+        let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
+        let mut x = b.embedding(&self.embed, tokens)?;
+        for (i, blk) in self.blocks.iter().enumerate() {
+            let h = blk.input_norm.forward(b, &x)?;
+            let a = blk
+                .attn
+                .forward(b, &h, &self.rope, &positions, cache, i, start_pos)?;
+            x = b.add(&x, &a)?;
+            let h = blk.post_attn_norm.forward(b, &x)?;
+            let m = blk.mlp.forward(b, &h)?;
+            x = b.add(&x, &m)?;
+        }
+        let x = self.norm.forward(b, &x)?;
+        let x = select_rows(b, &x, logits_from.min(n), n)?;
+        Ok(b.linear(&x, &self.lm_head, None)?)
+    }
+}
+
+/// Rows `from..n` of `x [n, d]`.
+pub(crate) fn select_rows(b: &dyn Backend, x: &Tensor, from: usize, n: usize) -> Result<Tensor> {
+    if from == 0 {
+        return Ok(x.clone());
+    }
+    let d = x.shape()[1];
+    let host = b.to_host(x)?;
+    Ok(b.upload(&[n - from, d], &host[from * d..])?)
+}

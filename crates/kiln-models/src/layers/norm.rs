@@ -1,0 +1,27 @@
+//! RMSNorm: `x / sqrt(mean(x²) + eps) * (offset + w)`; Gemma uses offset 1.
+
+use kiln_tensor::{Backend, Tensor};
+
+use super::WeightLoader;
+use crate::error::Result;
+
+pub struct RmsNorm {
+    pub weight: Tensor,
+    pub eps: f32,
+    pub weight_offset: f32,
+}
+
+impl RmsNorm {
+    pub fn load(l: &WeightLoader, name: &str, dim: usize, eps: f32) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: l.tensor(name, &[dim])?,
+            eps,
+            weight_offset: 0.0,
+        })
+    }
+
+    /// Normalize the last dimension of `x`.
+    pub fn forward(&self, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
+        Ok(b.rms_norm(x, &self.weight, self.eps, self.weight_offset)?)
+    }
+}

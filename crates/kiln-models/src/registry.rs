@@ -1,0 +1,28 @@
+//! The one table from `model_type` to model family.
+
+use std::sync::Arc;
+
+use kiln_formats::WeightSource;
+use kiln_tensor::Backend;
+
+use crate::config::{ModelConfig, LLAMA_FAMILY};
+use crate::error::{ModelError, Result};
+use crate::families;
+use crate::CausalLm;
+
+/// Load the model `config` describes from `source` onto `backend`.
+pub fn load_model(
+    backend: Arc<dyn Backend>,
+    source: &dyn WeightSource,
+    config: ModelConfig,
+) -> Result<Box<dyn CausalLm>> {
+    if LLAMA_FAMILY.contains(&config.model_type.as_str()) {
+        return Ok(Box::new(families::llama::Llama::load(
+            backend, source, config,
+        )?));
+    }
+    Err(ModelError::UnsupportedModel {
+        model_type: config.model_type,
+        supported: LLAMA_FAMILY.join(", "),
+    })
+}

@@ -1,0 +1,81 @@
+//! Helpers shared by the golden tests: paths, the real models, .npy reading.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kiln_formats::GgufWeights;
+use kiln_models::{load_model, CausalLm, ModelConfig};
+use kiln_tensor::cpu::CpuBackend;
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A real model fetched by `scripts/fetch-models.sh`.
+pub fn model_path(file: &str) -> PathBuf {
+    let p = repo_root().join("models").join(file);
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh first",
+        p.display()
+    );
+    p
+}
+
+pub fn goldens(model: &str, file: &str) -> serde_json::Value {
+    let p = repo_root().join("testdata/goldens").join(model).join(file);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Read a little-endian float32 1-D `.npy` file.
+pub fn read_npy_f32(model: &str, rel: &str) -> Vec<f32> {
+    let p = repo_root().join("testdata/goldens").join(model).join(rel);
+    let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    assert_eq!(&bytes[..6], b"\x93NUMPY");
+    let header_len = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + header_len]).unwrap();
+    assert!(header.contains("'<f4'"), "{header}");
+    bytes[10 + header_len..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+pub fn load_gguf_model(file: &str) -> Box<dyn CausalLm> {
+    let w = GgufWeights::open(model_path(file)).unwrap();
+    let cfg = ModelConfig::from_hf(&w.hf_config().unwrap()).unwrap();
+    load_model(Arc::new(CpuBackend::new()), &w, cfg).unwrap()
+}
+
+/// Log-softmax in f64.
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = logits
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    logits.iter().map(|&x| x as f64 - lse).collect()
+}
+
+pub fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}

@@ -1,0 +1,251 @@
+//! The CPU backend: f32 host tensors, multithreaded with rayon. It is the
+//! reference implementation of every op.
+
+mod attention;
+pub mod matmul;
+mod ops;
+
+use std::sync::Arc;
+
+use crate::backend::{Activation, AttentionParams, Backend, KvCache, KvCacheSpec, RopeParams};
+use crate::error::{Result, TensorError};
+use crate::tensor::{DType, Tensor};
+
+use attention::CpuKv;
+
+/// The CPU backend. Threads come from the rayon pool the caller set up.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+
+    fn data<'a>(&self, t: &'a Tensor, op: &'static str) -> Result<&'a [f32]> {
+        t.storage()
+            .downcast_ref::<Vec<f32>>()
+            .map(|v| v.as_slice())
+            .ok_or(TensorError::WrongBackend {
+                op,
+                expected: "cpu",
+            })
+    }
+
+    fn wrap(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
+        Tensor::from_storage(shape, DType::F32, Arc::new(data))
+    }
+
+    fn same_shape(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+        if a.shape() != b.shape() {
+            return Err(TensorError::Shape {
+                op,
+                detail: format!("{:?} vs {:?}", a.shape(), b.shape()),
+            });
+        }
+        Ok(())
+    }
+
+    fn kv<'a>(cache: &'a mut KvCache) -> Result<&'a mut CpuKv> {
+        cache
+            .storage_mut()
+            .downcast_mut::<CpuKv>()
+            .ok_or(TensorError::WrongBackend {
+                op: "attention",
+                expected: "cpu",
+            })
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
+        if shape.iter().product::<usize>() != data.len() {
+            return Err(TensorError::Shape {
+                op: "upload",
+                detail: format!("shape {:?} for {} elements", shape, data.len()),
+            });
+        }
+        Ok(Self::wrap(shape.to_vec(), data.to_vec()))
+    }
+
+    fn to_host(&self, t: &Tensor) -> Result<Vec<f32>> {
+        Ok(self.data(t, "to_host")?.to_vec())
+    }
+
+    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        let (vocab, d) = table.dims2("embedding")?;
+        let data = self.data(table, "embedding")?;
+        let mut out = Vec::with_capacity(ids.len() * d);
+        for &id in ids {
+            let id = id as usize;
+            if id >= vocab {
+                return Err(TensorError::Shape {
+                    op: "embedding",
+                    detail: format!("token id {id} outside vocabulary of {vocab}"),
+                });
+            }
+            out.extend_from_slice(&data[id * d..(id + 1) * d]);
+        }
+        Ok(Self::wrap(vec![ids.len(), d], out))
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (n, k) = x.dims2("linear")?;
+        let (m, kw) = w.dims2("linear")?;
+        if k != kw {
+            return Err(TensorError::Shape {
+                op: "linear",
+                detail: format!("x {:?} · w {:?}ᵀ", x.shape(), w.shape()),
+            });
+        }
+        let mut out = matmul::matmul_t(self.data(x, "linear")?, n, k, self.data(w, "linear")?, m);
+        if let Some(b) = bias {
+            let b = self.data(b, "linear bias")?;
+            if b.len() != m {
+                return Err(TensorError::Shape {
+                    op: "linear",
+                    detail: format!("bias of {} for {} outputs", b.len(), m),
+                });
+            }
+            for row in out.chunks_mut(m) {
+                for (o, &bv) in row.iter_mut().zip(b) {
+                    *o += bv;
+                }
+            }
+        }
+        Ok(Self::wrap(vec![n, m], out))
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
+        let d = *x.shape().last().unwrap_or(&0);
+        if w.num_elements() != d || d == 0 {
+            return Err(TensorError::Shape {
+                op: "rms_norm",
+                detail: format!("x {:?}, weight {:?}", x.shape(), w.shape()),
+            });
+        }
+        let out = ops::rms_norm(
+            self.data(x, "rms_norm")?,
+            self.data(w, "rms_norm")?,
+            eps,
+            weight_offset,
+        );
+        Ok(Self::wrap(x.shape().to_vec(), out))
+    }
+
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        Self::same_shape("add", a, b)?;
+        let (da, db) = (self.data(a, "add")?, self.data(b, "add")?);
+        Ok(Self::wrap(
+            a.shape().to_vec(),
+            da.iter().zip(db).map(|(x, y)| x + y).collect(),
+        ))
+    }
+
+    fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor> {
+        let d = self.data(x, "scale")?;
+        Ok(Self::wrap(
+            x.shape().to_vec(),
+            d.iter().map(|v| v * s).collect(),
+        ))
+    }
+
+    fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
+        Self::same_shape("gated_activation", gate, up)?;
+        let out = ops::gated(
+            self.data(gate, "gated_activation")?,
+            self.data(up, "gated_activation")?,
+            act,
+        );
+        Ok(Self::wrap(gate.shape().to_vec(), out))
+    }
+
+    fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor> {
+        let (n, width) = x.dims2("rope")?;
+        if width != p.num_heads * p.head_dim
+            || n != positions.len()
+            || 2 * p.inv_freq.len() > p.head_dim
+        {
+            return Err(TensorError::Shape {
+                op: "rope",
+                detail: format!(
+                    "x {:?}, {} positions, {} heads × {} dims, {} frequencies",
+                    x.shape(),
+                    positions.len(),
+                    p.num_heads,
+                    p.head_dim,
+                    p.inv_freq.len()
+                ),
+            });
+        }
+        let mut out = self.data(x, "rope")?.to_vec();
+        ops::rope(&mut out, positions, p);
+        Ok(Self::wrap(x.shape().to_vec(), out))
+    }
+
+    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+        let per_layer = spec.capacity * spec.num_kv_heads * spec.head_dim;
+        let kv = CpuKv {
+            k: (0..spec.num_layers)
+                .map(|_| vec![0f32; per_layer])
+                .collect(),
+            v: (0..spec.num_layers)
+                .map(|_| vec![0f32; per_layer])
+                .collect(),
+        };
+        Ok(KvCache::from_storage(spec, Box::new(kv)))
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        start_pos: usize,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        let (n, qw) = q.dims2("attention")?;
+        let kv_row = p.num_kv_heads * p.head_dim;
+        let spec = cache.spec;
+        if qw != p.num_heads * p.head_dim
+            || k.shape() != [n, kv_row]
+            || v.shape() != [n, kv_row]
+            || p.num_kv_heads == 0
+            || p.num_heads % p.num_kv_heads != 0
+            || layer >= spec.num_layers
+            || kv_row != spec.num_kv_heads * spec.head_dim
+        {
+            return Err(TensorError::Shape {
+                op: "attention",
+                detail: format!(
+                    "q {:?}, k {:?}, v {:?}, layer {layer}, params {p:?}, cache {spec:?}",
+                    q.shape(),
+                    k.shape(),
+                    v.shape()
+                ),
+            });
+        }
+        if start_pos + n > spec.capacity {
+            return Err(TensorError::KvCacheFull {
+                needed: start_pos + n,
+                capacity: spec.capacity,
+            });
+        }
+        let (qd, kd, vd) = (
+            self.data(q, "attention")?,
+            self.data(k, "attention")?,
+            self.data(v, "attention")?,
+        );
+        let kv = Self::kv(cache)?;
+        kv.k[layer][start_pos * kv_row..(start_pos + n) * kv_row].copy_from_slice(kd);
+        kv.v[layer][start_pos * kv_row..(start_pos + n) * kv_row].copy_from_slice(vd);
+        let out = attention::attend(qd, n, start_pos, &kv.k[layer], &kv.v[layer], p);
+        Ok(Self::wrap(vec![n, qw], out))
+    }
+}

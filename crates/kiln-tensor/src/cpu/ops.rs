@@ -1,0 +1,130 @@
+//! Elementwise and row-wise ops of the CPU backend, on plain slices.
+
+use rayon::prelude::*;
+
+use crate::backend::{Activation, RopeParams};
+
+/// Rows at or above this many elements in total are processed in parallel.
+const PAR_MIN: usize = 1 << 14;
+
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, weight_offset: f32) -> Vec<f32> {
+    let d = w.len();
+    let mut out = vec![0f32; x.len()];
+    let row = |(o, xr): (&mut [f32], &[f32])| {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let inv = 1.0 / (ss + eps).sqrt();
+        for ((o, &xv), &wv) in o.iter_mut().zip(xr).zip(w) {
+            *o = xv * inv * (weight_offset + wv);
+        }
+    };
+    if x.len() >= PAR_MIN {
+        out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(row);
+    } else {
+        out.chunks_mut(d).zip(x.chunks(d)).for_each(row);
+    }
+    out
+}
+
+pub fn gated(gate: &[f32], up: &[f32], act: Activation) -> Vec<f32> {
+    let f = match act {
+        Activation::Silu => silu,
+        Activation::GeluTanh => gelu_tanh,
+    };
+    let mut out = vec![0f32; gate.len()];
+    let body = |(o, (g, u)): (&mut [f32], (&[f32], &[f32]))| {
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            *o = f(g) * u;
+        }
+    };
+    const CH: usize = 4096;
+    out.par_chunks_mut(CH)
+        .zip(gate.par_chunks(CH).zip(up.par_chunks(CH)))
+        .for_each(body);
+    out
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// Rotate-half RoPE in place over `x [n, heads * head_dim]`.
+pub fn rope(x: &mut [f32], positions: &[u32], p: &RopeParams<'_>) {
+    let hd = p.head_dim;
+    let half = p.inv_freq.len();
+    let row_len = p.num_heads * hd;
+    let body = |(row, &pos): (&mut [f32], &u32)| {
+        for i in 0..half {
+            // Same order of operations as Hugging Face: angle = inv_freq * position in f32.
+            let angle = p.inv_freq[i] * pos as f32;
+            let (s, c) = angle.sin_cos();
+            let (s, c) = (s * p.attention_scaling, c * p.attention_scaling);
+            for h in 0..p.num_heads {
+                let base = h * hd;
+                let a = row[base + i];
+                let b = row[base + i + half];
+                row[base + i] = a * c - b * s;
+                row[base + i + half] = b * c + a * s;
+            }
+        }
+    };
+    if x.len() >= PAR_MIN {
+        x.par_chunks_mut(row_len)
+            .zip(positions.par_iter())
+            .for_each(body);
+    } else {
+        x.chunks_mut(row_len).zip(positions.iter()).for_each(body);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let x = [1.0f32, -2.0, 3.0, 0.5];
+        let w = [1.0f32, 0.5, 2.0, -1.0];
+        let out = rms_norm(&x, &w, 1e-6, 0.0);
+        let rms = ((1.0 + 4.0 + 9.0 + 0.25) / 4.0f32 + 1e-6).sqrt();
+        for i in 0..4 {
+            assert!((out[i] - x[i] / rms * w[i]).abs() < 1e-6);
+        }
+        let out1 = rms_norm(&x, &w, 1e-6, 1.0);
+        assert!((out1[1] - x[1] / rms * 1.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_rotates_pairs_and_keeps_norm() {
+        let inv_freq = [1.0f32, 0.1];
+        let p = RopeParams {
+            num_heads: 1,
+            head_dim: 4,
+            inv_freq: &inv_freq,
+            attention_scaling: 1.0,
+        };
+        let mut x = vec![1.0f32, 2.0, 3.0, 4.0];
+        rope(&mut x, &[2], &p);
+        let (s0, c0) = 2.0f32.sin_cos();
+        assert!((x[0] - (1.0 * c0 - 3.0 * s0)).abs() < 1e-6);
+        assert!((x[2] - (3.0 * c0 + 1.0 * s0)).abs() < 1e-6);
+        let n: f32 = x.iter().map(|v| v * v).sum();
+        assert!((n - 30.0).abs() < 1e-4);
+        // Position 0 is the identity.
+        let mut y = vec![1.0f32, 2.0, 3.0, 4.0];
+        rope(&mut y, &[0], &p);
+        assert_eq!(y, vec![1.0, 2.0, 3.0, 4.0]);
+    }
+
+    #[test]
+    fn activations() {
+        assert!((silu(1.0) - 0.731_058_6).abs() < 1e-6);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        let g = gated(&[1.0, 0.0], &[2.0, 5.0], Activation::Silu);
+        assert!((g[0] - 2.0 * 0.731_058_6).abs() < 1e-6 && g[1] == 0.0);
+    }
+}
