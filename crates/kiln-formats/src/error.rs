@@ -28,6 +28,14 @@ pub enum FormatError {
     },
     #[error("{path}: missing tensor {tensor}")]
     MissingTensor { path: PathBuf, tensor: String },
+    #[error("{index}: shard {shard} (listed for tensor {tensor}) cannot be read: {source}")]
+    MissingShard {
+        index: PathBuf,
+        shard: PathBuf,
+        tensor: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}: tensor {tensor}: shape {found:?}, expected {expected:?}")]
     ShapeMismatch {
         path: PathBuf,

@@ -156,34 +156,49 @@ impl GgufMetadata {
     }
 
     pub fn str_array(&self, key: &str) -> Result<Option<Vec<&str>>> {
-        let Some(v) = self.get(key) else { return Ok(None) };
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
         let arr = v
             .as_array()
             .ok_or_else(|| self.err(key, "expected an array of strings"))?;
         arr.iter()
-            .map(|x| x.as_str().ok_or_else(|| self.err(key, "expected an array of strings")))
+            .map(|x| {
+                x.as_str()
+                    .ok_or_else(|| self.err(key, "expected an array of strings"))
+            })
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
 
     pub fn i64_array(&self, key: &str) -> Result<Option<Vec<i64>>> {
-        let Some(v) = self.get(key) else { return Ok(None) };
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
         let arr = v
             .as_array()
             .ok_or_else(|| self.err(key, "expected an array of integers"))?;
         arr.iter()
-            .map(|x| x.as_i64().ok_or_else(|| self.err(key, "expected an array of integers")))
+            .map(|x| {
+                x.as_i64()
+                    .ok_or_else(|| self.err(key, "expected an array of integers"))
+            })
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
 
     pub fn f64_array(&self, key: &str) -> Result<Option<Vec<f64>>> {
-        let Some(v) = self.get(key) else { return Ok(None) };
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
         let arr = v
             .as_array()
             .ok_or_else(|| self.err(key, "expected an array of numbers"))?;
         arr.iter()
-            .map(|x| x.as_f64().ok_or_else(|| self.err(key, "expected an array of numbers")))
+            .map(|x| {
+                x.as_f64()
+                    .ok_or_else(|| self.err(key, "expected an array of numbers"))
+            })
             .collect::<Result<Vec<_>>>()
             .map(Some)
     }
@@ -366,7 +381,9 @@ impl GgufFile {
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
         if n_tensors > 1 << 20 || n_kv > 1 << 20 {
-            return Err(c.corrupt(format!("implausible counts: {n_tensors} tensors, {n_kv} keys")));
+            return Err(c.corrupt(format!(
+                "implausible counts: {n_tensors} tensors, {n_kv} keys"
+            )));
         }
         let mut entries = BTreeMap::new();
         for _ in 0..n_kv {
@@ -379,10 +396,12 @@ impl GgufFile {
             path: path.clone(),
             entries,
         };
-        let mut tensors = Vec::with_capacity(n_tensors as usize);
+        // Each tensor info takes at least 32 bytes: do not let a corrupt count
+        // reserve more than the file could describe.
+        let mut tensors = Vec::with_capacity((n_tensors as usize).min((mmap.len() - c.pos) / 32));
         let mut by_name = BTreeMap::new();
-        for _ in 0..n_tensors {
-            let name = c.string("tensor name")?;
+        for i in 0..n_tensors {
+            let name = c.string(&format!("the name of tensor {i} of {n_tensors}"))?;
             let n_dims = c.u32(&name)?;
             if n_dims == 0 || n_dims > MAX_DIMS {
                 return Err(c.corrupt(format!("tensor {name}: {n_dims} dimensions")));
@@ -392,11 +411,12 @@ impl GgufFile {
                 ne.push(c.u64(&name)?);
             }
             let raw_type = c.u32(&name)?;
-            let ggml_type = GgmlType::from_u32(raw_type).ok_or_else(|| FormatError::UnsupportedDtype {
-                path: path.clone(),
-                tensor: name.clone(),
-                dtype: format!("ggml type {raw_type}"),
-            })?;
+            let ggml_type =
+                GgmlType::from_u32(raw_type).ok_or_else(|| FormatError::UnsupportedDtype {
+                    path: path.clone(),
+                    tensor: name.clone(),
+                    dtype: format!("ggml type {raw_type}"),
+                })?;
             let offset = c.u64(&name)?;
             if by_name.insert(name.clone(), tensors.len()).is_some() {
                 return Err(c.corrupt(format!("tensor {name} appears twice")));
@@ -412,17 +432,20 @@ impl GgufFile {
         let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
         let file_len = mmap.len() as u64;
         for t in &tensors {
-            let bytes = t.ggml_type.bytes_for(&t.ne).ok_or_else(|| FormatError::Corrupt {
-                path: path.clone(),
-                offset: t.offset,
-                what: format!(
-                    "tensor {}: shape {:?} does not fit {}'s block size {}",
-                    t.name,
-                    t.ne,
-                    t.ggml_type.name(),
-                    t.ggml_type.block_size()
-                ),
-            })?;
+            let bytes = t
+                .ggml_type
+                .bytes_for(&t.ne)
+                .ok_or_else(|| FormatError::Corrupt {
+                    path: path.clone(),
+                    offset: t.offset,
+                    what: format!(
+                        "tensor {}: shape {:?} does not fit {}'s block size {}",
+                        t.name,
+                        t.ne,
+                        t.ggml_type.name(),
+                        t.ggml_type.block_size()
+                    ),
+                })?;
             let end = data_offset
                 .checked_add(t.offset)
                 .and_then(|s| s.checked_add(bytes));
@@ -455,24 +478,30 @@ impl GgufFile {
     /// The raw (possibly quantized) bytes of a tensor; bounds were checked at open.
     pub fn tensor_bytes(&self, info: &GgufTensorInfo) -> &[u8] {
         let start = (self.data_offset + info.offset) as usize;
-        let len = info
-            .ggml_type
-            .bytes_for(&info.ne)
-            .expect("tensor sizes were validated at open; this is a bug") as usize;
+        let len =
+            info.ggml_type
+                .bytes_for(&info.ne)
+                .expect("tensor sizes were validated at open; this is a bug") as usize;
         &self.mmap[start..start + len]
     }
 
     /// Dequantize a tensor to f32, in row-major order.
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
-        let info = self.tensor_info(name).ok_or_else(|| FormatError::MissingTensor {
-            path: self.path.clone(),
-            tensor: name.to_string(),
-        })?;
-        crate::dequant::dequantize(info.ggml_type, self.tensor_bytes(info), info.num_elements() as usize)
-            .map_err(|what| FormatError::UnsupportedDtype {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| FormatError::MissingTensor {
                 path: self.path.clone(),
                 tensor: name.to_string(),
-                dtype: what,
-            })
+            })?;
+        crate::dequant::dequantize(
+            info.ggml_type,
+            self.tensor_bytes(info),
+            info.num_elements() as usize,
+        )
+        .map_err(|what| FormatError::UnsupportedDtype {
+            path: self.path.clone(),
+            tensor: name.to_string(),
+            dtype: what,
+        })
     }
 }

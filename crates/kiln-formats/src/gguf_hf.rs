@@ -13,7 +13,7 @@ use std::path::Path;
 use serde_json::{json, Map, Value};
 
 use crate::error::{FormatError, Result};
-use crate::gguf::{GgufFile, GgufMetadata};
+use crate::gguf::{GgufFile, GgufMetadata, MetaValue};
 use crate::weights::{HostTensor, StoredTensor, WeightSource};
 
 /// GGUF architectures Kiln maps, with their Hugging Face class and model type.
@@ -80,7 +80,8 @@ pub fn unpermute_qk(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Ve
             for s in 0..2 {
                 let src = h * head_dim + 2 * j + s;
                 let dst = h * head_dim + s * half + j;
-                out[dst * cols..(dst + 1) * cols].copy_from_slice(&data[src * cols..(src + 1) * cols]);
+                out[dst * cols..(dst + 1) * cols]
+                    .copy_from_slice(&data[src * cols..(src + 1) * cols]);
             }
         }
     }
@@ -95,6 +96,15 @@ pub struct GgufWeights {
     n_kv_head: usize,
     /// (hf name, index into file.tensors)
     names: Vec<(String, usize)>,
+}
+
+impl std::fmt::Debug for GgufWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufWeights")
+            .field("file", &self.file)
+            .field("arch", &self.arch)
+            .finish()
+    }
 }
 
 impl GgufWeights {
@@ -112,12 +122,23 @@ impl GgufWeights {
                 supported: supported_list(),
             });
         }
-        let n_head = file.metadata.req_u64(&format!("{arch}.attention.head_count"))? as usize;
+        let head_key = format!("{arch}.attention.head_count");
+        let kv_key = format!("{arch}.attention.head_count_kv");
+        let n_head = file.metadata.req_u64(&head_key)? as usize;
         let n_kv_head = file
             .metadata
-            .u64(&format!("{arch}.attention.head_count_kv"))?
+            .u64(&kv_key)?
             .map(|v| v as usize)
             .unwrap_or(n_head);
+        for (key, v) in [(head_key, n_head), (kv_key, n_kv_head)] {
+            if v == 0 {
+                return Err(FormatError::Metadata {
+                    path: file.path.clone(),
+                    key,
+                    what: "expected at least one head, found 0".into(),
+                });
+            }
+        }
         let names = file
             .tensors
             .iter()
@@ -147,7 +168,11 @@ impl GgufWeights {
 
     /// The Hugging Face `config.json` equivalent of this file's metadata.
     pub fn hf_config(&self) -> Result<Value> {
-        hf_config(&self.file.metadata, self.contains("lm_head.weight"), &self.file)
+        hf_config(
+            &self.file.metadata,
+            self.contains("lm_head.weight"),
+            &self.file,
+        )
     }
 }
 
@@ -182,7 +207,19 @@ impl WeightSource for GgufWeights {
         })?;
         let info = &self.file.tensors[i];
         let shape = info.shape();
-        let mut data = self.file.tensor_f32(&info.name)?;
+        let mut data = self.file.tensor_f32(&info.name).map_err(|e| match e {
+            // Name the tensor as the caller asked for it, and as the file stores it.
+            FormatError::UnsupportedDtype {
+                path,
+                tensor,
+                dtype,
+            } => FormatError::UnsupportedDtype {
+                path,
+                tensor: format!("{name} (GGUF {tensor})"),
+                dtype,
+            },
+            other => other,
+        })?;
         if self.arch == "llama" && shape.len() == 2 {
             let heads = if name.ends_with("self_attn.q_proj.weight") {
                 Some(self.n_head)
@@ -212,6 +249,16 @@ impl WeightSource for GgufWeights {
     }
 }
 
+/// A float metadata value as the decimal it was written from: an f32 `1e-5`
+/// reads back as 9.999999747378752e-6 in f64, so f32 values go through their
+/// shortest decimal form (which rounds to the same f32).
+fn decimal_f64(md: &GgufMetadata, key: &str) -> Result<Option<f64>> {
+    match md.get(key) {
+        Some(MetaValue::F32(v)) => Ok(Some(v.to_string().parse().unwrap_or(*v as f64))),
+        _ => md.f64(key),
+    }
+}
+
 /// Build a Hugging Face `config.json` from GGUF metadata.
 pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result<Value> {
     let arch = md.architecture()?;
@@ -226,36 +273,48 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     let hidden = md.req_u64(&k("embedding_length"))?;
     let n_head = md.req_u64(&k("attention.head_count"))?;
     let n_kv = md.u64(&k("attention.head_count_kv"))?.unwrap_or(n_head);
-    let head_dim = md.u64(&k("attention.key_length"))?.unwrap_or(hidden / n_head.max(1));
-    let vocab = match md.u64(&k("vocab_size"))? {
-        Some(v) => v,
-        None => match md.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
-            Some(a) => a.len() as u64,
-            None => file
-                .tensors
-                .iter()
-                .find(|t| t.name == "token_embd.weight")
-                .map(|t| t.ne.get(1).copied().unwrap_or(0))
-                .unwrap_or(0),
-        },
-    };
+    let head_dim = md
+        .u64(&k("attention.key_length"))?
+        .unwrap_or(hidden / n_head.max(1));
+    // The embedding's row count is what a loader checks `vocab_size` against;
+    // the token list can be shorter when the embedding is padded.
+    let embd_rows = file
+        .tensors
+        .iter()
+        .find(|t| t.name == "token_embd.weight")
+        .and_then(|t| t.ne.get(1).copied());
+    let n_tokens = md
+        .get("tokenizer.ggml.tokens")
+        .and_then(|v| v.as_array())
+        .map(|a| a.len() as u64);
+    let vocab = md
+        .u64(&k("vocab_size"))?
+        .or(embd_rows)
+        .or(n_tokens)
+        .unwrap_or(0);
     let default_eps = if arch == "gemma3" { 1e-6 } else { 1e-5 };
     let mut c = Map::new();
     c.insert("architectures".into(), json!([class]));
     c.insert("model_type".into(), json!(model_type));
     c.insert("hidden_size".into(), json!(hidden));
-    c.insert("intermediate_size".into(), json!(md.req_u64(&k("feed_forward_length"))?));
-    c.insert("num_hidden_layers".into(), json!(md.req_u64(&k("block_count"))?));
+    c.insert(
+        "intermediate_size".into(),
+        json!(md.req_u64(&k("feed_forward_length"))?),
+    );
+    c.insert(
+        "num_hidden_layers".into(),
+        json!(md.req_u64(&k("block_count"))?),
+    );
     c.insert("num_attention_heads".into(), json!(n_head));
     c.insert("num_key_value_heads".into(), json!(n_kv));
     c.insert("head_dim".into(), json!(head_dim));
     c.insert(
         "rms_norm_eps".into(),
-        json!(md.f64(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(default_eps)),
+        json!(decimal_f64(md, &k("attention.layer_norm_rms_epsilon"))?.unwrap_or(default_eps)),
     );
     c.insert(
         "rope_theta".into(),
-        json!(md.f64(&k("rope.freq_base"))?.unwrap_or(10000.0)),
+        json!(decimal_f64(md, &k("rope.freq_base"))?.unwrap_or(10000.0)),
     );
     c.insert(
         "max_position_embeddings".into(),
@@ -263,10 +322,16 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     );
     c.insert("vocab_size".into(), json!(vocab));
     c.insert("tie_word_embeddings".into(), json!(!has_output));
-    c.insert(
-        "hidden_act".into(),
-        json!(if arch == "gemma3" { "gelu_pytorch_tanh" } else { "silu" }),
-    );
+    let act = if arch == "gemma3" {
+        "gelu_pytorch_tanh"
+    } else {
+        "silu"
+    };
+    c.insert("hidden_act".into(), json!(act));
+    if arch == "gemma3" {
+        // Gemma3TextConfig reads `hidden_activation`, not `hidden_act`.
+        c.insert("hidden_activation".into(), json!(act));
+    }
     c.insert("torch_dtype".into(), json!("float32"));
     if arch == "qwen2" {
         c.insert("attention_bias".into(), json!(true));
@@ -274,7 +339,10 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     if let Some(scale) = md.str(&k("rope.scaling.type"))? {
         if scale == "linear" {
             if let Some(f) = md.f64(&k("rope.scaling.factor"))? {
-                c.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": f}));
+                c.insert(
+                    "rope_scaling".into(),
+                    json!({"rope_type": "linear", "factor": f}),
+                );
             }
         }
     }
@@ -296,4 +364,101 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
         }
     }
     Ok(Value::Object(c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// numpy's `a.reshape(dims).swapaxes(ax1, ax2)`, flattened row-major again:
+    /// the definition llama.cpp's converter uses, read literally.
+    fn reshape_swapaxes(data: &[f32], dims: &[usize], ax1: usize, ax2: usize) -> Vec<f32> {
+        assert_eq!(dims.iter().product::<usize>(), data.len());
+        let mut strides = vec![1; dims.len()];
+        for k in (0..dims.len() - 1).rev() {
+            strides[k] = strides[k + 1] * dims[k + 1];
+        }
+        let (mut out_dims, mut src_strides) = (dims.to_vec(), strides);
+        out_dims.swap(ax1, ax2);
+        src_strides.swap(ax1, ax2);
+        let mut idx = vec![0; dims.len()];
+        let mut out = Vec::with_capacity(data.len());
+        for _ in 0..data.len() {
+            out.push(
+                data[idx
+                    .iter()
+                    .zip(&src_strides)
+                    .map(|(i, s)| i * s)
+                    .sum::<usize>()],
+            );
+            for k in (0..idx.len()).rev() {
+                idx[k] += 1;
+                if idx[k] < out_dims[k] {
+                    break;
+                }
+                idx[k] = 0;
+            }
+        }
+        out
+    }
+
+    /// llama.cpp's `permute`: `reshape(n_head, 2, hd/2, cols).swapaxes(1, 2)`.
+    fn llama_cpp_permute(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+        reshape_swapaxes(w, &[n_head, 2, rows / n_head / 2, cols], 1, 2)
+    }
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        for (n_head, head_dim, cols) in [(1, 2, 1), (1, 4, 3), (2, 6, 1), (3, 8, 5), (9, 64, 2)] {
+            let rows = n_head * head_dim;
+            let hf: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let gguf = llama_cpp_permute(&hf, rows, cols, n_head);
+            if head_dim > 2 {
+                assert_ne!(gguf, hf, "the permutation must move rows");
+            }
+            assert_eq!(
+                unpermute_qk(&gguf, rows, cols, n_head),
+                hf,
+                "{n_head}×{head_dim}×{cols}"
+            );
+        }
+    }
+
+    #[test]
+    fn unpermute_hand_worked() {
+        // One head of 4 rows: HF rows [a, b, c, d] are stored as [a, c, b, d]
+        // (pairs (a, c) and (b, d) become adjacent for llama.cpp's rope).
+        assert_eq!(unpermute_qk(&[0., 2., 1., 3.], 4, 1, 1), [0., 1., 2., 3.]);
+        // Two heads of 6 rows, 1 column: each head is un-permuted separately.
+        let gguf = [0., 3., 1., 4., 2., 5., 6., 9., 7., 10., 8., 11.];
+        let hf: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        assert_eq!(unpermute_qk(&gguf, 12, 1, 2), hf);
+    }
+
+    #[test]
+    fn names_by_architecture() {
+        let n = |arch, name| hf_name(arch, name);
+        assert_eq!(
+            n("llama", "blk.3.ffn_norm.weight").as_deref(),
+            Some("model.layers.3.post_attention_layernorm.weight")
+        );
+        assert_eq!(
+            n("gemma3", "blk.3.ffn_norm.weight").as_deref(),
+            Some("model.layers.3.pre_feedforward_layernorm.weight")
+        );
+        assert_eq!(
+            n("gemma3", "blk.3.post_attention_norm.weight").as_deref(),
+            Some("model.layers.3.post_attention_layernorm.weight")
+        );
+        assert_eq!(
+            n("qwen2", "blk.0.attn_k.bias").as_deref(),
+            Some("model.layers.0.self_attn.k_proj.bias")
+        );
+        assert_eq!(
+            n("llama", "output.weight").as_deref(),
+            Some("lm_head.weight")
+        );
+        assert_eq!(n("llama", "rope_freqs.weight"), None);
+        assert_eq!(n("llama", "blk.x.attn_q.weight"), None);
+    }
 }

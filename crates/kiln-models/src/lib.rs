@@ -20,7 +20,7 @@ use kiln_tensor::{Backend, KvCache, Tensor};
 
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
-pub use registry::load_model;
+pub use registry::{load_model, tensor_shapes};
 
 /// A decoder-only language model.
 pub trait CausalLm: Send + Sync {

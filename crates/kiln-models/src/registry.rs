@@ -26,3 +26,14 @@ pub fn load_model(
         supported: LLAMA_FAMILY.join(", "),
     })
 }
+
+/// Every weight the model `config` describes must have: name and shape.
+pub fn tensor_shapes(config: &ModelConfig) -> Result<Vec<(String, Vec<usize>)>> {
+    if LLAMA_FAMILY.contains(&config.model_type.as_str()) {
+        return Ok(families::llama::tensor_shapes(config));
+    }
+    Err(ModelError::UnsupportedModel {
+        model_type: config.model_type.clone(),
+        supported: LLAMA_FAMILY.join(", "),
+    })
+}

@@ -94,6 +94,47 @@ impl Llama {
     }
 }
 
+/// Every weight a Llama-family checkpoint with `cfg` holds: Hugging Face
+/// name and shape (the tied `lm_head` is left out when tied).
+pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
+        add("input_layernorm.weight", vec![h]);
+        add("post_attention_layernorm.weight", vec![h]);
+        add("self_attn.q_proj.weight", vec![q, h]);
+        add("self_attn.k_proj.weight", vec![kv, h]);
+        add("self_attn.v_proj.weight", vec![kv, h]);
+        add("self_attn.o_proj.weight", vec![h, q]);
+        if cfg.qkv_bias {
+            add("self_attn.q_proj.bias", vec![q]);
+            add("self_attn.k_proj.bias", vec![kv]);
+            add("self_attn.v_proj.bias", vec![kv]);
+        }
+        if cfg.o_bias {
+            add("self_attn.o_proj.bias", vec![h]);
+        }
+        if cfg.qk_norm {
+            add("self_attn.q_norm.weight", vec![hd]);
+            add("self_attn.k_norm.weight", vec![hd]);
+        }
+        add("mlp.gate_proj.weight", vec![i, h]);
+        add("mlp.up_proj.weight", vec![i, h]);
+        add("mlp.down_proj.weight", vec![h, i]);
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
 impl CausalLm for Llama {
     fn config(&self) -> &ModelConfig {
         &self.cfg

@@ -1,0 +1,30 @@
+//! Errors of the engine layer: everything below it, plus refused requests.
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Format(#[from] kiln_formats::FormatError),
+    #[error(transparent)]
+    Model(#[from] kiln_models::ModelError),
+    #[error(transparent)]
+    Tensor(#[from] kiln_tensor::TensorError),
+    #[error(transparent)]
+    Text(#[from] kiln_text::TextError),
+    #[error(transparent)]
+    Sampling(#[from] kiln_sampling::SamplingError),
+    #[error(
+        "prompt of {prompt_tokens} tokens does not fit the context of {context_length} tokens"
+    )]
+    PromptTooLong {
+        prompt_tokens: usize,
+        context_length: usize,
+    },
+    #[error("empty prompt: at least one token is needed")]
+    EmptyPrompt,
+    #[error("{path}: {what}")]
+    BadModelPath { path: String, what: String },
+    #[error("this model has no chat template; use a raw prompt")]
+    NoChatTemplate,
+}
+
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,19 @@
+//! The engine: a model loaded with its tokenizer, chat template and stop
+//! tokens ([`LoadedModel`]), and generation of one request at a time with
+//! streaming callbacks ([`LoadedModel::generate`]).
+//!
+//! The engine reads no environment variables and prints nothing; the binary
+//! and the server decide how to present what it returns. Continuous batching
+//! and the paged KV cache come with the engine-core work; the request,
+//! event and result types here are the ones that design keeps.
+//!
+//! Main types: [`LoadedModel`], [`GenerationRequest`], [`TokenEvent`],
+//! [`Generation`], [`Timings`], [`EngineError`].
+
+mod error;
+mod generate;
+mod load;
+
+pub use error::{EngineError, Result};
+pub use generate::{Generation, GenerationRequest, Timings, TokenEvent};
+pub use load::LoadedModel;

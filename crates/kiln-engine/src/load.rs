@@ -1,0 +1,127 @@
+//! Loading a model from a GGUF file or a Hugging Face safetensors directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kiln_formats::{GgufWeights, SafetensorsDir};
+use kiln_models::{load_model, CausalLm, ModelConfig};
+use kiln_sampling::TokenId;
+use kiln_tensor::Backend;
+use kiln_text::{ChatTemplate, Tokenizer};
+
+use crate::error::{EngineError, Result};
+
+/// A model ready to generate: weights on a backend, tokenizer, chat template
+/// and the token ids that end a turn.
+pub struct LoadedModel {
+    pub path: PathBuf,
+    pub model: Box<dyn CausalLm>,
+    pub tokenizer: Tokenizer,
+    pub chat_template: Option<ChatTemplate>,
+    /// Tokens that end generation: config and generation_config `eos_token_id`,
+    /// the tokenizer's eos and end-of-turn tokens.
+    pub eos_token_ids: Vec<TokenId>,
+    /// Wall time of [`LoadedModel::load`].
+    pub load_seconds: f64,
+}
+
+impl LoadedModel {
+    /// Load `path`: a `.gguf` file, or a directory with `config.json`,
+    /// safetensors weights and `tokenizer.json`.
+    pub fn load(path: &Path, backend: Arc<dyn Backend>) -> Result<Self> {
+        let start = Instant::now();
+        let mut loaded = if path.is_dir() {
+            Self::load_hf_dir(path, backend)?
+        } else if path.is_file() {
+            Self::load_gguf(path, backend)?
+        } else {
+            return Err(EngineError::BadModelPath {
+                path: path.display().to_string(),
+                what: "no such file or directory".into(),
+            });
+        };
+        loaded.load_seconds = start.elapsed().as_secs_f64();
+        Ok(loaded)
+    }
+
+    fn load_gguf(path: &Path, backend: Arc<dyn Backend>) -> Result<Self> {
+        let weights = GgufWeights::open(path)?;
+        let config = ModelConfig::from_hf(&weights.hf_config()?)?;
+        let tokenizer = Tokenizer::from_gguf(weights.metadata())?;
+        let eos = config.eos_token_ids.clone();
+        let model = load_model(backend, &weights, config)?;
+        Self::assemble(path, model, tokenizer, eos)
+    }
+
+    fn load_hf_dir(dir: &Path, backend: Arc<dyn Backend>) -> Result<Self> {
+        let weights = SafetensorsDir::open(dir)?;
+        let config = ModelConfig::from_hf(weights.config())?;
+        let mut eos = config.eos_token_ids.clone();
+        if let Some(gen) = weights.generation_config() {
+            match gen.get("eos_token_id") {
+                Some(serde_json::Value::Number(n)) => eos.extend(n.as_u64().map(|v| v as u32)),
+                Some(serde_json::Value::Array(a)) => {
+                    eos.extend(a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)))
+                }
+                _ => {}
+            }
+        }
+        let tokenizer = Tokenizer::from_hf_dir(dir)?;
+        let model = load_model(backend, &weights, config)?;
+        Self::assemble(dir, model, tokenizer, eos)
+    }
+
+    fn assemble(
+        path: &Path,
+        model: Box<dyn CausalLm>,
+        tokenizer: Tokenizer,
+        config_eos: Vec<u32>,
+    ) -> Result<Self> {
+        let chat_template = tokenizer
+            .chat_template()
+            .map(ChatTemplate::new)
+            .transpose()?;
+        let mut eos: Vec<u32> = config_eos;
+        eos.extend(tokenizer.eos_id());
+        eos.extend(tokenizer.stop_ids());
+        eos.sort_unstable();
+        eos.dedup();
+        Ok(LoadedModel {
+            path: path.to_path_buf(),
+            model,
+            tokenizer,
+            chat_template,
+            eos_token_ids: eos.into_iter().map(TokenId).collect(),
+            load_seconds: 0.0,
+        })
+    }
+
+    /// The context length the model was trained for.
+    pub fn context_length(&self) -> usize {
+        self.model.config().max_position_embeddings
+    }
+}
+
+impl LoadedModel {
+    /// Render `messages` (a JSON list of `{role, content, ...}`) with the
+    /// model's chat template, as transformers' `apply_chat_template` does.
+    pub fn render_chat(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let mut ctx = self.tokenizer.chat_context(messages.clone());
+        ctx.add_generation_prompt = add_generation_prompt;
+        self.render_chat_with(&ctx)
+    }
+
+    /// Render a full chat context (tools, `enable_thinking`, template kwargs).
+    pub fn render_chat_with(&self, ctx: &kiln_text::ChatContext) -> Result<String> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or(EngineError::NoChatTemplate)?;
+        Ok(template.render(ctx)?)
+    }
+}

@@ -1,0 +1,162 @@
+//! Command-line arguments and the glue from them to engine types.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use kiln_engine::LoadedModel;
+use kiln_sampling::{NgramRepeat, SamplingParams, TokenId};
+use kiln_tensor::cpu::CpuBackend;
+
+/// The file the default model is fetched to by `scripts/fetch-models.sh`.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+#[derive(Parser, Debug)]
+#[command(name = "kiln", version, about = "Run open-weight language models")]
+pub struct Cli {
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long, global = true)]
+    pub threads: Option<usize>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a completion for one prompt.
+    Generate(crate::generate::GenerateArgs),
+    /// Chat with a model interactively, streaming its answers.
+    Chat(crate::chat::ChatArgs),
+    /// Measure prefill and decode speed.
+    Bench(crate::bench::BenchArgs),
+    /// Convert a GGUF file to a Hugging Face safetensors directory.
+    Convert(crate::convert::ConvertArgs),
+    /// Developer tools.
+    #[command(subcommand)]
+    Dev(crate::dev::DevCommand),
+}
+
+/// Which model to load.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A GGUF file or a Hugging Face model directory. Default: the SmolLM2
+    /// model in $KILN_MODELS_DIR (or ./models).
+    #[arg(long, short = 'm')]
+    pub model: Option<PathBuf>,
+}
+
+impl ModelArgs {
+    pub fn path(&self) -> PathBuf {
+        if let Some(p) = &self.model {
+            return p.clone();
+        }
+        let dir = std::env::var_os("KILN_MODELS_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("models"));
+        dir.join(DEFAULT_MODEL_FILE)
+    }
+
+    pub fn load(&self) -> Result<LoadedModel> {
+        let path = self.path();
+        if self.model.is_none() && !path.exists() {
+            anyhow::bail!(
+                "the default model {} is missing: run scripts/fetch-models.sh, or pass --model",
+                path.display()
+            );
+        }
+        LoadedModel::load(&path, Arc::new(CpuBackend::new()))
+            .with_context(|| format!("loading {}", path.display()))
+    }
+}
+
+/// Sampling flags shared by `generate`, `chat` and `bench`.
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Token bias as ID=BIAS (repeatable).
+    #[arg(long, value_parser = parse_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// The most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Stop strings (repeatable); never part of the output.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Return this many top alternatives with each token's logprob.
+    #[arg(long)]
+    pub logprobs: Option<usize>,
+    /// Stop after this many identical tokens in a row.
+    #[arg(long)]
+    pub max_consecutive_identical: Option<usize>,
+    /// Stop when an N-gram repeats K times: N,K.
+    #[arg(long, value_parser = parse_ngram)]
+    pub ngram_repeat: Option<(usize, usize)>,
+}
+
+fn parse_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, b) = s.split_once('=').ok_or("expected ID=BIAS")?;
+    Ok((
+        id.trim().parse().map_err(|e| format!("token id: {e}"))?,
+        b.trim().parse().map_err(|e| format!("bias: {e}"))?,
+    ))
+}
+
+fn parse_ngram(s: &str) -> Result<(usize, usize), String> {
+    let (n, k) = s.split_once(',').ok_or("expected N,K")?;
+    Ok((
+        n.trim().parse().map_err(|e| format!("N: {e}"))?,
+        k.trim().parse().map_err(|e| format!("K: {e}"))?,
+    ))
+}
+
+impl SamplingArgs {
+    pub fn params(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: self
+                .logit_bias
+                .iter()
+                .map(|&(t, b)| (TokenId(t), b))
+                .collect(),
+            seed: self.seed,
+            max_tokens: Some(self.max_tokens),
+            stop: self.stop.clone(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs,
+            max_consecutive_identical: self.max_consecutive_identical,
+            ngram_repeat: self
+                .ngram_repeat
+                .map(|(ngram_len, num_repeats)| NgramRepeat {
+                    ngram_len,
+                    num_repeats,
+                }),
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! `kiln`: run open-weight language models from the command line.
+//!
+//! This binary is the only place that reads environment variables, sets up
+//! threads and prints. Subcommands: `generate`, `chat`, `bench`, `convert`,
+//! `dev random-checkpoint`.
+
+mod bench;
+mod chat;
+mod cli;
+mod convert;
+mod dev;
+mod generate;
+
+use anyhow::Result;
+use clap::Parser;
+
+use cli::{Cli, Command};
+
+fn main() {
+    let cli = Cli::parse();
+    if let Err(e) = run(cli) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()?;
+    }
+    match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Convert(a) => convert::run(a),
+        Command::Dev(d) => dev::run(d),
+    }
+}

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Kiln's main job with no set-up: fetch the default model (SmolLM2-135M-Instruct)
+# if it is missing, build the release binary, and run `kiln` with ARGS
+# (default: an interactive chat with the default model).
+#
+#   scripts/run.sh [ARGS...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cache=${KILN_MODELS_CACHE:-$HOME/.cache/kiln/models}
+if [ ! -e models ]; then
+  mkdir -p "$cache"
+  ln -s "$cache" models
+fi
+scripts/fetch-models.sh models smollm2 >&2
+[ $# -eq 0 ] && set -- chat
+cargo run --quiet --release -p kiln -- "$@"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run Kiln's whole test suite: fetch the real models the tests check against
+# (once; later runs only verify hashes), then run every crate's tests.
+#
+#   scripts/test.sh [extra cargo test args]
+#
+# Models are kept in $KILN_MODELS_CACHE (default ~/.cache/kiln/models) and
+# linked as ./models, so a fresh clone does not download them again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cache=${KILN_MODELS_CACHE:-$HOME/.cache/kiln/models}
+if [ ! -e models ]; then
+  mkdir -p "$cache"
+  ln -s "$cache" models
+fi
+scripts/fetch-models.sh models smollm2 qwen2.5-coder gemma3
+cargo test --workspace "$@"
