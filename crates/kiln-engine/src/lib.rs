@@ -10,6 +10,7 @@
 //! Main types: [`LoadedModel`], [`GenerationRequest`], [`TokenEvent`],
 //! [`Generation`], [`Timings`], [`EngineError`].
 
+pub mod convert;
 mod error;
 mod generate;
 mod load;

@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod families;
 pub mod layers;
+pub mod random;
 pub mod registry;
 
 use std::sync::Arc;

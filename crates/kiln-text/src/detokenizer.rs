@@ -11,7 +11,12 @@
 //!
 //! Invariant: the concatenation of everything [`IncrementalDetokenizer::push`] and
 //! [`IncrementalDetokenizer::finish`] return equals `tokenizer.decode(all_ids,
-//! skip_special)`.
+//! skip_special)` whenever the ids decode to valid UTF-8. The one exception is a run
+//! of byte-fallback tokens (`<0xE2>`) that ends in an invalid sequence: the
+//! `ByteFallback` decoder then turns the whole run into U+FFFD, one per byte, including
+//! characters of the run that were complete and already streamed. A stream cannot take
+//! those back; it keeps them and emits the invalid tail on its own (one U+FFFD per
+//! byte token), so the stream shows more of the text than the full decode does.
 
 use crate::error::Result;
 use crate::tokenizer::Tokenizer;
@@ -45,29 +50,19 @@ impl<'a> IncrementalDetokenizer<'a> {
     /// character is still incomplete).
     pub fn push(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
-        let (prefix_text, new_text) = self.window_texts()?;
-        if new_text.ends_with('\u{fffd}') {
+        let delta = self.pending_text()?;
+        if delta.is_empty() || delta.ends_with('\u{fffd}') {
             return Ok(String::new());
         }
-        match new_text.get(prefix_text.len()..) {
-            Some(delta) if new_text.len() > prefix_text.len() => {
-                let delta = delta.to_string();
-                self.advance();
-                Ok(delta)
-            }
-            _ => Ok(String::new()),
-        }
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok(delta)
     }
 
     /// Returns whatever is still held back (an incomplete character decodes as
     /// U+FFFD) and resets the stream.
     pub fn finish(&mut self) -> Result<String> {
-        let (prefix_text, new_text) = self.window_texts()?;
-        let delta = new_text
-            .get(prefix_text.len()..)
-            .filter(|_| new_text.len() > prefix_text.len())
-            .unwrap_or("")
-            .to_string();
+        let delta = self.pending_text()?;
         self.ids.clear();
         self.prefix_offset = 0;
         self.read_offset = 0;
@@ -79,21 +74,19 @@ impl<'a> IncrementalDetokenizer<'a> {
         &self.ids
     }
 
-    /// The decoded text of `ids[prefix_offset..read_offset]` and of `ids[prefix_offset..]`.
-    fn window_texts(&self) -> Result<(String, String)> {
+    /// The text of the ids after `read_offset`: the decode of the window from
+    /// `prefix_offset` minus the already emitted decode of `prefix_offset..read_offset`.
+    /// If the window's start no longer decodes to the emitted text (an invalid
+    /// byte-fallback run, see the module documentation), the new ids are decoded alone.
+    fn pending_text(&self) -> Result<String> {
         let window = &self.ids[self.prefix_offset..];
         let num_read = self.read_offset - self.prefix_offset;
-        let prefix_text = self
-            .tokenizer
-            .decode(&window[..num_read], self.skip_special)?;
-        let new_text = self.tokenizer.decode(window, self.skip_special)?;
-        Ok((prefix_text, new_text))
-    }
-
-    /// Everything up to the newest id has been emitted: the window now starts where the
-    /// last emitted ids start.
-    fn advance(&mut self) {
-        self.prefix_offset = self.read_offset;
-        self.read_offset = self.ids.len();
+        let decode = |ids: &[u32]| self.tokenizer.decode(ids, self.skip_special);
+        let prefix_text = decode(&window[..num_read])?;
+        let new_text = decode(window)?;
+        match new_text.strip_prefix(prefix_text.as_str()) {
+            Some(delta) => Ok(delta.to_string()),
+            None => decode(&window[num_read..]),
+        }
     }
 }

@@ -5,9 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use kiln_formats::{GgufWeights, SafetensorsDtype};
-use kiln_text::Tokenizer;
-use serde_json::json;
+use kiln_formats::SafetensorsDtype;
 
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
@@ -30,25 +28,7 @@ pub fn parse_dtype(s: &str) -> Result<SafetensorsDtype> {
 }
 
 pub fn run(a: ConvertArgs) -> Result<()> {
-    convert(&a.input, &a.output, parse_dtype(&a.dtype)?)?;
+    kiln_engine::convert::gguf_to_hf_dir(&a.input, &a.output, parse_dtype(&a.dtype)?)?;
     eprintln!("wrote {}", a.output.display());
-    Ok(())
-}
-
-/// Convert `input` (GGUF) to a Hugging Face directory at `output`.
-pub fn convert(
-    input: &std::path::Path,
-    output: &std::path::Path,
-    dtype: SafetensorsDtype,
-) -> Result<()> {
-    let weights = GgufWeights::open(input)?;
-    let config = weights.hf_config()?;
-    let tokenizer = Tokenizer::from_gguf(weights.metadata())?;
-    let gen = json!({
-        "bos_token_id": config.get("bos_token_id"),
-        "eos_token_id": config.get("eos_token_id"),
-    });
-    kiln_formats::write_hf_dir(output, &config, Some(&gen), &weights, dtype)?;
-    tokenizer.save_hf(output)?;
     Ok(())
 }

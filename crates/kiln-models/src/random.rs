@@ -1,0 +1,143 @@
+//! Random-weight checkpoints: config presets and a [`WeightSource`] that
+//! makes deterministic normal(0, 0.02) weights (norms 1) for every tensor a
+//! family expects. Used for fast tests and large-shape benchmarks.
+
+use std::path::{Path, PathBuf};
+
+use kiln_formats::{FormatError, HostTensor, StoredTensor, WeightSource};
+use serde_json::{json, Value};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::registry::tensor_shapes;
+
+/// Config presets. The vocabulary size is filled from the tokenizer.
+pub fn preset(name: &str) -> Result<Value> {
+    let common = json!({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "attention_bias": false, "torch_dtype": "bfloat16"});
+    let shape = match name {
+        "tiny" => json!({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rope_theta": 10000.0,
+            "max_position_embeddings": 2048, "tie_word_embeddings": true}),
+        "smollm2-135m" => {
+            json!({"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "rope_theta": 100000.0,
+            "max_position_embeddings": 8192, "tie_word_embeddings": true})
+        }
+        "llama3-8b" => {
+            json!({"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
+            "max_position_embeddings": 8192, "tie_word_embeddings": false})
+        }
+        other => {
+            return Err(ModelError::Config {
+                key: "preset".into(),
+                what: format!("unknown preset {other:?} (tiny, smollm2-135m, llama3-8b)"),
+            })
+        }
+    };
+    Ok(merge(common, &shape))
+}
+
+pub fn merge(mut base: Value, over: &Value) -> Value {
+    if let (Some(b), Some(o)) = (base.as_object_mut(), over.as_object()) {
+        for (k, v) in o {
+            b.insert(k.clone(), v.clone());
+        }
+    }
+    base
+}
+
+/// A weight source that makes deterministic random tensors on demand.
+pub struct RandomWeights {
+    path: PathBuf,
+    shapes: Vec<(String, Vec<usize>)>,
+    seed: u64,
+}
+
+impl RandomWeights {
+    /// Random weights for every tensor `config` needs, from `seed`.
+    pub fn new(config: &ModelConfig, seed: u64) -> Result<Self> {
+        Ok(RandomWeights {
+            path: PathBuf::from("<random>"),
+            shapes: tensor_shapes(config)?,
+            seed,
+        })
+    }
+}
+
+/// splitmix64: a small, well-mixed generator for reproducible weights.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn name_hash(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl WeightSource for RandomWeights {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn tensors(&self) -> Vec<StoredTensor> {
+        self.shapes
+            .iter()
+            .map(|(n, s)| StoredTensor {
+                name: n.clone(),
+                shape: s.clone(),
+                dtype: "F32".into(),
+                num_bytes: 4 * s.iter().product::<usize>() as u64,
+            })
+            .collect()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.shapes.iter().any(|(n, _)| n == name)
+    }
+
+    fn load_f32(&self, name: &str) -> Result<HostTensor, FormatError> {
+        let shape = self
+            .shapes
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, s)| s.clone())
+            .ok_or_else(|| FormatError::MissingTensor {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+            })?;
+        let n: usize = shape.iter().product();
+        let data = if name.ends_with("norm.weight") {
+            vec![1.0; n]
+        } else {
+            let mut state = self.seed ^ name_hash(name);
+            let mut out = Vec::with_capacity(n);
+            while out.len() < n {
+                // Box–Muller: two normals from two uniforms.
+                let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+                let r = (-2.0 * u1.ln()).sqrt() * 0.02;
+                let t = 2.0 * std::f64::consts::PI * u2;
+                out.push((r * t.cos()) as f32);
+                if out.len() < n {
+                    out.push((r * t.sin()) as f32);
+                }
+            }
+            out
+        };
+        Ok(HostTensor::new(shape, data))
+    }
+}
+
+impl RandomWeights {
+    /// How many tensors the checkpoint has.
+    pub fn num_tensors(&self) -> usize {
+        self.shapes.len()
+    }
+}
