@@ -1,5 +1,5 @@
 //! Random-weight checkpoints: config presets and a [`WeightSource`] that
-//! makes deterministic normal(0, 0.02) weights (norms 1) for every tensor a
+//! makes deterministic normal(0, 0.02) weights (norms 1 + normal(0, 0.1)) for every tensor a
 //! family expects. Used for fast tests and large-shape benchmarks.
 
 use std::path::{Path, PathBuf};
@@ -113,20 +113,25 @@ impl WeightSource for RandomWeights {
                 tensor: name.to_string(),
             })?;
         let n: usize = shape.iter().product();
-        let data = if name.ends_with("norm.weight") {
-            vec![1.0; n]
+        // Norm weights are 1 + N(0, 0.1): close to the usual init, but not all
+        // equal, so a checkpoint exercises how each norm's weight is applied.
+        let (mean, std) = if name.ends_with("norm.weight") {
+            (1.0, 0.1)
         } else {
+            (0.0, 0.02)
+        };
+        let data = {
             let mut state = self.seed ^ name_hash(name);
             let mut out = Vec::with_capacity(n);
             while out.len() < n {
                 // Box–Muller: two normals from two uniforms.
                 let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
                 let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
-                let r = (-2.0 * u1.ln()).sqrt() * 0.02;
+                let r = (-2.0 * u1.ln()).sqrt() * std;
                 let t = 2.0 * std::f64::consts::PI * u2;
-                out.push((r * t.cos()) as f32);
+                out.push((mean + r * t.cos()) as f32);
                 if out.len() < n {
-                    out.push((r * t.sin()) as f32);
+                    out.push((mean + r * t.sin()) as f32);
                 }
             }
             out

@@ -27,6 +27,8 @@ pub struct IncrementalDetokenizer<'a> {
     tokenizer: &'a Tokenizer,
     skip_special: bool,
     ids: Vec<u32>,
+    /// How many ids at the start of `ids` are context, not output.
+    num_context: usize,
     /// Where the decoded window starts; its text up to `read_offset` was emitted already.
     prefix_offset: usize,
     /// The ids before this one have all been emitted.
@@ -41,8 +43,24 @@ impl<'a> IncrementalDetokenizer<'a> {
             tokenizer,
             skip_special,
             ids: Vec::new(),
+            num_context: 0,
             prefix_offset: 0,
             read_offset: 0,
+        }
+    }
+
+    /// A detokenizer whose output continues `context` (the prompt's last few ids, say
+    /// five): it returns `decode(context + ids)` minus `decode(context)`, as
+    /// transformers' streamers do. This matters for SentencePiece decoders that drop
+    /// the space of the first word (`▁Paris` alone decodes to `Paris`).
+    pub fn with_context(tokenizer: &'a Tokenizer, skip_special: bool, context: &[u32]) -> Self {
+        IncrementalDetokenizer {
+            tokenizer,
+            skip_special,
+            ids: context.to_vec(),
+            num_context: context.len(),
+            prefix_offset: 0,
+            read_offset: context.len(),
         }
     }
 
@@ -64,14 +82,15 @@ impl<'a> IncrementalDetokenizer<'a> {
     pub fn finish(&mut self) -> Result<String> {
         let delta = self.pending_text()?;
         self.ids.clear();
+        self.num_context = 0;
         self.prefix_offset = 0;
         self.read_offset = 0;
         Ok(delta)
     }
 
-    /// All ids pushed since the stream began.
+    /// All ids pushed since the stream began (without the context).
     pub fn ids(&self) -> &[u32] {
-        &self.ids
+        &self.ids[self.num_context..]
     }
 
     /// The text of the ids after `read_offset`: the decode of the window from

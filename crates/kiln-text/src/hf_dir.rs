@@ -1,7 +1,7 @@
 //! Loading a [`Tokenizer`] from a Hugging Face model directory and saving one to it.
 //!
 //! Read: `tokenizer.json` (required), `tokenizer_config.json` (special-token strings as
-//! strings or `AddedToken` dicts, `add_bos_token`/`add_eos_token`, `chat_template` as a
+//! strings or `AddedToken` dicts, falling back to `special_tokens_map.json`, `add_bos_token`/`add_eos_token`, `chat_template` as a
 //! string or a list of named templates), `chat_template.jinja` (which wins over the
 //! config's default template, as in transformers), `additional_chat_templates/*.jinja`,
 //! and `eos_token_id` of `generation_config.json` (extra stop ids).
@@ -56,7 +56,23 @@ struct Config<'a> {
     json: Map<String, Value>,
 }
 
-impl Config<'_> {
+impl<'a> Config<'a> {
+    /// Reads a JSON object file; a missing file reads as an empty object.
+    fn read(path: &'a Path) -> Result<Self> {
+        let json = match read_json(path)? {
+            None => Map::new(),
+            Some(Value::Object(map)) => map,
+            Some(_) => {
+                return Err(TextError::Config {
+                    path: path.to_path_buf(),
+                    key: String::new(),
+                    what: "expected a JSON object".to_string(),
+                })
+            }
+        };
+        Ok(Config { path, json })
+    }
+
     fn err(&self, key: &str, what: impl Into<String>) -> TextError {
         TextError::Config {
             path: self.path.to_path_buf(),
@@ -124,26 +140,23 @@ pub(crate) fn load(dir: &Path) -> Result<Tokenizer> {
         .map_err(|e| TextError::build(&tokenizer_path, e))?;
 
     let config_path = dir.join("tokenizer_config.json");
-    let json = match read_json(&config_path)? {
-        None => Map::new(),
-        Some(Value::Object(map)) => map,
-        Some(_) => {
-            return Err(TextError::Config {
-                path: config_path,
-                key: String::new(),
-                what: "expected a JSON object".to_string(),
-            })
+    let config = Config::read(&config_path)?;
+    let map_path = dir.join("special_tokens_map.json");
+    let special_map = Config::read(&map_path)?;
+    // tokenizer_config.json wins; older repositories keep the strings in
+    // special_tokens_map.json only.
+    let token = |key: &str| -> Result<Option<String>> {
+        match config.token(key)? {
+            Some(t) => Ok(Some(t)),
+            None if !config.json.contains_key(key) => special_map.token(key),
+            None => Ok(None),
         }
     };
-    let config = Config {
-        path: &config_path,
-        json,
-    };
     let special = SpecialTokenStrings {
-        bos: config.token("bos_token")?,
-        eos: config.token("eos_token")?,
-        pad: config.token("pad_token")?,
-        unk: config.token("unk_token")?,
+        bos: token("bos_token")?,
+        eos: token("eos_token")?,
+        pad: token("pad_token")?,
+        unk: token("unk_token")?,
     };
 
     let add_bos = config.flag("add_bos_token")?;

@@ -12,12 +12,14 @@
 //! Differences from Jinja2 that remain: `strftime_now` formats the current time in UTC
 //! (Python uses the local time zone, which on a server is usually UTC), and the
 //! `{% generation %}` block, which only marks assistant text for training masks, renders
-//! its body like an `{% if true %}` block.
+//! its body like an `{% if true %}` block. The `sequence` test is Jinja2's (true for
+//! strings and dicts too). `tests/template_compat.rs` checks feature probes and real
+//! templates against Jinja2's output.
 
 use std::collections::BTreeMap;
 
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::{Serde, Value};
+use minijinja::value::{Serde, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value as Json};
 
@@ -54,7 +56,7 @@ impl ChatContext {
     }
 }
 
-/// The error `raise_exception` puts into a render error, found again by [`render`].
+/// The error `raise_exception` puts into a render error, found again by [`ChatTemplate::render`].
 #[derive(Debug)]
 struct Raised(String);
 
@@ -103,6 +105,13 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         minijinja_contrib::add_to_environment(&mut env);
         env.add_filter("tojson", tojson_filter);
+        // Jinja2's `sequence` is anything with a length and items: strings and dicts too.
+        env.add_test("sequence", |v: &Value| {
+            matches!(
+                v.kind(),
+                ValueKind::Seq | ValueKind::Map | ValueKind::String | ValueKind::Bytes
+            )
+        });
         env.add_function(
             "raise_exception",
             |message: String| -> Result<Value, Error> {
@@ -247,7 +256,7 @@ fn rewrite_generation_tags(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        let Some(end) = tag[2..].find("%}").map(|i| i + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -293,6 +302,27 @@ mod tests {
         let ctx = ChatContext::new(json!([]));
         let out = render("{% generation %}\nhi\n{% endgeneration %}\n", &ctx).expect("renders");
         assert_eq!(out, "hi\n");
+    }
+
+    #[test]
+    fn generation_rewrite_survives_odd_tags() {
+        for src in [
+            "{%",
+            "{%}",
+            "{%-",
+            "%}{%",
+            "{% generation",
+            "{%%}",
+            "a{%}b%}c",
+        ] {
+            let _ = rewrite_generation_tags(src);
+        }
+        assert_eq!(rewrite_generation_tags("{%}"), "{%}");
+        assert_eq!(rewrite_generation_tags("a{%}b%}c"), "a{%}b%}c");
+        assert_eq!(
+            rewrite_generation_tags("{%generation%}x{%endgeneration%}"),
+            "{% if true %}x{% endif %}"
+        );
     }
 
     #[test]

@@ -5,8 +5,8 @@
 //! strings in the text are matched as special tokens, `add_special_tokens` runs the
 //! post-processor (which is where a BOS is added), and decoding never applies
 //! `clean_up_tokenization_spaces` (transformers 5 skips it for BPE models too).
-//! Loading from a Hugging Face directory and saving to one live in [`crate::hf_dir`];
-//! building from GGUF metadata lives in [`crate::gguf_tokenizer`].
+//! Loading from a Hugging Face directory and saving to one live in `hf_dir.rs`;
+//! building from GGUF metadata lives in `gguf_tokenizer.rs`.
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -126,7 +126,19 @@ impl Tokenizer {
     }
 
     /// Builds the tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata,
-    /// the way transformers does when it loads that file.
+    /// the way transformers 5 does when it loads that file.
+    ///
+    /// Supported `tokenizer.ggml.model` kinds: `gpt2` (byte-level BPE with the file's
+    /// merges; the split regex follows `tokenizer.ggml.pre`: `qwen2`, `llama-bpe`,
+    /// `llama3`, `tekken`, `gpt-4o` and the other names of transformers' table; `smollm`
+    /// splits every digit alone first, as llama.cpp and SmolLM2's `tokenizer.json` do;
+    /// `default`, a missing key and any unknown name fall back to GPT-2's regex, as in
+    /// transformers) and `llama` (SentencePiece vocabulary as byte-fallback BPE; Gemma
+    /// architectures rebuild the merges from vocabulary order, others from the scores).
+    /// CONTROL tokens become special tokens and USER_DEFINED tokens plain added tokens.
+    /// `tokenizer.ggml.add_bos_token` decides the BOS (default: true for `llama`, false
+    /// for `gpt2`). Chat templates come from `tokenizer.chat_template` and
+    /// `tokenizer.chat_template.<name>`.
     pub fn from_gguf(metadata: &GgufMetadata) -> Result<Self> {
         crate::gguf_tokenizer::build(metadata)
     }
@@ -175,10 +187,13 @@ impl Tokenizer {
             .values()
             .max()
             .map_or(0, |&m| m as usize + 1);
-        let add_bos = match (bos_id, inner.encode_fast("", true)) {
-            (Some(bos), Ok(enc)) => enc.get_ids().first() == Some(&bos),
-            _ => false,
+        // The post-processor decides; probe it with a one-letter text (not the empty
+        // text, where an appended EOS equal to the BOS would look like a BOS).
+        let first_id = |with_special| {
+            let enc = inner.encode_fast("a", with_special).ok()?;
+            enc.get_ids().first().copied()
         };
+        let add_bos = bos_id.is_some() && first_id(true) == bos_id && first_id(false) != bos_id;
         Tokenizer {
             inner,
             special,

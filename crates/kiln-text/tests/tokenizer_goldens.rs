@@ -192,3 +192,51 @@ fn detokenizer_holds_back_partial_characters() {
         "\u{fffd}".repeat(4)
     );
 }
+
+#[test]
+fn detokenizer_with_context_continues_the_prompt() {
+    for model in [Model::SmolLm2, Model::Qwen, Model::Gemma] {
+        let tok = gguf_tokenizer(model);
+        let prompt = tok
+            .encode("The capital of France is", false)
+            .expect("encode");
+        let generated = tok.encode(" Paris, of course.", false).expect("encode");
+        let context = &prompt[prompt.len().saturating_sub(5)..];
+        let mut detok = IncrementalDetokenizer::with_context(tok, true, context);
+        let mut streamed = String::new();
+        for &id in &generated {
+            streamed.push_str(&detok.push(id).expect("push"));
+        }
+        streamed.push_str(&detok.finish().expect("finish"));
+        let all = [prompt.as_slice(), &generated].concat();
+        let full = tok.decode(&all, true).expect("decode");
+        let prompt_text = tok.decode(&prompt, true).expect("decode");
+        assert_eq!(streamed, full[prompt_text.len()..], "{model:?}");
+    }
+}
+
+#[test]
+fn llama_style_sentencepiece_keeps_the_first_space_with_context() {
+    // Gemma's vocabulary read as a plain `llama` architecture: transformers'
+    // LlamaTokenizer shape (prefix space on the first word, stripped when decoding).
+    let gguf = kiln_formats::GgufFile::open(common::model_path(Model::Gemma)).expect("open");
+    let mut meta = gguf.metadata.clone();
+    let arch = kiln_formats::MetaValue::String("llama".to_string());
+    meta.entries
+        .insert("general.architecture".to_string(), arch);
+    let tok = Tokenizer::from_gguf(&meta).expect("builds");
+    let ids = tok.encode("Hello world", false).expect("encode");
+    assert_eq!(tok.id_to_token(ids[0]).as_deref(), Some("▁Hello"));
+    assert_eq!(tok.decode(&ids, false).expect("decode"), "Hello world");
+
+    let paris = tok.encode("Paris", false).expect("encode");
+    let mut alone = IncrementalDetokenizer::new(&tok, false);
+    let mut continued = IncrementalDetokenizer::with_context(&tok, false, &ids);
+    let (mut a, mut c) = (String::new(), String::new());
+    for &id in &paris {
+        a.push_str(&alone.push(id).expect("push"));
+        c.push_str(&continued.push(id).expect("push"));
+    }
+    assert_eq!(a, "Paris");
+    assert_eq!(c, " Paris");
+}

@@ -16,6 +16,21 @@ use serde_json::json;
 pub enum DevCommand {
     /// Write a safetensors checkpoint with random weights.
     RandomCheckpoint(RandomArgs),
+    /// Write the logits of every position of a prompt as a float32 .npy
+    /// `[tokens, vocab]` (for comparing against other implementations).
+    Logits(LogitsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct LogitsArgs {
+    #[command(flatten)]
+    pub model: crate::cli::ModelArgs,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Vec<u32>,
+    /// Output .npy file.
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -42,6 +57,7 @@ pub struct RandomArgs {
 pub fn run(cmd: DevCommand) -> Result<()> {
     match cmd {
         DevCommand::RandomCheckpoint(a) => random_checkpoint(a),
+        DevCommand::Logits(a) => logits(a),
     }
 }
 
@@ -83,5 +99,41 @@ fn random_checkpoint(a: RandomArgs) -> Result<()> {
         a.out.display(),
         weights.num_tensors()
     );
+    Ok(())
+}
+
+fn logits(a: LogitsArgs) -> Result<()> {
+    anyhow::ensure!(!a.ids.is_empty(), "--ids is empty");
+    let m = a.model.load()?;
+    let mut cache = m.model.new_kv_cache(a.ids.len())?;
+    let t = m.model.forward(&a.ids, 0, &mut cache, 0)?;
+    let data = m.model.backend().to_host(&t)?;
+    let (rows, cols) = (a.ids.len(), data.len() / a.ids.len());
+    write_npy_f32(&a.out, &[rows, cols], &data)?;
+    eprintln!("wrote {} [{rows}, {cols}]", a.out.display());
+    Ok(())
+}
+
+/// Write a little-endian float32 `.npy` (format 1.0).
+fn write_npy_f32(path: &Path, shape: &[usize], data: &[f32]) -> Result<()> {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    let shape_str = if dims.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
+    let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {shape_str}, }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = Vec::with_capacity(10 + header.len() + data.len() * 4);
+    bytes.extend_from_slice(b"\x93NUMPY\x01\x00");
+    bytes.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
+    for v in data {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(path, bytes).with_context(|| path.display().to_string())?;
     Ok(())
 }

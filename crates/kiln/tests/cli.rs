@@ -1,0 +1,146 @@
+//! The `kiln` binary end to end: JSON output, random checkpoints, and clear
+//! errors with a non-zero exit code.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn kiln() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
+    c.arg("--threads").arg("2");
+    c
+}
+
+fn smollm2() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh first",
+        p.display()
+    );
+    p
+}
+
+fn json_of(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn generate_chat_json_carries_ids_text_finish_and_timings() {
+    let out = kiln()
+        .args([
+            "generate",
+            "--chat",
+            "-p",
+            "What is the capital of France?",
+            "--json",
+            "-m",
+        ])
+        .arg(smollm2())
+        .output()
+        .unwrap();
+    let v = json_of(&out);
+    assert_eq!(v["text"], "The capital of France is Paris.");
+    assert_eq!(v["finish_reason"], "stop");
+    assert_eq!(
+        v["token_ids"].as_array().unwrap().last().unwrap(),
+        2,
+        "ends with <|im_end|>"
+    );
+    let t = &v["timings"];
+    assert_eq!(t["prompt_tokens"], 37);
+    assert!(t["prefill_tokens_per_second"].as_f64().unwrap() > 0.0);
+    assert!(t["decode_tokens_per_second"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn random_checkpoint_then_generate_with_logprobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    let out = kiln()
+        .args([
+            "dev",
+            "random-checkpoint",
+            "--preset",
+            "tiny",
+            "--dtype",
+            "f32",
+            "--tokenizer",
+        ])
+        .arg(smollm2())
+        .arg("-o")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(ckpt.join(f).exists(), "{f} written");
+    }
+    let out = kiln()
+        .args([
+            "generate",
+            "-p",
+            "Hello",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+            "--logprobs",
+            "3",
+            "--json",
+            "-m",
+        ])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    let v = json_of(&out);
+    assert_eq!(v["token_ids"].as_array().unwrap().len(), 4);
+    assert_eq!(v["finish_reason"], "length");
+    let lp = v["logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), 4);
+    assert_eq!(lp[0]["top"].as_array().unwrap().len(), 3);
+    // Greedy picks the top alternative.
+    assert_eq!(lp[0]["top"][0]["token_id"], lp[0]["token_id"]);
+}
+
+#[test]
+fn errors_are_clear_and_exit_non_zero() {
+    let out = kiln()
+        .args(["generate", "-p", "x", "-m", "/no/such/model.gguf"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/no/such/model.gguf"), "{err}");
+    let out = kiln()
+        .args(["convert", "in.gguf", "out", "--dtype", "f8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown dtype"));
+    let out = kiln()
+        .args(["generate", "-p", "x", "--top-p", "2", "-m"])
+        .arg(smollm2())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("top_p"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
