@@ -14,6 +14,7 @@
 pub mod backend;
 pub mod cpu;
 pub mod error;
+pub mod profile;
 pub mod tensor;
 
 pub use backend::{Activation, AttentionParams, Backend, KvCache, KvCacheSpec, RopeParams};

@@ -1,11 +1,16 @@
 //! `kiln bench`: prefill and decode speed over several runs, as JSON.
 
 use std::ops::ControlFlow;
+use std::sync::Arc;
+
+use rayon::prelude::*;
 
 use anyhow::Result;
 use clap::Args;
 use kiln_engine::{GenerationRequest, LoadedModel};
 use kiln_sampling::SamplingParams;
+use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::profile::{OpTime, ProfilingBackend};
 use serde_json::json;
 
 use crate::cli::ModelArgs;
@@ -23,6 +28,9 @@ pub struct BenchArgs {
     /// Measured runs after one warm-up run.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
+    /// Also time every backend op, for prefill and for decode separately.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// A prompt of exactly `n` tokens: ordinary English text, repeated.
@@ -48,14 +56,98 @@ fn bench_prompt(model: &LoadedModel, n: usize) -> Result<Vec<u32>> {
     Ok(out)
 }
 
+/// Host memory read bandwidth in GB/s: the median of several parallel dot
+/// products over a buffer far larger than the caches (the same access
+/// pattern as a decode step's weight reads).
+fn read_bandwidth_gbs() -> f64 {
+    const N: usize = 128 << 20; // 512 MiB of f32
+    let buf: Vec<f32> = (0..N).map(|i| (i % 7) as f32).collect();
+    let dot = kiln_tensor::cpu::matmul::dot_fn();
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        let start = std::time::Instant::now();
+        let s: f32 = buf.par_chunks(1 << 16).map(|c| dot(c, c)).sum();
+        let dt = start.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        runs.push((N * 4) as f64 / dt / 1e9);
+    }
+    runs.sort_by(|a, b| a.total_cmp(b));
+    runs[runs.len() / 2]
+}
+
+/// Bytes of weights one decode step reads: every matrix but the embedding
+/// table (of which one row is gathered), plus the output projection.
+fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
+    let cfg = model.model.config();
+    let shapes = kiln_models::tensor_shapes(cfg)?;
+    let mut elems: usize = shapes
+        .iter()
+        .filter(|(n, _)| n != "model.embed_tokens.weight")
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    if cfg.tie_word_embeddings {
+        elems += cfg.vocab_size * cfg.hidden_size;
+    }
+    Ok(elems as f64 * 4.0)
+}
+
 fn stats(mut v: Vec<f64>) -> serde_json::Value {
     v.sort_by(|a, b| a.total_cmp(b));
     let median = if v.is_empty() { 0.0 } else { v[v.len() / 2] };
     json!({"median": median, "min": v.first(), "max": v.last(), "runs": v})
 }
 
+/// Per-op seconds of one prefill and of the decode steps after it.
+fn profile_ops(
+    model: &LoadedModel,
+    prof: &ProfilingBackend,
+    req: &GenerationRequest,
+) -> Result<serde_json::Value> {
+    let prefill_only = GenerationRequest {
+        params: SamplingParams {
+            max_tokens: Some(1),
+            ..req.params.clone()
+        },
+        ..req.clone()
+    };
+    prof.reset();
+    let g1 = model.generate(&prefill_only, &mut |_| ControlFlow::Continue(()))?;
+    let prefill = prof.snapshot();
+    prof.reset();
+    let g = model.generate(req, &mut |_| ControlFlow::Continue(()))?;
+    let full = prof.snapshot();
+    let table = |m: &std::collections::BTreeMap<&'static str, OpTime>,
+                 base: Option<&std::collections::BTreeMap<&'static str, OpTime>>,
+                 wall: f64| {
+        let mut rows: Vec<(String, f64, u64)> = m
+            .iter()
+            .map(|(k, v)| {
+                let b = base.and_then(|b| b.get(k)).copied().unwrap_or_default();
+                (k.to_string(), v.seconds - b.seconds, v.calls - b.calls)
+            })
+            .collect();
+        rows.sort_by(|x, y| y.1.total_cmp(&x.1));
+        let ops: Vec<_> = rows
+            .iter()
+            .map(|(k, s, c)| json!({"op": k, "seconds": s, "calls": c, "share_of_wall": s / wall.max(1e-9)}))
+            .collect();
+        json!({"wall_seconds": wall, "ops": ops})
+    };
+    let decode_wall =
+        g.timings.prefill_seconds + g.timings.decode_seconds - g1.timings.prefill_seconds;
+    Ok(json!({
+        "prefill": table(&prefill, None, g1.timings.prefill_seconds),
+        "decode": table(&full, Some(&prefill), decode_wall),
+    }))
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
-    let model = a.model.load()?;
+    let prof = Arc::new(ProfilingBackend::new(Arc::new(CpuBackend::new())));
+    let model = if a.profile {
+        a.model.load_on(prof.clone())?
+    } else {
+        a.model.load()?
+    };
     let prompt = bench_prompt(&model, a.prompt_tokens)?;
     let req = GenerationRequest {
         prompt,
@@ -93,6 +185,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .map(|m| m.trim().to_string())
         })
         .unwrap_or_default();
+    let profile = if a.profile {
+        Some(profile_ops(&model, &prof, &req)?)
+    } else {
+        None
+    };
+    let bandwidth = read_bandwidth_gbs();
+    let bytes = weight_bytes_per_token(&model)?;
+    let decode_median = {
+        let mut d = decode.clone();
+        d.sort_by(|a, b| a.total_cmp(b));
+        d.get(d.len() / 2).copied().unwrap_or(0.0)
+    };
+    let achieved = bytes * decode_median / 1e9;
     let report = json!({
         "engine": "kiln",
         "model": model.path.display().to_string(),
@@ -104,6 +209,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "load_seconds": model.load_seconds,
         "prefill_tokens_per_second": stats(prefill),
         "decode_tokens_per_second": stats(decode),
+        "decode_weight_bytes_per_token": bytes,
+        "decode_achieved_gbs": achieved,
+        "host_read_bandwidth_gbs": bandwidth,
+        "decode_fraction_of_bandwidth": achieved / bandwidth,
+        "profile": profile,
     });
     println!("{report}");
     Ok(())

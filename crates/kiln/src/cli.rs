@@ -58,6 +58,11 @@ impl ModelArgs {
     }
 
     pub fn load(&self) -> Result<LoadedModel> {
+        self.load_on(Arc::new(CpuBackend::new()))
+    }
+
+    /// Load onto a given backend (e.g. a profiling wrapper).
+    pub fn load_on(&self, backend: Arc<dyn kiln_tensor::Backend>) -> Result<LoadedModel> {
         let path = self.path();
         if self.model.is_none() && !path.exists() {
             anyhow::bail!(
@@ -65,8 +70,7 @@ impl ModelArgs {
                 path.display()
             );
         }
-        LoadedModel::load(&path, Arc::new(CpuBackend::new()))
-            .with_context(|| format!("loading {}", path.display()))
+        LoadedModel::load(&path, backend).with_context(|| format!("loading {}", path.display()))
     }
 }
 

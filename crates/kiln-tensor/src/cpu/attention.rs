@@ -11,6 +11,10 @@ pub struct CpuKv {
     pub v: Vec<Vec<f32>>,
 }
 
+/// Query rows per block in the prefill path; bounds the score matrix to
+/// `QUERY_BLOCK × context` floats per head.
+const QUERY_BLOCK: usize = 128;
+
 /// Attention output `[n, num_heads * head_dim]` of queries `q` at positions
 /// `start_pos..start_pos + n` over keys/values `0..start_pos + n` of one layer.
 pub fn attend(
@@ -22,44 +26,126 @@ pub fn attend(
     p: &AttentionParams,
 ) -> Vec<f32> {
     let hd = p.head_dim;
-    let kv_row = p.num_kv_heads * hd;
     let q_row = p.num_heads * hd;
-    let group = p.num_heads / p.num_kv_heads;
-    let dot = super::matmul::dot_fn();
+    // Each head is computed on its own (in parallel), then interleaved back.
+    let per_head: Vec<Vec<f32>> = (0..p.num_heads)
+        .into_par_iter()
+        .map(|h| head_attention(q, n, start_pos, k, v, p, h))
+        .collect();
     let mut out = vec![0f32; n * q_row];
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-        let (i, h) = (idx / p.num_heads, idx % p.num_heads);
-        let kvh = h / group;
-        let pos = start_pos + i;
-        let first = match p.sliding_window {
-            Some(w) if pos + 1 > w => pos + 1 - w,
-            _ => 0,
-        };
-        let qv = &q[i * q_row + h * hd..i * q_row + (h + 1) * hd];
-        let mut scores: Vec<f32> = (first..=pos)
-            .map(|t| {
-                let s = dot(qv, &k[t * kv_row + kvh * hd..t * kv_row + (kvh + 1) * hd]) * p.scale;
-                match p.softcap {
-                    Some(c) => (s / c).tanh() * c,
-                    None => s,
-                }
-            })
-            .collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for s in &mut scores {
-            *s = (*s - max).exp();
-            sum += *s;
+    for (h, o) in per_head.iter().enumerate() {
+        for i in 0..n {
+            out[i * q_row + h * hd..i * q_row + (h + 1) * hd]
+                .copy_from_slice(&o[i * hd..(i + 1) * hd]);
         }
-        let inv = 1.0 / sum;
-        for (j, t) in (first..=pos).enumerate() {
-            let wgt = scores[j] * inv;
-            let vv = &v[t * kv_row + kvh * hd..t * kv_row + (kvh + 1) * hd];
-            for (o, &x) in o.iter_mut().zip(vv) {
-                *o = wgt.mul_add(x, *o);
+    }
+    out
+}
+
+/// First key position query position `pos` may attend to.
+fn first_key(pos: usize, window: Option<usize>) -> usize {
+    match window {
+        Some(w) if pos + 1 > w => pos + 1 - w,
+        _ => 0,
+    }
+}
+
+/// One head's output `[n, head_dim]`: scores by a GEMM over blocks of query
+/// rows, masked, soft-maxed, and multiplied by V with a second GEMM.
+fn head_attention(
+    q: &[f32],
+    n: usize,
+    start_pos: usize,
+    k: &[f32],
+    v: &[f32],
+    p: &AttentionParams,
+    h: usize,
+) -> Vec<f32> {
+    let hd = p.head_dim;
+    let q_row = p.num_heads * hd;
+    let kv_row = p.num_kv_heads * hd;
+    let kvh = h / (p.num_heads / p.num_kv_heads);
+    let mut out = vec![0f32; n * hd];
+    let mut scores = Vec::new();
+    for r0 in (0..n).step_by(QUERY_BLOCK) {
+        let rows = QUERY_BLOCK.min(n - r0);
+        // Keys this block can see: [lo, hi).
+        let lo = first_key(start_pos + r0, p.sliding_window);
+        let hi = start_pos + r0 + rows;
+        let ctx = hi - lo;
+        scores.clear();
+        scores.resize(rows * ctx, 0.0);
+        // SAFETY: strides address q rows r0.. of head h, K rows lo..hi of kv head
+        // kvh transposed, and `scores` [rows, ctx]; every index stays in bounds.
+        unsafe {
+            gemm::gemm(
+                rows,
+                ctx,
+                hd,
+                scores.as_mut_ptr(),
+                1,
+                ctx as isize,
+                false,
+                q.as_ptr().add(r0 * q_row + h * hd),
+                1,
+                q_row as isize,
+                k.as_ptr().add(lo * kv_row + kvh * hd),
+                kv_row as isize,
+                1,
+                0.0,
+                p.scale,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        for i in 0..rows {
+            let pos = start_pos + r0 + i;
+            let first = first_key(pos, p.sliding_window);
+            let row = &mut scores[i * ctx..(i + 1) * ctx];
+            if let Some(c) = p.softcap {
+                row.iter_mut().for_each(|s| *s = (*s / c).tanh() * c);
             }
+            // Visible keys are lo + j for j in [first - lo, pos - lo].
+            let (a, b) = (first - lo, pos - lo + 1);
+            let max = row[a..b].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for s in &mut row[a..b] {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            let inv = 1.0 / sum;
+            row[..a].iter_mut().for_each(|s| *s = 0.0);
+            row[a..b].iter_mut().for_each(|s| *s *= inv);
+            row[b..].iter_mut().for_each(|s| *s = 0.0);
         }
-    });
+        // SAFETY: `scores` [rows, ctx] times V rows lo..hi of kv head kvh
+        // ([ctx, hd] with row stride kv_row) into `out` rows r0.. [rows, hd].
+        unsafe {
+            gemm::gemm(
+                rows,
+                hd,
+                ctx,
+                out.as_mut_ptr().add(r0 * hd),
+                1,
+                hd as isize,
+                false,
+                scores.as_ptr(),
+                1,
+                ctx as isize,
+                v.as_ptr().add(lo * kv_row + kvh * hd),
+                1,
+                kv_row as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    }
     out
 }
 

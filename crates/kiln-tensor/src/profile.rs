@@ -1,0 +1,138 @@
+//! A backend wrapper that times every op it forwards, for "where does the
+//! time go" reports. Times are wall-clock per call on the host; a device
+//! backend must synchronize inside its ops for them to mean anything.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::backend::{Activation, AttentionParams, Backend, KvCache, KvCacheSpec, RopeParams};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Calls and total seconds of one op.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OpTime {
+    pub calls: u64,
+    pub seconds: f64,
+}
+
+/// Wraps a backend and accumulates per-op times.
+pub struct ProfilingBackend {
+    inner: Arc<dyn Backend>,
+    times: Mutex<BTreeMap<&'static str, OpTime>>,
+}
+
+impl ProfilingBackend {
+    pub fn new(inner: Arc<dyn Backend>) -> Self {
+        ProfilingBackend {
+            inner,
+            times: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Per-op totals so far.
+    pub fn snapshot(&self) -> BTreeMap<&'static str, OpTime> {
+        self.times.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+
+    pub fn reset(&self) {
+        if let Ok(mut t) = self.times.lock() {
+            t.clear();
+        }
+    }
+
+    fn timed<T>(&self, op: &'static str, f: impl FnOnce() -> T) -> T {
+        let start = Instant::now();
+        let out = f();
+        let dt = start.elapsed().as_secs_f64();
+        if let Ok(mut t) = self.times.lock() {
+            let e = t.entry(op).or_default();
+            e.calls += 1;
+            e.seconds += dt;
+        }
+        out
+    }
+}
+
+impl Backend for ProfilingBackend {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
+        self.timed("upload", || self.inner.upload(shape, data))
+    }
+
+    fn to_host(&self, t: &Tensor) -> Result<Vec<f32>> {
+        self.timed("to_host", || self.inner.to_host(t))
+    }
+
+    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        self.timed("embedding", || self.inner.embedding(table, ids))
+    }
+
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.timed("linear", || self.inner.linear(x, w, bias))
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
+        self.timed("rms_norm", || self.inner.rms_norm(x, w, eps, weight_offset))
+    }
+
+    fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        self.timed("add", || self.inner.add(a, b))
+    }
+
+    fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor> {
+        self.timed("scale", || self.inner.scale(x, s))
+    }
+
+    fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
+        self.timed("gated_activation", || {
+            self.inner.gated_activation(gate, up, act)
+        })
+    }
+
+    fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor> {
+        self.timed("rope", || self.inner.rope(x, positions, p))
+    }
+
+    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+        self.timed("alloc_kv_cache", || self.inner.alloc_kv_cache(spec))
+    }
+
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        start_pos: usize,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        self.timed("attention", || {
+            self.inner.attention(q, k, v, cache, layer, start_pos, p)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuBackend;
+
+    #[test]
+    fn counts_calls_and_forwards_results() {
+        let p = ProfilingBackend::new(Arc::new(CpuBackend::new()));
+        let a = p.upload(&[2], &[1.0, 2.0]).unwrap();
+        let s = p.add(&a, &a).unwrap();
+        assert_eq!(p.to_host(&s).unwrap(), vec![2.0, 4.0]);
+        let snap = p.snapshot();
+        assert_eq!(snap["add"].calls, 1);
+        assert_eq!(snap["upload"].calls, 1);
+        p.reset();
+        assert!(p.snapshot().is_empty());
+    }
+}
