@@ -28,6 +28,7 @@ for m in SmolLM2-135M-Instruct.Q4_1.gguf qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
     --runs "$reps" --profile > "$tmp/kiln_$m.json"
   NODE_LLAMA_CPP_DIR="$anchor_dir" NODE_LLAMA_CPP_SKIP_DOWNLOAD=true \
     node "$anchor_script" --model "models/$m" --threads 2 --reps "$reps" --pp 512 --tg 128 \
+    --chat-prompt "Write a very long and detailed essay about the history of the printing press." \
     > "$tmp/llama_$m.json"
 done
 python3 - "$tmp" "$out" "$commit" <<'PY'

@@ -8,10 +8,14 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use kiln_sampling::{
     FinishReason, History, RepetitionGuard, Sampled, Sampler, SamplingParams, StopMatcher, TokenId,
 };
+use kiln_tensor::ForwardBatch;
 use kiln_text::IncrementalDetokenizer;
 
 use crate::error::{EngineError, Result};
 use crate::load::LoadedModel;
+
+/// Tokens per KV block.
+const BLOCK_SIZE: usize = 16;
 
 /// One generation request: prompt token ids and sampling parameters.
 #[derive(Debug, Clone)]
@@ -113,10 +117,10 @@ impl LoadedModel {
         };
 
         let start = Instant::now();
-        let mut cache = self.model.new_kv_cache(req.prompt.len() + max_new)?;
-        let mut logits = self
-            .model
-            .forward(&req.prompt, 0, &mut cache, req.prompt.len() - 1)?;
+        let blocks = (req.prompt.len() + max_new).div_ceil(BLOCK_SIZE);
+        let mut cache = self.model.new_kv_cache(blocks, BLOCK_SIZE)?;
+        let prefill = ForwardBatch::single(&req.prompt, 0, BLOCK_SIZE, req.prompt.len() - 1);
+        let mut logits = self.model.forward(&prefill, &mut cache)?;
         let mut decode_start = None;
         let finish_reason = loop {
             let mut row = self.model.backend().to_host(&logits)?;
@@ -176,7 +180,10 @@ impl LoadedModel {
                 break FinishReason::Cancelled;
             }
             let pos = req.prompt.len() + generated.len() - 1;
-            logits = self.model.forward(&[token.0], pos, &mut cache, 0)?;
+            logits = self.model.forward(
+                &ForwardBatch::single(&[token.0], pos, BLOCK_SIZE, 0),
+                &mut cache,
+            )?;
         };
         timings.generated_tokens = generated.len();
         timings.decode_seconds = decode_start

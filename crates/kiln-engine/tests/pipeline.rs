@@ -10,6 +10,7 @@ use kiln_engine::{EngineError, Generation, GenerationRequest, LoadedModel};
 use kiln_formats::SafetensorsDtype;
 use kiln_sampling::{FinishReason, SamplingParams};
 use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::ForwardBatch;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -125,10 +126,16 @@ fn gguf_and_its_converted_safetensors_give_identical_logits() {
     let b = chat_prompt(&st, &messages);
     assert_eq!(a, b, "same template and tokenizer after conversion");
     assert_eq!(gguf.eos_token_ids, st.eos_token_ids);
-    let mut ca = gguf.model.new_kv_cache(a.len()).unwrap();
-    let mut cb = st.model.new_kv_cache(b.len()).unwrap();
-    let la = gguf.model.forward(&a, 0, &mut ca, 0).unwrap();
-    let lb = st.model.forward(&b, 0, &mut cb, 0).unwrap();
+    let mut ca = gguf.model.new_kv_cache(a.len().div_ceil(16), 16).unwrap();
+    let mut cb = st.model.new_kv_cache(b.len().div_ceil(16), 16).unwrap();
+    let la = gguf
+        .model
+        .forward(&ForwardBatch::single(&a, 0, 16, 0), &mut ca)
+        .unwrap();
+    let lb = st
+        .model
+        .forward(&ForwardBatch::single(&b, 0, 16, 0), &mut cb)
+        .unwrap();
     let (la, lb) = (
         gguf.model.backend().to_host(&la).unwrap(),
         st.model.backend().to_host(&lb).unwrap(),

@@ -17,7 +17,7 @@ pub mod registry;
 
 use std::sync::Arc;
 
-use kiln_tensor::{Backend, KvCache, Tensor};
+use kiln_tensor::{Backend, ForwardBatch, KvCache, Tensor};
 
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
@@ -30,17 +30,10 @@ pub trait CausalLm: Send + Sync {
     /// The backend the weights live on.
     fn backend(&self) -> &Arc<dyn Backend>;
 
-    /// A KV cache for one sequence of up to `capacity` tokens.
-    fn new_kv_cache(&self, capacity: usize) -> Result<KvCache>;
+    /// A paged KV cache of `num_blocks` blocks of `block_size` tokens.
+    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache>;
 
-    /// Run `tokens` at positions `start_pos..`, writing their keys and values
-    /// into `cache`, and return logits `[n - logits_from, vocab]` for the
-    /// tokens from index `logits_from` on.
-    fn forward(
-        &self,
-        tokens: &[u32],
-        start_pos: usize,
-        cache: &mut KvCache,
-        logits_from: usize,
-    ) -> Result<Tensor>;
+    /// Run one step: every sequence's new tokens, writing their keys and
+    /// values into `cache`, returning logits `[batch.logits_rows.len(), vocab]`.
+    fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor>;
 }

@@ -13,10 +13,9 @@ fn check_logits(model_dir: &str, file: &str) {
     for case in cases["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let prompt = ids(&case["ids"]);
-        let mut cache = model.new_kv_cache(prompt.len()).unwrap();
-        let logits = model
-            .forward(&prompt, 0, &mut cache, prompt.len() - 1)
-            .unwrap();
+        let mut cache = model.new_kv_cache(prompt.len().div_ceil(16), 16).unwrap();
+        let batch = kiln_tensor::ForwardBatch::single(&prompt, 0, 16, prompt.len() - 1);
+        let logits = model.forward(&batch, &mut cache).unwrap();
         let logits = model.backend().to_host(&logits).unwrap();
         let got = log_softmax(&logits);
         let want = read_npy_f32(model_dir, case["logprobs_npy"].as_str().unwrap());

@@ -41,16 +41,105 @@ pub struct AttentionParams {
     pub softcap: Option<f32>,
 }
 
-/// Shape of a KV cache to allocate.
+/// Shape of a paged KV cache to allocate: `num_blocks` blocks of
+/// `block_size` token slots, for every layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCacheSpec {
     pub num_layers: usize,
-    pub capacity: usize,
+    pub num_blocks: usize,
+    pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
 }
 
-/// A contiguous per-sequence KV cache whose storage belongs to a backend.
+impl KvCacheSpec {
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+}
+
+/// One sequence's part of a step: its new tokens are rows
+/// `token_start..token_start + num_tokens` of the batch, at positions
+/// `num_computed..`; its keys and values live in the blocks of `block_table`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SeqSlice {
+    pub token_start: usize,
+    pub num_tokens: usize,
+    /// Tokens already in the cache before this step.
+    pub num_computed: usize,
+    pub block_table: Vec<u32>,
+}
+
+/// Everything one forward step needs, as plain host data: the new tokens of
+/// every sequence, concatenated, where their keys and values go, and which
+/// rows want logits.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ForwardBatch {
+    pub token_ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub seqs: Vec<SeqSlice>,
+    /// Cache slot (`block * block_size + offset`) of each new token.
+    pub slot_mapping: Vec<u32>,
+    pub block_size: usize,
+    /// Rows of the batch whose logits the step returns, in order.
+    pub logits_rows: Vec<u32>,
+}
+
+impl ForwardBatch {
+    /// Append a sequence's `tokens`, computed after `num_computed` cached
+    /// tokens, with its block table; `want_logits` asks for its last row.
+    pub fn push_seq(
+        &mut self,
+        tokens: &[u32],
+        num_computed: usize,
+        block_table: Vec<u32>,
+        want_logits: bool,
+    ) {
+        let start = self.token_ids.len();
+        let bs = self.block_size;
+        for (i, &t) in tokens.iter().enumerate() {
+            let pos = num_computed + i;
+            self.token_ids.push(t);
+            self.positions.push(pos as u32);
+            self.slot_mapping
+                .push(block_table[pos / bs] * bs as u32 + (pos % bs) as u32);
+        }
+        if want_logits && !tokens.is_empty() {
+            self.logits_rows.push((start + tokens.len() - 1) as u32);
+        }
+        self.seqs.push(SeqSlice {
+            token_start: start,
+            num_tokens: tokens.len(),
+            num_computed,
+            block_table,
+        });
+    }
+
+    /// A batch of one sequence whose blocks are `0..` in order, returning
+    /// logits for rows `logits_from..`.
+    pub fn single(
+        tokens: &[u32],
+        num_computed: usize,
+        block_size: usize,
+        logits_from: usize,
+    ) -> Self {
+        let total = num_computed + tokens.len();
+        let blocks = total.div_ceil(block_size.max(1)) as u32;
+        let mut b = ForwardBatch {
+            block_size,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(tokens, num_computed, (0..blocks).collect(), false);
+        b.logits_rows = (logits_from.min(tokens.len()) as u32..tokens.len() as u32).collect();
+        b
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+}
+
+/// A paged KV cache whose storage belongs to a backend.
 pub struct KvCache {
     pub spec: KvCacheSpec,
     storage: Box<dyn Any + Send>,
@@ -104,13 +193,16 @@ pub trait Backend: Send + Sync {
     /// Rotary embedding of `x [n, num_heads * head_dim]` at `positions[n]`.
     fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor>;
 
-    /// Allocate a zeroed KV cache.
+    /// Rows `rows` of `x [n, d]` → `[rows.len(), d]`.
+    fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor>;
+
+    /// Allocate a zeroed paged KV cache.
     fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache>;
 
-    /// Write `k`, `v` (`[n, num_kv_heads * head_dim]`) of `n` new tokens at
-    /// positions `start_pos..start_pos + n` of `layer`, then return causal
-    /// attention `[n, num_heads * head_dim]` of `q` over positions
-    /// `0..=start_pos + i` for each new token `i`.
+    /// Write `k`, `v` (`[n, num_kv_heads * head_dim]`) of the batch's `n` new
+    /// tokens into their slots of `layer`, then return causal attention
+    /// `[n, num_heads * head_dim]` of each new token over its own sequence's
+    /// keys up to and including its position.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -119,7 +211,7 @@ pub trait Backend: Send + Sync {
         v: &Tensor,
         cache: &mut KvCache,
         layer: usize,
-        start_pos: usize,
+        batch: &ForwardBatch,
         p: &AttentionParams,
     ) -> Result<Tensor>;
 }

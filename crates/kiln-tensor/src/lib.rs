@@ -17,6 +17,8 @@ pub mod error;
 pub mod profile;
 pub mod tensor;
 
-pub use backend::{Activation, AttentionParams, Backend, KvCache, KvCacheSpec, RopeParams};
+pub use backend::{
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams, SeqSlice,
+};
 pub use error::{Result, TensorError};
 pub use tensor::{DType, Tensor};

@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::backend::{Activation, AttentionParams, Backend, KvCache, KvCacheSpec, RopeParams};
+use crate::backend::{
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams,
+};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -109,12 +111,16 @@ impl Backend for ProfilingBackend {
         v: &Tensor,
         cache: &mut KvCache,
         layer: usize,
-        start_pos: usize,
+        batch: &ForwardBatch,
         p: &AttentionParams,
     ) -> Result<Tensor> {
         self.timed("attention", || {
-            self.inner.attention(q, k, v, cache, layer, start_pos, p)
+            self.inner.attention(q, k, v, cache, layer, batch, p)
         })
+    }
+
+    fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
+        self.timed("gather_rows", || self.inner.gather_rows(x, rows))
     }
 }
 

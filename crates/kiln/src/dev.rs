@@ -105,8 +105,11 @@ fn random_checkpoint(a: RandomArgs) -> Result<()> {
 fn logits(a: LogitsArgs) -> Result<()> {
     anyhow::ensure!(!a.ids.is_empty(), "--ids is empty");
     let m = a.model.load()?;
-    let mut cache = m.model.new_kv_cache(a.ids.len())?;
-    let t = m.model.forward(&a.ids, 0, &mut cache, 0)?;
+    let mut cache = m.model.new_kv_cache(a.ids.len().div_ceil(16), 16)?;
+    let t = m.model.forward(
+        &kiln_tensor::ForwardBatch::single(&a.ids, 0, 16, 0),
+        &mut cache,
+    )?;
     let data = m.model.backend().to_host(&t)?;
     let (rows, cols) = (a.ids.len(), data.len() / a.ids.len());
     write_npy_f32(&a.out, &[rows, cols], &data)?;

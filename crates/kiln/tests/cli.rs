@@ -144,3 +144,35 @@ fn errors_are_clear_and_exit_non_zero() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn chat_streams_answers_and_keeps_the_conversation() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = kiln()
+        .args(["chat", "-m"])
+        .arg(smollm2())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is the capital of France?\n/reset\nWhat is the capital of France?\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    // The same question after /reset gets the same greedy answer (the golden one).
+    assert_eq!(
+        stdout,
+        "The capital of France is Paris.\nThe capital of France is Paris.\n"
+    );
+}

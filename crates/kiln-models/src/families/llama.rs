@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use kiln_formats::WeightSource;
-use kiln_tensor::{Backend, KvCache, KvCacheSpec, Tensor};
+use kiln_tensor::{Backend, ForwardBatch, KvCache, KvCacheSpec, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -144,48 +144,30 @@ impl CausalLm for Llama {
         &self.backend
     }
 
-    fn new_kv_cache(&self, capacity: usize) -> Result<KvCache> {
+    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
         Ok(self.backend.alloc_kv_cache(KvCacheSpec {
             num_layers: self.cfg.num_layers,
-            capacity,
+            num_blocks,
+            block_size,
             num_kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
         })?)
     }
 
-    fn forward(
-        &self,
-        tokens: &[u32],
-        start_pos: usize,
-        cache: &mut KvCache,
-        logits_from: usize,
-    ) -> Result<Tensor> {
+    fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         let b = self.backend.as_ref();
-        let n = tokens.len();
-        let positions: Vec<u32> = (start_pos..start_pos + n).map(|p| p as u32).collect();
-        let mut x = b.embedding(&self.embed, tokens)?;
+        let mut x = b.embedding(&self.embed, &batch.token_ids)?;
         for (i, blk) in self.blocks.iter().enumerate() {
             let h = blk.input_norm.forward(b, &x)?;
-            let a = blk
-                .attn
-                .forward(b, &h, &self.rope, &positions, cache, i, start_pos)?;
+            let a = blk.attn.forward(b, &h, &self.rope, batch, cache, i)?;
             x = b.add(&x, &a)?;
             let h = blk.post_attn_norm.forward(b, &x)?;
             let m = blk.mlp.forward(b, &h)?;
             x = b.add(&x, &m)?;
         }
+        // Only the rows that want logits go through the final norm and head.
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
         let x = self.norm.forward(b, &x)?;
-        let x = select_rows(b, &x, logits_from.min(n), n)?;
         Ok(b.linear(&x, &self.lm_head, None)?)
     }
-}
-
-/// Rows `from..n` of `x [n, d]`.
-pub(crate) fn select_rows(b: &dyn Backend, x: &Tensor, from: usize, n: usize) -> Result<Tensor> {
-    if from == 0 {
-        return Ok(x.clone());
-    }
-    let d = x.shape()[1];
-    let host = b.to_host(x)?;
-    Ok(b.upload(&[n - from, d], &host[from * d..])?)
 }

@@ -1,7 +1,7 @@
 //! Self-attention with GQA, optional q/k/v/o biases, optional per-head q/k
 //! RMSNorm (Qwen3, Gemma 3), RoPE, and the backend's cached attention.
 
-use kiln_tensor::{AttentionParams, Backend, KvCache, Tensor};
+use kiln_tensor::{AttentionParams, Backend, ForwardBatch, KvCache, Tensor};
 
 use super::{Linear, RmsNorm, Rope, WeightLoader};
 use crate::error::Result;
@@ -90,20 +90,18 @@ impl Attention {
         })
     }
 
-    /// Attention of `x [n, hidden]` (new tokens at `positions`, starting at
-    /// `start_pos`) over the cache of `layer`.
-    #[allow(clippy::too_many_arguments)]
+    /// Attention of the batch's new tokens `x [n, hidden]` over the cache of `layer`.
     pub fn forward(
         &self,
         b: &dyn Backend,
         x: &Tensor,
         rope: &Rope,
-        positions: &[u32],
+        batch: &ForwardBatch,
         cache: &mut KvCache,
         layer: usize,
-        start_pos: usize,
     ) -> Result<Tensor> {
         let c = &self.cfg;
+        let positions = batch.positions.as_slice();
         let n = positions.len();
         let mut q = self.q.forward(b, x)?;
         let mut k = self.k.forward(b, x)?;
@@ -126,7 +124,7 @@ impl Attention {
             sliding_window: c.sliding_window,
             softcap: None,
         };
-        let out = b.attention(&q, &k, &v, cache, layer, start_pos, &params)?;
+        let out = b.attention(&q, &k, &v, cache, layer, batch, &params)?;
         self.o.forward(b, &out)
     }
 }

@@ -1,45 +1,21 @@
-//! Causal attention over a contiguous per-sequence KV cache (the reference
-//! implementation; the paged version replaces the cache layout later).
+//! Causal attention over the paged KV cache, one query row at a time.
+//!
+//! Each (query row, head) is computed on its own in a fixed order — scores
+//! by the backend's dot product, softmax summed in ascending key order, the
+//! value sum in ascending key order — so its result does not depend on
+//! which other rows or sequences share the step, nor on how the prompt was
+//! split into chunks. That is what makes batched, chunked and prefix-cached
+//! outputs bit-identical to a request run alone on CPU.
 
 use rayon::prelude::*;
 
-use crate::backend::AttentionParams;
+use crate::backend::{AttentionParams, ForwardBatch};
 
-/// Host KV storage: per layer, `[capacity, num_kv_heads * head_dim]` for K and V.
+/// Host KV storage: per layer, `[num_blocks * block_size, num_kv_heads * head_dim]`
+/// for K and for V; slot `s` is row `s`.
 pub struct CpuKv {
     pub k: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
-}
-
-/// Query rows per block in the prefill path; bounds the score matrix to
-/// `QUERY_BLOCK × context` floats per head.
-const QUERY_BLOCK: usize = 128;
-
-/// Attention output `[n, num_heads * head_dim]` of queries `q` at positions
-/// `start_pos..start_pos + n` over keys/values `0..start_pos + n` of one layer.
-pub fn attend(
-    q: &[f32],
-    n: usize,
-    start_pos: usize,
-    k: &[f32],
-    v: &[f32],
-    p: &AttentionParams,
-) -> Vec<f32> {
-    let hd = p.head_dim;
-    let q_row = p.num_heads * hd;
-    // Each head is computed on its own (in parallel), then interleaved back.
-    let per_head: Vec<Vec<f32>> = (0..p.num_heads)
-        .into_par_iter()
-        .map(|h| head_attention(q, n, start_pos, k, v, p, h))
-        .collect();
-    let mut out = vec![0f32; n * q_row];
-    for (h, o) in per_head.iter().enumerate() {
-        for i in 0..n {
-            out[i * q_row + h * hd..i * q_row + (h + 1) * hd]
-                .copy_from_slice(&o[i * hd..(i + 1) * hd]);
-        }
-    }
-    out
 }
 
 /// First key position query position `pos` may attend to.
@@ -50,151 +26,170 @@ fn first_key(pos: usize, window: Option<usize>) -> usize {
     }
 }
 
-/// One head's output `[n, head_dim]`: scores by a GEMM over blocks of query
-/// rows, masked, soft-maxed, and multiplied by V with a second GEMM.
-fn head_attention(
+/// Attention output `[num_tokens, num_heads * head_dim]` for every new token
+/// of every sequence in `batch`, over keys/values already written to
+/// `k_cache`/`v_cache` (including this step's).
+pub fn attend(
     q: &[f32],
-    n: usize,
-    start_pos: usize,
-    k: &[f32],
-    v: &[f32],
+    batch: &ForwardBatch,
+    k_cache: &[f32],
+    v_cache: &[f32],
     p: &AttentionParams,
-    h: usize,
 ) -> Vec<f32> {
     let hd = p.head_dim;
     let q_row = p.num_heads * hd;
+    let n = batch.token_ids.len();
+    // Which sequence each token row belongs to.
+    let mut seq_of = vec![0usize; n];
+    for (s, seq) in batch.seqs.iter().enumerate() {
+        seq_of[seq.token_start..seq.token_start + seq.num_tokens].fill(s);
+    }
+    let mut out = vec![0f32; n * q_row];
+    let dot = super::matmul::dot_fn();
+    out.par_chunks_mut(hd).enumerate().for_each_init(
+        Vec::new,
+        |scores: &mut Vec<f32>, (idx, o)| {
+            let (row, h) = (idx / p.num_heads, idx % p.num_heads);
+            let seq = &batch.seqs[seq_of[row]];
+            let pos = seq.num_computed + (row - seq.token_start);
+            let qv = &q[row * q_row + h * hd..row * q_row + (h + 1) * hd];
+            row_head(
+                qv,
+                seq.block_table.as_slice(),
+                batch.block_size,
+                pos,
+                h,
+                k_cache,
+                v_cache,
+                p,
+                dot,
+                scores,
+                o,
+            );
+        },
+    );
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn row_head(
+    qv: &[f32],
+    block_table: &[u32],
+    block_size: usize,
+    pos: usize,
+    h: usize,
+    k_cache: &[f32],
+    v_cache: &[f32],
+    p: &AttentionParams,
+    dot: fn(&[f32], &[f32]) -> f32,
+    scores: &mut Vec<f32>,
+    o: &mut [f32],
+) {
+    let hd = p.head_dim;
     let kv_row = p.num_kv_heads * hd;
     let kvh = h / (p.num_heads / p.num_kv_heads);
-    let mut out = vec![0f32; n * hd];
-    let mut scores = Vec::new();
-    for r0 in (0..n).step_by(QUERY_BLOCK) {
-        let rows = QUERY_BLOCK.min(n - r0);
-        // Keys this block can see: [lo, hi).
-        let lo = first_key(start_pos + r0, p.sliding_window);
-        let hi = start_pos + r0 + rows;
-        let ctx = hi - lo;
-        scores.clear();
-        scores.resize(rows * ctx, 0.0);
-        // SAFETY: strides address q rows r0.. of head h, K rows lo..hi of kv head
-        // kvh transposed, and `scores` [rows, ctx]; every index stays in bounds.
-        unsafe {
-            gemm::gemm(
-                rows,
-                ctx,
-                hd,
-                scores.as_mut_ptr(),
-                1,
-                ctx as isize,
-                false,
-                q.as_ptr().add(r0 * q_row + h * hd),
-                1,
-                q_row as isize,
-                k.as_ptr().add(lo * kv_row + kvh * hd),
-                kv_row as isize,
-                1,
-                0.0,
-                p.scale,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
+    let first = first_key(pos, p.sliding_window);
+    let slot = |t: usize| block_table[t / block_size] as usize * block_size + t % block_size;
+    scores.clear();
+    let mut max = f32::NEG_INFINITY;
+    for t in first..=pos {
+        let base = slot(t) * kv_row + kvh * hd;
+        let mut s = dot(qv, &k_cache[base..base + hd]) * p.scale;
+        if let Some(c) = p.softcap {
+            s = (s / c).tanh() * c;
         }
-        for i in 0..rows {
-            let pos = start_pos + r0 + i;
-            let first = first_key(pos, p.sliding_window);
-            let row = &mut scores[i * ctx..(i + 1) * ctx];
-            if let Some(c) = p.softcap {
-                row.iter_mut().for_each(|s| *s = (*s / c).tanh() * c);
-            }
-            // Visible keys are lo + j for j in [first - lo, pos - lo].
-            let (a, b) = (first - lo, pos - lo + 1);
-            let max = row[a..b].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for s in &mut row[a..b] {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let inv = 1.0 / sum;
-            row[..a].iter_mut().for_each(|s| *s = 0.0);
-            row[a..b].iter_mut().for_each(|s| *s *= inv);
-            row[b..].iter_mut().for_each(|s| *s = 0.0);
-        }
-        // SAFETY: `scores` [rows, ctx] times V rows lo..hi of kv head kvh
-        // ([ctx, hd] with row stride kv_row) into `out` rows r0.. [rows, hd].
-        unsafe {
-            gemm::gemm(
-                rows,
-                hd,
-                ctx,
-                out.as_mut_ptr().add(r0 * hd),
-                1,
-                hd as isize,
-                false,
-                scores.as_ptr(),
-                1,
-                ctx as isize,
-                v.as_ptr().add(lo * kv_row + kvh * hd),
-                1,
-                kv_row as isize,
-                0.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            );
-        }
+        max = max.max(s);
+        scores.push(s);
     }
-    out
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    o.fill(0.0);
+    for (j, t) in (first..=pos).enumerate() {
+        let wgt = scores[j] * inv;
+        let base = slot(t) * kv_row + kvh * hd;
+        axpy(wgt, &v_cache[base..base + hd], o);
+    }
+}
+
+/// `o += a * x`, element by element (no fused multiply-add, so every CPU
+/// path gives the same bits).
+#[inline]
+fn axpy(a: f32, x: &[f32], o: &mut [f32]) {
+    for (o, &x) in o.iter_mut().zip(x) {
+        *o += a * x;
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::SeqSlice;
 
-    #[test]
-    fn single_key_returns_its_value_and_gqa_maps_heads() {
-        // 2 query heads share 1 kv head; one token attends only to itself.
-        let p = AttentionParams {
-            num_heads: 2,
-            num_kv_heads: 1,
-            head_dim: 2,
+    fn params(num_heads: usize, num_kv_heads: usize, head_dim: usize) -> AttentionParams {
+        AttentionParams {
+            num_heads,
+            num_kv_heads,
+            head_dim,
             scale: 1.0,
             sliding_window: None,
             softcap: None,
-        };
+        }
+    }
+
+    fn one_seq(
+        n: usize,
+        num_computed: usize,
+        block_table: Vec<u32>,
+        block_size: usize,
+    ) -> ForwardBatch {
+        ForwardBatch {
+            token_ids: vec![0; n],
+            positions: (num_computed..num_computed + n).map(|p| p as u32).collect(),
+            seqs: vec![SeqSlice {
+                token_start: 0,
+                num_tokens: n,
+                num_computed,
+                block_table,
+            }],
+            slot_mapping: Vec::new(),
+            block_size,
+            logits_rows: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn single_key_returns_its_value_and_gqa_maps_heads() {
+        let p = params(2, 1, 2);
         let q = [1.0, 0.0, 0.0, 1.0];
-        let k = [0.3, 0.7];
-        let v = [5.0, -1.0];
-        let out = attend(&q, 1, 0, &k, &v, &p);
+        let (k, v) = ([0.3, 0.7], [5.0, -1.0]);
+        let out = attend(&q, &one_seq(1, 0, vec![0], 1), &k, &v, &p);
         assert_eq!(out, vec![5.0, -1.0, 5.0, -1.0]);
     }
 
     #[test]
-    fn causal_softmax_weights() {
-        let p = AttentionParams {
-            num_heads: 1,
-            num_kv_heads: 1,
-            head_dim: 1,
-            scale: 1.0,
-            sliding_window: None,
-            softcap: None,
-        };
-        // Two tokens; the second attends to both with scores q*k = 1*0 and 1*1.
+    fn causal_softmax_weights_window_and_block_table() {
+        let p = params(1, 1, 1);
         let q = [1.0, 1.0];
-        let k = [0.0, 1.0];
-        let v = [0.0, 1.0];
-        let out = attend(&q, 2, 0, &k, &v, &p);
+        // Block size 1, the two tokens live in slots 3 and 1.
+        let mut k = vec![0.0; 4];
+        let mut v = vec![0.0; 4];
+        (k[3], v[3]) = (0.0, 0.0);
+        (k[1], v[1]) = (1.0, 1.0);
+        let batch = one_seq(2, 0, vec![3, 1], 1);
+        let out = attend(&q, &batch, &k, &v, &p);
         assert_eq!(out[0], 0.0);
         let e = 1f32.exp();
         assert!((out[1] - e / (1.0 + e)).abs() < 1e-6);
-        // A window of 1 sees only the last key.
         let pw = AttentionParams {
             sliding_window: Some(1),
             ..p
         };
-        let outw = attend(&q, 2, 0, &k, &v, &pw);
+        let outw = attend(&q, &batch, &k, &v, &pw);
         assert!((outw[1] - 1.0).abs() < 1e-6);
     }
 }

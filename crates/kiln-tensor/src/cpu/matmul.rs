@@ -1,149 +1,277 @@
-//! Dense f32 matrix products for the CPU backend: `gemm` for several rows,
-//! a multithreaded dot-product GEMV (memory-bound) for one row.
+//! Dense f32 products for the CPU backend: `out = x · wᵀ`.
+//!
+//! Every output element is one dot product computed in a fixed order that
+//! does not depend on how many rows are in the batch or where a row sits in
+//! it: 16 lanes, lane `l` accumulating the products at `k ≡ l (mod 16)` in
+//! ascending `k`, the lanes summed by a fixed tree, then the tail (`k` past
+//! the last multiple of 16) added in order (the AVX-512 path sums the lanes
+//! with its own fixed shuffle order). Rows are computed in register
+//! tiles of up to 4 × 4 dot products for speed, but tiling only changes which
+//! dots run together, never their arithmetic. So a token's logits are
+//! bit-identical whether it runs alone, batched with other requests, or after
+//! a cached prefix: the determinism the engine promises on CPU rests here.
 
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+/// Lanes of one accumulator.
+const LANES: usize = 16;
+/// Output rows (of `w`) per parallel task.
+const W_ROWS_PER_TASK: usize = 64;
+/// Input rows (of `x`) kept hot while a task sweeps its weight rows.
+const X_ROWS_PER_BLOCK: usize = 64;
+/// Register tile.
+const TILE: usize = 4;
+
+type TileFn = unsafe fn(&TileArgs);
+
+/// One register tile: `ri × rj` dots of length `k`.
+struct TileArgs {
+    x: *const f32,
+    x_stride: usize,
+    w: *const f32,
+    w_stride: usize,
+    k: usize,
+    out: *mut f32,
+    out_stride: usize,
+    ri: usize,
+    rj: usize,
+}
+
 /// `out[n, m] = x[n, k] · w[m, k]ᵀ`.
 pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
-    debug_assert_eq!(x.len(), n * k);
-    debug_assert_eq!(w.len(), m * k);
+    assert!(
+        x.len() == n * k && w.len() == m * k,
+        "matmul_t: operand sizes; this is a bug"
+    );
     let mut out = vec![0f32; n * m];
     if n == 0 || m == 0 {
         return out;
     }
-    if n == 1 {
-        gemv_t(x, w, k, &mut out);
-        return out;
-    }
-    let threads = rayon::current_num_threads();
-    let par = if threads > 1 && n * m * k > 64 * 64 * 64 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
-    // SAFETY: the strides describe `out` [n, m] row-major, `x` [n, k] row-major and
-    // `w`ᵀ (w is [m, k] row-major, so wᵀ[kk, j] = w[j * k + kk]); all three buffers
-    // have exactly the sizes asserted above.
-    unsafe {
-        gemm::gemm(
-            n,
-            m,
-            k,
-            out.as_mut_ptr(),
-            1,
-            m as isize,
-            false,
-            x.as_ptr(),
-            1,
-            k as isize,
-            w.as_ptr(),
-            k as isize,
-            1,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        );
-    }
+    let tile = tile_fn();
+    // Tasks own disjoint column ranges of `out`; pass its address as usize so
+    // the closure is Send.
+    let out_addr = out.as_mut_ptr() as usize;
+    (0..m.div_ceil(W_ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|task| {
+            let j0 = task * W_ROWS_PER_TASK;
+            let j1 = (j0 + W_ROWS_PER_TASK).min(m);
+            for i0 in (0..n).step_by(X_ROWS_PER_BLOCK) {
+                let i1 = (i0 + X_ROWS_PER_BLOCK).min(n);
+                for jt in (j0..j1).step_by(TILE) {
+                    for it in (i0..i1).step_by(TILE) {
+                        let args = TileArgs {
+                            // SAFETY (all three pointers): it < n, jt < m, so the
+                            // offsets are inside `x`, `w` and `out`.
+                            x: unsafe { x.as_ptr().add(it * k) },
+                            x_stride: k,
+                            w: unsafe { w.as_ptr().add(jt * k) },
+                            w_stride: k,
+                            k,
+                            out: (out_addr as *mut f32).wrapping_add(it * m + jt),
+                            out_stride: m,
+                            ri: TILE.min(i1 - it),
+                            rj: TILE.min(j1 - jt),
+                        };
+                        // SAFETY: the tile reads ri rows of x and rj rows of w of
+                        // length k, and writes ri × rj elements of `out` in this
+                        // task's own columns [j0, j1).
+                        unsafe { tile(&args) };
+                    }
+                }
+            }
+        });
     out
 }
 
-/// `out[j] = dot(x, w[j])` for each row `j` of `w`, rows split across threads.
-fn gemv_t(x: &[f32], w: &[f32], k: usize, out: &mut [f32]) {
-    let dot = dot_fn();
-    const ROWS_PER_TASK: usize = 32;
-    out.par_chunks_mut(ROWS_PER_TASK)
-        .enumerate()
-        .for_each(|(chunk_idx, o)| {
-            let base = chunk_idx * ROWS_PER_TASK;
-            for (r, slot) in o.iter_mut().enumerate() {
-                let row = &w[(base + r) * k..(base + r + 1) * k];
-                *slot = dot(x, row);
-            }
-        });
-}
-
-type DotFn = fn(&[f32], &[f32]) -> f32;
-
-/// The fastest dot product this CPU supports, chosen once at run time.
-pub fn dot_fn() -> DotFn {
-    static DOT: OnceLock<DotFn> = OnceLock::new();
-    *DOT.get_or_init(|| {
+fn tile_fn() -> TileFn {
+    static TILE_FN: OnceLock<TileFn> = OnceLock::new();
+    *TILE_FN.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
-                return dot_avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return dot_avx2;
+                return avx512::tile;
             }
         }
-        dot_portable
+        tile_portable
     })
 }
 
-#[inline(always)]
-fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
-    const L: usize = 32;
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; L];
-    let ca = a.chunks_exact(L);
-    let cb = b.chunks_exact(L);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (xa, xb) in ca.zip(cb) {
-        for i in 0..L {
-            acc[i] = xa[i].mul_add(xb[i], acc[i]);
+/// The portable tile: the same lane structure with plain multiply-adds.
+unsafe fn tile_portable(a: &TileArgs) {
+    for i in 0..a.ri {
+        for j in 0..a.rj {
+            // SAFETY: guaranteed by the caller (see matmul_t).
+            let (xr, wr) = unsafe {
+                (
+                    std::slice::from_raw_parts(a.x.add(i * a.x_stride), a.k),
+                    std::slice::from_raw_parts(a.w.add(j * a.w_stride), a.k),
+                )
+            };
+            let s = dot_portable(xr, wr);
+            unsafe { *a.out.add(i * a.out_stride + j) = s };
         }
     }
-    let mut tail = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        tail = x.mul_add(*y, tail);
-    }
-    // Pairwise reduction keeps the rounding error small.
-    let mut width = L;
+}
+
+/// Sum of 16 lanes by a fixed pairwise tree.
+#[inline(always)]
+fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
+    let mut width = LANES;
     while width > 1 {
         width /= 2;
         for i in 0..width {
             acc[i] += acc[i + width];
         }
     }
-    acc[0] + tail
+    acc[0]
 }
 
-fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
-    let mut s = 0f32;
-    for (x, y) in a.iter().zip(b) {
-        s += x * y;
+/// The portable dot product with the documented order.
+pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let k = a.len().min(b.len());
+    let k16 = k / LANES * LANES;
+    let mut acc = [0f32; LANES];
+    for c in (0..k16).step_by(LANES) {
+        for l in 0..LANES {
+            acc[l] += a[c + l] * b[c + l];
+        }
+    }
+    let mut s = reduce_lanes(acc);
+    for t in k16..k {
+        s += a[t] * b[t];
     }
     s
 }
 
-#[cfg(target_arch = "x86_64")]
-fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-    #[target_feature(enable = "avx512f,fma")]
-    unsafe fn inner(a: &[f32], b: &[f32]) -> f32 {
-        dot_lanes(a, b)
-    }
-    // SAFETY: only selected by dot_fn() after detecting avx512f.
-    unsafe { inner(a, b) }
+type DotFn = fn(&[f32], &[f32]) -> f32;
+
+/// The fastest dot product this CPU supports, with the documented order.
+pub fn dot_fn() -> DotFn {
+    static DOT: OnceLock<DotFn> = OnceLock::new();
+    *DOT.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return avx512::dot;
+            }
+        }
+        dot_portable
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
-fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn inner(a: &[f32], b: &[f32]) -> f32 {
-        dot_lanes(a, b)
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{TileArgs, LANES};
+
+    /// Sum the lanes of `v` with the in-register reduction (a fixed order of
+    /// shuffles: deterministic, though not the portable tree's order).
+    #[target_feature(enable = "avx512f")]
+    fn reduce(v: __m512) -> f32 {
+        _mm512_reduce_add_ps(v)
     }
-    // SAFETY: only selected by dot_fn() after detecting avx2 and fma.
-    unsafe { inner(a, b) }
+
+    /// One dot product (the 1 × 1 tile).
+    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn inner(a: &[f32], b: &[f32]) -> f32 {
+            let k = a.len().min(b.len());
+            let k16 = k / LANES * LANES;
+            let mut acc = _mm512_setzero_ps();
+            let mut c = 0;
+            while c < k16 {
+                // SAFETY: c + 16 <= k16 <= len of both.
+                unsafe {
+                    acc = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(a.as_ptr().add(c)),
+                        _mm512_loadu_ps(b.as_ptr().add(c)),
+                        acc,
+                    );
+                }
+                c += LANES;
+            }
+            let mut s = reduce(acc);
+            for t in k16..k {
+                s += a[t] * b[t];
+            }
+            s
+        }
+        // SAFETY: only selected after detecting avx512f.
+        unsafe { inner(a, b) }
+    }
+
+    /// Up to 4 × 4 dot products sharing their loads.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn tile(a: &TileArgs) {
+        match (a.ri, a.rj) {
+            (4, 4) => unsafe { tile_n::<4, 4>(a) },
+            (1, 4) => unsafe { tile_n::<1, 4>(a) },
+            (ri, rj) => {
+                // Edge tiles: one row of x at a time, up to 4 rows of w.
+                for i in 0..ri {
+                    let sub = TileArgs {
+                        x: unsafe { a.x.add(i * a.x_stride) },
+                        out: unsafe { a.out.add(i * a.out_stride) },
+                        ri: 1,
+                        rj,
+                        ..*a
+                    };
+                    match rj {
+                        4 => unsafe { tile_n::<1, 4>(&sub) },
+                        3 => unsafe { tile_n::<1, 3>(&sub) },
+                        2 => unsafe { tile_n::<1, 2>(&sub) },
+                        _ => unsafe { tile_n::<1, 1>(&sub) },
+                    }
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile_n<const RI: usize, const RJ: usize>(a: &TileArgs) {
+        let k16 = a.k / LANES * LANES;
+        let mut acc = [[_mm512_setzero_ps(); RJ]; RI];
+        let mut c = 0;
+        while c < k16 {
+            let mut wv = [_mm512_setzero_ps(); RJ];
+            for (j, w) in wv.iter_mut().enumerate() {
+                // SAFETY: row j < rj of w, columns c..c+16 < k.
+                *w = unsafe { _mm512_loadu_ps(a.w.add(j * a.w_stride + c)) };
+            }
+            for (i, row) in acc.iter_mut().enumerate() {
+                // SAFETY: row i < ri of x, columns c..c+16 < k.
+                let xv = unsafe { _mm512_loadu_ps(a.x.add(i * a.x_stride + c)) };
+                for (j, acc_ij) in row.iter_mut().enumerate() {
+                    *acc_ij = _mm512_fmadd_ps(xv, wv[j], *acc_ij);
+                }
+            }
+            c += LANES;
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, acc_ij) in row.iter().enumerate() {
+                let mut s = reduce(*acc_ij);
+                for t in k16..a.k {
+                    // SAFETY: t < k.
+                    unsafe { s += *a.x.add(i * a.x_stride + t) * *a.w.add(j * a.w_stride + t) };
+                }
+                // SAFETY: (i, j) inside the tile the caller owns.
+                unsafe { *a.out.add(i * a.out_stride + j) = s };
+            }
+        }
+    }
 }
+
+// TileArgs is plain data for one call; the raw pointers never outlive it.
+impl Clone for TileArgs {
+    fn clone(&self) -> Self {
+        TileArgs { ..*self }
+    }
+}
+impl Copy for TileArgs {}
 
 #[cfg(test)]
 mod tests {
@@ -174,13 +302,14 @@ mod tests {
     }
 
     #[test]
-    fn matmul_matches_naive_for_gemv_and_gemm_shapes() {
+    fn matmul_matches_naive_for_all_tile_shapes() {
         for &(n, k, m) in &[
             (1, 67, 45),
             (1, 576, 1536),
             (3, 33, 17),
             (17, 128, 96),
             (64, 64, 64),
+            (130, 70, 131),
         ] {
             let x = pseudo(n * k, 1);
             let w = pseudo(m * k, 2);
@@ -192,6 +321,27 @@ mod tests {
                     "{n}x{k}x{m}: {g} vs {e}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn each_row_is_bit_identical_whatever_the_batch() {
+        let (k, m) = (200, 75);
+        let w = pseudo(m * k, 5);
+        let x = pseudo(9 * k, 6);
+        let batched = matmul_t(&x, 9, k, &w, m);
+        for i in 0..9 {
+            let alone = matmul_t(&x[i * k..(i + 1) * k], 1, k, &w, m);
+            assert!(
+                alone == batched[i * m..(i + 1) * m],
+                "row {i} differs alone vs batched"
+            );
+            let dot = dot_fn();
+            assert_eq!(
+                dot(&x[i * k..(i + 1) * k], &w[..k]),
+                alone[0],
+                "dot_fn agrees with the tile"
+            );
         }
     }
 

@@ -7,7 +7,9 @@ mod ops;
 
 use std::sync::Arc;
 
-use crate::backend::{Activation, AttentionParams, Backend, KvCache, KvCacheSpec, RopeParams};
+use crate::backend::{
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams,
+};
 use crate::error::{Result, TensorError};
 use crate::tensor::{DType, Tensor};
 
@@ -187,15 +189,43 @@ impl Backend for CpuBackend {
         Ok(Self::wrap(x.shape().to_vec(), out))
     }
 
+    fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
+        let (n, d) = x.dims2("gather_rows")?;
+        let data = self.data(x, "gather_rows")?;
+        let mut out = Vec::with_capacity(rows.len() * d);
+        for &r in rows {
+            let r = r as usize;
+            if r >= n {
+                return Err(TensorError::Shape {
+                    op: "gather_rows",
+                    detail: format!("row {r} of {n}"),
+                });
+            }
+            out.extend_from_slice(&data[r * d..(r + 1) * d]);
+        }
+        Ok(Self::wrap(vec![rows.len(), d], out))
+    }
+
     fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
-        let per_layer = spec.capacity * spec.num_kv_heads * spec.head_dim;
+        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim;
+        let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
+            (0..spec.num_layers)
+                .map(|_| {
+                    let mut v = Vec::new();
+                    v.try_reserve_exact(per_layer)
+                        .map_err(|_| TensorError::OutOfMemory {
+                            backend: "cpu",
+                            bytes: (per_layer * 4) as u64,
+                            what: format!("KV cache {what}"),
+                        })?;
+                    v.resize(per_layer, 0f32);
+                    Ok(v)
+                })
+                .collect()
+        };
         let kv = CpuKv {
-            k: (0..spec.num_layers)
-                .map(|_| vec![0f32; per_layer])
-                .collect(),
-            v: (0..spec.num_layers)
-                .map(|_| vec![0f32; per_layer])
-                .collect(),
+            k: alloc("keys")?,
+            v: alloc("values")?,
         };
         Ok(KvCache::from_storage(spec, Box::new(kv)))
     }
@@ -207,12 +237,16 @@ impl Backend for CpuBackend {
         v: &Tensor,
         cache: &mut KvCache,
         layer: usize,
-        start_pos: usize,
+        batch: &ForwardBatch,
         p: &AttentionParams,
     ) -> Result<Tensor> {
         let (n, qw) = q.dims2("attention")?;
         let kv_row = p.num_kv_heads * p.head_dim;
         let spec = cache.spec;
+        let bad = |detail: String| TensorError::Shape {
+            op: "attention",
+            detail,
+        };
         if qw != p.num_heads * p.head_dim
             || k.shape() != [n, kv_row]
             || v.shape() != [n, kv_row]
@@ -220,22 +254,47 @@ impl Backend for CpuBackend {
             || p.num_heads % p.num_kv_heads != 0
             || layer >= spec.num_layers
             || kv_row != spec.num_kv_heads * spec.head_dim
+            || batch.num_tokens() != n
+            || batch.slot_mapping.len() != n
+            || batch.block_size != spec.block_size
         {
-            return Err(TensorError::Shape {
-                op: "attention",
-                detail: format!(
-                    "q {:?}, k {:?}, v {:?}, layer {layer}, params {p:?}, cache {spec:?}",
-                    q.shape(),
-                    k.shape(),
-                    v.shape()
-                ),
+            return Err(bad(format!(
+                "q {:?}, k {:?}, v {:?}, layer {layer}, {n} batch rows, params {p:?}, cache {spec:?}",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            )));
+        }
+        // Every slot and block the step touches must exist.
+        let num_slots = spec.num_slots();
+        if let Some(&s) = batch
+            .slot_mapping
+            .iter()
+            .find(|&&s| s as usize >= num_slots)
+        {
+            return Err(TensorError::KvCacheFull {
+                needed: s as usize + 1,
+                capacity: num_slots,
             });
         }
-        if start_pos + n > spec.capacity {
-            return Err(TensorError::KvCacheFull {
-                needed: start_pos + n,
-                capacity: spec.capacity,
-            });
+        for seq in &batch.seqs {
+            let end = seq.num_computed + seq.num_tokens;
+            if seq.token_start + seq.num_tokens > n
+                || seq.block_table.len() * spec.block_size < end
+                || seq
+                    .block_table
+                    .iter()
+                    .any(|&b| b as usize >= spec.num_blocks)
+            {
+                return Err(bad(format!(
+                    "sequence of {} tokens after {} cached with {} blocks of {} (pool {})",
+                    seq.num_tokens,
+                    seq.num_computed,
+                    seq.block_table.len(),
+                    spec.block_size,
+                    spec.num_blocks
+                )));
+            }
         }
         let (qd, kd, vd) = (
             self.data(q, "attention")?,
@@ -243,9 +302,13 @@ impl Backend for CpuBackend {
             self.data(v, "attention")?,
         );
         let kv = Self::kv(cache)?;
-        kv.k[layer][start_pos * kv_row..(start_pos + n) * kv_row].copy_from_slice(kd);
-        kv.v[layer][start_pos * kv_row..(start_pos + n) * kv_row].copy_from_slice(vd);
-        let out = attention::attend(qd, n, start_pos, &kv.k[layer], &kv.v[layer], p);
+        let (kc, vc) = (&mut kv.k[layer], &mut kv.v[layer]);
+        for (i, &s) in batch.slot_mapping.iter().enumerate() {
+            let s = s as usize;
+            kc[s * kv_row..(s + 1) * kv_row].copy_from_slice(&kd[i * kv_row..(i + 1) * kv_row]);
+            vc[s * kv_row..(s + 1) * kv_row].copy_from_slice(&vd[i * kv_row..(i + 1) * kv_row]);
+        }
+        let out = attention::attend(qd, batch, kc, vc, p);
         Ok(Self::wrap(vec![n, qw], out))
     }
 }
