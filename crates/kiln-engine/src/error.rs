@@ -25,6 +25,14 @@ pub enum EngineError {
     BadModelPath { path: String, what: String },
     #[error("this model has no chat template; use a raw prompt")]
     NoChatTemplate,
+    #[error(transparent)]
+    Refused(#[from] kiln_scheduler::SubmitError),
+    #[error("engine configuration: {0}")]
+    Config(String),
+    #[error("request failed: {0}")]
+    Failed(String),
+    #[error("the engine has stopped")]
+    EngineStopped,
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

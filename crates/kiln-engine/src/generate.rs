@@ -5,25 +5,39 @@ use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use kiln_sampling::{
-    FinishReason, History, RepetitionGuard, Sampled, Sampler, SamplingParams, StopMatcher, TokenId,
-};
+use kiln_sampling::{FinishReason, Sampled, SamplingParams, TokenId};
 use kiln_tensor::ForwardBatch;
-use kiln_text::IncrementalDetokenizer;
 
 use crate::error::{EngineError, Result};
 use crate::load::LoadedModel;
+use crate::process::TokenProcessor;
 
 /// Tokens per KV block.
 const BLOCK_SIZE: usize = 16;
 
 /// One generation request: prompt token ids and sampling parameters.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct GenerationRequest {
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     /// Drop special tokens (other than stop tokens, which are never emitted) from the text.
     pub skip_special_tokens: bool,
+    /// Scheduling class: lower is more urgent (0 is the default).
+    pub priority: i32,
+    /// Requests with different salts never share cached KV blocks.
+    pub cache_salt: Option<String>,
+}
+
+impl GenerationRequest {
+    /// A request for `prompt` with `params`, skipping special tokens in the text.
+    pub fn new(prompt: Vec<u32>, params: SamplingParams) -> Self {
+        GenerationRequest {
+            prompt,
+            params,
+            skip_special_tokens: true,
+            ..GenerationRequest::default()
+        }
+    }
 }
 
 /// One generated token, as streamed.
@@ -70,7 +84,7 @@ pub struct Generation {
 }
 
 /// Entropy for unseeded requests: time mixed with a process-wide counter.
-fn entropy() -> u64 {
+pub(crate) fn entropy() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let t = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -98,17 +112,20 @@ impl LoadedModel {
                 context_length: ctx,
             });
         }
-        let mut sampler = Sampler::new(req.params.clone(), cfg.vocab_size, entropy())?;
         let max_new = req
             .params
             .max_tokens
             .unwrap_or(usize::MAX)
             .min(ctx - req.prompt.len());
-        let guard = RepetitionGuard::from_params(&req.params);
-        let mut stops = StopMatcher::new(&req.params.stop);
-        let mut detok = IncrementalDetokenizer::new(&self.tokenizer, req.skip_special_tokens);
-        let prompt_ids: Vec<TokenId> = req.prompt.iter().map(|&t| TokenId(t)).collect();
-        let mut generated: Vec<TokenId> = Vec::new();
+        let mut proc = TokenProcessor::new(
+            self,
+            &req.prompt,
+            &req.params,
+            req.skip_special_tokens,
+            max_new,
+            entropy(),
+        )?;
+        let _ = cfg;
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let mut timings = Timings {
@@ -124,73 +141,40 @@ impl LoadedModel {
         let mut decode_start = None;
         let finish_reason = loop {
             let mut row = self.model.backend().to_host(&logits)?;
-            let sampled = sampler.sample(&mut row, &History::new(&prompt_ids, &generated))?;
-            let token = sampled.token;
-            generated.push(token);
+            let out = proc.on_logits(&mut row)?;
             if decode_start.is_none() {
                 timings.prefill_seconds = start.elapsed().as_secs_f64();
                 decode_start = Some(Instant::now());
             }
-            let token_finish =
-                req.params
-                    .token_finish_reason(token, generated.len(), &self.eos_token_ids);
-            // A stop token ends the turn; its text is never emitted.
-            let mut released = String::new();
-            let mut finish = None;
-            if token_finish != Some(FinishReason::Stop) {
-                let delta = detok.push(token.0)?;
-                let out = stops.push(&delta);
-                released = out.text;
-                if let Some(idx) = out.stop_idx {
-                    finish = Some(FinishReason::StopString(idx));
-                }
-            }
-            finish = finish.or(token_finish);
-            if finish.is_none() && guard.is_enabled() {
-                finish = guard.check(&generated);
-            }
-            if finish.is_none() && generated.len() >= max_new {
-                finish = Some(FinishReason::Length);
-            }
-            if let Some(f) = finish {
-                if !matches!(f, FinishReason::StopString(_)) {
-                    // Flush what the detokenizer and the stop matcher held back.
-                    let tail = detok.finish()?;
-                    let out = stops.push(&tail);
-                    released.push_str(&out.text);
-                    if out.stop_idx.is_none() {
-                        released.push_str(&stops.finish());
-                    }
-                }
-            }
-            text.push_str(&released);
-            let event = TokenEvent {
+            let token = out.sampled.token;
+            text.push_str(&out.text);
+            let flow = on_token(&TokenEvent {
                 token,
-                text: &released,
-                sampled: &sampled,
-            };
-            let flow = on_token(&event);
+                text: &out.text,
+                sampled: &out.sampled,
+            });
             if req.params.logprobs.is_some() {
-                logprobs.push(sampled);
+                logprobs.push(out.sampled);
             }
-            if let Some(f) = finish {
+            if let Some(f) = out.finish {
                 break f;
             }
             if flow.is_break() {
                 break FinishReason::Cancelled;
             }
-            let pos = req.prompt.len() + generated.len() - 1;
+            let pos = req.prompt.len() + proc.generated().len() - 1;
             logits = self.model.forward(
                 &ForwardBatch::single(&[token.0], pos, BLOCK_SIZE, 0),
                 &mut cache,
             )?;
         };
+        let generated: Vec<u32> = proc.generated().iter().map(|t| t.0).collect();
         timings.generated_tokens = generated.len();
         timings.decode_seconds = decode_start
             .map(|d| d.elapsed().as_secs_f64())
             .unwrap_or(0.0);
         Ok(Generation {
-            token_ids: generated.into_iter().map(|t| t.0).collect(),
+            token_ids: generated,
             text,
             finish_reason,
             logprobs,

@@ -11,10 +11,17 @@
 //! [`Generation`], [`Timings`], [`EngineError`].
 
 pub mod convert;
+mod engine;
 mod error;
+mod events;
 mod generate;
 mod load;
+mod process;
+mod session;
 
+pub use engine::{Engine, EngineConfig, EngineHandle, RequestStream};
 pub use error::{EngineError, Result};
+pub use events::{Event, RequestTimings, Usage};
 pub use generate::{Generation, GenerationRequest, Timings, TokenEvent};
 pub use load::LoadedModel;
+pub use session::{ChatSession, ChatTurn, TOOL_ERROR_MARKER};

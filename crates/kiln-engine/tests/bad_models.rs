@@ -85,6 +85,7 @@ fn a_tiny_random_checkpoint_loads_and_generates() {
             ..kiln_sampling::SamplingParams::greedy()
         },
         skip_special_tokens: true,
+        ..Default::default()
     };
     let g = m
         .generate(&req, &mut |_| std::ops::ControlFlow::Continue(()))

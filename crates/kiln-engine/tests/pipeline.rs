@@ -51,6 +51,7 @@ fn run(model: &LoadedModel, prompt: Vec<u32>, params: SamplingParams) -> Generat
         prompt,
         params,
         skip_special_tokens: true,
+        ..Default::default()
     };
     let mut streamed = String::new();
     let g = model
@@ -207,6 +208,7 @@ fn refuses_bad_requests_with_numbers() {
         prompt: too_long,
         params: SamplingParams::greedy(),
         skip_special_tokens: true,
+        ..Default::default()
     };
     let err = model
         .generate(&req, &mut |_| ControlFlow::Continue(()))
@@ -219,6 +221,7 @@ fn refuses_bad_requests_with_numbers() {
         prompt: Vec::new(),
         params: SamplingParams::greedy(),
         skip_special_tokens: true,
+        ..Default::default()
     };
     assert!(matches!(
         model.generate(&req, &mut |_| ControlFlow::Continue(())),
@@ -231,6 +234,7 @@ fn refuses_bad_requests_with_numbers() {
             ..SamplingParams::default()
         },
         skip_special_tokens: true,
+        ..Default::default()
     };
     assert!(matches!(
         model.generate(&req, &mut |_| ControlFlow::Continue(())),
@@ -249,6 +253,7 @@ fn cancelling_from_the_callback_stops_generation() {
             ..SamplingParams::greedy()
         },
         skip_special_tokens: true,
+        ..Default::default()
     };
     let mut n = 0;
     let g = model

@@ -157,6 +157,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             ..SamplingParams::greedy()
         },
         skip_special_tokens: true,
+        ..Default::default()
     };
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     for run in 0..=a.runs {

@@ -62,6 +62,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
             prompt,
             params: a.sampling.params(),
             skip_special_tokens: true,
+            ..Default::default()
         };
         let mut stdout = std::io::stdout().lock();
         let g = model.generate(&req, &mut |ev| {

@@ -87,6 +87,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         prompt,
         params: a.sampling.params(),
         skip_special_tokens: true,
+        ..Default::default()
     };
     let mut stdout = std::io::stdout().lock();
     let stream = !a.json;

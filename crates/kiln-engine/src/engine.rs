@@ -1,0 +1,414 @@
+//! The engine loop: one thread owns the scheduler, the KV cache and the
+//! model, and runs steps (schedule → one forward over every scheduled
+//! request → sample → update) while requests are in flight. Everything else
+//! talks to it through an [`EngineHandle`]: `submit` returns a
+//! [`RequestStream`] of [`Event`]s; dropping the stream cancels the request
+//! and frees its blocks at the next step.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kiln_sampling::{FinishReason, TokenId};
+use kiln_scheduler::{
+    KvCacheSpec, Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats,
+};
+use kiln_tensor::ForwardBatch;
+
+use crate::error::{EngineError, Result};
+use crate::events::{Event, RequestTimings, Usage};
+use crate::generate::{entropy, GenerationRequest};
+use crate::load::LoadedModel;
+use crate::process::TokenProcessor;
+
+/// Sizes of the engine's KV pool and step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineConfig {
+    pub block_size: usize,
+    /// Blocks in the KV pool.
+    pub num_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_waiting: usize,
+}
+
+impl EngineConfig {
+    /// A pool of `kv_bytes` of KV memory for `model` (f32 on the CPU backend).
+    pub fn for_memory(model: &LoadedModel, kv_bytes: usize) -> Self {
+        let block_size = 16;
+        let per_block = model.model.config().kv_bytes_per_token(4) * block_size;
+        EngineConfig {
+            block_size,
+            num_blocks: (kv_bytes / per_block.max(1)).max(1),
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_waiting: 1024,
+        }
+    }
+}
+
+enum Command {
+    Submit {
+        request: GenerationRequest,
+        events: Sender<Event>,
+        reply: SyncSender<Result<u64>>,
+    },
+    Stats {
+        reply: SyncSender<SchedulerStats>,
+    },
+    Shutdown,
+}
+
+/// The caller's side of the engine. Cloning is cheap; the engine stops when
+/// every handle is dropped.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: Sender<Command>,
+    model: Arc<LoadedModel>,
+}
+
+/// The events of one request. Dropping it cancels the request.
+pub struct RequestStream {
+    pub id: u64,
+    events: Receiver<Event>,
+}
+
+impl RequestStream {
+    /// The next event, waiting for it; `None` after the last.
+    pub fn next_event(&self) -> Option<Event> {
+        self.events.recv().ok()
+    }
+}
+
+impl Iterator for RequestStream {
+    type Item = Event;
+    fn next(&mut self) -> Option<Event> {
+        self.next_event()
+    }
+}
+
+impl EngineHandle {
+    /// The model the engine serves, for tokenizing and rendering templates.
+    pub fn model(&self) -> &Arc<LoadedModel> {
+        &self.model
+    }
+
+    /// Submit a request. Refusals happen here, at once: a request that can
+    /// never fit (with its numbers) or a full queue ([`EngineError::Busy`]).
+    pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream> {
+        let (events, rx) = mpsc::channel();
+        let (reply, reply_rx) = mpsc::sync_channel(1);
+        self.commands
+            .send(Command::Submit {
+                request,
+                events,
+                reply,
+            })
+            .map_err(|_| EngineError::EngineStopped)?;
+        let id = reply_rx.recv().map_err(|_| EngineError::EngineStopped)??;
+        Ok(RequestStream { id, events: rx })
+    }
+
+    /// Queue, pool and prefix-cache counters.
+    pub fn stats(&self) -> Result<SchedulerStats> {
+        let (reply, rx) = mpsc::sync_channel(1);
+        self.commands
+            .send(Command::Stats { reply })
+            .map_err(|_| EngineError::EngineStopped)?;
+        rx.recv().map_err(|_| EngineError::EngineStopped)
+    }
+}
+
+/// The engine thread; dropping it stops the loop after the current step.
+pub struct Engine {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Start the engine loop on its own thread, owning `model`.
+    pub fn start(model: LoadedModel, config: EngineConfig) -> Result<Engine> {
+        let model = Arc::new(model);
+        let cfg = model.model.config();
+        let sched_cfg = SchedulerConfig {
+            kv_cache: KvCacheSpec {
+                block_size: config.block_size,
+                ..KvCacheSpec::uniform(cfg.num_layers)
+            },
+            num_blocks: config.num_blocks,
+            max_model_len: model.context_length(),
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            max_num_seqs: config.max_num_seqs,
+            max_waiting: config.max_waiting,
+        };
+        let scheduler =
+            Scheduler::new(sched_cfg).map_err(|e| EngineError::Config(e.to_string()))?;
+        let cache = model
+            .model
+            .new_kv_cache(config.num_blocks, config.block_size)?;
+        let (tx, rx) = mpsc::channel();
+        let shared = model.clone();
+        let thread = std::thread::Builder::new()
+            .name("kiln-engine".into())
+            .spawn(move || {
+                let mut lp = Loop {
+                    model: &model,
+                    scheduler,
+                    cache,
+                    block_size: config.block_size,
+                    active: HashMap::new(),
+                    next_id: 1,
+                };
+                lp.run(rx);
+            })
+            .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
+        Ok(Engine {
+            handle: EngineHandle {
+                commands: tx,
+                model: shared,
+            },
+            thread: Some(thread),
+        })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.handle.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A request the loop is serving.
+struct Active<'m> {
+    proc: TokenProcessor<'m>,
+    want_logprobs: bool,
+    events: Sender<Event>,
+    submitted: Instant,
+    first_step: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+struct Loop<'m> {
+    model: &'m LoadedModel,
+    scheduler: Scheduler,
+    cache: kiln_tensor::KvCache,
+    block_size: usize,
+    active: HashMap<RequestId, Active<'m>>,
+    next_id: u64,
+}
+
+impl<'m> Loop<'m> {
+    fn run(&mut self, commands: Receiver<Command>) {
+        loop {
+            // Take every waiting command; block only when there is no work.
+            loop {
+                let cmd = if self.scheduler.has_unfinished_requests() {
+                    match commands.try_recv() {
+                        Ok(c) => c,
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => return,
+                    }
+                } else {
+                    match commands.recv_timeout(Duration::from_secs(3600)) {
+                        Ok(c) => c,
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => return,
+                    }
+                };
+                match cmd {
+                    Command::Submit {
+                        request,
+                        events,
+                        reply,
+                    } => {
+                        let _ = reply.send(self.admit(request, events));
+                    }
+                    Command::Stats { reply } => {
+                        let _ = reply.send(self.scheduler.stats());
+                    }
+                    Command::Shutdown => return,
+                }
+            }
+            self.step();
+        }
+    }
+
+    fn admit(&mut self, request: GenerationRequest, events: Sender<Event>) -> Result<u64> {
+        let id = RequestId(self.next_id);
+        let ctx = self.model.context_length();
+        let max_tokens = request
+            .params
+            .max_tokens
+            .unwrap_or(ctx.saturating_sub(request.prompt.len()).max(1));
+        if request.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let proc = TokenProcessor::new(
+            self.model,
+            &request.prompt,
+            &request.params,
+            request.skip_special_tokens,
+            max_tokens,
+            entropy(),
+        )?;
+        let prompt: Vec<TokenId> = request.prompt.iter().map(|&t| TokenId(t)).collect();
+        let mut sreq = Request::new(id, prompt, max_tokens);
+        sreq.priority = Priority(request.priority);
+        sreq.cache_salt = request.cache_salt.clone();
+        self.scheduler.submit(sreq)?;
+        self.next_id += 1;
+        self.active.insert(
+            id,
+            Active {
+                proc,
+                want_logprobs: request.params.logprobs.is_some(),
+                events,
+                submitted: Instant::now(),
+                first_step: None,
+                first_token: None,
+            },
+        );
+        Ok(id.0)
+    }
+
+    fn step(&mut self) {
+        let out = match self.scheduler.schedule() {
+            Ok(o) => o,
+            Err(e) => return self.fail_all(&format!("scheduler: {e}")),
+        };
+        if out.scheduled.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut batch = ForwardBatch {
+            block_size: self.block_size,
+            ..ForwardBatch::default()
+        };
+        for s in &out.scheduled {
+            if let Some(a) = self.active.get_mut(&s.id) {
+                a.first_step.get_or_insert(now);
+            }
+            let tokens: Vec<u32> = s.new_token_ids.iter().map(|t| t.0).collect();
+            let table = s.block_table.iter().map(|b| b.0).collect();
+            batch.push_seq(&tokens, s.num_computed_tokens, table, s.wants_logits);
+        }
+        let logits = self
+            .model
+            .model
+            .forward(&batch, &mut self.cache)
+            .and_then(|t| Ok(self.model.model.backend().to_host(&t)?));
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => return self.fail_all(&format!("forward pass: {e}")),
+        };
+        let vocab = self.model.model.config().vocab_size;
+        let mut results = Vec::new();
+        let mut finished = Vec::new();
+        for (row, s) in out.scheduled.iter().filter(|s| s.wants_logits).enumerate() {
+            let Some(a) = self.active.get_mut(&s.id) else {
+                continue;
+            };
+            let mut logit_row = logits[row * vocab..(row + 1) * vocab].to_vec();
+            match a.proc.on_logits(&mut logit_row) {
+                Ok(o) => {
+                    a.first_token.get_or_insert_with(Instant::now);
+                    results.push((s.id, vec![o.sampled.token]));
+                    let event = Event::Token {
+                        token_id: o.sampled.token.0,
+                        text: o.text,
+                        logprobs: a.want_logprobs.then_some(o.sampled),
+                    };
+                    if a.events.send(event).is_err() {
+                        // The client dropped its stream: cancel.
+                        finished.push((s.id, FinishReason::Cancelled));
+                    } else if let Some(f) = o.finish {
+                        finished.push((s.id, f));
+                    }
+                }
+                Err(e) => {
+                    let _ = a.events.send(Event::Failed {
+                        message: e.to_string(),
+                    });
+                    finished.push((s.id, FinishReason::Cancelled));
+                    results.push((s.id, vec![TokenId(0)]));
+                }
+            }
+        }
+        // Requests whose client went away while their prompt is still being
+        // computed are noticed here.
+        for s in out.scheduled.iter().filter(|s| !s.wants_logits) {
+            if let Some(a) = self.active.get(&s.id) {
+                if a.events.send(Event::Progress).is_err() {
+                    finished.push((s.id, FinishReason::Cancelled));
+                }
+            }
+        }
+        let update = match self.scheduler.update(&results) {
+            Ok(u) => u,
+            Err(e) => return self.fail_all(&format!("scheduler update: {e}")),
+        };
+        for (id, reason) in finished {
+            if reason == FinishReason::Cancelled {
+                let _ = self.scheduler.cancel(id);
+                self.active.remove(&id);
+            } else if let Ok(f) = self.scheduler.finish(id) {
+                self.send_finished(id, reason, f.num_cached_tokens);
+            }
+        }
+        for f in update.finished_by_length {
+            self.send_finished(f.id, FinishReason::Length, f.num_cached_tokens);
+        }
+    }
+
+    fn send_finished(&mut self, id: RequestId, reason: FinishReason, cached: usize) {
+        let Some(mut a) = self.active.remove(&id) else {
+            return;
+        };
+        // Text held back is flushed by the processor on every finish it
+        // decides; a length limit found by the scheduler is flushed here.
+        if reason == FinishReason::Length && !a.proc.generated().is_empty() {
+            if let Ok(text) = a.proc.flush() {
+                if !text.is_empty() {
+                    let _ = a.events.send(Event::Token {
+                        token_id: u32::MAX,
+                        text,
+                        logprobs: None,
+                    });
+                }
+            }
+        }
+        let first_step = a.first_step.unwrap_or(a.submitted);
+        let first_token = a.first_token.unwrap_or(first_step);
+        let _ = a.events.send(Event::Finished {
+            finish_reason: reason,
+            usage: Usage {
+                prompt_tokens: a.proc.prompt_len(),
+                cached_tokens: cached,
+                completion_tokens: a.proc.generated().len(),
+            },
+            timings: RequestTimings {
+                queue_seconds: (first_step - a.submitted).as_secs_f64(),
+                prefill_seconds: (first_token - first_step).as_secs_f64(),
+                decode_seconds: first_token.elapsed().as_secs_f64(),
+            },
+        });
+    }
+
+    fn fail_all(&mut self, message: &str) {
+        for (id, a) in self.active.drain() {
+            let _ = a.events.send(Event::Failed {
+                message: message.to_string(),
+            });
+            let _ = self.scheduler.cancel(id);
+        }
+    }
+}

@@ -1,0 +1,46 @@
+//! What the engine streams back for each request.
+
+use kiln_sampling::{FinishReason, Sampled};
+
+/// Token counts of a finished request, as the APIs report them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// Where a request's time went, in seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RequestTimings {
+    /// Submission until its first step.
+    pub queue_seconds: f64,
+    /// First step until its first token.
+    pub prefill_seconds: f64,
+    /// First token until the last.
+    pub decode_seconds: f64,
+}
+
+/// One streamed event of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A generated token and the text it released (possibly empty).
+    Token {
+        token_id: u32,
+        text: String,
+        /// Present when the request asked for logprobs.
+        logprobs: Option<Sampled>,
+    },
+    /// A step computed part of the prompt (sent so a dropped stream is
+    /// noticed during long prefills; carries nothing).
+    Progress,
+    /// The request ended; nothing follows.
+    Finished {
+        finish_reason: FinishReason,
+        usage: Usage,
+        timings: RequestTimings,
+    },
+    /// The request failed inside the engine; nothing follows.
+    Failed { message: String },
+}

@@ -1,0 +1,42 @@
+//! The scheduler's configuration: the KV layout, the pool size and the limits.
+
+use crate::kv_spec::KvCacheSpec;
+
+/// The default token budget of a step.
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
+/// The default cap on running requests.
+pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
+/// The default bound on the waiting queue.
+pub const DEFAULT_MAX_WAITING: usize = 1024;
+
+/// What the scheduler serves and its limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// The model's KV cache layout.
+    pub kv_cache: KvCacheSpec,
+    /// Blocks in the pool (what fits in KV memory).
+    pub num_blocks: usize,
+    /// The model's context: prompt plus generated tokens.
+    pub max_model_len: usize,
+    /// The token budget of one step.
+    pub max_num_batched_tokens: usize,
+    /// The most running requests.
+    pub max_num_seqs: usize,
+    /// The most waiting requests accepted by `submit`; preempted requests return to
+    /// the queue even beyond it.
+    pub max_waiting: usize,
+}
+
+impl SchedulerConfig {
+    /// A configuration with the default budget, running cap and queue bound.
+    pub fn new(kv_cache: KvCacheSpec, num_blocks: usize, max_model_len: usize) -> Self {
+        SchedulerConfig {
+            kv_cache,
+            num_blocks,
+            max_model_len,
+            max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS,
+            max_waiting: DEFAULT_MAX_WAITING,
+        }
+    }
+}

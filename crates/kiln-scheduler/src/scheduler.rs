@@ -1,0 +1,551 @@
+//! The step scheduler: admission, the per-step token plan, preemption by recompute,
+//! and the bookkeeping after each step.
+//!
+//! The engine drives it in a loop: [`Scheduler::schedule`] plans a step, the model
+//! runs it, [`Scheduler::update`] records the sampled tokens, and the engine calls
+//! [`Scheduler::finish`] for requests its stop checks ended. Each step maps requests
+//! to token counts under one token budget, so prompt chunks and decodes share a
+//! step; there are no prefill and decode phases.
+//!
+//! A step is planned in three passes, each in queue order (priority class, then
+//! arrival): running requests with one token left (decodes), then the other running
+//! requests (prompt chunks, as many tokens as the budget allows), then waiting
+//! requests are admitted while the budget, the running cap and the free blocks
+//! allow (the queue head blocks the rest, so admission is strictly in order; no
+//! admission happens in a step that preempted). When a running request needs a
+//! block and none is free, the running request last in queue order (lowest
+//! priority, newest) is preempted: its blocks are released (its full blocks stay
+//! cached), its computed count drops to 0 and it waits again with its generated
+//! tokens kept, ahead of every later arrival of its class. It recomputes its
+//! prompt and output when readmitted, hitting its own cached blocks. A request that
+//! fits the pool alone always makes progress, because the request first in queue
+//! order is never preempted while another runs.
+//!
+//! Everything is deterministic: the same calls give the same plans.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kiln_sampling::TokenId;
+
+use crate::config::SchedulerConfig;
+use crate::error::{ConfigError, SchedulerError, SubmitError};
+use crate::hash::BlockHash;
+use crate::kv_manager::KvManager;
+use crate::output::{
+    FinishedRequest, ScheduledRequest, SchedulerOutput, SchedulerStats, UpdateOutput,
+};
+use crate::request::{QueueKey, Request, RequestId, RequestInfo, RequestState, RequestStatus};
+
+/// Counters that are not derived from the queues or the pool.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    num_preemptions: u64,
+    num_prompt_tokens: u64,
+    num_generated_tokens: u64,
+    num_steps: u64,
+    num_finished: u64,
+    num_cancelled: u64,
+}
+
+/// A step being planned.
+struct StepPlan {
+    entries: Vec<(RequestId, usize)>,
+    budget: usize,
+    preempted: Vec<RequestId>,
+}
+
+impl StepPlan {
+    fn contains(&self, id: RequestId) -> bool {
+        self.entries.iter().any(|&(entry_id, _)| entry_id == id)
+    }
+}
+
+/// The scheduler: the waiting and running requests, their KV blocks, and the step
+/// protocol. It owns no tensors and is driven by one thread.
+#[derive(Debug, Clone)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvManager,
+    requests: BTreeMap<RequestId, RequestState>,
+    waiting: BTreeSet<QueueKey>,
+    running: BTreeSet<QueueKey>,
+    /// The step awaiting its update: each scheduled request and whether it wants
+    /// logits.
+    in_flight: Option<BTreeMap<RequestId, bool>>,
+    next_arrival: u64,
+    counters: Counters,
+}
+
+impl Scheduler {
+    /// A scheduler with an empty pool of `config.num_blocks` blocks. Fails if a limit
+    /// is 0 or the KV layout cannot be served (recurrent layers).
+    pub fn new(config: SchedulerConfig) -> Result<Self, ConfigError> {
+        for (name, value) in [
+            ("max_model_len", config.max_model_len),
+            ("max_num_batched_tokens", config.max_num_batched_tokens),
+            ("max_num_seqs", config.max_num_seqs),
+            ("max_waiting", config.max_waiting),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::MustBePositive { name });
+            }
+        }
+        let kv = KvManager::new(config.kv_cache.clone(), config.num_blocks)?;
+        Ok(Scheduler {
+            config,
+            kv,
+            requests: BTreeMap::new(),
+            waiting: BTreeSet::new(),
+            running: BTreeSet::new(),
+            in_flight: None,
+            next_arrival: 0,
+            counters: Counters::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The KV bookkeeping, read-only: block tables, the pool and its counters.
+    pub fn kv_manager(&self) -> &KvManager {
+        &self.kv
+    }
+
+    #[cfg(test)]
+    pub(crate) fn kv_manager_mut(&mut self) -> &mut KvManager {
+        &mut self.kv
+    }
+
+    /// Queues a request, or refuses it at once: [`SubmitError::TooLong`] and
+    /// [`SubmitError::ExceedsPool`] when it could never run, with the numbers;
+    /// [`SubmitError::Busy`] when the waiting queue is full. Invalid requests are
+    /// refused before a full queue is reported, so a client is never told to retry
+    /// a request that cannot succeed.
+    pub fn submit(&mut self, request: Request) -> Result<(), SubmitError> {
+        let Request {
+            id,
+            prompt_token_ids,
+            max_tokens,
+            priority,
+            cache_salt,
+            adapter_id,
+        } = request;
+        if self.requests.contains_key(&id) {
+            return Err(SubmitError::DuplicateId { id });
+        }
+        if prompt_token_ids.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if max_tokens == 0 {
+            return Err(SubmitError::ZeroMaxTokens);
+        }
+        let num_prompt_tokens = prompt_token_ids.len();
+        if num_prompt_tokens.saturating_add(max_tokens) > self.config.max_model_len {
+            return Err(SubmitError::TooLong {
+                prompt_tokens: num_prompt_tokens,
+                max_tokens,
+                max_model_len: self.config.max_model_len,
+            });
+        }
+        // The last generated token is sampled but never computed, so it needs no KV.
+        let blocks_needed = self
+            .config
+            .kv_cache
+            .blocks_for_tokens(num_prompt_tokens + max_tokens - 1);
+        if blocks_needed > self.config.num_blocks {
+            return Err(SubmitError::ExceedsPool {
+                blocks_needed,
+                pool_blocks: self.config.num_blocks,
+            });
+        }
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(SubmitError::Busy {
+                waiting: self.waiting.len(),
+                max_waiting: self.config.max_waiting,
+            });
+        }
+        let order = QueueKey {
+            priority,
+            arrival: self.next_arrival,
+            id,
+        };
+        self.next_arrival += 1;
+        self.waiting.insert(order);
+        self.requests.insert(
+            id,
+            RequestState {
+                token_ids: prompt_token_ids,
+                num_prompt_tokens,
+                max_tokens,
+                root_hash: BlockHash::root(adapter_id, cache_salt.as_deref()),
+                num_computed_tokens: 0,
+                num_cached_tokens: None,
+                num_preemptions: 0,
+                status: RequestStatus::Waiting,
+                order,
+            },
+        );
+        Ok(())
+    }
+
+    /// Plans the next step (see the module docs). An empty output starts no step;
+    /// otherwise the step is in flight until [`Scheduler::update`], and scheduling
+    /// again before that is [`SchedulerError::StepInFlight`].
+    pub fn schedule(&mut self) -> Result<SchedulerOutput, SchedulerError> {
+        if self.in_flight.is_some() {
+            return Err(SchedulerError::StepInFlight);
+        }
+        let mut plan = StepPlan {
+            entries: Vec::new(),
+            budget: self.config.max_num_batched_tokens,
+            preempted: Vec::new(),
+        };
+        let order: Vec<QueueKey> = self.running.iter().copied().collect();
+        for key in &order {
+            if plan.budget == 0 {
+                break;
+            }
+            if self.running.contains(key) && self.requests[&key.id].num_remaining_tokens() == 1 {
+                self.schedule_running(*key, 1, &mut plan);
+            }
+        }
+        for key in &order {
+            if plan.budget == 0 {
+                break;
+            }
+            if !self.running.contains(key) || plan.contains(key.id) {
+                continue;
+            }
+            let num_new_tokens = self.requests[&key.id]
+                .num_remaining_tokens()
+                .min(plan.budget);
+            if num_new_tokens > 0 {
+                self.schedule_running(*key, num_new_tokens, &mut plan);
+            }
+        }
+        if plan.preempted.is_empty() {
+            self.admit_waiting(&mut plan);
+        }
+        Ok(self.emit(plan))
+    }
+
+    /// Schedules `num_new_tokens` for running request `key`, preempting from the
+    /// back of the running set until its blocks fit (possibly itself).
+    fn schedule_running(&mut self, key: QueueKey, num_new_tokens: usize, plan: &mut StepPlan) {
+        loop {
+            let num_computed = self.requests[&key.id].num_computed_tokens;
+            if self
+                .kv
+                .allocate_for(key.id, num_computed, num_new_tokens)
+                .is_ok()
+            {
+                plan.entries.push((key.id, num_new_tokens));
+                plan.budget -= num_new_tokens;
+                return;
+            }
+            let victim = *self
+                .running
+                .last()
+                .expect("the request being scheduled is running; this is a bug");
+            self.preempt(victim, plan);
+            if victim == key {
+                return;
+            }
+        }
+    }
+
+    /// Moves running request `key` back to the waiting queue, releasing its blocks
+    /// and taking it out of the plan (refunding its budget).
+    fn preempt(&mut self, key: QueueKey, plan: &mut StepPlan) {
+        self.running.remove(&key);
+        self.kv.free(key.id);
+        let req = self
+            .requests
+            .get_mut(&key.id)
+            .expect("running requests are known; this is a bug");
+        req.num_computed_tokens = 0;
+        req.status = RequestStatus::Waiting;
+        req.num_preemptions += 1;
+        self.waiting.insert(key);
+        self.counters.num_preemptions += 1;
+        if let Some(pos) = plan.entries.iter().position(|&(id, _)| id == key.id) {
+            let (_, num_new_tokens) = plan.entries.remove(pos);
+            plan.budget += num_new_tokens;
+        }
+        plan.preempted.push(key.id);
+    }
+
+    /// Admits waiting requests in queue order while budget, running cap and blocks
+    /// allow, each with its cached prefix and a first chunk.
+    fn admit_waiting(&mut self, plan: &mut StepPlan) {
+        while plan.budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&key) = self.waiting.first() else {
+                break;
+            };
+            let req = self
+                .requests
+                .get_mut(&key.id)
+                .expect("waiting requests are known; this is a bug");
+            let Ok(admission) = self
+                .kv
+                .admit(key.id, &req.token_ids, req.root_hash, plan.budget)
+            else {
+                break;
+            };
+            self.waiting.remove(&key);
+            self.running.insert(key);
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = admission.num_cached_tokens;
+            if req.num_cached_tokens.is_none() {
+                req.num_cached_tokens = Some(admission.num_cached_tokens);
+                self.counters.num_prompt_tokens += req.num_prompt_tokens as u64;
+            }
+            plan.entries.push((key.id, admission.num_new_tokens));
+            plan.budget -= admission.num_new_tokens;
+        }
+    }
+
+    /// Turns the plan into the output and marks its tokens computed.
+    fn emit(&mut self, plan: StepPlan) -> SchedulerOutput {
+        let mut scheduled = Vec::with_capacity(plan.entries.len());
+        let mut in_flight = BTreeMap::new();
+        let mut num_batched_tokens = 0;
+        for (id, num_new_tokens) in plan.entries {
+            let req = self
+                .requests
+                .get_mut(&id)
+                .expect("planned requests are known; this is a bug");
+            let start = req.num_computed_tokens;
+            let end = start + num_new_tokens;
+            let wants_logits = end == req.token_ids.len();
+            scheduled.push(ScheduledRequest {
+                id,
+                num_computed_tokens: start,
+                num_new_tokens,
+                new_token_ids: req.token_ids[start..end].to_vec(),
+                block_table: self.kv.block_table(id).unwrap_or_default().to_vec(),
+                wants_logits,
+            });
+            req.num_computed_tokens = end;
+            in_flight.insert(id, wants_logits);
+            num_batched_tokens += num_new_tokens;
+        }
+        if !scheduled.is_empty() {
+            self.in_flight = Some(in_flight);
+            self.counters.num_steps += 1;
+        }
+        SchedulerOutput {
+            scheduled,
+            preempted: plan.preempted,
+            num_batched_tokens,
+            block_size: self.kv.block_size(),
+        }
+    }
+
+    /// Completes the step in flight with the engine's sampled tokens: exactly one
+    /// token for each request whose step wanted logits, none for the others (such
+    /// requests may be left out). Results for requests finished or cancelled since
+    /// the step was scheduled are ignored. Registers the blocks the step filled in
+    /// the prefix cache, appends the tokens, and finishes requests that reached
+    /// `max_tokens`. On error nothing changed and the step stays in flight.
+    pub fn update(
+        &mut self,
+        results: &[(RequestId, Vec<TokenId>)],
+    ) -> Result<UpdateOutput, SchedulerError> {
+        let step = self
+            .in_flight
+            .as_ref()
+            .ok_or(SchedulerError::NoStepInFlight)?;
+        let mut sampled: BTreeMap<RequestId, &[TokenId]> = BTreeMap::new();
+        for (id, token_ids) in results {
+            let Some(&wants_logits) = step.get(id) else {
+                return Err(SchedulerError::NotScheduled { id: *id });
+            };
+            if sampled.insert(*id, token_ids).is_some() {
+                return Err(SchedulerError::DuplicateResult { id: *id });
+            }
+            let expected = usize::from(wants_logits);
+            if self.is_running(*id) && token_ids.len() != expected {
+                return Err(SchedulerError::WrongTokenCount {
+                    id: *id,
+                    expected,
+                    got: token_ids.len(),
+                });
+            }
+        }
+        if let Some((&id, _)) = step
+            .iter()
+            .find(|&(id, &wants)| wants && self.is_running(*id) && !sampled.contains_key(id))
+        {
+            return Err(SchedulerError::WrongTokenCount {
+                id,
+                expected: 1,
+                got: 0,
+            });
+        }
+        let step = self.in_flight.take().unwrap_or_default();
+        let mut out = UpdateOutput::default();
+        for id in step.into_keys() {
+            if !self.is_running(id) {
+                continue;
+            }
+            let req = self
+                .requests
+                .get_mut(&id)
+                .expect("running requests are known; this is a bug");
+            self.kv
+                .register_full_blocks(id, &req.token_ids, req.num_computed_tokens);
+            if let Some(token_ids) = sampled.get(&id) {
+                req.token_ids.extend_from_slice(token_ids);
+                self.counters.num_generated_tokens += token_ids.len() as u64;
+            }
+            if req.num_output_tokens() >= req.max_tokens {
+                let finished = self
+                    .remove(id, false)
+                    .expect("the request is running; this is a bug");
+                out.finished_by_length.push(finished);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes a request the engine finished (stop token, stop string, ...) and
+    /// frees its blocks at once; its full blocks stay cached.
+    pub fn finish(&mut self, id: RequestId) -> Result<FinishedRequest, SchedulerError> {
+        self.remove(id, false)
+    }
+
+    /// Removes a request whose client went away, waiting or running, and frees its
+    /// blocks at once. This is safe between `schedule` and `update`: the step in
+    /// flight writes only blocks the request owned alone, nothing registers them,
+    /// and its results are ignored by the update.
+    pub fn cancel(&mut self, id: RequestId) -> Result<FinishedRequest, SchedulerError> {
+        self.remove(id, true)
+    }
+
+    fn remove(
+        &mut self,
+        id: RequestId,
+        cancelled: bool,
+    ) -> Result<FinishedRequest, SchedulerError> {
+        let mut req = self
+            .requests
+            .remove(&id)
+            .ok_or(SchedulerError::UnknownRequest { id })?;
+        match req.status {
+            RequestStatus::Waiting => self.waiting.remove(&req.order),
+            RequestStatus::Running => self.running.remove(&req.order),
+        };
+        self.kv.free(id);
+        if cancelled {
+            self.counters.num_cancelled += 1;
+        } else {
+            self.counters.num_finished += 1;
+        }
+        Ok(FinishedRequest {
+            id,
+            num_prompt_tokens: req.num_prompt_tokens,
+            num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
+            output_token_ids: req.token_ids.split_off(req.num_prompt_tokens),
+            num_preemptions: req.num_preemptions,
+        })
+    }
+
+    fn is_running(&self, id: RequestId) -> bool {
+        self.requests
+            .get(&id)
+            .is_some_and(|r| r.status == RequestStatus::Running)
+    }
+
+    /// A snapshot of an unfinished request's progress.
+    pub fn request(&self, id: RequestId) -> Option<RequestInfo> {
+        self.requests.get(&id).map(RequestState::info)
+    }
+
+    /// The tokens an unfinished request has generated so far.
+    pub fn output_token_ids(&self, id: RequestId) -> Option<&[TokenId]> {
+        self.requests
+            .get(&id)
+            .map(|r| &r.token_ids[r.num_prompt_tokens..])
+    }
+
+    /// Requests waiting now.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests running now.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// True while any request is waiting or running.
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// True between a non-empty `schedule` and its `update`.
+    pub fn is_step_in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// The counters for the server.
+    pub fn stats(&self) -> SchedulerStats {
+        let pool = self.kv.pool();
+        SchedulerStats {
+            num_waiting: self.waiting.len(),
+            num_running: self.running.len(),
+            num_blocks_used: pool.num_used_blocks(),
+            num_blocks_total: pool.num_blocks(),
+            num_blocks_cached: pool.num_cached_blocks(),
+            prefix_cache: self.kv.prefix_cache_stats(),
+            num_evictions: pool.stats().num_evictions,
+            num_preemptions: self.counters.num_preemptions,
+            num_prompt_tokens: self.counters.num_prompt_tokens,
+            num_generated_tokens: self.counters.num_generated_tokens,
+            num_steps: self.counters.num_steps,
+            num_finished: self.counters.num_finished,
+            num_cancelled: self.counters.num_cancelled,
+        }
+    }
+
+    /// Checks the scheduler's invariants on top of the KV manager's: each request is
+    /// in exactly its status's set, the running cap holds, waiting requests hold no
+    /// blocks and running ones hold exactly the blocks their computed tokens need.
+    #[cfg(test)]
+    pub(crate) fn check_invariants(&self) -> Result<(), String> {
+        self.kv.check_invariants()?;
+        if self.waiting.len() + self.running.len() != self.requests.len() {
+            return Err("queue sizes do not add up".to_string());
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return Err("too many running requests".to_string());
+        }
+        let bs = self.kv.block_size();
+        for (id, req) in &self.requests {
+            let table = self.kv.block_table(*id);
+            match req.status {
+                RequestStatus::Waiting => {
+                    if !self.waiting.contains(&req.order) || table.is_some() {
+                        return Err(format!("waiting request {id} is misfiled or holds blocks"));
+                    }
+                }
+                RequestStatus::Running => {
+                    let expected = req.num_computed_tokens.div_ceil(bs);
+                    if !self.running.contains(&req.order) || table.map(<[_]>::len) != Some(expected)
+                    {
+                        return Err(format!("running request {id} is misfiled or mis-sized"));
+                    }
+                }
+            }
+            if req.num_output_tokens() >= req.max_tokens
+                || req.num_computed_tokens > req.token_ids.len()
+            {
+                return Err(format!("request {id} overran its tokens"));
+            }
+        }
+        Ok(())
+    }
+}

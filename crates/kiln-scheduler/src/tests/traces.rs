@@ -1,0 +1,459 @@
+//! Trace tests: scripts of scheduler calls and the transcript each must produce.
+//! The format is described in `harness.rs`; `step` samples token `500 + id`.
+
+use super::harness::check;
+use crate::{ConfigError, KvCacheSpec, LayerGroup, LayerKind, Scheduler, SchedulerConfig};
+
+#[test]
+fn prefix_hit_on_a_finished_request_and_last_token_recompute() {
+    check(
+        "
+        config blocks=8 block_size=4
+        submit 1 prompt=0..10 max=2
+        step
+        step
+        free
+        # Shares the first two full blocks (8 tokens) with request 1.
+        submit 2 prompt=0..8,50,51 max=2
+        # Its whole prompt is cached, but the last token is recomputed for logits,
+        # so only the first full block counts.
+        submit 3 prompt=0..8 max=1
+        step
+        free
+        finish 2
+        free
+        stats
+        ",
+        "
+        submit r1: ok
+        step: r1 0+10 [0 1 2] logits | batched 10
+        step: r1 10+1 [0 1 2] logits | batched 1 | finished r1 prompt=10 cached=0 output=2
+        free: 2 3 4 5 6 7 1* 0*
+        submit r2: ok
+        submit r3: ok
+        step: r2 8+2 [0 1 2] logits, r3 4+4 [0 3] logits | batched 6 | finished r3 prompt=8 cached=4 output=1
+        free: 3 4 5 6 7
+        finish r2: prompt=10 cached=8 output=1
+        free: 2 3 4 5 6 7 1* 0*
+        stats: waiting=0 running=0 used=0/8 cached=2 lookups=3 queried=28 hit_blocks=3 hit_tokens=12 collisions=0 evictions=0 preemptions=0 prompt=28 generated=4 finished=3 cancelled=0
+        ",
+    );
+}
+
+#[test]
+fn generated_blocks_are_cached_for_the_next_turn() {
+    check(
+        "
+        config block_size=4
+        submit 1 prompt=0..6 max=4
+        run
+        # The next turn resends prompt + output + new tokens: the block holding
+        # generated tokens hits too.
+        submit 2 prompt=0..6,501,501,501,501,7,8 max=1
+        step
+        ",
+        "
+        submit r1: ok
+        run: 4 steps; finished r1 prompt=6 cached=0 output=4
+        submit r2: ok
+        step: r2 8+4 [0 1 2] logits | batched 4 | finished r2 prompt=12 cached=8 output=1
+        ",
+    );
+}
+
+#[test]
+fn a_hash_collision_is_a_miss() {
+    // The weak hash ignores token ids, so block 0 of every unsalted prompt collides.
+    check(
+        "
+        config blocks=8 block_size=4 hash=weak
+        submit 1 prompt=0..8 max=1
+        step
+        submit 2 prompt=100..108 max=1
+        step
+        free
+        submit 3 prompt=0..8,9 max=1
+        step
+        stats
+        ",
+        "
+        submit r1: ok
+        step: r1 0+8 [0 1] logits | batched 8 | finished r1 prompt=8 cached=0 output=1
+        submit r2: ok
+        step: r2 0+8 [2 3] logits | batched 8 | finished r2 prompt=8 cached=0 output=1
+        free: 2 3 4 5 6 7 1* 0*
+        submit r3: ok
+        step: r3 8+1 [0 1 2] logits | batched 1 | finished r3 prompt=9 cached=8 output=1
+        stats: waiting=0 running=0 used=0/8 cached=2 lookups=3 queried=25 hit_blocks=2 hit_tokens=8 collisions=1 evictions=0 preemptions=0 prompt=25 generated=3 finished=3 cancelled=0
+        ",
+    );
+}
+
+#[test]
+fn eviction_is_lru_and_tail_first() {
+    check(
+        "
+        config blocks=6 block_size=2
+        submit 1 prompt=0..6 max=1
+        step
+        submit 2 prompt=10..16 max=1
+        step
+        # Request 1's blocks were freed first (least recently used), tail first.
+        free
+        submit 3 prompt=20..24 max=1
+        step
+        free
+        # Request 1's head block survived; its middle block was evicted.
+        submit 4 prompt=0..6 max=1
+        step
+        stats
+        ",
+        "
+        submit r1: ok
+        step: r1 0+6 [0 1 2] logits | batched 6 | finished r1 prompt=6 cached=0 output=1
+        submit r2: ok
+        step: r2 0+6 [3 4 5] logits | batched 6 | finished r2 prompt=6 cached=0 output=1
+        free: 2* 1* 0* 5* 4* 3*
+        submit r3: ok
+        step: r3 0+4 [2 1] logits | batched 4 | finished r3 prompt=4 cached=0 output=1
+        free: 0* 5* 4* 3* 1* 2*
+        submit r4: ok
+        step: r4 2+4 [0 5 4] logits | batched 4 | finished r4 prompt=6 cached=2 output=1
+        stats: waiting=0 running=0 used=0/6 cached=6 lookups=4 queried=22 hit_blocks=1 hit_tokens=2 collisions=0 evictions=4 preemptions=0 prompt=22 generated=4 finished=4 cancelled=0
+        ",
+    );
+}
+
+#[test]
+fn chunked_prefill_mixes_with_decodes_under_the_budget() {
+    check(
+        "
+        config blocks=32 block_size=4 budget=8
+        submit 1 prompt=0..3 max=5
+        submit 2 prompt=100..120 max=2
+        step
+        step
+        submit 3 prompt=200..230 max=1
+        # Decodes first, then the running prefill; request 3 waits for budget.
+        step
+        step
+        step
+        run
+        ",
+        "
+        submit r1: ok
+        submit r2: ok
+        step: r1 0+3 [0] logits, r2 0+5 [1 2] | batched 8
+        step: r1 3+1 [0] logits, r2 5+7 [1 2 3] | batched 8
+        submit r3: ok
+        step: r1 4+1 [0 4] logits, r2 12+7 [1 2 3 5 6] | batched 8
+        step: r1 5+1 [0 4] logits, r2 19+1 [1 2 3 5 6] logits, r3 0+6 [7 8] | batched 8
+        step: r1 6+1 [0 4] logits, r2 20+1 [1 2 3 5 6 9] logits, r3 6+6 [7 8 10] | batched 8 | finished r1 prompt=3 cached=0 output=5, r2 prompt=20 cached=0 output=2
+        run: 3 steps; finished r3 prompt=30 cached=0 output=1
+        ",
+    );
+}
+
+#[test]
+fn preemption_when_blocks_run_out_then_completion() {
+    check(
+        "
+        config blocks=6 block_size=2 budget=16
+        submit 1 prompt=0..4 max=6
+        submit 2 prompt=10..14 max=6
+        step
+        step
+        step
+        # Request 1 needs a fourth block: request 2, the newest, is preempted.
+        step
+        table 2
+        # Request 2 cannot come back yet: its cached head needs room to grow.
+        step
+        step
+        step
+        run
+        stats
+        ",
+        "
+        submit r1: ok
+        submit r2: ok
+        step: r1 0+4 [0 1] logits, r2 0+4 [2 3] logits | batched 8
+        step: r1 4+1 [0 1 4] logits, r2 4+1 [2 3 5] logits | batched 2
+        step: r1 5+1 [0 1 4] logits, r2 5+1 [2 3 5] logits | batched 2
+        step: r1 6+1 [0 1 4 5] logits | preempted r2 | batched 1
+        table r2: none (Waiting)
+        step: r1 7+1 [0 1 4 5] logits | batched 1
+        step: r1 8+1 [0 1 4 5 3] logits | batched 1 | finished r1 prompt=4 cached=0 output=6
+        step: r2 2+5 [2 3 5 4] logits | batched 5
+        run: 2 steps; finished r2 prompt=4 cached=0 output=6 preempted=1
+        stats: waiting=0 running=0 used=0/6 cached=5 lookups=3 queried=15 hit_blocks=1 hit_tokens=2 collisions=0 evictions=5 preemptions=1 prompt=8 generated=12 finished=2 cancelled=0
+        ",
+    );
+}
+
+#[test]
+fn priority_classes_order_admission_and_preemption() {
+    check(
+        "
+        config blocks=16 block_size=4 budget=8
+        submit 1 prompt=0..8 max=1 prio=1
+        submit 2 prompt=10..18 max=1
+        submit 3 prompt=20..28 max=1
+        step
+        step
+        step
+        ",
+        "
+        submit r1: ok
+        submit r2: ok
+        submit r3: ok
+        step: r2 0+8 [0 1] logits | batched 8 | finished r2 prompt=8 cached=0 output=1
+        step: r3 0+8 [2 3] logits | batched 8 | finished r3 prompt=8 cached=0 output=1
+        step: r1 0+8 [4 5] logits | batched 8 | finished r1 prompt=8 cached=0 output=1
+        ",
+    );
+    // The victim is the least urgent request even though it is older.
+    check(
+        "
+        config blocks=4 block_size=2 budget=16
+        submit 1 prompt=0..4 max=3 prio=5
+        submit 2 prompt=10..14 max=3
+        step
+        step
+        step
+        step
+        run
+        ",
+        "
+        submit r1: ok
+        submit r2: ok
+        step: r2 0+4 [0 1] logits, r1 0+4 [2 3] logits | batched 8
+        step: r2 4+1 [0 1 3] logits | preempted r1 | batched 1
+        step: r2 5+1 [0 1 3] logits | batched 1 | finished r2 prompt=4 cached=0 output=3
+        step: r1 2+3 [2 3 1] logits | batched 3
+        run: 1 steps; finished r1 prompt=4 cached=0 output=3 preempted=1
+        ",
+    );
+}
+
+#[test]
+fn cancel_frees_blocks_at_once() {
+    check(
+        "
+        config blocks=8 block_size=4
+        submit 1 prompt=0..10 max=5
+        submit 2 prompt=20..30 max=5
+        step
+        cancel 1
+        free
+        # Cancelled while its step runs: the late result is ignored.
+        schedule
+        cancel 2
+        update 2:7
+        submit 3 prompt=0..3 max=1
+        cancel 3
+        cancel 3
+        stats
+        ",
+        "
+        submit r1: ok
+        submit r2: ok
+        step: r1 0+10 [0 1 2] logits, r2 0+10 [3 4 5] logits | batched 20
+        cancel r1: prompt=10 cached=0 output=1
+        free: 2 6 7 1* 0*
+        schedule: r2 10+1 [3 4 5] logits | batched 1
+        cancel r2: prompt=10 cached=0 output=1
+        update: ok
+        submit r3: ok
+        cancel r3: prompt=3 cached=0 output=0
+        cancel r3: error: request 3 is not waiting or running
+        stats: waiting=0 running=0 used=0/8 cached=4 lookups=2 queried=20 hit_blocks=0 hit_tokens=0 collisions=0 evictions=0 preemptions=0 prompt=20 generated=2 finished=0 cancelled=3
+        ",
+    );
+}
+
+#[test]
+fn admission_refuses_with_the_numbers() {
+    check(
+        "
+        config blocks=4 block_size=4 max_len=20 waiting=2
+        submit 1 prompt=0..15 max=6
+        submit 2 prompt=0..15 max=5
+        submit 3 prompt=0..12 max=5
+        submit 4 prompt=0 max=1
+        submit 5 prompt=0 max=1
+        submit 6 prompt=0..30 max=1
+        submit 3 prompt=0 max=1
+        submit 7 prompt= max=1
+        submit 7 prompt=1 max=0
+        step
+        submit 5 prompt=0 max=1
+        ",
+        "
+        submit r1: error: the prompt has 15 tokens and max_tokens is 6, 21 in all, beyond the model's context of 20 tokens
+        submit r2: error: the request needs up to 5 KV blocks but the pool has only 4; shorten the prompt or max_tokens
+        submit r3: ok
+        submit r4: ok
+        submit r5: error: busy: 2 requests are waiting, the most allowed is 2
+        submit r6: error: the prompt has 30 tokens and max_tokens is 1, 31 in all, beyond the model's context of 20 tokens
+        submit r3: error: request 3 is already submitted
+        submit r7: error: the prompt is empty
+        submit r7: error: max_tokens must be at least 1
+        step: r3 0+12 [0 1 2] logits, r4 0+1 [3] logits | batched 13 | finished r4 prompt=1 cached=0 output=1
+        submit r5: ok
+        ",
+    );
+}
+
+#[test]
+fn salts_and_adapters_keep_caches_apart() {
+    check(
+        "
+        submit 1 prompt=0..9 max=1 salt=a
+        step
+        submit 2 prompt=0..9 max=1 salt=b
+        submit 3 prompt=0..9 max=1
+        submit 4 prompt=0..9 max=1 salt=a adapter=1
+        submit 5 prompt=0..9 max=1 salt=a
+        step
+        ",
+        "
+        submit r1: ok
+        step: r1 0+9 [0 1 2] logits | batched 9 | finished r1 prompt=9 cached=0 output=1
+        submit r2: ok
+        submit r3: ok
+        submit r4: ok
+        submit r5: ok
+        step: r2 0+9 [2 3 4] logits, r3 0+9 [5 6 7] logits, r4 0+9 [8 9 10] logits, r5 8+1 [0 1 11] logits | batched 28 | finished r2 prompt=9 cached=0 output=1, r3 prompt=9 cached=0 output=1, r4 prompt=9 cached=0 output=1, r5 prompt=9 cached=8 output=1
+        ",
+    );
+}
+
+#[test]
+fn running_requests_share_cached_blocks() {
+    check(
+        "
+        config blocks=16 block_size=4
+        submit 1 prompt=0..9 max=3
+        step
+        submit 2 prompt=0..9 max=3
+        step
+        finish 1
+        table 2
+        free
+        run
+        free
+        ",
+        "
+        submit r1: ok
+        step: r1 0+9 [0 1 2] logits | batched 9
+        submit r2: ok
+        step: r1 9+1 [0 1 2] logits, r2 8+1 [0 1 3] logits | batched 2
+        finish r1: prompt=9 cached=0 output=2
+        table r2: [0 1 3] computed=9
+        free: 2 4 5 6 7 8 9 10 11 12 13 14 15
+        run: 2 steps; finished r2 prompt=9 cached=8 output=3
+        free: 3 2 4 5 6 7 8 9 10 11 12 13 14 15 1* 0*
+        ",
+    );
+}
+
+#[test]
+fn the_step_protocol_is_enforced() {
+    check(
+        "
+        config block_size=4 budget=3
+        submit 1 prompt=0..5 max=2
+        update
+        schedule
+        schedule
+        update 1:9
+        update 2:9
+        update
+        schedule
+        update
+        update 1:9 1:9
+        update 1:9
+        finish 1
+        finish 1
+        ",
+        "
+        submit r1: ok
+        update: error: no step is in flight; call schedule first
+        schedule: r1 0+3 [0] | batched 3
+        schedule: error: a step is in flight; call update before scheduling the next one
+        update: error: request 1 got 1 sampled tokens, expected 0
+        update: error: request 2 was not scheduled in this step
+        update: ok
+        schedule: r1 3+2 [0 1] logits | batched 2
+        update: error: request 1 got 0 sampled tokens, expected 1
+        update: error: request 1 has more than one result in this step
+        update: ok
+        finish r1: prompt=5 cached=0 output=1
+        finish r1: error: request 1 is not waiting or running
+        ",
+    );
+}
+
+#[test]
+fn running_requests_are_capped() {
+    check(
+        "
+        config seqs=2
+        submit 1 prompt=0..2 max=2
+        submit 2 prompt=10..12 max=2
+        submit 3 prompt=20..22 max=2
+        step
+        step
+        step
+        ",
+        "
+        submit r1: ok
+        submit r2: ok
+        submit r3: ok
+        step: r1 0+2 [0] logits, r2 0+2 [1] logits | batched 4
+        step: r1 2+1 [0] logits, r2 2+1 [1] logits | batched 2 | finished r1 prompt=2 cached=0 output=2, r2 prompt=2 cached=0 output=2
+        step: r3 0+2 [1] logits | batched 2
+        ",
+    );
+}
+
+#[test]
+fn sliding_window_layers_share_the_block_table() {
+    // A sliding-window group is served with the full block table (correct, not
+    // minimal); its block arithmetic is tested in `kv_spec.rs`.
+    check(
+        "
+        config block_size=4 window=4
+        submit 1 prompt=0..10 max=2
+        run
+        ",
+        "
+        submit r1: ok
+        run: 2 steps; finished r1 prompt=10 cached=0 output=2
+        ",
+    );
+}
+
+#[test]
+fn recurrent_layers_are_refused_when_the_scheduler_is_built() {
+    let mut kv_cache = KvCacheSpec::uniform(2);
+    kv_cache.groups.push(LayerGroup {
+        kind: LayerKind::Recurrent,
+        num_layers: 2,
+    });
+    let err = Scheduler::new(SchedulerConfig::new(kv_cache, 16, 128)).unwrap_err();
+    assert_eq!(
+        err,
+        ConfigError::UnsupportedLayerKind {
+            group_idx: 1,
+            kind: "recurrent state"
+        }
+    );
+    let mut config = SchedulerConfig::new(KvCacheSpec::uniform(2), 16, 128);
+    config.max_num_seqs = 0;
+    assert_eq!(
+        Scheduler::new(config).unwrap_err().to_string(),
+        "`max_num_seqs` must be positive"
+    );
+}
