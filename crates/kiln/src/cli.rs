@@ -30,6 +30,8 @@ pub enum Command {
     Chat(crate::chat::ChatArgs),
     /// Measure prefill and decode speed.
     Bench(crate::bench::BenchArgs),
+    /// Measure the engine loop: throughput under concurrency, cached-prefix TTFT.
+    BenchEngine(crate::bench_engine::BenchEngineArgs),
     /// Convert a GGUF file to a Hugging Face safetensors directory.
     Convert(crate::convert::ConvertArgs),
     /// Developer tools.

@@ -5,6 +5,7 @@
 //! `dev random-checkpoint`.
 
 mod bench;
+mod bench_engine;
 mod chat;
 mod cli;
 mod convert;
@@ -34,6 +35,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::BenchEngine(a) => bench_engine::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Dev(d) => dev::run(d),
     }

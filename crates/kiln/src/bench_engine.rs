@@ -1,0 +1,183 @@
+//! `kiln bench-engine`: the engine loop under load on CPU — aggregate
+//! throughput at several concurrency levels, and time to first token with
+//! and without a cached shared prefix. Prints one JSON object.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Args;
+use kiln_engine::{Engine, EngineConfig, EngineHandle, Event, GenerationRequest, RequestStream};
+use kiln_sampling::SamplingParams;
+use serde_json::json;
+
+use crate::cli::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct BenchEngineArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Concurrency levels to measure.
+    #[arg(long, value_delimiter = ',', default_values_t = [1usize, 4, 16])]
+    pub concurrency: Vec<usize>,
+    /// Prompt tokens per request.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Generated tokens per request (end-of-sequence ignored).
+    #[arg(long, default_value_t = 64)]
+    pub gen_tokens: usize,
+    /// Shared prefix length for the time-to-first-token test.
+    #[arg(long, default_value_t = 1000)]
+    pub prefix_tokens: usize,
+    /// KV cache memory in MiB.
+    #[arg(long, default_value_t = 2048)]
+    pub kv_mib: usize,
+}
+
+const TEXT: &str = "The history of the printing press begins in the fifteenth century, when movable type made \
+    books cheaper to produce. Knowledge spread quickly across Europe, and literacy rose in cities and villages \
+    alike. Scholars exchanged letters, merchants kept better records, and new ideas reached readers everywhere. ";
+
+fn tokens(h: &EngineHandle, lead: &str, n: usize) -> Result<Vec<u32>> {
+    let tok = &h.model().tokenizer;
+    let mut out = tok.encode(lead, false)?;
+    let body = tok.encode(TEXT, false)?;
+    while out.len() < n {
+        out.extend_from_slice(&body[..(n - out.len()).min(body.len())]);
+    }
+    out.truncate(n);
+    Ok(out)
+}
+
+fn request(prompt: Vec<u32>, gen: usize, salt: Option<String>) -> GenerationRequest {
+    let mut r = GenerationRequest::new(
+        prompt,
+        SamplingParams {
+            max_tokens: Some(gen),
+            ignore_eos: true,
+            ..SamplingParams::greedy()
+        },
+    );
+    r.cache_salt = salt;
+    r
+}
+
+/// Time to first token as the engine measured it (queue + prefill), seconds
+/// from `start` to the end as read here, and tokens generated.
+fn drain(stream: RequestStream, start: Instant) -> Result<(f64, f64, usize)> {
+    let mut n = 0;
+    for ev in stream {
+        match ev {
+            Event::Token { token_id, .. } if token_id != u32::MAX => n += 1,
+            Event::Finished { timings, .. } => {
+                return Ok((
+                    timings.queue_seconds + timings.prefill_seconds,
+                    start.elapsed().as_secs_f64(),
+                    n,
+                ))
+            }
+            Event::Failed { message } => anyhow::bail!("request failed: {message}"),
+            _ => {}
+        }
+    }
+    anyhow::bail!("the stream ended without finishing")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+pub fn run(a: BenchEngineArgs) -> Result<()> {
+    let model = a.model.load()?;
+    let path = model.path.display().to_string();
+    let cfg = EngineConfig::for_memory(&model, a.kv_mib << 20);
+    let engine = Engine::start(model, cfg)?;
+    let h = engine.handle();
+    // Warm-up.
+    drain(
+        h.submit(request(
+            tokens(&h, "Warm-up. ", 32)?,
+            4,
+            Some("warm".into()),
+        ))?,
+        Instant::now(),
+    )?;
+    let mut levels = Vec::new();
+    for (round, &c) in a.concurrency.iter().enumerate() {
+        let start = Instant::now();
+        let streams = (0..c)
+            .map(|i| {
+                // A distinct salt per request: no prefix sharing inflates the numbers.
+                let p = tokens(
+                    &h,
+                    &format!("Request {i} of round {round}. "),
+                    a.prompt_tokens,
+                )?;
+                Ok(h.submit(request(p, a.gen_tokens, Some(format!("r{round}-{i}"))))?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut ttft = Vec::new();
+        let mut generated = 0;
+        for s in streams {
+            let (f, _, n) = drain(s, start)?;
+            ttft.push(f);
+            generated += n;
+        }
+        let wall = start.elapsed().as_secs_f64();
+        eprintln!(
+            "concurrency {c}: {:.1} generated tok/s, median TTFT {:.3}s",
+            generated as f64 / wall,
+            median(ttft.clone())
+        );
+        levels.push(json!({
+            "concurrency": c,
+            "wall_seconds": wall,
+            "generated_tokens": generated,
+            "generated_tokens_per_second": generated as f64 / wall,
+            "total_tokens_per_second": (generated + c * a.prompt_tokens) as f64 / wall,
+            "ttft_median_seconds": median(ttft),
+        }));
+    }
+    // Time to first token with and without a cached prefix (salts keep them apart).
+    let prefix = tokens(&h, "Shared document. ", a.prefix_tokens)?;
+    let ask = |q: &str| -> Result<Vec<u32>> {
+        let mut p = prefix.clone();
+        p.extend(h.model().tokenizer.encode(q, false)?);
+        Ok(p)
+    };
+    let t = Instant::now();
+    let (cold, _, _) = drain(
+        h.submit(request(ask(" Question one?")?, 1, Some("prefix".into())))?,
+        t,
+    )?;
+    let t = Instant::now();
+    let (warm, _, _) = drain(
+        h.submit(request(
+            ask(" Question two, different?")?,
+            1,
+            Some("prefix".into()),
+        ))?,
+        t,
+    )?;
+    let stats = h.stats()?;
+    eprintln!(
+        "TTFT with a {}-token prefix: cold {cold:.3}s, cached {warm:.3}s",
+        a.prefix_tokens
+    );
+    let report = json!({
+        "engine": "kiln (engine loop, CPU backend)",
+        "model": path,
+        "threads": rayon::current_num_threads(),
+        "prompt_tokens": a.prompt_tokens,
+        "gen_tokens": a.gen_tokens,
+        "kv_blocks": cfg.num_blocks,
+        "levels": levels,
+        "prefix_tokens": a.prefix_tokens,
+        "ttft_uncached_seconds": cold,
+        "ttft_cached_seconds": warm,
+        "ttft_speedup": cold / warm.max(1e-9),
+        "prefix_cache_hit_tokens": stats.prefix_cache.num_hit_tokens,
+    });
+    println!("{report}");
+    Ok(())
+}
