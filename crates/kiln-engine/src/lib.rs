@@ -1,14 +1,16 @@
 //! The engine: a model loaded with its tokenizer, chat template and stop
-//! tokens ([`LoadedModel`]), and generation of one request at a time with
-//! streaming callbacks ([`LoadedModel::generate`]).
+//! tokens ([`LoadedModel`]); one request at a time with streaming callbacks
+//! ([`LoadedModel::generate`]); and the engine loop ([`Engine`]), one thread
+//! owning the scheduler, the paged KV cache and the model, serving many
+//! requests with continuous batching, prefix reuse and preemption through
+//! an [`EngineHandle`]. [`ChatSession`] continues conversations on top.
 //!
 //! The engine reads no environment variables and prints nothing; the binary
-//! and the server decide how to present what it returns. Continuous batching
-//! and the paged KV cache come with the engine-core work; the request,
-//! event and result types here are the ones that design keeps.
+//! and the server decide how to present what it returns.
 //!
-//! Main types: [`LoadedModel`], [`GenerationRequest`], [`TokenEvent`],
-//! [`Generation`], [`Timings`], [`EngineError`].
+//! Main types: [`LoadedModel`], [`Engine`], [`EngineHandle`],
+//! [`RequestStream`], [`Event`], [`GenerationRequest`], [`ChatSession`],
+//! [`EngineError`].
 
 pub mod convert;
 mod engine;
