@@ -6,12 +6,19 @@
 #
 # Models are kept in $KILN_MODELS_CACHE (default ~/.cache/kiln/models) and
 # linked as ./models, so a fresh clone does not download them again.
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 cache=${KILN_MODELS_CACHE:-$HOME/.cache/kiln/models}
 if [ ! -e models ]; then
   mkdir -p "$cache"
   ln -s "$cache" models
 fi
-scripts/fetch-models.sh models smollm2 qwen2.5-coder gemma3
-cargo test --workspace "$@"
+scripts/fetch-models.sh models smollm2 qwen2.5-coder gemma3 || exit 1
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --workspace "$@" 2>&1 | tee "$log" || status=$?
+# One closing line for the whole suite (cargo prints one per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit $status

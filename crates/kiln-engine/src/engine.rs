@@ -56,9 +56,26 @@ enum Command {
         reply: SyncSender<Result<u64>>,
     },
     Stats {
-        reply: SyncSender<SchedulerStats>,
+        reply: SyncSender<EngineStats>,
     },
     Shutdown,
+}
+
+/// What the engine loop counts: the scheduler's counters plus step times.
+#[derive(Debug, Clone)]
+pub struct EngineStats {
+    pub scheduler: SchedulerStats,
+    /// Forward steps run and their total and last wall time.
+    pub num_steps: u64,
+    pub step_seconds_total: f64,
+    pub last_step_seconds: f64,
+}
+
+impl std::ops::Deref for EngineStats {
+    type Target = SchedulerStats;
+    fn deref(&self) -> &SchedulerStats {
+        &self.scheduler
+    }
 }
 
 /// The caller's side of the engine. Cloning is cheap; the engine stops when
@@ -111,8 +128,8 @@ impl EngineHandle {
         Ok(RequestStream { id, events: rx })
     }
 
-    /// Queue, pool and prefix-cache counters.
-    pub fn stats(&self) -> Result<SchedulerStats> {
+    /// Queue, pool, prefix-cache and step counters.
+    pub fn stats(&self) -> Result<EngineStats> {
         let (reply, rx) = mpsc::sync_channel(1);
         self.commands
             .send(Command::Stats { reply })
@@ -160,6 +177,9 @@ impl Engine {
                     block_size: config.block_size,
                     active: HashMap::new(),
                     next_id: 1,
+                    num_steps: 0,
+                    step_seconds_total: 0.0,
+                    last_step_seconds: 0.0,
                 };
                 lp.run(rx);
             })
@@ -204,6 +224,9 @@ struct Loop<'m> {
     block_size: usize,
     active: HashMap<RequestId, Active<'m>>,
     next_id: u64,
+    num_steps: u64,
+    step_seconds_total: f64,
+    last_step_seconds: f64,
 }
 
 impl<'m> Loop<'m> {
@@ -233,7 +256,12 @@ impl<'m> Loop<'m> {
                         let _ = reply.send(self.admit(request, events));
                     }
                     Command::Stats { reply } => {
-                        let _ = reply.send(self.scheduler.stats());
+                        let _ = reply.send(EngineStats {
+                            scheduler: self.scheduler.stats(),
+                            num_steps: self.num_steps,
+                            step_seconds_total: self.step_seconds_total,
+                            last_step_seconds: self.last_step_seconds,
+                        });
                     }
                     Command::Shutdown => return,
                 }
@@ -310,6 +338,10 @@ impl<'m> Loop<'m> {
             Ok(l) => l,
             Err(e) => return self.fail_all(&format!("forward pass: {e}")),
         };
+        let step_seconds = now.elapsed().as_secs_f64();
+        self.num_steps += 1;
+        self.step_seconds_total += step_seconds;
+        self.last_step_seconds = step_seconds;
         let vocab = self.model.model.config().vocab_size;
         let mut results = Vec::new();
         let mut finished = Vec::new();

@@ -65,6 +65,12 @@ impl ChatSession {
         self.finish_turn(stream, &mut |_| {})
     }
 
+    /// [`ChatSession::start`], calling `on_text` with each piece of text.
+    pub fn start_streaming(&mut self, on_text: &mut dyn FnMut(&str)) -> Result<ChatTurn> {
+        let stream = self.submit()?;
+        self.finish_turn(stream, on_text)
+    }
+
     /// Add a user message and generate the reply.
     pub fn continue_user(&mut self, content: &str) -> Result<ChatTurn> {
         self.messages
