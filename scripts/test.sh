@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run Kiln's whole test suite: fetch the real models the tests check against
-# (once; later runs only verify hashes), then run every crate's tests.
+# (once; later runs only verify hashes) and NVRTC for the kernel-compile
+# tests, then run every crate's tests.
 #
 #   scripts/test.sh [extra cargo test args]
 #
@@ -14,6 +15,10 @@ if [ ! -e models ]; then
   ln -s "$cache" models
 fi
 scripts/fetch-models.sh models smollm2 qwen2.5-coder gemma3 || exit 1
+# NVRTC and the CUDA headers, so the kernel-compile tests run without a GPU.
+KILN_CUDA_HOME=$(scripts/install-nvrtc.sh) || exit 1
+export KILN_CUDA_HOME
+export LD_LIBRARY_PATH="$KILN_CUDA_HOME/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0

@@ -1,0 +1,106 @@
+//! Run-time compilation of Kiln's kernels with NVRTC, cached on disk.
+
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions};
+
+use crate::kernels::{expand, SOURCES};
+use crate::{nvrtc_available, nvrtc_version, CudaError};
+
+/// PTX for one kernel source.
+#[derive(Debug, Clone)]
+pub struct CompiledKernel {
+    pub name: String,
+    pub ptx: String,
+    /// Whether it came from the disk cache.
+    pub cached: bool,
+}
+
+/// Compiles kernel sources for one architecture (`compute_90` for Hopper),
+/// with the CUDA headers' include directories, caching PTX under `cache_dir`.
+#[derive(Debug, Clone)]
+pub struct KernelCompiler {
+    pub arch: &'static str,
+    pub include_paths: Vec<PathBuf>,
+    pub cache_dir: Option<PathBuf>,
+}
+
+/// 64-bit FNV-1a: a stable content hash for cache keys.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+impl KernelCompiler {
+    /// Compile `name`'s source (expanded), from the cache when possible.
+    pub fn compile(&self, name: &str, src: &str) -> Result<CompiledKernel, CudaError> {
+        if !nvrtc_available() {
+            return Err(CudaError::NoNvrtc);
+        }
+        let src = expand(src);
+        let (major, minor) = nvrtc_version().ok_or(CudaError::NoNvrtc)?;
+        let key = format!(
+            "{name}-{}-nvrtc{major}.{minor}-{:016x}.ptx",
+            self.arch,
+            fnv1a(src.as_bytes())
+        );
+        if let Some(dir) = &self.cache_dir {
+            if let Ok(ptx) = std::fs::read_to_string(dir.join(&key)) {
+                return Ok(CompiledKernel {
+                    name: name.to_string(),
+                    ptx,
+                    cached: true,
+                });
+            }
+        }
+        let opts = CompileOptions {
+            arch: Some(self.arch),
+            include_paths: self
+                .include_paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect(),
+            options: vec!["--std=c++17".into()],
+            name: Some(format!("{name}.cu")),
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(&src, opts)
+            .map_err(|e| CudaError::Compile {
+                kernel: name.to_string(),
+                arch: self.arch.to_string(),
+                log: match e {
+                    CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                    other => format!("{other:?}"),
+                },
+            })?
+            .to_src();
+        if let Some(dir) = &self.cache_dir {
+            write_atomic(dir, &key, &ptx)?;
+        }
+        Ok(CompiledKernel {
+            name: name.to_string(),
+            ptx,
+            cached: false,
+        })
+    }
+
+    /// Compile every kernel source.
+    pub fn compile_all(&self) -> Result<Vec<CompiledKernel>, CudaError> {
+        SOURCES
+            .iter()
+            .map(|(name, src)| self.compile(name, src))
+            .collect()
+    }
+}
+
+fn write_atomic(dir: &Path, key: &str, ptx: &str) -> Result<(), CudaError> {
+    let err = |source| CudaError::Cache {
+        path: dir.join(key),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let tmp = dir.join(format!(".{key}.{}", std::process::id()));
+    std::fs::write(&tmp, ptx).map_err(err)?;
+    std::fs::rename(&tmp, dir.join(key)).map_err(err)
+}

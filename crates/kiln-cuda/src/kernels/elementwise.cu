@@ -1,0 +1,80 @@
+// Row-wise and elementwise ops on bf16 activations with f32 math.
+#include "common.cuh"
+
+// out[t, :] = table[ids[t], :]. One block per token.
+extern "C" __global__ void embedding_bf16(const bf16* __restrict__ table, const unsigned int* __restrict__ ids,
+                                          bf16* __restrict__ out, int d) {
+    const long long row = ids[blockIdx.x];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[(long long)blockIdx.x * d + i] = table[row * d + i];
+}
+
+// Fused residual add + RMSNorm, one block per row:
+//   sum = x + residual (written back to residual when residual is non-null),
+//   out = sum / sqrt(mean(sum^2) + eps) * (weight_offset + w).
+extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* __restrict__ residual,
+                                             const bf16* __restrict__ w, bf16* __restrict__ out, int d, float eps,
+                                             float weight_offset) {
+    const long long base = (long long)blockIdx.x * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float v = to_f32(x[base + i]);
+        if (residual) {
+            v += to_f32(residual[base + i]);
+            residual[base + i] = to_bf16(v);
+        }
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss) / d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        // Re-read the (rounded) sum, as the next layer will see it.
+        const float v = residual ? to_f32(residual[base + i]) : to_f32(x[base + i]);
+        out[base + i] = to_bf16(v * inv * (weight_offset + to_f32(w[i])));
+    }
+}
+
+// out = act(gate) * up over n elements; act 0 = SiLU, 1 = GELU (tanh approximation).
+extern "C" __global__ void gated_act_bf16(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                          bf16* __restrict__ out, long long n, int act) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float g = to_f32(gate[i]);
+        float a;
+        if (act == 0) {
+            a = g / (1.0f + __expf(-g));
+        } else {
+            const float c = 0.7978845608f;
+            a = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+        }
+        out[i] = to_bf16(a * to_f32(up[i]));
+    }
+}
+
+// Rotate-half RoPE in place on x [tokens, heads * head_dim]; grid (tokens, heads),
+// block covers half = rotary_dim / 2 pairs (i, i + half).
+extern "C" __global__ void rope_bf16(bf16* __restrict__ x, const unsigned int* __restrict__ positions,
+                                     const float* __restrict__ inv_freq, int heads, int head_dim, int half,
+                                     float attention_scaling) {
+    const long long base = ((long long)blockIdx.x * heads + blockIdx.y) * head_dim;
+    const float pos = (float)positions[blockIdx.x];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(inv_freq[i] * pos, &s, &c);
+        s *= attention_scaling;
+        c *= attention_scaling;
+        const float a = to_f32(x[base + i]), b = to_f32(x[base + i + half]);
+        x[base + i] = to_bf16(a * c - b * s);
+        x[base + i + half] = to_bf16(b * c + a * s);
+    }
+}
+
+// Write new keys and values [tokens, kv_row] into their cache slots [slots, kv_row].
+extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                         const unsigned int* __restrict__ slot_mapping, int kv_row) {
+    const long long src = (long long)blockIdx.x * kv_row;
+    const long long dst = (long long)slot_mapping[blockIdx.x] * kv_row;
+    for (int i = threadIdx.x; i < kv_row; i += blockDim.x) {
+        k_cache[dst + i] = k[src + i];
+        v_cache[dst + i] = v[src + i];
+    }
+}

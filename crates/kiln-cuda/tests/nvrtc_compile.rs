@@ -1,0 +1,96 @@
+//! Every kernel compiles with NVRTC to PTX for sm_90, on a machine with no
+//! GPU: a kernel that does not compile never lands. NVRTC and the CUDA
+//! headers come from PyPI wheels that `scripts/test.sh` installs into
+//! `$KILN_CUDA_HOME` (and puts on `LD_LIBRARY_PATH`).
+
+use std::path::PathBuf;
+
+use kiln_cuda::{kernels::SOURCES, KernelCompiler};
+
+fn cuda_home() -> PathBuf {
+    let home = std::env::var_os("KILN_CUDA_HOME")
+        .map(PathBuf::from)
+        .expect(
+        "KILN_CUDA_HOME is not set: run the tests through scripts/test.sh, which installs NVRTC",
+    );
+    assert!(
+        kiln_cuda::nvrtc_available(),
+        "NVRTC does not load: scripts/test.sh puts {}/nvidia/cu13/lib on LD_LIBRARY_PATH",
+        home.display()
+    );
+    home
+}
+
+fn compiler(cache: Option<PathBuf>) -> KernelCompiler {
+    let inc = cuda_home().join("nvidia/cu13/include");
+    KernelCompiler {
+        arch: "compute_90",
+        include_paths: vec![inc.clone(), inc.join("cccl")],
+        cache_dir: cache,
+    }
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx_for_sm90_with_every_entry_point() {
+    let c = compiler(None);
+    for (name, src) in SOURCES {
+        let k = c.compile(name, src).unwrap_or_else(|e| panic!("{e}"));
+        assert!(k.ptx.contains(".target sm_90"), "{name}: PTX targets sm_90");
+        for line in src
+            .lines()
+            .filter(|l| l.contains("extern \"C\" __global__ void"))
+        {
+            let entry = line
+                .split("void ")
+                .nth(1)
+                .and_then(|r| r.split('(').next())
+                .expect("kernel signature");
+            assert!(
+                k.ptx.contains(&format!(".entry {entry}(")),
+                "{name}: entry {entry} in the PTX"
+            );
+        }
+    }
+}
+
+#[test]
+fn compiled_ptx_is_cached_by_source_arch_and_nvrtc_version() {
+    let dir = std::env::temp_dir().join(format!("kiln-ptx-cache-{}", std::process::id()));
+    let c = compiler(Some(dir.clone()));
+    let first = c.compile_all().unwrap();
+    assert!(first.iter().all(|k| !k.cached));
+    let second = c.compile_all().unwrap();
+    assert!(
+        second.iter().all(|k| k.cached),
+        "a second start compiles nothing"
+    );
+    assert_eq!(first[0].ptx, second[0].ptx);
+    // A changed source is a different key.
+    let changed = c
+        .compile("elementwise", &format!("{}\n// edit\n", SOURCES[0].1))
+        .unwrap();
+    assert!(!changed.cached);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn a_kernel_that_does_not_compile_is_an_error_with_the_log() {
+    let c = compiler(None);
+    let err = c
+        .compile(
+            "broken",
+            "extern \"C\" __global__ void f() { undefined_thing(); }",
+        )
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("broken") && msg.contains("undefined_thing"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn no_driver_is_reported_not_a_crash() {
+    // On CI machines there is no GPU: the check must answer, not panic.
+    let _ = kiln_cuda::driver_available();
+}
