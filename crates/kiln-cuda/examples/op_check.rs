@@ -23,7 +23,9 @@ impl Rng {
         ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
     }
     fn vec(&mut self, n: usize, scale: f32) -> Vec<bf16> {
-        (0..n).map(|_| bf16::from_f32(self.next() * scale)).collect()
+        (0..n)
+            .map(|_| bf16::from_f32(self.next() * scale))
+            .collect()
     }
 }
 
@@ -46,7 +48,9 @@ fn f(v: &[bf16]) -> Vec<f32> {
 
 fn report(op: &str, err: f64, tol: f64) -> bool {
     let pass = err <= tol;
-    println!("{{\"op\": \"{op}\", \"rel_err\": {err:.3e}, \"tolerance\": {tol:.0e}, \"pass\": {pass}}}");
+    println!(
+        "{{\"op\": \"{op}\", \"rel_err\": {err:.3e}, \"tolerance\": {tol:.0e}, \"pass\": {pass}}}"
+    );
     pass
 }
 
@@ -79,7 +83,10 @@ fn main() -> R<()> {
                 include_paths: Vec::new(),
                 cache_dir: None,
             };
-            Ptx::from_src(c.compile("elementwise", kiln_cuda::kernels::SOURCES[0].1)?.ptx)
+            Ptx::from_src(
+                c.compile("elementwise", kiln_cuda::kernels::SOURCES[0].1)?
+                    .ptx,
+            )
         }
     };
     let ctx = CudaContext::new(0)?;
@@ -127,7 +134,11 @@ fn main() -> R<()> {
             want[r * d + i] = sum[i] * inv * w[i].to_f32();
         }
     }
-    all &= report("add_rms_norm_bf16.residual", rel_err(&res_out, &want_res), 1e-6);
+    all &= report(
+        "add_rms_norm_bf16.residual",
+        rel_err(&res_out, &want_res),
+        1e-6,
+    );
     all &= report("add_rms_norm_bf16", rel_err(&out, &want), 8e-3);
 
     // Gated activations.
@@ -144,7 +155,13 @@ fn main() -> R<()> {
             shared_mem_bytes: 0,
         };
         unsafe {
-            s.launch_builder(&func).arg(&dg).arg(&du).arg(&mut dout).arg(&nl).arg(&act).launch(cfg)?;
+            s.launch_builder(&func)
+                .arg(&dg)
+                .arg(&du)
+                .arg(&mut dout)
+                .arg(&nl)
+                .arg(&act)
+                .launch(cfg)?;
         }
         let out = s.clone_dtoh(&dout)?;
         let want: Vec<f32> = f(&g)
@@ -159,7 +176,11 @@ fn main() -> R<()> {
                 a * uv
             })
             .collect();
-        all &= report(&format!("gated_act_bf16.{name}"), rel_err(&out, &want), 8e-3);
+        all &= report(
+            &format!("gated_act_bf16.{name}"),
+            rel_err(&out, &want),
+            8e-3,
+        );
     }
 
     // RoPE (rotate-half) at scattered positions.
@@ -167,7 +188,9 @@ fn main() -> R<()> {
     let half = hd / 2;
     let xr = rng.vec(n * heads * hd, 1.0);
     let positions: Vec<u32> = (0..n as u32).map(|i| i * 97 % 4099).collect();
-    let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / 1e6f32.powf((2 * i) as f32 / hd as f32)).collect();
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / 1e6f32.powf((2 * i) as f32 / hd as f32))
+        .collect();
     let mut dxr = up(&s, &xr)?;
     let (dpos, dfreq) = (up(&s, &positions)?, up(&s, &inv_freq)?);
     let func = m.load_function("rope_bf16")?;
@@ -217,12 +240,21 @@ fn main() -> R<()> {
         shared_mem_bytes: 0,
     };
     unsafe {
-        s.launch_builder(&func).arg(&dt).arg(&dids).arg(&mut dout).arg(&edi).launch(cfg)?;
+        s.launch_builder(&func)
+            .arg(&dt)
+            .arg(&dids)
+            .arg(&mut dout)
+            .arg(&edi)
+            .launch(cfg)?;
     }
     let out = s.clone_dtoh(&dout)?;
     let want: Vec<f32> = ids
         .iter()
-        .flat_map(|&i| table[i as usize * ed..(i as usize + 1) * ed].iter().map(|v| v.to_f32()))
+        .flat_map(|&i| {
+            table[i as usize * ed..(i as usize + 1) * ed]
+                .iter()
+                .map(|v| v.to_f32())
+        })
         .collect();
     all &= report("embedding_bf16", rel_err(&out, &want), 0.0);
 
@@ -236,7 +268,14 @@ fn main() -> R<()> {
     let func = m.load_function("write_kv_bf16")?;
     let kvi = kv_row as i32;
     unsafe {
-        s.launch_builder(&func).arg(&dk).arg(&dv).arg(&mut kc).arg(&mut vc).arg(&dslots).arg(&kvi).launch(cfg)?;
+        s.launch_builder(&func)
+            .arg(&dk)
+            .arg(&dv)
+            .arg(&mut kc)
+            .arg(&mut vc)
+            .arg(&dslots)
+            .arg(&kvi)
+            .launch(cfg)?;
     }
     let (kh, vh) = (s.clone_dtoh(&kc)?, s.clone_dtoh(&vc)?);
     let ok = (0..n).all(|t| {

@@ -6,7 +6,10 @@
 pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("kernels/common.cuh"))];
 
 /// Every kernel source: (name, CUDA C).
-pub const SOURCES: &[(&str, &str)] = &[("elementwise", include_str!("kernels/elementwise.cu"))];
+pub const SOURCES: &[(&str, &str)] = &[
+    ("elementwise", include_str!("kernels/elementwise.cu")),
+    ("attention", include_str!("kernels/attention.cu")),
+];
 
 /// `src` with its local includes expanded (once each).
 pub fn expand(src: &str) -> String {

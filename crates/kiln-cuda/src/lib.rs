@@ -9,9 +9,11 @@
 //! device code and (next) an implementation of `kiln_tensor::Backend`.
 //! Main types: [`KernelCompiler`], [`CudaError`], and [`kernels::SOURCES`].
 
+pub mod backend;
 pub mod compile;
 pub mod kernels;
 
+pub use backend::CudaBackend;
 pub use compile::{CompiledKernel, KernelCompiler};
 
 /// Why CUDA could not be used.
@@ -27,6 +29,8 @@ pub enum CudaError {
         arch: String,
         log: String,
     },
+    #[error("CUDA: {0}")]
+    Device(String),
     #[error("kernel cache {path}: {source}")]
     Cache {
         path: std::path::PathBuf,

@@ -11,6 +11,11 @@ pub enum TensorError {
     },
     #[error("KV cache full: {needed} tokens needed, capacity {capacity}")]
     KvCacheFull { needed: usize, capacity: usize },
+    #[error("{backend}: {message}")]
+    Device {
+        backend: &'static str,
+        message: String,
+    },
     #[error("{backend}: out of memory allocating {bytes} bytes for {what}")]
     OutOfMemory {
         backend: &'static str,

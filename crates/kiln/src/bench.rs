@@ -9,7 +9,6 @@ use anyhow::Result;
 use clap::Args;
 use kiln_engine::{GenerationRequest, LoadedModel};
 use kiln_sampling::SamplingParams;
-use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::profile::{OpTime, ProfilingBackend};
 use serde_json::json;
 
@@ -142,11 +141,11 @@ fn profile_ops(
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
-    let prof = Arc::new(ProfilingBackend::new(Arc::new(CpuBackend::new())));
-    let model = if a.profile {
-        a.model.load_on(prof.clone())?
+    let (model, prof) = if a.profile {
+        let p = Arc::new(ProfilingBackend::new(a.model.backend()?));
+        (a.model.load_on(p.clone())?, Some(p))
     } else {
-        a.model.load()?
+        (a.model.load()?, None)
     };
     let prompt = bench_prompt(&model, a.prompt_tokens)?;
     let req = GenerationRequest {
@@ -186,10 +185,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 .map(|m| m.trim().to_string())
         })
         .unwrap_or_default();
-    let profile = if a.profile {
-        Some(profile_ops(&model, &prof, &req)?)
-    } else {
-        None
+    let profile = match &prof {
+        Some(p) => Some(profile_ops(&model, p, &req)?),
+        None => None,
     };
     let bandwidth = read_bandwidth_gbs();
     let bytes = weight_bytes_per_token(&model)?;

@@ -46,6 +46,61 @@ pub struct ModelArgs {
     /// model in $KILN_MODELS_DIR (or ./models).
     #[arg(long, short = 'm')]
     pub model: Option<PathBuf>,
+    /// Where to run: cpu, cuda, cuda:N, or auto (a usable GPU, else the CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+}
+
+/// Include directories for NVRTC: $KILN_CUDA_HOME's wheel layout, then
+/// $CUDA_HOME, then /usr/local/cuda.
+fn cuda_include_paths() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Some(h) = std::env::var_os("KILN_CUDA_HOME") {
+        let inc = PathBuf::from(h).join("nvidia/cu13/include");
+        out.push(inc.join("cccl"));
+        out.push(inc);
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(h) = std::env::var_os(var) {
+            out.push(PathBuf::from(h).join("include"));
+        }
+    }
+    out.push(PathBuf::from("/usr/local/cuda/include"));
+    out.into_iter().filter(|p| p.exists()).collect()
+}
+
+/// The backend `--device` names.
+pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
+    let cuda = |ordinal: usize| -> Result<Arc<dyn kiln_tensor::Backend>> {
+        let cache_dir =
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln/kernels"));
+        let compiler = kiln_cuda::KernelCompiler {
+            arch: "compute_90",
+            include_paths: cuda_include_paths(),
+            cache_dir,
+        };
+        let b = kiln_cuda::CudaBackend::new(ordinal, compiler)
+            .with_context(|| format!("--device cuda:{ordinal}"))?;
+        eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
+        Ok(Arc::new(b))
+    };
+    match device {
+        "cpu" => Ok(Arc::new(CpuBackend::new())),
+        "cuda" => cuda(0),
+        "auto" => {
+            if kiln_cuda::driver_available() {
+                match cuda(0) {
+                    Ok(b) => return Ok(b),
+                    Err(e) => eprintln!("kiln: no usable GPU ({e:#}); running on the CPU"),
+                }
+            }
+            Ok(Arc::new(CpuBackend::new()))
+        }
+        other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+            Some(n) => cuda(n),
+            None => anyhow::bail!("unknown --device {other:?} (cpu, cuda, cuda:N, auto)"),
+        },
+    }
 }
 
 impl ModelArgs {
@@ -60,7 +115,11 @@ impl ModelArgs {
     }
 
     pub fn load(&self) -> Result<LoadedModel> {
-        self.load_on(Arc::new(CpuBackend::new()))
+        self.load_on(self.backend()?)
+    }
+
+    pub fn backend(&self) -> Result<Arc<dyn kiln_tensor::Backend>> {
+        backend_for(&self.device)
     }
 
     /// Load onto a given backend (e.g. a profiling wrapper).

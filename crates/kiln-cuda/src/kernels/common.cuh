@@ -4,6 +4,9 @@
 
 typedef __nv_bfloat16 bf16;
 
+// -inf without <cmath> (NVRTC has no host headers).
+#define NEG_INF __int_as_float(0xff800000)
+
 __device__ __forceinline__ float to_f32(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 to_bf16(float x) { return __float2bfloat16(x); }
 

@@ -78,3 +78,35 @@ extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16*
         v_cache[dst + i] = v[src + i];
     }
 }
+
+// out = a + b, or out = a * s when b is null.
+extern "C" __global__ void add_scale_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b,
+                                          bf16* __restrict__ out, long long n, float s) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = b ? to_bf16(to_f32(a[i]) + to_f32(b[i])) : to_bf16(to_f32(a[i]) * s);
+    }
+}
+
+// Add a bias [m] to every row of x [n, m] in place.
+extern "C" __global__ void add_bias_bf16(bf16* __restrict__ x, const bf16* __restrict__ bias, long long n, int m) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n * m;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] = to_bf16(to_f32(x[i]) + to_f32(bias[i % m]));
+    }
+}
+
+// Rows `rows` of x [n, d] into out [len(rows), d].
+extern "C" __global__ void gather_rows_bf16(const bf16* __restrict__ x, const unsigned int* __restrict__ rows,
+                                            bf16* __restrict__ out, int d) {
+    const long long src = (long long)rows[blockIdx.x] * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) out[(long long)blockIdx.x * d + i] = x[src + i];
+}
+
+// bf16 -> f32 copy (logits to the host).
+extern "C" __global__ void to_f32_bf16(const bf16* __restrict__ x, float* __restrict__ out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = to_f32(x[i]);
+    }
+}

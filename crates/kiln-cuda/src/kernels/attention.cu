@@ -1,0 +1,82 @@
+// Paged causal attention, the reference CUDA version: one block per
+// (new token, query head), keys processed in chunks of blockDim.x with an
+// online softmax, f32 math over bf16 K/V. Correct for any context length;
+// the flash-style prefill and split-KV decode kernels replace it for speed.
+#include "common.cuh"
+
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int num_warps = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < num_warps) ? partial[threadIdx.x] : NEG_INF;
+    if (warp == 0) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    v = partial[0];
+    __syncthreads();
+    return v;
+}
+
+// q [tokens, heads * head_dim]; caches [slots, kv_heads * head_dim];
+// row_pos[t]: the token's position; row_table[t]: offset of its sequence's
+// block table in `tables`. Dynamic shared memory: (blockDim.x + head_dim) floats.
+extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
+                                                const bf16* __restrict__ v_cache, bf16* __restrict__ out,
+                                                const unsigned int* __restrict__ row_pos,
+                                                const unsigned int* __restrict__ row_table,
+                                                const unsigned int* __restrict__ tables, int heads, int kv_heads,
+                                                int head_dim, int block_size, float scale, int window,
+                                                float softcap) {
+    extern __shared__ float smem[];
+    float* scores = smem;               // blockDim.x
+    float* acc = smem + blockDim.x;     // head_dim
+    const int t = blockIdx.x, h = blockIdx.y;
+    const int kvh = h / (heads / kv_heads);
+    const int kv_row = kv_heads * head_dim;
+    const int pos = (int)row_pos[t];
+    const int first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    const unsigned int* table = tables + row_table[t];
+    const bf16* qv = q + ((long long)t * heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) acc[d] = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+    __syncthreads();
+    for (int c0 = first; c0 <= pos; c0 += blockDim.x) {
+        const int key = c0 + threadIdx.x;
+        float s = NEG_INF;
+        if (key <= pos) {
+            const long long slot = (long long)table[key / block_size] * block_size + key % block_size;
+            const bf16* kv = k_cache + slot * kv_row + (long long)kvh * head_dim;
+            float dot = 0.0f;
+            for (int d = 0; d < head_dim; ++d) dot += to_f32(qv[d]) * to_f32(kv[d]);
+            s = dot * scale;
+            if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
+        }
+        const float m_new = fmaxf(m, block_max(s));
+        const float p = (key <= pos) ? __expf(s - m_new) : 0.0f;
+        scores[threadIdx.x] = p;
+        const float correction = __expf(m - m_new);
+        l = l * correction + block_sum(p);
+        m = m_new;
+        __syncthreads();
+        const int n_keys = min((int)blockDim.x, pos - c0 + 1);
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            float a = acc[d] * correction;
+            for (int j = 0; j < n_keys; ++j) {
+                const int kk = c0 + j;
+                const long long slot = (long long)table[kk / block_size] * block_size + kk % block_size;
+                a += scores[j] * to_f32(v_cache[slot * kv_row + (long long)kvh * head_dim + d]);
+            }
+            acc[d] = a;
+        }
+        __syncthreads();
+    }
+    bf16* o = out + ((long long)t * heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = to_bf16(acc[d] / l);
+}
