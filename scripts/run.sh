@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Kiln's main job with no set-up: fetch the default model (SmolLM2-135M-Instruct)
 # if it is missing, build the release binary, and run `kiln` with ARGS
-# (default: an interactive chat with the default model).
+# (default: `serve`, the OpenAI API for the default model on 127.0.0.1:8080).
 #
 #   scripts/run.sh [ARGS...]
 set -euo pipefail
@@ -12,5 +12,5 @@ if [ ! -e models ]; then
   ln -s "$cache" models
 fi
 scripts/fetch-models.sh models smollm2 >&2
-[ $# -eq 0 ] && set -- chat
+[ $# -eq 0 ] && set -- serve
 cargo run --quiet --release -p kiln -- "$@"

@@ -1,1 +1,38 @@
-//! placeholder
+//! The HTTP server: the OpenAI API (`/v1/chat/completions` with tools and
+//! SSE streaming, `/v1/completions`, `/v1/models`), `/tokenize` and
+//! `/detokenize`, and operations (`/health`, `/stats`, `/metrics`), on
+//! axum/tokio over a running engine's [`kiln_engine::EngineHandle`].
+//!
+//! The wire format lives here and nowhere else: requests are parsed into
+//! validated engine types (`SamplingParams`, token ids, template messages)
+//! at the door, unknown or unsupported parameters are refused by name, and
+//! every error becomes an HTTP status and the OpenAI error body in one place
+//! ([`ApiError`]). Blocking work (template rendering, tokenization,
+//! admission, reading the engine's event stream) runs on blocking threads,
+//! never on the async executor; a client that goes away drops its stream,
+//! which cancels its request in the engine.
+//!
+//! This crate reads no environment variables and prints nothing; it does
+//! not touch tensors, models or the scheduler's internals — only the
+//! engine's handle, stats and events.
+//!
+//! Main items: [`serve`], [`serve_on`], [`run`], [`ServerConfig`],
+//! [`ApiError`], [`Metrics`].
+
+mod errors;
+mod generation;
+mod json_body;
+mod logprobs;
+mod messages;
+mod metrics;
+mod openai_types;
+mod routes;
+mod sampling;
+mod server;
+mod sse;
+mod state;
+mod tool_calls;
+
+pub use errors::ApiError;
+pub use metrics::Metrics;
+pub use server::{bind, run, serve, serve_on, shutdown_signal, ServerConfig, ServerError};

@@ -32,6 +32,8 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
     /// Measure the engine loop: throughput under concurrency, cached-prefix TTFT.
     BenchEngine(crate::bench_engine::BenchEngineArgs),
+    /// Serve the OpenAI API over HTTP.
+    Serve(crate::serve::ServeArgs),
     /// Convert a GGUF file to a Hugging Face safetensors directory.
     Convert(crate::convert::ConvertArgs),
     /// Developer tools.

@@ -1,8 +1,8 @@
 //! `kiln`: run open-weight language models from the command line.
 //!
 //! This binary is the only place that reads environment variables, sets up
-//! threads and prints. Subcommands: `generate`, `chat`, `bench`, `convert`,
-//! `dev random-checkpoint`.
+//! threads and prints. Subcommands: `generate`, `chat`, `bench`, `serve`,
+//! `convert`, `dev random-checkpoint`.
 
 mod bench;
 mod bench_engine;
@@ -11,6 +11,7 @@ mod cli;
 mod convert;
 mod dev;
 mod generate;
+mod serve;
 
 use anyhow::Result;
 use clap::Parser;
@@ -36,6 +37,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Chat(a) => chat::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchEngine(a) => bench_engine::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Dev(d) => dev::run(d),
     }

@@ -143,6 +143,43 @@ fn errors_are_clear_and_exit_non_zero() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let out = kiln()
+        .args(["generate", "-p", "x", "--device", "tpu", "-m"])
+        .arg(smollm2())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown --device"));
+}
+
+#[test]
+fn cuda_without_a_driver_is_a_clear_error_and_auto_falls_back_to_the_cpu() {
+    if kiln_cuda::driver_available() {
+        return; // This machine has a GPU driver: the no-driver paths cannot be observed here.
+    }
+    let out = kiln()
+        .args(["generate", "-p", "x", "--device", "cuda", "-m"])
+        .arg(smollm2())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no CUDA driver"), "{err}");
+    let out = kiln()
+        .args([
+            "generate",
+            "--chat",
+            "-p",
+            "What is the capital of France?",
+            "--json",
+            "--device",
+            "auto",
+            "-m",
+        ])
+        .arg(smollm2())
+        .output()
+        .unwrap();
+    assert_eq!(json_of(&out)["text"], "The capital of France is Paris.");
 }
 
 #[test]

@@ -1,0 +1,230 @@
+//! Chat messages and tool definitions from the wire, checked and turned into
+//! the JSON a chat template renders.
+
+use serde_json::{json, Map, Value};
+
+use crate::errors::ApiError;
+use crate::json_body::reject_unknown;
+use crate::openai_types::chat::{ChatMessageIn, Role, ToolCallIn, ToolIn};
+
+/// Message fields that clients echo back from responses; accepted when empty.
+const ECHOED_FIELDS: &[&str] = &["refusal", "annotations", "audio", "function_call"];
+
+/// The messages as a template sees them: `developer` becomes `system`,
+/// content parts are joined into one string, and tool-call arguments are
+/// parsed back into objects (as transformers' templates expect).
+pub fn template_messages(messages: &[ChatMessageIn]) -> Result<Value, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "`messages` must contain at least one message",
+        ));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| template_message(i, m))
+        .collect::<Result<Vec<_>, _>>()
+        .map(Value::Array)
+}
+
+fn template_message(i: usize, m: &ChatMessageIn) -> Result<Value, ApiError> {
+    let at = format!("messages[{i}]");
+    let mut extra = m.extra.clone();
+    extra.retain(|k, v| !(ECHOED_FIELDS.contains(&k.as_str()) && is_empty(v)));
+    reject_unknown(&extra, &format!("{at}."))?;
+    let role = match m.role {
+        Role::System | Role::Developer => "system",
+        Role::User => "user",
+        Role::Assistant => "assistant",
+        Role::Tool => "tool",
+    };
+    let mut out = Map::new();
+    out.insert("role".into(), role.into());
+    match content_text(&at, m.content.as_ref())? {
+        Some(text) => {
+            out.insert("content".into(), text.into());
+        }
+        None if m.role == Role::Assistant => {}
+        None => {
+            return Err(ApiError::invalid(
+                format!("{at}.content"),
+                format!("`{at}.content` is required for a {role} message"),
+            ))
+        }
+    }
+    if let Some(name) = &m.name {
+        out.insert("name".into(), name.clone().into());
+    }
+    if let Some(calls) = &m.tool_calls {
+        if m.role != Role::Assistant {
+            return Err(ApiError::invalid(
+                format!("{at}.tool_calls"),
+                format!("`{at}.tool_calls` is only allowed in assistant messages"),
+            ));
+        }
+        let calls = calls
+            .iter()
+            .enumerate()
+            .map(|(j, c)| tool_call(&format!("{at}.tool_calls[{j}]"), c))
+            .collect::<Result<Vec<_>, _>>()?;
+        out.insert("tool_calls".into(), Value::Array(calls));
+    }
+    if let Some(id) = &m.tool_call_id {
+        out.insert("tool_call_id".into(), id.clone().into());
+    }
+    Ok(Value::Object(out))
+}
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Array(a) => a.is_empty(),
+        Value::String(s) => s.is_empty(),
+        _ => false,
+    }
+}
+
+/// A string, or text parts joined with newlines; `None` for null or absent.
+fn content_text(at: &str, content: Option<&Value>) -> Result<Option<String>, ApiError> {
+    let param = format!("{at}.content");
+    match content {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str);
+                let text = part.get("text").and_then(Value::as_str);
+                match (kind, text) {
+                    (Some("text"), Some(t)) => texts.push(t),
+                    (Some("text"), None) => {
+                        return Err(ApiError::invalid(
+                            format!("{param}[{j}].text"),
+                            format!("`{param}[{j}].text` must be a string"),
+                        ))
+                    }
+                    (Some(other), _) => {
+                        return Err(ApiError::unsupported(
+                            format!("{param}[{j}].type"),
+                            format!(
+                                "content parts of type `{other}` are not supported: \
+                                 only `text` parts are"
+                            ),
+                        ))
+                    }
+                    (None, _) => {
+                        return Err(ApiError::invalid(
+                            format!("{param}[{j}]"),
+                            format!("`{param}[{j}]` must be an object with a `type`"),
+                        ))
+                    }
+                }
+            }
+            Ok(Some(texts.join("\n")))
+        }
+        Some(_) => Err(ApiError::invalid(
+            param.clone(),
+            format!("`{param}` must be a string or a list of content parts"),
+        )),
+    }
+}
+
+fn tool_call(at: &str, c: &ToolCallIn) -> Result<Value, ApiError> {
+    if let Some(kind) = c.kind.as_deref().filter(|k| *k != "function") {
+        return Err(ApiError::unsupported(
+            format!("{at}.type"),
+            format!("tool calls of type `{kind}` are not supported: only `function`"),
+        ));
+    }
+    let arguments = match &c.function.arguments {
+        // Templates index into the arguments; keep the text when it is not JSON.
+        Value::String(s) => serde_json::from_str::<Value>(s).unwrap_or_else(|_| s.clone().into()),
+        other => other.clone(),
+    };
+    let mut call = json!({
+        "type": "function",
+        "function": {"name": c.function.name, "arguments": arguments},
+    });
+    if let Some(id) = &c.id {
+        call["id"] = id.clone().into();
+    }
+    Ok(call)
+}
+
+/// Tool definitions as the template receives them; only `function` tools.
+pub fn template_tools(tools: &[ToolIn]) -> Result<Value, ApiError> {
+    for (i, t) in tools.iter().enumerate() {
+        if t.kind != "function" {
+            return Err(ApiError::unsupported(
+                format!("tools[{i}].type"),
+                format!(
+                    "tools of type `{}` are not supported: only `function`",
+                    t.kind
+                ),
+            ));
+        }
+    }
+    serde_json::to_value(tools).map_err(|e| ApiError::Internal(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::json_body::parse;
+    use crate::openai_types::chat::ChatCompletionRequest;
+
+    fn messages(body: &str) -> Result<Value, ApiError> {
+        let req: ChatCompletionRequest = parse(body.as_bytes())?;
+        template_messages(&req.messages)
+    }
+
+    #[test]
+    fn normalizes_roles_parts_and_tool_calls() {
+        let v = messages(
+            r#"{"messages": [
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null, "refusal": null,
+                 "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}
+            ]}"#,
+        )
+        .unwrap();
+        assert_eq!(v[0], json!({"role": "system", "content": "Be brief."}));
+        assert_eq!(v[1]["content"], "a\nb");
+        assert_eq!(
+            v[2]["tool_calls"][0]["function"]["arguments"],
+            json!({"x": 1})
+        );
+        assert!(v[2].get("content").is_none());
+        assert_eq!(v[3]["tool_call_id"], "c1");
+    }
+
+    #[test]
+    fn refuses_bad_messages_by_path() {
+        let param = |body: &str| {
+            let e = messages(body).unwrap_err();
+            (e.status().as_u16(), e.body()["error"]["param"].clone())
+        };
+        assert_eq!(param(r#"{"messages": []}"#), (400, json!("messages")));
+        assert_eq!(
+            param(r#"{"messages": [{"role": "robot", "content": "x"}]}"#),
+            (400, json!("messages[0].role"))
+        );
+        assert_eq!(
+            param(
+                r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}"#
+            ),
+            (400, json!("messages[0].content[0].type"))
+        );
+        assert_eq!(
+            param(r#"{"messages": [{"role": "user"}]}"#),
+            (400, json!("messages[0].content"))
+        );
+        assert_eq!(
+            param(r#"{"messages": [{"role": "user", "content": "x", "mood": "happy"}]}"#),
+            (400, json!("messages[0].mood"))
+        );
+    }
+}

@@ -1,0 +1,135 @@
+//! The OpenAI wire format: request bodies as they arrive and response bodies
+//! as they leave. Only this crate derives `Serialize`/`Deserialize` for API
+//! types; handlers turn requests into validated engine types at once.
+//!
+//! Every request struct keeps the fields it does not name in `extra`, so
+//! that an unknown or unsupported parameter is refused by name
+//! ([`crate::json_body::reject_unknown`]) instead of silently ignored.
+
+pub mod chat;
+pub mod completions;
+pub mod tokenize;
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use kiln_engine::Usage;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// `stream_options`.
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// `usage` in responses.
+#[derive(Debug, Clone, Serialize)]
+pub struct UsageOut {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+impl From<&Usage> for UsageOut {
+    fn from(u: &Usage) -> Self {
+        UsageOut {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: u.cached_tokens,
+            },
+        }
+    }
+}
+
+/// Chat `logprobs`: one entry per generated token.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// Legacy completions `logprobs`: parallel lists.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Map<String, Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    /// The context length (a vLLM extension clients use).
+    pub max_model_len: usize,
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A fresh id such as `chatcmpl-5f0c...` (for `prefix` `chatcmpl-`): a
+/// per-process random key hashed with a counter.
+pub fn new_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    let a = h.finish();
+    h.write_u64(a);
+    format!("{prefix}{a:016x}{:08x}", h.finish() as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_distinct() {
+        let a = new_id("chatcmpl-");
+        let b = new_id("chatcmpl-");
+        assert_ne!(a, b);
+        assert!(a.starts_with("chatcmpl-") && a.len() == "chatcmpl-".len() + 24);
+    }
+}

@@ -1,0 +1,105 @@
+//! Operations: `GET /health`, `GET /stats` (JSON), `GET /metrics`
+//! (Prometheus text), and `GET /v1/models`.
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kiln_engine::EngineStats;
+use serde_json::{json, Value};
+
+use crate::errors::ApiError;
+use crate::openai_types::{ModelCard, ModelList};
+use crate::state::AppState;
+
+/// 200 once the server runs: it is only started with a loaded model.
+pub async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+/// The engine's counters, read off the async threads (the engine answers
+/// between steps).
+async fn engine_stats(state: &AppState) -> Result<EngineStats, ApiError> {
+    let engine = state.engine.clone();
+    tokio::task::spawn_blocking(move || engine.stats())
+        .await
+        .map_err(|e| ApiError::Internal(format!("stats task: {e}")))?
+        .map_err(ApiError::from)
+}
+
+pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let stats = engine_stats(&state).await?;
+    let s = &stats.scheduler;
+    let (prompt, generated, cached) = state.metrics.token_totals();
+    let requests: Vec<Value> = state
+        .metrics
+        .requests()
+        .into_iter()
+        .map(|((endpoint, status), count)| {
+            json!({"endpoint": endpoint, "status": status, "count": count})
+        })
+        .collect();
+    let model = state.engine.model();
+    Ok(Json(json!({
+        "model": &*state.model_name,
+        "model_path": model.path.display().to_string(),
+        "device": model.model.backend().name(),
+        "context_length": model.context_length(),
+        "scheduler": {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_blocks_used": s.num_blocks_used,
+            "num_blocks_total": s.num_blocks_total,
+            "num_blocks_cached": s.num_blocks_cached,
+            "num_preemptions": s.num_preemptions,
+            "num_evictions": s.num_evictions,
+            "num_finished": s.num_finished,
+            "num_cancelled": s.num_cancelled,
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "prefix_cache": {
+                "num_lookups": s.prefix_cache.num_lookups,
+                "num_queried_tokens": s.prefix_cache.num_queried_tokens,
+                "num_hit_tokens": s.prefix_cache.num_hit_tokens,
+                "num_hit_blocks": s.prefix_cache.num_hit_blocks,
+            },
+        },
+        "engine": {
+            "num_steps": stats.num_steps,
+            "step_seconds_total": stats.step_seconds_total,
+            "last_step_seconds": stats.last_step_seconds,
+        },
+        "server": {
+            "prompt_tokens": prompt,
+            "generation_tokens": generated,
+            "cached_tokens": cached,
+            "requests": requests,
+        },
+    })))
+}
+
+pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let stats = engine_stats(&state).await?;
+    let text = state.metrics.render(&state.model_name, &stats);
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}
+
+pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.model_name.to_string(),
+            object: "model",
+            created: state.started_at,
+            owned_by: "kiln",
+            max_model_len: state.context_length(),
+        }],
+    })
+}

@@ -1,0 +1,281 @@
+//! The server: configuration, the router, authentication and request
+//! counting, binding, and graceful shutdown.
+
+use std::future::{Future, IntoFuture};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{header, HeaderValue, Method};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use kiln_engine::EngineHandle;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tower_http::cors::{AllowOrigin, CorsLayer};
+
+use crate::errors::ApiError;
+use crate::metrics::Metrics;
+use crate::openai_types::unix_now;
+use crate::routes::{chat, completions, ops, tokenize};
+use crate::state::AppState;
+
+/// How the server listens and what it accepts.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// When set, every API route needs `Authorization: Bearer <key>`
+    /// (`/health` and `/metrics` stay open).
+    pub api_key: Option<String>,
+    /// Origins allowed to call from a browser (`*` for any); none by default.
+    pub cors_origins: Vec<String>,
+    /// Larger request bodies get 413.
+    pub max_body_bytes: usize,
+    /// The name the model is served under.
+    pub model_name: String,
+    /// After a shutdown signal, how long in-flight requests may run before
+    /// they are cancelled.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            api_key: None,
+            cors_origins: Vec::new(),
+            max_body_bytes: 8 << 20,
+            model_name: "kiln".into(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why the server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("invalid CORS origin {0:?}")]
+    BadCorsOrigin(String),
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("server: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Binds `config.host:config.port`.
+pub async fn bind(config: &ServerConfig) -> Result<TcpListener, ServerError> {
+    let addr = format!("{}:{}", config.host, config.port);
+    TcpListener::bind(&addr)
+        .await
+        .map_err(|source| ServerError::Bind { addr, source })
+}
+
+/// Binds and serves until `shutdown` resolves (see [`serve_on`]).
+pub async fn serve(
+    config: ServerConfig,
+    engine: EngineHandle,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let listener = bind(&config).await?;
+    serve_on(listener, config, engine, shutdown).await
+}
+
+/// Serves on a bound listener until `shutdown` resolves; then stops
+/// accepting, lets in-flight requests finish for `shutdown_grace`, cancels
+/// those still running, and returns.
+pub async fn serve_on(
+    listener: TcpListener,
+    config: ServerConfig,
+    engine: EngineHandle,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let (cancel_tx, cancel_rx) = watch::channel(false);
+    let state = AppState {
+        engine,
+        model_name: config.model_name.as_str().into(),
+        api_key: config.api_key.as_deref().map(Arc::from),
+        max_body_bytes: config.max_body_bytes,
+        metrics: Arc::new(Metrics::default()),
+        cancel: cancel_rx,
+        started_at: unix_now(),
+    };
+    let app = router(state, &config)?;
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let server = axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            let _ = stop_rx.wait_for(|&s| s).await;
+        })
+        .into_future();
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => return r.map_err(ServerError::Io),
+        () = shutdown => {}
+    }
+    let _ = stop_tx.send(true);
+    if let Ok(r) = tokio::time::timeout(config.shutdown_grace, &mut server).await {
+        return r.map_err(ServerError::Io);
+    }
+    // Grace is over: end every request still running (each drops its
+    // stream, which cancels it in the engine) and give them a moment.
+    let _ = cancel_tx.send(true);
+    match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+        Ok(r) => r.map_err(ServerError::Io),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Starts a runtime, binds, calls `on_listening` with the bound address, and
+/// serves until SIGINT or SIGTERM. For the `kiln serve` command.
+pub fn run(
+    config: ServerConfig,
+    engine: EngineHandle,
+    on_listening: impl FnOnce(SocketAddr),
+) -> Result<(), ServerError> {
+    let workers = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(4);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("kiln-http")
+        .enable_all()
+        .build()
+        .map_err(ServerError::Runtime)?;
+    let result = runtime.block_on(async move {
+        let listener = bind(&config).await?;
+        on_listening(listener.local_addr()?);
+        serve_on(listener, config, engine, shutdown_signal()).await
+    });
+    // Tasks still blocked on a request end when the engine stops; don't wait.
+    runtime.shutdown_background();
+    result
+}
+
+/// Resolves on SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}
+
+fn router(state: AppState, config: &ServerConfig) -> Result<Router, ServerError> {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/models", get(ops::models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/stats", get(ops::stats))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
+    let mut app = api
+        .route("/health", get(ops::health))
+        .route("/metrics", get(ops::metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .layer(DefaultBodyLimit::max(config.max_body_bytes));
+    if !config.cors_origins.is_empty() {
+        app = app.layer(cors(&config.cors_origins)?);
+    }
+    Ok(app.with_state(state))
+}
+
+fn cors(origins: &[String]) -> Result<CorsLayer, ServerError> {
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let list = origins
+            .iter()
+            .map(|o| HeaderValue::from_str(o).map_err(|_| ServerError::BadCorsOrigin(o.clone())))
+            .collect::<Result<Vec<_>, _>>()?;
+        AllowOrigin::list(list)
+    };
+    Ok(CorsLayer::new()
+        .allow_origin(allow)
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]))
+}
+
+async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
+            return ApiError::Unauthorized.into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Compares without stopping at the first difference.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "unmatched".into());
+    let response = next.run(req).await;
+    state
+        .metrics
+        .record_request(&endpoint, response.status().as_u16());
+    response
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::MethodNotAllowed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_comparison() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secrets"));
+    }
+}

@@ -1,0 +1,46 @@
+//! What every handler shares: the engine, the served model's name, the
+//! metrics, and the signal that cancels in-flight requests at shutdown.
+
+use std::sync::Arc;
+
+use kiln_engine::EngineHandle;
+use tokio::sync::watch;
+
+use crate::errors::ApiError;
+use crate::metrics::Metrics;
+
+/// Shared state of the server; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: EngineHandle,
+    /// The name the model is served under (`model` in requests and responses).
+    pub model_name: Arc<str>,
+    pub api_key: Option<Arc<str>>,
+    pub max_body_bytes: usize,
+    pub metrics: Arc<Metrics>,
+    /// Becomes `true` when the shutdown grace period is over: every request
+    /// still running ends, which drops its stream and cancels it.
+    pub cancel: watch::Receiver<bool>,
+    /// Unix time the server started (the model's `created`).
+    pub started_at: u64,
+}
+
+impl AppState {
+    /// The model's vocabulary size, for validating token ids and logit biases.
+    pub fn vocab_size(&self) -> usize {
+        self.engine.model().model.config().vocab_size
+    }
+
+    /// The model's context length in tokens.
+    pub fn context_length(&self) -> usize {
+        self.engine.model().context_length()
+    }
+
+    /// Refuses a request that names a model other than the one served.
+    pub fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
+        match requested {
+            Some(m) if m != &*self.model_name => Err(ApiError::ModelNotFound(m.to_string())),
+            _ => Ok(()),
+        }
+    }
+}
