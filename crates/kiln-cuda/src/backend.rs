@@ -480,54 +480,14 @@ impl Backend for CudaBackend {
         batch: &ForwardBatch,
         p: &AttentionParams,
     ) -> Result<Tensor> {
+        kiln_tensor::check_attention_args(q, k, v, &cache.spec, layer, batch, p)?;
         let (n, qw) = q.dims2("attention")?;
         let kv_row = p.num_kv_heads * p.head_dim;
         let spec = cache.spec;
-        if qw != p.num_heads * p.head_dim
-            || k.shape() != [n, kv_row]
-            || v.shape() != [n, kv_row]
-            || p.num_kv_heads == 0
-            || p.num_heads % p.num_kv_heads != 0
-            || layer >= spec.num_layers
-            || batch.num_tokens() != n
-            || batch.slot_mapping.len() != n
-            || batch.block_size != spec.block_size
-        {
-            return Err(TensorError::Shape {
-                op: "attention",
-                detail: format!(
-                    "q {:?}, k {:?}, layer {layer}, {n} rows, cache {spec:?}",
-                    q.shape(),
-                    k.shape()
-                ),
-            });
-        }
-        if let Some(&s) = batch
-            .slot_mapping
-            .iter()
-            .find(|&&s| s as usize >= spec.num_slots())
-        {
-            return Err(TensorError::KvCacheFull {
-                needed: s as usize + 1,
-                capacity: spec.num_slots(),
-            });
-        }
         // Per-row position and block-table offset; block tables flattened.
         let mut tables = Vec::new();
         let mut row_table = vec![0u32; n];
         for seq in &batch.seqs {
-            if seq
-                .block_table
-                .iter()
-                .any(|&b| b as usize >= spec.num_blocks)
-                || seq.block_table.len() * spec.block_size < seq.num_computed + seq.num_tokens
-                || seq.token_start + seq.num_tokens > n
-            {
-                return Err(TensorError::Shape {
-                    op: "attention",
-                    detail: "a block table does not cover its sequence".into(),
-                });
-            }
             let off = tables.len() as u32;
             tables.extend_from_slice(&seq.block_table);
             row_table[seq.token_start..seq.token_start + seq.num_tokens].fill(off);

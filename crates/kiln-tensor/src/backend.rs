@@ -215,3 +215,75 @@ pub trait Backend: Send + Sync {
         p: &AttentionParams,
     ) -> Result<Tensor>;
 }
+
+/// Check the arguments of [`Backend::attention`] against each other, the
+/// cache and the batch; every backend calls this before touching memory.
+/// A slot past the pool is [`crate::TensorError::KvCacheFull`]; anything
+/// else inconsistent is a shape error.
+pub fn check_attention_args(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &KvCacheSpec,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+) -> crate::Result<()> {
+    use crate::TensorError;
+    let (n, qw) = q.dims2("attention")?;
+    let kv_row = p.num_kv_heads * p.head_dim;
+    let bad = |detail: String| TensorError::Shape {
+        op: "attention",
+        detail,
+    };
+    if qw != p.num_heads * p.head_dim
+        || k.shape() != [n, kv_row]
+        || v.shape() != [n, kv_row]
+        || p.num_kv_heads == 0
+        || p.num_heads % p.num_kv_heads != 0
+        || layer >= spec.num_layers
+        || kv_row != spec.num_kv_heads * spec.head_dim
+        || batch.num_tokens() != n
+        || batch.slot_mapping.len() != n
+        || batch.positions.len() != n
+        || batch.block_size != spec.block_size
+    {
+        return Err(bad(format!(
+            "q {:?}, k {:?}, v {:?}, layer {layer}, {n} batch rows, params {p:?}, cache {spec:?}",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        )));
+    }
+    let num_slots = spec.num_slots();
+    if let Some(&s) = batch
+        .slot_mapping
+        .iter()
+        .find(|&&s| s as usize >= num_slots)
+    {
+        return Err(TensorError::KvCacheFull {
+            needed: s as usize + 1,
+            capacity: num_slots,
+        });
+    }
+    for seq in &batch.seqs {
+        let end = seq.num_computed + seq.num_tokens;
+        if seq.token_start + seq.num_tokens > n
+            || seq.block_table.len() * spec.block_size < end
+            || seq
+                .block_table
+                .iter()
+                .any(|&b| b as usize >= spec.num_blocks)
+        {
+            return Err(bad(format!(
+                "sequence of {} tokens after {} cached with {} blocks of {} (pool {})",
+                seq.num_tokens,
+                seq.num_computed,
+                seq.block_table.len(),
+                spec.block_size,
+                spec.num_blocks
+            )));
+        }
+    }
+    Ok(())
+}
