@@ -101,7 +101,6 @@ impl LoadedModel {
         req: &GenerationRequest,
         on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
     ) -> Result<Generation> {
-        let cfg = self.model.config();
         let ctx = self.context_length();
         if req.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -125,7 +124,6 @@ impl LoadedModel {
             max_new,
             entropy(),
         )?;
-        let _ = cfg;
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let mut timings = Timings {
