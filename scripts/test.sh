@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run Kiln's whole test suite: fetch the real models the tests check against
-# (once; later runs only verify hashes) and NVRTC for the kernel-compile
-# tests, then run every crate's tests.
+# (once; later runs only verify hashes), NVRTC for the kernel-compile tests
+# and the OpenAI/Anthropic Python SDKs, then run every crate's tests and the
+# SDK conformance suite against `kiln serve`.
 #
 #   scripts/test.sh [extra cargo test args]
 #
@@ -23,6 +24,10 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace "$@" 2>&1 | tee "$log" || status=$?
+# The server through the official OpenAI and Anthropic SDKs, on the binary cargo just built.
+pysdk=$(scripts/install-sdks.sh) || exit 1
+PYTHONPATH="$pysdk" python3 tests/sdk/sdk_conformance.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
+  models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 | tee -a "$log" || status=1
 # One closing line for the whole suite (cargo prints one per test binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -1,6 +1,8 @@
 //! Every error the server answers with, and the one place that maps them to
-//! an HTTP status and the OpenAI error body
-//! `{"error": {"message", "type", "param", "code"}}`.
+//! an HTTP status and an error body: OpenAI's
+//! `{"error": {"message", "type", "param", "code"}}`, or, for the Anthropic
+//! routes, `{"type": "error", "error": {"type", "message"}}` (each route
+//! picks its [`ErrorShape`]).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -12,6 +14,13 @@ use serde_json::json;
 
 /// Seconds a client is asked to wait after a 429.
 const RETRY_AFTER_SECONDS: &str = "1";
+
+/// Which API's error body a route answers with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorShape {
+    OpenAi,
+    Anthropic,
+}
 
 /// A request the server refuses or could not serve.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -48,7 +57,9 @@ pub enum ApiError {
     #[error("the request body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
     /// Missing or wrong `Authorization: Bearer` key (401).
-    #[error("missing or incorrect API key: send `Authorization: Bearer <key>`")]
+    #[error(
+        "missing or incorrect API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
+    )]
     Unauthorized,
     /// The engine's waiting queue is full; retry later (429 with `Retry-After`).
     #[error("the server is busy: {0}")]
@@ -131,7 +142,54 @@ impl ApiError {
         }
     }
 
-    /// The JSON error body, also sent as an SSE event when a stream fails.
+    /// Anthropic's error `type` for this error's status.
+    fn anthropic_kind(&self) -> &'static str {
+        match self {
+            ApiError::Unauthorized => "authentication_error",
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "not_found_error",
+            ApiError::Busy(_) => "rate_limit_error",
+            ApiError::Unavailable(_) => "overloaded_error",
+            ApiError::Internal(_) => "api_error",
+            ApiError::InvalidRequest { .. }
+            | ApiError::InvalidJson(_)
+            | ApiError::UnsupportedParam { .. }
+            | ApiError::ContextLengthExceeded { .. }
+            | ApiError::MethodNotAllowed
+            | ApiError::BodyTooLarge { .. } => "invalid_request_error",
+        }
+    }
+
+    /// The JSON error body in `shape`, also sent as an SSE event when a
+    /// stream fails.
+    pub fn body_in(&self, shape: ErrorShape) -> serde_json::Value {
+        match shape {
+            ErrorShape::OpenAi => self.body(),
+            ErrorShape::Anthropic => json!({"type": "error", "error": {
+                "type": self.anthropic_kind(),
+                "message": self.to_string(),
+            }}),
+        }
+    }
+
+    /// The response in `shape`: status, body, and `Retry-After` or
+    /// `WWW-Authenticate` where they apply.
+    pub fn response_in(self, shape: ErrorShape) -> Response {
+        let mut response = (self.status(), Json(self.body_in(shape))).into_response();
+        if matches!(self, ApiError::Busy(_)) {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+        }
+        if matches!(self, ApiError::Unauthorized) {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+
+    /// The OpenAI JSON error body.
     pub fn body(&self) -> serde_json::Value {
         let (kind, param, code) = self.kind();
         json!({"error": {
@@ -145,19 +203,23 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status(), Json(self.body())).into_response();
-        if matches!(self, ApiError::Busy(_)) {
-            response.headers_mut().insert(
-                header::RETRY_AFTER,
-                HeaderValue::from_static(RETRY_AFTER_SECONDS),
-            );
-        }
-        if matches!(self, ApiError::Unauthorized) {
-            response
-                .headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-        }
-        response
+        self.response_in(ErrorShape::OpenAi)
+    }
+}
+
+/// An error answered in Anthropic's shape (the `/v1/messages` routes).
+#[derive(Debug)]
+pub struct AnthropicError(pub ApiError);
+
+impl<E: Into<ApiError>> From<E> for AnthropicError {
+    fn from(e: E) -> Self {
+        AnthropicError(e.into())
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        self.0.response_in(ErrorShape::Anthropic)
     }
 }
 
@@ -261,6 +323,16 @@ mod tests {
         assert_eq!(body["error"]["param"], "top_p");
         assert_eq!(body["error"]["type"], "invalid_request_error");
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn anthropic_shape_has_the_same_status() {
+        let e = AnthropicError(ApiError::Unauthorized).into_response();
+        assert_eq!(e.status(), StatusCode::UNAUTHORIZED);
+        let body = ApiError::Busy("full".into()).body_in(ErrorShape::Anthropic);
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "rate_limit_error");
+        assert!(body["error"]["message"].as_str().is_some());
     }
 
     #[test]

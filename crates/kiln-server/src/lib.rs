@@ -1,13 +1,15 @@
 //! The HTTP server: the OpenAI API (`/v1/chat/completions` with tools and
-//! SSE streaming, `/v1/completions`, `/v1/models`), `/tokenize` and
+//! SSE streaming, `/v1/completions`, `/v1/models`), the Anthropic Messages
+//! API (`/v1/messages`, streamed or not, and `/v1/messages/count_tokens`),
+//! `/tokenize` and
 //! `/detokenize`, and operations (`/health`, `/stats`, `/metrics`), on
 //! axum/tokio over a running engine's [`kiln_engine::EngineHandle`].
 //!
 //! The wire format lives here and nowhere else: requests are parsed into
 //! validated engine types (`SamplingParams`, token ids, template messages)
 //! at the door, unknown or unsupported parameters are refused by name, and
-//! every error becomes an HTTP status and the OpenAI error body in one place
-//! ([`ApiError`]). Blocking work (template rendering, tokenization,
+//! every error becomes an HTTP status and the OpenAI or Anthropic error body
+//! in one place ([`ApiError`]). Blocking work (template rendering, tokenization,
 //! admission, reading the engine's event stream) runs on blocking threads,
 //! never on the async executor; a client that goes away drops its stream,
 //! which cancels its request in the engine.
@@ -19,6 +21,8 @@
 //! Main items: [`serve`], [`serve_on`], [`run`], [`ServerConfig`],
 //! [`ApiError`], [`Metrics`].
 
+mod anthropic_messages;
+mod anthropic_types;
 mod errors;
 mod generation;
 mod json_body;

@@ -86,7 +86,7 @@ fn is_empty(v: &Value) -> bool {
 }
 
 /// A string, or text parts joined with newlines; `None` for null or absent.
-fn content_text(at: &str, content: Option<&Value>) -> Result<Option<String>, ApiError> {
+pub fn content_text(at: &str, content: Option<&Value>) -> Result<Option<String>, ApiError> {
     let param = format!("{at}.content");
     match content {
         None | Some(Value::Null) => Ok(None),

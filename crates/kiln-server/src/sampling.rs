@@ -29,7 +29,15 @@ pub struct SamplingFields {
     pub ignore_eos: Option<bool>,
     /// Top alternatives per token, when logprobs are wanted at all.
     pub logprobs: Option<usize>,
+    /// The API's own upper bound on `temperature` (OpenAI 2, Anthropic 1);
+    /// 0 means the engine's bound.
+    pub max_temperature: f32,
 }
+
+/// OpenAI's documented temperature range is [0, 2].
+pub const OPENAI_MAX_TEMPERATURE: f32 = 2.0;
+/// Anthropic's documented temperature range is [0, 1].
+pub const ANTHROPIC_MAX_TEMPERATURE: f32 = 1.0;
 
 impl SamplingFields {
     /// Validated parameters for a model with `vocab_size` tokens.
@@ -60,6 +68,17 @@ impl SamplingFields {
                 "top_logprobs",
                 format!("at most {MAX_LOGPROBS} top logprobs can be returned, got {n}"),
             ));
+        }
+        if let Some(t) = self.temperature {
+            if self.max_temperature > 0.0 && !(0.0..=self.max_temperature).contains(&t) {
+                return Err(ApiError::invalid(
+                    "temperature",
+                    format!(
+                        "`temperature` must be between 0 and {}, got {t}",
+                        self.max_temperature
+                    ),
+                ));
+            }
         }
         let params = SamplingParams {
             temperature: self.temperature.unwrap_or(defaults.temperature),
@@ -161,6 +180,12 @@ mod tests {
         assert_eq!(p.stop, vec!["a", "b"]);
         assert_eq!(p.seed, Some(u64::MAX));
         let d = SamplingFields::default().into_params(100).unwrap();
+        let hot = SamplingFields {
+            temperature: Some(1.5),
+            max_temperature: ANTHROPIC_MAX_TEMPERATURE,
+            ..SamplingFields::default()
+        };
+        assert_eq!(param_of(hot), "temperature");
         assert_eq!(d, SamplingParams::default());
     }
 

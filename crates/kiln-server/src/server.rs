@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{header, HeaderValue, Method};
 use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 use kiln_engine::EngineHandle;
@@ -17,10 +17,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
-use crate::errors::ApiError;
+use crate::errors::{ApiError, ErrorShape};
 use crate::metrics::Metrics;
 use crate::openai_types::unix_now;
-use crate::routes::{chat, completions, ops, tokenize};
+use crate::routes::{chat, completions, messages, ops, tokenize};
 use crate::state::AppState;
 
 /// How the server listens and what it accepts.
@@ -28,8 +28,8 @@ use crate::state::AppState;
 pub struct ServerConfig {
     pub host: String,
     pub port: u16,
-    /// When set, every API route needs `Authorization: Bearer <key>`
-    /// (`/health` and `/metrics` stay open).
+    /// When set, every API route needs `Authorization: Bearer <key>` or
+    /// `x-api-key: <key>` (`/health` and `/metrics` stay open).
     pub api_key: Option<String>,
     /// Origins allowed to call from a browser (`*` for any); none by default.
     pub cors_origins: Vec<String>,
@@ -193,6 +193,8 @@ fn router(state: AppState, config: &ServerConfig) -> Result<Router, ServerError>
         .route("/v1/models", get(ops::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
+        .route("/v1/messages", post(messages::handle))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/stats", get(ops::stats))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     let mut app = api
@@ -224,19 +226,30 @@ fn cors(origins: &[String]) -> Result<CorsLayer, ServerError> {
     Ok(CorsLayer::new()
         .allow_origin(allow)
         .allow_methods([Method::GET, Method::POST])
-        .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]))
+        .allow_headers([
+            header::AUTHORIZATION,
+            header::CONTENT_TYPE,
+            header::HeaderName::from_static("x-api-key"),
+            header::HeaderName::from_static("anthropic-version"),
+        ]))
 }
 
 async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let given = req
-            .headers()
+        let headers = req.headers();
+        let bearer = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        let given = bearer.or(x_api_key).map(str::trim);
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::Unauthorized.into_response();
+            let shape = if req.uri().path().starts_with("/v1/messages") {
+                ErrorShape::Anthropic
+            } else {
+                ErrorShape::OpenAi
+            };
+            return ApiError::Unauthorized.response_in(shape);
         }
     }
     next.run(req).await

@@ -1,5 +1,6 @@
 //! Server-sent events: `data: {json}\n\n` frames from a request's events,
-//! ending with `data: [DONE]`. Each API shapes its frames through
+//! ending with `data: [DONE]` (or, for Anthropic, `event:`-named frames
+//! and no end marker). Each API shapes its frames through
 //! [`StreamFormat`]; this file owns the framing, the end of the stream and
 //! the failure cases. Dropping the body (the client went away) drops the
 //! [`EventReceiver`], which cancels the request.
@@ -14,7 +15,7 @@ use kiln_engine::{Event, Usage};
 use kiln_sampling::{FinishReason, Sampled};
 use serde::Serialize;
 
-use crate::errors::ApiError;
+use crate::errors::{ApiError, ErrorShape};
 use crate::generation::EventReceiver;
 
 /// How one API turns a request's events into SSE payloads.
@@ -24,18 +25,36 @@ pub trait StreamFormat: Send + 'static {
     fn on_token(&mut self, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes>;
     /// The last payloads: the finish reason, any held text, the usage.
     fn on_finish(&mut self, reason: FinishReason, usage: &Usage) -> Vec<Bytes>;
+    /// The frame that reports a failure mid-stream.
+    fn error_frame(&self, e: &ApiError) -> Bytes {
+        Bytes::from(format!("data: {}\n\n", e.body()))
+    }
+    /// The frame after the last one, if the API has one (`data: [DONE]`).
+    fn end_frame(&self) -> Option<Bytes> {
+        Some(Bytes::from_static(DONE))
+    }
 }
 
 /// One `data:` frame.
 pub fn frame(payload: &impl Serialize) -> Bytes {
     match serde_json::to_string(payload) {
         Ok(json) => Bytes::from(format!("data: {json}\n\n")),
-        Err(e) => error_frame(&ApiError::Internal(e.to_string())),
+        Err(e) => Bytes::from(format!(
+            "data: {}\n\n",
+            ApiError::Internal(e.to_string()).body()
+        )),
     }
 }
 
-fn error_frame(e: &ApiError) -> Bytes {
-    Bytes::from(format!("data: {}\n\n", e.body()))
+/// One `event: {name}` frame (Anthropic's streams name every event).
+pub fn event_frame(name: &str, payload: &impl Serialize) -> Bytes {
+    match serde_json::to_string(payload) {
+        Ok(json) => Bytes::from(format!("event: {name}\ndata: {json}\n\n")),
+        Err(e) => Bytes::from(format!(
+            "event: error\ndata: {}\n\n",
+            ApiError::Internal(e.to_string()).body_in(ErrorShape::Anthropic)
+        )),
+    }
 }
 
 const DONE: &[u8] = b"data: [DONE]\n\n";
@@ -72,15 +91,15 @@ impl<F: StreamFormat> SseState<F> {
                     self.end();
                 }
                 Some(Event::Failed { message }) => {
-                    self.queue
-                        .push_back(error_frame(&ApiError::Internal(message)));
+                    let e = ApiError::Internal(message);
+                    self.queue.push_back(self.format.error_frame(&e));
                     self.end();
                 }
                 None => {
                     let e = ApiError::Unavailable(
                         "the request was cancelled: the server is shutting down".into(),
                     );
-                    self.queue.push_back(error_frame(&e));
+                    self.queue.push_back(self.format.error_frame(&e));
                     self.end();
                 }
             }
@@ -88,7 +107,7 @@ impl<F: StreamFormat> SseState<F> {
     }
 
     fn end(&mut self) {
-        self.queue.push_back(Bytes::from_static(DONE));
+        self.queue.extend(self.format.end_frame());
         self.done = true;
     }
 }

@@ -111,6 +111,7 @@ fn validate(state: &AppState, req: ChatCompletionRequest) -> Result<ValidChat, A
         stop_token_ids: req.stop_token_ids,
         ignore_eos: req.ignore_eos,
         logprobs: top_logprobs,
+        max_temperature: crate::sampling::OPENAI_MAX_TEMPERATURE,
     }
     .into_params(state.vocab_size())?;
     Ok(ValidChat {

@@ -127,6 +127,7 @@ pub async fn handle(
         stop_token_ids: req.stop_token_ids,
         ignore_eos: req.ignore_eos,
         logprobs,
+        max_temperature: crate::sampling::OPENAI_MAX_TEMPERATURE,
     }
     .into_params(state.vocab_size())?;
     let prompt = prompt_input(req.prompt, state.vocab_size())?;

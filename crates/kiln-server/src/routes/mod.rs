@@ -2,5 +2,6 @@
 
 pub mod chat;
 pub mod completions;
+pub mod messages;
 pub mod ops;
 pub mod tokenize;

@@ -1,0 +1,511 @@
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens`, the Anthropic
+//! Messages API over the same pieces as the OpenAI chat route: template
+//! messages, sampling fields, the generation bridge, SSE framing, and
+//! `<tool_call>` parsing (calls become `tool_use` blocks). Errors are
+//! answered in Anthropic's shape.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kiln_engine::{Event, LoadedModel, Usage};
+use kiln_sampling::{FinishReason, Sampled, SamplingParams};
+use serde_json::{json, Value};
+
+use crate::anthropic_messages::{template_anthropic_tools, template_conversation};
+use crate::anthropic_types::{
+    BlockDelta, ContentBlockOut, CountTokensOut, MessageOut, MessagesRequest, UsageOut,
+};
+use crate::errors::{AnthropicError, ApiError, ErrorShape};
+use crate::generation::{self, EventReceiver, Generate, Prepared};
+use crate::json_body::{reject_unknown, ApiJson};
+use crate::openai_types::new_id;
+use crate::sampling::SamplingFields;
+use crate::sse::{self, event_frame, StreamFormat};
+use crate::state::AppState;
+use crate::tool_calls::{self, ToolCall, ToolCallStream};
+
+/// What the template renders: the messages and the declared tools.
+struct Conversation {
+    messages: Value,
+    tools: Option<Value>,
+    /// The declared tools' names; tool calls are parsed when there are any.
+    tool_names: Vec<String>,
+}
+
+/// The parts of a request that make the prompt, checked; shared with
+/// `count_tokens`.
+fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation, ApiError> {
+    reject_unknown(&req.extra, "")?;
+    state.check_model(req.model.as_deref())?;
+    let tool_choice_none = match req.tool_choice.as_ref().map(|c| c.kind.as_str()) {
+        None | Some("auto") => false,
+        Some("none") => true,
+        Some(kind @ ("any" | "tool")) => {
+            return Err(ApiError::unsupported(
+                "tool_choice.type",
+                format!(
+                    "`tool_choice` of type `{kind}` is not supported yet: structured output \
+                     will enforce it; use `auto` or `none`"
+                ),
+            ))
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "tool_choice.type",
+                format!("`tool_choice.type` must be auto, none, any or tool, got `{other}`"),
+            ))
+        }
+    };
+    let (tools, tool_names) = match &req.tools {
+        Some(t) if !t.is_empty() && !tool_choice_none => (
+            Some(template_anthropic_tools(t)?),
+            t.iter().map(|t| t.name.clone()).collect(),
+        ),
+        _ => (None, Vec::new()),
+    };
+    Ok(Conversation {
+        messages: template_conversation(req.system.as_ref(), &req.messages)?,
+        tools,
+        tool_names,
+    })
+}
+
+/// Renders the conversation with the generation prompt and tokenizes it.
+fn render(
+    model: &LoadedModel,
+    messages: Value,
+    tools: Option<Value>,
+) -> Result<Vec<u32>, ApiError> {
+    let mut ctx = model.tokenizer.chat_context(messages);
+    ctx.tools = tools;
+    ctx.add_generation_prompt = true;
+    let rendered = model.render_chat_with(&ctx)?;
+    Ok(model.tokenizer.encode(&rendered, false)?)
+}
+
+fn sampling(
+    state: &AppState,
+    req: MessagesRequest,
+) -> Result<(SamplingParams, Vec<String>), ApiError> {
+    let Some(max_tokens) = req.max_tokens else {
+        return Err(ApiError::invalid("max_tokens", "`max_tokens` is required"));
+    };
+    let stop_sequences = req.stop_sequences.unwrap_or_default();
+    let params = SamplingFields {
+        max_tokens: Some((max_tokens, "max_tokens")),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        stop: (!stop_sequences.is_empty()).then(|| json!(stop_sequences)),
+        max_temperature: crate::sampling::ANTHROPIC_MAX_TEMPERATURE,
+        ..SamplingFields::default()
+    }
+    .into_params(state.vocab_size())?;
+    Ok((params, stop_sequences))
+}
+
+pub async fn handle(
+    State(state): State<AppState>,
+    req: Result<ApiJson<MessagesRequest>, ApiError>,
+) -> Result<Response, AnthropicError> {
+    let ApiJson(req) = req?;
+    let conv = conversation(&state, &req)?;
+    let stream = req.stream.unwrap_or(false);
+    let (params, stop_sequences) = sampling(&state, req)?;
+    let parse_tools = !conv.tool_names.is_empty();
+    let generate = Generate {
+        params,
+        skip_special_tokens: !parse_tools,
+    };
+    let (messages, tools) = (conv.messages, conv.tools);
+    let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
+        let prompt = render(model, messages, tools)?;
+        let extra = prompt.len();
+        Ok(Prepared { prompt, extra })
+    })
+    .await?;
+    let out = MessageOutput {
+        id: new_id("msg_"),
+        model_name: state.model_name.clone(),
+        stop_sequences,
+    };
+    if stream {
+        let start = out.message(Vec::new(), None, None, usage_out(admitted.extra, 0, 0));
+        let first = vec![
+            event_frame(
+                "message_start",
+                &json!({"type": "message_start", "message": start}),
+            ),
+            event_frame("ping", &json!({"type": "ping"})),
+        ];
+        let format = MessagesStream {
+            out,
+            tools: parse_tools.then(|| ToolCallStream::new(conv.tool_names)),
+            num_blocks: 0,
+            text_open: false,
+        };
+        Ok(sse::response(admitted.events, format, first))
+    } else {
+        Ok(out.collect(admitted.events, &conv.tool_names).await?)
+    }
+}
+
+pub async fn count_tokens(
+    State(state): State<AppState>,
+    req: Result<ApiJson<MessagesRequest>, ApiError>,
+) -> Result<Json<CountTokensOut>, AnthropicError> {
+    let ApiJson(req) = req?;
+    let conv = conversation(&state, &req)?;
+    let engine = state.engine.clone();
+    let prompt =
+        tokio::task::spawn_blocking(move || render(engine.model(), conv.messages, conv.tools))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))??;
+    Ok(Json(CountTokensOut {
+        input_tokens: prompt.len(),
+    }))
+}
+
+fn usage_out(input_tokens: usize, cached_tokens: usize, output_tokens: usize) -> UsageOut {
+    UsageOut {
+        input_tokens,
+        output_tokens,
+        cache_read_input_tokens: cached_tokens,
+        cache_creation_input_tokens: 0,
+    }
+}
+
+fn usage_from(u: &Usage) -> UsageOut {
+    usage_out(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+}
+
+/// A parsed call as a `tool_use` block; arguments that are not a JSON
+/// object are passed as `{"arguments": text}`.
+fn tool_use_block(call: ToolCall) -> ContentBlockOut {
+    let input = match serde_json::from_str::<Value>(&call.arguments) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => json!({"arguments": call.arguments}),
+    };
+    ContentBlockOut::ToolUse {
+        id: new_id("toolu_"),
+        name: call.name,
+        input,
+    }
+}
+
+/// What the response and every event of one request share.
+struct MessageOutput {
+    id: String,
+    model_name: Arc<str>,
+    /// The request's stop sequences, to name the one that matched.
+    stop_sequences: Vec<String>,
+}
+
+impl MessageOutput {
+    fn message(
+        &self,
+        content: Vec<ContentBlockOut>,
+        stop_reason: Option<&'static str>,
+        stop_sequence: Option<String>,
+        usage: UsageOut,
+    ) -> MessageOut<'_> {
+        MessageOut {
+            id: &self.id,
+            kind: "message",
+            role: "assistant",
+            model: &self.model_name,
+            content,
+            stop_reason,
+            stop_sequence,
+            usage,
+        }
+    }
+
+    /// `stop_reason` and `stop_sequence` for how generation ended.
+    fn stop(&self, reason: FinishReason, called_tools: bool) -> (&'static str, Option<String>) {
+        match reason {
+            _ if called_tools => ("tool_use", None),
+            FinishReason::StopString(i) => ("stop_sequence", self.stop_sequences.get(i).cloned()),
+            FinishReason::Length => ("max_tokens", None),
+            FinishReason::Stop | FinishReason::Repetition | FinishReason::Cancelled => {
+                ("end_turn", None)
+            }
+        }
+    }
+
+    async fn collect(
+        self,
+        mut events: EventReceiver,
+        tool_names: &[String],
+    ) -> Result<Response, ApiError> {
+        let mut text = String::new();
+        let (reason, usage) = loop {
+            match events.next().await {
+                Some(Event::Token { text: t, .. }) => text.push_str(&t),
+                Some(Event::Progress) => {}
+                Some(Event::Finished {
+                    finish_reason,
+                    usage,
+                    ..
+                }) => break (finish_reason, usage),
+                Some(Event::Failed { message }) => return Err(ApiError::Internal(message)),
+                None => {
+                    return Err(ApiError::Unavailable(
+                        "the request was cancelled: the server is shutting down".into(),
+                    ))
+                }
+            }
+        };
+        let (text, calls) = if tool_names.is_empty() {
+            (Some(text).filter(|t| !t.is_empty()), Vec::new())
+        } else {
+            let p = tool_calls::parse(&text, tool_names);
+            (p.content, p.calls)
+        };
+        let (stop_reason, stop_sequence) = self.stop(reason, !calls.is_empty());
+        let mut content: Vec<ContentBlockOut> = text
+            .map(|text| ContentBlockOut::Text { text })
+            .into_iter()
+            .collect();
+        content.extend(calls.into_iter().map(tool_use_block));
+        let body = self.message(
+            content,
+            Some(stop_reason),
+            stop_sequence,
+            usage_from(&usage),
+        );
+        Ok(Json(body).into_response())
+    }
+}
+
+/// The text block, when there is one, is the first: text after a
+/// `<tool_call>` is held and flushed before the `tool_use` blocks.
+const TEXT_IDX: usize = 0;
+
+/// Anthropic's stream events: a text block opened at the first text, then
+/// one `tool_use` block per parsed call, then `message_delta` and
+/// `message_stop`.
+struct MessagesStream {
+    out: MessageOutput,
+    /// Present when tool calls are parsed: holds text from `<tool_call>` on.
+    tools: Option<ToolCallStream>,
+    num_blocks: usize,
+    text_open: bool,
+}
+
+impl MessagesStream {
+    fn text_delta(&mut self, text: String) -> Vec<Bytes> {
+        let mut frames = Vec::new();
+        if !self.text_open {
+            self.text_open = true;
+            self.num_blocks += 1;
+            frames.push(block_start(
+                TEXT_IDX,
+                &ContentBlockOut::Text {
+                    text: String::new(),
+                },
+            ));
+        }
+        frames.push(block_delta(TEXT_IDX, BlockDelta::TextDelta { text }));
+        frames
+    }
+}
+
+fn block_start(index: usize, block: &ContentBlockOut) -> Bytes {
+    event_frame(
+        "content_block_start",
+        &json!({"type": "content_block_start", "index": index, "content_block": block}),
+    )
+}
+
+fn block_delta(index: usize, delta: BlockDelta) -> Bytes {
+    event_frame(
+        "content_block_delta",
+        &json!({"type": "content_block_delta", "index": index, "delta": delta}),
+    )
+}
+
+fn block_stop(index: usize) -> Bytes {
+    event_frame(
+        "content_block_stop",
+        &json!({"type": "content_block_stop", "index": index}),
+    )
+}
+
+impl StreamFormat for MessagesStream {
+    fn on_token(&mut self, text: &str, _sampled: Option<&Sampled>) -> Vec<Bytes> {
+        let text = match self.tools.as_mut() {
+            Some(t) => t.push(text),
+            None => text.to_string(),
+        };
+        if text.is_empty() {
+            return Vec::new();
+        }
+        self.text_delta(text)
+    }
+
+    fn on_finish(&mut self, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
+        let mut frames = Vec::new();
+        let calls = match self.tools.take() {
+            Some(held) => {
+                let (rest, calls) = held.finish();
+                if !rest.is_empty() {
+                    frames.extend(self.text_delta(rest));
+                }
+                calls
+            }
+            None => Vec::new(),
+        };
+        if self.text_open {
+            frames.push(block_stop(TEXT_IDX));
+        }
+        let (stop_reason, stop_sequence) = self.out.stop(reason, !calls.is_empty());
+        for call in calls {
+            let index = self.num_blocks;
+            self.num_blocks += 1;
+            let ContentBlockOut::ToolUse { id, name, input } = tool_use_block(call) else {
+                continue;
+            };
+            let start = ContentBlockOut::ToolUse {
+                id,
+                name,
+                input: json!({}),
+            };
+            frames.push(block_start(index, &start));
+            let partial_json = input.to_string();
+            frames.push(block_delta(
+                index,
+                BlockDelta::InputJsonDelta { partial_json },
+            ));
+            frames.push(block_stop(index));
+        }
+        frames.push(event_frame(
+            "message_delta",
+            &json!({
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": usage_from(usage),
+            }),
+        ));
+        frames.push(event_frame(
+            "message_stop",
+            &json!({"type": "message_stop"}),
+        ));
+        frames
+    }
+
+    fn error_frame(&self, e: &ApiError) -> Bytes {
+        event_frame("error", &e.body_in(ErrorShape::Anthropic))
+    }
+
+    fn end_frame(&self) -> Option<Bytes> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(event name, data)` of each frame.
+    fn parse(frames: &[Bytes]) -> Vec<(String, Value)> {
+        frames
+            .iter()
+            .map(|f| {
+                let s = std::str::from_utf8(f).expect("utf-8");
+                let mut lines = s.lines();
+                let name = lines.next().and_then(|l| l.strip_prefix("event: "));
+                let data = lines.next().and_then(|l| l.strip_prefix("data: "));
+                let data: Value = serde_json::from_str(data.expect("data")).expect("json");
+                (name.expect("event name").to_string(), data)
+            })
+            .collect()
+    }
+
+    fn stream(tool_names: Vec<String>) -> MessagesStream {
+        MessagesStream {
+            out: MessageOutput {
+                id: "msg_1".into(),
+                model_name: "m".into(),
+                stop_sequences: Vec::new(),
+            },
+            tools: Some(ToolCallStream::new(tool_names)),
+            num_blocks: 0,
+            text_open: false,
+        }
+    }
+
+    #[test]
+    fn a_streamed_tool_call_becomes_a_tool_use_block() {
+        let mut s = stream(vec!["get_weather".into()]);
+        let mut frames = s.on_token("Let me check. ", None);
+        frames.extend(s.on_token(
+            r#"<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>"#,
+            None,
+        ));
+        let usage = Usage {
+            prompt_tokens: 10,
+            cached_tokens: 4,
+            completion_tokens: 20,
+        };
+        frames.extend(s.on_finish(FinishReason::Stop, &usage));
+        let evs = parse(&frames);
+        let names: Vec<&str> = evs.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop",
+            ]
+        );
+        let text: String = evs
+            .iter()
+            .filter(|(_, d)| d["index"] == 0 && d["delta"]["type"] == "text_delta")
+            .filter_map(|(_, d)| d["delta"]["text"].as_str())
+            .collect();
+        assert_eq!(text.trim(), "Let me check.");
+        let block = &evs[3].1["content_block"];
+        assert_eq!(
+            (block["type"].clone(), block["name"].clone()),
+            (json!("tool_use"), json!("get_weather"))
+        );
+        assert_eq!(block["input"], json!({}));
+        assert_eq!(evs[3].1["index"], 1);
+        let partial = evs[4].1["delta"]["partial_json"]
+            .as_str()
+            .unwrap_or_default();
+        assert_eq!(
+            serde_json::from_str::<Value>(partial).ok(),
+            Some(json!({"city": "Paris"}))
+        );
+        assert_eq!(evs[6].1["delta"]["stop_reason"], "tool_use");
+        assert_eq!(evs[6].1["usage"]["output_tokens"], 20);
+        assert_eq!(evs[6].1["usage"]["cache_read_input_tokens"], 4);
+        assert!(s.end_frame().is_none());
+    }
+
+    #[test]
+    fn stop_reasons_name_the_sequence() {
+        let out = MessageOutput {
+            id: "msg_1".into(),
+            model_name: "m".into(),
+            stop_sequences: vec!["a".into(), "b".into()],
+        };
+        assert_eq!(
+            out.stop(FinishReason::StopString(1), false),
+            ("stop_sequence", Some("b".into()))
+        );
+        assert_eq!(out.stop(FinishReason::Length, false), ("max_tokens", None));
+        assert_eq!(out.stop(FinishReason::Stop, false), ("end_turn", None));
+        assert_eq!(out.stop(FinishReason::Stop, true), ("tool_use", None));
+    }
+}
