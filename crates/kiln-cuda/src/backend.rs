@@ -150,6 +150,10 @@ impl Backend for CudaBackend {
         NAME
     }
 
+    fn kv_bytes_per_element(&self) -> usize {
+        2
+    }
+
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
         if shape.iter().product::<usize>() != data.len() {
             return Err(TensorError::Shape {

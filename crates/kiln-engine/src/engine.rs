@@ -35,10 +35,12 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// A pool of `kv_bytes` of KV memory for `model` (f32 on the CPU backend).
+    /// A pool of `kv_bytes` of KV memory for `model`, at its backend's KV
+    /// element size.
     pub fn for_memory(model: &LoadedModel, kv_bytes: usize) -> Self {
         let block_size = 16;
-        let per_block = model.model.config().kv_bytes_per_token(4) * block_size;
+        let elem = model.model.backend().kv_bytes_per_element();
+        let per_block = model.model.config().kv_bytes_per_token(elem) * block_size;
         EngineConfig {
             block_size,
             num_blocks: (kv_bytes / per_block.max(1)).max(1),

@@ -166,6 +166,11 @@ pub trait Backend: Send + Sync {
     /// A short name for logs and errors (`cpu`, `cuda:0`).
     fn name(&self) -> &'static str;
 
+    /// Bytes of one KV-cache element on this backend (f32 on the CPU).
+    fn kv_bytes_per_element(&self) -> usize {
+        4
+    }
+
     /// Copy host f32 data into a backend tensor (weights, inputs).
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor>;
 

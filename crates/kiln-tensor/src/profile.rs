@@ -62,6 +62,10 @@ impl Backend for ProfilingBackend {
         self.inner.name()
     }
 
+    fn kv_bytes_per_element(&self) -> usize {
+        self.inner.kv_bytes_per_element()
+    }
+
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
         self.timed("upload", || self.inner.upload(shape, data))
     }
