@@ -380,22 +380,8 @@ impl Backend for CudaBackend {
     }
 
     fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor> {
-        let (n, width) = x.dims2("rope")?;
-        if width != p.num_heads * p.head_dim
-            || n != positions.len()
-            || 2 * p.inv_freq.len() > p.head_dim
-        {
-            return Err(TensorError::Shape {
-                op: "rope",
-                detail: format!(
-                    "x {:?}, {} positions, {} heads × {}",
-                    x.shape(),
-                    positions.len(),
-                    p.num_heads,
-                    p.head_dim
-                ),
-            });
-        }
+        kiln_tensor::check_rope_args(x, positions, p)?;
+        let n = positions.len();
         let mut out = self
             .stream
             .clone_dtod(self.buf(x, "rope")?)

@@ -292,3 +292,25 @@ pub fn check_attention_args(
     }
     Ok(())
 }
+
+/// Check the arguments of [`Backend::rope`]; every backend calls this.
+pub fn check_rope_args(x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> crate::Result<()> {
+    let (n, width) = x.dims2("rope")?;
+    if width != p.num_heads * p.head_dim
+        || n != positions.len()
+        || 2 * p.inv_freq.len() > p.head_dim
+    {
+        return Err(crate::TensorError::Shape {
+            op: "rope",
+            detail: format!(
+                "x {:?}, {} positions, {} heads × {} dims, {} frequencies",
+                x.shape(),
+                positions.len(),
+                p.num_heads,
+                p.head_dim,
+                p.inv_freq.len()
+            ),
+        });
+    }
+    Ok(())
+}

@@ -167,23 +167,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor> {
-        let (n, width) = x.dims2("rope")?;
-        if width != p.num_heads * p.head_dim
-            || n != positions.len()
-            || 2 * p.inv_freq.len() > p.head_dim
-        {
-            return Err(TensorError::Shape {
-                op: "rope",
-                detail: format!(
-                    "x {:?}, {} positions, {} heads × {} dims, {} frequencies",
-                    x.shape(),
-                    positions.len(),
-                    p.num_heads,
-                    p.head_dim,
-                    p.inv_freq.len()
-                ),
-            });
-        }
+        crate::backend::check_rope_args(x, positions, p)?;
         let mut out = self.data(x, "rope")?.to_vec();
         ops::rope(&mut out, positions, p);
         Ok(Self::wrap(x.shape().to_vec(), out))
