@@ -379,6 +379,26 @@ impl WeightSource for SafetensorsDir {
         let data = to_f32(dtype, &shard.mmap[e.start..e.end]);
         Ok(HostTensor::new(e.shape.clone(), data))
     }
+
+    fn load_bf16(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u16>)>> {
+        let Some(e) = self.tensors.get(name) else {
+            return Ok(None);
+        };
+        if SafetensorsDtype::from_name(&e.dtype) != Some(SafetensorsDtype::BF16) {
+            return Ok(None);
+        }
+        const CHUNK: usize = 1 << 16;
+        let bytes = &self.shards[e.shard_idx].mmap[e.start..e.end];
+        let mut out = vec![0u16; bytes.len() / 2];
+        out.par_chunks_mut(CHUNK)
+            .zip(bytes.par_chunks(CHUNK * 2))
+            .for_each(|(o, b)| {
+                for (y, x) in o.iter_mut().zip(b.chunks_exact(2)) {
+                    *y = u16::from_le_bytes([x[0], x[1]]);
+                }
+            });
+        Ok(Some((e.shape.clone(), out)))
+    }
 }
 
 #[cfg(test)]

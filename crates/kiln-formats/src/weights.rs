@@ -45,4 +45,11 @@ pub trait WeightSource: Send + Sync {
     fn contains(&self, name: &str) -> bool;
     /// Load one tensor as f32, dequantizing or converting as needed.
     fn load_f32(&self, name: &str) -> Result<HostTensor>;
+
+    /// The tensor's bf16 bits with its shape, when it is stored as bf16
+    /// (so a bf16 backend takes it without converting); `None` otherwise.
+    fn load_bf16(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u16>)>> {
+        let _ = name;
+        Ok(None)
+    }
 }

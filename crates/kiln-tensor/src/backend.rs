@@ -41,6 +41,27 @@ pub struct AttentionParams {
     pub softcap: Option<f32>,
 }
 
+/// Device memory as a backend sees it (as the reference's
+/// `getMemorySnapshot`): the driver's free/total and the backend's own
+/// active (live buffers), peak active and reserved (held, incl. cached) bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+    pub active_bytes: u64,
+    pub peak_active_bytes: u64,
+    pub reserved_bytes: u64,
+}
+
+/// Per-head RMSNorm of q and k applied before RoPE (Qwen3, Gemma 3).
+#[derive(Clone, Copy)]
+pub struct QkNorm<'a> {
+    pub q_weight: &'a Tensor,
+    pub k_weight: &'a Tensor,
+    pub eps: f32,
+    pub weight_offset: f32,
+}
+
 /// Shape of a paged KV cache to allocate: `num_blocks` blocks of
 /// `block_size` token slots, for every layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,12 +163,24 @@ impl ForwardBatch {
 /// A paged KV cache whose storage belongs to a backend.
 pub struct KvCache {
     pub spec: KvCacheSpec,
+    id: u64,
     storage: Box<dyn Any + Send>,
 }
 
 impl KvCache {
     pub fn from_storage(spec: KvCacheSpec, storage: Box<dyn Any + Send>) -> Self {
-        KvCache { spec, storage }
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        KvCache {
+            spec,
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            storage,
+        }
+    }
+
+    /// Unique for the life of the process: what a backend's recordings of
+    /// steps over this cache are keyed by.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     pub fn storage_mut(&mut self) -> &mut (dyn Any + Send) {
@@ -171,8 +204,38 @@ pub trait Backend: Send + Sync {
         4
     }
 
+    /// Bytes of one stored weight element (f32 on the CPU).
+    fn weight_bytes_per_element(&self) -> usize {
+        4
+    }
+
+    /// Measured memory bandwidth of a large device-to-device copy in GB/s,
+    /// reads plus writes (the roofline of weight-bound steps); `None` where
+    /// the backend has no device memory.
+    fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
+        None
+    }
+
+    /// Device memory, for backends with memory of their own (`None` on the CPU).
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        None
+    }
+
+    /// Restart peak-memory tracking from the current active bytes.
+    fn reset_peak_memory(&self) {}
+
     /// Copy host f32 data into a backend tensor (weights, inputs).
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor>;
+
+    /// Copy bf16 host data (raw bits) into a backend tensor; backends that
+    /// store bf16 take it as is, others convert.
+    fn upload_bf16(&self, shape: &[usize], bits: &[u16]) -> Result<Tensor> {
+        let data: Vec<f32> = bits
+            .iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect();
+        self.upload(shape, &data)
+    }
 
     /// Copy a tensor back to the host as f32.
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>>;
@@ -201,6 +264,70 @@ pub trait Backend: Send + Sync {
     /// Rows `rows` of `x [n, d]` → `[rows.len(), d]`.
     fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor>;
 
+    /// Split `x [n, sum(widths)]` into column blocks `[n, widths[i]]`.
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>>;
+
+    /// `residual + x · wᵀ (+ bias)`: a projection whose output joins the
+    /// residual stream. Backends fuse the add into the product.
+    fn linear_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        let y = self.linear(x, w, bias)?;
+        self.add(residual, &y)
+    }
+
+    /// `act(x · gᵀ) * (x · uᵀ)` where `w_gate_up [2 * inter, k]` holds the
+    /// gate rows then the up rows: the first half of a gated MLP.
+    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
+        let (two_i, _) = w_gate_up.dims2("gated_linear")?;
+        let gu = self.linear(x, w_gate_up, None)?;
+        let parts = self.split_cols(&gu, &[two_i / 2, two_i / 2])?;
+        self.gated_activation(&parts[0], &parts[1], act)
+    }
+
+    /// Attention from packed projections `qkv [n, (heads + 2 * kv_heads) *
+    /// head_dim]` (q, then k, then v): optional per-head q/k RMSNorm, RoPE
+    /// on q and k at the batch positions, then [`Backend::attention`].
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_attention(
+        &self,
+        qkv: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+        rope: &RopeParams<'_>,
+        qk_norm: Option<QkNorm<'_>>,
+    ) -> Result<Tensor> {
+        qkv_attention_unfused(self, qkv, cache, layer, batch, p, rope, qk_norm)
+    }
+
+    /// The argmax of every row of `logits [rows, vocab]` with its
+    /// log-probability (`logit - logsumexp(row)`), computed where the
+    /// logits are, so only ids cross to the host; ties go to the lowest id.
+    /// `None` when the backend has no such path (the caller samples on the
+    /// host).
+    fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
+        let _ = logits;
+        Ok(None)
+    }
+
+    /// Run one forward step: `forward(batch)` returns the logits of
+    /// `batch.logits_rows`. Backends may pad the batch and replay a
+    /// recorded version of the step (CUDA graphs); the result is the same.
+    fn run_step(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        forward: &mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        forward(batch, cache)
+    }
+
     /// Allocate a zeroed paged KV cache.
     fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache>;
 
@@ -219,6 +346,50 @@ pub trait Backend: Send + Sync {
         batch: &ForwardBatch,
         p: &AttentionParams,
     ) -> Result<Tensor>;
+}
+
+/// [`Backend::qkv_attention`] as separate ops: split, q/k norms, RoPE,
+/// [`Backend::attention`]. The default, and the fallback of fused backends.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_attention_unfused<B: Backend + ?Sized>(
+    b: &B,
+    qkv: &Tensor,
+    cache: &mut KvCache,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+    rope: &RopeParams<'_>,
+    qk_norm: Option<QkNorm<'_>>,
+) -> Result<Tensor> {
+    let (n, _) = qkv.dims2("qkv_attention")?;
+    let (qw, kw) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
+    let parts = b.split_cols(qkv, &[qw, kw, kw])?;
+    let (mut q, mut k) = (parts[0].clone(), parts[1].clone());
+    if let Some(nm) = qk_norm {
+        q = b
+            .rms_norm(
+                &q.reshape(&[n * p.num_heads, p.head_dim])?,
+                nm.q_weight,
+                nm.eps,
+                nm.weight_offset,
+            )?
+            .reshape(&[n, qw])?;
+        k = b
+            .rms_norm(
+                &k.reshape(&[n * p.num_kv_heads, p.head_dim])?,
+                nm.k_weight,
+                nm.eps,
+                nm.weight_offset,
+            )?
+            .reshape(&[n, kw])?;
+    }
+    let q = b.rope(&q, &batch.positions, rope)?;
+    let krope = RopeParams {
+        num_heads: p.num_kv_heads,
+        ..rope.clone()
+    };
+    let k = b.rope(&k, &batch.positions, &krope)?;
+    b.attention(&q, &k, &parts[2], cache, layer, batch, p)
 }
 
 /// Check the arguments of [`Backend::attention`] against each other, the

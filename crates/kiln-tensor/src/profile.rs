@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::backend::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams,
+    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
+    RopeParams,
 };
 use crate::error::Result;
 use crate::tensor::Tensor;
@@ -66,8 +67,28 @@ impl Backend for ProfilingBackend {
         self.inner.kv_bytes_per_element()
     }
 
+    fn weight_bytes_per_element(&self) -> usize {
+        self.inner.weight_bytes_per_element()
+    }
+
+    fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
+        self.inner.measure_copy_bandwidth_gbs()
+    }
+
+    fn device_memory(&self) -> Option<DeviceMemory> {
+        self.inner.device_memory()
+    }
+
+    fn reset_peak_memory(&self) {
+        self.inner.reset_peak_memory()
+    }
+
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
         self.timed("upload", || self.inner.upload(shape, data))
+    }
+
+    fn upload_bf16(&self, shape: &[usize], bits: &[u16]) -> Result<Tensor> {
+        self.timed("upload", || self.inner.upload_bf16(shape, bits))
     }
 
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>> {
@@ -125,6 +146,55 @@ impl Backend for ProfilingBackend {
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
         self.timed("gather_rows", || self.inner.gather_rows(x, rows))
+    }
+
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        self.timed("split_cols", || self.inner.split_cols(x, widths))
+    }
+
+    fn linear_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.timed("linear_add", || self.inner.linear_add(x, w, bias, residual))
+    }
+
+    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
+        self.timed("gated_linear", || {
+            self.inner.gated_linear(x, w_gate_up, act)
+        })
+    }
+
+    fn qkv_attention(
+        &self,
+        qkv: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+        rope: &RopeParams<'_>,
+        qk_norm: Option<QkNorm<'_>>,
+    ) -> Result<Tensor> {
+        self.timed("qkv_attention", || {
+            self.inner
+                .qkv_attention(qkv, cache, layer, batch, p, rope, qk_norm)
+        })
+    }
+
+    fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
+        self.timed("argmax_rows", || self.inner.argmax_rows(logits))
+    }
+
+    fn run_step(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        forward: &mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.inner.run_step(batch, cache, forward)
     }
 }
 

@@ -156,14 +156,31 @@ impl CausalLm for Llama {
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         let b = self.backend.as_ref();
+        let mut step = |batch: &ForwardBatch, cache: &mut KvCache| -> kiln_tensor::Result<Tensor> {
+            self.step(batch, cache).map_err(|e| match e {
+                crate::error::ModelError::Tensor(t) => t,
+                other => kiln_tensor::TensorError::Device {
+                    backend: "model",
+                    message: other.to_string(),
+                },
+            })
+        };
+        Ok(b.run_step(batch, cache, &mut step)?)
+    }
+}
+
+impl Llama {
+    /// One forward step as backend ops; [`Backend::run_step`] may record it.
+    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        let b = self.backend.as_ref();
         let mut x = b.embedding(&self.embed, &batch.token_ids)?;
         for (i, blk) in self.blocks.iter().enumerate() {
             let h = blk.input_norm.forward(b, &x)?;
-            let a = blk.attn.forward(b, &h, &self.rope, batch, cache, i)?;
-            x = b.add(&x, &a)?;
+            x = blk
+                .attn
+                .forward_add(b, &h, &x, &self.rope, batch, cache, i)?;
             let h = blk.post_attn_norm.forward(b, &x)?;
-            let m = blk.mlp.forward(b, &h)?;
-            x = b.add(&x, &m)?;
+            x = blk.mlp.forward_add(b, &h, &x)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;

@@ -1,7 +1,7 @@
 //! Self-attention with GQA, optional q/k/v/o biases, optional per-head q/k
 //! RMSNorm (Qwen3, Gemma 3), RoPE, and the backend's cached attention.
 
-use kiln_tensor::{AttentionParams, Backend, ForwardBatch, KvCache, Tensor};
+use kiln_tensor::{AttentionParams, Backend, ForwardBatch, KvCache, QkNorm, Tensor};
 
 use super::{Linear, RmsNorm, Rope, WeightLoader};
 use crate::error::Result;
@@ -23,9 +23,8 @@ pub struct AttentionConfig {
 
 pub struct Attention {
     pub cfg: AttentionConfig,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    /// q, k and v projections packed: `[(heads + 2 * kv_heads) * head_dim, hidden]`.
+    pub qkv: Linear,
     pub o: Linear,
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
@@ -34,25 +33,19 @@ pub struct Attention {
 impl Attention {
     pub fn load(l: &WeightLoader, prefix: &str, cfg: AttentionConfig) -> Result<Self> {
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-        let q = Linear::load(
+        let qkv = Linear::load_packed(
             l,
-            &format!("{prefix}.q_proj"),
+            &[
+                format!("{prefix}.q_proj"),
+                format!("{prefix}.k_proj"),
+                format!("{prefix}.v_proj"),
+            ],
             h,
-            cfg.num_heads * hd,
-            cfg.qkv_bias,
-        )?;
-        let k = Linear::load(
-            l,
-            &format!("{prefix}.k_proj"),
-            h,
-            cfg.num_kv_heads * hd,
-            cfg.qkv_bias,
-        )?;
-        let v = Linear::load(
-            l,
-            &format!("{prefix}.v_proj"),
-            h,
-            cfg.num_kv_heads * hd,
+            &[
+                cfg.num_heads * hd,
+                cfg.num_kv_heads * hd,
+                cfg.num_kv_heads * hd,
+            ],
             cfg.qkv_bias,
         )?;
         let o = Linear::load(
@@ -81,41 +74,28 @@ impl Attention {
         };
         Ok(Attention {
             cfg,
-            q,
-            k,
-            v,
+            qkv,
             o,
             q_norm,
             k_norm,
         })
     }
 
-    /// Attention of the batch's new tokens `x [n, hidden]` over the cache of `layer`.
-    pub fn forward(
+    /// `residual +` attention of the batch's new tokens `x [n, hidden]`
+    /// over the cache of `layer`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_add(
         &self,
         b: &dyn Backend,
         x: &Tensor,
+        residual: &Tensor,
         rope: &Rope,
         batch: &ForwardBatch,
         cache: &mut KvCache,
         layer: usize,
     ) -> Result<Tensor> {
         let c = &self.cfg;
-        let positions = batch.positions.as_slice();
-        let n = positions.len();
-        let mut q = self.q.forward(b, x)?;
-        let mut k = self.k.forward(b, x)?;
-        let v = self.v.forward(b, x)?;
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = qn
-                .forward(b, &q.reshape(&[n * c.num_heads, c.head_dim])?)?
-                .reshape(&[n, c.num_heads * c.head_dim])?;
-            k = kn
-                .forward(b, &k.reshape(&[n * c.num_kv_heads, c.head_dim])?)?
-                .reshape(&[n, c.num_kv_heads * c.head_dim])?;
-        }
-        let q = rope.apply(b, &q, positions, c.num_heads, c.head_dim)?;
-        let k = rope.apply(b, &k, positions, c.num_kv_heads, c.head_dim)?;
+        let qkv = self.qkv.forward(b, x)?;
         let params = AttentionParams {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
@@ -124,7 +104,24 @@ impl Attention {
             sliding_window: c.sliding_window,
             softcap: None,
         };
-        let out = b.attention(&q, &k, &v, cache, layer, batch, &params)?;
-        self.o.forward(b, &out)
+        let qk_norm = match (&self.q_norm, &self.k_norm) {
+            (Some(q), Some(k)) => Some(QkNorm {
+                q_weight: &q.weight,
+                k_weight: &k.weight,
+                eps: q.eps,
+                weight_offset: q.weight_offset,
+            }),
+            _ => None,
+        };
+        let out = b.qkv_attention(
+            &qkv,
+            cache,
+            layer,
+            batch,
+            &params,
+            &rope.params(c.num_heads, c.head_dim),
+            qk_norm,
+        )?;
+        self.o.forward_add(b, &out, residual)
     }
 }

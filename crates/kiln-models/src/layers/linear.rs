@@ -28,7 +28,42 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
+    /// Several projections of the same input packed into one: the weights
+    /// `{prefix}.weight` of every prefix stacked by rows (biases likewise).
+    pub fn load_packed(
+        l: &WeightLoader,
+        prefixes: &[String],
+        in_dim: usize,
+        out_dims: &[usize],
+        bias: bool,
+    ) -> Result<Self> {
+        let names = |suffix: &str| -> Vec<String> {
+            prefixes.iter().map(|p| format!("{p}.{suffix}")).collect()
+        };
+        let weight = l.stacked(
+            &names("weight"),
+            &out_dims
+                .iter()
+                .map(|&o| vec![o, in_dim])
+                .collect::<Vec<_>>(),
+        )?;
+        let bias = if bias {
+            Some(l.stacked(
+                &names("bias"),
+                &out_dims.iter().map(|&o| vec![o]).collect::<Vec<_>>(),
+            )?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias })
+    }
+
     pub fn forward(&self, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
         Ok(b.linear(x, &self.weight, self.bias.as_ref())?)
+    }
+
+    /// `residual + self(x)`.
+    pub fn forward_add(&self, b: &dyn Backend, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        Ok(b.linear_add(x, &self.weight, self.bias.as_ref(), residual)?)
     }
 }

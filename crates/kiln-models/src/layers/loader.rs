@@ -1,6 +1,8 @@
 //! Loading named weights from a [`WeightSource`] onto a backend, checking
 //! each tensor's shape against what the model expects.
 
+use std::cell::Cell;
+use std::io::IsTerminal;
 use std::sync::Arc;
 
 use kiln_formats::{FormatError, WeightSource};
@@ -11,11 +13,63 @@ use crate::error::Result;
 pub struct WeightLoader<'a> {
     pub backend: &'a Arc<dyn Backend>,
     pub source: &'a dyn WeightSource,
+    progress: Progress,
+}
+
+/// Loaded bytes against the total, shown on a terminal for large models.
+struct Progress {
+    total: u64,
+    done: Cell<u64>,
+    shown: Cell<u64>,
+    visible: bool,
+}
+
+impl Progress {
+    fn add(&self, bytes: u64) {
+        let done = self.done.get() + bytes;
+        self.done.set(done);
+        if !self.visible {
+            return;
+        }
+        let pct = (done * 100 / self.total.max(1)).min(100);
+        if pct != self.shown.get() {
+            self.shown.set(pct);
+            eprint!(
+                "\rloading weights: {pct:3}% of {:.1} GB{}",
+                self.total as f64 / 1e9,
+                if pct == 100 { "\n" } else { "" }
+            );
+        }
+    }
 }
 
 impl<'a> WeightLoader<'a> {
     pub fn new(backend: &'a Arc<dyn Backend>, source: &'a dyn WeightSource) -> Self {
-        WeightLoader { backend, source }
+        let total: u64 = source.tensors().iter().map(|t| t.num_bytes).sum();
+        WeightLoader {
+            backend,
+            source,
+            progress: Progress {
+                total,
+                done: Cell::new(0),
+                shown: Cell::new(u64::MAX),
+                visible: total > 1 << 30 && std::io::stderr().is_terminal(),
+            },
+        }
+    }
+
+    /// `name` as raw bf16 when the backend stores bf16 and the file holds it.
+    fn bf16(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u16>)>> {
+        if self.backend.weight_bytes_per_element() != 2 {
+            return Ok(None);
+        }
+        Ok(self.source.load_bf16(name)?)
+    }
+
+    fn count(&self, name: &str) {
+        if let Some(t) = self.source.tensors().iter().find(|t| t.name == name) {
+            self.progress.add(t.num_bytes);
+        }
     }
 
     /// Load `name`, which must have `shape`.
@@ -26,6 +80,19 @@ impl<'a> WeightLoader<'a> {
                 tensor: name.to_string(),
             }
             .into());
+        }
+        self.count(name);
+        if let Some((found, bits)) = self.bf16(name)? {
+            if found != shape {
+                return Err(FormatError::ShapeMismatch {
+                    path: self.source.path().to_path_buf(),
+                    tensor: name.to_string(),
+                    found,
+                    expected: shape.to_vec(),
+                }
+                .into());
+            }
+            return Ok(self.backend.upload_bf16(shape, &bits)?);
         }
         let host = self.source.load_f32(name)?;
         if host.shape != shape {
@@ -38,6 +105,64 @@ impl<'a> WeightLoader<'a> {
             .into());
         }
         Ok(self.backend.upload(&host.shape, &host.data)?)
+    }
+
+    /// Load the tensors `names` (shapes `[rows_i, cols...]`, same trailing
+    /// dims) stacked along their first dimension into one tensor: packed
+    /// q/k/v and gate/up projections are one product each.
+    pub fn stacked(&self, names: &[String], shapes: &[Vec<usize>]) -> Result<Tensor> {
+        let mut data = Vec::new();
+        let mut bits: Vec<u16> = Vec::new();
+        let mut all_bf16 = true;
+        let mut rows = 0;
+        for (i, (name, shape)) in names.iter().zip(shapes).enumerate() {
+            if !self.source.contains(name) {
+                return Err(FormatError::MissingTensor {
+                    path: self.source.path().to_path_buf(),
+                    tensor: name.clone(),
+                }
+                .into());
+            }
+            self.count(name);
+            let raw = if all_bf16 { self.bf16(name)? } else { None };
+            // A part not stored as bf16 turns the whole stack to f32.
+            if raw.is_none() && all_bf16 && i > 0 {
+                data = bits
+                    .iter()
+                    .map(|&b| f32::from_bits((b as u32) << 16))
+                    .collect();
+                bits = Vec::new();
+            }
+            all_bf16 &= raw.is_some();
+            let (found, part_bits, part_f32) = match raw {
+                Some((s, b)) => (s, b, Vec::new()),
+                None => {
+                    let h = self.source.load_f32(name)?;
+                    (h.shape, Vec::new(), h.data)
+                }
+            };
+            if found != *shape || shape[1..] != shapes[0][1..] {
+                return Err(FormatError::ShapeMismatch {
+                    path: self.source.path().to_path_buf(),
+                    tensor: name.clone(),
+                    found,
+                    expected: shape.clone(),
+                }
+                .into());
+            }
+            rows += shape[0];
+            if all_bf16 {
+                bits.extend_from_slice(&part_bits);
+            } else {
+                data.extend_from_slice(&part_f32);
+            }
+        }
+        let mut shape = shapes[0].clone();
+        shape[0] = rows;
+        if all_bf16 {
+            return Ok(self.backend.upload_bf16(&shape, &bits)?);
+        }
+        Ok(self.backend.upload(&shape, &data)?)
     }
 
     /// Load `name` if the source has it.

@@ -1,4 +1,5 @@
-//! The gated MLP: `down(act(gate(x)) * up(x))`.
+//! The gated MLP: `down(act(gate(x)) * up(x))`, with gate and up packed
+//! into one projection.
 
 use kiln_tensor::{Activation, Backend, Tensor};
 
@@ -6,8 +7,8 @@ use super::{Linear, WeightLoader};
 use crate::error::Result;
 
 pub struct GatedMlp {
-    pub gate: Linear,
-    pub up: Linear,
+    /// `[2 * intermediate, hidden]`: the gate rows, then the up rows.
+    pub gate_up: Tensor,
     pub down: Linear,
     pub activation: Activation,
 }
@@ -20,15 +21,16 @@ impl GatedMlp {
         intermediate: usize,
         activation: Activation,
     ) -> Result<Self> {
+        let gate_up = Linear::load_packed(
+            l,
+            &[format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")],
+            hidden,
+            &[intermediate, intermediate],
+            false,
+        )?
+        .weight;
         Ok(GatedMlp {
-            gate: Linear::load(
-                l,
-                &format!("{prefix}.gate_proj"),
-                hidden,
-                intermediate,
-                false,
-            )?,
-            up: Linear::load(l, &format!("{prefix}.up_proj"), hidden, intermediate, false)?,
+            gate_up,
             down: Linear::load(
                 l,
                 &format!("{prefix}.down_proj"),
@@ -40,10 +42,9 @@ impl GatedMlp {
         })
     }
 
-    pub fn forward(&self, b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
-        let g = self.gate.forward(b, x)?;
-        let u = self.up.forward(b, x)?;
-        let h = b.gated_activation(&g, &u, self.activation)?;
-        self.down.forward(b, &h)
+    /// `residual + mlp(x)`.
+    pub fn forward_add(&self, b: &dyn Backend, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        let h = b.gated_linear(x, &self.gate_up, self.activation)?;
+        self.down.forward_add(b, &h, residual)
     }
 }

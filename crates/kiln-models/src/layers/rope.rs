@@ -47,6 +47,16 @@ impl Rope {
     }
 
     /// Rotate `x [n, num_heads * head_dim]` at `positions`.
+    /// The backend's view of this RoPE for `num_heads` heads.
+    pub fn params(&self, num_heads: usize, head_dim: usize) -> RopeParams<'_> {
+        RopeParams {
+            num_heads,
+            head_dim,
+            inv_freq: &self.inv_freq,
+            attention_scaling: self.attention_scaling,
+        }
+    }
+
     pub fn apply(
         &self,
         b: &dyn Backend,

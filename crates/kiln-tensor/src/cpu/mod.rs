@@ -190,6 +190,28 @@ impl Backend for CpuBackend {
         Ok(Self::wrap(vec![rows.len(), d], out))
     }
 
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        let (n, d) = x.dims2("split_cols")?;
+        if widths.iter().sum::<usize>() != d {
+            return Err(TensorError::Shape {
+                op: "split_cols",
+                detail: format!("{widths:?} out of {d} columns"),
+            });
+        }
+        let data = self.data(x, "split_cols")?;
+        let mut start = 0;
+        let mut out = Vec::with_capacity(widths.len());
+        for &w in widths {
+            let mut part = Vec::with_capacity(n * w);
+            for row in data.chunks(d.max(1)).take(n) {
+                part.extend_from_slice(&row[start..start + w]);
+            }
+            out.push(Self::wrap(vec![n, w], part));
+            start += w;
+        }
+        Ok(out)
+    }
+
     fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
         let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim;
         let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
