@@ -1,147 +1,459 @@
 //! `CudaBackend`: `kiln_tensor::Backend` on one NVIDIA GPU. Activations and
-//! weights are bf16 on the device, math in f32; linear layers go through
-//! cuBLAS (bf16 in, f32 accumulate), everything else through Kiln's kernels.
-//! This first version favours being obviously correct over speed: every op
-//! allocates its output, metadata is uploaded per call, attention is the
-//! reference paged kernel. CUDA graphs, fused kernels and flash-style
-//! attention come next.
+//! weights are bf16 on the device, math in f32. Decode-sized products
+//! (≤ 8 rows) run Kiln's GEMV kernels with fused epilogues (bias, residual
+//! add, gated activation); larger ones go through cuBLAS. Attention is
+//! split-KV for decode steps and flash-style (tensor cores, no
+//! materialized scores) for prefill, over the paged cache. Each step's
+//! metadata is uploaded once ([`crate::meta::StepMeta`]); decode steps are
+//! recorded as CUDA graphs per batch-size bucket and replayed
+//! ([`crate::graphs`]).
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
-};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, DType, ForwardBatch, KvCache, KvCacheSpec, Result,
-    RopeParams, Tensor, TensorError,
+    Activation, AttentionParams, Backend, DType, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
+    Result, RopeParams, Tensor, TensorError,
 };
 
-use crate::{driver_available, CudaError, KernelCompiler};
+use crate::device::{buf, dev_err, elems_cfg, ptr, rows_cfg, to_bf16, wrap, Device, NAME};
+use crate::graphs::Recordings;
+use crate::meta::{table_width, StepMeta};
+use crate::pool::{DevBuf, MemorySnapshot};
+use crate::{CudaError, KernelCompiler};
 
-const NAME: &str = "cuda";
-
-fn dev_err(e: impl std::fmt::Debug) -> TensorError {
-    TensorError::Device {
-        backend: NAME,
-        message: format!("{e:?}"),
-    }
-}
+/// Blocks the decode attention kernel aims for when splitting keys.
+const DECODE_TARGET_CTAS: usize = 256;
+/// Fewest keys per split.
+const DECODE_MIN_PARTITION: usize = 64;
+/// Largest row count served by the GEMV kernels.
+const GEMV_MAX_ROWS: usize = 8;
 
 /// The backend. One stream; every op is queued on it in order.
 pub struct CudaBackend {
-    stream: Arc<CudaStream>,
-    blas: CudaBlas,
-    funcs: HashMap<String, CudaFunction>,
+    pub(crate) dev: Device,
     pub device_name: String,
+    /// The metadata of the step `run_step` is running, if any.
+    pub(crate) step: Mutex<Option<Arc<ActiveStep>>>,
+    pub(crate) capturing: AtomicBool,
+    pub(crate) recordings: Mutex<Recordings>,
+    pub(crate) graphs_enabled: bool,
+    rope_tables: Mutex<Vec<(Vec<f32>, Arc<DevBuf>)>>,
 }
 
-struct CudaKv {
-    k: Vec<CudaSlice<bf16>>,
-    v: Vec<CudaSlice<bf16>>,
+/// A step's metadata on the device.
+pub(crate) struct ActiveStep {
+    pub batch: ForwardBatch,
+    pub meta: StepMeta,
+    pub base: u64,
+    pub _hold: Option<DevBuf>,
 }
 
-fn grid_for(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
+/// A `u32` array on the device: part of the step's metadata or uploaded
+/// for this call.
+struct DevU32 {
+    ptr: u64,
+    _hold: Option<DevBuf>,
+}
+
+pub(crate) struct CudaKv {
+    k: Vec<DevBuf>,
+    v: Vec<DevBuf>,
+    /// Recordings over this cache hold a weak reference: they are dropped
+    /// once the cache is.
+    pub alive: Arc<()>,
 }
 
 impl CudaBackend {
     /// Open GPU `ordinal` and load Kiln's kernels, compiled for its
     /// architecture by `compiler` (cached on disk).
-    pub fn new(
-        ordinal: usize,
-        mut compiler: KernelCompiler,
-    ) -> std::result::Result<Self, CudaError> {
-        if !driver_available() {
-            return Err(CudaError::NoDriver);
-        }
-        let ctx = CudaContext::new(ordinal)
-            .map_err(|e| CudaError::Device(format!("GPU {ordinal}: {e:?}")))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(|e| CudaError::Device(format!("GPU {ordinal}: {e:?}")))?;
-        if major < 8 {
-            return Err(CudaError::Device(format!(
-                "GPU {ordinal} has compute capability {major}.{minor}; Kiln needs 8.0 or newer"
-            )));
-        }
-        compiler.arch = match (major, minor) {
-            (9, _) => "compute_90",
-            (8, 9) => "compute_89",
-            (8, 6) => "compute_86",
-            (8, _) => "compute_80",
-            _ => "compute_90",
-        };
-        let device_name = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
-        let stream = ctx.default_stream();
-        let blas = CudaBlas::new(stream.clone())
-            .map_err(|e| CudaError::Device(format!("cuBLAS: {e:?}")))?;
-        let mut funcs = HashMap::new();
-        for k in compiler.compile_all()? {
-            let module = ctx
-                .load_module(Ptx::from_src(k.ptx.clone()))
-                .map_err(|e| CudaError::Device(format!("loading {}: {e:?}", k.name)))?;
-            for line in k.ptx.lines() {
-                if let Some(rest) = line.trim().strip_prefix(".visible .entry ") {
-                    let entry = rest.split('(').next().unwrap_or(rest).to_string();
-                    let f = module
-                        .load_function(&entry)
-                        .map_err(|e| CudaError::Device(format!("{entry}: {e:?}")))?;
-                    funcs.insert(entry, f);
-                }
-            }
-        }
+    pub fn new(ordinal: usize, compiler: KernelCompiler) -> std::result::Result<Self, CudaError> {
+        let dev = Device::open(ordinal, compiler)?;
+        let device_name = dev.name.clone();
         Ok(CudaBackend {
-            stream,
-            blas,
-            funcs,
+            dev,
             device_name,
+            step: Mutex::new(None),
+            capturing: AtomicBool::new(false),
+            recordings: Mutex::new(Recordings::default()),
+            graphs_enabled: std::env::var("KILN_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            rope_tables: Mutex::new(Vec::new()),
         })
-    }
-
-    fn func(&self, name: &str) -> Result<&CudaFunction> {
-        self.funcs
-            .get(name)
-            .ok_or_else(|| dev_err(format!("kernel {name} not loaded")))
-    }
-
-    fn buf<'a>(&self, t: &'a Tensor, op: &'static str) -> Result<&'a CudaSlice<bf16>> {
-        t.storage()
-            .downcast_ref::<CudaSlice<bf16>>()
-            .ok_or(TensorError::WrongBackend { op, expected: NAME })
-    }
-
-    fn wrap(shape: Vec<usize>, s: CudaSlice<bf16>) -> Tensor {
-        Tensor::from_storage(shape, DType::BF16, Arc::new(s))
-    }
-
-    fn alloc(&self, n: usize) -> Result<CudaSlice<bf16>> {
-        self.stream
-            .alloc_zeros::<bf16>(n.max(1))
-            .map_err(|e| TensorError::OutOfMemory {
-                backend: NAME,
-                bytes: (n * 2) as u64,
-                what: format!("a tensor ({e:?})"),
-            })
-    }
-
-    fn upload_u32(&self, v: &[u32]) -> Result<CudaSlice<u32>> {
-        if v.is_empty() {
-            return self.stream.alloc_zeros::<u32>(1).map_err(dev_err);
-        }
-        self.stream.clone_htod(v).map_err(dev_err)
     }
 
     /// Wait for all queued work (for timing and profiling).
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(dev_err)
+        self.dev.synchronize()
+    }
+
+    /// Bytes held by this backend (as the reference's `getMemorySnapshot`).
+    pub fn memory_snapshot(&self) -> MemorySnapshot {
+        self.dev.pool.snapshot()
+    }
+
+    /// Restart peak tracking from the current active bytes.
+    pub fn reset_peak_memory(&self) {
+        self.dev.pool.reset_peak()
+    }
+
+    /// Free and total device memory as the driver reports them.
+    pub fn driver_memory(&self) -> Result<(usize, usize)> {
+        self.dev.ctx.mem_get_info().map_err(dev_err)
+    }
+
+    /// Recorded steps so far (CUDA graphs).
+    pub fn num_recordings(&self) -> usize {
+        self.recordings.lock().map(|r| r.len()).unwrap_or(0)
+    }
+
+    fn alloc(&self, elems: usize, what: &str) -> Result<DevBuf> {
+        self.dev.alloc(elems, 2, what)
+    }
+
+    fn active(&self) -> Option<Arc<ActiveStep>> {
+        self.step.lock().ok().and_then(|s| s.clone())
+    }
+
+    fn no_upload_while_recording(&self, what: &str) -> Result<()> {
+        if self.capturing.load(Ordering::Relaxed) {
+            return Err(dev_err(format!(
+                "{what} is not part of the recorded step's metadata"
+            )));
+        }
+        Ok(())
+    }
+
+    /// `host` on the device: found in the running step's metadata at
+    /// `offset(meta)` when it is that array, else uploaded now.
+    fn dev_u32(&self, host: &[u32], offset: fn(&StepMeta) -> usize) -> Result<DevU32> {
+        if let Some(step) = self.active() {
+            let off = offset(&step.meta);
+            if step.meta.words.get(off..off + host.len()) == Some(host) {
+                return Ok(DevU32 {
+                    ptr: step.base + 4 * off as u64,
+                    _hold: None,
+                });
+            }
+        }
+        self.no_upload_while_recording("an index array")?;
+        let b = self.dev.alloc(host.len(), 4, "indices")?;
+        self.dev.htod(b.ptr, host)?;
+        Ok(DevU32 {
+            ptr: b.ptr,
+            _hold: Some(b),
+        })
+    }
+
+    /// The metadata of `batch`: the running step's, or built and uploaded now.
+    fn step_meta(&self, batch: &ForwardBatch) -> Result<Arc<ActiveStep>> {
+        if let Some(step) = self.active() {
+            if step.batch == *batch {
+                return Ok(step);
+            }
+        }
+        self.no_upload_while_recording("a batch")?;
+        self.upload_step(batch.clone(), table_width(batch))
+    }
+
+    pub(crate) fn upload_step(&self, batch: ForwardBatch, width: usize) -> Result<Arc<ActiveStep>> {
+        let meta = StepMeta::build(&batch, width);
+        let b = self.dev.alloc(meta.words.len(), 4, "step metadata")?;
+        self.dev.htod(b.ptr, &meta.words)?;
+        Ok(Arc::new(ActiveStep {
+            batch,
+            base: b.ptr,
+            meta,
+            _hold: Some(b),
+        }))
+    }
+
+    fn rope_table(&self, inv_freq: &[f32]) -> Result<Arc<DevBuf>> {
+        let mut tables = self.rope_tables.lock().map_err(dev_err)?;
+        if let Some((_, b)) = tables.iter().find(|(h, _)| h.as_slice() == inv_freq) {
+            return Ok(b.clone());
+        }
+        self.no_upload_while_recording("a RoPE table")?;
+        let b = Arc::new(
+            self.dev
+                .alloc_exact(inv_freq.len().max(1) * 4, "RoPE table")?,
+        );
+        self.dev.htod(b.ptr, inv_freq)?;
+        tables.push((inv_freq.to_vec(), b.clone()));
+        Ok(b)
+    }
+
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ` with a GEMV epilogue `mode`
+    /// (0 none, 1 bias, 2 residual, 3 SiLU gate, 4 GELU gate); `out_cols`
+    /// is m, or m / 2 for the gated modes. Returns false when the shape is
+    /// not for the GEMV kernels.
+    #[allow(clippy::too_many_arguments)]
+    fn gemv(
+        &self,
+        x: u64,
+        w: u64,
+        out: u64,
+        extra: u64,
+        n: usize,
+        k: usize,
+        out_cols: usize,
+        mode: i32,
+    ) -> Result<bool> {
+        let name = format!("gemv_bf16_m{n}");
+        if n == 0 || n > GEMV_MAX_ROWS || k % 8 != 0 || !self.dev.has(&name) {
+            return Ok(false);
+        }
+        let (ni, ki) = (out_cols as i32, k as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (out_cols.div_ceil(16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x [n, k], w [m, k], out [n, out_cols], extra as `mode` needs.
+        unsafe {
+            self.dev
+                .stream
+                .launch_builder(self.dev.func(&name)?)
+                .arg(&x)
+                .arg(&w)
+                .arg(&out)
+                .arg(&extra)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&mode)
+                .launch(cfg)
+                .map_err(dev_err)?;
+        }
+        Ok(true)
+    }
+
+    fn add_bias(&self, out: u64, bias: &Tensor, n: usize, m: usize) -> Result<()> {
+        if bias.num_elements() != m {
+            return Err(TensorError::Shape {
+                op: "linear",
+                detail: format!("bias of {} for {m} outputs", bias.num_elements()),
+            });
+        }
+        let (nl, mi, b) = (n as i64, m as i32, ptr(bias, "linear bias")?);
+        // SAFETY: out [n, m], bias [m].
+        unsafe {
+            self.dev
+                .stream
+                .launch_builder(self.dev.func("add_bias_bf16")?)
+                .arg(&out)
+                .arg(&b)
+                .arg(&nl)
+                .arg(&mi)
+                .launch(elems_cfg(n * m))
+                .map_err(dev_err)?;
+        }
+        Ok(())
+    }
+
+    /// Attention of `n` query rows (row stride `q_stride`) over the cache
+    /// of `layer`, keys and values already written; `out [n, heads * hd]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        q: u64,
+        q_stride: usize,
+        kv: &CudaKv,
+        layer: usize,
+        step: &ActiveStep,
+        block_size: usize,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        let n = step.meta.num_rows;
+        let qw = p.num_heads * p.head_dim;
+        let out = self.alloc(n * qw, "attention output")?;
+        let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
+        let m = &step.meta;
+        let word = |off: usize| step.base + 4 * off as u64;
+        let (pos, row_seq, tables) = (word(m.pos), word(m.row_seq), word(m.tables));
+        let (qs, os) = (q_stride as i64, qw as i64);
+        let (width, bs) = (m.width as i32, block_size as i32);
+        let (h, kvh) = (p.num_heads as i32, p.num_kv_heads as i32);
+        let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
+        let softcap = p.softcap.unwrap_or(0.0);
+        let hd = p.head_dim;
+        let decode = format!("decode_attention_hd{hd}");
+        let flash = format!("flash_prefill_hd{hd}");
+        let stream = &self.dev.stream;
+        if n == 0 {
+            return Ok(wrap(vec![0, qw], out));
+        }
+        if m.decode_only && self.dev.has(&decode) {
+            // Split the keys until there are enough blocks to fill the GPU
+            // (few rows × kv heads); splits cover the table width, so a
+            // recorded step's grid fits every batch it replays.
+            let max_keys = (m.width * block_size).max(1);
+            let want = (DECODE_TARGET_CTAS / (n * p.num_kv_heads)).max(1);
+            let part_len = max_keys
+                .div_ceil(want)
+                .next_multiple_of(DECODE_MIN_PARTITION);
+            let parts = max_keys.div_ceil(part_len);
+            let part = part_len as i32;
+            let (part_out, part_ml) = if parts > 1 {
+                (
+                    Some(self.dev.alloc(n * qw * parts, 4, "attention partials")?),
+                    Some(
+                        self.dev
+                            .alloc(n * p.num_heads * parts * 2, 4, "attention partials")?,
+                    ),
+                )
+            } else {
+                (None, None)
+            };
+            let po = part_out.as_ref().map_or(0, |b| b.ptr);
+            let pm = part_ml.as_ref().map_or(0, |b| b.ptr);
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, p.num_kv_heads as u32, parts as u32),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: q rows [n, q_stride], caches [slots, kv_row], metadata
+            // arrays of the step, partials sized [n, heads, parts, hd] and
+            // [n, heads, parts, 2].
+            unsafe {
+                stream
+                    .launch_builder(self.dev.func(&decode)?)
+                    .arg(&q)
+                    .arg(&qs)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&pos)
+                    .arg(&row_seq)
+                    .arg(&tables)
+                    .arg(&width)
+                    .arg(&bs)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&p.scale)
+                    .arg(&window)
+                    .arg(&softcap)
+                    .arg(&part)
+                    .arg(&po)
+                    .arg(&pm)
+                    .arg(&out.ptr)
+                    .arg(&os)
+                    .launch(cfg)
+                    .map_err(dev_err)?;
+            }
+            if parts > 1 {
+                let np = parts as i32;
+                let cfg = LaunchConfig {
+                    grid_dim: (n as u32, p.num_heads as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: partials as written above; out [n, heads * hd].
+                unsafe {
+                    stream
+                        .launch_builder(self.dev.func(&format!("decode_attention_reduce_hd{hd}"))?)
+                        .arg(&po)
+                        .arg(&pm)
+                        .arg(&h)
+                        .arg(&np)
+                        .arg(&out.ptr)
+                        .arg(&os)
+                        .launch(cfg)
+                        .map_err(dev_err)?;
+                }
+            }
+            return Ok(wrap(vec![n, qw], out));
+        }
+        if self.dev.has(&flash) {
+            let tiles = word(m.tiles);
+            let cfg = LaunchConfig {
+                grid_dim: (m.num_tiles as u32, p.num_heads as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: crate::graphs::flash_smem_bytes(hd) as u32,
+            };
+            // SAFETY: as for decode; tiles lie within the rows of the step.
+            unsafe {
+                stream
+                    .launch_builder(self.dev.func(&flash)?)
+                    .arg(&q)
+                    .arg(&qs)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&pos)
+                    .arg(&row_seq)
+                    .arg(&tables)
+                    .arg(&width)
+                    .arg(&bs)
+                    .arg(&tiles)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&p.scale)
+                    .arg(&window)
+                    .arg(&softcap)
+                    .arg(&out.ptr)
+                    .arg(&os)
+                    .launch(cfg)
+                    .map_err(dev_err)?;
+            }
+            return Ok(wrap(vec![n, qw], out));
+        }
+        if q_stride != qw {
+            return Err(dev_err(
+                "the reference attention kernel needs packed q rows",
+            ));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, p.num_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (128 + hd) as u32 * 4,
+        };
+        let hdi = hd as i32;
+        // SAFETY: q [n, heads * hd]; metadata of the step.
+        unsafe {
+            stream
+                .launch_builder(self.dev.func("paged_attention_bf16")?)
+                .arg(&q)
+                .arg(&kc)
+                .arg(&vc)
+                .arg(&out.ptr)
+                .arg(&pos)
+                .arg(&row_seq)
+                .arg(&tables)
+                .arg(&width)
+                .arg(&h)
+                .arg(&kvh)
+                .arg(&hdi)
+                .arg(&bs)
+                .arg(&p.scale)
+                .arg(&window)
+                .arg(&softcap)
+                .launch(cfg)
+                .map_err(dev_err)?;
+        }
+        Ok(wrap(vec![n, qw], out))
+    }
+
+    fn kv<'a>(cache: &'a mut KvCache) -> Result<&'a mut CudaKv> {
+        cache
+            .storage_mut()
+            .downcast_mut::<CudaKv>()
+            .ok_or(TensorError::WrongBackend {
+                op: "attention",
+                expected: NAME,
+            })
+    }
+
+    fn gated_unfused(&self, gu: &Tensor, act: Activation) -> Result<Tensor> {
+        let (n, two_i) = gu.dims2("gated_linear")?;
+        let parts = self.split_cols(gu, &[two_i / 2, two_i / 2])?;
+        let _ = n;
+        self.gated_activation(&parts[0], &parts[1], act)
+    }
+}
+
+fn act_code(act: Activation) -> i32 {
+    match act {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
     }
 }
 
@@ -154,6 +466,43 @@ impl Backend for CudaBackend {
         2
     }
 
+    fn weight_bytes_per_element(&self) -> usize {
+        2
+    }
+
+    fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
+        let bytes = 1usize << 30;
+        let a = self.dev.alloc(bytes, 1, "bandwidth probe").ok()?;
+        let b = self.dev.alloc(bytes, 1, "bandwidth probe").ok()?;
+        let mut best = f64::INFINITY;
+        for i in 0..6 {
+            self.dev.synchronize().ok()?;
+            let t = std::time::Instant::now();
+            self.dev.dtod(b.ptr, a.ptr, bytes).ok()?;
+            self.dev.synchronize().ok()?;
+            if i > 0 {
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+        }
+        Some(2.0 * bytes as f64 / best / 1e9)
+    }
+
+    fn device_memory(&self) -> Option<kiln_tensor::DeviceMemory> {
+        let (free, total) = self.driver_memory().ok()?;
+        let snap = self.memory_snapshot();
+        Some(kiln_tensor::DeviceMemory {
+            free_bytes: free as u64,
+            total_bytes: total as u64,
+            active_bytes: snap.active_bytes,
+            peak_active_bytes: snap.peak_active_bytes,
+            reserved_bytes: snap.reserved_bytes,
+        })
+    }
+
+    fn reset_peak_memory(&self) {
+        self.dev.pool.reset_peak()
+    }
+
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
         if shape.iter().product::<usize>() != data.len() {
             return Err(TensorError::Shape {
@@ -161,24 +510,37 @@ impl Backend for CudaBackend {
                 detail: format!("shape {shape:?} for {} elements", data.len()),
             });
         }
-        let host: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
-        let dev = if host.is_empty() {
-            self.alloc(0)?
-        } else {
-            self.stream.clone_htod(&host).map_err(dev_err)?
-        };
-        Ok(Self::wrap(shape.to_vec(), dev))
+        self.no_upload_while_recording("an upload")?;
+        let host = to_bf16(data);
+        let b = self.dev.alloc_exact(host.len() * 2, "a weight")?;
+        self.dev.htod(b.ptr, &host)?;
+        Ok(wrap(shape.to_vec(), b))
+    }
+
+    fn upload_bf16(&self, shape: &[usize], bits: &[u16]) -> Result<Tensor> {
+        if shape.iter().product::<usize>() != bits.len() {
+            return Err(TensorError::Shape {
+                op: "upload",
+                detail: format!("shape {shape:?} for {} elements", bits.len()),
+            });
+        }
+        self.no_upload_while_recording("an upload")?;
+        let b = self.dev.alloc_exact(bits.len() * 2, "a weight")?;
+        self.dev.htod(b.ptr, bits)?;
+        Ok(wrap(shape.to_vec(), b))
     }
 
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>> {
-        let host = self
-            .stream
-            .clone_dtoh(self.buf(t, "to_host")?)
-            .map_err(dev_err)?;
-        Ok(host[..t.num_elements()]
-            .iter()
-            .map(|x| x.to_f32())
-            .collect())
+        let b = buf(t, "to_host")?;
+        match t.dtype() {
+            DType::F32 => self.dev.dtoh::<f32>(b.ptr, t.num_elements()),
+            _ => Ok(self
+                .dev
+                .dtoh::<u16>(b.ptr, t.num_elements())?
+                .into_iter()
+                .map(|x| bf16::from_bits(x).to_f32())
+                .collect()),
+        }
     }
 
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
@@ -189,66 +551,30 @@ impl Backend for CudaBackend {
                 detail: format!("token id {bad} outside vocabulary of {vocab}"),
             });
         }
-        let dids = self.upload_u32(ids)?;
-        let mut out = self.alloc(ids.len() * d)?;
-        let cfg = LaunchConfig {
-            grid_dim: (ids.len().max(1) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let di = d as i32;
+        let out = self.alloc(ids.len() * d, "embeddings")?;
         if !ids.is_empty() {
+            let dids = self.dev_u32(ids, |m| m.tok)?;
+            let (t, di) = (ptr(table, "embedding")?, d as i32);
             // SAFETY: table [vocab, d], ids < vocab (checked), out [len, d].
             unsafe {
-                self.stream
-                    .launch_builder(self.func("embedding_bf16")?)
-                    .arg(self.buf(table, "embedding")?)
-                    .arg(&dids)
-                    .arg(&mut out)
+                self.dev
+                    .stream
+                    .launch_builder(self.dev.func("embedding_bf16")?)
+                    .arg(&t)
+                    .arg(&dids.ptr)
+                    .arg(&out.ptr)
                     .arg(&di)
-                    .launch(cfg)
+                    .launch(rows_cfg(ids.len(), 256, 0))
                     .map_err(dev_err)?;
             }
         }
-        Ok(Self::wrap(vec![ids.len(), d], out))
+        Ok(wrap(vec![ids.len(), d], out))
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let (n, k) = x.dims2("linear")?;
-        let (m, kw) = w.dims2("linear")?;
-        if k != kw {
-            return Err(TensorError::Shape {
-                op: "linear",
-                detail: format!("x {:?} · w {:?}ᵀ", x.shape(), w.shape()),
-            });
-        }
-        let mut out = self.alloc(n * m)?;
-        if n > 0 {
-            // Row-major y[n, m] = x[n, k] · w[m, k]ᵀ is column-major yᵀ = wᵀᵀ · xᵀ.
-            let cfg = GemmConfig {
-                transa: cublasOperation_t::CUBLAS_OP_T,
-                transb: cublasOperation_t::CUBLAS_OP_N,
-                m: m as i32,
-                n: n as i32,
-                k: k as i32,
-                alpha: bf16::ONE,
-                lda: k as i32,
-                ldb: k as i32,
-                beta: bf16::ZERO,
-                ldc: m as i32,
-            };
-            // SAFETY: dimensions and leading dimensions describe the three buffers exactly.
-            unsafe {
-                self.blas
-                    .gemm(
-                        cfg,
-                        self.buf(w, "linear")?,
-                        self.buf(x, "linear")?,
-                        &mut out,
-                    )
-                    .map_err(dev_err)?;
-            }
-        }
+        let (n, k, m) = linear_dims(x, w)?;
+        let out = self.alloc(n * m, "a projection")?;
+        let (xp, wp) = (ptr(x, "linear")?, ptr(w, "linear")?);
         if let Some(b) = bias {
             if b.num_elements() != m {
                 return Err(TensorError::Shape {
@@ -256,20 +582,85 @@ impl Backend for CudaBackend {
                     detail: format!("bias of {} for {m} outputs", b.num_elements()),
                 });
             }
-            let (nl, mi) = (n as i64, m as i32);
-            // SAFETY: out [n, m], bias [m].
-            unsafe {
-                self.stream
-                    .launch_builder(self.func("add_bias_bf16")?)
-                    .arg(&mut out)
-                    .arg(self.buf(b, "linear bias")?)
-                    .arg(&nl)
-                    .arg(&mi)
-                    .launch(grid_for(n * m))
-                    .map_err(dev_err)?;
+        }
+        let (mode, extra) = match bias {
+            Some(b) => (1, ptr(b, "linear bias")?),
+            None => (0, 0),
+        };
+        if !self.gemv(xp, wp, out.ptr, extra, n, k, m, mode)? {
+            self.dev.gemm(xp, wp, out.ptr, n, k, m, 0.0)?;
+            if let Some(b) = bias {
+                self.add_bias(out.ptr, b, n, m)?;
             }
         }
-        Ok(Self::wrap(vec![n, m], out))
+        Ok(wrap(vec![n, m], out))
+    }
+
+    fn linear_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        let (n, k, m) = linear_dims(x, w)?;
+        if residual.shape() != [n, m] {
+            return Err(TensorError::Shape {
+                op: "linear_add",
+                detail: format!("residual {:?} for [{n}, {m}]", residual.shape()),
+            });
+        }
+        let out = self.alloc(n * m, "a projection")?;
+        let (xp, wp, rp) = (
+            ptr(x, "linear")?,
+            ptr(w, "linear")?,
+            ptr(residual, "linear")?,
+        );
+        if bias.is_none() && self.gemv(xp, wp, out.ptr, rp, n, k, m, 2)? {
+            return Ok(wrap(vec![n, m], out));
+        }
+        self.dev.dtod(out.ptr, rp, n * m * 2)?;
+        self.dev.gemm(xp, wp, out.ptr, n, k, m, 1.0)?;
+        if let Some(b) = bias {
+            self.add_bias(out.ptr, b, n, m)?;
+        }
+        Ok(wrap(vec![n, m], out))
+    }
+
+    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
+        let (n, k, two_i) = linear_dims(x, w_gate_up)?;
+        let inter = two_i / 2;
+        if two_i % 2 != 0 {
+            return Err(TensorError::Shape {
+                op: "gated_linear",
+                detail: format!("{two_i} packed gate/up rows"),
+            });
+        }
+        let (xp, wp) = (ptr(x, "gated_linear")?, ptr(w_gate_up, "gated_linear")?);
+        let out = self.alloc(n * inter, "an MLP activation")?;
+        if self.gemv(xp, wp, out.ptr, 0, n, k, inter, 3 + act_code(act))? {
+            return Ok(wrap(vec![n, inter], out));
+        }
+        let gu = self.alloc(n * two_i, "an MLP projection")?;
+        self.dev.gemm(xp, wp, gu.ptr, n, k, two_i, 0.0)?;
+        if !self.dev.has("gated_act_packed_bf16") {
+            return self.gated_unfused(&wrap(vec![n, two_i], gu), act);
+        }
+        let (nl, ii, a) = (n as i64, inter as i32, act_code(act));
+        // SAFETY: gu [n, 2 * inter], out [n, inter].
+        unsafe {
+            self.dev
+                .stream
+                .launch_builder(self.dev.func("gated_act_packed_bf16")?)
+                .arg(&gu.ptr)
+                .arg(&out.ptr)
+                .arg(&nl)
+                .arg(&ii)
+                .arg(&a)
+                .launch(elems_cfg(n * inter))
+                .map_err(dev_err)?;
+        }
+        Ok(wrap(vec![n, inter], out))
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
@@ -281,33 +672,26 @@ impl Backend for CudaBackend {
             });
         }
         let rows = x.num_elements() / d;
-        let mut out = self.alloc(rows * d)?;
-        let none: Option<&CudaSlice<bf16>> = None;
-        let null = 0u64;
-        let di = d as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows.max(1) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let _ = none;
+        let out = self.alloc(rows * d, "a norm")?;
+        let (xp, wp, null, di) = (ptr(x, "rms_norm")?, ptr(w, "rms_norm")?, 0u64, d as i32);
         if rows > 0 {
-            // SAFETY: x and out [rows, d], w [d]; a null residual pointer skips the add.
+            // SAFETY: x and out [rows, d], w [d]; a null residual skips the add.
             unsafe {
-                self.stream
-                    .launch_builder(self.func("add_rms_norm_bf16")?)
-                    .arg(self.buf(x, "rms_norm")?)
+                self.dev
+                    .stream
+                    .launch_builder(self.dev.func("add_rms_norm_bf16")?)
+                    .arg(&xp)
                     .arg(&null)
-                    .arg(self.buf(w, "rms_norm")?)
-                    .arg(&mut out)
+                    .arg(&wp)
+                    .arg(&out.ptr)
                     .arg(&di)
                     .arg(&eps)
                     .arg(&weight_offset)
-                    .launch(cfg)
+                    .launch(rows_cfg(rows, 256, 0))
                     .map_err(dev_err)?;
             }
         }
-        Ok(Self::wrap(x.shape().to_vec(), out))
+        Ok(wrap(x.shape().to_vec(), out))
     }
 
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -318,40 +702,42 @@ impl Backend for CudaBackend {
             });
         }
         let n = a.num_elements();
-        let mut out = self.alloc(n)?;
-        let (nl, s) = (n as i64, 1f32);
+        let out = self.alloc(n, "a sum")?;
+        let (ap, bp, nl, s) = (ptr(a, "add")?, ptr(b, "add")?, n as i64, 1f32);
         // SAFETY: a, b, out all hold n elements.
         unsafe {
-            self.stream
-                .launch_builder(self.func("add_scale_bf16")?)
-                .arg(self.buf(a, "add")?)
-                .arg(self.buf(b, "add")?)
-                .arg(&mut out)
+            self.dev
+                .stream
+                .launch_builder(self.dev.func("add_scale_bf16")?)
+                .arg(&ap)
+                .arg(&bp)
+                .arg(&out.ptr)
                 .arg(&nl)
                 .arg(&s)
-                .launch(grid_for(n))
+                .launch(elems_cfg(n))
                 .map_err(dev_err)?;
         }
-        Ok(Self::wrap(a.shape().to_vec(), out))
+        Ok(wrap(a.shape().to_vec(), out))
     }
 
     fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor> {
         let n = x.num_elements();
-        let mut out = self.alloc(n)?;
-        let (nl, null) = (n as i64, 0u64);
+        let out = self.alloc(n, "a scaled tensor")?;
+        let (xp, null, nl) = (ptr(x, "scale")?, 0u64, n as i64);
         // SAFETY: x and out hold n elements; a null b selects scaling.
         unsafe {
-            self.stream
-                .launch_builder(self.func("add_scale_bf16")?)
-                .arg(self.buf(x, "scale")?)
+            self.dev
+                .stream
+                .launch_builder(self.dev.func("add_scale_bf16")?)
+                .arg(&xp)
                 .arg(&null)
-                .arg(&mut out)
+                .arg(&out.ptr)
                 .arg(&nl)
                 .arg(&s)
-                .launch(grid_for(n))
+                .launch(elems_cfg(n))
                 .map_err(dev_err)?;
         }
-        Ok(Self::wrap(x.shape().to_vec(), out))
+        Ok(wrap(x.shape().to_vec(), out))
     }
 
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
@@ -362,33 +748,38 @@ impl Backend for CudaBackend {
             });
         }
         let n = gate.num_elements();
-        let mut out = self.alloc(n)?;
-        let (nl, a) = (n as i64, if act == Activation::Silu { 0i32 } else { 1 });
+        let out = self.alloc(n, "an activation")?;
+        let (g, u, nl, a) = (
+            ptr(gate, "gated_activation")?,
+            ptr(up, "gated_activation")?,
+            n as i64,
+            act_code(act),
+        );
         // SAFETY: gate, up, out hold n elements.
         unsafe {
-            self.stream
-                .launch_builder(self.func("gated_act_bf16")?)
-                .arg(self.buf(gate, "gated_activation")?)
-                .arg(self.buf(up, "gated_activation")?)
-                .arg(&mut out)
+            self.dev
+                .stream
+                .launch_builder(self.dev.func("gated_act_bf16")?)
+                .arg(&g)
+                .arg(&u)
+                .arg(&out.ptr)
                 .arg(&nl)
                 .arg(&a)
-                .launch(grid_for(n))
+                .launch(elems_cfg(n))
                 .map_err(dev_err)?;
         }
-        Ok(Self::wrap(gate.shape().to_vec(), out))
+        Ok(wrap(gate.shape().to_vec(), out))
     }
 
     fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor> {
         kiln_tensor::check_rope_args(x, positions, p)?;
         let n = positions.len();
-        let mut out = self
-            .stream
-            .clone_dtod(self.buf(x, "rope")?)
-            .map_err(dev_err)?;
+        let out = self.alloc(x.num_elements(), "a rotated tensor")?;
+        self.dev
+            .dtod(out.ptr, ptr(x, "rope")?, x.num_elements() * 2)?;
         if n > 0 {
-            let dpos = self.upload_u32(positions)?;
-            let dfreq = self.stream.clone_htod(p.inv_freq).map_err(dev_err)?;
+            let dpos = self.dev_u32(positions, |m| m.pos)?;
+            let freq = self.rope_table(p.inv_freq)?;
             let (h, hd, half) = (
                 p.num_heads as i32,
                 p.head_dim as i32,
@@ -401,11 +792,12 @@ impl Backend for CudaBackend {
             };
             // SAFETY: out [n, heads * head_dim], positions [n], inv_freq [half].
             unsafe {
-                self.stream
-                    .launch_builder(self.func("rope_bf16")?)
-                    .arg(&mut out)
-                    .arg(&dpos)
-                    .arg(&dfreq)
+                self.dev
+                    .stream
+                    .launch_builder(self.dev.func("rope_bf16")?)
+                    .arg(&out.ptr)
+                    .arg(&dpos.ptr)
+                    .arg(&freq.ptr)
                     .arg(&h)
                     .arg(&hd)
                     .arg(&half)
@@ -414,7 +806,7 @@ impl Backend for CudaBackend {
                     .map_err(dev_err)?;
             }
         }
-        Ok(Self::wrap(x.shape().to_vec(), out))
+        Ok(wrap(x.shape().to_vec(), out))
     }
 
     fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
@@ -425,39 +817,98 @@ impl Backend for CudaBackend {
                 detail: format!("row {r} of {n}"),
             });
         }
-        let mut out = self.alloc(rows.len() * d)?;
+        let out = self.alloc(rows.len() * d, "gathered rows")?;
         if !rows.is_empty() {
-            let drows = self.upload_u32(rows)?;
-            let di = d as i32;
-            let cfg = LaunchConfig {
-                grid_dim: (rows.len() as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let drows = self.dev_u32(rows, |m| m.logits)?;
+            let (xp, di) = (ptr(x, "gather_rows")?, d as i32);
             // SAFETY: rows < n (checked); out [len, d].
             unsafe {
-                self.stream
-                    .launch_builder(self.func("gather_rows_bf16")?)
-                    .arg(self.buf(x, "gather_rows")?)
-                    .arg(&drows)
-                    .arg(&mut out)
+                self.dev
+                    .stream
+                    .launch_builder(self.dev.func("gather_rows_bf16")?)
+                    .arg(&xp)
+                    .arg(&drows.ptr)
+                    .arg(&out.ptr)
                     .arg(&di)
-                    .launch(cfg)
+                    .launch(rows_cfg(rows.len(), 256, 0))
                     .map_err(dev_err)?;
             }
         }
-        Ok(Self::wrap(vec![rows.len(), d], out))
+        Ok(wrap(vec![rows.len(), d], out))
+    }
+
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        let (n, d) = x.dims2("split_cols")?;
+        if widths.iter().sum::<usize>() != d {
+            return Err(TensorError::Shape {
+                op: "split_cols",
+                detail: format!("{widths:?} out of {d} columns"),
+            });
+        }
+        let xp = ptr(x, "split_cols")?;
+        let mut start = 0;
+        let mut out = Vec::with_capacity(widths.len());
+        for &w in widths {
+            let part = self.alloc(n * w, "a column block")?;
+            let (src, ss, wi, nl) = (xp + 2 * start as u64, d as i64, w as i32, n as i64);
+            if n * w > 0 {
+                // SAFETY: columns start..start + w of every row of x [n, d] into part [n, w].
+                unsafe {
+                    self.dev
+                        .stream
+                        .launch_builder(self.dev.func("copy_cols_bf16")?)
+                        .arg(&src)
+                        .arg(&ss)
+                        .arg(&part.ptr)
+                        .arg(&wi)
+                        .arg(&nl)
+                        .launch(elems_cfg(n * w))
+                        .map_err(dev_err)?;
+                }
+            }
+            out.push(wrap(vec![n, w], part));
+            start += w;
+        }
+        Ok(out)
     }
 
     fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
-        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim;
+        // One hidden block more than asked: the scratch block that padding
+        // rows of recorded decode steps write to.
+        let spec = KvCacheSpec {
+            num_blocks: spec.num_blocks + 1,
+            ..spec
+        };
+        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim * 2;
         let mut k = Vec::with_capacity(spec.num_layers);
         let mut v = Vec::with_capacity(spec.num_layers);
-        for _ in 0..spec.num_layers {
-            k.push(self.alloc(per_layer)?);
-            v.push(self.alloc(per_layer)?);
+        for layer in 0..spec.num_layers {
+            for (side, list) in [("keys", &mut k), ("values", &mut v)] {
+                let b = self
+                    .dev
+                    .alloc_exact(per_layer, &format!("KV cache {side} of layer {layer}"))?;
+                // Zeroed so that never-written slots read as finite numbers.
+                // SAFETY: b holds per_layer bytes.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(
+                        b.ptr,
+                        0,
+                        per_layer,
+                        self.dev.stream.cu_stream(),
+                    )
+                    .map_err(dev_err)?;
+                }
+                list.push(b);
+            }
         }
-        Ok(KvCache::from_storage(spec, Box::new(CudaKv { k, v })))
+        Ok(KvCache::from_storage(
+            spec,
+            Box::new(CudaKv {
+                k,
+                v,
+                alive: Arc::new(()),
+            }),
+        ))
     }
 
     fn attention(
@@ -471,88 +922,181 @@ impl Backend for CudaBackend {
         p: &AttentionParams,
     ) -> Result<Tensor> {
         kiln_tensor::check_attention_args(q, k, v, &cache.spec, layer, batch, p)?;
-        let (n, qw) = q.dims2("attention")?;
-        let kv_row = p.num_kv_heads * p.head_dim;
-        let spec = cache.spec;
-        // Per-row position and block-table offset; block tables flattened.
-        let mut tables = Vec::new();
-        let mut row_table = vec![0u32; n];
-        for seq in &batch.seqs {
-            let off = tables.len() as u32;
-            tables.extend_from_slice(&seq.block_table);
-            row_table[seq.token_start..seq.token_start + seq.num_tokens].fill(off);
+        let (n, _) = q.dims2("attention")?;
+        let step = self.step_meta(batch)?;
+        let block_size = cache.spec.block_size;
+        let kv = Self::kv(cache)?;
+        if n > 0 {
+            let slots = step.base + 4 * step.meta.slot as u64;
+            let kvi = (p.num_kv_heads * p.head_dim) as i32;
+            let (kp, vp) = (ptr(k, "attention")?, ptr(v, "attention")?);
+            let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
+            // SAFETY: k, v [n, kv_row]; slots < num_slots (checked).
+            unsafe {
+                self.dev
+                    .stream
+                    .launch_builder(self.dev.func("write_kv_bf16")?)
+                    .arg(&kp)
+                    .arg(&vp)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&slots)
+                    .arg(&kvi)
+                    .launch(rows_cfg(n, 128, 0))
+                    .map_err(dev_err)?;
+            }
         }
-        let kv = cache
-            .storage_mut()
-            .downcast_mut::<CudaKv>()
-            .ok_or(TensorError::WrongBackend {
-                op: "attention",
-                expected: NAME,
-            })?;
-        let (kc, vc) = (&mut kv.k[layer], &mut kv.v[layer]);
-        let dslots = self.upload_u32(&batch.slot_mapping)?;
-        let kvi = kv_row as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (n.max(1) as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut out = self.alloc(n * qw)?;
-        if n == 0 {
-            return Ok(Self::wrap(vec![0, qw], out));
-        }
-        // SAFETY: k, v [n, kv_row]; slots < num_slots (checked); caches [num_slots, kv_row].
-        unsafe {
-            self.stream
-                .launch_builder(self.func("write_kv_bf16")?)
-                .arg(self.buf(k, "attention")?)
-                .arg(self.buf(v, "attention")?)
-                .arg(&mut *kc)
-                .arg(&mut *vc)
-                .arg(&dslots)
-                .arg(&kvi)
-                .launch(cfg)
-                .map_err(dev_err)?;
-        }
-        let dpos = self.upload_u32(&batch.positions)?;
-        let drow = self.upload_u32(&row_table)?;
-        let dtables = self.upload_u32(&tables)?;
-        let threads = 128u32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, p.num_heads as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: (threads as usize + p.head_dim) as u32 * 4,
-        };
-        let (h, kvh, hd, bs) = (
-            p.num_heads as i32,
-            p.num_kv_heads as i32,
-            p.head_dim as i32,
-            spec.block_size as i32,
-        );
-        let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
-        let softcap = p.softcap.unwrap_or(0.0);
-        // SAFETY: q [n, heads * head_dim]; metadata arrays sized above; every
-        // table entry < num_blocks (checked).
-        unsafe {
-            self.stream
-                .launch_builder(self.func("paged_attention_bf16")?)
-                .arg(self.buf(q, "attention")?)
-                .arg(&*kc)
-                .arg(&*vc)
-                .arg(&mut out)
-                .arg(&dpos)
-                .arg(&drow)
-                .arg(&dtables)
-                .arg(&h)
-                .arg(&kvh)
-                .arg(&hd)
-                .arg(&bs)
-                .arg(&p.scale)
-                .arg(&window)
-                .arg(&softcap)
-                .launch(cfg)
-                .map_err(dev_err)?;
-        }
-        Ok(Self::wrap(vec![n, qw], out))
+        let qp = ptr(q, "attention")?;
+        self.attend(
+            qp,
+            p.num_heads * p.head_dim,
+            kv,
+            layer,
+            &step,
+            block_size,
+            p,
+        )
     }
+
+    fn qkv_attention(
+        &self,
+        qkv: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+        rope: &RopeParams<'_>,
+        qk_norm: Option<QkNorm<'_>>,
+    ) -> Result<Tensor> {
+        let hd = p.head_dim;
+        let fused = qk_norm.is_none()
+            && self.dev.has("qkv_rope_write_bf16")
+            && self.dev.has(&format!("flash_prefill_hd{hd}"))
+            && self.dev.has(&format!("decode_attention_hd{hd}"));
+        if !fused {
+            return kiln_tensor::backend::qkv_attention_unfused(
+                self, qkv, cache, layer, batch, p, rope, qk_norm,
+            );
+        }
+        let (n, width) = qkv.dims2("qkv_attention")?;
+        let (qw, kw) = (p.num_heads * hd, p.num_kv_heads * hd);
+        if width != qw + 2 * kw {
+            return Err(TensorError::Shape {
+                op: "qkv_attention",
+                detail: format!("qkv {:?} for {p:?}", qkv.shape()),
+            });
+        }
+        {
+            // The check of the unfused op, on q/k/v-shaped stand-ins.
+            let probe_q = Tensor::from_storage(vec![n, qw], DType::BF16, qkv.storage().clone());
+            let probe_k = Tensor::from_storage(vec![n, kw], DType::BF16, qkv.storage().clone());
+            kiln_tensor::check_attention_args(
+                &probe_q,
+                &probe_k,
+                &probe_k,
+                &cache.spec,
+                layer,
+                batch,
+                p,
+            )?;
+        }
+        if 2 * rope.inv_freq.len() > hd || rope.num_heads != p.num_heads || rope.head_dim != hd {
+            return Err(TensorError::Shape {
+                op: "qkv_attention",
+                detail: format!("RoPE {rope:?} for {p:?}"),
+            });
+        }
+        let step = self.step_meta(batch)?;
+        let block_size = cache.spec.block_size;
+        let kv = Self::kv(cache)?;
+        // RoPE is applied in place: work on a private copy unless this
+        // tensor is the only holder of its buffer.
+        let private;
+        let qkv_ptr = if Arc::strong_count(qkv.storage()) == 1 {
+            ptr(qkv, "qkv_attention")?
+        } else {
+            private = self.alloc(n * width, "a qkv copy")?;
+            self.dev
+                .dtod(private.ptr, ptr(qkv, "qkv_attention")?, n * width * 2)?;
+            private.ptr
+        };
+        if n > 0 {
+            let freq = self.rope_table(rope.inv_freq)?;
+            let m = &step.meta;
+            let (pos, slots) = (step.base + 4 * m.pos as u64, step.base + 4 * m.slot as u64);
+            let (stride, half) = (width as i64, rope.inv_freq.len() as i32);
+            let (h, kvh, hdi) = (p.num_heads as i32, p.num_kv_heads as i32, hd as i32);
+            let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
+            // SAFETY: qkv [n, width]; caches [slots, kv_row]; slots checked.
+            unsafe {
+                self.dev
+                    .stream
+                    .launch_builder(self.dev.func("qkv_rope_write_bf16")?)
+                    .arg(&qkv_ptr)
+                    .arg(&stride)
+                    .arg(&kc)
+                    .arg(&vc)
+                    .arg(&pos)
+                    .arg(&slots)
+                    .arg(&freq.ptr)
+                    .arg(&half)
+                    .arg(&rope.attention_scaling)
+                    .arg(&h)
+                    .arg(&kvh)
+                    .arg(&hdi)
+                    .launch(rows_cfg(n, 128, 0))
+                    .map_err(dev_err)?;
+            }
+        }
+        self.attend(qkv_ptr, width, kv, layer, &step, block_size, p)
+    }
+
+    fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
+        let (rows, vocab) = logits.dims2("argmax_rows")?;
+        if !self.dev.has("argmax_logprob_bf16") || logits.dtype() != DType::BF16 {
+            return Ok(None);
+        }
+        if rows == 0 {
+            return Ok(Some(Vec::new()));
+        }
+        let ids = self.dev.alloc(rows, 4, "sampled ids")?;
+        let lps = self.dev.alloc(rows, 4, "sampled logprobs")?;
+        let (lp, v) = (ptr(logits, "argmax_rows")?, vocab as i32);
+        // SAFETY: logits [rows, vocab]; ids and lps hold `rows` words.
+        unsafe {
+            self.dev
+                .stream
+                .launch_builder(self.dev.func("argmax_logprob_bf16")?)
+                .arg(&lp)
+                .arg(&v)
+                .arg(&ids.ptr)
+                .arg(&lps.ptr)
+                .launch(rows_cfg(rows, 1024, 0))
+                .map_err(dev_err)?;
+        }
+        let ids = self.dev.dtoh::<u32>(ids.ptr, rows)?;
+        let lps = self.dev.dtoh::<f32>(lps.ptr, rows)?;
+        Ok(Some(ids.into_iter().zip(lps).collect()))
+    }
+
+    fn run_step(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        forward: &mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        crate::graphs::run_step(self, batch, cache, forward)
+    }
+}
+
+fn linear_dims(x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize)> {
+    let (n, k) = x.dims2("linear")?;
+    let (m, kw) = w.dims2("linear")?;
+    if k != kw {
+        return Err(TensorError::Shape {
+            op: "linear",
+            detail: format!("x {:?} · w {:?}ᵀ", x.shape(), w.shape()),
+        });
+    }
+    Ok((n, k, m))
 }

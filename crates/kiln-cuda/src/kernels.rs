@@ -5,10 +5,51 @@
 /// Headers that kernel sources include by name.
 pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("kernels/common.cuh"))];
 
+/// Sources without which the backend does not start.
+pub const REQUIRED: &[&str] = &["elementwise", "attention"];
+
 /// Every kernel source: (name, CUDA C).
 pub const SOURCES: &[(&str, &str)] = &[
     ("elementwise", include_str!("kernels/elementwise.cu")),
     ("attention", include_str!("kernels/attention.cu")),
+    ("gemv", include_str!("kernels/gemv.cu")),
+    ("fused", include_str!("kernels/fused.cu")),
+    ("flash", include_str!("kernels/flash.cu")),
+];
+
+/// Every kernel the backend launches by name (the CI compile test checks
+/// each is an entry point of the compiled sources).
+pub const ENTRY_POINTS: &[&str] = &[
+    "embedding_bf16",
+    "add_rms_norm_bf16",
+    "gated_act_bf16",
+    "rope_bf16",
+    "write_kv_bf16",
+    "add_scale_bf16",
+    "add_bias_bf16",
+    "gather_rows_bf16",
+    "copy_cols_bf16",
+    "paged_attention_bf16",
+    "gemv_bf16_m1",
+    "gemv_bf16_m2",
+    "gemv_bf16_m3",
+    "gemv_bf16_m4",
+    "gemv_bf16_m5",
+    "gemv_bf16_m6",
+    "gemv_bf16_m7",
+    "gemv_bf16_m8",
+    "argmax_logprob_bf16",
+    "qkv_rope_write_bf16",
+    "gated_act_packed_bf16",
+    "decode_attention_hd64",
+    "decode_attention_hd128",
+    "decode_attention_hd256",
+    "decode_attention_reduce_hd64",
+    "decode_attention_reduce_hd128",
+    "decode_attention_reduce_hd256",
+    "flash_prefill_hd64",
+    "flash_prefill_hd128",
+    "flash_prefill_hd256",
 ];
 
 /// `src` with its local includes expanded (once each).

@@ -6,15 +6,22 @@
 //! architecture and NVRTC version, so a second start compiles nothing.
 //!
 //! This crate must not depend on models, formats or requests; it provides
-//! device code and (next) an implementation of `kiln_tensor::Backend`.
-//! Main types: [`KernelCompiler`], [`CudaError`], and [`kernels::SOURCES`].
+//! device code and [`CudaBackend`], an implementation of
+//! `kiln_tensor::Backend`. Main types: [`CudaBackend`], [`KernelCompiler`],
+//! [`CudaError`], [`MemorySnapshot`], and [`kernels::SOURCES`].
 
 pub mod backend;
 pub mod compile;
+mod device;
+pub mod graphs;
 pub mod kernels;
+pub mod meta;
+pub mod pool;
+pub mod selfcheck;
 
 pub use backend::CudaBackend;
 pub use compile::{CompiledKernel, KernelCompiler};
+pub use pool::MemorySnapshot;
 
 /// Why CUDA could not be used.
 #[derive(Debug, thiserror::Error)]

@@ -25,13 +25,15 @@ __device__ __forceinline__ float block_max(float v) {
 }
 
 // q [tokens, heads * head_dim]; caches [slots, kv_heads * head_dim];
-// row_pos[t]: the token's position; row_table[t]: offset of its sequence's
-// block table in `tables`. Dynamic shared memory: (blockDim.x + head_dim) floats.
+// row_pos[t]: the token's position; row_seq[t]: its sequence, whose block
+// table is tables[row_seq[t] * table_width ..]. Dynamic shared memory:
+// (blockDim.x + head_dim) floats.
 extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
                                                 const bf16* __restrict__ v_cache, bf16* __restrict__ out,
                                                 const unsigned int* __restrict__ row_pos,
-                                                const unsigned int* __restrict__ row_table,
-                                                const unsigned int* __restrict__ tables, int heads, int kv_heads,
+                                                const unsigned int* __restrict__ row_seq,
+                                                const unsigned int* __restrict__ tables, int table_width, int heads,
+                                                int kv_heads,
                                                 int head_dim, int block_size, float scale, int window,
                                                 float softcap) {
     extern __shared__ float smem[];
@@ -42,7 +44,7 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
     const int kv_row = kv_heads * head_dim;
     const int pos = (int)row_pos[t];
     const int first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
-    const unsigned int* table = tables + row_table[t];
+    const unsigned int* table = tables + (long long)row_seq[t] * table_width;
     const bf16* qv = q + ((long long)t * heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) acc[d] = 0.0f;
     float m = NEG_INF, l = 0.0f;

@@ -110,3 +110,13 @@ extern "C" __global__ void to_f32_bf16(const bf16* __restrict__ x, float* __rest
         out[i] = to_f32(x[i]);
     }
 }
+
+// Columns [0, width) of every row of src (row stride src_stride) into dst [rows, width].
+extern "C" __global__ void copy_cols_bf16(const bf16* __restrict__ src, long long src_stride, bf16* __restrict__ dst,
+                                          int width, long long rows) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows * width;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / width, c = i % width;
+        dst[i] = src[r * src_stride + c];
+    }
+}

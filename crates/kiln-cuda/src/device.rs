@@ -1,0 +1,279 @@
+//! The device side of [`crate::CudaBackend`]: context, stream, kernels,
+//! cuBLAS, the memory pool, and typed launch helpers over raw pointers.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+use kiln_tensor::{DType, Result, Tensor, TensorError};
+
+use crate::pool::{DevBuf, Pool};
+use crate::{driver_available, CudaError, KernelCompiler};
+
+pub(crate) const NAME: &str = "cuda";
+
+pub(crate) fn dev_err(e: impl std::fmt::Debug) -> TensorError {
+    TensorError::Device {
+        backend: NAME,
+        message: format!("{e:?}"),
+    }
+}
+
+/// cuBLAS workspace, set explicitly so recorded steps never allocate.
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+pub(crate) struct Device {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub blas: CudaBlas,
+    pub funcs: HashMap<String, CudaFunction>,
+    pub pool: Arc<Pool>,
+    pub name: String,
+    _workspace: DevBuf,
+}
+
+impl Device {
+    pub fn open(
+        ordinal: usize,
+        mut compiler: KernelCompiler,
+    ) -> std::result::Result<Self, CudaError> {
+        if !driver_available() {
+            return Err(CudaError::NoDriver);
+        }
+        let gpu = |e: &dyn std::fmt::Debug| CudaError::Device(format!("GPU {ordinal}: {e:?}"));
+        let ctx = CudaContext::new(ordinal).map_err(|e| gpu(&e))?;
+        // One stream: ordering is the stream's; no per-buffer events (they
+        // would also break recording steps as graphs).
+        // SAFETY: every buffer is used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(|e| gpu(&e))?;
+        if major < 8 {
+            return Err(CudaError::Device(format!(
+                "GPU {ordinal} has compute capability {major}.{minor}; Kiln needs 8.0 or newer"
+            )));
+        }
+        compiler.arch = match (major, minor) {
+            (9, _) => "compute_90",
+            (8, 9) => "compute_89",
+            (8, 6) => "compute_86",
+            (8, _) => "compute_80",
+            _ => "compute_90",
+        };
+        let name = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
+        // A stream of our own: the legacy default stream cannot be recorded.
+        let stream = ctx.new_stream().map_err(|e| gpu(&e))?;
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|e| CudaError::Device(format!("cuBLAS: {e:?}")))?;
+        let pool = Pool::new(stream.clone());
+        let workspace = pool
+            .get_exact(BLAS_WORKSPACE)
+            .ok_or_else(|| CudaError::Device("no memory for the cuBLAS workspace".into()))?;
+        // SAFETY: the workspace outlives the handle (both live in `Device`).
+        unsafe {
+            blas_sys::cublasSetWorkspace_v2(
+                *blas.handle(),
+                workspace.ptr as *mut c_void,
+                BLAS_WORKSPACE,
+            )
+            .result()
+            .map_err(|e| CudaError::Device(format!("cuBLAS workspace: {e:?}")))?;
+        }
+        let mut funcs = HashMap::new();
+        let mut compiled = Vec::new();
+        for (name, src) in crate::kernels::SOURCES {
+            match compiler.compile(name, src) {
+                Ok(k) => compiled.push(k),
+                // The reference kernels are required; the fast ones have
+                // fallbacks (and CI compiles every kernel before it lands).
+                Err(e) if !crate::kernels::REQUIRED.contains(name) => {
+                    eprintln!("kiln: warning: {name} kernels unavailable, using fallbacks: {e}")
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        for k in compiled {
+            let module = ctx
+                .load_module(Ptx::from_src(k.ptx.clone()))
+                .map_err(|e| CudaError::Device(format!("loading {}: {e:?}", k.name)))?;
+            for line in k.ptx.lines() {
+                if let Some(rest) = line.trim().strip_prefix(".visible .entry ") {
+                    let entry = rest.split('(').next().unwrap_or(rest).to_string();
+                    let f = module
+                        .load_function(&entry)
+                        .map_err(|e| CudaError::Device(format!("{entry}: {e:?}")))?;
+                    if let Some(hd) = entry
+                        .strip_prefix("flash_prefill_hd")
+                        .and_then(|h| h.parse::<usize>().ok())
+                    {
+                        f.set_attribute(
+                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            crate::graphs::flash_smem_bytes(hd) as i32,
+                        )
+                        .map_err(|e| CudaError::Device(format!("{entry}: {e:?}")))?;
+                    }
+                    funcs.insert(entry, f);
+                }
+            }
+        }
+        Ok(Device {
+            ctx,
+            stream,
+            blas,
+            funcs,
+            pool,
+            name,
+            _workspace: workspace,
+        })
+    }
+
+    pub fn func(&self, name: &str) -> Result<&CudaFunction> {
+        self.funcs
+            .get(name)
+            .ok_or_else(|| dev_err(format!("kernel {name} not loaded")))
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.funcs.contains_key(name)
+    }
+
+    /// A pooled activation buffer of `elems` elements of `elem_bytes`.
+    pub fn alloc(&self, elems: usize, elem_bytes: usize, what: &str) -> Result<DevBuf> {
+        let bytes = (elems * elem_bytes).max(1);
+        self.pool
+            .get(bytes)
+            .ok_or_else(|| TensorError::OutOfMemory {
+                backend: NAME,
+                bytes: bytes as u64,
+                what: what.to_string(),
+            })
+    }
+
+    /// An exact-size buffer (weights, caches).
+    pub fn alloc_exact(&self, bytes: usize, what: &str) -> Result<DevBuf> {
+        self.pool
+            .get_exact(bytes)
+            .ok_or_else(|| TensorError::OutOfMemory {
+                backend: NAME,
+                bytes: bytes as u64,
+                what: what.to_string(),
+            })
+    }
+
+    pub fn htod<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` holds at least `size_of_val(src)` bytes (callers
+        // allocate it so); pageable sources are staged before this returns.
+        unsafe { drv::memcpy_htod_async(dst, src, self.stream.cu_stream()) }.map_err(dev_err)
+    }
+
+    pub fn dtoh<T: Copy + Default>(&self, src: u64, n: usize) -> Result<Vec<T>> {
+        let mut out = vec![T::default(); n];
+        if n > 0 {
+            // SAFETY: `src` holds `n` elements of T.
+            unsafe { drv::memcpy_dtoh_async(&mut out, src, self.stream.cu_stream()) }
+                .map_err(dev_err)?;
+        }
+        self.stream.synchronize().map_err(dev_err)?;
+        Ok(out)
+    }
+
+    pub fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges hold `bytes` bytes.
+        unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(dev_err)
+    }
+
+    /// `out[n, m] = x[n, k] · w[m, k]ᵀ + beta * out`, bf16 in and out, f32 accumulation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        x: u64,
+        w: u64,
+        out: u64,
+        n: usize,
+        k: usize,
+        m: usize,
+        beta: f32,
+    ) -> Result<()> {
+        if n == 0 || m == 0 {
+            return Ok(());
+        }
+        let alpha = 1f32;
+        let bf = blas_sys::cudaDataType::CUDA_R_16BF;
+        // SAFETY: the three pointers hold [m, k], [n, k] and [n, m] bf16.
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                bf,
+                k as i32,
+                x as *const c_void,
+                bf,
+                k as i32,
+                &beta as *const f32 as *const c_void,
+                out as *mut c_void,
+                bf,
+                m as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(dev_err)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(dev_err)
+    }
+}
+
+/// A tensor's device buffer.
+pub(crate) fn buf<'a>(t: &'a Tensor, op: &'static str) -> Result<&'a DevBuf> {
+    t.storage()
+        .downcast_ref::<DevBuf>()
+        .ok_or(TensorError::WrongBackend { op, expected: NAME })
+}
+
+pub(crate) fn ptr(t: &Tensor, op: &'static str) -> Result<u64> {
+    Ok(buf(t, op)?.ptr)
+}
+
+pub(crate) fn wrap(shape: Vec<usize>, b: DevBuf) -> Tensor {
+    Tensor::from_storage(shape, DType::BF16, Arc::new(b))
+}
+
+pub(crate) fn to_bf16(data: &[f32]) -> Vec<bf16> {
+    use rayon::prelude::*;
+    data.par_iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// One block per row with `threads` threads.
+pub(crate) fn rows_cfg(rows: usize, threads: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+/// A grid-stride launch over `n` elements.
+pub(crate) fn elems_cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

@@ -1,0 +1,245 @@
+//! A step's metadata as the kernels read it: one `u32` array uploaded once
+//! per step (token ids, positions, cache slots, each row's sequence, block
+//! tables padded to a fixed width, prefill query tiles, logits rows), and
+//! the padding of decode batches to the sizes recorded as CUDA graphs.
+
+use kiln_tensor::{ForwardBatch, SeqSlice};
+
+/// Query rows per prefill attention tile (the flash kernel's launch rule).
+pub const TILE_ROWS: usize = 128;
+
+/// Batch sizes recorded as graphs; a decode batch is padded to the next.
+pub const GRAPH_BUCKETS: &[usize] = &[1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128];
+
+/// Offsets (in `u32` words) of each array inside [`StepMeta::words`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepMeta {
+    pub words: Vec<u32>,
+    pub num_rows: usize,
+    pub num_seqs: usize,
+    /// Block-table entries per sequence (tables are padded to this).
+    pub width: usize,
+    pub tok: usize,
+    pub pos: usize,
+    pub slot: usize,
+    pub row_seq: usize,
+    pub tables: usize,
+    pub tiles: usize,
+    pub num_tiles: usize,
+    pub logits: usize,
+    pub num_logits: usize,
+    /// Every sequence has exactly one new row (a decode step).
+    pub decode_only: bool,
+    /// Most keys any row attends to (its position + 1).
+    pub max_keys: usize,
+}
+
+/// Smallest power of two ≥ the longest block table, at least 8.
+pub fn table_width(batch: &ForwardBatch) -> usize {
+    let longest = batch
+        .seqs
+        .iter()
+        .map(|s| s.block_table.len())
+        .max()
+        .unwrap_or(0);
+    longest.max(8).next_power_of_two()
+}
+
+/// The recorded batch size a decode batch of `n` sequences runs as.
+pub fn bucket_for(n: usize) -> Option<usize> {
+    GRAPH_BUCKETS.iter().copied().find(|&b| b >= n)
+}
+
+impl StepMeta {
+    /// Lay out `batch` with block tables padded to `width` entries.
+    pub fn build(batch: &ForwardBatch, width: usize) -> StepMeta {
+        let n = batch.num_tokens();
+        let s = batch.seqs.len();
+        let mut words = Vec::with_capacity(4 * n + s * width + 2 * n + batch.logits_rows.len());
+        let tok = words.len();
+        words.extend_from_slice(&batch.token_ids);
+        let pos = words.len();
+        words.extend_from_slice(&batch.positions);
+        let slot = words.len();
+        words.extend_from_slice(&batch.slot_mapping);
+        let row_seq = words.len();
+        words.resize(row_seq + n, 0);
+        for (i, seq) in batch.seqs.iter().enumerate() {
+            let end = (seq.token_start + seq.num_tokens).min(n);
+            words[row_seq + seq.token_start.min(end)..row_seq + end].fill(i as u32);
+        }
+        let tables = words.len();
+        for seq in &batch.seqs {
+            let start = words.len();
+            words.extend(seq.block_table.iter().take(width));
+            words.resize(start + width, 0);
+        }
+        let tiles = words.len();
+        // (keys attended by the tile's last row, first row, rows): the
+        // kernel runs tiles in order, so the longest go first.
+        let mut tile_list = Vec::new();
+        for seq in &batch.seqs {
+            let mut r = 0;
+            while r < seq.num_tokens {
+                let rows = (seq.num_tokens - r).min(TILE_ROWS);
+                tile_list.push((seq.num_computed + r + rows, seq.token_start + r, rows));
+                r += rows;
+            }
+        }
+        tile_list.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let num_tiles = tile_list.len();
+        for (_, first, rows) in tile_list {
+            words.push(first as u32);
+            words.push(rows as u32);
+        }
+        let logits = words.len();
+        words.extend_from_slice(&batch.logits_rows);
+        StepMeta {
+            num_rows: n,
+            num_seqs: s,
+            width,
+            tok,
+            pos,
+            slot,
+            row_seq,
+            tables,
+            tiles,
+            num_tiles,
+            logits,
+            num_logits: batch.logits_rows.len(),
+            decode_only: !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.num_tokens == 1),
+            max_keys: batch
+                .positions
+                .iter()
+                .map(|&p| p as usize + 1)
+                .max()
+                .unwrap_or(0),
+            words,
+        }
+    }
+}
+
+/// Whether `batch` is a decode step a recording can replay: one new token
+/// per sequence, every one wanting logits, in order.
+pub fn is_graphable(batch: &ForwardBatch) -> bool {
+    !batch.seqs.is_empty()
+        && batch
+            .seqs
+            .iter()
+            .enumerate()
+            .all(|(i, s)| s.num_tokens == 1 && s.token_start == i && !s.block_table.is_empty())
+        && batch.logits_rows.len() == batch.seqs.len()
+        && batch
+            .logits_rows
+            .iter()
+            .enumerate()
+            .all(|(i, &r)| r as usize == i)
+}
+
+/// `batch` (graphable) padded to `bucket` sequences: each padding sequence
+/// is one token at position 0 whose key and value go to `scratch_block`,
+/// a cache block no real sequence owns.
+pub fn pad_decode(batch: &ForwardBatch, bucket: usize, scratch_block: u32) -> ForwardBatch {
+    let mut out = batch.clone();
+    for i in batch.seqs.len()..bucket {
+        out.token_ids.push(0);
+        out.positions.push(0);
+        out.slot_mapping
+            .push(scratch_block * batch.block_size as u32);
+        out.logits_rows.push(i as u32);
+        out.seqs.push(SeqSlice {
+            token_start: i,
+            num_tokens: 1,
+            num_computed: 0,
+            block_table: vec![scratch_block],
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch() -> ForwardBatch {
+        let mut b = ForwardBatch {
+            block_size: 4,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&[5, 6, 7], 2, vec![3, 9], true);
+        b.push_seq(&[8], 6, vec![1, 2], true);
+        b
+    }
+
+    #[test]
+    fn layout_holds_every_array_at_its_offset() {
+        let b = batch();
+        let m = StepMeta::build(&b, 8);
+        let w = &m.words;
+        assert_eq!(&w[m.tok..m.tok + 4], &[5, 6, 7, 8]);
+        assert_eq!(&w[m.pos..m.pos + 4], &[2, 3, 4, 6]);
+        assert_eq!(&w[m.slot..m.slot + 4], &[14, 15, 36, 10]);
+        assert_eq!(&w[m.row_seq..m.row_seq + 4], &[0, 0, 0, 1]);
+        assert_eq!(&w[m.tables..m.tables + 8], &[3, 9, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&w[m.tables + 8..m.tables + 10], &[1, 2]);
+        assert_eq!(m.num_tiles, 2);
+        assert_eq!(&w[m.tiles..m.tiles + 4], &[3, 1, 0, 3]);
+        assert_eq!(&w[m.logits..m.logits + 2], &[2, 3]);
+        assert!(!m.decode_only);
+        assert_eq!(m.max_keys, 7);
+    }
+
+    #[test]
+    fn long_prefills_split_into_tiles_of_at_most_128_rows_longest_first() {
+        let mut b = ForwardBatch {
+            block_size: 16,
+            ..ForwardBatch::default()
+        };
+        let toks: Vec<u32> = (0..300).collect();
+        b.push_seq(&toks, 0, (0..19).collect(), true);
+        b.push_seq(&toks[..5], 400, (19..45).collect(), true);
+        let m = StepMeta::build(&b, table_width(&b));
+        assert_eq!(m.width, 32);
+        let t = &m.words[m.tiles..m.tiles + 2 * m.num_tiles];
+        // Keys of each tile's last row: 405, 300, 256, 128.
+        assert_eq!(t, &[300, 5, 256, 44, 128, 128, 0, 128]);
+    }
+
+    #[test]
+    fn decode_batches_pad_to_their_bucket_with_scratch_rows() {
+        let mut b = ForwardBatch {
+            block_size: 4,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&[1], 5, vec![0, 2], true);
+        b.push_seq(&[2], 0, vec![1], true);
+        b.push_seq(&[3], 9, vec![3, 4, 5], true);
+        assert!(is_graphable(&b));
+        assert_eq!(bucket_for(3), Some(4));
+        let p = pad_decode(&b, 4, 7);
+        assert!(is_graphable(&p));
+        assert_eq!(p.seqs.len(), 4);
+        assert_eq!(p.slot_mapping[3], 28);
+        assert_eq!(p.logits_rows, vec![0, 1, 2, 3]);
+        let m = StepMeta::build(&p, table_width(&p));
+        assert!(m.decode_only);
+        // Same shape of metadata for any batch of the bucket and width.
+        let mut q = b.clone();
+        q.seqs[0].num_computed = 6;
+        q.positions[0] = 6;
+        let m2 = StepMeta::build(&pad_decode(&q, 4, 7), table_width(&p));
+        assert_eq!(m.words.len(), m2.words.len());
+        assert_eq!((m.tables, m.logits), (m2.tables, m2.logits));
+    }
+
+    #[test]
+    fn prefill_or_partial_logits_are_not_graphable() {
+        assert!(!is_graphable(&batch()));
+        let mut b = ForwardBatch {
+            block_size: 4,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&[1], 5, vec![0, 2], false);
+        assert!(!is_graphable(&b));
+    }
+}

@@ -1,0 +1,513 @@
+//! Cross-backend op checks: every op of [`CudaBackend`] against the CPU
+//! reference backend on the same (bf16-rounded) inputs, at odd sizes, GQA
+//! ratios, head dims 64/128/256, prefill, chunked prefill, mixed and
+//! split-KV decode batches, sliding windows, and recorded (graph) decode
+//! steps replayed against fresh metadata. `kiln dev cuda-check` runs it on a
+//! GPU machine and writes the report.
+
+use half::bf16;
+use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::{
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams, Tensor,
+};
+
+use crate::CudaBackend;
+
+/// One comparison: relative L2 error ‖gpu − cpu‖ / ‖cpu‖ and max abs error.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub op: String,
+    pub rel_err: f64,
+    pub max_abs_err: f64,
+    pub tolerance: f64,
+    pub pass: bool,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    }
+
+    /// Values exactly representable in bf16, so both backends see the same.
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.next() * scale).to_f32())
+            .collect()
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() * 0.5 + 0.5) * n as f32) as usize % n.max(1)
+    }
+}
+
+struct Pair<'a> {
+    gpu: &'a CudaBackend,
+    cpu: CpuBackend,
+    checks: Vec<Check>,
+}
+
+type R<T> = std::result::Result<T, String>;
+
+fn e(x: impl std::fmt::Display) -> String {
+    x.to_string()
+}
+
+impl Pair<'_> {
+    fn up(&self, shape: &[usize], data: &[f32]) -> R<(Tensor, Tensor)> {
+        Ok((
+            self.gpu.upload(shape, data).map_err(e)?,
+            self.cpu.upload(shape, data).map_err(e)?,
+        ))
+    }
+
+    fn compare(&mut self, op: String, gpu: &Tensor, cpu: &Tensor, tolerance: f64) -> R<()> {
+        let g = self.gpu.to_host(gpu).map_err(e)?;
+        let c = self.cpu.to_host(cpu).map_err(e)?;
+        if g.len() != c.len() || gpu.shape() != cpu.shape() {
+            return Err(format!(
+                "{op}: shapes {:?} vs {:?}",
+                gpu.shape(),
+                cpu.shape()
+            ));
+        }
+        let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+        let mut finite = true;
+        for (a, b) in g.iter().zip(&c) {
+            finite &= a.is_finite();
+            let d = (*a as f64 - *b as f64).abs();
+            max_abs = max_abs.max(d);
+            num += d * d;
+            den += (*b as f64) * (*b as f64);
+        }
+        let rel = if finite {
+            (num / den.max(1e-30)).sqrt()
+        } else {
+            f64::INFINITY
+        };
+        self.checks.push(Check {
+            op,
+            rel_err: rel,
+            max_abs_err: max_abs,
+            tolerance,
+            pass: rel <= tolerance,
+        });
+        Ok(())
+    }
+}
+
+/// bf16 storage of results: about 3 significant digits.
+const TOL: f64 = 1e-2;
+const TOL_ATTN: f64 = 2e-2;
+
+/// Run every check; an `Err` means a check could not run at all.
+pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
+    let mut p = Pair {
+        gpu,
+        cpu: CpuBackend::new(),
+        checks: Vec::new(),
+    };
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    dense_ops(&mut p, &mut rng)?;
+    for &(heads, kv_heads, hd) in &[(9, 3, 64), (32, 8, 128), (4, 1, 256), (14, 2, 64)] {
+        attention_ops(&mut p, &mut rng, heads, kv_heads, hd, None)?;
+    }
+    attention_ops(&mut p, &mut rng, 8, 2, 64, Some(48))?;
+    recorded_steps(&mut p, &mut rng)?;
+    Ok(p.checks)
+}
+
+fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    for &(k, m) in &[(576usize, 1536usize), (896, 1000), (4096, 512)] {
+        let (wg, wc) = p.up(&[m, k], &rng.vec(m * k, 0.05))?;
+        let (bg, bc) = p.up(&[m], &rng.vec(m, 0.5))?;
+        for &n in &[1usize, 2, 3, 8, 9, 37] {
+            let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
+            let (rg, rc) = p.up(&[n, m], &rng.vec(n * m, 1.0))?;
+            let g = p.gpu.linear(&xg, &wg, None).map_err(e)?;
+            let c = p.cpu.linear(&xc, &wc, None).map_err(e)?;
+            p.compare(format!("linear n={n} k={k} m={m}"), &g, &c, TOL)?;
+            let g = p.gpu.linear(&xg, &wg, Some(&bg)).map_err(e)?;
+            let c = p.cpu.linear(&xc, &wc, Some(&bc)).map_err(e)?;
+            p.compare(format!("linear+bias n={n} k={k} m={m}"), &g, &c, TOL)?;
+            let g = p.gpu.linear_add(&xg, &wg, None, &rg).map_err(e)?;
+            let c = p.cpu.linear_add(&xc, &wc, None, &rc).map_err(e)?;
+            p.compare(format!("linear_add n={n} k={k} m={m}"), &g, &c, TOL)?;
+            if m % 2 == 0 {
+                for act in [Activation::Silu, Activation::GeluTanh] {
+                    let g = p.gpu.gated_linear(&xg, &wg, act).map_err(e)?;
+                    let c = p.cpu.gated_linear(&xc, &wc, act).map_err(e)?;
+                    p.compare(
+                        format!("gated_linear {act:?} n={n} k={k} 2i={m}"),
+                        &g,
+                        &c,
+                        TOL,
+                    )?;
+                }
+            }
+        }
+    }
+    let (n, d) = (37usize, 896usize);
+    let (xg, xc) = p.up(&[n, d], &rng.vec(n * d, 2.0))?;
+    let (yg, yc) = p.up(&[n, d], &rng.vec(n * d, 2.0))?;
+    let (wg, wc) = p.up(&[d], &rng.vec(d, 1.0))?;
+    let g = p.gpu.rms_norm(&xg, &wg, 1e-6, 1.0).map_err(e)?;
+    let c = p.cpu.rms_norm(&xc, &wc, 1e-6, 1.0).map_err(e)?;
+    p.compare("rms_norm".into(), &g, &c, TOL)?;
+    let g = p.gpu.add(&xg, &yg).map_err(e)?;
+    let c = p.cpu.add(&xc, &yc).map_err(e)?;
+    p.compare("add".into(), &g, &c, TOL)?;
+    let g = p.gpu.scale(&xg, 0.37).map_err(e)?;
+    let c = p.cpu.scale(&xc, 0.37).map_err(e)?;
+    p.compare("scale".into(), &g, &c, TOL)?;
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let g = p.gpu.gated_activation(&xg, &yg, act).map_err(e)?;
+        let c = p.cpu.gated_activation(&xc, &yc, act).map_err(e)?;
+        p.compare(format!("gated_activation {act:?}"), &g, &c, TOL)?;
+    }
+    let ids: Vec<u32> = (0..n as u32).map(|i| i * 7919 % 1000).collect();
+    let (tg, tc) = p.up(&[1000, 64], &rng.vec(64_000, 1.0))?;
+    let g = p.gpu.embedding(&tg, &ids).map_err(e)?;
+    let c = p.cpu.embedding(&tc, &ids).map_err(e)?;
+    p.compare("embedding".into(), &g, &c, 0.0)?;
+    let rows = [36u32, 0, 5, 5];
+    let g = p.gpu.gather_rows(&xg, &rows).map_err(e)?;
+    let c = p.cpu.gather_rows(&xc, &rows).map_err(e)?;
+    p.compare("gather_rows".into(), &g, &c, 0.0)?;
+    let g = p.gpu.split_cols(&xg, &[100, 700, 96]).map_err(e)?;
+    let c = p.cpu.split_cols(&xc, &[100, 700, 96]).map_err(e)?;
+    for i in 0..3 {
+        p.compare(format!("split_cols part {i}"), &g[i], &c[i], 0.0)?;
+    }
+    let (heads, hd) = (14usize, 64usize);
+    let inv_freq: Vec<f32> = (0..24)
+        .map(|i| 1e4f32.powf(-(2 * i) as f32 / 48.0))
+        .collect();
+    let positions: Vec<u32> = (0..n as u32).map(|i| i * 97 % 4099).collect();
+    let (qg, qc) = p.up(&[n, heads * hd], &rng.vec(n * heads * hd, 1.0))?;
+    let rp = RopeParams {
+        num_heads: heads,
+        head_dim: hd,
+        inv_freq: &inv_freq,
+        attention_scaling: 1.0,
+    };
+    let g = p.gpu.rope(&qg, &positions, &rp).map_err(e)?;
+    let c = p.cpu.rope(&qc, &positions, &rp).map_err(e)?;
+    p.compare("rope partial rotary".into(), &g, &c, TOL)?;
+    Ok(())
+}
+
+/// A sequence of steps over one shared KV history on both backends.
+struct Caches {
+    gpu: KvCache,
+    cpu: KvCache,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_step(
+    p: &mut Pair,
+    rng: &mut Rng,
+    caches: &mut Caches,
+    batch: &ForwardBatch,
+    ap: &AttentionParams,
+    inv_freq: &[f32],
+    label: &str,
+    fused: bool,
+) -> R<()> {
+    let n = batch.num_tokens();
+    let (qw, kw) = (ap.num_heads * ap.head_dim, ap.num_kv_heads * ap.head_dim);
+    let rope = RopeParams {
+        num_heads: ap.num_heads,
+        head_dim: ap.head_dim,
+        inv_freq,
+        attention_scaling: 1.0,
+    };
+    let (g, c) = if fused {
+        let (xg, xc) = p.up(&[n, qw + 2 * kw], &rng.vec(n * (qw + 2 * kw), 1.0))?;
+        (
+            p.gpu
+                .qkv_attention(&xg, &mut caches.gpu, 0, batch, ap, &rope, None)
+                .map_err(e)?,
+            p.cpu
+                .qkv_attention(&xc, &mut caches.cpu, 0, batch, ap, &rope, None)
+                .map_err(e)?,
+        )
+    } else {
+        let (qg, qc) = p.up(&[n, qw], &rng.vec(n * qw, 1.0))?;
+        let (kg, kc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
+        let (vg, vc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
+        (
+            p.gpu
+                .attention(&qg, &kg, &vg, &mut caches.gpu, 0, batch, ap)
+                .map_err(e)?,
+            p.cpu
+                .attention(&qc, &kc, &vc, &mut caches.cpu, 0, batch, ap)
+                .map_err(e)?,
+        )
+    };
+    let kind = if fused { "qkv_attention" } else { "attention" };
+    p.compare(
+        format!(
+            "{kind} {label} heads={}/{} hd={} window={:?}",
+            ap.num_heads, ap.num_kv_heads, ap.head_dim, ap.sliding_window
+        ),
+        &g,
+        &c,
+        TOL_ATTN,
+    )
+}
+
+/// Blocks for sequences, handed out in a shuffled order.
+struct Blocks(Vec<u32>);
+
+impl Blocks {
+    fn new(rng: &mut Rng, n: usize) -> Self {
+        let mut v: Vec<u32> = (0..n as u32).collect();
+        for i in (1..n).rev() {
+            v.swap(i, rng.below(i + 1));
+        }
+        Blocks(v)
+    }
+
+    fn take(&mut self, n: usize) -> Vec<u32> {
+        let at = self.0.len() - n;
+        self.0.split_off(at)
+    }
+}
+
+fn attention_ops(
+    p: &mut Pair,
+    rng: &mut Rng,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    window: Option<usize>,
+) -> R<()> {
+    let bs = 16;
+    let spec = KvCacheSpec {
+        num_layers: 1,
+        num_blocks: 400,
+        block_size: bs,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+    };
+    let ap = AttentionParams {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        scale: (hd as f32).powf(-0.5),
+        sliding_window: window,
+        softcap: None,
+    };
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 1e4f32.powf(-((2 * i) as f32) / hd as f32))
+        .collect();
+    for fused in [false, true] {
+        let mut caches = Caches {
+            gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
+            cpu: p.cpu.alloc_kv_cache(spec).map_err(e)?,
+        };
+        let mut blocks = Blocks::new(rng, spec.num_blocks);
+        // A: 150-token prompt from scratch; B: 100 tokens, then 37 more
+        // (chunked prefill); then a mixed step (A decodes, C prefills 20);
+        // then decode steps of A, B, C and two long sequences (split KV).
+        let ta = blocks.take(12);
+        let tb = blocks.take(10);
+        let tc = blocks.take(4);
+        let td = blocks.take(80);
+        let te = blocks.take(40);
+        let toks = |n: usize| vec![0u32; n];
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&toks(150), 0, ta.clone(), true);
+        b.push_seq(&toks(100), 0, tb.clone(), true);
+        b.push_seq(&toks(1200), 0, td.clone(), true);
+        b.push_seq(&toks(600), 0, te.clone(), true);
+        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "prefill", fused)?;
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&toks(37), 100, tb.clone(), true);
+        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "chunked", fused)?;
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&toks(1), 150, ta.clone(), true);
+        b.push_seq(&toks(20), 0, tc.clone(), true);
+        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "mixed", fused)?;
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&toks(1), 151, ta.clone(), true);
+        b.push_seq(&toks(1), 137, tb.clone(), true);
+        b.push_seq(&toks(1), 20, tc.clone(), true);
+        b.push_seq(&toks(1), 1200, td.clone(), true);
+        b.push_seq(&toks(1), 600, te.clone(), true);
+        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "decode", fused)?;
+    }
+    Ok(())
+}
+
+/// The device argmax of `logits` against the host's on the same values.
+fn argmax_check(p: &mut Pair, logits: &Tensor, it: usize) -> R<()> {
+    let (rows, vocab) = logits.dims2("argmax").map_err(e)?;
+    let host = p.gpu.to_host(logits).map_err(e)?;
+    let Some(picked) = p.gpu.argmax_rows(logits).map_err(e)? else {
+        return Err("argmax_rows is not available".into());
+    };
+    let mut worst = 0f64;
+    let mut ok = picked.len() == rows;
+    for (r, &(id, lp)) in picked.iter().enumerate().take(rows) {
+        let row = &host[r * vocab..(r + 1) * vocab];
+        let (best, max) = row
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |acc, (i, &v)| if v > acc.1 { (i, v) } else { acc },
+            );
+        let lse = max as f64
+            + row
+                .iter()
+                .map(|&v| ((v - max) as f64).exp())
+                .sum::<f64>()
+                .ln();
+        ok &= id as usize == best;
+        worst = worst.max((lp as f64 - (max as f64 - lse)).abs());
+    }
+    p.checks.push(Check {
+        op: format!("argmax_rows step {it}"),
+        rel_err: if ok { 0.0 } else { 1.0 },
+        max_abs_err: worst,
+        tolerance: 1e-4,
+        pass: ok && worst <= 1e-4,
+    });
+    Ok(())
+}
+
+/// A toy model step (embedding → packed qkv → attention → output
+/// projection into the residual → logits) run through `run_step`, so decode
+/// steps are recorded and replayed, against the CPU step by step.
+fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    let (vocab, d, heads, kv_heads, hd) = (512usize, 256usize, 4usize, 2usize, 64usize);
+    let qkv_w = (heads + 2 * kv_heads) * hd;
+    let (emb_g, emb_c) = p.up(&[vocab, d], &rng.vec(vocab * d, 1.0))?;
+    let (wqkv_g, wqkv_c) = p.up(&[qkv_w, d], &rng.vec(qkv_w * d, 0.06))?;
+    let (wo_g, wo_c) = p.up(&[d, heads * hd], &rng.vec(d * heads * hd, 0.06))?;
+    let (head_g, head_c) = p.up(&[vocab, d], &rng.vec(vocab * d, 0.06))?;
+    let spec = KvCacheSpec {
+        num_layers: 1,
+        num_blocks: 64,
+        block_size: 16,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+    };
+    let ap = AttentionParams {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        scale: 0.125,
+        sliding_window: None,
+        softcap: None,
+    };
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 1e4f32.powf(-((2 * i) as f32) / hd as f32))
+        .collect();
+    let rope = RopeParams {
+        num_heads: heads,
+        head_dim: hd,
+        inv_freq: &inv_freq,
+        attention_scaling: 1.0,
+    };
+    fn step(
+        b: &dyn Backend,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        w: [&Tensor; 4],
+        ap: &AttentionParams,
+        rope: &RopeParams,
+    ) -> kiln_tensor::Result<Tensor> {
+        let [emb, wqkv, wo, head] = w;
+        let x = b.embedding(emb, &batch.token_ids)?;
+        let qkv = b.linear(&x, wqkv, None)?;
+        let a = b.qkv_attention(&qkv, cache, 0, batch, ap, rope, None)?;
+        let x = b.linear_add(&a, wo, None, &x)?;
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
+        b.linear(&x, head, None)
+    }
+    let mut gc = p.gpu.alloc_kv_cache(spec).map_err(e)?;
+    let mut cc = p.cpu.alloc_kv_cache(spec).map_err(e)?;
+    let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (s * 20..s * 20 + 20).collect()).collect();
+    let lens = [5usize, 9, 30];
+    // Prompts, eagerly (not graphable).
+    let mut b = ForwardBatch {
+        block_size: 16,
+        ..ForwardBatch::default()
+    };
+    for (s, &l) in lens.iter().enumerate() {
+        let toks: Vec<u32> = (0..l).map(|_| rng.below(vocab) as u32).collect();
+        b.push_seq(&toks, 0, tables[s].clone(), true);
+    }
+    let wg = [&emb_g, &wqkv_g, &wo_g, &head_g];
+    let wc = [&emb_c, &wqkv_c, &wo_c, &head_c];
+    let g = p
+        .gpu
+        .run_step(&b, &mut gc, &mut |bt, c| step(p.gpu, bt, c, wg, &ap, &rope))
+        .map_err(e)?;
+    let c = p
+        .cpu
+        .run_step(&b, &mut cc, &mut |bt, c| {
+            step(&p.cpu, bt, c, wc, &ap, &rope)
+        })
+        .map_err(e)?;
+    p.compare("run_step prefill".into(), &g, &c, TOL_ATTN)?;
+    // Decode steps: 3 sequences (bucket 4), the first records, the rest
+    // replay; then 2 sequences (bucket 2) after one finishes.
+    let mut pos = lens;
+    for it in 0..6 {
+        let live = if it < 4 { 3 } else { 2 };
+        let mut b = ForwardBatch {
+            block_size: 16,
+            ..ForwardBatch::default()
+        };
+        for s in 0..live {
+            b.push_seq(&[rng.below(vocab) as u32], pos[s], tables[s].clone(), true);
+            pos[s] += 1;
+        }
+        let g = p
+            .gpu
+            .run_step(&b, &mut gc, &mut |bt, c| step(p.gpu, bt, c, wg, &ap, &rope))
+            .map_err(e)?;
+        let c = p
+            .cpu
+            .run_step(&b, &mut cc, &mut |bt, c| {
+                step(&p.cpu, bt, c, wc, &ap, &rope)
+            })
+            .map_err(e)?;
+        p.compare(
+            format!("run_step decode {it} ({live} seqs)"),
+            &g,
+            &c,
+            TOL_ATTN,
+        )?;
+        argmax_check(p, &g, it)?;
+    }
+    let recorded = p.gpu.num_recordings();
+    p.checks.push(Check {
+        op: format!("decode steps recorded as graphs ({recorded})"),
+        rel_err: 0.0,
+        max_abs_err: 0.0,
+        tolerance: 0.0,
+        pass: !p.gpu.graphs_enabled || recorded >= 2,
+    });
+    Ok(())
+}
