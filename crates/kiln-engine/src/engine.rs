@@ -51,6 +51,106 @@ impl EngineConfig {
     }
 }
 
+/// How the KV pool was sized, for the start-up log.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvPlan {
+    pub config: EngineConfig,
+    pub kv_bytes: usize,
+    /// Device memory before the pool (`None` on the CPU).
+    pub free_bytes: Option<u64>,
+    pub weights_bytes: Option<u64>,
+    /// Bytes kept back for activations and workspace.
+    pub reserve_bytes: usize,
+    /// Tokens the pool holds in all.
+    pub max_tokens: usize,
+}
+
+impl std::fmt::Display for KvPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        write!(
+            f,
+            "KV pool {:.0} MiB = {} blocks of {} tokens ({} tokens)",
+            mib(self.kv_bytes as u64),
+            self.config.num_blocks,
+            self.config.block_size,
+            self.max_tokens
+        )?;
+        if let (Some(free), Some(w)) = (self.free_bytes, self.weights_bytes) {
+            write!(
+                f,
+                "; device: weights {:.0} MiB, {:.0} MiB free before the pool, {:.0} MiB kept for activations",
+                mib(w),
+                mib(free),
+                mib(self.reserve_bytes as u64)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl EngineConfig {
+    /// Size the KV pool: `kv_mib` when given; else, on a device backend,
+    /// 90 % of the memory left after the weights minus a reserve for one
+    /// step's activations; else 1 GiB. A pool that cannot hold one
+    /// sequence of 256 tokens (or the context length, if shorter) is
+    /// refused with the numbers.
+    pub fn plan(model: &LoadedModel, kv_mib: Option<usize>) -> Result<KvPlan> {
+        let cfg = model.model.config();
+        let backend = model.model.backend();
+        let probe = EngineConfig::for_memory(model, 0);
+        let per_token = cfg
+            .kv_bytes_per_token(backend.kv_bytes_per_element())
+            .max(1);
+        let mem = backend.device_memory();
+        // One step's activations: the widest rows of a full token budget
+        // (residual, qkv, MLP, logits of every sequence) in f32-sized words,
+        // twice over for buffers alive at once, plus a fixed workspace.
+        let width = 4 * cfg.hidden_size
+            + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+            + 3 * cfg.intermediate_size;
+        let reserve = (256 << 20)
+            + 2 * 4 * probe.max_num_batched_tokens * width
+            + 2 * 4 * probe.max_num_seqs * cfg.vocab_size;
+        let kv_bytes = match (kv_mib, mem) {
+            (Some(m), _) => m << 20,
+            (None, Some(m)) => ((m.free_bytes as f64 * 0.9) as usize).saturating_sub(reserve),
+            (None, None) => 1 << 30,
+        };
+        let config = EngineConfig::for_memory(model, kv_bytes);
+        let max_tokens = config.num_blocks * config.block_size;
+        // At least one sequence of up to 256 tokens must fit.
+        let need = model.context_length().min(256);
+        if kv_bytes / per_token < need {
+            let free = mem.map_or(String::new(), |m| {
+                format!(
+                    " ({:.0} MiB free on the device after the weights, {:.0} MiB kept for activations)",
+                    m.free_bytes as f64 / (1u64 << 20) as f64,
+                    reserve as f64 / (1u64 << 20) as f64
+                )
+            });
+            return Err(EngineError::Config(format!(
+                "not enough memory for the KV cache: {} MiB holds {} tokens at {} bytes each{free}; use --kv-mib or a smaller model",
+                kv_bytes >> 20,
+                kv_bytes / per_token,
+                per_token
+            )));
+        }
+        Ok(KvPlan {
+            config,
+            kv_bytes,
+            free_bytes: mem.map(|m| m.free_bytes),
+            weights_bytes: mem.map(|m| m.active_bytes),
+            reserve_bytes: if mem.is_some() && kv_mib.is_none() {
+                reserve
+            } else {
+                0
+            },
+            max_tokens,
+        })
+    }
+}
+
 enum Command {
     Submit {
         request: GenerationRequest,
@@ -67,10 +167,16 @@ enum Command {
 #[derive(Debug, Clone)]
 pub struct EngineStats {
     pub scheduler: SchedulerStats,
-    /// Forward steps run and their total and last wall time.
+    /// Forward steps run and their total and last wall time (forward pass
+    /// and reading back its result).
     pub num_steps: u64,
     pub step_seconds_total: f64,
     pub last_step_seconds: f64,
+    /// Steps where every request decoded one token: how many, their whole
+    /// wall time (scheduling, forward, sampling, events) and tokens.
+    pub decode_steps: u64,
+    pub decode_step_seconds_total: f64,
+    pub decode_step_tokens: u64,
 }
 
 impl std::ops::Deref for EngineStats {
@@ -182,6 +288,9 @@ impl Engine {
                     num_steps: 0,
                     step_seconds_total: 0.0,
                     last_step_seconds: 0.0,
+                    decode_steps: 0,
+                    decode_step_seconds_total: 0.0,
+                    decode_step_tokens: 0,
                 };
                 lp.run(rx);
             })
@@ -209,6 +318,12 @@ impl Drop for Engine {
     }
 }
 
+/// A step's logits on the host, or the ids the device picked.
+enum Logits {
+    Full(Vec<f32>),
+    Picked(Vec<(u32, f32)>),
+}
+
 /// A request the loop is serving.
 struct Active<'m> {
     proc: TokenProcessor<'m>,
@@ -229,6 +344,9 @@ struct Loop<'m> {
     num_steps: u64,
     step_seconds_total: f64,
     last_step_seconds: f64,
+    decode_steps: u64,
+    decode_step_seconds_total: f64,
+    decode_step_tokens: u64,
 }
 
 impl<'m> Loop<'m> {
@@ -263,6 +381,9 @@ impl<'m> Loop<'m> {
                             num_steps: self.num_steps,
                             step_seconds_total: self.step_seconds_total,
                             last_step_seconds: self.last_step_seconds,
+                            decode_steps: self.decode_steps,
+                            decode_step_seconds_total: self.decode_step_seconds_total,
+                            decode_step_tokens: self.decode_step_tokens,
                         });
                     }
                     Command::Shutdown => return,
@@ -311,13 +432,32 @@ impl<'m> Loop<'m> {
     }
 
     fn step(&mut self) {
+        let started = Instant::now();
+        let decode_tokens = self.step_inner();
+        if let Some(n) = decode_tokens {
+            self.decode_steps += 1;
+            self.decode_step_tokens += n as u64;
+            self.decode_step_seconds_total += started.elapsed().as_secs_f64();
+        }
+    }
+
+    /// One step; returns the number of sequences when it was a pure decode step.
+    fn step_inner(&mut self) -> Option<usize> {
         let out = match self.scheduler.schedule() {
             Ok(o) => o,
-            Err(e) => return self.fail_all(&format!("scheduler: {e}")),
+            Err(e) => {
+                self.fail_all(&format!("scheduler: {e}"));
+                return None;
+            }
         };
         if out.scheduled.is_empty() {
-            return;
+            return None;
         }
+        let pure_decode = out
+            .scheduled
+            .iter()
+            .all(|s| s.new_token_ids.len() == 1 && s.wants_logits)
+            .then_some(out.scheduled.len());
         let now = Instant::now();
         let mut batch = ForwardBatch {
             block_size: self.block_size,
@@ -331,14 +471,36 @@ impl<'m> Loop<'m> {
             let table = s.block_table.iter().map(|b| b.0).collect();
             batch.push_seq(&tokens, s.num_computed_tokens, table, s.wants_logits);
         }
+        // Rows whose requests all take the plain argmax are sampled on the
+        // device: only ids cross to the host.
+        let num_rows = out.scheduled.iter().filter(|s| s.wants_logits).count();
+        let all_argmax = out.scheduled.iter().filter(|s| s.wants_logits).all(|s| {
+            self.active
+                .get(&s.id)
+                .is_some_and(|a| a.proc.wants_plain_argmax())
+        });
+        let backend = self.model.model.backend();
         let logits = self
             .model
             .model
             .forward(&batch, &mut self.cache)
-            .and_then(|t| Ok(self.model.model.backend().to_host(&t)?));
+            .and_then(|t| {
+                let picked = if all_argmax {
+                    backend.argmax_rows(&t)?
+                } else {
+                    None
+                };
+                Ok(match picked {
+                    Some(p) if p.len() == num_rows => Logits::Picked(p),
+                    _ => Logits::Full(backend.to_host(&t)?),
+                })
+            });
         let logits = match logits {
             Ok(l) => l,
-            Err(e) => return self.fail_all(&format!("forward pass: {e}")),
+            Err(e) => {
+                self.fail_all(&format!("forward pass: {e}"));
+                return None;
+            }
         };
         let step_seconds = now.elapsed().as_secs_f64();
         self.num_steps += 1;
@@ -351,8 +513,13 @@ impl<'m> Loop<'m> {
             let Some(a) = self.active.get_mut(&s.id) else {
                 continue;
             };
-            let mut logit_row = logits[row * vocab..(row + 1) * vocab].to_vec();
-            match a.proc.on_logits(&mut logit_row) {
+            let outcome = match &logits {
+                Logits::Picked(p) => a.proc.on_argmax(p[row].0, p[row].1),
+                Logits::Full(l) => a
+                    .proc
+                    .on_logits(&mut l[row * vocab..(row + 1) * vocab].to_vec()),
+            };
+            match outcome {
                 Ok(o) => {
                     a.first_token.get_or_insert_with(Instant::now);
                     results.push((s.id, vec![o.sampled.token]));
@@ -388,7 +555,10 @@ impl<'m> Loop<'m> {
         }
         let update = match self.scheduler.update(&results) {
             Ok(u) => u,
-            Err(e) => return self.fail_all(&format!("scheduler update: {e}")),
+            Err(e) => {
+                self.fail_all(&format!("scheduler update: {e}"));
+                return None;
+            }
         };
         for (id, reason) in finished {
             if reason == FinishReason::Cancelled {
@@ -401,6 +571,7 @@ impl<'m> Loop<'m> {
         for f in update.finished_by_length {
             self.send_finished(f.id, FinishReason::Length, f.num_cached_tokens);
         }
+        pure_decode
     }
 
     fn send_finished(&mut self, id: RequestId, reason: FinishReason, cached: usize) {

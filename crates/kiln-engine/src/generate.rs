@@ -138,8 +138,16 @@ impl LoadedModel {
         let mut logits = self.model.forward(&prefill, &mut cache)?;
         let mut decode_start = None;
         let finish_reason = loop {
-            let mut row = self.model.backend().to_host(&logits)?;
-            let out = proc.on_logits(&mut row)?;
+            let backend = self.model.backend();
+            let picked = if proc.wants_plain_argmax() {
+                backend.argmax_rows(&logits)?
+            } else {
+                None
+            };
+            let out = match picked.as_deref() {
+                Some(&[(token, logprob)]) => proc.on_argmax(token, logprob)?,
+                _ => proc.on_logits(&mut backend.to_host(&logits)?)?,
+            };
             if decode_start.is_none() {
                 timings.prefill_seconds = start.elapsed().as_secs_f64();
                 decode_start = Some(Instant::now());

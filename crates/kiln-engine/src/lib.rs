@@ -21,7 +21,7 @@ mod load;
 mod process;
 mod session;
 
-pub use engine::{Engine, EngineConfig, EngineHandle, EngineStats, RequestStream};
+pub use engine::{Engine, EngineConfig, EngineHandle, EngineStats, KvPlan, RequestStream};
 pub use error::{EngineError, Result};
 pub use events::{Event, RequestTimings, Usage};
 pub use generate::{Generation, GenerationRequest, Timings, TokenEvent};

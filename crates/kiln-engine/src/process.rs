@@ -65,11 +65,31 @@ impl<'m> TokenProcessor<'m> {
         self.prompt.len()
     }
 
+    /// Whether the next token may be taken as the argmax computed on the
+    /// device ([`TokenProcessor::on_argmax`]).
+    pub fn wants_plain_argmax(&self) -> bool {
+        self.params.is_plain_argmax()
+    }
+
     /// Sample the next token from `logits` (overwritten) and process it.
     pub fn on_logits(&mut self, logits: &mut [f32]) -> Result<TokenOutcome> {
         let sampled = self
             .sampler
             .sample(logits, &History::new(&self.prompt, &self.generated))?;
+        self.process(sampled)
+    }
+
+    /// Process the argmax token the backend picked (only for requests that
+    /// [`TokenProcessor::wants_plain_argmax`]).
+    pub fn on_argmax(&mut self, token: u32, logprob: f32) -> Result<TokenOutcome> {
+        self.process(Sampled {
+            token: TokenId(token),
+            logprob,
+            top: Vec::new(),
+        })
+    }
+
+    fn process(&mut self, sampled: Sampled) -> Result<TokenOutcome> {
         let token = sampled.token;
         self.generated.push(token);
         let token_finish = self

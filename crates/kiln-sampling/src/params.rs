@@ -150,6 +150,18 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
+    /// Whether the next token is the plain argmax of the raw logits, with
+    /// nothing asked beyond its own log-probability: no penalties, no
+    /// bias, no top logprobs. Such rows can be sampled where the logits are.
+    pub fn is_plain_argmax(&self) -> bool {
+        self.is_greedy()
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.logit_bias.is_empty()
+            && self.logprobs.unwrap_or(0) == 0
+    }
+
     /// Checks every field against its documented range for a model with `vocab_size`
     /// tokens, and returns the first problem found.
     pub fn validate(&self, vocab_size: usize) -> Result<(), SamplingError> {

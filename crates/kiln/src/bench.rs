@@ -74,8 +74,8 @@ fn read_bandwidth_gbs() -> f64 {
     runs[runs.len() / 2]
 }
 
-/// Bytes of weights one decode step reads: every matrix but the embedding
-/// table (of which one row is gathered), plus the output projection.
+/// Weights one decode step reads, in elements: every matrix but the
+/// embedding table (of which one row is gathered), plus the output projection.
 fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
     let cfg = model.model.config();
     let shapes = kiln_models::tensor_shapes(cfg)?;
@@ -87,7 +87,7 @@ fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
     if cfg.tie_word_embeddings {
         elems += cfg.vocab_size * cfg.hidden_size;
     }
-    Ok(elems as f64 * 4.0)
+    Ok(elems as f64)
 }
 
 fn stats(mut v: Vec<f64>) -> serde_json::Value {
@@ -159,8 +159,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
         ..Default::default()
     };
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    let mut first_token_after_start = None;
     for run in 0..=a.runs {
-        let g = model.generate(&req, &mut |_| ControlFlow::Continue(()))?;
+        let g = model.generate(&req, &mut |_| {
+            first_token_after_start.get_or_insert_with(|| {
+                crate::PROCESS_START
+                    .get()
+                    .map(|s| s.elapsed().as_secs_f64())
+            });
+            ControlFlow::Continue(())
+        })?;
         let t = g.timings;
         eprintln!(
             "{} {}: prefill {:.1} tok/s ({} tokens), decode {:.1} tok/s ({} tokens)",
@@ -189,8 +197,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(p) => Some(profile_ops(&model, p, &req)?),
         None => None,
     };
-    let bandwidth = read_bandwidth_gbs();
-    let bytes = weight_bytes_per_token(&model)?;
+    let backend = model.model.backend();
+    let device_bandwidth = backend.measure_copy_bandwidth_gbs();
+    let bandwidth = device_bandwidth.unwrap_or_else(read_bandwidth_gbs);
+    let bytes = weight_bytes_per_token(&model)? * backend.weight_bytes_per_element() as f64;
     let decode_median = {
         let mut d = decode.clone();
         d.sort_by(|a, b| a.total_cmp(b));
@@ -206,11 +216,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens,
         "load_seconds": model.load_seconds,
+        "process_start_to_first_token_seconds": first_token_after_start.flatten(),
         "prefill_tokens_per_second": stats(prefill),
         "decode_tokens_per_second": stats(decode),
         "decode_weight_bytes_per_token": bytes,
         "decode_achieved_gbs": achieved,
-        "host_read_bandwidth_gbs": bandwidth,
+        "bandwidth_gbs": bandwidth,
+        "bandwidth_kind": if device_bandwidth.is_some() { "device copy, read + write counted" } else { "host read" },
         "decode_fraction_of_bandwidth": achieved / bandwidth,
         "profile": profile,
     });

@@ -28,9 +28,10 @@ pub struct BenchEngineArgs {
     /// Shared prefix length for the time-to-first-token test.
     #[arg(long, default_value_t = 1000)]
     pub prefix_tokens: usize,
-    /// KV cache memory in MiB.
-    #[arg(long, default_value_t = 2048)]
-    pub kv_mib: usize,
+    /// KV cache memory in MiB (default: on a GPU, what is free after the
+    /// weights and an activation reserve; on the CPU, 1024).
+    #[arg(long)]
+    pub kv_mib: Option<usize>,
 }
 
 const TEXT: &str = "The history of the printing press begins in the fifteenth century, when movable type made \
@@ -89,8 +90,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub fn run(a: BenchEngineArgs) -> Result<()> {
     let model = a.model.load()?;
+    let backend_name = model.model.backend().name();
     let path = model.path.display().to_string();
-    let cfg = EngineConfig::for_memory(&model, a.kv_mib << 20);
+    let plan = EngineConfig::plan(&model, a.kv_mib)?;
+    eprintln!("kiln bench-engine: {plan}");
+    let cfg = plan.config;
     let engine = Engine::start(model, cfg)?;
     let h = engine.handle();
     // Warm-up.
@@ -104,6 +108,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     )?;
     let mut levels = Vec::new();
     for (round, &c) in a.concurrency.iter().enumerate() {
+        let before = h.stats()?;
         let start = Instant::now();
         let streams = (0..c)
             .map(|i| {
@@ -124,8 +129,16 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
             generated += n;
         }
         let wall = start.elapsed().as_secs_f64();
+        let after = h.stats()?;
+        // Steps in which every running request decoded one token (after the
+        // prompts are in): the decode throughput, as batched-decode
+        // benchmarks report it.
+        let d_steps = after.decode_steps - before.decode_steps;
+        let d_tokens = after.decode_step_tokens - before.decode_step_tokens;
+        let d_secs = after.decode_step_seconds_total - before.decode_step_seconds_total;
+        let decode_tps = d_tokens as f64 / d_secs.max(1e-9);
         eprintln!(
-            "concurrency {c}: {:.1} generated tok/s, median TTFT {:.3}s",
+            "concurrency {c}: {:.1} generated tok/s overall, {decode_tps:.1} tok/s in {d_steps} decode steps, median TTFT {:.3}s",
             generated as f64 / wall,
             median(ttft.clone())
         );
@@ -136,6 +149,10 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
             "generated_tokens_per_second": generated as f64 / wall,
             "total_tokens_per_second": (generated + c * a.prompt_tokens) as f64 / wall,
             "ttft_median_seconds": median(ttft),
+            "decode_steps": d_steps,
+            "decode_step_tokens": d_tokens,
+            "decode_tokens_per_second": decode_tps,
+            "forward_seconds": after.step_seconds_total - before.step_seconds_total,
         }));
     }
     // Time to first token with and without a cached prefix (salts keep them apart).
@@ -165,7 +182,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         a.prefix_tokens
     );
     let report = json!({
-        "engine": "kiln (engine loop, CPU backend)",
+        "engine": format!("kiln (engine loop, {backend_name} backend)"),
         "model": path,
         "threads": rayon::current_num_threads(),
         "prompt_tokens": a.prompt_tokens,

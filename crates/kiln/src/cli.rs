@@ -71,20 +71,24 @@ fn cuda_include_paths() -> Vec<PathBuf> {
     out.into_iter().filter(|p| p.exists()).collect()
 }
 
+/// Open GPU `ordinal` with kernels cached under `~/.cache/kiln/kernels`.
+pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
+    let cache_dir = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln/kernels"));
+    let compiler = kiln_cuda::KernelCompiler {
+        arch: "compute_90",
+        include_paths: cuda_include_paths(),
+        cache_dir,
+    };
+    let b = kiln_cuda::CudaBackend::new(ordinal, compiler)
+        .with_context(|| format!("--device cuda:{ordinal}"))?;
+    eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
+    Ok(b)
+}
+
 /// The backend `--device` names.
 pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
     let cuda = |ordinal: usize| -> Result<Arc<dyn kiln_tensor::Backend>> {
-        let cache_dir =
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln/kernels"));
-        let compiler = kiln_cuda::KernelCompiler {
-            arch: "compute_90",
-            include_paths: cuda_include_paths(),
-            cache_dir,
-        };
-        let b = kiln_cuda::CudaBackend::new(ordinal, compiler)
-            .with_context(|| format!("--device cuda:{ordinal}"))?;
-        eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
-        Ok(Arc::new(b))
+        Ok(Arc::new(cuda_backend(ordinal)?))
     };
     match device {
         "cpu" => Ok(Arc::new(CpuBackend::new())),

@@ -19,6 +19,18 @@ pub enum DevCommand {
     /// Write the logits of every position of a prompt as a float32 .npy
     /// `[tokens, vocab]` (for comparing against other implementations).
     Logits(LogitsArgs),
+    /// Check every CUDA op against the CPU backend on GPU `--gpu`; writes
+    /// a JSON report and fails if any check does.
+    CudaCheck(CudaCheckArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CudaCheckArgs {
+    #[arg(long, default_value_t = 0)]
+    pub gpu: usize,
+    /// Output JSON report.
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -31,6 +43,11 @@ pub struct LogitsArgs {
     /// Output .npy file.
     #[arg(long, short = 'o')]
     pub out: PathBuf,
+    /// Compute the first PREFILL positions in one step, then the rest one
+    /// token per step (the decode path: split-KV attention, recorded
+    /// steps); by default every position is one prefill step.
+    #[arg(long)]
+    pub prefill: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -58,7 +75,45 @@ pub fn run(cmd: DevCommand) -> Result<()> {
     match cmd {
         DevCommand::RandomCheckpoint(a) => random_checkpoint(a),
         DevCommand::Logits(a) => logits(a),
+        DevCommand::CudaCheck(a) => cuda_check(a),
     }
+}
+
+fn cuda_check(a: CudaCheckArgs) -> Result<()> {
+    let b = crate::cli::cuda_backend(a.gpu)?;
+    let checks = kiln_cuda::selfcheck::run(&b).map_err(anyhow::Error::msg)?;
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| !c.pass)
+        .map(|c| c.op.as_str())
+        .collect();
+    for c in &checks {
+        println!(
+            "{:5} {:70} rel {:.2e} max|d| {:.2e} (tol {:.0e})",
+            if c.pass { "ok" } else { "FAIL" },
+            c.op,
+            c.rel_err,
+            c.max_abs_err,
+            c.tolerance
+        );
+    }
+    let report = json!({
+        "device": b.device_name,
+        "num_checks": checks.len(),
+        "failed": failed,
+        "checks": checks.iter().map(|c| json!({
+            "op": c.op, "rel_err": c.rel_err, "max_abs_err": c.max_abs_err,
+            "tolerance": c.tolerance, "pass": c.pass,
+        })).collect::<Vec<_>>(),
+    });
+    std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)?;
+    anyhow::ensure!(
+        failed.is_empty(),
+        "{} of {} CUDA checks failed",
+        failed.len(),
+        checks.len()
+    );
+    Ok(())
 }
 
 pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
@@ -106,11 +161,19 @@ fn logits(a: LogitsArgs) -> Result<()> {
     anyhow::ensure!(!a.ids.is_empty(), "--ids is empty");
     let m = a.model.load()?;
     let mut cache = m.model.new_kv_cache(a.ids.len().div_ceil(16), 16)?;
+    let first = a.prefill.unwrap_or(a.ids.len()).clamp(1, a.ids.len());
     let t = m.model.forward(
-        &kiln_tensor::ForwardBatch::single(&a.ids, 0, 16, 0),
+        &kiln_tensor::ForwardBatch::single(&a.ids[..first], 0, 16, 0),
         &mut cache,
     )?;
-    let data = m.model.backend().to_host(&t)?;
+    let mut data = m.model.backend().to_host(&t)?;
+    for pos in first..a.ids.len() {
+        let t = m.model.forward(
+            &kiln_tensor::ForwardBatch::single(&a.ids[pos..pos + 1], pos, 16, 0),
+            &mut cache,
+        )?;
+        data.extend(m.model.backend().to_host(&t)?);
+    }
     let (rows, cols) = (a.ids.len(), data.len() / a.ids.len());
     write_npy_f32(&a.out, &[rows, cols], &data)?;
     eprintln!("wrote {} [{rows}, {cols}]", a.out.display());

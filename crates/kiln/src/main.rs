@@ -18,7 +18,11 @@ use clap::Parser;
 
 use cli::{Cli, Command};
 
+/// When the process started (for "start to first token" figures).
+pub static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
 fn main() {
+    PROCESS_START.get_or_init(std::time::Instant::now);
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");

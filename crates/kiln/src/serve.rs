@@ -30,9 +30,10 @@ pub struct ServeArgs {
     /// Allow browser calls from this origin (repeatable; `*` for any).
     #[arg(long = "cors-origin")]
     pub cors_origins: Vec<String>,
-    /// KV cache memory in MiB.
-    #[arg(long, default_value_t = 1024)]
-    pub kv_mib: usize,
+    /// KV cache memory in MiB (default: on a GPU, what is free after the
+    /// weights and an activation reserve; on the CPU, 1024).
+    #[arg(long)]
+    pub kv_mib: Option<usize>,
     /// The name clients use in `model` (default: the model file's stem).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -56,13 +57,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "kiln".into())
     });
-    let engine_config = EngineConfig::for_memory(&model, a.kv_mib << 20);
+    let plan = EngineConfig::plan(&model, a.kv_mib)?;
+    let engine_config = plan.config;
     eprintln!(
-        "kiln serve: {} loaded in {:.1}s; {} KV blocks of {} tokens",
+        "kiln serve: {} loaded in {:.1}s; {plan}",
         path.display(),
         model.load_seconds,
-        engine_config.num_blocks,
-        engine_config.block_size
     );
     let engine = Engine::start(model, engine_config).context("starting the engine")?;
     let config = ServerConfig {

@@ -1,0 +1,875 @@
+#!/usr/bin/env python3
+"""Correctness and speed of Kiln's decode GEMV (gemv.cu) and fused glue kernels (fused.cu).
+
+Standalone: compiles the .cu files with NVRTC through ctypes, loads them with the CUDA driver API
+(libcuda through ctypes), launches them on torch tensors and compares with torch references in f32
+(from the same bf16 inputs). Run on the GPU machine from the repo root:
+    python3 bench/gpu/gemv_check.py --out $OUT/gemv_check.json
+
+Tolerance for bf16 outputs: |kiln - ref| <= 1e-2 + 1e-2 * |ref| elementwise (ref in f32/f64).
+Timings: CUDA events around single launches with L2 flushed before each (a 512 MiB memset), median
+of 50 after warmup; achieved GB/s = weight bytes / time; compared with torch.matmul (cuBLAS) on the
+same shapes and with device-to-device copy bandwidth (clone of 1 GiB, read + write counted).
+"clean" timings flush L2 by reading 512 MiB instead (the memset leaves up to an L2 of dirty lines
+that get written back while the GEMV runs; a decode step's previous kernel mostly leaves clean ones).
+GEMV launches follow the host rule at the top of gemv.cu (gemv_launch below); the workspace and the
+tile counters are allocated zeroed once, shared by every launch, and checked to be zero again.
+Exits 1 on any correctness failure (the JSON report is written either way).
+"""
+import argparse, ctypes, glob, json, math, os, re, sys, time
+
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+KDIR = os.path.join(REPO, "crates", "kiln-cuda", "src", "kernels")
+CUDA_HOME = os.environ.get("CUDA_HOME", "/usr/local/cuda-13.0")
+
+
+# ------------------------------------------------------------------------------------------------
+# NVRTC + driver API through ctypes
+# ------------------------------------------------------------------------------------------------
+def _find_lib(names):
+    cands = []
+    for d in [os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "lib"), "/usr/local/cuda/lib64",
+              "/usr/lib/x86_64-linux-gnu"]:
+        for n in names:
+            cands += sorted(glob.glob(os.path.join(d, n + "*")))
+    for sp in sys.path:
+        for n in names:
+            cands += sorted(glob.glob(os.path.join(sp, "nvidia", "*", "lib", n + "*")))
+            cands += sorted(glob.glob(os.path.join(sp, "nvidia", "*", "*", "lib", n + "*")))
+    for c in cands:
+        try:
+            return ctypes.CDLL(c), c
+        except OSError:
+            pass
+    for n in names:
+        for suffix in ["", ".13", ".1"]:
+            try:
+                return ctypes.CDLL(n + suffix), n + suffix
+            except OSError:
+                pass
+    raise RuntimeError(f"cannot load any of {names}")
+
+
+def _include_dirs():
+    dirs = []
+    for d in [os.path.join(CUDA_HOME, "include"), os.path.join(CUDA_HOME, "include", "cccl"),
+              os.path.join(CUDA_HOME, "targets", "x86_64-linux", "include")]:
+        if os.path.isdir(d):
+            dirs.append(d)
+    return dirs
+
+
+def expand(src):
+    out = []
+    for line in src.splitlines():
+        m = re.match(r'\s*#include "(.+)"', line)
+        if m:
+            out.append(open(os.path.join(KDIR, m.group(1))).read().replace("#pragma once", ""))
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+class Cuda:
+    def __init__(self):
+        torch.zeros(1, device="cuda")  # torch creates and binds the primary context
+        self.nvrtc, self.nvrtc_path = _find_lib(["libnvrtc.so"])
+        # NVRTC dlopens its builtins library by soname: preload the one next to libnvrtc.
+        for b in sorted(glob.glob(os.path.join(os.path.dirname(os.path.realpath(self.nvrtc_path)),
+                                               "libnvrtc-builtins.so*"))):
+            try:
+                ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+                break
+            except OSError:
+                pass
+        try:  # the driver torch already loaded (never a toolkit stub)
+            self.cu = ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            self.cu, _ = _find_lib(["libcuda.so"])
+        cu = self.cu
+        cu.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        cu.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        cu.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        cu.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
+                                                                                ctypes.POINTER(ctypes.c_void_p),
+                                                                                ctypes.c_void_p]
+        cu.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self.check(cu.cuInit(0), "cuInit")
+        ctx = ctypes.c_void_p()
+        self.check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            self.check(cu.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
+            cu.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+            self.check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            cu.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+            self.check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self.modules = []
+
+    def check(self, rc, what):
+        if rc != 0:
+            s = ctypes.c_char_p()
+            self.cu.cuGetErrorString(rc, ctypes.byref(s))
+            raise RuntimeError(f"{what} failed: {rc} {s.value.decode() if s.value else ''}")
+
+    def compile(self, path, arch, defines=()):
+        nv = self.nvrtc
+        src = expand(open(path).read()).encode()
+        prog = ctypes.c_void_p()
+        rc = nv.nvrtcCreateProgram(ctypes.byref(prog), src, os.path.basename(path).encode(), 0, None, None)
+        assert rc == 0, f"nvrtcCreateProgram {rc}"
+        opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"] + [b"-I" + d.encode() for d in _include_dirs()]
+        opts += [f"-D{d}".encode() for d in defines]
+        arr = (ctypes.c_char_p * len(opts))(*opts)
+        rc = nv.nvrtcCompileProgram(prog, len(opts), arr)
+        n = ctypes.c_size_t()
+        nv.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value)
+        nv.nvrtcGetProgramLog(prog, log)
+        if rc != 0:
+            raise RuntimeError(f"NVRTC failed on {path} ({arch}):\n{log.value.decode()}")
+        if arch.startswith("sm_"):
+            nv.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+            buf = ctypes.create_string_buffer(n.value)
+            nv.nvrtcGetCUBIN(prog, buf)
+        else:
+            nv.nvrtcGetPTXSize(prog, ctypes.byref(n))
+            buf = ctypes.create_string_buffer(n.value)
+            nv.nvrtcGetPTX(prog, buf)
+        return buf
+
+    def load(self, path, defines=()):
+        """Module from compute_90 PTX (driver JIT); falls back to an sm_XY cubin from NVRTC."""
+        mod = ctypes.c_void_p()
+        image = self.compile(path, "compute_90", defines)
+        rc = self.cu.cuModuleLoadData(ctypes.byref(mod), image)
+        how = "compute_90 ptx"
+        if rc != 0:
+            major, minor = torch.cuda.get_device_capability()
+            image = self.compile(path, f"sm_{major}{minor}", defines)
+            self.check(self.cu.cuModuleLoadData(ctypes.byref(mod), image), f"cuModuleLoadData({path})")
+            how = f"sm_{major}{minor} cubin (ptx load failed with {rc})"
+        self.modules.append((mod, image))
+        return Module(self, mod), how
+
+
+class Module:
+    def __init__(self, cuda, mod):
+        self.cuda, self.mod, self.fns = cuda, mod, {}
+
+    def fn(self, name):
+        if name not in self.fns:
+            f = ctypes.c_void_p()
+            self.cuda.check(self.cuda.cu.cuModuleGetFunction(ctypes.byref(f), self.mod, name.encode()), name)
+            self.fns[name] = f
+        return self.fns[name]
+
+    def occupancy(self, name, block=256, smem=0):
+        """Resident blocks per SM the driver reports for a kernel."""
+        n = ctypes.c_int()
+        cu = self.cuda.cu
+        cu.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                                    ctypes.c_int, ctypes.c_size_t]
+        self.cuda.check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.fn(name), block, smem),
+                        "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return n.value
+
+    def launch(self, name, grid, block, args, smem=0):
+        """args: ctypes values (c_uint64 pointers, c_int32, c_int64, c_float)."""
+        f = self.fn(name)
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in args])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        self.cuda.check(self.cuda.cu.cuLaunchKernel(f, *grid, *block, smem, stream, params, None), name)
+
+
+def P(t):
+    return ctypes.c_uint64(0 if t is None else t.data_ptr())
+
+
+I32, I64, F32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+# ------------------------------------------------------------------------------------------------
+# comparison helpers
+# ------------------------------------------------------------------------------------------------
+FAILS = []
+
+
+def close(name, got, ref, atol=1e-2, rtol=1e-2):
+    got, ref = got.double(), ref.double()
+    err = (got - ref).abs()
+    bad = ~(err <= atol + rtol * ref.abs())  # NaN counts as bad
+    nbad = int(bad.sum())
+    res = {"max_abs_err": float(err.nan_to_num(float("inf")).max()) if err.numel() else 0.0,
+           "n_bad": nbad, "n": int(ref.numel()), "ok": nbad == 0}
+    if nbad:
+        idx = bad.flatten().nonzero()[:5].flatten().tolist()
+        res["first_bad"] = [[i, float(got.flatten()[i]), float(ref.flatten()[i])] for i in idx]
+        FAILS.append(name)
+        print(f"FAIL {name}: {nbad}/{ref.numel()} bad, first {res['first_bad']}")
+    return res
+
+
+def exact(name, cond, detail=""):
+    if not cond:
+        FAILS.append(name)
+        print(f"FAIL {name} {detail}")
+    return {"ok": bool(cond), **({"detail": detail} if detail else {})}
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMV
+# ------------------------------------------------------------------------------------------------
+NUM_SMS = None  # set in main from the device
+WS = None  # f32 workspace, zero between launches
+CNT = None  # u32 tile counters, zero between launches
+WS_FLOATS = 1 << 21
+CNT_LEN = 1 << 14
+
+
+def gemv_launch(N, K, M, mode, use_ws=False, num_sms=None):
+    """The host rule from the top of gemv.cu, verbatim: (splits, grid.x). use_ws: the split-K path."""
+    num_sms = num_sms or NUM_SMS
+    tiles = (N + 15) // 16
+    steps = tiles * ((K + 255) // 256)
+    if use_ws:
+        return 2, min(2 * num_sms, steps)
+    return 1, tiles
+
+
+def run_gemv(mod, M, x, w, out, extra, N, K, mode, splits=None, grid=None):
+    """splits/grid None: the host rule."""
+    if splits is None:
+        splits, g = gemv_launch(N, K, M, mode)
+        grid = grid or g
+    elif grid is None:
+        grid = gemv_launch(N, K, M, mode, use_ws=splits >= 2)[1]
+    rows = 2 * N if mode >= 3 else N
+    assert M * rows <= WS_FLOATS and (N + 15) // 16 <= CNT_LEN
+    ws, cnt = (WS, CNT) if splits >= 2 else (None, None)
+    mod.launch(f"gemv_bf16_m{M}", (grid,), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K), I32(mode),
+                                                    I32(splits), P(ws), P(cnt)])
+
+
+def ws_zero():
+    return bool((WS == 0).all()) and bool((CNT == 0).all())
+
+
+def gemv_ref(x, w, extra, N, mode):
+    y = x.float() @ w.float().t()
+    if mode == 0:
+        return y
+    if mode == 1:
+        return y + extra.float()[None, :]
+    if mode == 2:
+        return y + extra.float()
+    g, u = y[:, :N], y[:, N:]
+    return (F.silu(g) if mode == 3 else F.gelu(g, approximate="tanh")) * u
+
+
+def test_gemv(mod, report):
+    torch.manual_seed(0)
+    res = {}
+    plain = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (49152, 4096), (1536, 576), (1000, 4096),
+             (1000, 584), (24, 8)]
+    gated = [(14336, 4096), (3072, 4096), (1000, 4096), (768, 576), (500, 584)]
+    cases = [(N, K, mode) for (N, K) in plain for mode in (0, 1, 2)] + \
+            [(N, K, mode) for (N, K) in gated for mode in (3, 4)]
+    wcache = {}
+    for (N, K, mode) in cases:
+        rows = 2 * N if mode >= 3 else N
+        if (rows, K) not in wcache:
+            wcache.clear()
+            wcache[(rows, K)] = (torch.randn(rows, K, device="cuda") / math.sqrt(K)).to(torch.bfloat16)
+        w = wcache[(rows, K)]
+        for M in (1, 2, 3, 4, 5, 7, 8):
+            if M in (3, 5, 7) and (N, K) not in [(1000, 584), (4096, 4096), (500, 584)]:
+                continue
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            pad = 256
+            buf = torch.full((M * N + pad,), float("nan"), device="cuda", dtype=torch.bfloat16)
+            out = buf[: M * N].view(M, N)
+            extra = None
+            variants = ["sep"]
+            if mode == 1:
+                extra = torch.randn(N, device="cuda").to(torch.bfloat16)
+            if mode == 2:
+                extra = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+                variants = ["alias", "sep"] if (N, K) in [(4096, 4096), (1000, 584)] else ["alias"]
+            ref = gemv_ref(x, w, extra, N, mode)
+            tiles = (N + 15) // 16
+            # (splits, grid): no workspace; split-K; odd grids (uneven / tiny / oversized).
+            launches = [(1, tiles), gemv_launch(N, K, M, mode, use_ws=True), (2, 4 * NUM_SMS)]
+            if (N, K) in [(4096, 4096), (1000, 584), (500, 584), (24, 8), (4096, 14336)] and M in (1, 3, 8):
+                launches += [(1, 5), (2, 7), (2, 1), (2, 3 * tiles * ((K + 255) // 256) + 1), (2, 1000)]
+            for var in variants:
+                for (sp, gr) in launches:
+                    buf.fill_(float("nan"))
+                    ex = extra
+                    if var == "alias":
+                        out.copy_(extra)
+                        ex = out
+                    run_gemv(mod, M, x, w, out, ex, N, K, mode, splits=sp, grid=gr)
+                    torch.cuda.synchronize()
+                    name = f"gemv M={M} N={N} K={K} mode={mode} splits={sp} grid={gr}" + \
+                           (" alias" if var == "alias" else "")
+                    r = close(name, out.float(), ref)
+                    tail_ok = bool(torch.isnan(buf[M * N:].float()).all())
+                    r["tail_untouched"] = exact(name + " tail", tail_ok)["ok"]
+                    r["ws_zero_after"] = exact(name + " ws/counters zero after", ws_zero())["ok"]
+                    if not r["ws_zero_after"]:
+                        WS.zero_()
+                        CNT.zero_()
+                    res[name] = r
+    n_ok = sum(1 for r in res.values() if r["ok"] and r["tail_untouched"] and r["ws_zero_after"])
+    print(f"gemv: {n_ok}/{len(res)} cases ok")
+    report["gemv"] = res
+
+
+# ------------------------------------------------------------------------------------------------
+# argmax + logprob
+# ------------------------------------------------------------------------------------------------
+def test_argmax(mod, report):
+    torch.manual_seed(1)
+    res = {}
+    for dtype, name, rows, V in [(torch.bfloat16, "argmax_logprob_bf16", 4, 49152),
+                                 (torch.float32, "argmax_logprob_f32", 4, 49152),
+                                 (torch.float32, "argmax_logprob_f32", 3, 151936),
+                                 (torch.bfloat16, "argmax_logprob_bf16", 2, 1000)]:
+        logits = (torch.randn(rows, V, device="cuda") * 3).to(dtype)
+        logits[1, 100] = 20.0  # tie: lowest index wins
+        logits[1, V - 7] = 20.0
+        logits[1, 5000 % V] = 20.0
+        if rows > 2:
+            logits[2, V - 1] = 25.0  # max at the last index
+        if rows > 3:
+            logits[3].fill_(0.5)  # all equal -> index 0, logprob -log V
+        ids = torch.full((rows,), 0xFFFF, device="cuda", dtype=torch.int32)
+        lp = torch.full((rows,), float("nan"), device="cuda", dtype=torch.float32)
+        mod.launch(name, (rows,), (1024,), [P(logits), I32(V), P(ids), P(lp)])
+        torch.cuda.synchronize()
+        lf = logits.float()
+        mx = lf.max(dim=1).values
+        ref_ids = torch.stack([(lf[r] == mx[r]).nonzero()[0, 0] for r in range(rows)])
+        ref_lp = lf.gather(1, ref_ids[:, None])[:, 0] - torch.logsumexp(lf.double(), dim=1).float()
+        key = f"{name} [{rows},{V}]"
+        r = {"ids": ids.tolist(), "ref_ids": ref_ids.tolist()}
+        r["ids_ok"] = exact(key + " ids", ids.long().tolist() == ref_ids.tolist(),
+                            f"{ids.tolist()} vs {ref_ids.tolist()}")["ok"]
+        r["logprob"] = close(key + " logprob", lp, ref_lp, atol=1e-4, rtol=1e-5)
+        res[key] = r
+    print(f"argmax: {sum(1 for r in res.values() if r['ids_ok'] and r['logprob']['ok'])}/{len(res)} ok")
+    report["argmax"] = res
+
+
+# ------------------------------------------------------------------------------------------------
+# fused kernels
+# ------------------------------------------------------------------------------------------------
+def rope_ref(x, pos, inv_freq, half, scaling):
+    """x [n, h, hd] f32 from bf16; angle in f32 as the kernel computes it, sin/cos in f64."""
+    ang = (inv_freq[None, :] * pos.float()[:, None])  # f32 product, same as the kernel
+    c = torch.cos(ang.double()) * scaling
+    s = torch.sin(ang.double()) * scaling
+    x = x.double().clone()
+    a, b = x[..., :half].clone(), x[..., half:2 * half].clone()
+    x[..., :half] = a * c[:, None, :] - b * s[:, None, :]
+    x[..., half:2 * half] = b * c[:, None, :] + a * s[:, None, :]
+    return x
+
+
+def test_qkv_rope(mod, report):
+    torch.manual_seed(2)
+    res = {}
+    for (heads, kv, hd, half, scaling, n, block) in [(32, 8, 128, 64, 1.0, 7, 256), (9, 3, 64, 32, 1.0, 5, 128),
+                                                     (8, 2, 128, 32, 0.9, 6, 128), (4, 1, 80, 20, 1.0, 3, 256),
+                                                     (2, 2, 576, 288, 1.0, 2, 256)]:
+        width = (heads + 2 * kv) * hd
+        stride = width + 8
+        slots_total = 64
+        qkv0 = torch.randn(n, stride, device="cuda").to(torch.bfloat16)
+        qkv = qkv0.clone()
+        pos = torch.randint(0, 100000, (n,), device="cuda", dtype=torch.int32)
+        pos[0] = 0
+        slots = torch.randperm(slots_total, device="cuda")[:n].to(torch.int32)
+        inv_freq = (1.0 / (500000.0 ** (torch.arange(0, 2 * half, 2, device="cuda").float() / (2 * half)))).float()
+        kc = torch.full((slots_total, kv * hd), 7.0, device="cuda", dtype=torch.bfloat16)
+        vc = torch.full((slots_total, kv * hd), 7.0, device="cuda", dtype=torch.bfloat16)
+        mod.launch("qkv_rope_write_bf16", (n,), (block,),
+                   [P(qkv), I64(stride), P(kc), P(vc), P(pos), P(slots), P(inv_freq), I32(half), F32(scaling),
+                    I32(heads), I32(kv), I32(hd)])
+        torch.cuda.synchronize()
+        key = f"qkv_rope heads={heads} kv={kv} hd={hd} half={half} scaling={scaling}"
+        q0 = qkv0[:, : heads * hd].view(n, heads, hd).float()
+        k0 = qkv0[:, heads * hd: (heads + kv) * hd].view(n, kv, hd).float()
+        v0 = qkv0[:, (heads + kv) * hd: width]
+        qr = rope_ref(q0, pos, inv_freq, half, scaling)
+        kr = rope_ref(k0, pos, inv_freq, half, scaling)
+        r = {"q": close(key + " q", qkv[:, : heads * hd].view(n, heads, hd).float(), qr),
+             "k_in_qkv": close(key + " k in qkv", qkv[:, heads * hd: (heads + kv) * hd].view(n, kv, hd).float(), kr),
+             "k_cache": close(key + " k_cache", kc[slots.long()].view(n, kv, hd).float(), kr),
+             "v_cache": exact(key + " v_cache", torch.equal(vc[slots.long()], v0)),
+             "v_in_qkv_unchanged": exact(key + " v in qkv", torch.equal(qkv[:, (heads + kv) * hd:],
+                                                                        qkv0[:, (heads + kv) * hd:]))}
+        others = torch.ones(slots_total, dtype=torch.bool, device="cuda")
+        others[slots.long()] = False
+        r["other_slots_untouched"] = exact(key + " other slots",
+                                           bool((kc[others] == 7.0).all()) and bool((vc[others] == 7.0).all()))
+        if 2 * half < hd:
+            r["passthrough_exact"] = exact(key + " passthrough",
+                                           torch.equal(qkv[:, : heads * hd].view(n, heads, hd)[..., 2 * half:],
+                                                       qkv0[:, : heads * hd].view(n, heads, hd)[..., 2 * half:])
+                                           and torch.equal(kc[slots.long()].view(n, kv, hd)[..., 2 * half:],
+                                                           qkv0[:, heads * hd:(heads + kv) * hd].view(n, kv, hd)[..., 2 * half:]))
+        res[key] = r
+    report["qkv_rope_write"] = res
+
+
+def test_gated_act(mod, report):
+    torch.manual_seed(3)
+    res = {}
+    for (rows, inter) in [(37, 14336), (3, 1001), (1, 8)]:
+        gu = (torch.randn(rows, 2 * inter, device="cuda") * 2).to(torch.bfloat16)
+        for act in (0, 1):
+            out = torch.full((rows, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+            n = rows * inter
+            grid = max(1, min((n + 256 * 8 - 1) // (256 * 8), 65535))
+            mod.launch("gated_act_packed_bf16", (grid,), (256,), [P(gu), P(out), I64(rows), I32(inter), I32(act)])
+            torch.cuda.synchronize()
+            g, u = gu[:, :inter].float(), gu[:, inter:].float()
+            ref = (F.silu(g) if act == 0 else F.gelu(g, approximate="tanh")) * u
+            res[f"rows={rows} inter={inter} act={act}"] = close(f"gated_act_packed {rows}x{inter} act={act}", out.float(), ref)
+    report["gated_act_packed"] = res
+
+
+def test_bias_residual(mod, report):
+    torch.manual_seed(4)
+    res = {}
+    for (rows, m) in [(5, 4096), (3, 1001), (2, 576)]:
+        x0 = torch.randn(rows, m, device="cuda").to(torch.bfloat16)
+        bias = torch.randn(m, device="cuda").to(torch.bfloat16)
+        resid = torch.randn(rows, m, device="cuda").to(torch.bfloat16)
+        for (b, rr) in [(bias, resid), (bias, None), (None, resid)]:
+            x = x0.clone()
+            n = rows * m
+            grid = max(1, min((n + 256 * 8 - 1) // (256 * 8), 65535))
+            mod.launch("bias_residual_bf16", (grid,), (256,), [P(x), P(b), P(rr), I64(rows), I32(m)])
+            torch.cuda.synchronize()
+            ref = x0.float() + (b.float()[None, :] if b is not None else 0) + (rr.float() if rr is not None else 0)
+            key = f"rows={rows} m={m} bias={b is not None} residual={rr is not None}"
+            res[key] = close("bias_residual " + key, x.float(), ref)
+    report["bias_residual"] = res
+
+
+def test_rms_norm_rows(mod, report):
+    torch.manual_seed(5)
+    res = {}
+    for (rows, d, xs, os_, off, block) in [(6, 4096, 4096 + 64, 4096, 0.0, 256), (4, 576, 576 * 3, 576 + 8, 1.0, 256),
+                                           (3, 999, 1003, 999, 0.0, 256), (2, 128, 128, 136, 1.0, 128),
+                                           (5, 4096, 4096, 4096, 0.0, 1024)]:
+        xb = torch.randn(rows, xs, device="cuda").to(torch.bfloat16)
+        ob = torch.full((rows, os_), float("nan"), device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(d, device="cuda") * 0.1 + (0.0 if off else 1.0)).to(torch.bfloat16)
+        eps = 1e-6
+        mod.launch("rms_norm_rows_bf16", (rows,), (block,),
+                   [P(xb), I64(xs), P(ob), I64(os_), P(w), I32(d), F32(eps), F32(off)])
+        torch.cuda.synchronize()
+        x = xb[:, :d].float()
+        ref = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * (off + w.float())
+        key = f"rows={rows} d={d} x_stride={xs} out_stride={os_} offset={off} block={block}"
+        r = close("rms_norm_rows " + key, ob[:, :d].float(), ref)
+        if os_ > d:
+            r["padding_untouched"] = exact("rms_norm_rows padding " + key, bool(torch.isnan(ob[:, d:].float()).all()))
+        res[key] = r
+    report["rms_norm_rows"] = res
+
+
+# ------------------------------------------------------------------------------------------------
+# timings
+# ------------------------------------------------------------------------------------------------
+def time_fn(fn, iters=50, warmup=5, flush=None):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def time_b2b(fn, ws_, n=24, reps=7):
+    """Per-launch time of n launches back to back, rotating over distinct weight copies (decode-like)."""
+    for i in range(4):
+        fn(ws_[i % len(ws_)])
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for i in range(n):
+            fn(ws_[i % len(ws_)])
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3 / n)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_old(old, M, x, w, out, extra, N, K, mode):
+    old.launch(f"gemv_old_bf16_m{M}", ((N + 15) // 16,), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K),
+                                                                   I32(mode)])
+
+
+def bench(mod, report, variants=(), old=None):
+    torch.manual_seed(6)
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    big.random_(0, 255)
+    t_copy = time_fn(lambda: big.clone(), iters=20, warmup=3)
+    copy_gbs = 2 * big.numel() / t_copy / 1e9
+    del big
+    torch.cuda.empty_cache()
+    print(f"d2d copy (clone 1 GiB, read+write): {copy_gbs:.0f} GB/s")
+    out = {"copy_GBps": copy_gbs, "copy_s": t_copy, "num_sms": NUM_SMS, "cases": {},
+           "occupancy_blocks_per_sm": {f"m{M}": mod.occupancy(f"gemv_bf16_m{M}") for M in (1, 8)}}
+    print(f"gemv occupancy (blocks/SM): {out['occupancy_blocks_per_sm']}, SMs: {NUM_SMS}")
+    clean_src = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    clean_src.fill_(1)
+
+    class ReadFlush:  # L2 full of clean lines: read 512 MiB
+        def zero_(self):
+            clean_src.view(torch.float32).sum()
+    rflush = ReadFlush()
+    # launch floor: a 16 x 8 GEMV (one block) timed the same ways
+    tiny_w = torch.zeros(16, 8, device="cuda", dtype=torch.bfloat16)
+    tiny_x = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
+    tiny_o = torch.empty(1, 16, device="cuda", dtype=torch.bfloat16)
+    tf = lambda ww: run_gemv(mod, 1, tiny_x, ww, tiny_o, None, 16, 8, 0)
+    out["launch_floor_us"] = {"write_flush": time_fn(lambda: tf(tiny_w), flush=flush) * 1e6,
+                              "clean_flush": time_fn(lambda: tf(tiny_w), flush=rflush) * 1e6,
+                              "warm": time_fn(lambda: tf(tiny_w)) * 1e6, "b2b": time_b2b(tf, [tiny_w]) * 1e6}
+    print("launch floor (1-block GEMV), us: " + ", ".join(f"{k} {v:.2f}" for k, v in out["launch_floor_us"].items()))
+    shapes = [("qkv 6144x4096", 6144, 4096, 0), ("o 4096x4096 +res", 4096, 4096, 2),
+              ("gate_up 2x14336x4096 silu", 14336, 4096, 3), ("down 4096x14336 +res", 4096, 14336, 2),
+              ("lm_head-ish 49152x4096", 49152, 4096, 0)]
+    for (label, N, K, mode) in shapes:
+        rows = 2 * N if mode >= 3 else N
+        w = (torch.randn(rows, K, device="cuda") / math.sqrt(K)).to(torch.bfloat16)
+        wbytes = w.numel() * 2
+        for M in (1, 8):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            o = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            extra = torch.randn(M, N, device="cuda").to(torch.bfloat16) if mode == 2 else None
+            splits, grid = gemv_launch(N, K, M, mode)
+            tiles = (N + 15) // 16
+            # distinct weight copies for back-to-back launches: > 2 L2s of weights in rotation
+            ncopy = max(1, -(-(160 << 20) // wbytes))
+            ws_ = [w] + [w.clone() for _ in range(ncopy - 1)]
+            cfgs = [("rule", lambda ww: run_gemv(mod, M, x, ww, o, extra, N, K, mode)),
+                    ("old", lambda ww: run_old(old, M, x, ww, o, extra, N, K, mode)),
+                    ("s1_grid528", lambda ww: run_gemv(mod, M, x, ww, o, extra, N, K, mode, 1, min(tiles, 4 * NUM_SMS))),
+                    ("s2_grid264", lambda ww: run_gemv(mod, M, x, ww, o, extra, N, K, mode, 2, 2 * NUM_SMS)),
+                    ("s2_grid528", lambda ww: run_gemv(mod, M, x, ww, o, extra, N, K, mode, 2, 4 * NUM_SMS)),
+                    ("cublas", lambda ww: torch.matmul(x, ww.t()))]
+            cfgs += [(vn, (lambda vm: lambda ww: run_gemv(vm, M, x, ww, o, extra, N, K, mode))(vm)) for vn, vm in variants]
+            pc = lambda t: 100 * wbytes / t / 1e9 / copy_gbs
+            r = {"N": N, "K": K, "M": M, "mode": mode, "weight_MB": wbytes / 1e6, "splits": splits, "grid": grid,
+                 "copies_b2b": ncopy}
+            for cn, fn in cfgs:
+                if cn == "old" and old is None:
+                    continue
+                tw = time_fn(lambda: fn(w), flush=flush)
+                tc = time_fn(lambda: fn(w), flush=rflush)
+                tb = time_b2b(fn, ws_)
+                r[cn] = {"write_flush_us": tw * 1e6, "clean_flush_us": tc * 1e6, "b2b_us": tb * 1e6,
+                         "write_flush_pct": pc(tw), "clean_flush_pct": pc(tc), "b2b_pct": pc(tb)}
+            r["kiln_us"] = r["rule"]["write_flush_us"]
+            r["kiln_frac_of_copy"] = r["rule"]["write_flush_pct"] / 100
+            out["cases"][f"{label} M={M}"] = r
+            print(f"{label:26s} M={M} splits={splits} grid={grid} (us, % of copy: write-flush | clean-flush | back-to-back)")
+            for cn, _ in cfgs:
+                if cn in r:
+                    q = r[cn]
+                    print(f"    {cn:26s} {q['write_flush_us']:6.1f} {q['write_flush_pct']:5.1f}% | "
+                          f"{q['clean_flush_us']:6.1f} {q['clean_flush_pct']:5.1f}% | {q['b2b_us']:6.1f} {q['b2b_pct']:5.1f}%")
+            del ws_
+        del w
+        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    out["ws_zero_after_bench"] = exact("gemv ws/counters zero after bench", ws_zero())["ok"]
+    report["bench"] = out
+
+
+# The GEMV as it was before split-K / cp.async staging (entry points renamed gemv_old_bf16_m{M}, launch
+# grid.x = ceil(N / 16)); only compiled for the before/after timings in bench().
+OLD_GEMV_SRC = r"""// Decode-shaped matrix products (M <= 8 activation rows) near the memory-bandwidth limit,
+// and a row argmax + log-probability for greedy sampling on the GPU.
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// GEMV: out[m, n] = sum_k x[m, k] * w[n, k] (+ epilogue), M = 1..8, bf16 in/out, f32 accumulation.
+//
+// Tensor-core formulation: one mma.m16n8k16 (bf16 x bf16 -> f32) takes 16 weight rows (A, the
+// output columns n) times 16 k, and 8 activation rows (B, the batch rows m; rows >= M are zero).
+// The k order inside an mma does not matter for a dot product as long as A and B agree, so each
+// lane loads 16 contiguous bytes (8 k) of its weight rows and of its x row with one 128-bit load,
+// and those four 32-bit registers feed two mmas directly (no shuffles, no conversions):
+//   lane = 4 * g + t (g = groupID 0..7, t = 0..3), k = step base + 8 t:
+//     wlo = w[n0 + g    ][k .. k+8), whi = w[n0 + g + 8][k .. k+8), xv = x[g][k .. k+8) (0 if g >= M)
+//     mma #1: A = {wlo.x, whi.x, wlo.y, whi.y}, B = {xv.x, xv.y}   (k .. k+4)
+//     mma #2: A = {wlo.z, whi.z, wlo.w, whi.w}, B = {xv.z, xv.w}   (k+4 .. k+8)
+//   D (16 x 8 f32): lane (g, t) holds out[m = 2t, 2t+1][n0 + g] and out[m = 2t, 2t+1][n0 + g + 8].
+//
+// Launch: block 256 threads (8 warps), no dynamic shared memory (8 KiB static), grid.x =
+// ceil(N / 16) (one 16-column tile per block; any grid.x >= 1 is correct: blocks loop over tiles
+// with stride gridDim.x). The 8 warps of a block split K (warp w takes k in [32 w, 32 w + 32)
+// of every 256-wide step), then reduce through shared memory. Gated modes (3, 4) do the gate
+// tile (w rows n) and the up tile (w rows N + n) in the same block, sharing the x loads.
+// Requirements: K % 8 == 0; x, w 16-byte aligned; out must not overlap x or w.
+// Weights are streamed with ld.global.nc.L1::no_allocate (they are read once) so x stays in L1.
+// Modes: 0 plain, 1 + extra[n] (bias), 2 + extra[m * N + n] (residual; extra may equal out),
+//        3 silu(x.w[n]) * (x.w[N + n]), 4 gelu_tanh(x.w[n]) * (x.w[N + n]) (w has 2N rows).
+// The epilogue works on the f32 sums; the only rounding to bf16 is the final store.
+// ---------------------------------------------------------------------------------------------
+
+namespace gemv_old_detail {
+
+constexpr int kWarps = 8;
+constexpr int kTileN = 16;               // output columns per mma tile
+constexpr int kBlockK = kWarps * 32;     // k covered by the block per step (32 per warp)
+
+// 16 bytes of weights, read once: bypass L1, ask L2 to fetch the surrounding 256 bytes.
+// Predicated inside the asm (zeros when !ok) so the loads of a round stay branch-free.
+__device__ __forceinline__ uint4 ld_stream(const bf16* p, bool ok) {
+    uint4 r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "r"((int)ok));
+    return r;
+}
+
+// 16 bytes of activations (re-read by every block): through the read-only/L1 path.
+__device__ __forceinline__ uint4 ld_cached(const bf16* p, bool ok) {
+    uint4 r;
+    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+        "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "r"((int)ok));
+    return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Same activations as gated_act_bf16 (act 0 = SiLU, 1 = GELU tanh approximation).
+__device__ __forceinline__ float gate_act(float g, int act) {
+    if (act == 0) return g / (1.0f + __expf(-g));
+    const float c = 0.7978845608f;
+    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+}
+
+// T = tiles per block (1 plain, 2 gated: gate + up), U = k steps with loads in flight per lane.
+// red: shared scratch of T * kWarps * 128 floats.
+template <int M, int T, int U>
+__device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
+                                           const bf16* extra, int N, int K, int mode, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int ntiles = (N + kTileN - 1) / kTileN;
+    const bf16* xrow = x + (long long)(g < M ? g : 0) * K;
+    const bool xok = g < M;
+    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        const int n0 = tile * kTileN;
+        const bf16* wrow[T][2];
+        bool rok[T][2];
+#pragma unroll
+        for (int tt = 0; tt < T; ++tt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = n0 + g + 8 * h;
+                rok[tt][h] = n < N;
+                wrow[tt][h] = w + (long long)(rok[tt][h] ? n + tt * N : 0) * K;
+            }
+        }
+        // Two accumulator sets (mma #1 / #2) to halve the dependent-mma chain.
+        float acc[T][2][4];
+#pragma unroll
+        for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[tt][j][i] = 0.0f;
+
+        for (int k0 = 0; k0 < K; k0 += kBlockK * U) {
+            uint4 wv[U][T][2];
+            uint4 xv[U];
+            // Issue every load of this round before any math: U * T * 2 weight loads in flight.
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int k = k0 + u * kBlockK + warp * 32 + t * 8;
+                const bool kok = k < K;  // K % 8 == 0: a lane's 8 values are all in or all out
+#pragma unroll
+                for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) wv[u][tt][h] = ld_stream(wrow[tt][h] + k, kok && rok[tt][h]);
+                xv[u] = ld_cached(xrow + k, kok && xok);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int tt = 0; tt < T; ++tt) {
+                    const uint4 lo = wv[u][tt][0], hi = wv[u][tt][1];
+                    mma_bf16(acc[tt][0], lo.x, hi.x, lo.y, hi.y, xv[u].x, xv[u].y);
+                    mma_bf16(acc[tt][1], lo.z, hi.z, lo.w, hi.w, xv[u].z, xv[u].w);
+                }
+        }
+#pragma unroll
+        for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                red[(tt * kWarps + warp) * 128 + lane * 4 + i] = acc[tt][0][i] + acc[tt][1][i];
+        __syncthreads();
+        // Thread -> (column n0 + nl, row m); D element (nl, m) is in lane (nl % 8) * 4 + m / 2,
+        // register (m & 1) + 2 * (nl / 8).
+        if (threadIdx.x < kTileN * 8) {
+            const int nl = threadIdx.x >> 3, m = threadIdx.x & 7;
+            const int n = n0 + nl;
+            if (m < M && n < N) {
+                const int idx = ((nl & 7) * 4 + (m >> 1)) * 4 + (m & 1) + 2 * (nl >> 3);
+                float s[T];
+#pragma unroll
+                for (int tt = 0; tt < T; ++tt) {
+                    float v = 0.0f;
+#pragma unroll
+                    for (int ww = 0; ww < kWarps; ++ww) v += red[(tt * kWarps + ww) * 128 + idx];
+                    s[tt] = v;
+                }
+                const long long o = (long long)m * N + n;
+                float r;
+                if (T == 2) {
+                    r = gate_act(s[0], mode == 3 ? 0 : 1) * s[T - 1];
+                } else {
+                    r = s[0];
+                    if (mode == 1) r += to_f32(extra[n]);
+                    else if (mode == 2) r += to_f32(extra[o]);
+                }
+                out[o] = to_bf16(r);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+template <int M>
+__device__ __forceinline__ void gemv(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
+                                     const bf16* extra, int N, int K, int mode) {
+    __shared__ float red[2 * kWarps * 128];
+    if (mode >= 3) gemv_tiles<M, 2, 4>(x, w, out, extra, N, K, mode, red);
+    else gemv_tiles<M, 1, 8>(x, w, out, extra, N, K, mode, red);
+}
+
+}  // namespace gemv_old_detail
+
+#define KILN_GEMV(MM)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256) gemv_old_bf16_m##MM(                                     \
+        const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out, const bf16* extra, int N, int K, \
+        int mode) {                                                                                         \
+        gemv_old_detail::gemv<MM>(x, w, out, extra, N, K, mode);                                                \
+    }
+KILN_GEMV(1)
+KILN_GEMV(2)
+KILN_GEMV(3)
+KILN_GEMV(4)
+KILN_GEMV(5)
+KILN_GEMV(6)
+KILN_GEMV(7)
+KILN_GEMV(8)
+#undef KILN_GEMV
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gemv_check.json")
+    ap.add_argument("--no-bench", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "tolerance": "|kiln - ref| <= 1e-2 + 1e-2 * |ref| (bf16 outputs); logprob 1e-4 + 1e-5 * |ref|"}
+    cuda = Cuda()
+    report["nvrtc"] = cuda.nvrtc_path
+    global NUM_SMS, WS, CNT
+    NUM_SMS = torch.cuda.get_device_properties(0).multi_processor_count
+    WS = torch.zeros(WS_FLOATS, device="cuda", dtype=torch.float32)  # once, reused by every launch
+    CNT = torch.zeros(CNT_LEN, device="cuda", dtype=torch.int32)
+    mods = {}
+    for name in ["gemv", "fused"]:
+        t0 = time.time()
+        mods[name], how = cuda.load(os.path.join(KDIR, name + ".cu"))
+        report[f"{name}_module"] = {"how": how, "compile_load_s": time.time() - t0}
+    steps = [("gemv", lambda: test_gemv(mods["gemv"], report)), ("argmax", lambda: test_argmax(mods["gemv"], report)),
+             ("qkv_rope", lambda: test_qkv_rope(mods["fused"], report)),
+             ("gated_act", lambda: test_gated_act(mods["fused"], report)),
+             ("bias_residual", lambda: test_bias_residual(mods["fused"], report)),
+             ("rms_norm_rows", lambda: test_rms_norm_rows(mods["fused"], report))]
+    if not args.no_bench:
+        variants = []
+        for defs in [("KILN_GEMV_MAX_STAGES=3",), ("KILN_GEMV_MAX_STAGES=2",)]:
+            try:
+                variants.append((" ".join(defs), cuda.load(os.path.join(KDIR, "gemv.cu"), defs)[0]))
+            except Exception as e:
+                print(f"variant {defs} failed: {e!r}")
+        old = None
+        try:  # the previous kernel (before split-K / cp.async), for before/after numbers in one run
+            path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "gemv_old_baseline.cu")
+            with open(path, "w") as f:
+                f.write(OLD_GEMV_SRC)
+            old = cuda.load(path)[0]
+        except Exception as e:
+            print(f"baseline kernel failed: {e!r}")
+        steps.append(("bench", lambda: bench(mods["gemv"], report, variants, old)))
+    for name, step in steps:
+        n_fail = len(FAILS)
+        try:
+            step()
+            print(f"[{name}] {'ok' if len(FAILS) == n_fail else f'{len(FAILS) - n_fail} failures'}")
+        except Exception as e:  # keep going; record the error
+            import traceback
+            traceback.print_exc()
+            FAILS.append(f"{name}: exception {e!r}")
+            report[f"{name}_error"] = repr(e)
+            if "launch" in repr(e).lower() or "illegal" in repr(e).lower():
+                break  # the context is likely dead
+    report["failures"] = FAILS
+    report["ok"] = not FAILS
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{'OK' if not FAILS else 'FAILED'}: {len(FAILS)} failures; report in {args.out}")
+    for x in FAILS[:30]:
+        print("  ", x)
+    sys.exit(0 if not FAILS else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One GPU round on a CUDA machine, from the repo root: cross-backend op checks,
+# kernel checks against PyTorch, logits parity against transformers on random
+# SmolLM2-135M- and Llama-3-8B-shaped checkpoints, and Kiln's benchmarks next to
+# the PyTorch anchor (bench/gpu/hf_bench.py) in the same run. Writes JSON parts
+# and one combined report into OUT_DIR.
+#
+#   scripts/gpu-round.sh OUT_DIR [PHASE...]
+#
+# Phases (default: all, in this order): check kernels ckpt parity bench anchors.
+# KILN (default .device/kiln, else target/release/kiln) is the binary to test;
+# WORK (default /tmp/kiln-round) holds the checkpoints.
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu-round.sh OUT_DIR [PHASE...]}
+shift
+PHASES=${*:-check kernels ckpt parity bench anchors}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+KILN=${KILN:-$( [ -x .device/kiln ] && echo .device/kiln || echo target/release/kiln )}
+WORK=${WORK:-/tmp/kiln-round}
+TOK=bench/smollm2-tokenizer
+mkdir -p "$WORK"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+status=0
+note() { echo "== $(date +%T) $*" | tee -a "$OUT/round.log"; }
+run() { note "$*"; "$@" 2>&1 | tee -a "$OUT/round.log"; local rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { note "FAILED ($rc): $*"; status=1; }; return 0; }
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+
+which nsys ncu >> "$OUT/round.log" 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>/dev/null
+if has check; then
+  run "$KILN" dev cuda-check -o "$OUT/cuda-check.json"
+fi
+if has kernels; then
+  run python3 bench/gpu/kernel_check.py --out "$OUT/kernel-check.json"
+  run python3 bench/gpu/gemv_check.py --out "$OUT/gemv-check.json"
+fi
+if has ckpt; then
+  [ -f "$WORK/ck135m/config.json" ] || run "$KILN" dev random-checkpoint --preset smollm2-135m --tokenizer "$TOK" -o "$WORK/ck135m"
+  [ -f "$WORK/ck8b/READY" ] || run python3 bench/gpu/hf_bench.py --stages save8b --cfg-dir "$TOK" --save-dir "$WORK/ck8b" --out "$OUT/save8b.json"
+fi
+if has parity; then
+  run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck135m" --cpu --out "$OUT/parity-135m.json"
+  run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
+fi
+if has bench; then
+  b() { local name=$1; shift; note "bench $name: $*"; "$KILN" "$@" > "$OUT/bench-$name.json" 2>> "$OUT/round.log" || { note "FAILED bench $name"; status=1; }; }
+  b 8b-decode bench --device cuda -m "$WORK/ck8b" --prompt-tokens 512 --gen-tokens 128 --runs 3
+  b 8b-prefill4096 bench --device cuda -m "$WORK/ck8b" --prompt-tokens 4096 --gen-tokens 2 --runs 3
+  b 8b-batch64 bench-engine --device cuda -m "$WORK/ck8b" --concurrency 1,8,32,64 --prompt-tokens 128 --gen-tokens 128 --prefix-tokens 1000
+  b 135m-decode bench --device cuda -m "$WORK/ck135m" --prompt-tokens 512 --gen-tokens 256 --runs 3
+fi
+if has anchors; then
+  run python3 bench/gpu/hf_bench.py --stages ceil,eager8b,comp8b,tput8b --cfg-dir "$TOK" --save-dir "$WORK/ck8b" --out "$OUT/hf-8b.json"
+  run python3 bench/gpu/hf_bench.py --stages comp135m --cfg-dir "$TOK" --out "$OUT/hf-135m.json"
+fi
+python3 - "$OUT" <<'PY'
+import json, os, subprocess, sys
+out = sys.argv[1]
+rep = {"gpu": open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(os.path.join(out, "gpu.txt")) else None}
+try:
+    rep["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+except Exception:
+    pass
+for f in sorted(os.listdir(out)):
+    if f.endswith(".json") and f != "round.json":
+        try:
+            rep[f[:-5]] = json.load(open(os.path.join(out, f)))
+        except Exception as e:
+            rep[f[:-5]] = {"unreadable": str(e)}
+json.dump(rep, open(os.path.join(out, "round.json"), "w"), indent=1)
+print("wrote", os.path.join(out, "round.json"))
+PY
+exit $status
