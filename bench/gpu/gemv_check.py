@@ -12,6 +12,9 @@ of 50 after warmup; achieved GB/s = weight bytes / time; compared with torch.mat
 same shapes and with device-to-device copy bandwidth (clone of 1 GiB, read + write counted).
 "clean" timings flush L2 by reading 512 MiB instead (the memset leaves up to an L2 of dirty lines
 that get written back while the GEMV runs; a decode step's previous kernel mostly leaves clean ones).
+"back-to-back" launches 24 GEMVs in a row over rotating weight copies; through ctypes a launch costs
+~45 us of host time, so it is host-bound (meaningless) for anything under ~50 us of GPU time.
+"launch floor": the same timings of a one-block GEMV (~4.1 us with either flush on H200).
 GEMV launches follow the host rule at the top of gemv.cu (gemv_launch below); the workspace and the
 tile counters are allocated zeroed once, shared by every launch, and checked to be zero again.
 Exits 1 on any correctness failure (the JSON report is written either way).

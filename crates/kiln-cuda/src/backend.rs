@@ -39,7 +39,8 @@ pub struct CudaBackend {
     pub(crate) step: Mutex<Option<Arc<ActiveStep>>>,
     pub(crate) capturing: AtomicBool,
     pub(crate) recordings: Mutex<Recordings>,
-    pub(crate) graphs_enabled: bool,
+    pub(crate) graphs_enabled: AtomicBool,
+    pub(crate) warnings: Mutex<Vec<String>>,
     rope_tables: Mutex<Vec<(Vec<f32>, Arc<DevBuf>)>>,
 }
 
@@ -72,13 +73,15 @@ impl CudaBackend {
     pub fn new(ordinal: usize, compiler: KernelCompiler) -> std::result::Result<Self, CudaError> {
         let dev = Device::open(ordinal, compiler)?;
         let device_name = dev.name.clone();
+        let warnings = Mutex::new(dev.warnings.clone());
         Ok(CudaBackend {
             dev,
             device_name,
             step: Mutex::new(None),
             capturing: AtomicBool::new(false),
             recordings: Mutex::new(Recordings::default()),
-            graphs_enabled: std::env::var("KILN_CUDA_GRAPHS").map_or(true, |v| v != "0"),
+            graphs_enabled: AtomicBool::new(true),
+            warnings,
             rope_tables: Mutex::new(Vec::new()),
         })
     }
@@ -101,6 +104,23 @@ impl CudaBackend {
     /// Free and total device memory as the driver reports them.
     pub fn driver_memory(&self) -> Result<(usize, usize)> {
         self.dev.ctx.mem_get_info().map_err(dev_err)
+    }
+
+    /// Record decode steps as CUDA graphs (on by default).
+    pub fn set_graphs_enabled(&self, on: bool) {
+        self.graphs_enabled.store(on, Ordering::Relaxed);
+    }
+
+    pub fn graphs_enabled(&self) -> bool {
+        self.graphs_enabled.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn warn(&self, message: String) {
+        if let Ok(mut w) = self.warnings.lock() {
+            if !w.contains(&message) {
+                w.push(message);
+            }
+        }
     }
 
     /// Recorded steps so far (CUDA graphs).
@@ -204,12 +224,14 @@ impl CudaBackend {
         if n == 0 || n > GEMV_MAX_ROWS || k % 8 != 0 || !self.dev.has(&name) {
             return Ok(false);
         }
-        let (ni, ki) = (out_cols as i32, k as i32);
+        let (ni, ki, splits, null) = (out_cols as i32, k as i32, 1i32, 0u64);
         let cfg = LaunchConfig {
             grid_dim: (out_cols.div_ceil(16) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
+        // One block per 16 output columns, no split-K (the kernel's host
+        // rule; split-K measured slower on every decode shape of an H200).
         // SAFETY: x [n, k], w [m, k], out [n, out_cols], extra as `mode` needs.
         unsafe {
             self.dev
@@ -222,6 +244,9 @@ impl CudaBackend {
                 .arg(&ni)
                 .arg(&ki)
                 .arg(&mode)
+                .arg(&splits)
+                .arg(&null)
+                .arg(&null)
                 .launch(cfg)
                 .map_err(dev_err)?;
         }
@@ -468,6 +493,10 @@ impl Backend for CudaBackend {
 
     fn weight_bytes_per_element(&self) -> usize {
         2
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        self.warnings.lock().map(|w| w.clone()).unwrap_or_default()
     }
 
     fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {

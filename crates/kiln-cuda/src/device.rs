@@ -33,6 +33,8 @@ pub(crate) struct Device {
     pub funcs: HashMap<String, CudaFunction>,
     pub pool: Arc<Pool>,
     pub name: String,
+    /// What did not load (kernels with fallbacks), for the caller to show.
+    pub warnings: Vec<String>,
     _workspace: DevBuf,
 }
 
@@ -84,13 +86,14 @@ impl Device {
         }
         let mut funcs = HashMap::new();
         let mut compiled = Vec::new();
+        let mut warnings = Vec::new();
         for (name, src) in crate::kernels::SOURCES {
             match compiler.compile(name, src) {
                 Ok(k) => compiled.push(k),
                 // The reference kernels are required; the fast ones have
                 // fallbacks (and CI compiles every kernel before it lands).
                 Err(e) if !crate::kernels::REQUIRED.contains(name) => {
-                    eprintln!("kiln: warning: {name} kernels unavailable, using fallbacks: {e}")
+                    warnings.push(format!("{name} kernels unavailable, using fallbacks: {e}"))
                 }
                 Err(e) => return Err(e),
             }
@@ -126,6 +129,7 @@ impl Device {
             funcs,
             pool,
             name,
+            warnings,
             _workspace: workspace,
         })
     }

@@ -94,7 +94,7 @@ pub(crate) fn run_step(
     forward: Forward,
 ) -> Result<Tensor> {
     let bucket = bucket_for(batch.seqs.len());
-    let (true, true, Some(bucket)) = (b.graphs_enabled, is_graphable(batch), bucket) else {
+    let (true, true, Some(bucket)) = (b.graphs_enabled(), is_graphable(batch), bucket) else {
         return eager(b, batch, cache, forward);
     };
     let width = table_width(batch);
@@ -147,7 +147,9 @@ pub(crate) fn run_step(
             out
         }
         Err(e) => {
-            eprintln!("kiln: warning: decode steps of batch {bucket} are not recorded as a CUDA graph ({e}); running them eagerly");
+            b.warn(format!(
+                "decode steps of batch {bucket} are not recorded as a CUDA graph ({e}); running them eagerly"
+            ));
             recs.failed.insert(key);
             drop(recs);
             eager(b, batch, cache, forward)

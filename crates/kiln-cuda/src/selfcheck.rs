@@ -507,7 +507,7 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
         rel_err: 0.0,
         max_abs_err: 0.0,
         tolerance: 0.0,
-        pass: !p.gpu.graphs_enabled || recorded >= 2,
+        pass: !p.gpu.graphs_enabled() || recorded >= 2,
     });
     Ok(())
 }

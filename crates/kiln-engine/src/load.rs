@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kiln_formats::{GgufWeights, SafetensorsDir};
-use kiln_models::{load_model, CausalLm, ModelConfig};
+use kiln_models::{load_model_with_progress, CausalLm, LoadProgress, ModelConfig};
 use kiln_sampling::TokenId;
 use kiln_tensor::Backend;
 use kiln_text::{ChatTemplate, Tokenizer};
@@ -30,11 +30,21 @@ impl LoadedModel {
     /// Load `path`: a `.gguf` file, or a directory with `config.json`,
     /// safetensors weights and `tokenizer.json`.
     pub fn load(path: &Path, backend: Arc<dyn Backend>) -> Result<Self> {
+        Self::load_with_progress(path, backend, None)
+    }
+
+    /// [`LoadedModel::load`], calling `progress(bytes loaded, total bytes)`
+    /// after every weight.
+    pub fn load_with_progress(
+        path: &Path,
+        backend: Arc<dyn Backend>,
+        progress: Option<LoadProgress<'_>>,
+    ) -> Result<Self> {
         let start = Instant::now();
         let mut loaded = if path.is_dir() {
-            Self::load_hf_dir(path, backend)?
+            Self::load_hf_dir(path, backend, progress)?
         } else if path.is_file() {
-            Self::load_gguf(path, backend)?
+            Self::load_gguf(path, backend, progress)?
         } else {
             return Err(EngineError::BadModelPath {
                 path: path.display().to_string(),
@@ -45,16 +55,24 @@ impl LoadedModel {
         Ok(loaded)
     }
 
-    fn load_gguf(path: &Path, backend: Arc<dyn Backend>) -> Result<Self> {
+    fn load_gguf(
+        path: &Path,
+        backend: Arc<dyn Backend>,
+        progress: Option<LoadProgress<'_>>,
+    ) -> Result<Self> {
         let weights = GgufWeights::open(path)?;
         let config = ModelConfig::from_hf(&weights.hf_config()?)?;
         let tokenizer = Tokenizer::from_gguf(weights.metadata())?;
         let eos = config.eos_token_ids.clone();
-        let model = load_model(backend, &weights, config)?;
+        let model = load_model_with_progress(backend, &weights, config, progress)?;
         Self::assemble(path, model, tokenizer, eos)
     }
 
-    fn load_hf_dir(dir: &Path, backend: Arc<dyn Backend>) -> Result<Self> {
+    fn load_hf_dir(
+        dir: &Path,
+        backend: Arc<dyn Backend>,
+        progress: Option<LoadProgress<'_>>,
+    ) -> Result<Self> {
         let weights = SafetensorsDir::open(dir)?;
         let config = ModelConfig::from_hf(weights.config())?;
         let mut eos = config.eos_token_ids.clone();
@@ -68,7 +86,7 @@ impl LoadedModel {
             }
         }
         let tokenizer = Tokenizer::from_hf_dir(dir)?;
-        let model = load_model(backend, &weights, config)?;
+        let model = load_model_with_progress(backend, &weights, config, progress)?;
         Self::assemble(dir, model, tokenizer, eos)
     }
 

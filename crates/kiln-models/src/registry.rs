@@ -8,6 +8,7 @@ use kiln_tensor::Backend;
 use crate::config::{ModelConfig, LLAMA_FAMILY};
 use crate::error::{ModelError, Result};
 use crate::families;
+use crate::layers::LoadProgress;
 use crate::CausalLm;
 
 /// Load the model `config` describes from `source` onto `backend`.
@@ -16,9 +17,19 @@ pub fn load_model(
     source: &dyn WeightSource,
     config: ModelConfig,
 ) -> Result<Box<dyn CausalLm>> {
+    load_model_with_progress(backend, source, config, None)
+}
+
+/// [`load_model`], reporting (bytes loaded, total bytes) after every tensor.
+pub fn load_model_with_progress(
+    backend: Arc<dyn Backend>,
+    source: &dyn WeightSource,
+    config: ModelConfig,
+    progress: Option<LoadProgress<'_>>,
+) -> Result<Box<dyn CausalLm>> {
     if LLAMA_FAMILY.contains(&config.model_type.as_str()) {
         return Ok(Box::new(families::llama::Llama::load(
-            backend, source, config,
+            backend, source, config, progress,
         )?));
     }
     Err(ModelError::UnsupportedModel {

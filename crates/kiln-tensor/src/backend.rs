@@ -204,6 +204,12 @@ pub trait Backend: Send + Sync {
         4
     }
 
+    /// Problems the backend worked around (a kernel that did not load, a
+    /// step shape that could not be recorded), for the caller to show.
+    fn warnings(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Bytes of one stored weight element (f32 on the CPU).
     fn weight_bytes_per_element(&self) -> usize {
         4

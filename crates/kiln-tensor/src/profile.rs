@@ -71,6 +71,10 @@ impl Backend for ProfilingBackend {
         self.inner.weight_bytes_per_element()
     }
 
+    fn warnings(&self) -> Vec<String> {
+        self.inner.warnings()
+    }
+
     fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
         self.inner.measure_copy_bandwidth_gbs()
     }

@@ -81,7 +81,12 @@ pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
     };
     let b = kiln_cuda::CudaBackend::new(ordinal, compiler)
         .with_context(|| format!("--device cuda:{ordinal}"))?;
+    // KILN_CUDA_GRAPHS=0 runs every step eagerly (for comparisons).
+    b.set_graphs_enabled(std::env::var("KILN_CUDA_GRAPHS").map_or(true, |v| v != "0"));
     eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
+    for w in kiln_tensor::Backend::warnings(&b) {
+        eprintln!("kiln: warning: {w}");
+    }
     Ok(b)
 }
 
@@ -137,7 +142,24 @@ impl ModelArgs {
                 path.display()
             );
         }
-        LoadedModel::load(&path, backend).with_context(|| format!("loading {}", path.display()))
+        // A progress line on a terminal for models over 1 GB.
+        let shown = std::sync::atomic::AtomicU64::new(u64::MAX);
+        let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+        let progress = move |done: u64, total: u64| {
+            if !tty || total < 1 << 30 {
+                return;
+            }
+            let pct = (done * 100 / total.max(1)).min(100);
+            if shown.swap(pct, std::sync::atomic::Ordering::Relaxed) != pct {
+                eprint!(
+                    "\rloading weights: {pct:3}% of {:.1} GB{}",
+                    total as f64 / 1e9,
+                    if pct == 100 { "\n" } else { "" }
+                );
+            }
+        };
+        LoadedModel::load_with_progress(&path, backend, Some(&progress))
+            .with_context(|| format!("loading {}", path.display()))
     }
 }
 

@@ -14,7 +14,9 @@ use kiln_tensor::{Backend, ForwardBatch, KvCache, KvCacheSpec, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::layers::{Attention, AttentionConfig, GatedMlp, RmsNorm, Rope, WeightLoader};
+use crate::layers::{
+    Attention, AttentionConfig, GatedMlp, LoadProgress, RmsNorm, Rope, WeightLoader,
+};
 use crate::CausalLm;
 
 struct Block {
@@ -39,8 +41,9 @@ impl Llama {
         backend: Arc<dyn Backend>,
         source: &dyn WeightSource,
         cfg: ModelConfig,
+        progress: Option<LoadProgress<'_>>,
     ) -> Result<Self> {
-        let l = WeightLoader::new(&backend, source);
+        let l = WeightLoader::with_progress(&backend, source, progress);
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let attn_cfg = AttentionConfig {

@@ -2,7 +2,6 @@
 //! each tensor's shape against what the model expects.
 
 use std::cell::Cell;
-use std::io::IsTerminal;
 use std::sync::Arc;
 
 use kiln_formats::{FormatError, WeightSource};
@@ -13,38 +12,39 @@ use crate::error::Result;
 pub struct WeightLoader<'a> {
     pub backend: &'a Arc<dyn Backend>,
     pub source: &'a dyn WeightSource,
-    progress: Progress,
+    progress: Progress<'a>,
 }
 
-/// Loaded bytes against the total, shown on a terminal for large models.
-struct Progress {
+/// Called with (bytes loaded, total bytes) after every tensor.
+pub type LoadProgress<'a> = &'a (dyn Fn(u64, u64) + Sync);
+
+/// Stored bytes loaded so far against the total.
+struct Progress<'a> {
     total: u64,
     done: Cell<u64>,
-    shown: Cell<u64>,
-    visible: bool,
+    report: Option<LoadProgress<'a>>,
 }
 
-impl Progress {
+impl Progress<'_> {
     fn add(&self, bytes: u64) {
         let done = self.done.get() + bytes;
         self.done.set(done);
-        if !self.visible {
-            return;
-        }
-        let pct = (done * 100 / self.total.max(1)).min(100);
-        if pct != self.shown.get() {
-            self.shown.set(pct);
-            eprint!(
-                "\rloading weights: {pct:3}% of {:.1} GB{}",
-                self.total as f64 / 1e9,
-                if pct == 100 { "\n" } else { "" }
-            );
+        if let Some(r) = self.report {
+            r(done, self.total);
         }
     }
 }
 
 impl<'a> WeightLoader<'a> {
     pub fn new(backend: &'a Arc<dyn Backend>, source: &'a dyn WeightSource) -> Self {
+        Self::with_progress(backend, source, None)
+    }
+
+    pub fn with_progress(
+        backend: &'a Arc<dyn Backend>,
+        source: &'a dyn WeightSource,
+        report: Option<LoadProgress<'a>>,
+    ) -> Self {
         let total: u64 = source.tensors().iter().map(|t| t.num_bytes).sum();
         WeightLoader {
             backend,
@@ -52,8 +52,7 @@ impl<'a> WeightLoader<'a> {
             progress: Progress {
                 total,
                 done: Cell::new(0),
-                shown: Cell::new(u64::MAX),
-                visible: total > 1 << 30 && std::io::stderr().is_terminal(),
+                report,
             },
         }
     }

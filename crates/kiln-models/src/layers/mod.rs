@@ -10,7 +10,7 @@ mod rope;
 
 pub use attention::{Attention, AttentionConfig};
 pub use linear::Linear;
-pub use loader::WeightLoader;
+pub use loader::{LoadProgress, WeightLoader};
 pub use mlp::GatedMlp;
 pub use norm::RmsNorm;
 pub use rope::Rope;

@@ -68,7 +68,19 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
             "num_steps": stats.num_steps,
             "step_seconds_total": stats.step_seconds_total,
             "last_step_seconds": stats.last_step_seconds,
+            "decode_steps": stats.decode_steps,
+            "decode_step_seconds_total": stats.decode_step_seconds_total,
+            "decode_step_tokens": stats.decode_step_tokens,
         },
+        // Device memory (null on the CPU): driver free/total and the
+        // backend's active, peak and reserved bytes.
+        "memory": model.model.backend().device_memory().map(|m| json!({
+            "free_bytes": m.free_bytes,
+            "total_bytes": m.total_bytes,
+            "active_bytes": m.active_bytes,
+            "peak_active_bytes": m.peak_active_bytes,
+            "reserved_bytes": m.reserved_bytes,
+        })),
         "server": {
             "prompt_tokens": prompt,
             "generation_tokens": generated,
