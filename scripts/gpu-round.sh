@@ -7,13 +7,13 @@
 #
 #   scripts/gpu-round.sh OUT_DIR [PHASE...]
 #
-# Phases (default: all, in this order): check kernels ckpt parity bench anchors.
+# Phases (default: all, in this order): check kernels ckpt bench anchors parity profile.
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu-round.sh OUT_DIR [PHASE...]}
 shift
-PHASES=${*:-check kernels ckpt parity bench anchors}
+PHASES=${*:-check kernels ckpt parity bench profile anchors}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 KILN=${KILN:-$( [ -x .device/kiln ] && echo .device/kiln || echo target/release/kiln )}
@@ -40,20 +40,29 @@ if has ckpt; then
   [ -f "$WORK/ck135m/config.json" ] || run "$KILN" dev random-checkpoint --preset smollm2-135m --tokenizer "$TOK" -o "$WORK/ck135m"
   [ -f "$WORK/ck8b/READY" ] || run python3 bench/gpu/hf_bench.py --stages save8b --cfg-dir "$TOK" --save-dir "$WORK/ck8b" --out "$OUT/save8b.json"
 fi
-if has parity; then
-  run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck135m" --cpu --out "$OUT/parity-135m.json"
-  run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
-fi
 if has bench; then
   b() { local name=$1; shift; note "bench $name: $*"; "$KILN" "$@" > "$OUT/bench-$name.json" 2>> "$OUT/round.log" || { note "FAILED bench $name"; status=1; }; }
   b 8b-decode bench --device cuda -m "$WORK/ck8b" --prompt-tokens 512 --gen-tokens 128 --runs 3
   b 8b-prefill4096 bench --device cuda -m "$WORK/ck8b" --prompt-tokens 4096 --gen-tokens 2 --runs 3
   b 8b-batch64 bench-engine --device cuda -m "$WORK/ck8b" --concurrency 1,8,32,64 --prompt-tokens 128 --gen-tokens 128 --prefix-tokens 1000
   b 135m-decode bench --device cuda -m "$WORK/ck135m" --prompt-tokens 512 --gen-tokens 256 --runs 3
+  KILN_CUDA_GRAPHS=0 b 135m-decode-nographs bench --device cuda -m "$WORK/ck135m" --prompt-tokens 512 --gen-tokens 256 --runs 3
 fi
 if has anchors; then
-  run python3 bench/gpu/hf_bench.py --stages ceil,eager8b,comp8b,tput8b --cfg-dir "$TOK" --save-dir "$WORK/ck8b" --out "$OUT/hf-8b.json"
-  run python3 bench/gpu/hf_bench.py --stages comp135m --cfg-dir "$TOK" --out "$OUT/hf-135m.json"
+  run python3 bench/gpu/hf_bench.py --stages ceil,eager8b,comp8b --deadline "${ANCHOR_DEADLINE:-400}" --cfg-dir "$TOK" --save-dir "$WORK/ck8b" --out "$OUT/hf-8b.json"
+  run timeout "${ANCHOR135_TIMEOUT:-150}" python3 bench/gpu/hf_bench.py --stages comp135m --cfg-dir "$TOK" --out "$OUT/hf-135m.json"
+fi
+if has parity; then
+  run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck135m" --cpu --out "$OUT/parity-135m.json"
+  run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
+fi
+if has profile && command -v ncu >/dev/null; then
+  # Per-kernel times of steady decode steps of the 8B shape (kernels inside
+  # the recorded graphs are profiled one by one).
+  note "ncu 8b decode kernels"
+  timeout 150 ncu --csv --metrics gpu__time_duration.sum --launch-skip 1500 --launch-count 330 \
+    "$KILN" bench --device cuda -m "$WORK/ck8b" --prompt-tokens 512 --gen-tokens 24 --runs 0 \
+    > "$OUT/ncu-8b-decode.csv" 2>> "$OUT/round.log" || note "ncu FAILED"
 fi
 python3 - "$OUT" <<'PY'
 import json, os, subprocess, sys

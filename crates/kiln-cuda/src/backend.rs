@@ -220,36 +220,40 @@ impl CudaBackend {
         out_cols: usize,
         mode: i32,
     ) -> Result<bool> {
-        let name = format!("gemv_bf16_m{n}");
+        // Plain, bias and residual products use the direct-load kernel; the
+        // gated ones the pipelined kernel (each measured faster there).
+        let direct = mode <= 2;
+        let name = if direct {
+            format!("gemv_direct_bf16_m{n}")
+        } else {
+            format!("gemv_bf16_m{n}")
+        };
         if n == 0 || n > GEMV_MAX_ROWS || k % 8 != 0 || !self.dev.has(&name) {
             return Ok(false);
         }
         let (ni, ki, splits, null) = (out_cols as i32, k as i32, 1i32, 0u64);
+        // One block per 16 output columns; no split-K (slower on every
+        // decode shape measured).
         let cfg = LaunchConfig {
             grid_dim: (out_cols.div_ceil(16) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // One block per 16 output columns, no split-K (the kernel's host
-        // rule; split-K measured slower on every decode shape of an H200).
-        // SAFETY: x [n, k], w [m, k], out [n, out_cols], extra as `mode` needs.
-        unsafe {
-            self.dev
-                .stream
-                .launch_builder(self.dev.func(&name)?)
-                .arg(&x)
-                .arg(&w)
-                .arg(&out)
-                .arg(&extra)
-                .arg(&ni)
-                .arg(&ki)
-                .arg(&mode)
-                .arg(&splits)
-                .arg(&null)
-                .arg(&null)
-                .launch(cfg)
-                .map_err(dev_err)?;
+        let func = self.dev.func(&name)?;
+        let mut b = self.dev.stream.launch_builder(func);
+        b.arg(&x)
+            .arg(&w)
+            .arg(&out)
+            .arg(&extra)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&mode);
+        if !direct {
+            b.arg(&splits).arg(&null).arg(&null);
         }
+        // SAFETY: x [n, k], w [m, k], out [n, out_cols], extra as `mode`
+        // needs; the direct kernel takes the first seven arguments only.
+        unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(true)
     }
 
@@ -716,7 +720,7 @@ impl Backend for CudaBackend {
                     .arg(&di)
                     .arg(&eps)
                     .arg(&weight_offset)
-                    .launch(rows_cfg(rows, 256, 0))
+                    .launch(rows_cfg(rows, norm_threads(d), 0))
                     .map_err(dev_err)?;
             }
         }
@@ -1073,7 +1077,7 @@ impl Backend for CudaBackend {
                     .arg(&h)
                     .arg(&kvh)
                     .arg(&hdi)
-                    .launch(rows_cfg(n, 128, 0))
+                    .launch(rows_cfg(n, 512, 0))
                     .map_err(dev_err)?;
             }
         }
@@ -1116,6 +1120,12 @@ impl Backend for CudaBackend {
     ) -> Result<Tensor> {
         crate::graphs::run_step(self, batch, cache, forward)
     }
+}
+
+/// Threads per row of the RMSNorm kernel: about four elements each (a
+/// decode step normalizes one row, so one block's latency is the cost).
+fn norm_threads(d: usize) -> u32 {
+    (d.div_ceil(4).next_multiple_of(32)).clamp(128, 1024) as u32
 }
 
 fn linear_dims(x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize)> {

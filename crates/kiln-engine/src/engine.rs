@@ -41,11 +41,14 @@ impl EngineConfig {
         let block_size = 16;
         let elem = model.model.backend().kv_bytes_per_element();
         let per_block = model.model.config().kv_bytes_per_token(elem) * block_size;
+        // A device runs large prefill chunks near its GEMM peak; on the CPU
+        // smaller chunks keep decode steps of other requests responsive.
+        let on_device = model.model.backend().device_memory().is_some();
         EngineConfig {
             block_size,
             num_blocks: (kv_bytes / per_block.max(1)).max(1),
             max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
+            max_num_batched_tokens: if on_device { 8192 } else { 2048 },
             max_waiting: 1024,
         }
     }
