@@ -94,11 +94,12 @@ impl std::fmt::Display for KvPlan {
 
 impl EngineConfig {
     /// Size the KV pool: `kv_mib` when given; else, on a device backend,
-    /// 90 % of the memory left after the weights minus a reserve for one
-    /// step's activations; else 1 GiB. A pool that cannot hold one
-    /// sequence of 256 tokens (or the context length, if shorter) is
-    /// refused with the numbers.
-    pub fn plan(model: &LoadedModel, kv_mib: Option<usize>) -> Result<KvPlan> {
+    /// 90 % of the memory left after the weights minus
+    /// [`step_reserve_bytes`](crate::memory::step_reserve_bytes); else 1 GiB.
+    /// A pool that cannot hold one sequence of `context` tokens is refused
+    /// with the breakdown (the same rule `kiln fit` and `kiln serve` apply
+    /// before loading).
+    pub fn plan(model: &LoadedModel, kv_mib: Option<usize>, context: usize) -> Result<KvPlan> {
         let cfg = model.model.config();
         let backend = model.model.backend();
         let probe = EngineConfig::for_memory(model, 0);
@@ -106,15 +107,11 @@ impl EngineConfig {
             .kv_bytes_per_token(backend.kv_bytes_per_element())
             .max(1);
         let mem = backend.device_memory();
-        // One step's activations: the widest rows of a full token budget
-        // (residual, qkv, MLP, logits of every sequence) in f32-sized words,
-        // twice over for buffers alive at once, plus a fixed workspace.
-        let width = 4 * cfg.hidden_size
-            + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-            + 3 * cfg.intermediate_size;
-        let reserve = (256 << 20)
-            + 2 * 4 * probe.max_num_batched_tokens * width
-            + 2 * 4 * probe.max_num_seqs * cfg.vocab_size;
+        let reserve = crate::memory::step_reserve_bytes(
+            cfg,
+            probe.max_num_batched_tokens,
+            probe.max_num_seqs,
+        ) as usize;
         let kv_bytes = match (kv_mib, mem) {
             (Some(m), _) => m << 20,
             (None, Some(m)) => ((m.free_bytes as f64 * 0.9) as usize).saturating_sub(reserve),
@@ -122,21 +119,21 @@ impl EngineConfig {
         };
         let config = EngineConfig::for_memory(model, kv_bytes);
         let max_tokens = config.num_blocks * config.block_size;
-        // At least one sequence of up to 256 tokens must fit.
-        let need = model.context_length().min(256);
-        if kv_bytes / per_token < need {
-            let free = mem.map_or(String::new(), |m| {
+        if kv_bytes / per_token < context {
+            let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+            let device = mem.map_or(String::new(), |m| {
                 format!(
-                    " ({:.0} MiB free on the device after the weights, {:.0} MiB kept for activations)",
-                    m.free_bytes as f64 / (1u64 << 20) as f64,
-                    reserve as f64 / (1u64 << 20) as f64
+                    "\n  weights on the device {:.0} MiB, free after them {:.0} MiB, 10 % headroom and {:.0} MiB kept for one step's activations",
+                    mib(m.active_bytes),
+                    mib(m.free_bytes),
+                    mib(reserve as u64)
                 )
             });
             return Err(EngineError::Config(format!(
-                "not enough memory for the KV cache: {} MiB holds {} tokens at {} bytes each{free}; use --kv-mib or a smaller model",
-                kv_bytes >> 20,
+                "not enough memory for one sequence of {context} tokens:\n  KV cache needed {:.1} MiB ({per_token} B/token x {context} tokens)\n  KV pool {:.1} MiB holds {} tokens{device}\nuse a shorter --context, --kv-mib, or a smaller model",
+                mib((per_token * context) as u64),
+                mib(kv_bytes as u64),
                 kv_bytes / per_token,
-                per_token
             )));
         }
         Ok(KvPlan {
@@ -413,6 +410,7 @@ impl<'m> Loop<'m> {
             request.skip_special_tokens,
             max_tokens,
             entropy(),
+            request.format.as_ref(),
         )?;
         let prompt: Vec<TokenId> = request.prompt.iter().map(|&t| TokenId(t)).collect();
         let mut sreq = Request::new(id, prompt, max_tokens);

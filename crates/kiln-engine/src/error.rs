@@ -27,6 +27,10 @@ pub enum EngineError {
     NoChatTemplate,
     #[error(transparent)]
     Refused(#[from] kiln_scheduler::SubmitError),
+    /// The requested output format does not compile (or cannot be used
+    /// with this tokenizer).
+    #[error(transparent)]
+    Structured(#[from] kiln_structured::StructuredError),
     #[error("engine configuration: {0}")]
     Config(String),
     #[error("request failed: {0}")]

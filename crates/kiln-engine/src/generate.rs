@@ -26,6 +26,8 @@ pub struct GenerationRequest {
     pub priority: i32,
     /// Requests with different salts never share cached KV blocks.
     pub cache_salt: Option<String>,
+    /// Constrain the output to this format (JSON schema, regex, ...).
+    pub format: Option<kiln_structured::Format>,
 }
 
 impl GenerationRequest {
@@ -123,6 +125,7 @@ impl LoadedModel {
             req.skip_special_tokens,
             max_new,
             entropy(),
+            req.format.as_ref(),
         )?;
         let mut text = String::new();
         let mut logprobs = Vec::new();

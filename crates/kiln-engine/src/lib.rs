@@ -18,6 +18,7 @@ mod error;
 mod events;
 mod generate;
 mod load;
+pub mod memory;
 mod process;
 mod session;
 
@@ -26,4 +27,5 @@ pub use error::{EngineError, Result};
 pub use events::{Event, RequestTimings, Usage};
 pub use generate::{Generation, GenerationRequest, Timings, TokenEvent};
 pub use load::LoadedModel;
+pub use memory::{FitInput, FitReport, MemoryTarget};
 pub use session::{ChatSession, ChatTurn, TOOL_ERROR_MARKER};

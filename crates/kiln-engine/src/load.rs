@@ -1,12 +1,13 @@
 //! Loading a model from a GGUF file or a Hugging Face safetensors directory.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use kiln_formats::{GgufWeights, SafetensorsDir};
 use kiln_models::{load_model_with_progress, CausalLm, LoadProgress, ModelConfig};
 use kiln_sampling::TokenId;
+use kiln_structured::{Constraint, Format, StructuredError, StructuredVocab};
 use kiln_tensor::Backend;
 use kiln_text::{ChatTemplate, Tokenizer};
 
@@ -24,6 +25,8 @@ pub struct LoadedModel {
     pub eos_token_ids: Vec<TokenId>,
     /// Wall time of [`LoadedModel::load`].
     pub load_seconds: f64,
+    /// The vocabulary indexed for constrained decoding, built on first use.
+    structured: OnceLock<std::result::Result<Arc<StructuredVocab>, String>>,
 }
 
 impl LoadedModel {
@@ -112,7 +115,23 @@ impl LoadedModel {
             chat_template,
             eos_token_ids: eos.into_iter().map(TokenId).collect(),
             load_seconds: 0.0,
+            structured: OnceLock::new(),
         })
+    }
+
+    /// A constraint for `format` over this model's vocabulary (the
+    /// vocabulary is indexed once, on first use).
+    pub fn constraint(&self, format: &Format) -> Result<Constraint> {
+        let vocab = self
+            .structured
+            .get_or_init(|| {
+                let stops: Vec<u32> = self.eos_token_ids.iter().map(|t| t.0).collect();
+                StructuredVocab::new(&self.tokenizer, self.model.config().vocab_size, &stops)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| StructuredError::Vocab(e.clone()))?;
+        Ok(vocab.constraint(format)?)
     }
 
     /// The context length the model was trained for.

@@ -32,10 +32,14 @@ pub struct TokenProcessor<'m> {
     detok: IncrementalDetokenizer<'m>,
     stops: StopMatcher,
     guard: RepetitionGuard,
+    /// The output format's grammar, when the request asked for one.
+    constraint: Option<kiln_structured::Constraint>,
 }
 
 impl<'m> TokenProcessor<'m> {
-    /// State for a request of `prompt` that may generate up to `max_new` tokens.
+    /// State for a request of `prompt` that may generate up to `max_new`
+    /// tokens, its output constrained to `format` when given.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         model: &'m LoadedModel,
         prompt: &[u32],
@@ -43,8 +47,11 @@ impl<'m> TokenProcessor<'m> {
         skip_special_tokens: bool,
         max_new: usize,
         entropy: u64,
+        format: Option<&kiln_structured::Format>,
     ) -> Result<Self> {
+        let constraint = format.map(|f| model.constraint(f)).transpose()?;
         Ok(TokenProcessor {
+            constraint,
             sampler: Sampler::new(params.clone(), model.model.config().vocab_size, entropy)?,
             detok: IncrementalDetokenizer::new(&model.tokenizer, skip_special_tokens),
             stops: StopMatcher::new(&params.stop),
@@ -68,14 +75,21 @@ impl<'m> TokenProcessor<'m> {
     /// Whether the next token may be taken as the argmax computed on the
     /// device ([`TokenProcessor::on_argmax`]).
     pub fn wants_plain_argmax(&self) -> bool {
-        self.params.is_plain_argmax()
+        self.constraint.is_none() && self.params.is_plain_argmax()
     }
 
-    /// Sample the next token from `logits` (overwritten) and process it.
+    /// Sample the next token from `logits` (overwritten) and process it;
+    /// a constrained request samples only what its grammar allows.
     pub fn on_logits(&mut self, logits: &mut [f32]) -> Result<TokenOutcome> {
+        if let Some(c) = self.constraint.as_mut() {
+            c.mask_logits(logits)?;
+        }
         let sampled = self
             .sampler
             .sample(logits, &History::new(&self.prompt, &self.generated))?;
+        if let Some(c) = self.constraint.as_mut() {
+            c.commit(sampled.token.0)?;
+        }
         self.process(sampled)
     }
 

@@ -11,6 +11,11 @@ use crate::families;
 use crate::layers::LoadProgress;
 use crate::CausalLm;
 
+/// The Kiln family that serves `model_type` (`None`: Kiln cannot load it).
+pub fn family(model_type: &str) -> Option<&'static str> {
+    LLAMA_FAMILY.contains(&model_type).then_some("llama")
+}
+
 /// Load the model `config` describes from `source` onto `backend`.
 pub fn load_model(
     backend: Arc<dyn Backend>,

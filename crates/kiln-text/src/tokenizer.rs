@@ -249,6 +249,31 @@ impl Tokenizer {
         self.vocab_size
     }
 
+    /// The raw bytes a token stands for: GPT-2 byte-level pieces (`Ġworld`)
+    /// through the byte table, SentencePiece pieces (`▁world`, `<0x0A>`)
+    /// through their spelling, special tokens as their text. `None` for an
+    /// id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        if self.is_special(id) {
+            return Some(piece.into_bytes());
+        }
+        if let Some(b) = byte_fallback_piece(&piece) {
+            return Some(vec![b]);
+        }
+        // Byte-level BPE vocabularies spell the space byte as `Ġ`.
+        if self.inner.token_to_id("\u{120}").is_some() {
+            if let Some(bytes) = piece
+                .chars()
+                .map(gpt2_byte_of_char)
+                .collect::<Option<Vec<u8>>>()
+            {
+                return Some(bytes);
+            }
+        }
+        Some(piece.replace('\u{2581}', " ").into_bytes())
+    }
+
     /// Whether an id is a special token (the ones `decode(.., true)` leaves out).
     pub fn is_special(&self, id: u32) -> bool {
         self.special_ids.contains(&id)
@@ -382,4 +407,28 @@ pub(crate) fn bos_eos_post_processor(
         "pair": pair,
         "special_tokens": tokens,
     }))
+}
+
+/// `<0xAB>`: a SentencePiece byte-fallback piece.
+fn byte_fallback_piece(piece: &str) -> Option<u8> {
+    let hex = piece.strip_prefix("<0x")?.strip_suffix('>')?;
+    if hex.len() != 2 {
+        return None;
+    }
+    u8::from_str_radix(hex, 16).ok()
+}
+
+/// The byte a GPT-2 byte-level character stands for: printable Latin-1
+/// bytes stand for themselves, the other 68 bytes are `U+0100 + n` in order.
+pub fn gpt2_byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let code = c as u32;
+    if code < 0x100 {
+        return printable(code).then_some(code as u8);
+    }
+    let n = code - 0x100;
+    (0u32..0x100)
+        .filter(|&b| !printable(b))
+        .nth(n as usize)
+        .map(|b| b as u8)
 }

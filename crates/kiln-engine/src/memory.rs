@@ -1,0 +1,313 @@
+//! The memory equation: what a model needs to run, term by term, against
+//! what is free. `kiln fit` prints it, `kiln serve` refuses to start when
+//! one sequence of its context does not fit, and [`EngineConfig::plan`]
+//! keeps [`step_reserve_bytes`] back from the KV pool.
+//!
+//! Terms: weights as Kiln stores them (every tensor of
+//! `kiln_models::tensor_shapes`, packed or not, at the backend's weight
+//! element size); the KV cache (every layer's keys and values for every
+//! token of every sequence: sliding-window layers are not capped, because
+//! one block table per request keeps blocks that left the window until
+//! the request ends); one prefill chunk's activations; fixed overheads. On
+//! the CPU the peak is the larger of loading (the weight file mapped and
+//! one tensor's host copy on top of the weights) and running (KV and
+//! activations on top of the weights).
+//!
+//! [`EngineConfig::plan`]: crate::EngineConfig::plan
+
+use kiln_models::ModelConfig;
+
+use crate::error::{EngineError, Result};
+
+const MIB: u64 = 1 << 20;
+
+/// The CUDA context's own memory (kernels, driver state).
+pub const CUDA_CONTEXT_BYTES: u64 = 500 * MIB;
+/// cuBLAS's workspace.
+pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 * MIB;
+/// Buffers kept by recorded decode steps (their free list).
+pub const GRAPH_RESERVE_BYTES: u64 = 128 * MIB;
+/// Fixed step workspace on a device, on top of [`activation_bytes`].
+pub const DEVICE_STEP_WORKSPACE_BYTES: u64 = 256 * MIB;
+/// The process without weights on the CPU: code, tokenizer, metadata,
+/// allocator slack (measured with `kiln generate --report-peak-rss`).
+pub const CPU_PROCESS_BYTES: u64 = 80 * MIB;
+
+/// Peak activations of one step of `num_tokens` tokens over `num_seqs`
+/// sequences, in f32, as the reference (CPU) backend allocates them: per
+/// token the residual stream and its normed copy, plus the wider of the
+/// attention stage (packed q/k/v, its split, rotated q and k, the
+/// attention output) and the MLP stage (packed gate/up, its two halves,
+/// the activated product); per sequence its logits row and a host copy.
+pub fn activation_bytes(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize) -> u64 {
+    let q = cfg.num_heads * cfg.head_dim;
+    let kv = cfg.num_kv_heads * cfg.head_dim;
+    let attention = 2 * (q + 2 * kv) + (q + kv) + q;
+    let mlp = 5 * cfg.intermediate_size;
+    let per_token = 2 * cfg.hidden_size + attention.max(mlp);
+    (4 * num_tokens * per_token + 2 * 4 * num_seqs * cfg.vocab_size) as u64
+}
+
+/// Activations as a backend holds them: on a device the caching allocator
+/// keeps buffers in size classes and step recordings keep their own, so
+/// twice [`activation_bytes`]; on the CPU exactly that.
+pub fn step_activation_bytes(
+    cfg: &ModelConfig,
+    num_tokens: usize,
+    num_seqs: usize,
+    on_device: bool,
+) -> u64 {
+    let factor = if on_device { 2 } else { 1 };
+    factor * activation_bytes(cfg, num_tokens, num_seqs)
+}
+
+/// What the engine keeps back from a device's KV pool for one full step.
+pub fn step_reserve_bytes(
+    cfg: &ModelConfig,
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+) -> u64 {
+    DEVICE_STEP_WORKSPACE_BYTES
+        + step_activation_bytes(cfg, max_num_batched_tokens, max_num_seqs, true)
+}
+
+/// Where the model would run, with the sizes that follow from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryTarget {
+    /// A device with memory of its own (else the CPU).
+    pub on_device: bool,
+    pub weight_bytes_per_element: usize,
+    pub kv_bytes_per_element: usize,
+    /// `EngineConfig::max_num_batched_tokens` there (the prefill chunk).
+    pub max_num_batched_tokens: usize,
+    pub max_num_seqs: usize,
+    /// The CUDA context already exists (free memory was measured after it).
+    pub context_counted: bool,
+}
+
+impl MemoryTarget {
+    /// The CPU backend: f32 weights and KV, 2048-token chunks.
+    pub fn cpu() -> Self {
+        MemoryTarget {
+            on_device: false,
+            weight_bytes_per_element: 4,
+            kv_bytes_per_element: 4,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 256,
+            context_counted: false,
+        }
+    }
+
+    /// The CUDA backend: bf16 weights and KV, 8192-token chunks.
+    pub fn cuda(context_counted: bool) -> Self {
+        MemoryTarget {
+            on_device: true,
+            weight_bytes_per_element: 2,
+            kv_bytes_per_element: 2,
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 256,
+            context_counted,
+        }
+    }
+}
+
+/// The question: this model, this many sequences of this context, here.
+#[derive(Debug, Clone)]
+pub struct FitInput<'a> {
+    pub config: &'a ModelConfig,
+    pub target: MemoryTarget,
+    pub context: usize,
+    pub batch: usize,
+    /// Memory free for the model (device memory, or `MemAvailable`).
+    pub available_bytes: u64,
+    /// Bytes of the weight files (mapped while loading on the CPU).
+    pub file_bytes: u64,
+}
+
+/// The answer, term by term.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitReport {
+    pub context: usize,
+    pub batch: usize,
+    pub on_device: bool,
+    pub weights_bytes: u64,
+    /// Extra while loading on the CPU: the mapped file and one host copy.
+    pub loading_bytes: u64,
+    pub kv_bytes_per_token: u64,
+    pub kv_bytes: u64,
+    pub activation_bytes: u64,
+    /// Fixed costs by name.
+    pub overheads: Vec<(&'static str, u64)>,
+    /// The peak.
+    pub total_bytes: u64,
+    pub available_bytes: u64,
+    pub fits: bool,
+    /// The longest context that fits at `batch` (at most the model's).
+    pub max_context: usize,
+    /// The most sequences of `context` that fit.
+    pub max_batch: usize,
+}
+
+struct Terms {
+    weights: u64,
+    loading: u64,
+    overheads: Vec<(&'static str, u64)>,
+}
+
+fn terms(input: &FitInput<'_>) -> Result<Terms> {
+    let t = input.target;
+    let shapes = kiln_models::tensor_shapes(input.config)?;
+    let elems: Vec<u64> = shapes
+        .iter()
+        .map(|(_, s)| s.iter().map(|&d| d as u64).product())
+        .collect();
+    let weights = elems.iter().sum::<u64>() * t.weight_bytes_per_element as u64;
+    // Loading uploads one tensor at a time from an f32 host copy: the peak
+    // is the loaded prefix plus the copy in flight (the mapped file too).
+    let mut prefix = 0u64;
+    let mut in_flight = 0u64;
+    for &n in &elems {
+        prefix += n * t.weight_bytes_per_element as u64;
+        in_flight = in_flight.max((prefix + 4 * n).saturating_sub(weights));
+    }
+    let overheads = if t.on_device {
+        let mut v = Vec::new();
+        if !t.context_counted {
+            v.push(("CUDA context", CUDA_CONTEXT_BYTES));
+        }
+        v.push(("cuBLAS workspace", CUBLAS_WORKSPACE_BYTES));
+        v.push(("CUDA graph recordings", GRAPH_RESERVE_BYTES));
+        v.push(("step workspace", DEVICE_STEP_WORKSPACE_BYTES));
+        v
+    } else {
+        vec![("process and tokenizer", CPU_PROCESS_BYTES)]
+    };
+    Ok(Terms {
+        weights,
+        loading: if t.on_device {
+            0
+        } else {
+            input.file_bytes + in_flight
+        },
+        overheads,
+    })
+}
+
+fn peak(input: &FitInput<'_>, terms: &Terms, context: usize, batch: usize) -> (u64, u64, u64) {
+    let t = input.target;
+    let per_token = input.config.kv_bytes_per_token(t.kv_bytes_per_element) as u64;
+    let kv = per_token * context as u64 * batch as u64;
+    let chunk = (context.saturating_mul(batch)).min(t.max_num_batched_tokens);
+    let act = if batch == 0 {
+        0
+    } else {
+        step_activation_bytes(input.config, chunk, batch.min(t.max_num_seqs), t.on_device)
+    };
+    let fixed = terms.weights + terms.overheads.iter().map(|o| o.1).sum::<u64>();
+    let total = if t.on_device {
+        fixed + kv + act
+    } else {
+        fixed + terms.loading.max(kv + act)
+    };
+    (total, kv, act)
+}
+
+/// The largest `n` in `1..=hi` with `fits(n)` (fits is monotone); 0 if none.
+fn largest(hi: usize, fits: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0usize, hi);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+/// Evaluate the memory equation.
+pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
+    if input.context == 0 || input.batch == 0 {
+        return Err(EngineError::Config(
+            "context and batch must be at least 1".into(),
+        ));
+    }
+    let terms = terms(input)?;
+    let (total, kv, act) = peak(input, &terms, input.context, input.batch);
+    let avail = input.available_bytes;
+    let model_ctx = input.config.max_position_embeddings.max(1);
+    Ok(FitReport {
+        context: input.context,
+        batch: input.batch,
+        on_device: input.target.on_device,
+        weights_bytes: terms.weights,
+        loading_bytes: terms.loading,
+        kv_bytes_per_token: input
+            .config
+            .kv_bytes_per_token(input.target.kv_bytes_per_element)
+            as u64,
+        kv_bytes: kv,
+        activation_bytes: act,
+        max_context: largest(model_ctx, |c| {
+            peak(input, &terms, c, input.batch).0 <= avail
+        }),
+        max_batch: largest(1 << 20, |b| {
+            peak(input, &terms, input.context, b).0 <= avail
+        }),
+        overheads: terms.overheads,
+        total_bytes: total,
+        available_bytes: avail,
+        fits: total <= avail,
+    })
+}
+
+impl std::fmt::Display for FitReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: u64| format!("{:>10.1} MiB", b as f64 / MIB as f64);
+        let w = if self.on_device { "bf16" } else { "f32" };
+        writeln!(
+            f,
+            "  weights ({w})              {}",
+            mib(self.weights_bytes)
+        )?;
+        writeln!(
+            f,
+            "  KV cache                    {}  ({} B/token x {} tokens x {} seqs)",
+            mib(self.kv_bytes),
+            self.kv_bytes_per_token,
+            self.context,
+            self.batch
+        )?;
+        writeln!(
+            f,
+            "  activations (one chunk)     {}",
+            mib(self.activation_bytes)
+        )?;
+        if !self.on_device {
+            writeln!(
+                f,
+                "  loading (file + one copy)   {}  (peak is the larger of loading and KV + activations)",
+                mib(self.loading_bytes)
+            )?;
+        }
+        for (name, b) in &self.overheads {
+            writeln!(f, "  {name:<27} {}", mib(*b))?;
+        }
+        writeln!(f, "  total (peak)                {}", mib(self.total_bytes))?;
+        writeln!(
+            f,
+            "  available                   {}",
+            mib(self.available_bytes)
+        )?;
+        writeln!(
+            f,
+            "  verdict: {}; largest context at batch {}: {}; largest batch at context {}: {}",
+            if self.fits { "fits" } else { "does not fit" },
+            self.batch,
+            self.max_context,
+            self.context,
+            self.max_batch
+        )
+    }
+}

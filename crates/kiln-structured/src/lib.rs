@@ -1,0 +1,267 @@
+//! Constrained decoding: a request's output format (a JSON schema, any JSON
+//! object, a regex, a Lark grammar, or one of a list of strings) compiled by
+//! `llguidance` over the model's vocabulary into a token mask per step.
+//!
+//! [`StructuredVocab`] indexes a tokenizer once per model (every token's
+//! bytes; special tokens marked so no grammar can spell them as text).
+//! [`Constraint`] is one request's state: before each sampling step
+//! [`Constraint::mask_logits`] sets every token the grammar forbids to
+//! `-inf`, after it [`Constraint::commit`] advances the grammar. The end of
+//! the output is the model's end-of-sequence token, allowed only where the
+//! grammar accepts.
+//!
+//! This crate knows tokenizers and logits as plain slices; it does not know
+//! models, requests or the server. Main types: [`StructuredVocab`],
+//! [`Format`], [`Constraint`], [`StructuredError`].
+
+use std::sync::Arc;
+
+use kiln_text::Tokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+/// Why a format could not be used or a step could not be constrained.
+#[derive(Debug, thiserror::Error)]
+pub enum StructuredError {
+    /// The schema, regex or grammar does not compile (llguidance's reason).
+    #[error("invalid {kind}: {reason}")]
+    Invalid { kind: &'static str, reason: String },
+    /// The tokenizer cannot be indexed (no end-of-sequence token, ...).
+    #[error("structured output is unavailable for this tokenizer: {0}")]
+    Vocab(String),
+    /// The grammar rejected a token or failed mid-generation.
+    #[error("structured output: {0}")]
+    Step(String),
+}
+
+pub type Result<T, E = StructuredError> = std::result::Result<T, E>;
+
+/// An output format a request asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Format {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// JSON valid against a JSON schema.
+    JsonSchema(Value),
+    /// Text matching a regular expression (whole output).
+    Regex(String),
+    /// Text in the language of a Lark grammar (llguidance's dialect).
+    Lark(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+}
+
+impl Format {
+    fn kind(&self) -> &'static str {
+        match self {
+            Format::JsonObject => "json_object format",
+            Format::JsonSchema(_) => "JSON schema",
+            Format::Regex(_) => "regex",
+            Format::Lark(_) => "grammar",
+            Format::Choice(_) => "choice list",
+        }
+    }
+
+    fn grammar(&self) -> Result<TopLevelGrammar> {
+        Ok(match self {
+            Format::JsonObject => {
+                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
+            }
+            Format::JsonSchema(schema) => {
+                if !schema.is_object() && !schema.is_boolean() {
+                    return Err(StructuredError::Invalid {
+                        kind: self.kind(),
+                        reason: "a JSON schema is an object (or true/false)".into(),
+                    });
+                }
+                TopLevelGrammar::from_json_schema(compact(schema.clone()))
+            }
+            Format::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            Format::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+            Format::Choice(options) => {
+                if options.is_empty() {
+                    return Err(StructuredError::Invalid {
+                        kind: self.kind(),
+                        reason: "the list of choices is empty".into(),
+                    });
+                }
+                let alts: Vec<String> = options
+                    .iter()
+                    .map(|o| serde_json::to_string(o).unwrap_or_default())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
+            }
+        })
+    }
+}
+
+/// JSON with single spaces after `:` and `,` and no other whitespace
+/// (llguidance's default allows any run of whitespace between tokens, which
+/// small models fill forever), unless the schema sets its own options.
+fn compact(mut schema: Value) -> Value {
+    if let Some(obj) = schema.as_object_mut() {
+        obj.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+        });
+    }
+    schema
+}
+
+/// A model's vocabulary indexed for constrained decoding; built once per
+/// model and shared by every request.
+pub struct StructuredVocab {
+    factory: ParserFactory,
+    /// Rows of the model's logits (may exceed the tokenizer's vocabulary).
+    vocab_size: usize,
+    /// The id llguidance knows as end-of-sequence, and every id the model
+    /// stops on (all equivalent to it here).
+    eos: u32,
+    stop_ids: Vec<u32>,
+}
+
+impl StructuredVocab {
+    /// Index `tokenizer` for a model with `vocab_size` logits and stop ids
+    /// `stop_ids` (the first is the canonical end of sequence).
+    pub fn new(tokenizer: &Tokenizer, vocab_size: usize, stop_ids: &[u32]) -> Result<Arc<Self>> {
+        let &eos = stop_ids.first().ok_or_else(|| {
+            StructuredError::Vocab("the model has no end-of-sequence token".into())
+        })?;
+        let size = vocab_size.max(tokenizer.vocab_size());
+        if eos as usize >= size {
+            return Err(StructuredError::Vocab(format!(
+                "end-of-sequence id {eos} outside the vocabulary of {size}"
+            )));
+        }
+        let words: Vec<Vec<u8>> = (0..size as u32)
+            .map(|id| match tokenizer.token_bytes(id) {
+                // Specials (and ids with no token, padding rows of the
+                // embedding) carry the marker byte: no grammar spells them.
+                Some(b) if !tokenizer.is_special(id) && !b.is_empty() => b,
+                Some(b) if !b.is_empty() => {
+                    let mut m = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    m.extend(b);
+                    m
+                }
+                _ => format!("\u{ff}<unused {id}>").into_bytes(),
+            })
+            .collect();
+        let info = TokRxInfo {
+            vocab_size: size as u32,
+            tok_eos: eos,
+            tok_bos: tokenizer.bos_id(),
+            tok_pad: None,
+            tok_unk: None,
+            tok_end_of_turn: None,
+        };
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| StructuredError::Vocab(e.to_string()))?;
+        factory.quiet();
+        Ok(Arc::new(StructuredVocab {
+            factory,
+            vocab_size,
+            eos,
+            stop_ids: stop_ids.to_vec(),
+        }))
+    }
+
+    /// Compile `format` into a fresh constraint (errors name the reason).
+    pub fn constraint(self: &Arc<Self>, format: &Format) -> Result<Constraint> {
+        let grammar = format.grammar()?;
+        let parser = self
+            .factory
+            .create_parser(grammar)
+            .map_err(|e| StructuredError::Invalid {
+                kind: format.kind(),
+                reason: e.to_string(),
+            })?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(StructuredError::Invalid {
+                kind: format.kind(),
+                reason: e,
+            });
+        }
+        Ok(Constraint {
+            vocab: self.clone(),
+            matcher,
+            finished: false,
+        })
+    }
+}
+
+/// One request's grammar state.
+pub struct Constraint {
+    vocab: Arc<StructuredVocab>,
+    matcher: Matcher,
+    finished: bool,
+}
+
+impl Constraint {
+    /// The tokens allowed next (end-of-sequence ids included once the
+    /// output is complete).
+    pub fn allowed(&mut self) -> Result<SimpleVob> {
+        // Once the grammar is complete only end of sequence may follow.
+        let mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| StructuredError::Step(e.to_string()))?;
+        if mask.num_set() == 0 {
+            return Err(StructuredError::Step(
+                self.matcher
+                    .get_error()
+                    .unwrap_or_else(|| "no token can continue the output".into()),
+            ));
+        }
+        Ok(mask)
+    }
+
+    /// Set every logit the grammar forbids to `-inf` (logits of the model's
+    /// vocabulary size).
+    pub fn mask_logits(&mut self, logits: &mut [f32]) -> Result<()> {
+        let mask = self.allowed()?;
+        let eos_ok = mask.is_allowed(self.vocab.eos);
+        for (id, l) in logits.iter_mut().enumerate() {
+            let ok = if self.vocab.stop_ids.contains(&(id as u32)) {
+                eos_ok
+            } else {
+                id < mask.len() && mask.is_allowed(id as u32)
+            };
+            if !ok {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Advance past the sampled `token` (any stop id ends the output).
+    pub fn commit(&mut self, token: u32) -> Result<()> {
+        let t = if self.vocab.stop_ids.contains(&token) {
+            self.finished = true;
+            // A complete grammar has stopped already: nothing to consume.
+            if self.matcher.is_stopped() {
+                return Ok(());
+            }
+            self.vocab.eos
+        } else {
+            token
+        };
+        self.matcher
+            .consume_token(t)
+            .map_err(|e| StructuredError::Step(e.to_string()))
+    }
+
+    /// Whether the grammar has reached its end (nothing but end of sequence
+    /// may follow) or a stop token was committed.
+    pub fn is_finished(&self) -> bool {
+        self.finished || self.matcher.is_stopped()
+    }
+
+    /// Rows of the logits this constraint masks.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab.vocab_size
+    }
+}

@@ -1,0 +1,262 @@
+//! Constraints on the SmolLM2 vocabulary driven by a random "model": at
+//! every step the logits are noise (plus a pull towards closing tokens so
+//! outputs end), the constraint masks them, the best allowed token is
+//! taken. Whatever the noise, the output must be in the format's language.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kiln_structured::{Format, StructuredError, StructuredVocab};
+use kiln_text::Tokenizer;
+use serde_json::{json, Value};
+
+fn tokenizer() -> Tokenizer {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/smollm2-tokenizer");
+    Tokenizer::from_hf_dir(dir).unwrap()
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+const EOS: u32 = 2;
+
+fn setup() -> (Tokenizer, Arc<StructuredVocab>) {
+    let t = tokenizer();
+    let v = StructuredVocab::new(&t, 49152, &[EOS, 0]).unwrap();
+    (t, v)
+}
+
+/// Generate under `format` with noise seeded by `seed`; the text before EOS.
+fn generate(t: &Tokenizer, v: &Arc<StructuredVocab>, format: &Format, seed: u64) -> String {
+    let mut c = v.constraint(format).unwrap();
+    let mut rng = Rng(seed | 1);
+    // Tokens that close things, pulled up so random outputs end.
+    let closers: Vec<u32> = (0..49152u32)
+        .filter(|&id| {
+            matches!(
+                t.token_bytes(id).as_deref(),
+                Some(b"}") | Some(b"]") | Some(b"\"") | Some(b",") | Some(b"0") | Some(b"1")
+            )
+        })
+        .collect();
+    let mut out = Vec::new();
+    for _ in 0..600 {
+        let mut logits: Vec<f32> = (0..49152).map(|_| rng.next()).collect();
+        for &id in &closers {
+            logits[id as usize] += 0.6;
+        }
+        logits[EOS as usize] += 2.0;
+        c.mask_logits(&mut logits).unwrap();
+        let (best, &l) = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap();
+        assert!(l.is_finite(), "the mask left no token");
+        c.commit(best as u32).unwrap();
+        if best as u32 == EOS {
+            assert!(c.is_finished());
+            return t.decode(&out, false).unwrap();
+        }
+        out.push(best as u32);
+    }
+    panic!(
+        "no end after 600 steps: {:?}",
+        t.decode(&out, false).unwrap()
+    );
+}
+
+fn check_schema(value: &Value, schema: &Value) {
+    match schema["type"].as_str() {
+        Some("object") => {
+            let obj = value.as_object().expect("an object");
+            for r in schema["required"].as_array().into_iter().flatten() {
+                assert!(
+                    obj.contains_key(r.as_str().unwrap()),
+                    "required {r} in {value}"
+                );
+            }
+            if schema["additionalProperties"] == json!(false) {
+                let props = schema["properties"].as_object().unwrap();
+                assert!(
+                    obj.keys().all(|k| props.contains_key(k)),
+                    "extra key in {value}"
+                );
+            }
+            for (k, v) in obj {
+                if let Some(s) = schema["properties"].get(k) {
+                    check_schema(v, s);
+                }
+            }
+        }
+        Some("array") => {
+            let a = value.as_array().expect("an array");
+            if let Some(n) = schema["minItems"].as_u64() {
+                assert!(a.len() as u64 >= n, "minItems in {value}");
+            }
+            if let Some(n) = schema["maxItems"].as_u64() {
+                assert!(a.len() as u64 <= n, "maxItems in {value}");
+            }
+            for x in a {
+                check_schema(x, &schema["items"]);
+            }
+        }
+        Some("integer") => {
+            // Integers past i64 (no bounds in the schema) parse as f64.
+            let n = value
+                .as_f64()
+                .unwrap_or_else(|| panic!("an integer: {value}"));
+            assert!(n.fract() == 0.0, "an integer: {value}");
+            if let Some(m) = schema["minimum"].as_f64() {
+                assert!(n >= m, "minimum in {value}");
+            }
+            if let Some(m) = schema["maximum"].as_f64() {
+                assert!(n <= m, "maximum in {value}");
+            }
+        }
+        Some("boolean") => assert!(value.is_boolean()),
+        Some("string") => {
+            let s = value.as_str().expect("a string");
+            if let Some(n) = schema["maxLength"].as_u64() {
+                assert!(s.chars().count() as u64 <= n, "maxLength in {value}");
+            }
+            if let Some(e) = schema["enum"].as_array() {
+                assert!(e.contains(value), "enum in {value}");
+            }
+        }
+        _ => {
+            if let Some(e) = schema["enum"].as_array() {
+                assert!(e.contains(value), "enum in {value}");
+            }
+        }
+    }
+}
+
+#[test]
+fn json_schema_outputs_parse_and_validate_whatever_the_noise() {
+    let (t, v) = setup();
+    let schemas = [
+        json!({"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+               "required": ["name", "age"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+               "minItems": 1, "maxItems": 3}, "ok": {"type": "boolean"}},
+               "required": ["tags", "ok"], "additionalProperties": false}),
+        json!({"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]},
+               "point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                         "required": ["x", "y"], "additionalProperties": false}},
+               "required": ["color", "point"], "additionalProperties": false}),
+        json!({"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4}),
+    ];
+    for (i, schema) in schemas.iter().enumerate() {
+        for seed in 1..=4u64 {
+            let text = generate(
+                &t,
+                &v,
+                &Format::JsonSchema(schema.clone()),
+                seed * 7919 + i as u64,
+            );
+            let value: Value = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("schema {i} seed {seed}: {e}: {text:?}"));
+            check_schema(&value, schema);
+        }
+    }
+}
+
+#[test]
+fn json_object_regex_choice_and_grammar_hold() {
+    let (t, v) = setup();
+    for seed in 1..=3u64 {
+        let text = generate(&t, &v, &Format::JsonObject, seed);
+        assert!(
+            serde_json::from_str::<Value>(&text).unwrap().is_object(),
+            "{text:?}"
+        );
+
+        let text = generate(&t, &v, &Format::Regex(r"[0-9]{3}-[a-z]{2,4}".into()), seed);
+        let (digits, letters) = text.split_once('-').unwrap_or_else(|| panic!("{text:?}"));
+        assert!(
+            digits.len() == 3 && digits.bytes().all(|b| b.is_ascii_digit()),
+            "{text:?}"
+        );
+        assert!(
+            (2..=4).contains(&letters.len()) && letters.bytes().all(|b| b.is_ascii_lowercase()),
+            "{text:?}"
+        );
+
+        let options = vec![
+            "yes".to_string(),
+            "no".to_string(),
+            "maybe later".to_string(),
+        ];
+        let text = generate(&t, &v, &Format::Choice(options.clone()), seed);
+        assert!(options.contains(&text), "{text:?}");
+
+        let lark = r#"start: expr
+expr: NUMBER | expr "+" NUMBER
+NUMBER: /[0-9]{1,3}/"#;
+        let text = generate(&t, &v, &Format::Lark(lark.into()), seed);
+        assert!(
+            text.split('+')
+                .all(|n| (1..=3).contains(&n.len()) && n.bytes().all(|b| b.is_ascii_digit())),
+            "{text:?}"
+        );
+    }
+}
+
+#[test]
+fn end_of_sequence_only_where_the_grammar_accepts() {
+    let (_, v) = setup();
+    let mut c = v
+        .constraint(&Format::JsonSchema(
+            json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+        ))
+        .unwrap();
+    let mut logits = vec![0f32; 49152];
+    c.mask_logits(&mut logits).unwrap();
+    assert_eq!(
+        logits[EOS as usize],
+        f32::NEG_INFINITY,
+        "nothing generated yet"
+    );
+    assert_eq!(logits[0], f32::NEG_INFINITY, "every stop id follows EOS");
+    let allowed = logits.iter().filter(|l| l.is_finite()).count();
+    assert!(
+        allowed > 0 && allowed < 49152 / 2,
+        "{allowed} tokens allowed at the start"
+    );
+}
+
+#[test]
+fn bad_formats_are_errors_with_the_reason() {
+    let (_, v) = setup();
+    let bad = [
+        Format::Regex("[unclosed".into()),
+        Format::Lark("start: undefined_rule".into()),
+        Format::JsonSchema(json!("not a schema")),
+        Format::Choice(vec![]),
+    ];
+    for f in bad {
+        match v.constraint(&f) {
+            Err(StructuredError::Invalid { reason, .. }) => assert!(!reason.is_empty()),
+            Err(e) => panic!("{f:?}: wrong error {e}"),
+            Ok(_) => panic!("{f:?} compiled"),
+        }
+    }
+}
+
+#[test]
+fn a_token_the_grammar_forbids_is_refused() {
+    let (t, v) = setup();
+    let mut c = v.constraint(&Format::Regex("[0-9]+".into())).unwrap();
+    let letter = t.encode("x", false).unwrap()[0];
+    assert!(c.commit(letter).is_err());
+}
