@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run Kiln's whole test suite: fetch the real models the tests check against
 # (once; later runs only verify hashes), NVRTC for the kernel-compile tests
-# and the OpenAI/Anthropic Python SDKs, then run every crate's tests and the
-# SDK conformance suite against `kiln serve`.
+# and the OpenAI/Anthropic Python SDKs, then run every crate's tests, the
+# SDK conformance suite against `kiln serve` and the hub cache
+# interoperability test against huggingface_hub.
 #
 #   scripts/test.sh [extra cargo test args]
 #
@@ -28,6 +29,9 @@ cargo test --workspace "$@" 2>&1 | tee "$log" || status=$?
 pysdk=$(scripts/install-sdks.sh) || exit 1
 PYTHONPATH="$pysdk" python3 tests/sdk/sdk_conformance.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
   models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 | tee -a "$log" || status=1
+# `kiln get` and the official huggingface_hub package share one cache (mock hub on loopback).
+pyhub=$(scripts/install-hfhub.sh) || exit 1
+PYTHONPATH="$pyhub" python3 tests/hub/hub_interop.py "${CARGO_TARGET_DIR:-target}/debug/kiln" 2>&1 | tee -a "$log" || status=1
 # One closing line for the whole suite (cargo prints one per test binary).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($i ~ /^passed;?$/) p += $(i-1); if ($i ~ /^failed;?$/) f += $(i-1) } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$log"

@@ -36,6 +36,17 @@ pub enum Command {
     Serve(crate::serve::ServeArgs),
     /// Convert a GGUF file to a Hugging Face safetensors directory.
     Convert(crate::convert::ConvertArgs),
+    /// Download a model from the Hugging Face hub into its cache (ORG/NAME[@REVISION]).
+    Get(crate::get::GetArgs),
+    /// Register the models in the hub cache, ./models and the given paths.
+    Scan(crate::registry::ScanArgs),
+    /// List registered models (one row per repository).
+    Ls(crate::registry::LsArgs),
+    /// Forget a registered model (optionally deleting its cached files).
+    Rm(crate::registry::RmArgs),
+    /// Will a model fit: weights, KV cache, activations and overhead
+    /// against free memory.
+    Fit(crate::fit::FitArgs),
     /// Developer tools.
     #[command(subcommand)]
     Dev(crate::dev::DevCommand),
@@ -44,10 +55,11 @@ pub enum Command {
 /// Which model to load.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// A GGUF file or a Hugging Face model directory. Default: the SmolLM2
-    /// model in $KILN_MODELS_DIR (or ./models).
+    /// A GGUF file, a Hugging Face model directory, or a query naming one
+    /// registered model (`kiln ls`). Default: the SmolLM2 model in
+    /// $KILN_MODELS_DIR (or ./models).
     #[arg(long, short = 'm')]
-    pub model: Option<PathBuf>,
+    pub model: Option<String>,
     /// Where to run: cpu, cuda, cuda:N, or auto (a usable GPU, else the CPU).
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -115,14 +127,22 @@ pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
 }
 
 impl ModelArgs {
-    pub fn path(&self) -> PathBuf {
-        if let Some(p) = &self.model {
-            return p.clone();
+    /// The model's path: the default model, an existing path, or the one
+    /// registered model the query names.
+    pub fn path(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(q) => crate::registry::resolve_model(q),
+            None => {
+                let path = crate::registry::models_dir().join(DEFAULT_MODEL_FILE);
+                if !path.exists() {
+                    anyhow::bail!(
+                        "the default model {} is missing: run scripts/fetch-models.sh, or pass a model",
+                        path.display()
+                    );
+                }
+                Ok(path)
+            }
         }
-        let dir = std::env::var_os("KILN_MODELS_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("models"));
-        dir.join(DEFAULT_MODEL_FILE)
     }
 
     pub fn load(&self) -> Result<LoadedModel> {
@@ -135,13 +155,7 @@ impl ModelArgs {
 
     /// Load onto a given backend (e.g. a profiling wrapper).
     pub fn load_on(&self, backend: Arc<dyn kiln_tensor::Backend>) -> Result<LoadedModel> {
-        let path = self.path();
-        if self.model.is_none() && !path.exists() {
-            anyhow::bail!(
-                "the default model {} is missing: run scripts/fetch-models.sh, or pass --model",
-                path.display()
-            );
-        }
+        let path = self.path()?;
         // A progress line on a terminal for models over 1 GB.
         let shown = std::sync::atomic::AtomicU64::new(u64::MAX);
         let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());

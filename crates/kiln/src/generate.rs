@@ -28,6 +28,24 @@ pub struct GenerateArgs {
     pub json: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Print the process's peak resident memory (VmHWM) to stderr at exit,
+    /// as `kiln: peak RSS N bytes` (to check `kiln fit`).
+    #[arg(long, hide = true)]
+    pub report_peak_rss: bool,
+}
+
+/// VmHWM from /proc/self/status, in bytes.
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// Token ids of `prompt`, raw or through the chat template.
@@ -111,6 +129,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             t.decode_tokens_per_second(),
             g.finish_reason.as_openai_str()
         );
+    }
+    if a.report_peak_rss {
+        match peak_rss_bytes() {
+            Some(b) => eprintln!("kiln: peak RSS {b} bytes"),
+            None => eprintln!("kiln: peak RSS unknown (no /proc/self/status)"),
+        }
     }
     Ok(())
 }

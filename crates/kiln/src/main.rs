@@ -2,7 +2,7 @@
 //!
 //! This binary is the only place that reads environment variables, sets up
 //! threads and prints. Subcommands: `generate`, `chat`, `bench`, `serve`,
-//! `convert`, `dev random-checkpoint`.
+//! `convert`, `get`, `scan`, `ls`, `rm`, `fit`, `dev random-checkpoint`.
 
 mod bench;
 mod bench_engine;
@@ -10,7 +10,10 @@ mod chat;
 mod cli;
 mod convert;
 mod dev;
+mod fit;
 mod generate;
+mod get;
+mod registry;
 mod serve;
 
 use anyhow::Result;
@@ -43,6 +46,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchEngine(a) => bench_engine::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::Get(a) => get::run(a),
+        Command::Scan(a) => registry::scan(a),
+        Command::Ls(a) => registry::ls(a),
+        Command::Rm(a) => registry::rm(a),
+        Command::Fit(a) => fit::run(a),
         Command::Dev(d) => dev::run(d),
     }
 }

@@ -1,7 +1,9 @@
-//! `kiln serve`: load a model, start the engine, and serve the OpenAI API
-//! over HTTP until SIGINT or SIGTERM.
+//! `kiln serve`: bind at once, load the model and start the engine in the
+//! background (the server answers 503 until then; a failed load ends the
+//! process with the error), and serve the APIs over HTTP until SIGINT or
+//! SIGTERM.
 
-use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -13,9 +15,18 @@ use crate::cli::ModelArgs;
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
-    /// A GGUF file or a Hugging Face model directory. Default: the SmolLM2
-    /// model in $KILN_MODELS_DIR (or ./models).
-    pub model: Option<PathBuf>,
+    /// A GGUF file, a Hugging Face model directory, or a registered
+    /// model's name (`kiln ls`). Default: the SmolLM2 model in
+    /// $KILN_MODELS_DIR (or ./models).
+    pub model: Option<String>,
+    /// Tokens one sequence must be able to reach (default: the model's
+    /// context length); serve refuses to start when that cannot fit.
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Check the fit against this many free bytes instead of measuring
+    /// them (for planning, and for tests).
+    #[arg(long)]
+    pub memory_bytes: Option<u64>,
     /// Where to run: cpu, cuda, cuda:N, or auto (a usable GPU, else the CPU).
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -50,21 +61,27 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model: a.model.clone(),
         device: a.device.clone(),
     };
-    let path = model_args.path();
-    let model = model_args.load()?;
+    let mut model_args = model_args;
+    let path = model_args.path()?;
+    // Resolved once: the loader takes the path.
+    model_args.model = Some(path.to_string_lossy().into_owned());
+    // The memory equation before anything loads: one sequence of the
+    // context must fit.
+    let backend = model_args.backend()?;
+    let (target, avail) = crate::fit::target_for(&a.device, Some(&backend), a.memory_bytes)?;
+    let fit = crate::fit::check(&path, target, avail, a.context, 1)?;
+    if !fit.fits {
+        anyhow::bail!(
+            "{} does not fit one sequence of {} tokens:\n{fit}use --context, a smaller model or quantization, or another device",
+            path.display(),
+            fit.context
+        );
+    }
     let model_name = a.served_model_name.clone().unwrap_or_else(|| {
         path.file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "kiln".into())
     });
-    let plan = EngineConfig::plan(&model, a.kv_mib)?;
-    let engine_config = plan.config;
-    eprintln!(
-        "kiln serve: {} loaded in {:.1}s; {plan}",
-        path.display(),
-        model.load_seconds,
-    );
-    let engine = Engine::start(model, engine_config).context("starting the engine")?;
     let config = ServerConfig {
         host: a.host,
         port: a.port,
@@ -73,12 +90,40 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body_mib << 20,
         model_name: model_name.clone(),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
+        ..ServerConfig::default()
     };
-    kiln_server::run(config, engine.handle(), |addr| {
-        eprintln!("kiln serve: `{model_name}` on http://{addr} (Ctrl-C to stop)");
+    let (kv_mib, context) = (a.kv_mib, fit.context);
+    let load_path = path.clone();
+    let load = move || {
+        load_engine(&model_args, &load_path, backend, kv_mib, context).map_err(|e| format!("{e:#}"))
+    };
+    kiln_server::run(config, load, |addr| {
+        eprintln!(
+            "kiln serve: `{model_name}` on http://{addr} (Ctrl-C to stop); loading {}",
+            path.display()
+        );
     })?;
     eprintln!("kiln serve: stopped");
-    // Dropping the engine ends any request still running.
-    drop(engine);
     Ok(())
+}
+
+/// Loads the model and starts its engine (on a background thread while the
+/// server already answers).
+fn load_engine(
+    model_args: &ModelArgs,
+    path: &std::path::Path,
+    backend: Arc<dyn kiln_tensor::Backend>,
+    kv_mib: Option<usize>,
+    context: usize,
+) -> Result<Engine> {
+    let model = model_args.load_on(backend)?;
+    let plan = EngineConfig::plan(&model, kv_mib, context)?;
+    let engine_config = plan.config;
+    let load_seconds = model.load_seconds;
+    let engine = Engine::start(model, engine_config).context("starting the engine")?;
+    eprintln!(
+        "kiln serve: {} loaded in {load_seconds:.1}s; {plan}; ready",
+        path.display(),
+    );
+    Ok(engine)
 }

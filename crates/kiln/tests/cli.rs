@@ -213,3 +213,37 @@ fn chat_streams_answers_and_keeps_the_conversation() {
         "The capital of France is Paris.\nThe capital of France is Paris.\n"
     );
 }
+
+#[test]
+fn serve_listens_at_once_and_exits_with_the_error_when_the_model_cannot_load() {
+    // A checkpoint whose shapes check out but whose tokenizer is broken:
+    // the failure comes from the background load, after binding.
+    let dir = std::env::temp_dir().join(format!("kiln-serve-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = kiln()
+        .args(["dev", "random-checkpoint", "--tokenizer"])
+        .arg(smollm2())
+        .arg("--out")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(dir.join("tokenizer.json"), b"not json").unwrap();
+    let out = kiln()
+        .args(["serve", "--port", "0", "--device", "cpu"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stderr: {stderr}");
+    // It was listening before the load failed, and says why it stopped.
+    let listening = stderr.find("on http://127.0.0.1:").expect(&stderr);
+    let failed = stderr.find("the model failed to load").expect(&stderr);
+    assert!(listening < failed, "{stderr}");
+    assert!(stderr.contains("tokenizer.json"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

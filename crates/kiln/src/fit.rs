@@ -1,0 +1,162 @@
+//! `kiln fit`: will a model fit here (or in `--memory-bytes`)? The memory
+//! equation of `kiln_engine::memory` from the model's headers alone, as a
+//! breakdown or JSON, with the longest context and the largest batch that
+//! fit. `kiln serve` applies the same check before loading.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kiln_engine::memory::{fit, FitInput, FitReport, MemoryTarget};
+use kiln_models::ModelConfig;
+use kiln_tensor::Backend;
+use serde_json::json;
+
+use crate::cli::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct FitArgs {
+    /// A GGUF file, a model directory, or a registered model's name.
+    pub model: Option<String>,
+    /// Tokens per sequence (default: the model's context length).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Sequences at once.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Where it would run: cpu, cuda, cuda:N, or auto.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Plan against this many free bytes instead of measuring them (for
+    /// planning another machine, and for tests).
+    #[arg(long)]
+    pub memory_bytes: Option<u64>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+fn mem_available() -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .context("no MemAvailable in /proc/meminfo; pass --memory-bytes")
+}
+
+/// Bytes of the weight files: the GGUF file, or a directory's safetensors.
+fn file_bytes(path: &Path) -> u64 {
+    if path.is_file() {
+        return std::fs::metadata(path).map_or(0, |m| m.len());
+    }
+    std::fs::read_dir(path)
+        .map(|rd| {
+            rd.flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                .filter_map(|e| std::fs::metadata(e.path()).ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Where memory is counted: the target and what is free there.
+pub fn target_for(
+    device: &str,
+    backend: Option<&Arc<dyn Backend>>,
+    memory_bytes: Option<u64>,
+) -> Result<(MemoryTarget, u64)> {
+    if device == "cpu" {
+        let avail = match memory_bytes {
+            Some(b) => b,
+            None => mem_available()?,
+        };
+        return Ok((MemoryTarget::cpu(), avail));
+    }
+    let opened;
+    let backend = match backend {
+        Some(b) => b,
+        None => {
+            opened = crate::cli::backend_for(device)?;
+            &opened
+        }
+    };
+    match backend.device_memory() {
+        Some(m) => {
+            let target = MemoryTarget {
+                weight_bytes_per_element: backend.weight_bytes_per_element(),
+                kv_bytes_per_element: backend.kv_bytes_per_element(),
+                ..MemoryTarget::cuda(memory_bytes.is_none())
+            };
+            Ok((target, memory_bytes.unwrap_or(m.free_bytes)))
+        }
+        None => target_for("cpu", None, memory_bytes),
+    }
+}
+
+/// The memory equation for the model at `path`.
+pub fn check(
+    path: &Path,
+    target: MemoryTarget,
+    available_bytes: u64,
+    context: Option<usize>,
+    batch: usize,
+) -> Result<FitReport> {
+    let config = kiln_registry::hf_config(path)?;
+    let config = ModelConfig::from_hf(&config)
+        .with_context(|| format!("reading the config of {}", path.display()))?;
+    let input = FitInput {
+        context: context.unwrap_or(config.max_position_embeddings),
+        config: &config,
+        target,
+        batch,
+        available_bytes,
+        file_bytes: file_bytes(path),
+    };
+    Ok(fit(&input)?)
+}
+
+pub fn report_json(path: &Path, r: &FitReport) -> serde_json::Value {
+    let overheads: serde_json::Map<String, serde_json::Value> = r
+        .overheads
+        .iter()
+        .map(|(k, v)| (k.to_string(), json!(v)))
+        .collect();
+    json!({
+        "model": path.display().to_string(),
+        "device": if r.on_device { "cuda" } else { "cpu" },
+        "context": r.context,
+        "batch": r.batch,
+        "weights_bytes": r.weights_bytes,
+        "kv_bytes_per_token": r.kv_bytes_per_token,
+        "kv_bytes": r.kv_bytes,
+        "activation_bytes": r.activation_bytes,
+        "loading_bytes": r.loading_bytes,
+        "overheads": overheads,
+        "total_bytes": r.total_bytes,
+        "available_bytes": r.available_bytes,
+        "fits": r.fits,
+        "max_context": r.max_context,
+        "max_batch": r.max_batch,
+    })
+}
+
+pub fn run(a: FitArgs) -> Result<()> {
+    let path = ModelArgs {
+        model: a.model.clone(),
+        device: a.device.clone(),
+    }
+    .path()?;
+    let (target, avail) = target_for(&a.device, None, a.memory_bytes)?;
+    let report = check(&path, target, avail, a.context, a.batch)?;
+    if a.json {
+        println!("{}", report_json(&path, &report));
+    } else {
+        println!("{}:", path.display());
+        print!("{report}");
+    }
+    Ok(())
+}
