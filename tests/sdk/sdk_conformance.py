@@ -2,19 +2,26 @@
 """Kiln's server driven by the official OpenAI and Anthropic Python SDKs
 (installed from PyPI by scripts/test.sh): `kiln serve` on SmolLM2 on a free
 loopback port, then chat (plain and streaming), completions, logprobs, seeds,
-stop sequences, cached tokens on a repeated prefix, Anthropic messages (plain,
-streaming, count_tokens, a tool result with is_error), and errors as each SDK
-sees them.
+stop sequences, cached tokens on a repeated prefix, the Responses API (plain,
+streamed, a function tool round trip, stateless refusals), Anthropic messages
+(plain, streaming, count_tokens, a tool result with is_error), and errors as
+each SDK sees them. Then every example in examples/sdk and examples/curl runs
+against the server, and the README must show each one byte for byte.
 
     python3 tests/sdk/sdk_conformance.py KILN_BINARY MODEL.gguf
 
 Prints one `test result:` line in cargo's format so scripts/test.sh counts it.
 """
+import json
+import os
+import pathlib
 import re
 import subprocess
 import sys
 import time
 import traceback
+import urllib.error
+import urllib.request
 
 import anthropic
 import openai
@@ -22,6 +29,35 @@ import openai
 KILN, MODEL = sys.argv[1], sys.argv[2]
 NAME = "SmolLM2-135M-Instruct.Q4_1"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PARIS = "The capital of France is Paris."
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples" / "sdk").glob("*.py")) + sorted((ROOT / "examples" / "curl").glob("*.sh"))
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def weather_questions():
+    """Two worked examples, so that greedy SmolLM2 answers the third question with a call."""
+    items = []
+    for city in ("London", "Berlin"):
+        items.append({"role": "user", "content": f"Weather in {city}?"})
+        items.append({"role": "assistant",
+                      "content": json.dumps({"name": "get_weather", "arguments": {"city": city}})})
+    return items + [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def answer_text(v):
+    """The generated text of a chat, completion, Responses or Anthropic body."""
+    if "choices" in v:
+        c = v["choices"][0]
+        return c["message"]["content"] if "message" in c else c["text"]
+    if v.get("object") == "response":
+        return "".join(p["text"] for item in v["output"] if item["type"] == "message" for p in item["content"])
+    return "".join(b["text"] for b in v["content"] if b["type"] == "text")
 
 
 def start_server(*extra):
@@ -32,11 +68,30 @@ def start_server(*extra):
         line = p.stderr.readline()
         m = re.search(r"on (http://[0-9.:]+)", line or "")
         if m:
+            wait_ready(p, m.group(1), deadline)
             return p, m.group(1) + "/v1"
         if p.poll() is not None:
             raise RuntimeError("kiln serve exited: " + p.stderr.read())
     p.kill()
     raise RuntimeError("kiln serve did not start in time")
+
+
+def wait_ready(p, base, deadline):
+    """`kiln serve` listens at once and loads the model in the background:
+    /health answers 503 until the model is loaded, then 200."""
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as e:
+            if e.code != 503:
+                raise
+        if p.poll() is not None:
+            raise RuntimeError("kiln serve exited: " + p.stderr.read())
+        time.sleep(0.05)
+    p.kill()
+    raise RuntimeError("kiln serve did not load the model in time")
 
 
 def main():
@@ -86,6 +141,47 @@ def main():
         assert a == b, (a, b)
 
     @test
+    def several_choices_seeded_and_streamed():
+        kw = dict(model=NAME, messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0,
+                  seed=7, max_tokens=8)
+        r = client.chat.completions.create(n=3, **kw)
+        assert [c.index for c in r.choices] == [0, 1, 2], r
+        assert 3 <= r.usage.completion_tokens <= 3 * 8, r.usage
+        one = client.chat.completions.create(n=1, **kw)
+        assert one.choices[0].message.content == r.choices[0].message.content, (one, r)
+        assert r.usage.prompt_tokens == one.usage.prompt_tokens
+        texts = {}
+        for c in client.chat.completions.create(n=3, stream=True, **kw):
+            for ch in c.choices:
+                texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+        assert [texts[i] for i in range(3)] == [c.message.content for c in r.choices], (texts, r)
+        try:
+            client.chat.completions.create(n=9, **kw)
+            raise AssertionError("n = 9 accepted")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and "n" in str(e)
+
+    @test
+    def structured_output_json_schema():
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                   "country": {"type": "string", "maxLength": 24}},
+                  "required": ["city", "country"], "additionalProperties": False}
+        r = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "Give the capital of France as JSON."}],
+            temperature=0, max_tokens=64,
+            response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}})
+        value = json.loads(r.choices[0].message.content)
+        assert set(value) == {"city", "country"} and all(isinstance(v, str) and len(v) <= 24 for v in value.values()), value
+        r = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=8,
+                                           extra_body={"guided_choice": ["Paris", "Lyon"]})
+        assert r.choices[0].message.content in ("Paris", "Lyon"), r.choices[0].message.content
+        try:
+            client.chat.completions.create(model=NAME, messages=QUESTION, extra_body={"guided_regex": "(unclosed"})
+            raise AssertionError("an invalid regex was accepted")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and "regex" in str(e), e
+
+    @test
     def stop_sequence():
         r = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, stop=["of Fr"])
         assert r.choices[0].message.content == "The capital ", r.choices[0].message.content
@@ -120,6 +216,93 @@ def main():
             assert e.status_code == 401
         good = openai.OpenAI(base_url=keyed_url, api_key="sekrit", max_retries=0)
         assert [m.id for m in good.models.list().data] == [NAME]
+
+    @test
+    def responses_greedy():
+        r = client.responses.create(model=NAME, input=QUESTION, temperature=0, max_output_tokens=32,
+                                    metadata={"k": "v"})
+        assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed", r
+        assert r.output_text == PARIS, r.output_text
+        assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
+        assert r.usage.input_tokens == 37 and r.usage.output_tokens > 0
+        assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+        assert r.usage.output_tokens_details.reasoning_tokens == 0
+        assert r.metadata == {"k": "v"} and r.store is False
+        cut = client.responses.create(model=NAME, input="What is the capital of France?", temperature=0,
+                                      max_output_tokens=2)
+        assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens", cut
+
+    @test
+    def responses_streaming():
+        events = list(client.responses.create(model=NAME, input=QUESTION, temperature=0, stream=True))
+        types = [e.type for e in events]
+        assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"], types
+        assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                              "response.output_item.done", "response.completed"], types
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == PARIS and events[-1].response.output_text == PARIS, text
+        # The SDK's own accumulator agrees.
+        with client.responses.stream(model=NAME, input=QUESTION, temperature=0) as stream:
+            deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+            final = stream.get_final_response()
+        assert deltas == PARIS and final.output_text == PARIS and final.status == "completed"
+
+    @test
+    def responses_function_tool_round_trip():
+        ask = weather_questions()
+        r = client.responses.create(model=NAME, input=ask, tools=[WEATHER_TOOL], temperature=0, max_output_tokens=40)
+        calls = [item for item in r.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", r.output
+        assert json.loads(calls[0].arguments) == {"city": "Paris"}, calls[0].arguments
+        # The output items go back as input, with the function's result.
+        follow = ask + r.output + [{"type": "function_call_output", "call_id": calls[0].call_id,
+                                    "output": json.dumps({"temperature_c": 18, "sky": "sunny"})}]
+        done = client.responses.create(model=NAME, input=follow, tools=[WEATHER_TOOL], temperature=0,
+                                       max_output_tokens=40)
+        assert done.status in ("completed", "incomplete") and done.output, done
+        assert all(item.type in ("message", "function_call") for item in done.output), done.output
+        assert done.usage.input_tokens > r.usage.input_tokens
+        # Streamed, the call arrives as its argument events.
+        events = list(client.responses.create(model=NAME, input=ask, tools=[WEATHER_TOOL], temperature=0,
+                                              max_output_tokens=40, stream=True))
+        args = [e for e in events if e.type == "response.function_call_arguments.done"]
+        assert len(args) == 1 and json.loads(args[0].arguments) == {"city": "Paris"}, [e.type for e in events]
+
+    @test
+    def responses_refuse_state_and_unknown_parameters():
+        for kw, param in ((dict(store=True), "store"), (dict(previous_response_id="resp_1"), "previous_response_id"),
+                          (dict(extra_body={"frobnicate": 1}), "frobnicate")):
+            try:
+                client.responses.create(model=NAME, input="Hi", **kw)
+                raise AssertionError(f"{param} accepted")
+            except openai.BadRequestError as e:
+                assert e.status_code == 400 and e.body["param"] == param, e.body
+                assert param == "frobnicate" or "stateless" in e.body["message"], e.body
+
+    @test
+    def examples_run_and_answer():
+        assert len(EXAMPLES) >= 8, EXAMPLES
+        env = dict(os.environ, KILN_URL=url[:-len("/v1")])
+        for path in EXAMPLES:
+            cmd = ["sh", str(path)] if path.suffix == ".sh" else [sys.executable, str(path)]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+            assert p.returncode == 0, (path.name, p.returncode, p.stdout, p.stderr)
+            out = answer_text(json.loads(p.stdout)) if path.suffix == ".sh" else p.stdout
+            assert out.strip(), (path.name, p.stdout)
+
+    @test
+    def readme_shows_the_examples_unchanged():
+        readme = (ROOT / "README.md").read_text()
+        shown = {}
+        for lang, path in (("python", p) if p.suffix == ".py" else ("sh", p) for p in EXAMPLES):
+            block = f"```{lang}\n{path.read_text()}```\n"
+            assert block in readme, f"README.md does not show {path.relative_to(ROOT)} byte for byte"
+            shown[path.read_text()] = path
+        # And every README block that reads KILN_URL is one of the files.
+        for body in re.findall(r"^```(?:sh|python)\n(.*?)^```$", readme, re.S | re.M):
+            assert "KILN_URL" not in body or body in shown, "a README example is not in examples/: " + body[:80]
 
     claude = anthropic.Anthropic(base_url=url[:-len("/v1")], api_key="unused", max_retries=0)
 

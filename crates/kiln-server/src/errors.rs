@@ -263,6 +263,12 @@ impl From<EngineError> for ApiError {
                 }
             }
             EngineError::Refused(s) => s.into(),
+            // The output format does not compile: the client's schema,
+            // regex or grammar.
+            EngineError::Structured(s) => ApiError::InvalidRequest {
+                message: s.to_string(),
+                param: Some("response_format".into()),
+            },
             EngineError::EngineStopped => ApiError::Unavailable(e.to_string()),
             e => ApiError::Internal(e.to_string()),
         }

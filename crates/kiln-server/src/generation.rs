@@ -6,9 +6,11 @@
 //! the engine cancels the request and frees its blocks at the next step.
 
 use std::sync::Arc;
+use std::time::Instant;
 
-use kiln_engine::{EngineHandle, Event, GenerationRequest, LoadedModel, RequestStream};
-use kiln_sampling::SamplingParams;
+use kiln_engine::{EngineHandle, Event, GenerationRequest, LoadedModel, RequestStream, Usage};
+use kiln_sampling::{FinishReason, Sampled, SamplingParams};
+use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::errors::ApiError;
@@ -31,28 +33,159 @@ pub struct Admitted<T> {
     pub events: EventReceiver,
 }
 
-/// The events of one admitted request, as an async receiver. Dropping it
-/// cancels the request.
+/// The events of one admitted request (all its choices when `n` > 1, each
+/// tagged with its choice's index), as an async receiver. Dropping it
+/// cancels every choice.
 pub struct EventReceiver {
-    rx: mpsc::Receiver<Event>,
+    rx: mpsc::Receiver<(usize, Event)>,
     cancel: watch::Receiver<bool>,
     metrics: Arc<Metrics>,
+    /// When generation started (before rendering and tokenizing).
+    started: Instant,
+    /// Per choice: when its last token arrived.
+    last_token: Vec<Option<Instant>>,
 }
 
 impl EventReceiver {
-    /// The next event; `None` when the engine stopped or the server is
-    /// cancelling in-flight requests at shutdown. Finished requests are
-    /// counted in the metrics here.
-    pub async fn next(&mut self) -> Option<Event> {
-        let event = tokio::select! {
+    /// How many choices (engine requests) this receiver carries.
+    pub fn num_choices(&self) -> usize {
+        self.last_token.len()
+    }
+
+    /// The next event and its choice's index; `None` when the engine
+    /// stopped or the server is cancelling in-flight requests at shutdown.
+    /// Latencies and the usage of finished requests are recorded here.
+    pub async fn next_indexed(&mut self) -> Option<(usize, Event)> {
+        let item = tokio::select! {
             ev = self.rx.recv() => ev,
             _ = cancelled(&mut self.cancel) => None,
         };
-        if let Some(Event::Finished { usage, .. }) = &event {
-            self.metrics.record_usage(usage);
+        if let Some((idx, event)) = &item {
+            self.observe(*idx, event);
         }
-        event
+        item
     }
+
+    fn observe(&mut self, idx: usize, event: &Event) {
+        let now = Instant::now();
+        let latency = &self.metrics.latency;
+        match event {
+            // Text flushed at the end (no token id) is not a token.
+            Event::Token { token_id, .. } if *token_id != u32::MAX => {
+                let Some(last) = self.last_token.get_mut(idx) else {
+                    return;
+                };
+                match last.replace(now) {
+                    Some(prev) => latency.inter_token.observe((now - prev).as_secs_f64()),
+                    None => latency
+                        .time_to_first_token
+                        .observe((now - self.started).as_secs_f64()),
+                }
+            }
+            Event::Finished { usage, timings, .. } => {
+                self.metrics.record_usage(usage);
+                latency.queue.observe(timings.queue_seconds);
+                latency
+                    .end_to_end
+                    .observe((now - self.started).as_secs_f64());
+            }
+            _ => {}
+        }
+    }
+
+    /// Gathers the whole answer of a one-choice request; `on_token` sees
+    /// each token's text and, when logprobs were asked for, what was
+    /// sampled.
+    pub async fn collect(
+        self,
+        mut on_token: impl FnMut(&str, Option<&Sampled>),
+    ) -> Result<Collected, ApiError> {
+        let mut all = self.collect_all(|_, t, s| on_token(t, s)).await?;
+        all.pop()
+            .ok_or_else(|| ApiError::Internal("a request without a choice".into()))
+    }
+
+    /// Gathers every choice's answer, in index order; `on_token` sees the
+    /// choice's index, each token's text and what was sampled.
+    pub async fn collect_all(
+        mut self,
+        mut on_token: impl FnMut(usize, &str, Option<&Sampled>),
+    ) -> Result<Vec<Collected>, ApiError> {
+        let mut texts = vec![String::new(); self.num_choices()];
+        let mut done: Vec<Option<Collected>> = vec![None; self.num_choices()];
+        while done.iter().any(Option::is_none) {
+            let Some((idx, event)) = self.next_indexed().await else {
+                return Err(cancelled_error());
+            };
+            let (Some(text), Some(slot)) = (texts.get_mut(idx), done.get_mut(idx)) else {
+                continue;
+            };
+            match event {
+                Event::Token {
+                    text: t, logprobs, ..
+                } => {
+                    on_token(idx, &t, logprobs.as_ref());
+                    text.push_str(&t);
+                }
+                Event::Progress => {}
+                Event::Finished {
+                    finish_reason,
+                    usage,
+                    ..
+                } => {
+                    *slot = Some(Collected {
+                        text: std::mem::take(text),
+                        finish_reason,
+                        usage,
+                    })
+                }
+                Event::Failed { message } => return Err(ApiError::Internal(message)),
+            }
+        }
+        Ok(done.into_iter().flatten().collect())
+    }
+}
+
+/// The usage of a request with several choices: the prompt counted once
+/// (with the first choice's cached tokens), the completions summed.
+pub fn total_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>) -> Usage {
+    let mut total = Usage::default();
+    for (i, u) in usages.into_iter().enumerate() {
+        if i == 0 {
+            total.prompt_tokens = u.prompt_tokens;
+            total.cached_tokens = u.cached_tokens;
+        }
+        total.completion_tokens += u.completion_tokens;
+    }
+    total
+}
+
+/// A whole answer.
+#[derive(Clone)]
+pub struct Collected {
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub usage: Usage,
+}
+
+/// The error of a request that ended without finishing: the engine stopped
+/// or the server cancelled it at shutdown.
+pub fn cancelled_error() -> ApiError {
+    ApiError::Unavailable("the request was cancelled: the server is shutting down".into())
+}
+
+/// Renders template `messages` (and `tools`) with the generation prompt and
+/// tokenizes the result: the prompt of every chat-style route.
+pub fn chat_prompt(
+    model: &LoadedModel,
+    messages: Value,
+    tools: Option<Value>,
+) -> Result<Vec<u32>, ApiError> {
+    let mut ctx = model.tokenizer.chat_context(messages);
+    ctx.tools = tools;
+    ctx.add_generation_prompt = true;
+    let rendered = model.render_chat_with(&ctx)?;
+    Ok(model.tokenizer.encode(&rendered, false)?)
 }
 
 /// Resolves when `cancel` becomes true; never if its sender is gone.
@@ -68,7 +201,12 @@ pub struct Generate {
     /// Leave special tokens out of the text. Tool-call parsing turns it
     /// off: some vocabularies spell `<tool_call>` as a special token.
     pub skip_special_tokens: bool,
+    /// The output format the request asked for, if any.
+    pub format: Option<kiln_structured::Format>,
 }
+
+/// Most choices one request may ask for (`n`).
+pub const MAX_CHOICES: usize = 8;
 
 /// Prepares (off the async threads), checks the context length, submits,
 /// and returns once the engine has admitted or refused the request.
@@ -81,27 +219,47 @@ where
     T: Send + 'static,
     F: FnOnce(&LoadedModel) -> Result<Prepared<T>, ApiError> + Send + 'static,
 {
+    start_choices(state, generate, 1, prepare).await
+}
+
+/// Like [`start`], for `n` choices of one prompt: the prompt is prepared
+/// once and submitted `n` times, choice `i` seeded with the request's seed
+/// plus `i` (so a seeded request is reproducible and its first choice is
+/// the one `n` = 1 gives). Every choice is admitted or none is.
+pub async fn start_choices<T, F>(
+    state: &AppState,
+    generate: Generate,
+    n: usize,
+    prepare: F,
+) -> Result<Admitted<T>, ApiError>
+where
+    T: Send + 'static,
+    F: FnOnce(&LoadedModel) -> Result<Prepared<T>, ApiError> + Send + 'static,
+{
+    let started = Instant::now();
+    let n = n.clamp(1, MAX_CHOICES);
     let engine = state.engine.clone();
+    let runtime = tokio::runtime::Handle::current();
     let (ready_tx, ready_rx) = oneshot::channel();
     let (tx, rx) = mpsc::channel(EVENT_BUFFER);
     tokio::task::spawn_blocking(move || {
-        let stream = match admit(&engine, generate, prepare) {
-            Ok((extra, stream)) => {
-                if ready_tx.send(Ok(extra)).is_err() {
-                    return; // The client left while we prepared: cancel.
-                }
-                stream
-            }
+        let (extra, mut streams) = match admit(&engine, generate, n, prepare) {
+            Ok(admitted) => admitted,
             Err(e) => {
                 let _ = ready_tx.send(Err(e));
                 return;
             }
         };
-        for event in stream {
-            if tx.blocking_send(event).is_err() {
-                return; // The receiver is gone: dropping `stream` cancels.
-            }
+        if ready_tx.send(Ok(extra)).is_err() {
+            return; // The client left while we prepared: cancel.
         }
+        // Choice 0 is forwarded on this thread, the others on their own.
+        let first = streams.remove(0);
+        for (i, stream) in streams.into_iter().enumerate() {
+            let tx = tx.clone();
+            runtime.spawn_blocking(move || forward(i + 1, stream, &tx));
+        }
+        forward(0, first, &tx);
     });
     let extra = ready_rx
         .await
@@ -112,26 +270,58 @@ where
             rx,
             cancel: state.cancel.clone(),
             metrics: state.metrics.clone(),
+            started,
+            last_token: vec![None; n],
         },
     })
+}
+
+/// Sends a stream's events, tagged with `idx`, until it ends or the
+/// receiver is gone (then dropping `stream` cancels the request).
+fn forward(idx: usize, stream: RequestStream, tx: &mpsc::Sender<(usize, Event)>) {
+    for event in stream {
+        if tx.blocking_send((idx, event)).is_err() {
+            return;
+        }
+    }
 }
 
 fn admit<T, F>(
     engine: &EngineHandle,
     generate: Generate,
+    n: usize,
     prepare: F,
-) -> Result<(T, RequestStream), ApiError>
+) -> Result<(T, Vec<RequestStream>), ApiError>
 where
     F: FnOnce(&LoadedModel) -> Result<Prepared<T>, ApiError>,
 {
     let model = engine.model();
     let Prepared { prompt, extra } = prepare(model)?;
     check_context(prompt.len(), model.context_length())?;
-    let stream = engine.submit(GenerationRequest {
-        skip_special_tokens: generate.skip_special_tokens,
-        ..GenerationRequest::new(prompt, generate.params)
-    })?;
-    Ok((extra, stream))
+    let mut streams = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut params = generate.params.clone();
+        params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+        // A refusal drops the streams already admitted, which cancels them.
+        streams.push(engine.submit(GenerationRequest {
+            skip_special_tokens: generate.skip_special_tokens,
+            format: generate.format.clone(),
+            ..GenerationRequest::new(prompt.clone(), params)
+        })?);
+    }
+    Ok((extra, streams))
+}
+
+/// Reads `n` from a request: absent means 1; at most [`MAX_CHOICES`].
+pub fn choices(n: Option<i64>) -> Result<usize, ApiError> {
+    match n {
+        None => Ok(1),
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid(
+            "n",
+            format!("`n` must be between 1 and {MAX_CHOICES}, got {n}"),
+        )),
+    }
 }
 
 /// Refuses a prompt that leaves no room in the context for one token.
@@ -165,5 +355,27 @@ mod tests {
         let msg = check_context(9000, 8192).unwrap_err().to_string();
         assert!(msg.contains("9000") && msg.contains("8192"), "{msg}");
         assert!(check_context(0, 8192).is_err());
+    }
+
+    #[test]
+    fn choices_are_bounded() {
+        assert_eq!(choices(None).unwrap(), 1);
+        assert_eq!(choices(Some(8)).unwrap(), 8);
+        for bad in [0, -1, 9, i64::MAX] {
+            let e = choices(Some(bad)).unwrap_err();
+            assert_eq!(e.body()["error"]["param"], "n", "{bad}");
+        }
+    }
+
+    #[test]
+    fn usage_counts_the_prompt_once() {
+        let u = |p, c, k| Usage {
+            prompt_tokens: p,
+            cached_tokens: c,
+            completion_tokens: k,
+        };
+        let total = total_usage(&[u(10, 0, 3), u(10, 8, 5)]);
+        assert_eq!(total, u(10, 0, 8));
+        assert_eq!(total_usage(&[]), Usage::default());
     }
 }

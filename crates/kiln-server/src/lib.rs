@@ -1,5 +1,6 @@
 //! The HTTP server: the OpenAI API (`/v1/chat/completions` with tools and
-//! SSE streaming, `/v1/completions`, `/v1/models`), the Anthropic Messages
+//! SSE streaming, `/v1/completions`, the stateless Responses API
+//! `/v1/responses`, `/v1/models`), the Anthropic Messages
 //! API (`/v1/messages`, streamed or not, and `/v1/messages/count_tokens`),
 //! `/tokenize` and
 //! `/detokenize`, and operations (`/health`, `/stats`, `/metrics`), on
@@ -18,25 +19,35 @@
 //! not touch tensors, models or the scheduler's internals — only the
 //! engine's handle, stats and events.
 //!
-//! Main items: [`serve`], [`serve_on`], [`run`], [`ServerConfig`],
-//! [`ApiError`], [`Metrics`].
+//! The server can start before its model is ready ([`serve_loading`] with a
+//! [`Readiness`]): it answers 503 until the engine is handed over.
+//!
+//! Main items: [`serve`], [`serve_on`], [`serve_loading`], [`run`],
+//! [`ServerConfig`], [`Readiness`], [`ApiError`], [`Metrics`].
 
 mod anthropic_messages;
 mod anthropic_types;
 mod errors;
 mod generation;
+mod histogram;
 mod json_body;
+mod loading;
 mod logprobs;
 mod messages;
 mod metrics;
 mod openai_types;
+mod responses_input;
 mod routes;
 mod sampling;
 mod server;
 mod sse;
 mod state;
+mod structured;
 mod tool_calls;
 
 pub use errors::ApiError;
+pub use loading::Readiness;
 pub use metrics::Metrics;
-pub use server::{bind, run, serve, serve_on, shutdown_signal, ServerConfig, ServerError};
+pub use server::{
+    bind, run, serve, serve_loading, serve_on, shutdown_signal, ServerConfig, ServerError,
+};

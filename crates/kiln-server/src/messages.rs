@@ -130,7 +130,8 @@ pub fn content_text(at: &str, content: Option<&Value>) -> Result<Option<String>,
     }
 }
 
-fn tool_call(at: &str, c: &ToolCallIn) -> Result<Value, ApiError> {
+/// An assistant's tool call as the template receives it.
+pub fn tool_call(at: &str, c: &ToolCallIn) -> Result<Value, ApiError> {
     if let Some(kind) = c.kind.as_deref().filter(|k| *k != "function") {
         return Err(ApiError::unsupported(
             format!("{at}.type"),
@@ -150,6 +151,21 @@ fn tool_call(at: &str, c: &ToolCallIn) -> Result<Value, ApiError> {
         call["id"] = id.clone().into();
     }
     Ok(call)
+}
+
+/// Whether an OpenAI `tool_choice` turns tools off: `"none"` does, `"auto"`
+/// and absence do not; forcing a call is refused until structured output
+/// can enforce it.
+pub fn tool_choice_is_none(choice: Option<&Value>) -> Result<bool, ApiError> {
+    match choice {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::String(s)) if s == "auto" => Ok(false),
+        Some(Value::String(s)) if s == "none" => Ok(true),
+        Some(other) => Err(ApiError::unsupported(
+            "tool_choice",
+            format!("`tool_choice` must be \"auto\" or \"none\" for now, got {other}"),
+        )),
+    }
 }
 
 /// Tool definitions as the template receives them; only `function` tools.

@@ -1,9 +1,12 @@
-//! Request and token counters, and their Prometheus text rendering together
-//! with the engine's gauges (`GET /metrics`).
+//! Request and token counters, per-request latency histograms, and their
+//! Prometheus text rendering together with the engine's gauges
+//! (`GET /metrics`).
 //!
-//! This is the minimal set: counters and gauges. Latency histograms (time to
-//! first token, inter-token latency, end-to-end latency, queue time) come
-//! later; the engine already reports the per-request timings they need.
+//! The latencies are recorded where the server reads each request's events
+//! ([`crate::generation::EventReceiver`]): time to first token and
+//! end-to-end latency from the moment the request was handed to generation,
+//! the gap between consecutive tokens as the server sees them, and the
+//! engine's own queue time from `Event::Finished`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -11,6 +14,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use kiln_engine::{EngineStats, Usage};
+
+use crate::histogram::Histogram;
 
 /// Counters since the server started.
 #[derive(Debug, Default)]
@@ -21,6 +26,50 @@ pub struct Metrics {
     generation_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     finished: AtomicU64,
+    pub latency: Latency,
+}
+
+/// Per-request latency histograms, in seconds.
+#[derive(Debug, Default)]
+pub struct Latency {
+    /// From the start of generation (prompt rendering and tokenization
+    /// included) until the first token reached the server.
+    pub time_to_first_token: Histogram,
+    /// Between consecutive tokens of one request.
+    pub inter_token: Histogram,
+    /// From the start of generation until the request finished.
+    pub end_to_end: Histogram,
+    /// In the engine's queue: submission until its first step.
+    pub queue: Histogram,
+}
+
+impl Latency {
+    /// The histograms with their metric names and help texts, in the order
+    /// `/metrics` and `/stats` show them.
+    pub fn named(&self) -> [(&'static str, &'static str, &Histogram); 4] {
+        [
+            (
+                "time_to_first_token_seconds",
+                "Time from the start of a request to its first token.",
+                &self.time_to_first_token,
+            ),
+            (
+                "inter_token_latency_seconds",
+                "Time between consecutive tokens of a request.",
+                &self.inter_token,
+            ),
+            (
+                "e2e_request_latency_seconds",
+                "Time from the start of a request until it finished.",
+                &self.end_to_end,
+            ),
+            (
+                "request_queue_time_seconds",
+                "Time a request waited in the engine's queue.",
+                &self.queue,
+            ),
+        ]
+    }
 }
 
 impl Metrics {
@@ -133,12 +182,26 @@ impl Metrics {
             "Prompt tokens found in the prefix cache.",
             s.prefix_cache.num_hit_tokens as f64,
         );
+        let queried = s.prefix_cache.num_queried_tokens;
+        metric(
+            "kiln_prefix_cache_hit_rate",
+            "gauge",
+            "Share of the prompt tokens looked up in the prefix cache that were found (0 before any lookup).",
+            if queried == 0 {
+                0.0
+            } else {
+                s.prefix_cache.num_hit_tokens as f64 / queried as f64
+            },
+        );
         metric(
             "kiln_engine_steps_total",
             "counter",
             "Forward steps run by the engine.",
             stats.num_steps as f64,
         );
+        for (name, help, h) in self.latency.named() {
+            h.render(&mut out, &format!("kiln_{name}"), help, &model);
+        }
         let _ = writeln!(
             out,
             "# HELP kiln_http_requests_total HTTP responses by endpoint and status.\n\

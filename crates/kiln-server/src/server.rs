@@ -1,5 +1,5 @@
 //! The server: configuration, the router, authentication and request
-//! counting, binding, and graceful shutdown.
+//! counting, binding, serving while the model loads, and graceful shutdown.
 
 use std::future::{Future, IntoFuture};
 use std::net::SocketAddr;
@@ -12,12 +12,13 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use kiln_engine::EngineHandle;
+use kiln_engine::{Engine, EngineHandle};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::errors::{ApiError, ErrorShape};
+use crate::loading::{gate, Readiness};
 use crate::metrics::Metrics;
 use crate::openai_types::unix_now;
 use crate::routes::{chat, completions, messages, ops, tokenize};
@@ -40,6 +41,10 @@ pub struct ServerConfig {
     /// After a shutdown signal, how long in-flight requests may run before
     /// they are cancelled.
     pub shutdown_grace: Duration,
+    /// A stream silent this long (waiting in the queue, a long prefill)
+    /// sends a keep-alive: `: ping` or Anthropic's `ping` event. Zero
+    /// turns keep-alives off.
+    pub sse_keepalive: Duration,
 }
 
 impl Default for ServerConfig {
@@ -52,6 +57,7 @@ impl Default for ServerConfig {
             max_body_bytes: 8 << 20,
             model_name: "kiln".into(),
             shutdown_grace: Duration::from_secs(30),
+            sse_keepalive: Duration::from_secs(15),
         }
     }
 }
@@ -66,6 +72,8 @@ pub enum ServerError {
     },
     #[error("invalid CORS origin {0:?}")]
     BadCorsOrigin(String),
+    #[error("the model failed to load: {0}")]
+    Load(String),
     #[error("cannot start the async runtime: {0}")]
     Runtime(std::io::Error),
     #[error("server: {0}")]
@@ -90,26 +98,51 @@ pub async fn serve(
     serve_on(listener, config, engine, shutdown).await
 }
 
-/// Serves on a bound listener until `shutdown` resolves; then stops
-/// accepting, lets in-flight requests finish for `shutdown_grace`, cancels
-/// those still running, and returns.
+/// Serves `engine` on a bound listener until `shutdown` resolves (see
+/// [`serve_loading`]).
 pub async fn serve_on(
     listener: TcpListener,
     config: ServerConfig,
     engine: EngineHandle,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    let readiness = Readiness::new();
+    readiness.ready(engine);
+    serve_loading(listener, config, readiness, shutdown).await
+}
+
+/// Serves on a bound listener until `shutdown` resolves, answering 503
+/// until `readiness` is given the engine; then stops accepting, lets
+/// in-flight requests finish for `shutdown_grace`, cancels those still
+/// running, and returns.
+pub async fn serve_loading(
+    listener: TcpListener,
+    config: ServerConfig,
+    readiness: Readiness,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
     let (cancel_tx, cancel_rx) = watch::channel(false);
-    let state = AppState {
-        engine,
-        model_name: config.model_name.as_str().into(),
-        api_key: config.api_key.as_deref().map(Arc::from),
-        max_body_bytes: config.max_body_bytes,
-        metrics: Arc::new(Metrics::default()),
-        cancel: cancel_rx,
-        started_at: unix_now(),
-    };
-    let app = router(state, &config)?;
+    let mut app = gate(readiness, {
+        let config = config.clone();
+        let metrics = Arc::new(Metrics::default());
+        let started_at = unix_now();
+        move |engine| {
+            router(AppState {
+                engine,
+                model_name: config.model_name.as_str().into(),
+                api_key: config.api_key.as_deref().map(Arc::from),
+                max_body_bytes: config.max_body_bytes,
+                metrics: metrics.clone(),
+                cancel: cancel_rx.clone(),
+                started_at,
+                sse_keepalive: config.sse_keepalive,
+            })
+        }
+    })
+    .layer(DefaultBodyLimit::max(config.max_body_bytes));
+    if !config.cors_origins.is_empty() {
+        app = app.layer(cors(&config.cors_origins)?);
+    }
     let (stop_tx, mut stop_rx) = watch::channel(false);
     let server = axum::serve(listener, app)
         .with_graceful_shutdown(async move {
@@ -134,13 +167,19 @@ pub async fn serve_on(
     }
 }
 
-/// Starts a runtime, binds, calls `on_listening` with the bound address, and
-/// serves until SIGINT or SIGTERM. For the `kiln serve` command.
-pub fn run(
+/// Starts a runtime, binds, calls `on_listening` with the bound address,
+/// runs `load` on a blocking thread while answering 503, and serves its
+/// engine until SIGINT or SIGTERM. A load that fails ends this with
+/// [`ServerError::Load`] (`/health` says `failed` until the process
+/// exits). For the `kiln serve` command.
+pub fn run<L>(
     config: ServerConfig,
-    engine: EngineHandle,
+    load: L,
     on_listening: impl FnOnce(SocketAddr),
-) -> Result<(), ServerError> {
+) -> Result<(), ServerError>
+where
+    L: FnOnce() -> Result<Engine, String> + Send + 'static,
+{
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
@@ -151,13 +190,40 @@ pub fn run(
         .enable_all()
         .build()
         .map_err(ServerError::Runtime)?;
-    let result = runtime.block_on(async move {
-        let listener = bind(&config).await?;
-        on_listening(listener.local_addr()?);
-        serve_on(listener, config, engine, shutdown_signal()).await
+    let (result, engine) = runtime.block_on(async move {
+        let listener = match bind(&config).await {
+            Ok(l) => l,
+            Err(e) => return (Err(e), None),
+        };
+        match listener.local_addr() {
+            Ok(addr) => on_listening(addr),
+            Err(e) => return (Err(ServerError::Io(e)), None),
+        }
+        let readiness = Readiness::new();
+        let serving = serve_loading(listener, config, readiness.clone(), shutdown_signal());
+        tokio::pin!(serving);
+        let loading = tokio::task::spawn_blocking(load);
+        let engine = tokio::select! {
+            r = &mut serving => return (r, None),
+            loaded = loading => match loaded {
+                Ok(Ok(engine)) => engine,
+                Ok(Err(message)) => {
+                    readiness.failed(message.clone());
+                    return (Err(ServerError::Load(message)), None);
+                }
+                Err(e) => {
+                    let message = format!("the loading thread ended: {e}");
+                    readiness.failed(message.clone());
+                    return (Err(ServerError::Load(message)), None);
+                }
+            },
+        };
+        readiness.ready(engine.handle());
+        (serving.await, Some(engine))
     });
     // Tasks still blocked on a request end when the engine stops; don't wait.
     runtime.shutdown_background();
+    drop(engine);
     result
 }
 
@@ -186,10 +252,11 @@ pub async fn shutdown_signal() {
     }
 }
 
-fn router(state: AppState, config: &ServerConfig) -> Result<Router, ServerError> {
+fn router(state: AppState) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
+        .route("/v1/responses", post(crate::routes::responses::handle))
         .route("/v1/models", get(ops::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
@@ -197,8 +264,7 @@ fn router(state: AppState, config: &ServerConfig) -> Result<Router, ServerError>
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/stats", get(ops::stats))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
-    let mut app = api
-        .route("/health", get(ops::health))
+    api.route("/health", get(ops::health))
         .route("/metrics", get(ops::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -206,11 +272,7 @@ fn router(state: AppState, config: &ServerConfig) -> Result<Router, ServerError>
             state.clone(),
             count_requests,
         ))
-        .layer(DefaultBodyLimit::max(config.max_body_bytes));
-    if !config.cors_origins.is_empty() {
-        app = app.layer(cors(&config.cors_origins)?);
-    }
-    Ok(app.with_state(state))
+        .with_state(state)
 }
 
 fn cors(origins: &[String]) -> Result<CorsLayer, ServerError> {

@@ -2,11 +2,16 @@
 //! ending with `data: [DONE]` (or, for Anthropic, `event:`-named frames
 //! and no end marker). Each API shapes its frames through
 //! [`StreamFormat`]; this file owns the framing, the end of the stream and
-//! the failure cases. Dropping the body (the client went away) drops the
+//! the failure cases, the interleaving of a request's choices (`n` > 1), and
+//! keep-alive: when no frame was sent for the configured interval (a request
+//! waiting in the queue or in a long prefill), a comment line `: ping` (or
+//! the API's own ping event) goes out so proxies and clients keep the
+//! connection. Dropping the body (the client went away) drops the
 //! [`EventReceiver`], which cancels the request.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderValue};
@@ -16,17 +21,28 @@ use kiln_sampling::{FinishReason, Sampled};
 use serde::Serialize;
 
 use crate::errors::{ApiError, ErrorShape};
-use crate::generation::EventReceiver;
+use crate::generation::{cancelled_error, total_usage, EventReceiver};
+use tokio::time::Instant;
 
 /// How one API turns a request's events into SSE payloads.
 pub trait StreamFormat: Send + 'static {
-    /// Frames for the text a generated token released (or text flushed at
-    /// the end, which has no `sampled`); usually zero or one.
-    fn on_token(&mut self, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes>;
-    /// The last payloads: the finish reason, any held text, the usage.
-    fn on_finish(&mut self, reason: FinishReason, usage: &Usage) -> Vec<Bytes>;
+    /// Frames for the text a generated token of choice `choice` released
+    /// (or text flushed at the end, which has no `sampled`); usually zero
+    /// or one.
+    fn on_token(&mut self, choice: usize, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes>;
+    /// The last payloads of choice `choice`: its finish reason, any held
+    /// text, and (for APIs with one choice) the usage.
+    fn on_finish(&mut self, choice: usize, reason: FinishReason, usage: &Usage) -> Vec<Bytes>;
+    /// Payloads after every choice finished, given their total usage.
+    fn on_end(&mut self, _usage: &Usage) -> Vec<Bytes> {
+        Vec::new()
+    }
+    /// The frame sent when nothing else was for the keep-alive interval.
+    fn keepalive_frame(&self) -> Bytes {
+        Bytes::from_static(b": ping\n\n")
+    }
     /// The frame that reports a failure mid-stream.
-    fn error_frame(&self, e: &ApiError) -> Bytes {
+    fn error_frame(&mut self, e: &ApiError) -> Bytes {
         Bytes::from(format!("data: {}\n\n", e.body()))
     }
     /// The frame after the last one, if the API has one (`data: [DONE]`).
@@ -64,10 +80,22 @@ struct SseState<F> {
     format: F,
     queue: VecDeque<Bytes>,
     done: bool,
+    /// Each choice's usage once it finished.
+    usages: Vec<Option<Usage>>,
+    /// A keep-alive frame goes out when nothing was sent for this long
+    /// (never when zero).
+    keepalive: Duration,
+    last_sent: Instant,
 }
 
 impl<F: StreamFormat> SseState<F> {
     async fn next_frame(&mut self) -> Option<Bytes> {
+        let frame = self.produce().await;
+        self.last_sent = Instant::now();
+        frame
+    }
+
+    async fn produce(&mut self) -> Option<Bytes> {
         loop {
             if let Some(b) = self.queue.pop_front() {
                 return Some(b);
@@ -75,30 +103,48 @@ impl<F: StreamFormat> SseState<F> {
             if self.done {
                 return None;
             }
-            match self.events.next().await {
-                Some(Event::Token { text, logprobs, .. }) => {
-                    self.queue
-                        .extend(self.format.on_token(&text, logprobs.as_ref()));
+            let item = if self.keepalive.is_zero() {
+                self.events.next_indexed().await
+            } else {
+                let deadline = self.last_sent + self.keepalive;
+                // `next_indexed` loses nothing when the deadline wins.
+                match tokio::time::timeout_at(deadline, self.events.next_indexed()).await {
+                    Ok(item) => item,
+                    Err(_) => return Some(self.format.keepalive_frame()),
                 }
-                Some(Event::Progress) => {}
-                Some(Event::Finished {
-                    finish_reason,
-                    usage,
-                    ..
-                }) => {
+            };
+            match item {
+                Some((idx, Event::Token { text, logprobs, .. })) => {
                     self.queue
-                        .extend(self.format.on_finish(finish_reason, &usage));
-                    self.end();
+                        .extend(self.format.on_token(idx, &text, logprobs.as_ref()));
                 }
-                Some(Event::Failed { message }) => {
+                Some((_, Event::Progress)) => {}
+                Some((
+                    idx,
+                    Event::Finished {
+                        finish_reason,
+                        usage,
+                        ..
+                    },
+                )) => {
+                    self.queue
+                        .extend(self.format.on_finish(idx, finish_reason, &usage));
+                    if let Some(slot) = self.usages.get_mut(idx) {
+                        *slot = Some(usage);
+                    }
+                    if self.usages.iter().all(Option::is_some) {
+                        let total = total_usage(self.usages.iter().flatten());
+                        self.queue.extend(self.format.on_end(&total));
+                        self.end();
+                    }
+                }
+                Some((_, Event::Failed { message })) => {
                     let e = ApiError::Internal(message);
                     self.queue.push_back(self.format.error_frame(&e));
                     self.end();
                 }
                 None => {
-                    let e = ApiError::Unavailable(
-                        "the request was cancelled: the server is shutting down".into(),
-                    );
+                    let e = cancelled_error();
                     self.queue.push_back(self.format.error_frame(&e));
                     self.end();
                 }
@@ -112,14 +158,23 @@ impl<F: StreamFormat> SseState<F> {
     }
 }
 
-/// An SSE response: `first` frames, then the request's events as `format`
-/// shapes them, then `[DONE]`.
-pub fn response<F: StreamFormat>(events: EventReceiver, format: F, first: Vec<Bytes>) -> Response {
+/// An SSE response: `first` frames, then the request's events (every
+/// choice's, interleaved as they come) as `format` shapes them, with a
+/// keep-alive frame after each `keepalive` of silence, then `[DONE]`.
+pub fn response<F: StreamFormat>(
+    events: EventReceiver,
+    format: F,
+    first: Vec<Bytes>,
+    keepalive: Duration,
+) -> Response {
     let state = SseState {
+        usages: vec![None; events.num_choices()],
         events,
         format,
         queue: first.into(),
         done: false,
+        keepalive,
+        last_sent: Instant::now(),
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         s.next_frame()

@@ -2,6 +2,7 @@
 //! metrics, and the signal that cancels in-flight requests at shutdown.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kiln_engine::EngineHandle;
 use tokio::sync::watch;
@@ -23,6 +24,8 @@ pub struct AppState {
     pub cancel: watch::Receiver<bool>,
     /// Unix time the server started (the model's `created`).
     pub started_at: u64,
+    /// Silence after which a stream sends a keep-alive frame.
+    pub sse_keepalive: Duration,
 }
 
 impl AppState {

@@ -8,6 +8,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod responses;
 pub mod tokenize;
 
 use std::collections::hash_map::RandomState;

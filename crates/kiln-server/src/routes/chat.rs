@@ -8,7 +8,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kiln_engine::{Event, LoadedModel, Usage};
+use kiln_engine::{LoadedModel, Usage};
 use kiln_sampling::{FinishReason, Sampled, SamplingParams};
 use serde_json::Value;
 
@@ -16,7 +16,7 @@ use crate::errors::ApiError;
 use crate::generation::{self, EventReceiver, Generate, Prepared};
 use crate::json_body::{reject_unknown, ApiJson};
 use crate::logprobs::TokenSpeller;
-use crate::messages::{template_messages, template_tools};
+use crate::messages::{template_messages, template_tools, tool_choice_is_none};
 use crate::openai_types::chat::{
     ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut,
     ChunkChoice, Delta, FunctionCallOut, ToolCallOut,
@@ -38,17 +38,17 @@ struct ValidChat {
     params: SamplingParams,
     stream: bool,
     include_usage: bool,
+    /// How many choices (`n`).
+    n: usize,
+    format: Option<kiln_structured::Format>,
 }
 
-fn validate(state: &AppState, req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
+fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
+    let format = crate::structured::take_format(&mut req.extra)
+        .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
-    if let Some(n) = req.n.filter(|&n| n != 1) {
-        return Err(ApiError::unsupported(
-            "n",
-            format!("only one choice per request is supported (`n` = 1), got {n}"),
-        ));
-    }
+    let n = generation::choices(req.n)?;
     if req.store == Some(true) {
         return Err(ApiError::unsupported(
             "store",
@@ -58,17 +58,7 @@ fn validate(state: &AppState, req: ChatCompletionRequest) -> Result<ValidChat, A
     if let Some(o) = &req.stream_options {
         reject_unknown(&o.extra, "stream_options.")?;
     }
-    let tool_choice_none = match &req.tool_choice {
-        None | Some(Value::Null) => false,
-        Some(Value::String(s)) if s == "auto" => false,
-        Some(Value::String(s)) if s == "none" => true,
-        Some(other) => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                format!("`tool_choice` must be \"auto\" or \"none\" for now, got {other}"),
-            ))
-        }
-    };
+    let tool_choice_none = tool_choice_is_none(req.tool_choice.as_ref())?;
     let (tools, tool_names) = match &req.tools {
         Some(t) if !t.is_empty() && !tool_choice_none => (
             Some(template_tools(t)?),
@@ -125,6 +115,8 @@ fn validate(state: &AppState, req: ChatCompletionRequest) -> Result<ValidChat, A
             .stream_options
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
+        n,
+        format,
     })
 }
 
@@ -139,13 +131,10 @@ pub async fn handle(
     let generate = Generate {
         params: v.params,
         skip_special_tokens: !parse_tools,
+        format: v.format,
     };
-    let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
-        let mut ctx = model.tokenizer.chat_context(messages);
-        ctx.tools = tools;
-        ctx.add_generation_prompt = true;
-        let rendered = model.render_chat_with(&ctx)?;
-        let prompt = model.tokenizer.encode(&rendered, false)?;
+    let admitted = generation::start_choices(&state, generate, v.n, move |model: &LoadedModel| {
+        let prompt = generation::chat_prompt(model, messages, tools)?;
         Ok(Prepared { prompt, extra: () })
     })
     .await?;
@@ -158,22 +147,29 @@ pub async fn handle(
         parallel_tool_calls: v.parallel_tool_calls,
     };
     if v.stream {
-        let first = out.chunk(
-            Delta {
-                role: Some("assistant"),
-                content: Some(String::new()),
-                ..Delta::default()
-            },
-            None,
-            None,
-            v.include_usage,
-        );
+        let first = (0..v.n)
+            .map(|idx| {
+                let delta = Delta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                    ..Delta::default()
+                };
+                out.chunk(idx, delta, None, None, v.include_usage)
+            })
+            .collect();
         let format = ChatStream {
-            tools: parse_tools.then(|| ToolCallStream::new(v.tool_names)),
+            tools: (0..v.n)
+                .map(|_| parse_tools.then(|| ToolCallStream::new(v.tool_names.clone())))
+                .collect(),
             include_usage: v.include_usage,
             out,
         };
-        Ok(sse::response(admitted.events, format, vec![first]))
+        Ok(sse::response(
+            admitted.events,
+            format,
+            first,
+            state.sse_keepalive,
+        ))
     } else {
         out.collect(admitted.events, &v.tool_names).await
     }
@@ -217,65 +213,59 @@ impl ChatOutput {
             .collect()
     }
 
-    /// Gathers the whole answer; tool calls are parsed when `tool_names`
-    /// is not empty.
+    /// Gathers every choice's answer; tool calls are parsed when
+    /// `tool_names` is not empty.
     async fn collect(
         self,
-        mut events: EventReceiver,
+        events: EventReceiver,
         tool_names: &[String],
     ) -> Result<Response, ApiError> {
-        let mut text = String::new();
-        let mut logprobs = self.want_logprobs.then(ChatLogprobs::default);
-        let (reason, usage) = loop {
-            match events.next().await {
-                Some(Event::Token {
-                    text: t,
-                    logprobs: s,
-                    ..
-                }) => {
-                    text.push_str(&t);
-                    if let (Some(lp), Some(mut entry)) =
-                        (logprobs.as_mut(), self.logprobs(s.as_ref()))
-                    {
-                        lp.content.append(&mut entry.content);
-                    }
+        let mut logprobs: Vec<Option<ChatLogprobs>> = (0..events.num_choices())
+            .map(|_| self.want_logprobs.then(ChatLogprobs::default))
+            .collect();
+        let collected = events
+            .collect_all(|idx, _, sampled| {
+                let lp = logprobs.get_mut(idx).and_then(Option::as_mut);
+                if let (Some(lp), Some(mut entry)) = (lp, self.logprobs(sampled)) {
+                    lp.content.append(&mut entry.content);
                 }
-                Some(Event::Progress) => {}
-                Some(Event::Finished {
+            })
+            .await?;
+        let usage = generation::total_usage(collected.iter().map(|c| &c.usage));
+        let choices = collected
+            .into_iter()
+            .zip(logprobs)
+            .enumerate()
+            .map(|(idx, (c, logprobs))| {
+                let (content, calls) = if !tool_names.is_empty() {
+                    let p = tool_calls::parse(&c.text, tool_names);
+                    (p.content, self.tool_calls(p.calls, false))
+                } else {
+                    (Some(c.text), Vec::new())
+                };
+                let finish_reason = if calls.is_empty() {
+                    c.finish_reason.as_openai_str()
+                } else {
+                    "tool_calls"
+                };
+                ChatChoice {
+                    index: idx as u32,
+                    message: ChatMessageOut {
+                        role: "assistant",
+                        content,
+                        tool_calls: calls,
+                    },
+                    logprobs,
                     finish_reason,
-                    usage,
-                    ..
-                }) => break (finish_reason, usage),
-                Some(Event::Failed { message }) => return Err(ApiError::Internal(message)),
-                None => return Err(cancelled()),
-            }
-        };
-        let (content, calls) = if !tool_names.is_empty() {
-            let p = tool_calls::parse(&text, tool_names);
-            (p.content, self.tool_calls(p.calls, false))
-        } else {
-            (Some(text), Vec::new())
-        };
-        let finish_reason = if calls.is_empty() {
-            reason.as_openai_str()
-        } else {
-            "tool_calls"
-        };
+                }
+            })
+            .collect();
         let body = ChatCompletion {
             id: self.id,
             object: "chat.completion",
             created: self.created,
             model: self.model_name.to_string(),
-            choices: vec![ChatChoice {
-                index: 0,
-                message: ChatMessageOut {
-                    role: "assistant",
-                    content,
-                    tool_calls: calls,
-                },
-                logprobs,
-                finish_reason,
-            }],
+            choices,
             usage: UsageOut::from(&usage),
         };
         Ok(Json(body).into_response())
@@ -283,6 +273,7 @@ impl ChatOutput {
 
     fn chunk(
         &self,
+        idx: usize,
         delta: Delta,
         logprobs: Option<ChatLogprobs>,
         finish_reason: Option<&'static str>,
@@ -294,7 +285,7 @@ impl ChatOutput {
             created: self.created,
             model: &self.model_name,
             choices: vec![ChunkChoice {
-                index: 0,
+                index: idx as u32,
                 delta,
                 logprobs,
                 finish_reason,
@@ -304,21 +295,18 @@ impl ChatOutput {
     }
 }
 
-fn cancelled() -> ApiError {
-    ApiError::Unavailable("the request was cancelled: the server is shutting down".into())
-}
-
 /// The chat chunk shapes of an SSE stream.
 struct ChatStream {
     out: ChatOutput,
-    /// Present when tool calls are parsed: holds text from `<tool_call>` on.
-    tools: Option<ToolCallStream>,
+    /// Per choice, present when tool calls are parsed: holds text from
+    /// `<tool_call>` on.
+    tools: Vec<Option<ToolCallStream>>,
     include_usage: bool,
 }
 
 impl StreamFormat for ChatStream {
-    fn on_token(&mut self, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes> {
-        let content = match self.tools.as_mut() {
+    fn on_token(&mut self, idx: usize, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes> {
+        let content = match self.tools.get_mut(idx).and_then(Option::as_mut) {
             Some(t) => t.push(text),
             None => text.to_string(),
         };
@@ -330,20 +318,22 @@ impl StreamFormat for ChatStream {
             content: Some(content),
             ..Delta::default()
         };
-        vec![self.out.chunk(delta, logprobs, None, self.include_usage)]
+        vec![self
+            .out
+            .chunk(idx, delta, logprobs, None, self.include_usage)]
     }
 
-    fn on_finish(&mut self, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
+    fn on_finish(&mut self, idx: usize, reason: FinishReason, _usage: &Usage) -> Vec<Bytes> {
         let mut frames = Vec::new();
         let mut finish_reason = reason.as_openai_str();
-        if let Some(held) = self.tools.take() {
+        if let Some(held) = self.tools.get_mut(idx).and_then(Option::take) {
             let (rest, calls) = held.finish();
             if !rest.is_empty() {
                 let delta = Delta {
                     content: Some(rest),
                     ..Delta::default()
                 };
-                frames.push(self.out.chunk(delta, None, None, self.include_usage));
+                frames.push(self.out.chunk(idx, delta, None, None, self.include_usage));
             }
             let calls = self.out.tool_calls(calls, true);
             if !calls.is_empty() {
@@ -352,25 +342,30 @@ impl StreamFormat for ChatStream {
                     tool_calls: calls,
                     ..Delta::default()
                 };
-                frames.push(self.out.chunk(delta, None, None, self.include_usage));
+                frames.push(self.out.chunk(idx, delta, None, None, self.include_usage));
             }
         }
         frames.push(self.out.chunk(
+            idx,
             Delta::default(),
             None,
             Some(finish_reason),
             self.include_usage,
         ));
-        if self.include_usage {
-            frames.push(frame(&ChatCompletionChunk {
-                id: &self.out.id,
-                object: "chat.completion.chunk",
-                created: self.out.created,
-                model: &self.out.model_name,
-                choices: Vec::new(),
-                usage: Some(Some(UsageOut::from(usage))),
-            }));
-        }
         frames
+    }
+
+    fn on_end(&mut self, usage: &Usage) -> Vec<Bytes> {
+        if !self.include_usage {
+            return Vec::new();
+        }
+        vec![frame(&ChatCompletionChunk {
+            id: &self.out.id,
+            object: "chat.completion.chunk",
+            created: self.out.created,
+            model: &self.out.model_name,
+            choices: Vec::new(),
+            usage: Some(Some(UsageOut::from(usage))),
+        })]
     }
 }

@@ -7,12 +7,12 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kiln_engine::{Event, LoadedModel, Usage};
+use kiln_engine::{LoadedModel, Usage};
 use kiln_sampling::{FinishReason, Sampled, MAX_LOGPROBS};
 use serde_json::Value;
 
 use crate::errors::ApiError;
-use crate::generation::{self, Generate, Prepared};
+use crate::generation::{self, Collected, Generate, Prepared};
 use crate::json_body::{reject_unknown, ApiJson};
 use crate::logprobs::TokenSpeller;
 use crate::openai_types::completions::{Completion, CompletionChoice, CompletionRequest};
@@ -82,19 +82,16 @@ fn prompt_input(prompt: Value, vocab_size: usize) -> Result<PromptInput, ApiErro
 
 pub async fn handle(
     State(state): State<AppState>,
-    ApiJson(req): ApiJson<CompletionRequest>,
+    ApiJson(mut req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let format = crate::structured::take_format(&mut req.extra)
+        .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
     if let Some(o) = &req.stream_options {
         reject_unknown(&o.extra, "stream_options.")?;
     }
-    if let Some(n) = req.n.filter(|&n| n != 1) {
-        return Err(ApiError::unsupported(
-            "n",
-            format!("only one choice per request is supported (`n` = 1), got {n}"),
-        ));
-    }
+    let n = generation::choices(req.n)?;
     let logprobs = match req.logprobs {
         None => None,
         Some(k) if !(0..=MAX_LOGPROBS as i64).contains(&k) => {
@@ -134,8 +131,9 @@ pub async fn handle(
     let generate = Generate {
         params,
         skip_special_tokens: true,
+        format,
     };
-    let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
+    let admitted = generation::start_choices(&state, generate, n, move |model: &LoadedModel| {
         let (ids, text) = match prompt {
             PromptInput::Text(s) => (model.tokenizer.encode(&s, true)?, s),
             PromptInput::Tokens(ids) if echo => {
@@ -150,13 +148,18 @@ pub async fn handle(
         })
     })
     .await?;
+    let echoed = admitted.extra.unwrap_or_default();
     let mut out = CompletionOutput {
         id: new_id("cmpl-"),
         created: unix_now(),
         model_name: state.model_name.clone(),
         model: state.engine.model().clone(),
-        logprobs: logprobs.map(|_| CompletionLogprobs::default()),
-        text: admitted.extra.unwrap_or_default(),
+        choices: (0..n)
+            .map(|_| ChoiceText {
+                text: echoed.clone(),
+                logprobs: logprobs.map(|_| CompletionLogprobs::default()),
+            })
+            .collect(),
         include_usage: req
             .stream_options
             .and_then(|o| o.include_usage)
@@ -164,74 +167,85 @@ pub async fn handle(
     };
     if req.stream.unwrap_or(false) {
         let mut first = Vec::new();
-        if !out.text.is_empty() {
-            first.push(out.chunk(out.text.clone(), None, None));
-        }
-        return Ok(sse::response(admitted.events, out, first));
-    }
-    let mut events = admitted.events;
-    loop {
-        match events.next().await {
-            Some(Event::Token { text, logprobs, .. }) => {
-                out.push(&text, logprobs.as_ref());
-            }
-            Some(Event::Progress) => {}
-            Some(Event::Finished {
-                finish_reason,
-                usage,
-                ..
-            }) => return Ok(out.response(finish_reason, &usage)),
-            Some(Event::Failed { message }) => return Err(ApiError::Internal(message)),
-            None => {
-                return Err(ApiError::Unavailable(
-                    "the request was cancelled: the server is shutting down".into(),
-                ))
+        if !echoed.is_empty() {
+            for idx in 0..n {
+                first.push(out.chunk(idx, echoed.clone(), None, None));
             }
         }
+        return Ok(sse::response(
+            admitted.events,
+            out,
+            first,
+            state.sse_keepalive,
+        ));
     }
+    let collected = admitted
+        .events
+        .collect_all(|idx, text, sampled| out.push(idx, text, sampled))
+        .await?;
+    Ok(out.response(&collected))
 }
 
-/// The text and logprobs of one request, as they accumulate.
+/// The text and logprobs of every choice of one request, as they
+/// accumulate.
 struct CompletionOutput {
     id: String,
     created: u64,
     model_name: Arc<str>,
     model: Arc<LoadedModel>,
-    /// Accumulated (non-streaming) or per-chunk (streaming) logprobs.
-    logprobs: Option<CompletionLogprobs>,
-    /// The text so far, echoed prompt included; its length is the next
-    /// token's `text_offset`.
-    text: String,
+    choices: Vec<ChoiceText>,
     include_usage: bool,
 }
 
+/// One choice so far.
+struct ChoiceText {
+    /// The text so far, echoed prompt included; its length is the next
+    /// token's `text_offset`.
+    text: String,
+    /// Accumulated (non-streaming) logprobs; when streaming, present only
+    /// to say they were asked for.
+    logprobs: Option<CompletionLogprobs>,
+}
+
 impl CompletionOutput {
-    fn push(&mut self, text: &str, sampled: Option<&Sampled>) {
-        if let (Some(lp), Some(s)) = (self.logprobs.as_mut(), sampled) {
-            TokenSpeller::new(&self.model.tokenizer).push_completion(lp, s, self.text.len());
+    fn push(&mut self, idx: usize, text: &str, sampled: Option<&Sampled>) {
+        let Some(choice) = self.choices.get_mut(idx) else {
+            return;
+        };
+        if let (Some(lp), Some(s)) = (choice.logprobs.as_mut(), sampled) {
+            TokenSpeller::new(&self.model.tokenizer).push_completion(lp, s, choice.text.len());
         }
-        self.text.push_str(text);
+        choice.text.push_str(text);
     }
 
-    fn response(self, reason: FinishReason, usage: &Usage) -> Response {
+    fn response(self, collected: &[Collected]) -> Response {
+        let usage = generation::total_usage(collected.iter().map(|c| &c.usage));
+        let choices = self
+            .choices
+            .into_iter()
+            .zip(collected)
+            .enumerate()
+            .map(|(idx, (choice, c))| CompletionChoice {
+                index: idx as u32,
+                text: choice.text,
+                logprobs: choice.logprobs,
+                finish_reason: Some(c.finish_reason.as_openai_str()),
+            })
+            .collect();
         Json(Completion {
             id: &self.id,
             object: "text_completion",
             created: self.created,
             model: &self.model_name,
-            choices: vec![CompletionChoice {
-                index: 0,
-                text: self.text,
-                logprobs: self.logprobs,
-                finish_reason: Some(reason.as_openai_str()),
-            }],
-            usage: Some(Some(UsageOut::from(usage))),
+            choices,
+            usage: Some(Some(UsageOut::from(&usage))),
         })
         .into_response()
     }
 
     fn chunk(
         &self,
+        idx: usize,
         text: String,
         logprobs: Option<CompletionLogprobs>,
         finish_reason: Option<&'static str>,
@@ -242,7 +256,7 @@ impl CompletionOutput {
             created: self.created,
             model: &self.model_name,
             choices: vec![CompletionChoice {
-                index: 0,
+                index: idx as u32,
                 text,
                 logprobs,
                 finish_reason,
@@ -253,33 +267,39 @@ impl CompletionOutput {
 }
 
 impl StreamFormat for CompletionOutput {
-    fn on_token(&mut self, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes> {
+    fn on_token(&mut self, idx: usize, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes> {
+        let Some(choice) = self.choices.get_mut(idx) else {
+            return Vec::new();
+        };
         let mut logprobs = None;
-        if let (Some(_), Some(s)) = (self.logprobs.as_ref(), sampled) {
+        if let (Some(_), Some(s)) = (choice.logprobs.as_ref(), sampled) {
             let mut lp = CompletionLogprobs::default();
-            TokenSpeller::new(&self.model.tokenizer).push_completion(&mut lp, s, self.text.len());
+            TokenSpeller::new(&self.model.tokenizer).push_completion(&mut lp, s, choice.text.len());
             logprobs = Some(lp);
         }
-        self.text.push_str(text);
+        choice.text.push_str(text);
         if text.is_empty() && logprobs.is_none() {
             return Vec::new();
         }
-        vec![self.chunk(text.to_string(), logprobs, None)]
+        vec![self.chunk(idx, text.to_string(), logprobs, None)]
     }
 
-    fn on_finish(&mut self, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
-        let mut frames = vec![self.chunk(String::new(), None, Some(reason.as_openai_str()))];
-        if self.include_usage {
-            frames.push(frame(&Completion {
-                id: &self.id,
-                object: "text_completion",
-                created: self.created,
-                model: &self.model_name,
-                choices: Vec::new(),
-                usage: Some(Some(UsageOut::from(usage))),
-            }));
+    fn on_finish(&mut self, idx: usize, reason: FinishReason, _usage: &Usage) -> Vec<Bytes> {
+        vec![self.chunk(idx, String::new(), None, Some(reason.as_openai_str()))]
+    }
+
+    fn on_end(&mut self, usage: &Usage) -> Vec<Bytes> {
+        if !self.include_usage {
+            return Vec::new();
         }
-        frames
+        vec![frame(&Completion {
+            id: &self.id,
+            object: "text_completion",
+            created: self.created,
+            model: &self.model_name,
+            choices: Vec::new(),
+            usage: Some(Some(UsageOut::from(usage))),
+        })]
     }
 }
 

@@ -10,7 +10,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kiln_engine::{Event, LoadedModel, Usage};
+use kiln_engine::{LoadedModel, Usage};
 use kiln_sampling::{FinishReason, Sampled, SamplingParams};
 use serde_json::{json, Value};
 
@@ -73,19 +73,6 @@ fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation,
     })
 }
 
-/// Renders the conversation with the generation prompt and tokenizes it.
-fn render(
-    model: &LoadedModel,
-    messages: Value,
-    tools: Option<Value>,
-) -> Result<Vec<u32>, ApiError> {
-    let mut ctx = model.tokenizer.chat_context(messages);
-    ctx.tools = tools;
-    ctx.add_generation_prompt = true;
-    let rendered = model.render_chat_with(&ctx)?;
-    Ok(model.tokenizer.encode(&rendered, false)?)
-}
-
 fn sampling(
     state: &AppState,
     req: MessagesRequest,
@@ -119,10 +106,11 @@ pub async fn handle(
     let generate = Generate {
         params,
         skip_special_tokens: !parse_tools,
+        format: None,
     };
     let (messages, tools) = (conv.messages, conv.tools);
     let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
-        let prompt = render(model, messages, tools)?;
+        let prompt = generation::chat_prompt(model, messages, tools)?;
         let extra = prompt.len();
         Ok(Prepared { prompt, extra })
     })
@@ -139,7 +127,7 @@ pub async fn handle(
                 "message_start",
                 &json!({"type": "message_start", "message": start}),
             ),
-            event_frame("ping", &json!({"type": "ping"})),
+            ping_frame(),
         ];
         let format = MessagesStream {
             out,
@@ -147,7 +135,12 @@ pub async fn handle(
             num_blocks: 0,
             text_open: false,
         };
-        Ok(sse::response(admitted.events, format, first))
+        Ok(sse::response(
+            admitted.events,
+            format,
+            first,
+            state.sse_keepalive,
+        ))
     } else {
         Ok(out.collect(admitted.events, &conv.tool_names).await?)
     }
@@ -160,10 +153,11 @@ pub async fn count_tokens(
     let ApiJson(req) = req?;
     let conv = conversation(&state, &req)?;
     let engine = state.engine.clone();
-    let prompt =
-        tokio::task::spawn_blocking(move || render(engine.model(), conv.messages, conv.tools))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))??;
+    let prompt = tokio::task::spawn_blocking(move || {
+        generation::chat_prompt(engine.model(), conv.messages, conv.tools)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))??;
     Ok(Json(CountTokensOut {
         input_tokens: prompt.len(),
     }))
@@ -238,27 +232,11 @@ impl MessageOutput {
 
     async fn collect(
         self,
-        mut events: EventReceiver,
+        events: EventReceiver,
         tool_names: &[String],
     ) -> Result<Response, ApiError> {
-        let mut text = String::new();
-        let (reason, usage) = loop {
-            match events.next().await {
-                Some(Event::Token { text: t, .. }) => text.push_str(&t),
-                Some(Event::Progress) => {}
-                Some(Event::Finished {
-                    finish_reason,
-                    usage,
-                    ..
-                }) => break (finish_reason, usage),
-                Some(Event::Failed { message }) => return Err(ApiError::Internal(message)),
-                None => {
-                    return Err(ApiError::Unavailable(
-                        "the request was cancelled: the server is shutting down".into(),
-                    ))
-                }
-            }
-        };
+        let collected = events.collect(|_, _| {}).await?;
+        let (text, reason, usage) = (collected.text, collected.finish_reason, collected.usage);
         let (text, calls) = if tool_names.is_empty() {
             (Some(text).filter(|t| !t.is_empty()), Vec::new())
         } else {
@@ -336,7 +314,7 @@ fn block_stop(index: usize) -> Bytes {
 }
 
 impl StreamFormat for MessagesStream {
-    fn on_token(&mut self, text: &str, _sampled: Option<&Sampled>) -> Vec<Bytes> {
+    fn on_token(&mut self, _choice: usize, text: &str, _sampled: Option<&Sampled>) -> Vec<Bytes> {
         let text = match self.tools.as_mut() {
             Some(t) => t.push(text),
             None => text.to_string(),
@@ -347,7 +325,7 @@ impl StreamFormat for MessagesStream {
         self.text_delta(text)
     }
 
-    fn on_finish(&mut self, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
+    fn on_finish(&mut self, _choice: usize, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
         let mut frames = Vec::new();
         let calls = match self.tools.take() {
             Some(held) => {
@@ -397,13 +375,22 @@ impl StreamFormat for MessagesStream {
         frames
     }
 
-    fn error_frame(&self, e: &ApiError) -> Bytes {
+    fn error_frame(&mut self, e: &ApiError) -> Bytes {
         event_frame("error", &e.body_in(ErrorShape::Anthropic))
     }
 
     fn end_frame(&self) -> Option<Bytes> {
         None
     }
+
+    fn keepalive_frame(&self) -> Bytes {
+        ping_frame()
+    }
+}
+
+/// Anthropic's `ping` event: sent after `message_start` and as keep-alive.
+fn ping_frame() -> Bytes {
+    event_frame("ping", &json!({"type": "ping"}))
 }
 
 #[cfg(test)]
@@ -441,8 +428,9 @@ mod tests {
     #[test]
     fn a_streamed_tool_call_becomes_a_tool_use_block() {
         let mut s = stream(vec!["get_weather".into()]);
-        let mut frames = s.on_token("Let me check. ", None);
+        let mut frames = s.on_token(0, "Let me check. ", None);
         frames.extend(s.on_token(
+            0,
             r#"<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>"#,
             None,
         ));
@@ -451,7 +439,7 @@ mod tests {
             cached_tokens: 4,
             completion_tokens: 20,
         };
-        frames.extend(s.on_finish(FinishReason::Stop, &usage));
+        frames.extend(s.on_finish(0, FinishReason::Stop, &usage));
         let evs = parse(&frames);
         let names: Vec<&str> = evs.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(

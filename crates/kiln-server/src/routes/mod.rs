@@ -4,4 +4,5 @@ pub mod chat;
 pub mod completions;
 pub mod messages;
 pub mod ops;
+pub mod responses;
 pub mod tokenize;

@@ -12,7 +12,8 @@ use crate::errors::ApiError;
 use crate::openai_types::{ModelCard, ModelList};
 use crate::state::AppState;
 
-/// 200 once the server runs: it is only started with a loaded model.
+/// 200 once the model is loaded (before that, the loading gate answers
+/// 503).
 pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
@@ -40,6 +41,18 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
         })
         .collect();
     let model = state.engine.model();
+    let latency: serde_json::Map<String, Value> = state
+        .metrics
+        .latency
+        .named()
+        .into_iter()
+        .map(|(name, _, h)| {
+            let s = h.summary();
+            let v =
+                json!({"count": s.count, "mean": s.mean, "p50": s.p50, "p90": s.p90, "p99": s.p99});
+            (name.to_string(), v)
+        })
+        .collect();
     Ok(Json(json!({
         "model": &*state.model_name,
         "model_path": model.path.display().to_string(),
@@ -81,6 +94,9 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
             "peak_active_bytes": m.peak_active_bytes,
             "reserved_bytes": m.reserved_bytes,
         })),
+        // Per-request latencies in seconds (estimated from histogram
+        // buckets; null before the first request).
+        "latency": latency,
         "server": {
             "prompt_tokens": prompt,
             "generation_tokens": generated,

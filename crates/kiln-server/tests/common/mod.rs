@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kiln_engine::{Engine, EngineConfig, LoadedModel};
-use kiln_server::ServerConfig;
+use kiln_server::{Readiness, ServerConfig};
 use kiln_tensor::cpu::CpuBackend;
 use serde_json::Value;
 
@@ -27,9 +27,8 @@ pub fn engine_config() -> EngineConfig {
     }
 }
 
-/// Starts a server on its own thread and runtime; it runs until the test
-/// process exits.
-pub fn start(config: ServerConfig, engine_config: EngineConfig) -> SocketAddr {
+/// The SmolLM2 test model, loaded on the CPU.
+pub fn load_model() -> LoadedModel {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(
@@ -37,8 +36,22 @@ pub fn start(config: ServerConfig, engine_config: EngineConfig) -> SocketAddr {
         "{} is missing: run scripts/fetch-models.sh",
         path.display()
     );
-    let model = LoadedModel::load(&path, Arc::new(CpuBackend::new())).expect("loading SmolLM2");
-    let engine = Engine::start(model, engine_config).expect("starting the engine");
+    LoadedModel::load(&path, Arc::new(CpuBackend::new())).expect("loading SmolLM2")
+}
+
+/// Starts a server on its own thread and runtime; it runs until the test
+/// process exits.
+pub fn start(config: ServerConfig, engine_config: EngineConfig) -> SocketAddr {
+    let engine = Engine::start(load_model(), engine_config).expect("starting the engine");
+    let readiness = Readiness::new();
+    readiness.ready(engine.handle());
+    // The engine lives as long as the test process.
+    std::mem::forget(engine);
+    start_loading(config, readiness)
+}
+
+/// Starts a server whose model is ready when `readiness` says so.
+pub fn start_loading(config: ServerConfig, readiness: Readiness) -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0");
     let addr = listener.local_addr().expect("local address");
     listener
@@ -56,10 +69,9 @@ pub fn start(config: ServerConfig, engine_config: EngineConfig) -> SocketAddr {
                 model_name: MODEL_NAME.into(),
                 ..config
             };
-            kiln_server::serve_on(listener, config, engine.handle(), std::future::pending())
+            kiln_server::serve_loading(listener, config, readiness, std::future::pending())
                 .await
                 .expect("server");
-            drop(engine);
         });
     });
     addr

@@ -1,0 +1,164 @@
+//! Structured output through the OpenAI routes on the real SmolLM2:
+//! `response_format` json_schema / json_object, vLLM's `guided_*` fields,
+//! streamed and not, and the 400s for formats that cannot be used.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+
+use common::{assert_error, post, MODEL_NAME};
+use kiln_server::ServerConfig;
+use serde_json::{json, Value};
+
+fn server() -> SocketAddr {
+    static ADDR: OnceLock<SocketAddr> = OnceLock::new();
+    *ADDR.get_or_init(|| common::start(ServerConfig::default(), common::engine_config()))
+}
+
+fn chat(content: &str, extra: Value) -> Value {
+    let mut body = json!({
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 96,
+    });
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+fn schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "country": {"type": "string", "maxLength": 24},
+            "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": false
+    })
+}
+
+fn check(v: &Value) {
+    let o = v.as_object().unwrap_or_else(|| panic!("an object: {v}"));
+    assert_eq!(o.len(), 3, "{v}");
+    assert!(
+        o["city"].as_str().is_some_and(|s| s.chars().count() <= 24),
+        "{v}"
+    );
+    assert!(
+        o["country"]
+            .as_str()
+            .is_some_and(|s| s.chars().count() <= 24),
+        "{v}"
+    );
+    assert!(
+        o["population_millions"]
+            .as_i64()
+            .is_some_and(|n| (0..=100).contains(&n)),
+        "{v}"
+    );
+}
+
+#[test]
+fn json_schema_answers_parse_and_validate_streamed_or_not() {
+    let body = chat(
+        "Give the capital of France as JSON.",
+        json!({"response_format": {"type": "json_schema",
+               "json_schema": {"name": "capital", "schema": schema(), "strict": true}}}),
+    );
+    let r = post(server(), "/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let content = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    check(&serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {content:?}")));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = post(server(), "/v1/chat/completions", &streamed);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text: String = r
+        .sse_data()
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    assert_eq!(text, content, "streamed and whole outputs agree");
+}
+
+#[test]
+fn json_object_and_guided_fields_constrain_chat_and_completions() {
+    let r = post(
+        server(),
+        "/v1/chat/completions",
+        &chat(
+            "Describe a dog.",
+            json!({"response_format": {"type": "json_object"}}),
+        ),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let content = r.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        serde_json::from_str::<Value>(&content).is_ok_and(|v| v.is_object()),
+        "{content:?}"
+    );
+
+    let r = post(
+        server(),
+        "/v1/chat/completions",
+        &chat("Is water wet?", json!({"guided_choice": ["yes", "no"]})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let c = r.json()["choices"][0]["message"]["content"].clone();
+    assert!(c == "yes" || c == "no", "{c}");
+
+    let r = post(
+        server(),
+        "/v1/completions",
+        &json!({"model": MODEL_NAME, "prompt": "The year the Eiffel Tower opened:", "max_tokens": 8,
+                "temperature": 0, "guided_regex": " [0-9]{4}"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let t = r.json()["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(
+        t.len() == 5 && t[1..].bytes().all(|b| b.is_ascii_digit()),
+        "{t:?}"
+    );
+}
+
+#[test]
+fn formats_that_cannot_be_used_are_400s_naming_the_parameter() {
+    let cases = [
+        (json!({"guided_regex": "(unclosed"}), "response_format"),
+        (
+            json!({"response_format": {"type": "yaml"}}),
+            "response_format",
+        ),
+        (
+            json!({"guided_regex": "a", "guided_choice": ["b"]}),
+            "guided_choice",
+        ),
+        (json!({"guided_choice": "yes"}), "guided_choice"),
+    ];
+    for (extra, param) in cases {
+        let r = post(server(), "/v1/chat/completions", &chat("Hi", extra.clone()));
+        let e = assert_error(&r, 400);
+        assert_eq!(e["type"], "invalid_request_error", "{extra}: {e}");
+        assert_eq!(e["param"], param, "{extra}: {e}");
+    }
+}
