@@ -271,6 +271,33 @@ def main():
         assert len(args) == 1 and json.loads(args[0].arguments) == {"city": "Paris"}, [e.type for e in events]
 
     @test
+    def chat_tool_round_trip():
+        tool = {"type": "function", "function": {k: WEATHER_TOOL[k] for k in ("name", "description", "parameters")}}
+        ask = weather_questions()
+        r = client.chat.completions.create(model=NAME, messages=ask, tools=[tool], temperature=0, max_tokens=40)
+        msg = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", r
+        assert len(msg.tool_calls) == 1 and msg.tool_calls[0].function.name == "get_weather", msg
+        assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Paris"}, msg.tool_calls[0]
+        call = msg.tool_calls[0]
+        # The call and its result go back; the model answers (or calls again) in a well-formed turn.
+        follow = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                        {"role": "tool", "tool_call_id": call.id,
+                         "content": json.dumps({"temperature_c": 18, "sky": "sunny"})}]
+        done = client.chat.completions.create(model=NAME, messages=follow, tools=[tool], temperature=0, max_tokens=40)
+        assert done.choices[0].finish_reason in ("stop", "length", "tool_calls"), done
+        assert done.usage.prompt_tokens > r.usage.prompt_tokens
+        # Streamed, the call arrives as tool_call deltas whose arguments concatenate to the same call.
+        chunks = list(client.chat.completions.create(model=NAME, messages=ask, tools=[tool], temperature=0,
+                                                     max_tokens=40, stream=True))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert deltas and deltas[0].function.name == "get_weather", deltas
+        args = "".join(d.function.arguments or "" for d in deltas)
+        assert json.loads(args) == {"city": "Paris"}, args
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" or any(
+            c.choices and c.choices[0].finish_reason == "tool_calls" for c in chunks)
+
+    @test
     def responses_refuse_state_and_unknown_parameters():
         for kw, param in ((dict(store=True), "store"), (dict(previous_response_id="resp_1"), "previous_response_id"),
                           (dict(extra_body={"frobnicate": 1}), "frobnicate")):

@@ -45,7 +45,11 @@ fn template_message(i: usize, m: &ChatMessageIn) -> Result<Value, ApiError> {
         Some(text) => {
             out.insert("content".into(), text.into());
         }
-        None if m.role == Role::Assistant => {}
+        // An assistant turn that only calls tools has no text; templates
+        // that do not know tool calls still read `content`.
+        None if m.role == Role::Assistant => {
+            out.insert("content".into(), "".into());
+        }
         None => {
             return Err(ApiError::invalid(
                 format!("{at}.content"),
@@ -213,7 +217,7 @@ mod tests {
             v[2]["tool_calls"][0]["function"]["arguments"],
             json!({"x": 1})
         );
-        assert!(v[2].get("content").is_none());
+        assert_eq!(v[2]["content"], "", "a tool-call turn has empty text");
         assert_eq!(v[3]["tool_call_id"], "c1");
     }
 
