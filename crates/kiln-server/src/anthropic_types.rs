@@ -58,8 +58,7 @@ pub struct ToolChoiceIn {
     /// `auto`, `none`, `any` or `tool`.
     #[serde(rename = "type")]
     pub kind: String,
-    /// Accepted with `tool`, which is refused anyway.
-    #[allow(dead_code)]
+    /// The tool `tool` forces.
     pub name: Option<String>,
     /// Accepted; only one tool call is rendered per block anyway.
     #[allow(dead_code)]

@@ -172,6 +172,83 @@ pub fn tool_choice_is_none(choice: Option<&Value>) -> Result<bool, ApiError> {
     }
 }
 
+/// What a chat request's `tool_choice` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    Auto,
+    None,
+    /// Some tool must be called.
+    Required,
+    /// This tool must be called.
+    Named(String),
+}
+
+/// Read chat completions' `tool_choice`: `"auto"`, `"none"`, `"required"`
+/// or `{"type": "function", "function": {"name": ...}}`.
+pub fn tool_choice(choice: Option<&Value>) -> Result<ToolChoice, ApiError> {
+    let bad = |detail: String| ApiError::invalid("tool_choice", detail);
+    match choice {
+        None | Some(Value::Null) => Ok(ToolChoice::Auto),
+        Some(Value::String(s)) => match s.as_str() {
+            "auto" => Ok(ToolChoice::Auto),
+            "none" => Ok(ToolChoice::None),
+            "required" => Ok(ToolChoice::Required),
+            other => Err(bad(format!(
+                "`tool_choice` {other:?} is not one of auto, none, required or a named function"
+            ))),
+        },
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => o
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .map(|n| ToolChoice::Named(n.to_string()))
+            .ok_or_else(|| bad("`tool_choice.function.name` is required".into())),
+        Some(other) => Err(bad(format!("`tool_choice` {other} is not understood"))),
+    }
+}
+
+/// The output format that makes a forced tool call valid by construction:
+/// `{"name": <a declared tool>, "arguments": <its parameters>}`, which the
+/// tool-call parser reads as the call. `None` unless `choice` forces a call.
+pub fn forced_call_format(
+    tools: &[(&str, Option<&Value>)],
+    choice: &ToolChoice,
+) -> Result<Option<kiln_structured::Format>, ApiError> {
+    let call = |&(name, params): &(&str, Option<&Value>)| {
+        serde_json::json!({
+            "type": "object",
+            "properties": {
+                "name": {"const": name},
+                "arguments": params.cloned().unwrap_or(serde_json::json!({"type": "object"})),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": false,
+        })
+    };
+    let schema = match choice {
+        ToolChoice::Auto | ToolChoice::None => return Ok(None),
+        ToolChoice::Required if tools.is_empty() => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "`tool_choice: required` needs at least one tool in `tools`",
+            ))
+        }
+        ToolChoice::Required => {
+            serde_json::json!({"anyOf": tools.iter().map(call).collect::<Vec<_>>()})
+        }
+        ToolChoice::Named(name) => match tools.iter().find(|t| t.0 == name.as_str()) {
+            Some(t) => call(t),
+            None => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("`tool_choice` names {name:?}, which is not in `tools`"),
+                ))
+            }
+        },
+    };
+    Ok(Some(kiln_structured::Format::JsonSchema(schema)))
+}
+
 /// Tool definitions as the template receives them; only `function` tools.
 pub fn template_tools(tools: &[ToolIn]) -> Result<Value, ApiError> {
     for (i, t) in tools.iter().enumerate() {

@@ -252,7 +252,7 @@ fn errors_have_anthropic_shape() {
     let e = assert_anthropic_error(&r, 400, "invalid_request_error");
     assert!(e["message"]
         .as_str()
-        .is_some_and(|m| m.contains("structured output")));
+        .is_some_and(|m| m.contains("at least one tool")));
     let r = post("/v1/messages", &france(json!({"model": "nope"})));
     assert_anthropic_error(&r, 404, "not_found_error");
     let r = post("/v1/messages", &france(json!({"frobnicate": 1})));

@@ -110,7 +110,7 @@ fn unsupported_parameters_are_named() {
     for (param, value) in [
         ("frobnicate", json!(1)),
         ("modalities", json!(["audio"])),
-        ("tool_choice", json!("required")),
+        ("prediction", json!({"type": "content", "content": "x"})),
     ] {
         let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
         body[param] = value;

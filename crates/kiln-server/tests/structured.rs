@@ -162,3 +162,139 @@ fn formats_that_cannot_be_used_are_400s_naming_the_parameter() {
         assert_eq!(e["param"], param, "{extra}: {e}");
     }
 }
+
+fn tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                        "required": ["city"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "description": "Local time in a time zone",
+         "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                        "required": ["zone"], "additionalProperties": false}}}
+    ])
+}
+
+/// The one tool call of a chat response, as (name, arguments).
+fn the_call(v: &Value) -> (String, Value) {
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    let f = &calls[0]["function"];
+    let args = f["arguments"].as_str().unwrap();
+    (
+        f["name"].as_str().unwrap().to_string(),
+        serde_json::from_str(args).unwrap_or_else(|e| panic!("{e}: {args:?}")),
+    )
+}
+
+#[test]
+fn required_and_named_tool_choice_force_a_valid_call() {
+    let ask = "What is the capital of France?";
+    let r = post(
+        server(),
+        "/v1/chat/completions",
+        &chat(ask, json!({"tools": tools(), "tool_choice": "required"})),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (name, args) = the_call(&r.json());
+    let key = if name == "get_weather" {
+        "city"
+    } else {
+        "zone"
+    };
+    assert!(name == "get_weather" || name == "get_time", "{name}");
+    assert!(
+        args[key].as_str().is_some() && args.as_object().unwrap().len() == 1,
+        "{args}"
+    );
+
+    let named = chat(
+        ask,
+        json!({"tools": tools(), "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+    );
+    let r = post(server(), "/v1/chat/completions", &named);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (name, args) = the_call(&r.json());
+    assert_eq!(name, "get_time");
+    assert!(
+        args["zone"]
+            .as_str()
+            .is_some_and(|z| z.chars().count() <= 30),
+        "{args}"
+    );
+
+    // Streamed, the same call arrives as tool_call deltas.
+    let mut streamed = named.clone();
+    streamed["stream"] = json!(true);
+    let r = post(server(), "/v1/chat/completions", &streamed);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let deltas: Vec<Value> = r
+        .sse_data()
+        .iter()
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .flat_map(|c| {
+            c["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(deltas[0]["function"]["name"], "get_time", "{deltas:?}");
+    let streamed_args: String = deltas
+        .iter()
+        .filter_map(|d| d["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(serde_json::from_str::<Value>(&streamed_args).unwrap(), args);
+}
+
+#[test]
+fn forced_tool_choices_that_cannot_be_met_are_400s() {
+    let cases = [
+        json!({"tool_choice": "required"}),
+        json!({"tools": tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+        json!({"tools": tools(), "tool_choice": "required", "response_format": {"type": "json_object"}}),
+        json!({"tools": tools(), "tool_choice": "sometimes"}),
+    ];
+    for extra in cases {
+        let r = post(server(), "/v1/chat/completions", &chat("Hi", extra.clone()));
+        let e = assert_error(&r, 400);
+        assert_eq!(e["param"], "tool_choice", "{extra}: {e}");
+    }
+}
+
+#[test]
+fn anthropic_any_and_named_tool_choice_force_a_tool_use_block() {
+    let anthropic_tools = json!([
+        {"name": "get_weather", "description": "Weather for a city",
+         "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                          "required": ["city"], "additionalProperties": false}}
+    ]);
+    for choice in [
+        json!({"type": "any"}),
+        json!({"type": "tool", "name": "get_weather"}),
+    ] {
+        let body = json!({"model": MODEL_NAME, "max_tokens": 64, "temperature": 0,
+                          "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                          "tools": anthropic_tools, "tool_choice": choice});
+        let r = post(server(), "/v1/messages", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["stop_reason"], "tool_use", "{v}");
+        let uses: Vec<&Value> = v["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .collect();
+        assert_eq!(uses.len(), 1, "{v}");
+        assert_eq!(uses[0]["name"], "get_weather");
+        assert!(
+            uses[0]["input"]["city"]
+                .as_str()
+                .is_some_and(|c| c.chars().count() <= 30),
+            "{v}"
+        );
+    }
+}

@@ -16,7 +16,9 @@ use crate::errors::ApiError;
 use crate::generation::{self, EventReceiver, Generate, Prepared};
 use crate::json_body::{reject_unknown, ApiJson};
 use crate::logprobs::TokenSpeller;
-use crate::messages::{template_messages, template_tools, tool_choice_is_none};
+use crate::messages::{
+    forced_call_format, template_messages, template_tools, tool_choice, ToolChoice,
+};
 use crate::openai_types::chat::{
     ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut,
     ChunkChoice, Delta, FunctionCallOut, ToolCallOut,
@@ -58,7 +60,22 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
     if let Some(o) = &req.stream_options {
         reject_unknown(&o.extra, "stream_options.")?;
     }
-    let tool_choice_none = tool_choice_is_none(req.tool_choice.as_ref())?;
+    let choice = tool_choice(req.tool_choice.as_ref())?;
+    let declared: Vec<(&str, Option<&Value>)> = req
+        .tools
+        .iter()
+        .flatten()
+        .map(|t| (t.function.name.as_str(), t.function.parameters.as_ref()))
+        .collect();
+    let forced = forced_call_format(&declared, &choice)?;
+    if forced.is_some() && format.is_some() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "a forced tool call cannot be combined with an output format (`response_format`, `guided_*`)",
+        ));
+    }
+    let format = forced.or(format);
+    let tool_choice_none = choice == ToolChoice::None;
     let (tools, tool_names) = match &req.tools {
         Some(t) if !t.is_empty() && !tool_choice_none => (
             Some(template_tools(t)?),

@@ -21,6 +21,7 @@ use crate::anthropic_types::{
 use crate::errors::{AnthropicError, ApiError, ErrorShape};
 use crate::generation::{self, EventReceiver, Generate, Prepared};
 use crate::json_body::{reject_unknown, ApiJson};
+use crate::messages::{forced_call_format, ToolChoice};
 use crate::openai_types::new_id;
 use crate::sampling::SamplingFields;
 use crate::sse::{self, event_frame, StreamFormat};
@@ -33,6 +34,8 @@ struct Conversation {
     tools: Option<Value>,
     /// The declared tools' names; tool calls are parsed when there are any.
     tool_names: Vec<String>,
+    /// The call format `tool_choice` any/tool enforces.
+    format: Option<kiln_structured::Format>,
 }
 
 /// The parts of a request that make the prompt, checked; shared with
@@ -40,25 +43,37 @@ struct Conversation {
 fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation, ApiError> {
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
-    let tool_choice_none = match req.tool_choice.as_ref().map(|c| c.kind.as_str()) {
-        None | Some("auto") => false,
-        Some("none") => true,
-        Some(kind @ ("any" | "tool")) => {
-            return Err(ApiError::unsupported(
-                "tool_choice.type",
-                format!(
-                    "`tool_choice` of type `{kind}` is not supported yet: structured output \
-                     will enforce it; use `auto` or `none`"
-                ),
+    let choice = match req
+        .tool_choice
+        .as_ref()
+        .map(|c| (c.kind.as_str(), c.name.as_ref()))
+    {
+        None | Some(("auto", _)) => ToolChoice::Auto,
+        Some(("none", _)) => ToolChoice::None,
+        Some(("any", _)) => ToolChoice::Required,
+        Some(("tool", Some(name))) => ToolChoice::Named(name.clone()),
+        Some(("tool", None)) => {
+            return Err(ApiError::invalid(
+                "tool_choice.name",
+                "`tool_choice.name` is required with type `tool`",
             ))
         }
-        Some(other) => {
+        Some((other, _)) => {
             return Err(ApiError::invalid(
                 "tool_choice.type",
                 format!("`tool_choice.type` must be auto, none, any or tool, got `{other}`"),
             ))
         }
     };
+    // `any` and `tool` are enforced: the output is a valid call by construction.
+    let declared: Vec<(&str, Option<&Value>)> = req
+        .tools
+        .iter()
+        .flatten()
+        .map(|t| (t.name.as_str(), Some(&t.input_schema)))
+        .collect();
+    let format = forced_call_format(&declared, &choice)?;
+    let tool_choice_none = choice == ToolChoice::None;
     let (tools, tool_names) = match &req.tools {
         Some(t) if !t.is_empty() && !tool_choice_none => (
             Some(template_anthropic_tools(t)?),
@@ -70,6 +85,7 @@ fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation,
         messages: template_conversation(req.system.as_ref(), &req.messages)?,
         tools,
         tool_names,
+        format,
     })
 }
 
@@ -106,7 +122,7 @@ pub async fn handle(
     let generate = Generate {
         params,
         skip_special_tokens: !parse_tools,
-        format: None,
+        format: conv.format,
     };
     let (messages, tools) = (conv.messages, conv.tools);
     let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
