@@ -531,7 +531,7 @@ def time_b2b(fn, ws_, n=24, reps=7):
 
 
 def run_old(old, M, x, w, out, extra, N, K, mode):
-    old.launch(f"gemv_old_bf16_m{M}", ((N + 15) // 16,), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K),
+    old.launch(f"gemv_direct_bf16_m{M}", ((N + 15) // 16,), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K),
                                                                    I32(mode)])
 
 
@@ -615,202 +615,6 @@ def bench(mod, report, variants=(), old=None):
     report["bench"] = out
 
 
-# The GEMV as it was before split-K / cp.async staging (entry points renamed gemv_old_bf16_m{M}, launch
-# grid.x = ceil(N / 16)); only compiled for the before/after timings in bench().
-OLD_GEMV_SRC = r"""// Decode-shaped matrix products (M <= 8 activation rows) near the memory-bandwidth limit,
-// and a row argmax + log-probability for greedy sampling on the GPU.
-#include "common.cuh"
-
-// ---------------------------------------------------------------------------------------------
-// GEMV: out[m, n] = sum_k x[m, k] * w[n, k] (+ epilogue), M = 1..8, bf16 in/out, f32 accumulation.
-//
-// Tensor-core formulation: one mma.m16n8k16 (bf16 x bf16 -> f32) takes 16 weight rows (A, the
-// output columns n) times 16 k, and 8 activation rows (B, the batch rows m; rows >= M are zero).
-// The k order inside an mma does not matter for a dot product as long as A and B agree, so each
-// lane loads 16 contiguous bytes (8 k) of its weight rows and of its x row with one 128-bit load,
-// and those four 32-bit registers feed two mmas directly (no shuffles, no conversions):
-//   lane = 4 * g + t (g = groupID 0..7, t = 0..3), k = step base + 8 t:
-//     wlo = w[n0 + g    ][k .. k+8), whi = w[n0 + g + 8][k .. k+8), xv = x[g][k .. k+8) (0 if g >= M)
-//     mma #1: A = {wlo.x, whi.x, wlo.y, whi.y}, B = {xv.x, xv.y}   (k .. k+4)
-//     mma #2: A = {wlo.z, whi.z, wlo.w, whi.w}, B = {xv.z, xv.w}   (k+4 .. k+8)
-//   D (16 x 8 f32): lane (g, t) holds out[m = 2t, 2t+1][n0 + g] and out[m = 2t, 2t+1][n0 + g + 8].
-//
-// Launch: block 256 threads (8 warps), no dynamic shared memory (8 KiB static), grid.x =
-// ceil(N / 16) (one 16-column tile per block; any grid.x >= 1 is correct: blocks loop over tiles
-// with stride gridDim.x). The 8 warps of a block split K (warp w takes k in [32 w, 32 w + 32)
-// of every 256-wide step), then reduce through shared memory. Gated modes (3, 4) do the gate
-// tile (w rows n) and the up tile (w rows N + n) in the same block, sharing the x loads.
-// Requirements: K % 8 == 0; x, w 16-byte aligned; out must not overlap x or w.
-// Weights are streamed with ld.global.nc.L1::no_allocate (they are read once) so x stays in L1.
-// Modes: 0 plain, 1 + extra[n] (bias), 2 + extra[m * N + n] (residual; extra may equal out),
-//        3 silu(x.w[n]) * (x.w[N + n]), 4 gelu_tanh(x.w[n]) * (x.w[N + n]) (w has 2N rows).
-// The epilogue works on the f32 sums; the only rounding to bf16 is the final store.
-// ---------------------------------------------------------------------------------------------
-
-namespace gemv_old_detail {
-
-constexpr int kWarps = 8;
-constexpr int kTileN = 16;               // output columns per mma tile
-constexpr int kBlockK = kWarps * 32;     // k covered by the block per step (32 per warp)
-
-// 16 bytes of weights, read once: bypass L1, ask L2 to fetch the surrounding 256 bytes.
-// Predicated inside the asm (zeros when !ok) so the loads of a round stay branch-free.
-__device__ __forceinline__ uint4 ld_stream(const bf16* p, bool ok) {
-    uint4 r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "r"((int)ok));
-    return r;
-}
-
-// 16 bytes of activations (re-read by every block): through the read-only/L1 path.
-__device__ __forceinline__ uint4 ld_cached(const bf16* p, bool ok) {
-    uint4 r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "r"((int)ok));
-    return r;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Same activations as gated_act_bf16 (act 0 = SiLU, 1 = GELU tanh approximation).
-__device__ __forceinline__ float gate_act(float g, int act) {
-    if (act == 0) return g / (1.0f + __expf(-g));
-    const float c = 0.7978845608f;
-    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
-}
-
-// T = tiles per block (1 plain, 2 gated: gate + up), U = k steps with loads in flight per lane.
-// red: shared scratch of T * kWarps * 128 floats.
-template <int M, int T, int U>
-__device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
-                                           const bf16* extra, int N, int K, int mode, float* red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int ntiles = (N + kTileN - 1) / kTileN;
-    const bf16* xrow = x + (long long)(g < M ? g : 0) * K;
-    const bool xok = g < M;
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-        const int n0 = tile * kTileN;
-        const bf16* wrow[T][2];
-        bool rok[T][2];
-#pragma unroll
-        for (int tt = 0; tt < T; ++tt) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int n = n0 + g + 8 * h;
-                rok[tt][h] = n < N;
-                wrow[tt][h] = w + (long long)(rok[tt][h] ? n + tt * N : 0) * K;
-            }
-        }
-        // Two accumulator sets (mma #1 / #2) to halve the dependent-mma chain.
-        float acc[T][2][4];
-#pragma unroll
-        for (int tt = 0; tt < T; ++tt)
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[tt][j][i] = 0.0f;
-
-        for (int k0 = 0; k0 < K; k0 += kBlockK * U) {
-            uint4 wv[U][T][2];
-            uint4 xv[U];
-            // Issue every load of this round before any math: U * T * 2 weight loads in flight.
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int k = k0 + u * kBlockK + warp * 32 + t * 8;
-                const bool kok = k < K;  // K % 8 == 0: a lane's 8 values are all in or all out
-#pragma unroll
-                for (int tt = 0; tt < T; ++tt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) wv[u][tt][h] = ld_stream(wrow[tt][h] + k, kok && rok[tt][h]);
-                xv[u] = ld_cached(xrow + k, kok && xok);
-            }
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-                for (int tt = 0; tt < T; ++tt) {
-                    const uint4 lo = wv[u][tt][0], hi = wv[u][tt][1];
-                    mma_bf16(acc[tt][0], lo.x, hi.x, lo.y, hi.y, xv[u].x, xv[u].y);
-                    mma_bf16(acc[tt][1], lo.z, hi.z, lo.w, hi.w, xv[u].z, xv[u].w);
-                }
-        }
-#pragma unroll
-        for (int tt = 0; tt < T; ++tt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                red[(tt * kWarps + warp) * 128 + lane * 4 + i] = acc[tt][0][i] + acc[tt][1][i];
-        __syncthreads();
-        // Thread -> (column n0 + nl, row m); D element (nl, m) is in lane (nl % 8) * 4 + m / 2,
-        // register (m & 1) + 2 * (nl / 8).
-        if (threadIdx.x < kTileN * 8) {
-            const int nl = threadIdx.x >> 3, m = threadIdx.x & 7;
-            const int n = n0 + nl;
-            if (m < M && n < N) {
-                const int idx = ((nl & 7) * 4 + (m >> 1)) * 4 + (m & 1) + 2 * (nl >> 3);
-                float s[T];
-#pragma unroll
-                for (int tt = 0; tt < T; ++tt) {
-                    float v = 0.0f;
-#pragma unroll
-                    for (int ww = 0; ww < kWarps; ++ww) v += red[(tt * kWarps + ww) * 128 + idx];
-                    s[tt] = v;
-                }
-                const long long o = (long long)m * N + n;
-                float r;
-                if (T == 2) {
-                    r = gate_act(s[0], mode == 3 ? 0 : 1) * s[T - 1];
-                } else {
-                    r = s[0];
-                    if (mode == 1) r += to_f32(extra[n]);
-                    else if (mode == 2) r += to_f32(extra[o]);
-                }
-                out[o] = to_bf16(r);
-            }
-        }
-        __syncthreads();
-    }
-}
-
-template <int M>
-__device__ __forceinline__ void gemv(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
-                                     const bf16* extra, int N, int K, int mode) {
-    __shared__ float red[2 * kWarps * 128];
-    if (mode >= 3) gemv_tiles<M, 2, 4>(x, w, out, extra, N, K, mode, red);
-    else gemv_tiles<M, 1, 8>(x, w, out, extra, N, K, mode, red);
-}
-
-}  // namespace gemv_old_detail
-
-#define KILN_GEMV(MM)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) gemv_old_bf16_m##MM(                                     \
-        const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out, const bf16* extra, int N, int K, \
-        int mode) {                                                                                         \
-        gemv_old_detail::gemv<MM>(x, w, out, extra, N, K, mode);                                                \
-    }
-KILN_GEMV(1)
-KILN_GEMV(2)
-KILN_GEMV(3)
-KILN_GEMV(4)
-KILN_GEMV(5)
-KILN_GEMV(6)
-KILN_GEMV(7)
-KILN_GEMV(8)
-#undef KILN_GEMV
-"""
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gemv_check.json")
@@ -844,11 +648,8 @@ def main():
             except Exception as e:
                 print(f"variant {defs} failed: {e!r}")
         old = None
-        try:  # the previous kernel (before split-K / cp.async), for before/after numbers in one run
-            path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "gemv_old_baseline.cu")
-            with open(path, "w") as f:
-                f.write(OLD_GEMV_SRC)
-            old = cuda.load(path)[0]
+        try:  # the direct-load kernel (gemv_direct.cu), timed next to the pipelined one
+            old = cuda.load(os.path.join(KDIR, "gemv_direct.cu"))[0]
         except Exception as e:
             print(f"baseline kernel failed: {e!r}")
         steps.append(("bench", lambda: bench(mods["gemv"], report, variants, old)))

@@ -24,10 +24,6 @@ use crate::meta::{table_width, StepMeta};
 use crate::pool::{DevBuf, MemorySnapshot};
 use crate::{CudaError, KernelCompiler};
 
-/// Blocks the decode attention kernel aims for when splitting keys.
-const DECODE_TARGET_CTAS: usize = 256;
-/// Fewest keys per split.
-const DECODE_MIN_PARTITION: usize = 64;
 /// Largest row count served by the GEMV kernels.
 const GEMV_MAX_ROWS: usize = 8;
 
@@ -60,8 +56,8 @@ struct DevU32 {
 }
 
 pub(crate) struct CudaKv {
-    k: Vec<DevBuf>,
-    v: Vec<DevBuf>,
+    pub(crate) k: Vec<DevBuf>,
+    pub(crate) v: Vec<DevBuf>,
     /// Recordings over this cache hold a weak reference: they are dropped
     /// once the cache is.
     pub alive: Arc<()>,
@@ -128,7 +124,7 @@ impl CudaBackend {
         self.recordings.lock().map(|r| r.len()).unwrap_or(0)
     }
 
-    fn alloc(&self, elems: usize, what: &str) -> Result<DevBuf> {
+    pub(crate) fn alloc(&self, elems: usize, what: &str) -> Result<DevBuf> {
         self.dev.alloc(elems, 2, what)
     }
 
@@ -228,7 +224,7 @@ impl CudaBackend {
         } else {
             format!("gemv_bf16_m{n}")
         };
-        if n == 0 || n > GEMV_MAX_ROWS || k % 8 != 0 || !self.dev.has(&name) {
+        if n == 0 || n > GEMV_MAX_ROWS || !k.is_multiple_of(8) || !self.dev.has(&name) {
             return Ok(false);
         }
         let (ni, ki, splits, null) = (out_cols as i32, k as i32, 1i32, 0u64);
@@ -280,188 +276,7 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Attention of `n` query rows (row stride `q_stride`) over the cache
-    /// of `layer`, keys and values already written; `out [n, heads * hd]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend(
-        &self,
-        q: u64,
-        q_stride: usize,
-        kv: &CudaKv,
-        layer: usize,
-        step: &ActiveStep,
-        block_size: usize,
-        p: &AttentionParams,
-    ) -> Result<Tensor> {
-        let n = step.meta.num_rows;
-        let qw = p.num_heads * p.head_dim;
-        let out = self.alloc(n * qw, "attention output")?;
-        let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
-        let m = &step.meta;
-        let word = |off: usize| step.base + 4 * off as u64;
-        let (pos, row_seq, tables) = (word(m.pos), word(m.row_seq), word(m.tables));
-        let (qs, os) = (q_stride as i64, qw as i64);
-        let (width, bs) = (m.width as i32, block_size as i32);
-        let (h, kvh) = (p.num_heads as i32, p.num_kv_heads as i32);
-        let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
-        let softcap = p.softcap.unwrap_or(0.0);
-        let hd = p.head_dim;
-        let decode = format!("decode_attention_hd{hd}");
-        let flash = format!("flash_prefill_hd{hd}");
-        let stream = &self.dev.stream;
-        if n == 0 {
-            return Ok(wrap(vec![0, qw], out));
-        }
-        if m.decode_only && self.dev.has(&decode) {
-            // Split the keys until there are enough blocks to fill the GPU
-            // (few rows × kv heads); splits cover the table width, so a
-            // recorded step's grid fits every batch it replays.
-            let max_keys = (m.width * block_size).max(1);
-            let want = (DECODE_TARGET_CTAS / (n * p.num_kv_heads)).max(1);
-            let part_len = max_keys
-                .div_ceil(want)
-                .next_multiple_of(DECODE_MIN_PARTITION);
-            let parts = max_keys.div_ceil(part_len);
-            let part = part_len as i32;
-            let (part_out, part_ml) = if parts > 1 {
-                (
-                    Some(self.dev.alloc(n * qw * parts, 4, "attention partials")?),
-                    Some(
-                        self.dev
-                            .alloc(n * p.num_heads * parts * 2, 4, "attention partials")?,
-                    ),
-                )
-            } else {
-                (None, None)
-            };
-            let po = part_out.as_ref().map_or(0, |b| b.ptr);
-            let pm = part_ml.as_ref().map_or(0, |b| b.ptr);
-            let cfg = LaunchConfig {
-                grid_dim: (n as u32, p.num_kv_heads as u32, parts as u32),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: q rows [n, q_stride], caches [slots, kv_row], metadata
-            // arrays of the step, partials sized [n, heads, parts, hd] and
-            // [n, heads, parts, 2].
-            unsafe {
-                stream
-                    .launch_builder(self.dev.func(&decode)?)
-                    .arg(&q)
-                    .arg(&qs)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(&pos)
-                    .arg(&row_seq)
-                    .arg(&tables)
-                    .arg(&width)
-                    .arg(&bs)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&p.scale)
-                    .arg(&window)
-                    .arg(&softcap)
-                    .arg(&part)
-                    .arg(&po)
-                    .arg(&pm)
-                    .arg(&out.ptr)
-                    .arg(&os)
-                    .launch(cfg)
-                    .map_err(dev_err)?;
-            }
-            if parts > 1 {
-                let np = parts as i32;
-                let cfg = LaunchConfig {
-                    grid_dim: (n as u32, p.num_heads as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: partials as written above; out [n, heads * hd].
-                unsafe {
-                    stream
-                        .launch_builder(self.dev.func(&format!("decode_attention_reduce_hd{hd}"))?)
-                        .arg(&po)
-                        .arg(&pm)
-                        .arg(&h)
-                        .arg(&np)
-                        .arg(&out.ptr)
-                        .arg(&os)
-                        .launch(cfg)
-                        .map_err(dev_err)?;
-                }
-            }
-            return Ok(wrap(vec![n, qw], out));
-        }
-        if self.dev.has(&flash) {
-            let tiles = word(m.tiles);
-            let cfg = LaunchConfig {
-                grid_dim: (m.num_tiles as u32, p.num_heads as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: crate::graphs::flash_smem_bytes(hd) as u32,
-            };
-            // SAFETY: as for decode; tiles lie within the rows of the step.
-            unsafe {
-                stream
-                    .launch_builder(self.dev.func(&flash)?)
-                    .arg(&q)
-                    .arg(&qs)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(&pos)
-                    .arg(&row_seq)
-                    .arg(&tables)
-                    .arg(&width)
-                    .arg(&bs)
-                    .arg(&tiles)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&p.scale)
-                    .arg(&window)
-                    .arg(&softcap)
-                    .arg(&out.ptr)
-                    .arg(&os)
-                    .launch(cfg)
-                    .map_err(dev_err)?;
-            }
-            return Ok(wrap(vec![n, qw], out));
-        }
-        if q_stride != qw {
-            return Err(dev_err(
-                "the reference attention kernel needs packed q rows",
-            ));
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, p.num_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (128 + hd) as u32 * 4,
-        };
-        let hdi = hd as i32;
-        // SAFETY: q [n, heads * hd]; metadata of the step.
-        unsafe {
-            stream
-                .launch_builder(self.dev.func("paged_attention_bf16")?)
-                .arg(&q)
-                .arg(&kc)
-                .arg(&vc)
-                .arg(&out.ptr)
-                .arg(&pos)
-                .arg(&row_seq)
-                .arg(&tables)
-                .arg(&width)
-                .arg(&h)
-                .arg(&kvh)
-                .arg(&hdi)
-                .arg(&bs)
-                .arg(&p.scale)
-                .arg(&window)
-                .arg(&softcap)
-                .launch(cfg)
-                .map_err(dev_err)?;
-        }
-        Ok(wrap(vec![n, qw], out))
-    }
-
-    fn kv<'a>(cache: &'a mut KvCache) -> Result<&'a mut CudaKv> {
+    fn kv(cache: &mut KvCache) -> Result<&mut CudaKv> {
         cache
             .storage_mut()
             .downcast_mut::<CudaKv>()

@@ -10,6 +10,7 @@
 //! `kiln_tensor::Backend`. Main types: [`CudaBackend`], [`KernelCompiler`],
 //! [`CudaError`], [`MemorySnapshot`], and [`kernels::SOURCES`].
 
+mod attention;
 pub mod backend;
 pub mod compile;
 mod device;
