@@ -299,18 +299,20 @@ def main():
 
     @test
     def forced_tool_choice_is_a_valid_call():
-        tool = {"type": "function", "function": {k: WEATHER_TOOL[k] for k in ("name", "description", "parameters")}}
+        params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                  "required": ["city"], "additionalProperties": False}
+        tool = {"type": "function", "function": {"name": "get_weather", "description": WEATHER_TOOL["description"],
+                                                 "parameters": params}}
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
             r = client.chat.completions.create(model=NAME, messages=QUESTION, tools=[tool], tool_choice=choice,
-                                               temperature=0, max_tokens=40)
+                                               temperature=0, max_tokens=64)
             calls = r.choices[0].message.tool_calls
             assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1, r
             assert calls[0].function.name == "get_weather"
             assert isinstance(json.loads(calls[0].function.arguments)["city"], str), calls[0].function.arguments
         m = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="unused", max_retries=0).messages.create(
-            model=NAME, max_tokens=40, messages=QUESTION, tool_choice={"type": "any"},
-            tools=[{"name": "get_weather", "description": WEATHER_TOOL["description"],
-                    "input_schema": WEATHER_TOOL["parameters"]}])
+            model=NAME, max_tokens=64, messages=QUESTION, tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "description": WEATHER_TOOL["description"], "input_schema": params}])
         uses = [b for b in m.content if b.type == "tool_use"]
         assert m.stop_reason == "tool_use" and len(uses) == 1 and isinstance(uses[0].input["city"], str), m
 
