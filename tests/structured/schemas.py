@@ -1,0 +1,46 @@
+"""Thirty JSON schemas for the structured-output suite: nested objects, arrays with
+bounds, enums, const, anyOf/oneOf, $ref with $defs, patterns, formats, required and
+optional properties. Strings and arrays are bounded so that every output ends."""
+
+S = {"type": "string", "maxLength": 16}
+I = {"type": "integer", "minimum": 0, "maximum": 1000}
+
+
+def obj(props, required=None, extra=False):
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required,
+            "additionalProperties": extra}
+
+
+SCHEMAS = [
+    obj({"name": S}),
+    obj({"name": S, "age": I}),
+    obj({"title": S, "year": {"type": "integer", "minimum": 1900, "maximum": 2030}, "rating": {"type": "number", "minimum": 0, "maximum": 10}}),
+    obj({"ok": {"type": "boolean"}, "note": S}, required=["ok"]),
+    obj({"color": {"enum": ["red", "green", "blue"]}, "shade": {"enum": [1, 2, 3]}}),
+    obj({"kind": {"const": "point"}, "x": I, "y": I}),
+    obj({"tags": {"type": "array", "items": S, "minItems": 1, "maxItems": 3}}),
+    obj({"matrix": {"type": "array", "items": {"type": "array", "items": I, "minItems": 2, "maxItems": 2}, "minItems": 2, "maxItems": 2}}),
+    obj({"user": obj({"id": I, "name": S}), "active": {"type": "boolean"}}),
+    obj({"a": obj({"b": obj({"c": obj({"d": S})})})}),
+    obj({"items": {"type": "array", "items": obj({"sku": S, "qty": {"type": "integer", "minimum": 1, "maximum": 9}}), "minItems": 1, "maxItems": 3}}),
+    obj({"value": {"anyOf": [I, S]}}),
+    obj({"shape": {"oneOf": [obj({"circle": I}), obj({"square": I})]}}),
+    {"$defs": {"person": obj({"name": S, "age": I})}, **obj({"author": {"$ref": "#/$defs/person"}, "editor": {"$ref": "#/$defs/person"}})},
+    {"$defs": {"node": obj({"label": S, "weight": I})}, **obj({"nodes": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 3}})},
+    obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}}),
+    obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "city": S}),
+    obj({"hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}}),
+    obj({"when": {"type": "string", "format": "date"}}),
+    obj({"id": {"type": "string", "format": "uuid"}}),
+    obj({"email": {"type": "string", "format": "email", "maxLength": 40}}),
+    obj({"name": S, "nickname": S, "age": I}, required=["name"]),
+    obj({"temperature": {"type": "number", "minimum": -50, "maximum": 60}, "unit": {"enum": ["C", "F"]}}),
+    {"type": "array", "items": I, "minItems": 2, "maxItems": 5},
+    {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 4},
+    obj({"answer": {"type": "string", "enum": ["yes", "no", "maybe"]}, "confidence": {"type": "integer", "minimum": 0, "maximum": 100}}),
+    obj({"steps": {"type": "array", "items": obj({"n": I, "text": S}), "minItems": 2, "maxItems": 3}}),
+    obj({"meta": obj({"version": {"type": "string", "pattern": "^[0-9]\\.[0-9]\\.[0-9]$"}, "stable": {"type": "boolean"}}), "count": I}),
+    obj({"pair": {"type": "array", "prefixItems": [S, I], "items": False, "minItems": 2}}),
+    obj({"nullable": {"anyOf": [S, {"type": "null"}]}, "flag": {"type": "boolean"}}),
+]
+assert len(SCHEMAS) == 30
