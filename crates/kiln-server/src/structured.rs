@@ -52,6 +52,33 @@ pub fn take_format(extra: &mut Map<String, Value>) -> Result<Option<Format>, (St
     }
 }
 
+/// Remove the Responses API's `text` field from `extra` and return the
+/// format its `text.format` asks for (`text`, `json_object`, or
+/// `json_schema` with the schema inline), and the format's type name.
+pub fn take_text_format(
+    extra: &mut Map<String, Value>,
+) -> Result<(Option<Format>, &'static str), (String, String)> {
+    let Some(text) = extra.remove("text").filter(|v| !v.is_null()) else {
+        return Ok((None, "text"));
+    };
+    let err = |reason: &str| ("text.format".to_string(), reason.to_string());
+    let Some(format) = text.get("format").filter(|f| !f.is_null()) else {
+        return Ok((None, "text"));
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok((None, "text")),
+        Some("json_object") => Ok((Some(Format::JsonObject), "json_object")),
+        Some("json_schema") => {
+            let schema = format
+                .get("schema")
+                .cloned()
+                .ok_or_else(|| err("`schema` is required with type json_schema"))?;
+            Ok((Some(Format::JsonSchema(schema)), "json_schema"))
+        }
+        _ => Err(err("`type` must be text, json_object or json_schema")),
+    }
+}
+
 fn response_format(v: &Value) -> Result<Option<Format>, String> {
     match v.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),

@@ -298,3 +298,26 @@ fn anthropic_any_and_named_tool_choice_force_a_tool_use_block() {
         );
     }
 }
+
+#[test]
+fn responses_text_format_json_schema_constrains_the_output() {
+    let body = json!({"model": MODEL_NAME, "input": "Give the capital of France as JSON.", "temperature": 0,
+                      "max_output_tokens": 96,
+                      "text": {"format": {"type": "json_schema", "name": "capital", "schema": schema(), "strict": true}}});
+    let r = post(server(), "/v1/responses", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["text"]["format"]["type"], "json_schema", "{v}");
+    let text: String = v["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "message")
+        .flat_map(|i| i["content"].as_array().cloned().unwrap_or_default())
+        .filter_map(|p| p["text"].as_str().map(str::to_string))
+        .collect();
+    check(&serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text:?}")));
+    let bad = json!({"model": MODEL_NAME, "input": "x", "text": {"format": {"type": "yaml"}}});
+    let e = assert_error(&post(server(), "/v1/responses", &bad), 400);
+    assert_eq!(e["param"], "text.format", "{e}");
+}

@@ -41,6 +41,7 @@ struct ValidResponses {
     params: SamplingParams,
     stream: bool,
     echo: Echo,
+    format: Option<kiln_structured::Format>,
 }
 
 /// The request fields the response object repeats.
@@ -54,9 +55,13 @@ struct Echo {
     tools: Vec<ToolIn>,
     metadata: Map<String, Value>,
     user: Option<String>,
+    /// `text.format.type` as asked.
+    format_type: &'static str,
 }
 
-fn validate(state: &AppState, req: ResponsesRequest) -> Result<ValidResponses, ApiError> {
+fn validate(state: &AppState, mut req: ResponsesRequest) -> Result<ValidResponses, ApiError> {
+    let (format, format_type) = crate::structured::take_text_format(&mut req.extra)
+        .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
     if req.store == Some(true) {
@@ -116,7 +121,9 @@ fn validate(state: &AppState, req: ResponsesRequest) -> Result<ValidResponses, A
             tools: declared,
             metadata: req.metadata.unwrap_or_default(),
             user: req.user,
+            format_type,
         },
+        format,
     })
 }
 
@@ -129,7 +136,7 @@ pub async fn handle(
     let generate = Generate {
         params: v.params,
         skip_special_tokens: !parse_tools,
-        format: None,
+        format: v.format,
     };
     let (messages, tools) = (v.messages, v.tools);
     let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
@@ -262,7 +269,9 @@ impl ResponseOutput {
             metadata: &e.metadata,
             user: e.user.as_deref(),
             text: TextConfig {
-                format: TextFormat { kind: "text" },
+                format: TextFormat {
+                    kind: e.format_type,
+                },
             },
             truncation: "disabled",
             usage: usage.map(ResponseUsage::from),
