@@ -578,6 +578,7 @@ mod tests {
                     tools: Vec::new(),
                     metadata: Map::new(),
                     user: None,
+                    format_type: "text",
                 },
             },
             tools: Some(ToolCallStream::new(tool_names)),
