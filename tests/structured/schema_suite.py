@@ -20,7 +20,7 @@ import urllib.request
 import jsonschema
 
 sys.path.insert(0, os.path.dirname(__file__))
-from schemas import SCHEMAS  # noqa: E402
+from schemas import OTHER_FORMATS, SCHEMAS  # noqa: E402
 
 KILN, MODELS = sys.argv[1], sys.argv[2:]
 
@@ -60,6 +60,18 @@ def ask(base, name, i, schema):
         return {"http_error": e.code, "body": e.read().decode(errors="replace")}
 
 
+def ask_other(base, name, field, value):
+    body = {"model": name, "temperature": 0, "max_tokens": 60, field: value,
+            "messages": [{"role": "user", "content": "Answer briefly: what is the capital of France?"}]}
+    req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=900) as r:
+            return json.load(r)["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as e:
+        return "HTTP %d %s" % (e.code, e.read().decode(errors="replace"))
+
+
 def main():
     passed = failed = 0
     for model in MODELS:
@@ -68,6 +80,12 @@ def main():
         try:
             with concurrent.futures.ThreadPoolExecutor(len(SCHEMAS)) as pool:
                 answers = list(pool.map(lambda a: ask(base, name, *a), enumerate(SCHEMAS)))
+            with concurrent.futures.ThreadPoolExecutor(len(OTHER_FORMATS)) as pool:
+                others = list(pool.map(lambda f: ask_other(base, name, f[0], f[1]), OTHER_FORMATS))
+            for i, ((field, _, check), text) in enumerate(zip(OTHER_FORMATS, others)):
+                ok = bool(check(text))
+                passed, failed = passed + ok, failed + (not ok)
+                print(f"test structured::{os.path.basename(model)}::{field}_{i} ... {'ok' if ok else 'FAILED: ' + repr(text)[:200]}")
             # A schema feature llguidance does not implement is a 400 with the reason.
             refused = ask(base, name, 99, {"type": "array", "items": {"type": "integer"}, "uniqueItems": True})
             err = json.loads(refused.get("body", "{}")).get("error", {})

@@ -44,3 +44,20 @@ SCHEMAS = [
     obj({"nullable": {"anyOf": [S, {"type": "null"}]}, "flag": {"type": "boolean"}}),
 ]
 assert len(SCHEMAS) == 30
+
+
+# (request field, value, check of the whole output) for the other formats.
+import re as _re
+
+OTHER_FORMATS = [
+    ("guided_regex", r"[A-Z][a-z]{2,8}", lambda t: _re.fullmatch(r"[A-Z][a-z]{2,8}", t)),
+    ("guided_regex", r"[0-9]{3}-[0-9]{4}", lambda t: _re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+    ("guided_regex", r"(yes|no), because [a-z ]{5,30}\.", lambda t: _re.fullmatch(r"(yes|no), because [a-z ]{5,30}\.", t)),
+    ("guided_regex", r"#[0-9a-f]{6}", lambda t: _re.fullmatch(r"#[0-9a-f]{6}", t)),
+    ("guided_choice", ["Paris", "Lyon", "Marseille"], lambda t: t in ("Paris", "Lyon", "Marseille")),
+    ("guided_choice", ["positive", "negative", "neutral"], lambda t: t in ("positive", "negative", "neutral")),
+    ("guided_grammar", 'start: NUMBER (" + " NUMBER){1,3}\nNUMBER: /[0-9]{1,3}/',
+     lambda t: _re.fullmatch(r"[0-9]{1,3}( \+ [0-9]{1,3}){1,3}", t)),
+    ("guided_grammar", 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,6}/',
+     lambda t: _re.fullmatch(r"\([a-z]{1,6}(,[a-z]{1,6})*\)", t)),
+]
