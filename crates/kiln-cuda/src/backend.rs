@@ -834,20 +834,16 @@ impl Backend for CudaBackend {
                 detail: format!("qkv {:?} for {p:?}", qkv.shape()),
             });
         }
-        {
-            // The check of the unfused op, on q/k/v-shaped stand-ins.
-            let probe_q = Tensor::from_storage(vec![n, qw], DType::BF16, qkv.storage().clone());
-            let probe_k = Tensor::from_storage(vec![n, kw], DType::BF16, qkv.storage().clone());
-            kiln_tensor::check_attention_args(
-                &probe_q,
-                &probe_k,
-                &probe_k,
-                &cache.spec,
-                layer,
-                batch,
-                p,
-            )?;
-        }
+        kiln_tensor::check_attention_shapes(
+            n,
+            qw,
+            &[n, kw],
+            &[n, kw],
+            &cache.spec,
+            layer,
+            batch,
+            p,
+        )?;
         if 2 * rope.inv_freq.len() > hd || rope.num_heads != p.num_heads || rope.head_dim != hd {
             return Err(TensorError::Shape {
                 op: "qkv_attention",

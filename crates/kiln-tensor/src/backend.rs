@@ -411,16 +411,32 @@ pub fn check_attention_args(
     batch: &ForwardBatch,
     p: &AttentionParams,
 ) -> crate::Result<()> {
-    use crate::TensorError;
     let (n, qw) = q.dims2("attention")?;
+    check_attention_shapes(n, qw, k.shape(), v.shape(), spec, layer, batch, p)
+}
+
+/// [`check_attention_args`] on shapes: `n` rows of q `qw` wide, k and v
+/// shaped `k` and `v` (a fused backend checks its packed qkv this way).
+#[allow(clippy::too_many_arguments)]
+pub fn check_attention_shapes(
+    n: usize,
+    qw: usize,
+    k: &[usize],
+    v: &[usize],
+    spec: &KvCacheSpec,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+) -> crate::Result<()> {
+    use crate::TensorError;
     let kv_row = p.num_kv_heads * p.head_dim;
     let bad = |detail: String| TensorError::Shape {
         op: "attention",
         detail,
     };
     if qw != p.num_heads * p.head_dim
-        || k.shape() != [n, kv_row]
-        || v.shape() != [n, kv_row]
+        || k != [n, kv_row]
+        || v != [n, kv_row]
         || p.num_kv_heads == 0
         || p.num_heads % p.num_kv_heads != 0
         || layer >= spec.num_layers
@@ -431,10 +447,7 @@ pub fn check_attention_args(
         || batch.block_size != spec.block_size
     {
         return Err(bad(format!(
-            "q {:?}, k {:?}, v {:?}, layer {layer}, {n} batch rows, params {p:?}, cache {spec:?}",
-            q.shape(),
-            k.shape(),
-            v.shape()
+            "q [{n}, {qw}], k {k:?}, v {v:?}, layer {layer}, {n} batch rows, params {p:?}, cache {spec:?}"
         )));
     }
     let num_slots = spec.num_slots();

@@ -18,8 +18,8 @@ pub mod profile;
 pub mod tensor;
 
 pub use backend::{
-    check_attention_args, check_rope_args, Activation, AttentionParams, Backend, DeviceMemory,
-    ForwardBatch, KvCache, KvCacheSpec, QkNorm, RopeParams, SeqSlice,
+    check_attention_args, check_attention_shapes, check_rope_args, Activation, AttentionParams,
+    Backend, DeviceMemory, ForwardBatch, KvCache, KvCacheSpec, QkNorm, RopeParams, SeqSlice,
 };
 pub use error::{Result, TensorError};
 pub use tensor::{DType, Tensor};

@@ -2,6 +2,7 @@
 //! each tensor's shape against what the model expects.
 
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use kiln_formats::{FormatError, WeightSource};
@@ -23,6 +24,8 @@ struct Progress<'a> {
     total: u64,
     done: Cell<u64>,
     report: Option<LoadProgress<'a>>,
+    /// Stored bytes of every tensor, by name.
+    sizes: HashMap<String, u64>,
 }
 
 impl Progress<'_> {
@@ -45,14 +48,19 @@ impl<'a> WeightLoader<'a> {
         source: &'a dyn WeightSource,
         report: Option<LoadProgress<'a>>,
     ) -> Self {
-        let total: u64 = source.tensors().iter().map(|t| t.num_bytes).sum();
+        let sizes: HashMap<String, u64> = source
+            .tensors()
+            .into_iter()
+            .map(|t| (t.name, t.num_bytes))
+            .collect();
         WeightLoader {
             backend,
             source,
             progress: Progress {
-                total,
+                total: sizes.values().sum(),
                 done: Cell::new(0),
                 report,
+                sizes,
             },
         }
     }
@@ -66,8 +74,8 @@ impl<'a> WeightLoader<'a> {
     }
 
     fn count(&self, name: &str) {
-        if let Some(t) = self.source.tensors().iter().find(|t| t.name == name) {
-            self.progress.add(t.num_bytes);
+        if let Some(&bytes) = self.progress.sizes.get(name) {
+            self.progress.add(bytes);
         }
     }
 
