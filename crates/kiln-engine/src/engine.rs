@@ -16,6 +16,7 @@ use kiln_scheduler::{
     KvCacheSpec, Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats,
 };
 use kiln_tensor::ForwardBatch;
+use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::events::{Event, RequestTimings, Usage};
@@ -177,6 +178,13 @@ pub struct EngineStats {
     pub decode_steps: u64,
     pub decode_step_seconds_total: f64,
     pub decode_step_tokens: u64,
+    /// Output-format masks: steps that computed any, how many, the wall
+    /// time spent computing them (alongside the forward pass), and the part
+    /// of it the step waited for after the forward pass was done.
+    pub mask_steps: u64,
+    pub masks: u64,
+    pub mask_seconds_total: f64,
+    pub mask_wait_seconds_total: f64,
 }
 
 impl std::ops::Deref for EngineStats {
@@ -291,6 +299,7 @@ impl Engine {
                     decode_steps: 0,
                     decode_step_seconds_total: 0.0,
                     decode_step_tokens: 0,
+                    masks: MaskStats::default(),
                 };
                 lp.run(rx);
             })
@@ -347,6 +356,16 @@ struct Loop<'m> {
     decode_steps: u64,
     decode_step_seconds_total: f64,
     decode_step_tokens: u64,
+    masks: MaskStats,
+}
+
+/// Counters of the output-format masks computed alongside forward passes.
+#[derive(Debug, Default)]
+struct MaskStats {
+    steps: u64,
+    count: u64,
+    seconds: f64,
+    wait_seconds: f64,
 }
 
 impl<'m> Loop<'m> {
@@ -384,6 +403,10 @@ impl<'m> Loop<'m> {
                             decode_steps: self.decode_steps,
                             decode_step_seconds_total: self.decode_step_seconds_total,
                             decode_step_tokens: self.decode_step_tokens,
+                            mask_steps: self.masks.steps,
+                            masks: self.masks.count,
+                            mask_seconds_total: self.masks.seconds,
+                            mask_wait_seconds_total: self.masks.wait_seconds,
                         });
                     }
                     Command::Shutdown => return,
@@ -411,6 +434,7 @@ impl<'m> Loop<'m> {
             max_tokens,
             entropy(),
             request.format.as_ref(),
+            request.reasoning.as_ref(),
         )?;
         let prompt: Vec<TokenId> = request.prompt.iter().map(|&t| TokenId(t)).collect();
         let mut sreq = Request::new(id, prompt, max_tokens);
@@ -480,22 +504,48 @@ impl<'m> Loop<'m> {
                 .get(&s.id)
                 .is_some_and(|a| a.proc.wants_plain_argmax())
         });
-        let backend = self.model.model.backend();
-        let logits = self
-            .model
-            .model
-            .forward(&batch, &mut self.cache)
-            .and_then(|t| {
-                let picked = if all_argmax {
-                    backend.argmax_rows(&t)?
-                } else {
-                    None
-                };
-                Ok(match picked {
-                    Some(p) if p.len() == num_rows => Logits::Picked(p),
-                    _ => Logits::Full(backend.to_host(&t)?),
+        // The masks of constrained requests are computed on other threads
+        // while the forward pass runs.
+        let mask_ids: Vec<RequestId> = out
+            .scheduled
+            .iter()
+            .filter(|s| s.wants_logits)
+            .map(|s| s.id)
+            .filter(|id| self.active.get(id).is_some_and(|a| a.proc.needs_mask()))
+            .collect();
+        let model = self.model;
+        let cache = &mut self.cache;
+        let active = &mut self.active;
+        let (logits, mask_timing) = std::thread::scope(|scope| {
+            let masks = (!mask_ids.is_empty()).then(|| {
+                scope.spawn(|| {
+                    let started = Instant::now();
+                    let mut procs: Vec<&mut Active<'m>> = active
+                        .iter_mut()
+                        .filter(|(id, _)| mask_ids.contains(id))
+                        .map(|(_, a)| a)
+                        .collect();
+                    // An error here comes back from `on_logits`.
+                    procs.par_iter_mut().for_each(|a| {
+                        let _ = a.proc.prepare_mask();
+                    });
+                    started.elapsed().as_secs_f64()
                 })
             });
+            let logits = forward_logits(model, &batch, cache, all_argmax, num_rows);
+            let forward_done = Instant::now();
+            let mask_seconds = masks.map(|h| h.join().unwrap_or(0.0));
+            (
+                logits,
+                mask_seconds.map(|s| (s, forward_done.elapsed().as_secs_f64())),
+            )
+        });
+        if let Some((seconds, wait)) = mask_timing {
+            self.masks.steps += 1;
+            self.masks.count += mask_ids.len() as u64;
+            self.masks.seconds += seconds;
+            self.masks.wait_seconds += wait;
+        }
         let logits = match logits {
             Ok(l) => l,
             Err(e) => {
@@ -617,4 +667,27 @@ impl<'m> Loop<'m> {
             let _ = self.scheduler.cancel(id);
         }
     }
+}
+
+/// The forward pass of `batch` and its logits: on the host, or only the
+/// argmax ids when every row takes the plain argmax and the backend can.
+fn forward_logits(
+    model: &LoadedModel,
+    batch: &ForwardBatch,
+    cache: &mut kiln_tensor::KvCache,
+    all_argmax: bool,
+    num_rows: usize,
+) -> kiln_models::Result<Logits> {
+    let backend = model.model.backend();
+    model.model.forward(batch, cache).and_then(|t| {
+        let picked = if all_argmax {
+            backend.argmax_rows(&t)?
+        } else {
+            None
+        };
+        Ok(match picked {
+            Some(p) if p.len() == num_rows => Logits::Picked(p),
+            _ => Logits::Full(backend.to_host(&t)?),
+        })
+    })
 }

@@ -28,6 +28,9 @@ pub struct GenerationRequest {
     pub cache_salt: Option<String>,
     /// Constrain the output to this format (JSON schema, regex, ...).
     pub format: Option<kiln_structured::Format>,
+    /// The format applies after this reasoning block (when the model
+    /// thinks), not to the reasoning itself.
+    pub reasoning: Option<crate::process::ReasoningTags>,
 }
 
 impl GenerationRequest {
@@ -126,6 +129,7 @@ impl LoadedModel {
             max_new,
             entropy(),
             req.format.as_ref(),
+            req.reasoning.as_ref(),
         )?;
         let mut text = String::new();
         let mut logprobs = Vec::new();

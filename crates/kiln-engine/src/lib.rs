@@ -28,4 +28,5 @@ pub use events::{Event, RequestTimings, Usage};
 pub use generate::{Generation, GenerationRequest, Timings, TokenEvent};
 pub use load::LoadedModel;
 pub use memory::{FitInput, FitReport, MemoryTarget};
+pub use process::ReasoningTags;
 pub use session::{ChatSession, ChatTurn, TOOL_ERROR_MARKER};

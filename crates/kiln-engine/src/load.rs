@@ -134,6 +134,14 @@ impl LoadedModel {
         Ok(vocab.constraint(format)?)
     }
 
+    /// Replaces the model's chat template with `source` (compiled first:
+    /// a template that does not compile leaves the model as it was).
+    pub fn set_chat_template(&mut self, source: &str) -> Result<()> {
+        self.chat_template = Some(ChatTemplate::new(source)?);
+        self.tokenizer.set_chat_template(source.to_string());
+        Ok(())
+    }
+
     /// The context length the model was trained for.
     pub fn context_length(&self) -> usize {
         self.model.config().max_position_embeddings

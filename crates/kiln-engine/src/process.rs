@@ -30,10 +30,83 @@ pub struct TokenProcessor<'m> {
     generated: Vec<TokenId>,
     sampler: Sampler,
     detok: IncrementalDetokenizer<'m>,
+    tokenizer: &'m kiln_text::Tokenizer,
     stops: StopMatcher,
     guard: RepetitionGuard,
     /// The output format's grammar, when the request asked for one.
     constraint: Option<kiln_structured::Constraint>,
+    /// When the format applies only after a reasoning block: where the
+    /// output stands with respect to it.
+    gate: Option<Gate>,
+    /// The constraint's mask for the next token, computed ahead (while the
+    /// forward pass runs).
+    mask: Option<kiln_structured::TokenMask>,
+}
+
+/// The tags of a reasoning block that an output format does not cover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReasoningTags {
+    pub open: String,
+    pub close: String,
+    /// The prompt ends inside an open block.
+    pub opened: bool,
+}
+
+/// Where the output stands with respect to the reasoning block.
+struct Gate {
+    tags: ReasoningTags,
+    /// Text generated so far (until the format applies).
+    text: String,
+    state: GateState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GateState {
+    /// The output may still open a block.
+    Before,
+    Reasoning,
+    /// Right after the block: blank tokens pass, anything else starts the
+    /// answer (and must fit the format).
+    Closed,
+    /// The format applies.
+    Answer,
+}
+
+impl Gate {
+    fn new(tags: ReasoningTags) -> Gate {
+        let state = if tags.opened {
+            GateState::Reasoning
+        } else {
+            GateState::Before
+        };
+        Gate {
+            tags,
+            text: String::new(),
+            state,
+        }
+    }
+
+    /// Takes the next text; returns true when the answer began without a
+    /// reasoning block (the tokens so far belong to the format).
+    fn push(&mut self, delta: &str) -> bool {
+        self.text.push_str(delta);
+        if self.state == GateState::Before {
+            let t = self.text.trim_start();
+            if t.starts_with(&self.tags.open) {
+                let skip = self.text.len() - t.len() + self.tags.open.len();
+                self.text.drain(..skip);
+                self.state = GateState::Reasoning;
+            } else if !self.tags.open.starts_with(t) {
+                self.state = GateState::Answer;
+                return true;
+            }
+        }
+        if self.state == GateState::Reasoning && self.text.contains(&self.tags.close) {
+            self.state = GateState::Closed;
+            self.text = String::new();
+        }
+        false
+    }
 }
 
 impl<'m> TokenProcessor<'m> {
@@ -48,12 +121,19 @@ impl<'m> TokenProcessor<'m> {
         max_new: usize,
         entropy: u64,
         format: Option<&kiln_structured::Format>,
+        reasoning: Option<&ReasoningTags>,
     ) -> Result<Self> {
         let constraint = format.map(|f| model.constraint(f)).transpose()?;
         Ok(TokenProcessor {
+            gate: constraint
+                .as_ref()
+                .and(reasoning)
+                .map(|t| Gate::new(t.clone())),
+            mask: None,
             constraint,
             sampler: Sampler::new(params.clone(), model.model.config().vocab_size, entropy)?,
             detok: IncrementalDetokenizer::new(&model.tokenizer, skip_special_tokens),
+            tokenizer: &model.tokenizer,
             stops: StopMatcher::new(&params.stop),
             guard: RepetitionGuard::from_params(params),
             params: params.clone(),
@@ -75,20 +155,74 @@ impl<'m> TokenProcessor<'m> {
     /// Whether the next token may be taken as the argmax computed on the
     /// device ([`TokenProcessor::on_argmax`]).
     pub fn wants_plain_argmax(&self) -> bool {
-        self.constraint.is_none() && self.params.is_plain_argmax()
+        self.active_constraint().is_none() && self.params.is_plain_argmax()
+    }
+
+    /// The constraint, when it applies to the next token.
+    fn active_constraint(&self) -> Option<&kiln_structured::Constraint> {
+        let gated = self
+            .gate
+            .as_ref()
+            .is_some_and(|g| !matches!(g.state, GateState::Closed | GateState::Answer));
+        self.constraint.as_ref().filter(|_| !gated)
+    }
+
+    /// Right after the reasoning block, where blank tokens pass freely.
+    fn after_reasoning(&self) -> bool {
+        self.gate
+            .as_ref()
+            .is_some_and(|g| g.state == GateState::Closed)
+    }
+
+    /// Whether [`TokenProcessor::prepare_mask`] has work to do.
+    pub fn needs_mask(&self) -> bool {
+        self.active_constraint().is_some() && self.mask.is_none()
+    }
+
+    /// Computes the constraint's mask for the next token ahead of its
+    /// logits (the engine runs this while the forward pass runs).
+    pub fn prepare_mask(&mut self) -> Result<()> {
+        if self.needs_mask() {
+            if let Some(c) = self.constraint.as_mut() {
+                self.mask = Some(c.allowed()?);
+            }
+        }
+        Ok(())
     }
 
     /// Sample the next token from `logits` (overwritten) and process it;
     /// a constrained request samples only what its grammar allows.
     pub fn on_logits(&mut self, logits: &mut [f32]) -> Result<TokenOutcome> {
-        if let Some(c) = self.constraint.as_mut() {
-            c.mask_logits(logits)?;
+        let active = self.active_constraint().is_some();
+        let blanks_pass = self.after_reasoning();
+        if active {
+            self.prepare_mask()?;
+            if let (Some(c), Some(mask)) = (self.constraint.as_ref(), self.mask.take()) {
+                let kept: Vec<(usize, f32)> = if blanks_pass {
+                    let ids = c.blank_ids().iter().map(|&id| id as usize);
+                    ids.filter(|&id| id < logits.len())
+                        .map(|id| (id, logits[id]))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                c.apply(&mask, logits);
+                for (id, l) in kept {
+                    logits[id] = l;
+                }
+            }
         }
         let sampled = self
             .sampler
             .sample(logits, &History::new(&self.prompt, &self.generated))?;
-        if let Some(c) = self.constraint.as_mut() {
-            c.commit(sampled.token.0)?;
+        if let (true, Some(c)) = (active, self.constraint.as_mut()) {
+            let blank = blanks_pass && c.blank_ids().contains(&sampled.token.0);
+            if !blank {
+                c.commit(sampled.token.0)?;
+                if let Some(g) = self.gate.as_mut() {
+                    g.state = GateState::Answer;
+                }
+            }
         }
         self.process(sampled)
     }
@@ -113,6 +247,7 @@ impl<'m> TokenProcessor<'m> {
         let mut text = String::new();
         let mut finish = None;
         if token_finish != Some(FinishReason::Stop) {
+            self.pass_gate(token)?;
             let delta = self.detok.push(token.0)?;
             let out = self.stops.push(&delta);
             text = out.text;
@@ -137,6 +272,32 @@ impl<'m> TokenProcessor<'m> {
             text,
             finish,
         })
+    }
+
+    /// Follows the output through the reasoning block; an answer that began
+    /// without one is fed to the constraint from its first token.
+    fn pass_gate(&mut self, token: TokenId) -> Result<()> {
+        let Some(gate) = self.gate.as_mut() else {
+            return Ok(());
+        };
+        if !matches!(gate.state, GateState::Before | GateState::Reasoning) {
+            return Ok(());
+        }
+        // Each token's own text: the tags are plain ASCII, and the
+        // detokenizer may hold text back.
+        let bytes = self.tokenizer.token_bytes(token.0).unwrap_or_default();
+        if !gate.push(&String::from_utf8_lossy(&bytes)) {
+            return Ok(());
+        }
+        // The tokens so far are blanks and the deviating one.
+        if let Some(c) = self.constraint.as_mut() {
+            for t in &self.generated {
+                if !c.blank_ids().contains(&t.0) {
+                    c.commit(t.0)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Text held back by the detokenizer and the stop matcher, released when

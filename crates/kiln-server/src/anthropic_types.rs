@@ -24,6 +24,9 @@ pub struct MessagesRequest {
     #[allow(dead_code)]
     pub metadata: Option<Value>,
     pub stream: Option<bool>,
+    /// `{"type": "enabled", "budget_tokens": n}` or `{"type": "disabled"}`:
+    /// the template's thinking switch.
+    pub thinking: Option<Value>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
@@ -85,6 +88,11 @@ pub enum ContentBlockOut {
     Text {
         text: String,
     },
+    /// The model's reasoning (Kiln signs nothing: `signature` is empty).
+    Thinking {
+        thinking: String,
+        signature: String,
+    },
     ToolUse {
         id: String,
         name: String,
@@ -105,6 +113,7 @@ pub struct UsageOut {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum BlockDelta {
     TextDelta { text: String },
+    ThinkingDelta { thinking: String },
     InputJsonDelta { partial_json: String },
 }
 

@@ -8,13 +8,16 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kiln_engine::{EngineHandle, Event, GenerationRequest, LoadedModel, RequestStream, Usage};
+use kiln_engine::{
+    EngineHandle, Event, GenerationRequest, LoadedModel, ReasoningTags, RequestStream, Usage,
+};
 use kiln_sampling::{FinishReason, Sampled, SamplingParams};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::errors::ApiError;
 use crate::metrics::Metrics;
+use crate::parse::{OutputSyntax, ThinkSyntax, ToolSyntax};
 use crate::state::AppState;
 
 /// Events buffered between the engine and a slow client.
@@ -25,6 +28,19 @@ const EVENT_BUFFER: usize = 256;
 pub struct Prepared<T> {
     pub prompt: Vec<u32>,
     pub extra: T,
+    /// The reasoning block an output format must leave alone, when the
+    /// model thinks.
+    pub reasoning: Option<ReasoningTags>,
+}
+
+impl<T> Prepared<T> {
+    pub fn new(prompt: Vec<u32>, extra: T) -> Self {
+        Prepared {
+            prompt,
+            extra,
+            reasoning: None,
+        }
+    }
 }
 
 /// A request admitted by the engine.
@@ -174,18 +190,78 @@ pub fn cancelled_error() -> ApiError {
     ApiError::Unavailable("the request was cancelled: the server is shutting down".into())
 }
 
-/// Renders template `messages` (and `tools`) with the generation prompt and
-/// tokenizes the result: the prompt of every chat-style route.
+/// How to render a chat prompt besides its messages.
+#[derive(Debug, Clone, Default)]
+pub struct ChatRender {
+    /// Tool definitions for the template.
+    pub tools: Option<Value>,
+    /// The declared tools' names: their calls are parsed from the output
+    /// (none: no tool parsing).
+    pub tool_names: Vec<String>,
+    /// The template's `enable_thinking` switch.
+    pub enable_thinking: Option<bool>,
+    /// Further template variables (`chat_template_kwargs`,
+    /// `reasoning_effort`).
+    pub kwargs: Map<String, Value>,
+}
+
+/// A rendered, tokenized chat prompt and how to read what follows it.
+pub struct ChatPrompt {
+    pub tokens: Vec<u32>,
+    pub syntax: OutputSyntax,
+}
+
+impl ChatPrompt {
+    /// The prompt, prepared: an output format applies after the reasoning.
+    pub fn prepared<T>(self, extra: T) -> Prepared<T> {
+        let reasoning = self.syntax.think.as_ref().map(|(t, opened)| ReasoningTags {
+            open: t.open.clone(),
+            close: t.close.clone(),
+            opened: *opened,
+        });
+        Prepared {
+            prompt: self.tokens,
+            extra,
+            reasoning,
+        }
+    }
+}
+
+/// The model's chat template source (empty when it has none).
+fn template_source(model: &LoadedModel) -> &str {
+    model.tokenizer.chat_template().unwrap_or_default()
+}
+
+/// Whether the model's template writes reasoning blocks.
+pub fn thinks(model: &LoadedModel) -> bool {
+    ThinkSyntax::detect(template_source(model)).is_some()
+}
+
+/// Renders template `messages` (with `render`'s tools and variables) with
+/// the generation prompt and tokenizes the result: the prompt of every
+/// chat-style route, with the syntax its output is read with.
 pub fn chat_prompt(
     model: &LoadedModel,
     messages: Value,
-    tools: Option<Value>,
-) -> Result<Vec<u32>, ApiError> {
+    render: ChatRender,
+) -> Result<ChatPrompt, ApiError> {
     let mut ctx = model.tokenizer.chat_context(messages);
-    ctx.tools = tools;
+    ctx.tools = render.tools;
     ctx.add_generation_prompt = true;
+    ctx.enable_thinking = render.enable_thinking;
+    ctx.extra.extend(render.kwargs);
     let rendered = model.render_chat_with(&ctx)?;
-    Ok(model.tokenizer.encode(&rendered, false)?)
+    let template = template_source(model);
+    let think = ThinkSyntax::detect(template).map(|t| {
+        let opened = rendered.trim_end().ends_with(&t.open);
+        (t, opened)
+    });
+    let tools =
+        (!render.tool_names.is_empty()).then(|| (ToolSyntax::detect(template), render.tool_names));
+    Ok(ChatPrompt {
+        tokens: model.tokenizer.encode(&rendered, false)?,
+        syntax: OutputSyntax { think, tools },
+    })
 }
 
 /// Resolves when `cancel` becomes true; never if its sender is gone.
@@ -296,7 +372,11 @@ where
     F: FnOnce(&LoadedModel) -> Result<Prepared<T>, ApiError>,
 {
     let model = engine.model();
-    let Prepared { prompt, extra } = prepare(model)?;
+    let Prepared {
+        prompt,
+        extra,
+        reasoning,
+    } = prepare(model)?;
     check_context(prompt.len(), model.context_length())?;
     let mut streams = Vec::with_capacity(n);
     for i in 0..n {
@@ -306,6 +386,7 @@ where
         streams.push(engine.submit(GenerationRequest {
             skip_special_tokens: generate.skip_special_tokens,
             format: generate.format.clone(),
+            reasoning: reasoning.clone(),
             ..GenerationRequest::new(prompt.clone(), params)
         })?);
     }

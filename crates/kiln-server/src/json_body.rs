@@ -70,10 +70,6 @@ const NOT_YET: &[(&str, &str)] = &[
     ("audio", "audio output is not supported"),
     ("modalities", "only text output is supported"),
     ("prediction", "predicted outputs are not supported"),
-    (
-        "reasoning_effort",
-        "reasoning controls are not supported yet",
-    ),
     ("web_search_options", "web search is not supported"),
     ("service_tier", "there are no service tiers"),
 ];

@@ -36,6 +36,7 @@ mod logprobs;
 mod messages;
 mod metrics;
 mod openai_types;
+mod parse;
 mod responses_input;
 mod routes;
 mod sampling;
@@ -43,7 +44,6 @@ mod server;
 mod sse;
 mod state;
 mod structured;
-mod tool_calls;
 
 pub use errors::ApiError;
 pub use loading::Readiness;

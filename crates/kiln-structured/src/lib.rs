@@ -22,6 +22,9 @@ use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTr
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 
+/// A token mask (one bit per vocabulary id).
+pub use llguidance::toktrie::SimpleVob as TokenMask;
+
 /// Why a format could not be used or a step could not be constrained.
 #[derive(Debug, thiserror::Error)]
 pub enum StructuredError {
@@ -119,6 +122,8 @@ pub struct StructuredVocab {
     /// stops on (all equivalent to it here).
     eos: u32,
     stop_ids: Vec<u32>,
+    /// Tokens that spell only blanks (spaces, tabs, newlines).
+    blank_ids: Vec<u32>,
 }
 
 impl StructuredVocab {
@@ -155,6 +160,12 @@ impl StructuredVocab {
             tok_unk: None,
             tok_end_of_turn: None,
         };
+        let blank_ids = words
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| !w.is_empty() && w.iter().all(|b| b" \t\r\n".contains(b)))
+            .map(|(id, _)| id as u32)
+            .collect();
         let trie = TokTrie::from(&info, &words);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory =
@@ -165,6 +176,7 @@ impl StructuredVocab {
             vocab_size,
             eos,
             stop_ids: stop_ids.to_vec(),
+            blank_ids,
         }))
     }
 
@@ -223,6 +235,13 @@ impl Constraint {
     /// vocabulary size).
     pub fn mask_logits(&mut self, logits: &mut [f32]) -> Result<()> {
         let mask = self.allowed()?;
+        self.apply(&mask, logits);
+        Ok(())
+    }
+
+    /// Set every logit `mask` (from [`Constraint::allowed`], computed for
+    /// the current state) forbids to `-inf`.
+    pub fn apply(&self, mask: &SimpleVob, logits: &mut [f32]) {
         let eos_ok = mask.is_allowed(self.vocab.eos);
         for (id, l) in logits.iter_mut().enumerate() {
             let ok = if self.vocab.stop_ids.contains(&(id as u32)) {
@@ -234,7 +253,6 @@ impl Constraint {
                 *l = f32::NEG_INFINITY;
             }
         }
-        Ok(())
     }
 
     /// Advance past the sampled `token` (any stop id ends the output).
@@ -258,6 +276,11 @@ impl Constraint {
     /// may follow) or a stop token was committed.
     pub fn is_finished(&self) -> bool {
         self.finished || self.matcher.is_stopped()
+    }
+
+    /// Tokens that spell only blanks.
+    pub fn blank_ids(&self) -> &[u32] {
+        &self.vocab.blank_ids
     }
 
     /// Rows of the logits this constraint masks.

@@ -342,6 +342,11 @@ impl Tokenizer {
         self.chat_templates.default.as_deref()
     }
 
+    /// Replaces the default chat template (`--chat-template`).
+    pub fn set_chat_template(&mut self, source: String) {
+        self.chat_templates.insert("default", source);
+    }
+
     /// All chat templates, including named ones such as `tool_use`.
     pub fn chat_templates(&self) -> &ChatTemplates {
         &self.chat_templates

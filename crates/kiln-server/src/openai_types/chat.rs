@@ -44,6 +44,10 @@ pub struct ChatCompletionRequest {
     pub metadata: Option<Value>,
     /// Only `false` (nothing is stored).
     pub store: Option<bool>,
+    /// Variables for the chat template (`enable_thinking`, ...).
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    /// Passed to the template; `none` also turns thinking off.
+    pub reasoning_effort: Option<String>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
@@ -128,15 +132,15 @@ pub struct ChatChoice {
 pub struct ChatMessageOut {
     pub role: &'static str,
     pub content: Option<String>,
+    /// The model's reasoning, split from the answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCallOut>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ToolCallOut {
-    /// Present in streaming deltas only.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub index: Option<u32>,
     pub id: String,
     #[serde(rename = "type")]
     pub kind: &'static str,
@@ -177,6 +181,27 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub tool_calls: Vec<ToolCallOut>,
+    pub tool_calls: Vec<ToolCallDelta>,
+}
+
+/// A streamed piece of a tool call: the first names it, the next carry
+/// its arguments.
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }

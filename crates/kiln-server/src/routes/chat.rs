@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions`: validate, render the template with the tools,
-//! generate, and answer as one response or as an SSE stream; Hermes/Qwen
-//! `<tool_call>` blocks in the output become `tool_calls`.
+//! generate, and answer as one response or as an SSE stream; tool calls in
+//! the model's syntax become `tool_calls` and its reasoning
+//! `reasoning_content`, the same pieces in both forms.
 
 use std::sync::Arc;
 
@@ -13,7 +14,7 @@ use kiln_sampling::{FinishReason, Sampled, SamplingParams};
 use serde_json::Value;
 
 use crate::errors::ApiError;
-use crate::generation::{self, EventReceiver, Generate, Prepared};
+use crate::generation::{self, ChatRender, EventReceiver, Generate};
 use crate::json_body::{reject_unknown, ApiJson};
 use crate::logprobs::TokenSpeller;
 use crate::messages::{
@@ -21,21 +22,20 @@ use crate::messages::{
 };
 use crate::openai_types::chat::{
     ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut,
-    ChunkChoice, Delta, FunctionCallOut, ToolCallOut,
+    ChunkChoice, Delta, FunctionCallOut, FunctionDelta, ToolCallDelta, ToolCallOut,
 };
 use crate::openai_types::{new_id, unix_now, ChatLogprobs, UsageOut};
+use crate::parse::{self, OutputParser, OutputSyntax, Piece, ToolCall};
 use crate::sampling::SamplingFields;
 use crate::sse::{self, frame, StreamFormat};
 use crate::state::AppState;
-use crate::tool_calls::{self, ToolCall, ToolCallStream};
 
 /// A chat request, checked.
 struct ValidChat {
     messages: Value,
-    tools: Option<Value>,
-    /// The declared tools' names; tool calls are parsed from the output
-    /// when there are any.
-    tool_names: Vec<String>,
+    /// Tools (their calls are parsed from the output when declared) and
+    /// template variables.
+    render: ChatRender,
     parallel_tool_calls: bool,
     params: SamplingParams,
     stream: bool,
@@ -121,10 +121,30 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
         max_temperature: crate::sampling::OPENAI_MAX_TEMPERATURE,
     }
     .into_params(state.vocab_size())?;
+    let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
+    let mut enable_thinking = kwargs.get("enable_thinking").and_then(Value::as_bool);
+    if let Some(effort) = req.reasoning_effort {
+        if !["none", "minimal", "low", "medium", "high"].contains(&effort.as_str()) {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                format!(
+                    "`reasoning_effort` must be none, minimal, low, medium or high, got `{effort}`"
+                ),
+            ));
+        }
+        if effort == "none" {
+            enable_thinking = Some(false);
+        }
+        kwargs.insert("reasoning_effort".into(), Value::String(effort));
+    }
     Ok(ValidChat {
         messages: template_messages(&req.messages)?,
-        tool_names,
-        tools,
+        render: ChatRender {
+            tools,
+            tool_names,
+            enable_thinking,
+            kwargs,
+        },
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         params,
         stream: req.stream.unwrap_or(false),
@@ -142,19 +162,21 @@ pub async fn handle(
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let v = validate(&state, req)?;
-    let (messages, tools) = (v.messages, v.tools);
     let want_logprobs = v.params.logprobs.is_some();
-    let parse_tools = !v.tool_names.is_empty();
+    let parses = !v.render.tool_names.is_empty() || generation::thinks(state.engine.model());
     let generate = Generate {
         params: v.params,
-        skip_special_tokens: !parse_tools,
+        skip_special_tokens: !parses,
         format: v.format,
     };
+    let (messages, render) = (v.messages, v.render);
     let admitted = generation::start_choices(&state, generate, v.n, move |model: &LoadedModel| {
-        let prompt = generation::chat_prompt(model, messages, tools)?;
-        Ok(Prepared { prompt, extra: () })
+        let prompt = generation::chat_prompt(model, messages, render)?;
+        let syntax = prompt.syntax.clone();
+        Ok(prompt.prepared(syntax))
     })
     .await?;
+    let syntax = admitted.extra;
     let out = ChatOutput {
         id: new_id("chatcmpl-"),
         created: unix_now(),
@@ -175,9 +197,10 @@ pub async fn handle(
             })
             .collect();
         let format = ChatStream {
-            tools: (0..v.n)
-                .map(|_| parse_tools.then(|| ToolCallStream::new(v.tool_names.clone())))
+            parsers: (0..v.n)
+                .map(|_| (!syntax.is_plain()).then(|| OutputParser::new(&syntax)))
                 .collect(),
+            calls: vec![0; v.n],
             include_usage: v.include_usage,
             out,
         };
@@ -188,7 +211,7 @@ pub async fn handle(
             state.sse_keepalive,
         ))
     } else {
-        out.collect(admitted.events, &v.tool_names).await
+        out.collect(admitted.events, &syntax).await
     }
 }
 
@@ -211,15 +234,13 @@ impl ChatOutput {
         })
     }
 
-    fn tool_calls(&self, mut calls: Vec<ToolCall>, streaming: bool) -> Vec<ToolCallOut> {
+    fn tool_calls(&self, mut calls: Vec<ToolCall>) -> Vec<ToolCallOut> {
         if !self.parallel_tool_calls {
             calls.truncate(1);
         }
         calls
             .into_iter()
-            .enumerate()
-            .map(|(i, c)| ToolCallOut {
-                index: streaming.then_some(i as u32),
+            .map(|c| ToolCallOut {
                 id: new_id("call_"),
                 kind: "function",
                 function: FunctionCallOut {
@@ -230,12 +251,11 @@ impl ChatOutput {
             .collect()
     }
 
-    /// Gathers every choice's answer; tool calls are parsed when
-    /// `tool_names` is not empty.
+    /// Gathers every choice's answer, read with `syntax`.
     async fn collect(
         self,
         events: EventReceiver,
-        tool_names: &[String],
+        syntax: &OutputSyntax,
     ) -> Result<Response, ApiError> {
         let mut logprobs: Vec<Option<ChatLogprobs>> = (0..events.num_choices())
             .map(|_| self.want_logprobs.then(ChatLogprobs::default))
@@ -254,11 +274,11 @@ impl ChatOutput {
             .zip(logprobs)
             .enumerate()
             .map(|(idx, (c, logprobs))| {
-                let (content, calls) = if !tool_names.is_empty() {
-                    let p = tool_calls::parse(&c.text, tool_names);
-                    (p.content, self.tool_calls(p.calls, false))
+                let (content, reasoning, calls) = if syntax.is_plain() {
+                    (Some(c.text), None, Vec::new())
                 } else {
-                    (Some(c.text), Vec::new())
+                    let p = parse::parse(&c.text, syntax);
+                    (p.content, p.reasoning, self.tool_calls(p.calls))
                 };
                 let finish_reason = if calls.is_empty() {
                     c.finish_reason.as_openai_str()
@@ -270,6 +290,7 @@ impl ChatOutput {
                     message: ChatMessageOut {
                         role: "assistant",
                         content,
+                        reasoning_content: reasoning,
                         tool_calls: calls,
                     },
                     logprobs,
@@ -315,53 +336,112 @@ impl ChatOutput {
 /// The chat chunk shapes of an SSE stream.
 struct ChatStream {
     out: ChatOutput,
-    /// Per choice, present when tool calls are parsed: holds text from
-    /// `<tool_call>` on.
-    tools: Vec<Option<ToolCallStream>>,
+    /// Per choice, present when the output is parsed (tools, reasoning).
+    parsers: Vec<Option<OutputParser>>,
+    /// Per choice: tool calls streamed so far.
+    calls: Vec<u32>,
     include_usage: bool,
+}
+
+impl ChatStream {
+    /// The chunks of decided pieces of choice `idx`.
+    fn pieces(&mut self, idx: usize, pieces: Vec<Piece>, frames: &mut Vec<Bytes>) {
+        for piece in pieces {
+            let delta = match piece {
+                Piece::Text(t) => Delta {
+                    content: Some(t),
+                    ..Delta::default()
+                },
+                Piece::Reasoning(r) => Delta {
+                    reasoning_content: Some(r),
+                    ..Delta::default()
+                },
+                Piece::Call(call) => {
+                    let Some(n) = self.calls.get_mut(idx) else {
+                        continue;
+                    };
+                    if *n > 0 && !self.out.parallel_tool_calls {
+                        continue;
+                    }
+                    let index = *n;
+                    *n += 1;
+                    // As OpenAI streams a call: named first, then its arguments.
+                    let named = ToolCallDelta {
+                        index,
+                        id: Some(new_id("call_")),
+                        kind: Some("function"),
+                        function: FunctionDelta {
+                            name: Some(call.name),
+                            arguments: String::new(),
+                        },
+                    };
+                    let args = ToolCallDelta {
+                        index,
+                        id: None,
+                        kind: None,
+                        function: FunctionDelta {
+                            name: None,
+                            arguments: call.arguments,
+                        },
+                    };
+                    for d in [named, args] {
+                        let delta = Delta {
+                            tool_calls: vec![d],
+                            ..Delta::default()
+                        };
+                        frames.push(self.out.chunk(idx, delta, None, None, self.include_usage));
+                    }
+                    continue;
+                }
+            };
+            frames.push(self.out.chunk(idx, delta, None, None, self.include_usage));
+        }
+    }
 }
 
 impl StreamFormat for ChatStream {
     fn on_token(&mut self, idx: usize, text: &str, sampled: Option<&Sampled>) -> Vec<Bytes> {
-        let content = match self.tools.get_mut(idx).and_then(Option::as_mut) {
-            Some(t) => t.push(text),
-            None => text.to_string(),
-        };
         let logprobs = self.out.logprobs(sampled);
-        if content.is_empty() && logprobs.is_none() {
-            return Vec::new();
+        let mut frames = Vec::new();
+        match self.parsers.get_mut(idx).and_then(Option::as_mut) {
+            Some(p) => {
+                let pieces = p.push(text);
+                self.pieces(idx, pieces, &mut frames);
+                if let Some(lp) = logprobs {
+                    let delta = Delta::default();
+                    frames.push(
+                        self.out
+                            .chunk(idx, delta, Some(lp), None, self.include_usage),
+                    );
+                }
+            }
+            None if !text.is_empty() || logprobs.is_some() => {
+                let delta = Delta {
+                    content: Some(text.to_string()),
+                    ..Delta::default()
+                };
+                frames.push(
+                    self.out
+                        .chunk(idx, delta, logprobs, None, self.include_usage),
+                );
+            }
+            None => {}
         }
-        let delta = Delta {
-            content: Some(content),
-            ..Delta::default()
-        };
-        vec![self
-            .out
-            .chunk(idx, delta, logprobs, None, self.include_usage)]
+        frames
     }
 
     fn on_finish(&mut self, idx: usize, reason: FinishReason, _usage: &Usage) -> Vec<Bytes> {
         let mut frames = Vec::new();
-        let mut finish_reason = reason.as_openai_str();
-        if let Some(held) = self.tools.get_mut(idx).and_then(Option::take) {
-            let (rest, calls) = held.finish();
-            if !rest.is_empty() {
-                let delta = Delta {
-                    content: Some(rest),
-                    ..Delta::default()
-                };
-                frames.push(self.out.chunk(idx, delta, None, None, self.include_usage));
-            }
-            let calls = self.out.tool_calls(calls, true);
-            if !calls.is_empty() {
-                finish_reason = "tool_calls";
-                let delta = Delta {
-                    tool_calls: calls,
-                    ..Delta::default()
-                };
-                frames.push(self.out.chunk(idx, delta, None, None, self.include_usage));
-            }
+        if let Some(mut p) = self.parsers.get_mut(idx).and_then(Option::take) {
+            let pieces = p.finish();
+            self.pieces(idx, pieces, &mut frames);
         }
+        let called = self.calls.get(idx).is_some_and(|&n| n > 0);
+        let finish_reason = if called {
+            "tool_calls"
+        } else {
+            reason.as_openai_str()
+        };
         frames.push(self.out.chunk(
             idx,
             Delta::default(),

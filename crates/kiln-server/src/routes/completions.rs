@@ -142,10 +142,7 @@ pub async fn handle(
             }
             PromptInput::Tokens(ids) => (ids, String::new()),
         };
-        Ok(Prepared {
-            prompt: ids,
-            extra: echo.then_some(text),
-        })
+        Ok(Prepared::new(ids, echo.then_some(text)))
     })
     .await?;
     let echoed = admitted.extra.unwrap_or_default();

@@ -19,21 +19,20 @@ use crate::anthropic_types::{
     BlockDelta, ContentBlockOut, CountTokensOut, MessageOut, MessagesRequest, UsageOut,
 };
 use crate::errors::{AnthropicError, ApiError, ErrorShape};
-use crate::generation::{self, EventReceiver, Generate, Prepared};
+use crate::generation::{self, ChatRender, EventReceiver, Generate};
 use crate::json_body::{reject_unknown, ApiJson};
 use crate::messages::{forced_call_format, ToolChoice};
 use crate::openai_types::new_id;
+use crate::parse::{self, OutputParser, OutputSyntax, Piece, ToolCall};
 use crate::sampling::SamplingFields;
 use crate::sse::{self, event_frame, StreamFormat};
 use crate::state::AppState;
-use crate::tool_calls::{self, ToolCall, ToolCallStream};
 
 /// What the template renders: the messages and the declared tools.
 struct Conversation {
     messages: Value,
-    tools: Option<Value>,
-    /// The declared tools' names; tool calls are parsed when there are any.
-    tool_names: Vec<String>,
+    /// Tools (their calls are parsed when declared) and the thinking switch.
+    render: ChatRender,
     /// The call format `tool_choice` any/tool enforces.
     format: Option<kiln_structured::Format>,
 }
@@ -81,10 +80,27 @@ fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation,
         ),
         _ => (None, Vec::new()),
     };
+    let enable_thinking = match &req.thinking {
+        None | Some(Value::Null) => None,
+        Some(t) => match t.get("type").and_then(Value::as_str) {
+            Some("enabled") => Some(true),
+            Some("disabled") => Some(false),
+            _ => {
+                return Err(ApiError::invalid(
+                    "thinking.type",
+                    "`thinking.type` must be enabled or disabled",
+                ))
+            }
+        },
+    };
     Ok(Conversation {
         messages: template_conversation(req.system.as_ref(), &req.messages)?,
-        tools,
-        tool_names,
+        render: ChatRender {
+            tools,
+            tool_names,
+            enable_thinking,
+            ..ChatRender::default()
+        },
         format,
     })
 }
@@ -118,26 +134,27 @@ pub async fn handle(
     let conv = conversation(&state, &req)?;
     let stream = req.stream.unwrap_or(false);
     let (params, stop_sequences) = sampling(&state, req)?;
-    let parse_tools = !conv.tool_names.is_empty();
+    let parses = !conv.render.tool_names.is_empty() || generation::thinks(state.engine.model());
     let generate = Generate {
         params,
-        skip_special_tokens: !parse_tools,
+        skip_special_tokens: !parses,
         format: conv.format,
     };
-    let (messages, tools) = (conv.messages, conv.tools);
+    let (messages, render) = (conv.messages, conv.render);
     let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
-        let prompt = generation::chat_prompt(model, messages, tools)?;
-        let extra = prompt.len();
-        Ok(Prepared { prompt, extra })
+        let prompt = generation::chat_prompt(model, messages, render)?;
+        let extra = (prompt.tokens.len(), prompt.syntax.clone());
+        Ok(prompt.prepared(extra))
     })
     .await?;
+    let (prompt_tokens, syntax) = admitted.extra;
     let out = MessageOutput {
         id: new_id("msg_"),
         model_name: state.model_name.clone(),
         stop_sequences,
     };
     if stream {
-        let start = out.message(Vec::new(), None, None, usage_out(admitted.extra, 0, 0));
+        let start = out.message(Vec::new(), None, None, usage_out(prompt_tokens, 0, 0));
         let first = vec![
             event_frame(
                 "message_start",
@@ -145,12 +162,7 @@ pub async fn handle(
             ),
             ping_frame(),
         ];
-        let format = MessagesStream {
-            out,
-            tools: parse_tools.then(|| ToolCallStream::new(conv.tool_names)),
-            num_blocks: 0,
-            text_open: false,
-        };
+        let format = MessagesStream::new(out, &syntax);
         Ok(sse::response(
             admitted.events,
             format,
@@ -158,7 +170,7 @@ pub async fn handle(
             state.sse_keepalive,
         ))
     } else {
-        Ok(out.collect(admitted.events, &conv.tool_names).await?)
+        Ok(out.collect(admitted.events, &syntax).await?)
     }
 }
 
@@ -170,12 +182,12 @@ pub async fn count_tokens(
     let conv = conversation(&state, &req)?;
     let engine = state.engine.clone();
     let prompt = tokio::task::spawn_blocking(move || {
-        generation::chat_prompt(engine.model(), conv.messages, conv.tools)
+        generation::chat_prompt(engine.model(), conv.messages, conv.render)
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))??;
     Ok(Json(CountTokensOut {
-        input_tokens: prompt.len(),
+        input_tokens: prompt.tokens.len(),
     }))
 }
 
@@ -249,22 +261,22 @@ impl MessageOutput {
     async fn collect(
         self,
         events: EventReceiver,
-        tool_names: &[String],
+        syntax: &OutputSyntax,
     ) -> Result<Response, ApiError> {
         let collected = events.collect(|_, _| {}).await?;
         let (text, reason, usage) = (collected.text, collected.finish_reason, collected.usage);
-        let (text, calls) = if tool_names.is_empty() {
-            (Some(text).filter(|t| !t.is_empty()), Vec::new())
+        let pieces = if syntax.is_plain() {
+            vec![Piece::Text(text)]
         } else {
-            let p = tool_calls::parse(&text, tool_names);
-            (p.content, p.calls)
+            parse::parse(&text, syntax).pieces
         };
-        let (stop_reason, stop_sequence) = self.stop(reason, !calls.is_empty());
-        let mut content: Vec<ContentBlockOut> = text
-            .map(|text| ContentBlockOut::Text { text })
+        let called = pieces.iter().any(|p| matches!(p, Piece::Call(_)));
+        let (stop_reason, stop_sequence) = self.stop(reason, called);
+        let content = pieces
             .into_iter()
+            .filter(|p| !matches!(p, Piece::Text(t) if t.is_empty()))
+            .map(block_of)
             .collect();
-        content.extend(calls.into_iter().map(tool_use_block));
         let body = self.message(
             content,
             Some(stop_reason),
@@ -275,35 +287,112 @@ impl MessageOutput {
     }
 }
 
-/// The text block, when there is one, is the first: text after a
-/// `<tool_call>` is held and flushed before the `tool_use` blocks.
-const TEXT_IDX: usize = 0;
+/// The content block of a whole piece.
+fn block_of(piece: Piece) -> ContentBlockOut {
+    match piece {
+        Piece::Text(text) => ContentBlockOut::Text { text },
+        Piece::Reasoning(thinking) => ContentBlockOut::Thinking {
+            thinking,
+            signature: String::new(),
+        },
+        Piece::Call(call) => tool_use_block(call),
+    }
+}
 
-/// Anthropic's stream events: a text block opened at the first text, then
-/// one `tool_use` block per parsed call, then `message_delta` and
+/// The kinds of streamed content blocks that take several deltas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockKind {
+    Thinking,
+    Text,
+}
+
+/// Anthropic's stream events: one content block per run of reasoning or
+/// text and one `tool_use` block per call, in the order the model wrote
+/// them (the blocks of the whole response), then `message_delta` and
 /// `message_stop`.
 struct MessagesStream {
     out: MessageOutput,
-    /// Present when tool calls are parsed: holds text from `<tool_call>` on.
-    tools: Option<ToolCallStream>,
+    /// Present when the output is parsed (tools, reasoning).
+    parser: Option<OutputParser>,
+    /// The open reasoning or text block.
+    open: Option<BlockKind>,
     num_blocks: usize,
-    text_open: bool,
+    called: bool,
 }
 
 impl MessagesStream {
-    fn text_delta(&mut self, text: String) -> Vec<Bytes> {
-        let mut frames = Vec::new();
-        if !self.text_open {
-            self.text_open = true;
-            self.num_blocks += 1;
-            frames.push(block_start(
-                TEXT_IDX,
-                &ContentBlockOut::Text {
+    fn new(out: MessageOutput, syntax: &OutputSyntax) -> Self {
+        MessagesStream {
+            out,
+            parser: (!syntax.is_plain()).then(|| OutputParser::new(syntax)),
+            open: None,
+            num_blocks: 0,
+            called: false,
+        }
+    }
+
+    fn close(&mut self, frames: &mut Vec<Bytes>) {
+        if self.open.take().is_some() {
+            frames.push(block_stop(self.num_blocks - 1));
+        }
+    }
+
+    /// Opens a block of `kind` unless one is open; returns its index.
+    fn open(&mut self, kind: BlockKind, frames: &mut Vec<Bytes>) -> usize {
+        if self.open != Some(kind) {
+            self.close(frames);
+            let start = match kind {
+                BlockKind::Text => ContentBlockOut::Text {
                     text: String::new(),
                 },
-            ));
+                BlockKind::Thinking => ContentBlockOut::Thinking {
+                    thinking: String::new(),
+                    signature: String::new(),
+                },
+            };
+            frames.push(block_start(self.num_blocks, &start));
+            self.num_blocks += 1;
+            self.open = Some(kind);
         }
-        frames.push(block_delta(TEXT_IDX, BlockDelta::TextDelta { text }));
+        self.num_blocks - 1
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<Bytes> {
+        let mut frames = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(text) if text.is_empty() => {}
+                Piece::Text(text) => {
+                    let index = self.open(BlockKind::Text, &mut frames);
+                    frames.push(block_delta(index, BlockDelta::TextDelta { text }));
+                }
+                Piece::Reasoning(thinking) => {
+                    let index = self.open(BlockKind::Thinking, &mut frames);
+                    frames.push(block_delta(index, BlockDelta::ThinkingDelta { thinking }));
+                }
+                Piece::Call(call) => {
+                    self.close(&mut frames);
+                    self.called = true;
+                    let index = self.num_blocks;
+                    self.num_blocks += 1;
+                    let ContentBlockOut::ToolUse { id, name, input } = tool_use_block(call) else {
+                        continue;
+                    };
+                    let start = ContentBlockOut::ToolUse {
+                        id,
+                        name,
+                        input: json!({}),
+                    };
+                    frames.push(block_start(index, &start));
+                    let partial_json = input.to_string();
+                    frames.push(block_delta(
+                        index,
+                        BlockDelta::InputJsonDelta { partial_json },
+                    ));
+                    frames.push(block_stop(index));
+                }
+            }
+        }
         frames
     }
 }
@@ -331,51 +420,21 @@ fn block_stop(index: usize) -> Bytes {
 
 impl StreamFormat for MessagesStream {
     fn on_token(&mut self, _choice: usize, text: &str, _sampled: Option<&Sampled>) -> Vec<Bytes> {
-        let text = match self.tools.as_mut() {
-            Some(t) => t.push(text),
-            None => text.to_string(),
+        let pieces = match self.parser.as_mut() {
+            Some(p) => p.push(text),
+            None => vec![Piece::Text(text.to_string())],
         };
-        if text.is_empty() {
-            return Vec::new();
-        }
-        self.text_delta(text)
+        self.pieces(pieces)
     }
 
     fn on_finish(&mut self, _choice: usize, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
-        let mut frames = Vec::new();
-        let calls = match self.tools.take() {
-            Some(held) => {
-                let (rest, calls) = held.finish();
-                if !rest.is_empty() {
-                    frames.extend(self.text_delta(rest));
-                }
-                calls
-            }
+        let pieces = match self.parser.take() {
+            Some(mut p) => p.finish(),
             None => Vec::new(),
         };
-        if self.text_open {
-            frames.push(block_stop(TEXT_IDX));
-        }
-        let (stop_reason, stop_sequence) = self.out.stop(reason, !calls.is_empty());
-        for call in calls {
-            let index = self.num_blocks;
-            self.num_blocks += 1;
-            let ContentBlockOut::ToolUse { id, name, input } = tool_use_block(call) else {
-                continue;
-            };
-            let start = ContentBlockOut::ToolUse {
-                id,
-                name,
-                input: json!({}),
-            };
-            frames.push(block_start(index, &start));
-            let partial_json = input.to_string();
-            frames.push(block_delta(
-                index,
-                BlockDelta::InputJsonDelta { partial_json },
-            ));
-            frames.push(block_stop(index));
-        }
+        let mut frames = self.pieces(pieces);
+        self.close(&mut frames);
+        let (stop_reason, stop_sequence) = self.out.stop(reason, self.called);
         frames.push(event_frame(
             "message_delta",
             &json!({
@@ -412,6 +471,7 @@ fn ping_frame() -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::parse::ToolSyntax;
 
     /// `(event name, data)` of each frame.
     fn parse(frames: &[Bytes]) -> Vec<(String, Value)> {
@@ -429,16 +489,16 @@ mod tests {
     }
 
     fn stream(tool_names: Vec<String>) -> MessagesStream {
-        MessagesStream {
-            out: MessageOutput {
-                id: "msg_1".into(),
-                model_name: "m".into(),
-                stop_sequences: Vec::new(),
-            },
-            tools: Some(ToolCallStream::new(tool_names)),
-            num_blocks: 0,
-            text_open: false,
-        }
+        let out = MessageOutput {
+            id: "msg_1".into(),
+            model_name: "m".into(),
+            stop_sequences: Vec::new(),
+        };
+        let syntax = OutputSyntax {
+            think: None,
+            tools: Some((ToolSyntax::Hermes, tool_names)),
+        };
+        MessagesStream::new(out, &syntax)
     }
 
     #[test]

@@ -16,7 +16,7 @@ use kiln_sampling::{FinishReason, Sampled, SamplingParams};
 use serde_json::{Map, Value};
 
 use crate::errors::ApiError;
-use crate::generation::{self, Generate, Prepared};
+use crate::generation::{self, ChatRender, Generate};
 use crate::json_body::{reject_unknown, ApiJson};
 use crate::messages::tool_choice_is_none;
 use crate::openai_types::responses::{
@@ -24,11 +24,11 @@ use crate::openai_types::responses::{
     ResponseUsage, ResponsesRequest, StreamEvent, TextConfig, TextFormat, ToolIn,
 };
 use crate::openai_types::{new_id, unix_now};
+use crate::parse::{self, OutputParser, OutputSyntax, Piece, ToolCall};
 use crate::responses_input::{template_function_tools, template_input};
 use crate::sampling::{SamplingFields, OPENAI_MAX_TEMPERATURE};
 use crate::sse::{self, event_frame, StreamFormat};
 use crate::state::AppState;
-use crate::tool_calls::{self, ToolCall, ToolCallStream};
 
 const STATELESS: &str = "Kiln is stateless: it stores no responses or conversations";
 
@@ -132,18 +132,25 @@ pub async fn handle(
     ApiJson(req): ApiJson<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
     let v = validate(&state, req)?;
-    let parse_tools = !v.tool_names.is_empty();
+    let parses = !v.tool_names.is_empty() || generation::thinks(state.engine.model());
     let generate = Generate {
         params: v.params,
-        skip_special_tokens: !parse_tools,
+        skip_special_tokens: !parses,
         format: v.format,
     };
-    let (messages, tools) = (v.messages, v.tools);
+    let render = ChatRender {
+        tools: v.tools,
+        tool_names: v.tool_names,
+        ..ChatRender::default()
+    };
+    let messages = v.messages;
     let admitted = generation::start(&state, generate, move |model: &LoadedModel| {
-        let prompt = generation::chat_prompt(model, messages, tools)?;
-        Ok(Prepared { prompt, extra: () })
+        let prompt = generation::chat_prompt(model, messages, render)?;
+        let syntax = prompt.syntax.clone();
+        Ok(prompt.prepared(syntax))
     })
     .await?;
+    let syntax = admitted.extra;
     let out = ResponseOutput {
         id: new_id("resp_"),
         created_at: unix_now(),
@@ -151,13 +158,7 @@ pub async fn handle(
         echo: v.echo,
     };
     if v.stream {
-        let mut format = ResponsesStream {
-            out,
-            tools: parse_tools.then(|| ToolCallStream::new(v.tool_names)),
-            output: Vec::new(),
-            message: None,
-            sequence_number: 0,
-        };
+        let mut format = ResponsesStream::new(out, &syntax);
         let first = format.start();
         return Ok(sse::response(
             admitted.events,
@@ -167,21 +168,37 @@ pub async fn handle(
         ));
     }
     let collected = admitted.events.collect(|_, _| {}).await?;
-    let (text, calls) = if parse_tools {
-        let p = tool_calls::parse(&collected.text, &v.tool_names);
-        (p.content.unwrap_or_default(), p.calls)
+    let pieces = if syntax.is_plain() {
+        vec![Piece::Text(collected.text)]
     } else {
-        (collected.text, Vec::new())
+        parse::parse(&collected.text, &syntax).pieces
     };
     let (status, incomplete) = status(collected.finish_reason);
+    // The items a stream gives: a message per run of text (closed as
+    // complete when a call follows), a function call per call.
     let mut output = Vec::new();
-    if !text.is_empty() || calls.is_empty() {
-        output.push(message_item(new_id("msg_"), text, item_status(status)));
+    let mut calls = 0;
+    for piece in pieces {
+        match piece {
+            Piece::Text(text) if !text.is_empty() => {
+                output.push(message_item(new_id("msg_"), text, "completed"));
+            }
+            Piece::Call(call) if calls == 0 || out.echo.parallel_tool_calls => {
+                calls += 1;
+                output.push(call_item(new_id("fc_"), call, "completed"));
+            }
+            _ => {}
+        }
     }
-    output.extend(
-        out.calls(calls)
-            .map(|(id, call)| call_item(id, call, "completed")),
-    );
+    match output.last_mut() {
+        Some(OutputItem::Message { status: s, .. }) => *s = item_status(status),
+        Some(_) => {}
+        None => output.push(message_item(
+            new_id("msg_"),
+            String::new(),
+            item_status(status),
+        )),
+    }
     let body = out.object(status, &output, Some(&collected.usage));
     Ok(Json(ResponseObject {
         incomplete_details: incomplete,
@@ -277,15 +294,6 @@ impl ResponseOutput {
             usage: usage.map(ResponseUsage::from),
         }
     }
-
-    /// The calls to answer with (only the first unless parallel calls are
-    /// allowed), each with a fresh item id.
-    fn calls(&self, mut calls: Vec<ToolCall>) -> impl Iterator<Item = (String, ToolCall)> {
-        if !self.echo.parallel_tool_calls {
-            calls.truncate(1);
-        }
-        calls.into_iter().map(|c| (new_id("fc_"), c))
-    }
 }
 
 /// The message being streamed: where it is in `output`, and its text so far.
@@ -298,8 +306,10 @@ struct OpenMessage {
 /// The Responses API's stream events.
 struct ResponsesStream {
     out: ResponseOutput,
-    /// Present when tool calls are parsed: holds text from `<tool_call>` on.
-    tools: Option<ToolCallStream>,
+    /// Present when the output is parsed (tools, reasoning; reasoning is
+    /// not part of a Responses answer and is left out).
+    parser: Option<OutputParser>,
+    calls: usize,
     /// The output items so far, as the final response will list them.
     output: Vec<OutputItem>,
     message: Option<OpenMessage>,
@@ -318,6 +328,33 @@ fn frame(sequence_number: &mut u64, body: EventBody<'_>) -> Bytes {
 }
 
 impl ResponsesStream {
+    fn new(out: ResponseOutput, syntax: &OutputSyntax) -> Self {
+        ResponsesStream {
+            out,
+            parser: (!syntax.is_plain()).then(|| OutputParser::new(syntax)),
+            calls: 0,
+            output: Vec::new(),
+            message: None,
+            sequence_number: 0,
+        }
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<Bytes> {
+        let mut frames = Vec::new();
+        for piece in pieces {
+            match piece {
+                Piece::Text(text) if !text.is_empty() => frames.extend(self.text_delta(&text)),
+                Piece::Call(call) if self.calls == 0 || self.out.echo.parallel_tool_calls => {
+                    self.calls += 1;
+                    frames.extend(self.close_message("completed"));
+                    frames.extend(self.call(new_id("fc_"), call));
+                }
+                _ => {}
+            }
+        }
+        frames
+    }
+
     /// `response.created` and `response.in_progress`.
     fn start(&mut self) -> Vec<Bytes> {
         let seq = &mut self.sequence_number;
@@ -496,38 +533,25 @@ impl ResponsesStream {
 
 impl StreamFormat for ResponsesStream {
     fn on_token(&mut self, _choice: usize, text: &str, _sampled: Option<&Sampled>) -> Vec<Bytes> {
-        let text = match self.tools.as_mut() {
-            Some(t) => t.push(text),
-            None => text.to_string(),
+        let pieces = match self.parser.as_mut() {
+            Some(p) => p.push(text),
+            None => vec![Piece::Text(text.to_string())],
         };
-        if text.is_empty() {
-            return Vec::new();
-        }
-        self.text_delta(&text)
+        self.pieces(pieces)
     }
 
     fn on_finish(&mut self, _choice: usize, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
-        let mut frames = Vec::new();
-        let calls = match self.tools.take() {
-            Some(held) => {
-                let (rest, calls) = held.finish();
-                if !rest.is_empty() {
-                    frames.extend(self.text_delta(&rest));
-                }
-                calls
-            }
+        let pieces = match self.parser.take() {
+            Some(mut p) => p.finish(),
             None => Vec::new(),
         };
-        if calls.is_empty() {
+        let mut frames = self.pieces(pieces);
+        if self.output.is_empty() {
             // Every answer has a message, if an empty one.
             frames.extend(self.open_message());
         }
         let (status, incomplete) = status(reason);
         frames.extend(self.close_message(item_status(status)));
-        let calls: Vec<_> = self.out.calls(calls).collect();
-        for (id, call) in calls {
-            frames.extend(self.call(id, call));
-        }
         let response = ResponseObject {
             incomplete_details: incomplete,
             ..self.out.object(status, &self.output, Some(usage))
@@ -560,32 +584,32 @@ impl StreamFormat for ResponsesStream {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::parse::ToolSyntax;
     use serde_json::json;
 
     fn stream(tool_names: Vec<String>, parallel_tool_calls: bool) -> ResponsesStream {
-        ResponsesStream {
-            out: ResponseOutput {
-                id: "resp_1".into(),
-                created_at: 1,
-                model_name: "m".into(),
-                echo: Echo {
-                    instructions: None,
-                    max_output_tokens: None,
-                    parallel_tool_calls,
-                    temperature: None,
-                    top_p: None,
-                    tool_choice: "auto",
-                    tools: Vec::new(),
-                    metadata: Map::new(),
-                    user: None,
-                    format_type: "text",
-                },
+        let out = ResponseOutput {
+            id: "resp_1".into(),
+            created_at: 1,
+            model_name: "m".into(),
+            echo: Echo {
+                instructions: None,
+                max_output_tokens: None,
+                parallel_tool_calls,
+                temperature: None,
+                top_p: None,
+                tool_choice: "auto",
+                tools: Vec::new(),
+                metadata: Map::new(),
+                user: None,
+                format_type: "text",
             },
-            tools: Some(ToolCallStream::new(tool_names)),
-            output: Vec::new(),
-            message: None,
-            sequence_number: 0,
-        }
+        };
+        let syntax = OutputSyntax {
+            think: None,
+            tools: Some((ToolSyntax::Hermes, tool_names)),
+        };
+        ResponsesStream::new(out, &syntax)
     }
 
     /// `(event name, data)` of each frame; the name must be the data's type.
@@ -647,8 +671,9 @@ mod tests {
         assert_eq!(evs[0].1["response"]["status"], "in_progress");
         assert_eq!(evs[0].1["response"]["output"], json!([]));
         // The text sent is never changed: `done` repeats the deltas.
-        assert_eq!(evs[4].1["delta"], "Let me check. ");
-        assert_eq!(evs[5].1["text"], "Let me check. ");
+        // Blanks before a call are dropped, in the delta and in `done` alike.
+        assert_eq!(evs[4].1["delta"], "Let me check.");
+        assert_eq!(evs[5].1["text"], "Let me check.");
         let call = &evs[11].1["item"];
         assert_eq!(call["type"], "function_call");
         assert_eq!(call["name"], "get_weather");
@@ -661,7 +686,7 @@ mod tests {
         );
         let done = &evs[12].1["response"];
         assert_eq!(done["status"], "completed");
-        assert_eq!(done["output"][0]["content"][0]["text"], "Let me check. ");
+        assert_eq!(done["output"][0]["content"][0]["text"], "Let me check.");
         assert_eq!(done["output"][0]["status"], "completed");
         assert_eq!(&done["output"][1], call);
         assert_eq!(done["usage"]["input_tokens_details"]["cached_tokens"], 4);

@@ -107,11 +107,12 @@ impl HttpResponse {
         String::from_utf8_lossy(&self.body).into_owned()
     }
 
-    /// The `data:` payloads of an SSE body, in order.
+    /// The `data:` payloads of an SSE body, in order (events named by an
+    /// `event:` line too).
     pub fn sse_data(&self) -> Vec<String> {
         self.text()
             .split("\n\n")
-            .filter_map(|ev| ev.strip_prefix("data: "))
+            .filter_map(|ev| ev.lines().find_map(|l| l.strip_prefix("data: ")))
             .map(str::to_string)
             .collect()
     }

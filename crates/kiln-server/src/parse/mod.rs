@@ -1,0 +1,134 @@
+//! Generated text split into reasoning, answer text and tool calls — the
+//! same pieces whether the text arrives whole or token by token, so
+//! streamed and non-streamed responses carry the same thing.
+
+mod gemma;
+mod json_scan;
+mod reasoning;
+#[cfg(test)]
+mod tests;
+mod tools;
+
+pub use reasoning::{Split, ThinkSplitter, ThinkSyntax};
+pub use tools::{ToolCall, ToolStream, ToolSyntax};
+
+/// A decided piece of output.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Reasoning(String),
+    Text(String),
+    Call(ToolCall),
+}
+
+/// What to look for in one request's output.
+#[derive(Debug, Clone, Default)]
+pub struct OutputSyntax {
+    /// The reasoning tags, and whether the prompt has opened them.
+    pub think: Option<(ThinkSyntax, bool)>,
+    /// The tool-call syntax and the declared tools.
+    pub tools: Option<(ToolSyntax, Vec<String>)>,
+}
+
+impl OutputSyntax {
+    /// Whether anything is parsed at all.
+    pub fn is_plain(&self) -> bool {
+        self.think.is_none() && self.tools.is_none()
+    }
+}
+
+/// The streaming parser of one output.
+#[derive(Debug)]
+pub struct OutputParser {
+    think: Option<ThinkSplitter>,
+    tools: Option<ToolStream>,
+}
+
+impl OutputParser {
+    pub fn new(syntax: &OutputSyntax) -> Self {
+        OutputParser {
+            think: syntax
+                .think
+                .clone()
+                .map(|(s, opened)| ThinkSplitter::new(s, opened)),
+            tools: syntax
+                .tools
+                .clone()
+                .map(|(s, names)| ToolStream::new(s, names)),
+        }
+    }
+
+    /// Takes the next piece of output; returns what is decided.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        let splits = match self.think.as_mut() {
+            Some(t) => t.push(text),
+            None => vec![Split::Answer(text.to_string())],
+        };
+        self.answer(splits, false)
+    }
+
+    /// The end of the output: everything held is decided.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let splits = match self.think.as_mut() {
+            Some(t) => t.finish(),
+            None => Vec::new(),
+        };
+        self.answer(splits, true)
+    }
+
+    fn answer(&mut self, splits: Vec<Split>, end: bool) -> Vec<Piece> {
+        let mut out = Vec::new();
+        for s in splits {
+            match (s, self.tools.as_mut()) {
+                (Split::Reasoning(r), _) => out.push(Piece::Reasoning(r)),
+                (Split::Answer(a), Some(t)) => out.extend(t.push(&a)),
+                (Split::Answer(a), None) if !a.is_empty() => out.push(Piece::Text(a)),
+                _ => {}
+            }
+        }
+        if end {
+            if let Some(t) = self.tools.as_mut() {
+                out.extend(t.finish());
+            }
+        }
+        out
+    }
+}
+
+/// A whole output, parsed.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Parsed {
+    pub reasoning: Option<String>,
+    pub content: Option<String>,
+    pub calls: Vec<ToolCall>,
+    /// The pieces in order, neighbours of one kind merged: the blocks of
+    /// an Anthropic message.
+    pub pieces: Vec<Piece>,
+}
+
+impl Parsed {
+    /// Gathers pieces (as a stream gave them) into the whole answer.
+    pub fn from_pieces(pieces: impl IntoIterator<Item = Piece>) -> Parsed {
+        let mut p = Parsed::default();
+        for piece in pieces {
+            match &piece {
+                Piece::Reasoning(r) => p.reasoning.get_or_insert_with(String::new).push_str(r),
+                Piece::Text(t) => p.content.get_or_insert_with(String::new).push_str(t),
+                Piece::Call(c) => p.calls.push(c.clone()),
+            }
+            match (p.pieces.last_mut(), piece) {
+                (Some(Piece::Reasoning(a)), Piece::Reasoning(b)) => a.push_str(&b),
+                (Some(Piece::Text(a)), Piece::Text(b)) => a.push_str(&b),
+                (_, piece) => p.pieces.push(piece),
+            }
+        }
+        p
+    }
+}
+
+/// Parses a whole output.
+pub fn parse(text: &str, syntax: &OutputSyntax) -> Parsed {
+    let mut parser = OutputParser::new(syntax);
+    let mut pieces = parser.push(text);
+    pieces.extend(parser.finish());
+    Parsed::from_pieces(pieces)
+}

@@ -1,0 +1,244 @@
+//! Recorded outputs of every syntax, parsed whole and streamed split at
+//! every character boundary (and one character at a time): the same
+//! reasoning, text and calls either way.
+
+use serde_json::{json, Value};
+
+use super::*;
+
+fn syntax(tools: ToolSyntax, think: bool) -> OutputSyntax {
+    OutputSyntax {
+        think: think.then(|| (ThinkSyntax::detect("<think>").unwrap(), false)),
+        tools: Some((tools, vec!["get_weather".into(), "search".into()])),
+    }
+}
+
+/// Parses `text` whole, then streamed split at every boundary and char by
+/// char; every way must agree. Returns the whole parse.
+fn check(text: &str, syntax: &OutputSyntax) -> Parsed {
+    let whole = parse(text, syntax);
+    let bounds: Vec<usize> = (0..=text.len())
+        .filter(|&i| text.is_char_boundary(i))
+        .collect();
+    for &i in &bounds {
+        let mut p = OutputParser::new(syntax);
+        let mut pieces = p.push(&text[..i]);
+        pieces.extend(p.push(&text[i..]));
+        pieces.extend(p.finish());
+        assert_eq!(
+            Parsed::from_pieces(pieces),
+            whole,
+            "split at {i} of {text:?}"
+        );
+    }
+    let mut p = OutputParser::new(syntax);
+    let mut pieces = Vec::new();
+    for w in bounds.windows(2) {
+        pieces.extend(p.push(&text[w[0]..w[1]]));
+    }
+    pieces.extend(p.finish());
+    assert_eq!(Parsed::from_pieces(pieces), whole, "char by char: {text:?}");
+    whole
+}
+
+fn args(call: &ToolCall) -> Value {
+    serde_json::from_str(&call.arguments).expect("arguments are JSON")
+}
+
+#[test]
+fn hermes_calls_and_text() {
+    let s = syntax(ToolSyntax::Hermes, false);
+    let p = check(
+        "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"search\", \"arguments\": \"{\\\"q\\\": \\\"é\\\"}\"}\n</tool_call>",
+        &s,
+    );
+    assert_eq!(p.content.as_deref(), Some("Let me check."));
+    assert_eq!(p.calls.len(), 2);
+    assert_eq!(
+        (p.calls[0].name.as_str(), args(&p.calls[0])),
+        ("get_weather", json!({"city": "Paris"}))
+    );
+    assert_eq!(args(&p.calls[1]), json!({"q": "é"}));
+    // A bare call naming a declared tool; an undeclared one stays text.
+    let p = check(
+        "  {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n",
+        &s,
+    );
+    assert_eq!((p.content, p.calls.len()), (None, 1));
+    let p = check("{\"name\": \"other\", \"arguments\": {}}", &s);
+    assert_eq!(
+        (p.content.as_deref(), p.calls.len()),
+        (Some("{\"name\": \"other\", \"arguments\": {}}"), 0)
+    );
+}
+
+#[test]
+fn malformed_and_partial_calls_stay_text() {
+    let s = syntax(ToolSyntax::Hermes, false);
+    for text in [
+        "x <tool_call>{not json}</tool_call> y",
+        "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Par",
+        "{\"name\": \"get_weather\", \"arguments\": {\"city\"",
+        "a <tool_ca",
+        "<tool_call>[1, 2]</tool_call>",
+        "{\"name\": \"get_weather\", \"arguments\": [1]}",
+        "",
+        "   ",
+    ] {
+        let p = check(text, &s);
+        assert!(p.calls.is_empty(), "{text:?}");
+        assert_eq!(p.content.as_deref().unwrap_or(""), text, "{text:?}");
+    }
+    // Text between and after calls is kept; blanks around calls are not.
+    let p = check(
+        "A <tool_call>{\"name\":\"search\",\"arguments\":{}}</tool_call>\n\nB  <tool_call>{bad}</tool_call>",
+        &s,
+    );
+    assert_eq!(
+        p.content.as_deref(),
+        Some("AB  <tool_call>{bad}</tool_call>")
+    );
+    assert_eq!(p.calls.len(), 1);
+}
+
+#[test]
+fn llama3_json_calls() {
+    let s = syntax(ToolSyntax::Llama3, false);
+    let p = check(
+        "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}",
+        &s,
+    );
+    assert_eq!(
+        (p.calls.len(), args(&p.calls[0])),
+        (1, json!({"city": "Rome"}))
+    );
+    assert_eq!(p.content, None);
+    let p = check(
+        "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Rome\"}}; {\"name\": \"search\", \"parameters\": {\"q\": \"x;y\"}}",
+        &s,
+    );
+    assert_eq!(
+        p.calls.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(),
+        ["get_weather", "search"]
+    );
+    assert_eq!(args(&p.calls[1]), json!({"q": "x;y"}));
+    // Built-in tool code after the tag is not a JSON call: text.
+    let p = check("<|python_tag|>brave_search.call(query=\"x\")", &s);
+    assert_eq!(p.calls.len(), 0);
+    assert_eq!(
+        p.content.as_deref(),
+        Some("<|python_tag|>brave_search.call(query=\"x\")")
+    );
+}
+
+#[test]
+fn mistral_calls() {
+    let s = syntax(ToolSyntax::Mistral, false);
+    let p = check(
+        "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lima\"}}, {\"name\": \"search\", \"arguments\": {\"q\": \"[x]\"}}]",
+        &s,
+    );
+    assert_eq!(p.calls.len(), 2);
+    assert_eq!(args(&p.calls[1]), json!({"q": "[x]"}));
+    let p = check(
+        "Sure.[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Lima\", \"name\": \"x\"}[TOOL_CALLS]search[CALL_ID]a1b2c3d4e[ARGS]{\"q\": \"z\"}",
+        &s,
+    );
+    assert_eq!(p.content.as_deref(), Some("Sure."));
+    assert_eq!(p.calls[0].name, "get_weather");
+    assert_eq!(args(&p.calls[0]), json!({"city": "Lima", "name": "x"}));
+    assert_eq!(
+        (p.calls[1].name.as_str(), args(&p.calls[1])),
+        ("search", json!({"q": "z"}))
+    );
+    let p = check("[TOOL_CALLS] not a call", &s);
+    assert_eq!(
+        (p.calls.len(), p.content.as_deref()),
+        (0, Some("[TOOL_CALLS] not a call"))
+    );
+}
+
+#[test]
+fn gemma_calls() {
+    let s = syntax(ToolSyntax::Gemma, false);
+    let p = check(
+        "<start_function_call>call:get_weather{city:<escape>São Paulo<escape>,days:2}<end_function_call>",
+        &s,
+    );
+    assert_eq!(args(&p.calls[0]), json!({"city": "São Paulo", "days": 2}));
+    let p = check(
+        "I'll look.\n```tool_code\nget_weather(city=\"Kyiv\")\nsearch(q='a')\n```\nDone.",
+        &s,
+    );
+    assert_eq!(p.calls.len(), 2);
+    assert_eq!(p.content.as_deref(), Some("I'll look.Done."));
+    let p = check("```tool_code\nx = 1\n```", &s);
+    assert_eq!(
+        (p.calls.len(), p.content.as_deref()),
+        (0, Some("```tool_code\nx = 1\n```"))
+    );
+}
+
+#[test]
+fn reasoning_is_split_from_the_answer() {
+    let s = syntax(ToolSyntax::Hermes, true);
+    let p = check(
+        "<think>\nThe user wants weather.\n\nCall the tool.\n</think>\n\nOK.<tool_call>{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}</tool_call>",
+        &s,
+    );
+    assert_eq!(
+        p.reasoning.as_deref(),
+        Some("The user wants weather.\n\nCall the tool.")
+    );
+    assert_eq!(p.content.as_deref(), Some("OK."));
+    assert_eq!(p.calls.len(), 1);
+    assert!(matches!(
+        p.pieces.as_slice(),
+        [Piece::Reasoning(_), Piece::Text(_), Piece::Call(_)]
+    ));
+    // An empty think block gives no reasoning; no block gives no reasoning.
+    let p = check("<think>\n\n</think>\n\nHi", &s);
+    assert_eq!((p.reasoning, p.content.as_deref()), (None, Some("Hi")));
+    let p = check("Hi <think>x</think>", &s);
+    assert_eq!(
+        (p.reasoning, p.content.as_deref()),
+        (None, Some("Hi <think>x</think>"))
+    );
+    // Cut short inside the block: all of it is reasoning.
+    let p = check("<think>still going", &s);
+    assert_eq!(
+        (p.reasoning.as_deref(), p.content),
+        (Some("still going"), None)
+    );
+    // Opened by the template in the prompt.
+    let opened = OutputSyntax {
+        think: Some((ThinkSyntax::detect("</think>").unwrap(), true)),
+        tools: None,
+    };
+    let p = check("plan </thin", &opened);
+    assert_eq!(p.reasoning.as_deref(), Some("plan </thin"));
+    let p = check("plan\n</think>\n\n42", &opened);
+    assert_eq!(
+        (p.reasoning.as_deref(), p.content.as_deref()),
+        (Some("plan"), Some("42"))
+    );
+}
+
+#[test]
+fn syntax_detection() {
+    assert_eq!(
+        ToolSyntax::detect("{{ '<tool_call>' }}"),
+        ToolSyntax::Hermes
+    );
+    assert_eq!(
+        ToolSyntax::detect("<|start_header_id|>ipython<|eom_id|>"),
+        ToolSyntax::Llama3
+    );
+    assert_eq!(ToolSyntax::detect("[TOOL_CALLS]"), ToolSyntax::Mistral);
+    assert_eq!(
+        ToolSyntax::detect("<start_of_turn>model"),
+        ToolSyntax::Gemma
+    );
+    assert_eq!(ToolSyntax::detect("<|im_start|>"), ToolSyntax::Hermes);
+    assert!(ThinkSyntax::detect("<|im_start|>").is_none());
+}
