@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Correctness and speed of Kiln's decode GEMV (gemv.cu) and fused glue kernels (fused.cu).
+"""Correctness and speed of Kiln's decode GEMV (gemv.cu, gemv_direct.cu, their RMSNorm-fused variants) and
+fused glue kernels (fused.cu).
 
 Standalone: compiles the .cu files with NVRTC through ctypes, loads them with the CUDA driver API
 (libcuda through ctypes), launches them on torch tensors and compares with torch references in f32
@@ -492,6 +493,98 @@ def test_rms_norm_rows(mod, report):
 
 
 # ------------------------------------------------------------------------------------------------
+# RMSNorm fused into the GEMV (rms_norm_gemv*, rms_prologue.cuh)
+# ------------------------------------------------------------------------------------------------
+NORM_GEMV_MAX_SMEM = 88 << 10  # crates/kiln-cuda/src/norm_gemv.rs
+
+
+def norm_threads(d):
+    """Block size of the unfused add_rms_norm_bf16 launch (backend.rs), which the fused kernels mirror."""
+    return min(max((-(-d // 4) + 31) // 32 * 32, 128), 1024)
+
+
+def test_rms_norm_gemv(gemv_mod, direct_mod, elem_mod, report, bench_too=True):
+    """Fused norm + GEMV against torch (norm rounded to bf16, then the product) and against the unfused
+    kernels (add_rms_norm_bf16, then the plain GEMV), which it should equal bit for bit; timings of
+    the fused kernel next to the two it replaces (single launches, L2 flushed before each)."""
+    torch.manual_seed(7)
+    cu = direct_mod.cuda.cu
+    cu.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    for M in range(1, 9):
+        direct_mod.cuda.check(cu.cuFuncSetAttribute(direct_mod.fn(f"rms_norm_gemv_direct_bf16_m{M}"), 8,
+                                                    NORM_GEMV_MAX_SMEM), "cuFuncSetAttribute")
+    res, times = {}, {}
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda") if bench_too else None
+    cases = [(6144, 4096, 0), (2048, 1536, 1), (1000, 584, 0), (1000, 584, 1), (14336, 4096, 3),
+             (14336, 4096, 4), (500, 584, 3), (500, 584, 4), (49152, 4096, 0)]
+    eps = 1e-5
+    for (N, K, mode) in cases:
+        rows = 2 * N if mode >= 3 else N
+        w = (torch.randn(rows, K, device="cuda") / math.sqrt(K)).to(torch.bfloat16)
+        bias = torch.randn(N, device="cuda").to(torch.bfloat16) if mode == 1 else None
+        nt = norm_threads(K)
+        for off in (0.0, 1.0):
+            nw = (torch.randn(K, device="cuda") * 0.1 + (0.0 if off else 1.0)).to(torch.bfloat16)
+            for M in range(1, 9):
+                if N == 49152 and (off or M not in (1, 8)):
+                    continue
+                x = (torch.randn(M, K, device="cuda") * 3).to(torch.bfloat16)
+                out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                h = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+                ref_out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                smem = M * (2 * K + 64)
+
+                def fused():
+                    if mode <= 2:
+                        direct_mod.launch(f"rms_norm_gemv_direct_bf16_m{M}", ((N + 15) // 16,), (256,),
+                                          [P(x), P(nw), P(w), P(out), P(bias), I32(N), I32(K), I32(mode), F32(eps),
+                                           F32(off), I32(nt)], smem=smem)
+                    else:
+                        gemv_mod.launch(f"rms_norm_gemv_bf16_m{M}", ((N + 15) // 16,), (256,),
+                                        [P(x), P(nw), P(w), P(out), P(None), I32(N), I32(K), I32(mode), I32(1),
+                                         P(None), P(None), F32(eps), F32(off), I32(nt)])
+
+                def norm():
+                    elem_mod.launch("add_rms_norm_bf16", (M,), (nt,),
+                                    [P(x), P(None), P(nw), P(h), I32(K), F32(eps), F32(off)])
+
+                def gemv():
+                    if mode <= 2:
+                        run_old(direct_mod, M, h, w, ref_out, bias, N, K, mode)
+                    else:
+                        run_gemv(gemv_mod, M, h, w, ref_out, None, N, K, mode, splits=1, grid=(N + 15) // 16)
+
+                fused()
+                norm()
+                gemv()
+                torch.cuda.synchronize()
+                xf = x.float()
+                hr = (xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps) * (off + nw.float())).to(torch.bfloat16)
+                ref = gemv_ref(hr, w, bias, N, mode)
+                key = f"M={M} N={N} K={K} mode={mode} offset={off}"
+                r = close("rms_norm_gemv " + key, out.float(), ref)
+                same = torch.equal(out, ref_out)
+                r["bit_exact_vs_unfused_kernels"] = same
+                if not same:
+                    nd = int((out != ref_out).sum())
+                    r["n_diff_vs_unfused"] = nd
+                    print(f"NOTE rms_norm_gemv {key}: {nd}/{out.numel()} outputs differ from the unfused kernels")
+                res[key] = r
+                if bench_too and off == 0.0 and M in (1, 2, 4, 8):
+                    t = {"fused_us": time_fn(fused, flush=flush) * 1e6, "norm_us": time_fn(norm, flush=flush) * 1e6,
+                         "gemv_us": time_fn(gemv, flush=flush) * 1e6}
+                    t["saved_us"] = t["norm_us"] + t["gemv_us"] - t["fused_us"]
+                    times[key] = t
+                    print(f"rms_norm_gemv {key:40s} fused {t['fused_us']:7.1f} us | norm {t['norm_us']:6.1f} + "
+                          f"gemv {t['gemv_us']:7.1f} us")
+        del w
+        torch.cuda.empty_cache()
+    report["rms_norm_gemv"] = res
+    if bench_too:
+        report["rms_norm_gemv_bench"] = times
+
+
+# ------------------------------------------------------------------------------------------------
 # timings
 # ------------------------------------------------------------------------------------------------
 def time_fn(fn, iters=50, warmup=5, flush=None):
@@ -631,7 +724,7 @@ def main():
     WS = torch.zeros(WS_FLOATS, device="cuda", dtype=torch.float32)  # once, reused by every launch
     CNT = torch.zeros(CNT_LEN, device="cuda", dtype=torch.int32)
     mods = {}
-    for name in ["gemv", "fused"]:
+    for name in ["gemv", "fused", "gemv_direct", "elementwise"]:
         t0 = time.time()
         mods[name], how = cuda.load(os.path.join(KDIR, name + ".cu"))
         report[f"{name}_module"] = {"how": how, "compile_load_s": time.time() - t0}
@@ -639,7 +732,9 @@ def main():
              ("qkv_rope", lambda: test_qkv_rope(mods["fused"], report)),
              ("gated_act", lambda: test_gated_act(mods["fused"], report)),
              ("bias_residual", lambda: test_bias_residual(mods["fused"], report)),
-             ("rms_norm_rows", lambda: test_rms_norm_rows(mods["fused"], report))]
+             ("rms_norm_rows", lambda: test_rms_norm_rows(mods["fused"], report)),
+             ("rms_norm_gemv", lambda: test_rms_norm_gemv(mods["gemv"], mods["gemv_direct"], mods["elementwise"], report,
+                                                          bench_too=not args.no_bench))]
     if not args.no_bench:
         variants = []
         for defs in [("KILN_GEMV_MAX_STAGES=3",), ("KILN_GEMV_MAX_STAGES=2",)]:

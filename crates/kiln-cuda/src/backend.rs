@@ -1,7 +1,8 @@
 //! `CudaBackend`: `kiln_tensor::Backend` on one NVIDIA GPU. Activations and
 //! weights are bf16 on the device, math in f32. Decode-sized products
 //! (≤ 8 rows) run Kiln's GEMV kernels with fused epilogues (bias, residual
-//! add, gated activation); larger ones go through cuBLAS. Attention is
+//! add, gated activation) and, where an RMSNorm feeds them, a fused norm
+//! prologue (`norm_gemv.rs`); larger ones go through cuBLAS. Attention is
 //! split-KV for decode steps and flash-style (tensor cores, no
 //! materialized scores) for prefill, over the paged cache. Each step's
 //! metadata is uploaded once ([`crate::meta::StepMeta`]); decode steps are
@@ -25,7 +26,7 @@ use crate::pool::{DevBuf, MemorySnapshot};
 use crate::{CudaError, KernelCompiler};
 
 /// Largest row count served by the GEMV kernels.
-const GEMV_MAX_ROWS: usize = 8;
+pub(crate) const GEMV_MAX_ROWS: usize = 8;
 
 /// The backend. One stream; every op is queued on it in order.
 pub struct CudaBackend {
@@ -294,7 +295,7 @@ impl CudaBackend {
     }
 }
 
-fn act_code(act: Activation) -> i32 {
+pub(crate) fn act_code(act: Activation) -> i32 {
     match act {
         Activation::Silu => 0,
         Activation::GeluTanh => 1,
@@ -509,6 +510,30 @@ impl Backend for CudaBackend {
                 .map_err(dev_err)?;
         }
         Ok(wrap(vec![n, inter], out))
+    }
+
+    fn rms_norm_linear(
+        &self,
+        x: &Tensor,
+        norm_w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.fused_rms_norm_linear(x, norm_w, eps, weight_offset, w, bias)
+    }
+
+    fn rms_norm_gated_linear(
+        &self,
+        x: &Tensor,
+        norm_w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        w_gate_up: &Tensor,
+        act: Activation,
+    ) -> Result<Tensor> {
+        self.fused_rms_norm_gated_linear(x, norm_w, eps, weight_offset, w_gate_up, act)
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
@@ -935,11 +960,11 @@ impl Backend for CudaBackend {
 
 /// Threads per row of the RMSNorm kernel: about four elements each (a
 /// decode step normalizes one row, so one block's latency is the cost).
-fn norm_threads(d: usize) -> u32 {
+pub(crate) fn norm_threads(d: usize) -> u32 {
     (d.div_ceil(4).next_multiple_of(32)).clamp(128, 1024) as u32
 }
 
-fn linear_dims(x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize)> {
+pub(crate) fn linear_dims(x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize)> {
     let (n, k) = x.dims2("linear")?;
     let (m, kw) = w.dims2("linear")?;
     if k != kw {

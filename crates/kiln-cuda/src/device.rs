@@ -118,6 +118,17 @@ impl Device {
                         )
                         .map_err(|e| CudaError::Device(format!("{entry}: {e:?}")))?;
                     }
+                    if entry.starts_with("rms_norm_gemv_direct_bf16_m") {
+                        // Fused norm kernels have unfused fallbacks: one the
+                        // GPU cannot give this much shared memory is left out.
+                        if let Err(e) = f.set_attribute(
+                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            crate::norm_gemv::NORM_GEMV_MAX_SMEM as i32,
+                        ) {
+                            warnings.push(format!("{entry} unavailable, using the unfused norm: {e:?}"));
+                            continue;
+                        }
+                    }
                     funcs.insert(entry, f);
                 }
             }

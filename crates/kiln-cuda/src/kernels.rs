@@ -3,7 +3,10 @@
 //! no files of ours on disk.
 
 /// Headers that kernel sources include by name.
-pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("kernels/common.cuh"))];
+pub const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("rms_prologue.cuh", include_str!("kernels/rms_prologue.cuh")),
+];
 
 /// Sources without which the backend does not start.
 pub const REQUIRED: &[&str] = &["elementwise", "attention"];
@@ -47,6 +50,22 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gemv_direct_bf16_m6",
     "gemv_direct_bf16_m7",
     "gemv_direct_bf16_m8",
+    "rms_norm_gemv_bf16_m1",
+    "rms_norm_gemv_bf16_m2",
+    "rms_norm_gemv_bf16_m3",
+    "rms_norm_gemv_bf16_m4",
+    "rms_norm_gemv_bf16_m5",
+    "rms_norm_gemv_bf16_m6",
+    "rms_norm_gemv_bf16_m7",
+    "rms_norm_gemv_bf16_m8",
+    "rms_norm_gemv_direct_bf16_m1",
+    "rms_norm_gemv_direct_bf16_m2",
+    "rms_norm_gemv_direct_bf16_m3",
+    "rms_norm_gemv_direct_bf16_m4",
+    "rms_norm_gemv_direct_bf16_m5",
+    "rms_norm_gemv_direct_bf16_m6",
+    "rms_norm_gemv_direct_bf16_m7",
+    "rms_norm_gemv_direct_bf16_m8",
     "argmax_logprob_bf16",
     "qkv_rope_write_bf16",
     "gated_act_packed_bf16",

@@ -17,6 +17,7 @@ mod device;
 pub mod graphs;
 pub mod kernels;
 pub mod meta;
+mod norm_gemv;
 pub mod pool;
 pub mod selfcheck;
 

@@ -75,9 +75,27 @@ impl Pair<'_> {
                 cpu.shape()
             ));
         }
+        self.push(op, &g, &c, tolerance);
+        Ok(())
+    }
+
+    /// Two GPU results (a fused op against its unfused ops).
+    fn compare_gpu(&mut self, op: String, a: &Tensor, b: &Tensor, tolerance: f64) -> R<()> {
+        if a.shape() != b.shape() {
+            return Err(format!("{op}: shapes {:?} vs {:?}", a.shape(), b.shape()));
+        }
+        let (g, c) = (
+            self.gpu.to_host(a).map_err(e)?,
+            self.gpu.to_host(b).map_err(e)?,
+        );
+        self.push(op, &g, &c, tolerance);
+        Ok(())
+    }
+
+    fn push(&mut self, op: String, g: &[f32], c: &[f32], tolerance: f64) {
         let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
         let mut finite = true;
-        for (a, b) in g.iter().zip(&c) {
+        for (a, b) in g.iter().zip(c) {
             finite &= a.is_finite();
             let d = (*a as f64 - *b as f64).abs();
             max_abs = max_abs.max(d);
@@ -96,13 +114,15 @@ impl Pair<'_> {
             tolerance,
             pass: rel <= tolerance,
         });
-        Ok(())
     }
 }
 
 /// bf16 storage of results: about 3 significant digits.
 const TOL: f64 = 1e-2;
 const TOL_ATTN: f64 = 2e-2;
+/// A fused op against the same GPU's unfused ops: equal by construction up
+/// to the compiler's float contractions (a few bf16 ulps at most).
+const TOL_SAME: f64 = 1e-3;
 
 /// Run every check; an `Err` means a check could not run at all.
 pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
@@ -118,6 +138,7 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     }
     attention_ops(&mut p, &mut rng, 8, 2, 64, Some(48))?;
     recorded_steps(&mut p, &mut rng)?;
+    norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
     Ok(p.checks)
 }
 
@@ -198,6 +219,70 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let g = p.gpu.rope(&qg, &positions, &rp).map_err(e)?;
     let c = p.cpu.rope(&qc, &positions, &rp).map_err(e)?;
     p.compare("rope partial rotary".into(), &g, &c, TOL)?;
+    Ok(())
+}
+
+/// The RMSNorm-fused projections against the CPU (norm then product) and
+/// against the GPU's own unfused ops, which they reproduce (same summation
+/// order and bf16 rounding; the report's errors show how exactly). Row
+/// counts 1–8 take the fused GEMV kernels, 9 the unfused cuBLAS path; k =
+/// 900 (not a multiple of 8) the unfused path at every row count, k = 8192
+/// the unfused path of `rms_norm_linear` from 6 rows (shared memory).
+fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    for &(k, m) in &[
+        (576usize, 1536usize),
+        (896, 1001),
+        (1000, 1002),
+        (4096, 514),
+        (900, 300),
+        (8192, 66),
+    ] {
+        let (wg, wc) = p.up(&[m, k], &rng.vec(m * k, 0.05))?;
+        let (bg, bc) = p.up(&[m], &rng.vec(m, 0.5))?;
+        for &offset in &[0.0f32, 1.0] {
+            let (ng, nc) = p.up(&[k], &rng.vec(k, 1.0))?;
+            for &n in &[1usize, 2, 3, 7, 8, 9] {
+                let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 2.0))?;
+                let label = format!("n={n} k={k} offset={offset}");
+                let hg = p.gpu.rms_norm(&xg, &ng, 1e-6, offset).map_err(e)?;
+                for bias in [None, Some((&bg, &bc))] {
+                    let g = p
+                        .gpu
+                        .rms_norm_linear(&xg, &ng, 1e-6, offset, &wg, bias.map(|b| b.0))
+                        .map_err(e)?;
+                    let c = p
+                        .cpu
+                        .rms_norm_linear(&xc, &nc, 1e-6, offset, &wc, bias.map(|b| b.1))
+                        .map_err(e)?;
+                    let what = if bias.is_some() { "+bias" } else { "" };
+                    p.compare(format!("rms_norm_linear{what} {label} m={m}"), &g, &c, TOL)?;
+                    let u = p.gpu.linear(&hg, &wg, bias.map(|b| b.0)).map_err(e)?;
+                    p.compare_gpu(
+                        format!("rms_norm_linear{what} vs unfused gpu {label} m={m}"),
+                        &g,
+                        &u,
+                        TOL_SAME,
+                    )?;
+                }
+                if m % 2 == 0 {
+                    for act in [Activation::Silu, Activation::GeluTanh] {
+                        let g = p
+                            .gpu
+                            .rms_norm_gated_linear(&xg, &ng, 1e-6, offset, &wg, act)
+                            .map_err(e)?;
+                        let c = p
+                            .cpu
+                            .rms_norm_gated_linear(&xc, &nc, 1e-6, offset, &wc, act)
+                            .map_err(e)?;
+                        let what = format!("rms_norm_gated_linear {act:?} {label} 2i={m}");
+                        p.compare(what.clone(), &g, &c, TOL)?;
+                        let u = p.gpu.gated_linear(&hg, &wg, act).map_err(e)?;
+                        p.compare_gpu(format!("{what} vs unfused gpu"), &g, &u, TOL_SAME)?;
+                    }
+                }
+            }
+        }
+    }
     Ok(())
 }
 
@@ -394,9 +479,11 @@ fn argmax_check(p: &mut Pair, logits: &Tensor, it: usize) -> R<()> {
     Ok(())
 }
 
-/// A toy model step (embedding → packed qkv → attention → output
-/// projection into the residual → logits) run through `run_step`, so decode
-/// steps are recorded and replayed, against the CPU step by step.
+/// A toy model step (embedding → norm and packed qkv → attention → output
+/// projection into the residual → norm and gated MLP into the residual →
+/// norm and logits, each norm fused into its projection) run through
+/// `run_step`, so decode steps are recorded and replayed, against the CPU
+/// step by step.
 fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let (vocab, d, heads, kv_heads, hd) = (512usize, 256usize, 4usize, 2usize, 64usize);
     let qkv_w = (heads + 2 * kv_heads) * hd;
@@ -404,6 +491,9 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let (wqkv_g, wqkv_c) = p.up(&[qkv_w, d], &rng.vec(qkv_w * d, 0.06))?;
     let (wo_g, wo_c) = p.up(&[d, heads * hd], &rng.vec(d * heads * hd, 0.06))?;
     let (head_g, head_c) = p.up(&[vocab, d], &rng.vec(vocab * d, 0.06))?;
+    let (norm_g, norm_c) = p.up(&[d], &rng.vec(d, 1.0))?;
+    let (gu_g, gu_c) = p.up(&[2 * d, d], &rng.vec(2 * d * d, 0.06))?;
+    let (down_g, down_c) = p.up(&[d, d], &rng.vec(d * d, 0.06))?;
     let spec = KvCacheSpec {
         num_layers: 1,
         num_blocks: 64,
@@ -432,17 +522,19 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
         b: &dyn Backend,
         batch: &ForwardBatch,
         cache: &mut KvCache,
-        w: [&Tensor; 4],
+        w: [&Tensor; 7],
         ap: &AttentionParams,
         rope: &RopeParams,
     ) -> kiln_tensor::Result<Tensor> {
-        let [emb, wqkv, wo, head] = w;
+        let [emb, wqkv, wo, head, norm, gu, down] = w;
         let x = b.embedding(emb, &batch.token_ids)?;
-        let qkv = b.linear(&x, wqkv, None)?;
+        let qkv = b.rms_norm_linear(&x, norm, 1e-6, 0.0, wqkv, None)?;
         let a = b.qkv_attention(&qkv, cache, 0, batch, ap, rope, None)?;
         let x = b.linear_add(&a, wo, None, &x)?;
+        let h = b.rms_norm_gated_linear(&x, norm, 1e-6, 1.0, gu, Activation::Silu)?;
+        let x = b.linear_add(&h, down, None, &x)?;
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        b.linear(&x, head, None)
+        b.rms_norm_linear(&x, norm, 1e-6, 0.0, head, None)
     }
     let mut gc = p.gpu.alloc_kv_cache(spec).map_err(e)?;
     let mut cc = p.cpu.alloc_kv_cache(spec).map_err(e)?;
@@ -457,8 +549,8 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
         let toks: Vec<u32> = (0..l).map(|_| rng.below(vocab) as u32).collect();
         b.push_seq(&toks, 0, tables[s].clone(), true);
     }
-    let wg = [&emb_g, &wqkv_g, &wo_g, &head_g];
-    let wc = [&emb_c, &wqkv_c, &wo_c, &head_c];
+    let wg = [&emb_g, &wqkv_g, &wo_g, &head_g, &norm_g, &gu_g, &down_g];
+    let wc = [&emb_c, &wqkv_c, &wo_c, &head_c, &norm_c, &gu_c, &down_c];
     let g = p
         .gpu
         .run_step(&b, &mut gc, &mut |bt, c| step(p.gpu, bt, c, wg, &ap, &rope))

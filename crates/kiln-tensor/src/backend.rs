@@ -295,6 +295,37 @@ pub trait Backend: Send + Sync {
         self.gated_activation(&parts[0], &parts[1], act)
     }
 
+    /// `linear(rms_norm(x, norm_w, eps, weight_offset), w, bias)`: a
+    /// projection of a normalized input. Backends fuse the norm into the
+    /// product (decode-sized rows recompute it per output tile).
+    fn rms_norm_linear(
+        &self,
+        x: &Tensor,
+        norm_w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
+        self.linear(&h, w, bias)
+    }
+
+    /// `gated_linear(rms_norm(x, norm_w, eps, weight_offset), w_gate_up,
+    /// act)`: the first half of a gated MLP on a normalized input.
+    fn rms_norm_gated_linear(
+        &self,
+        x: &Tensor,
+        norm_w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        w_gate_up: &Tensor,
+        act: Activation,
+    ) -> Result<Tensor> {
+        let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
+        self.gated_linear(&h, w_gate_up, act)
+    }
+
     /// Attention from packed projections `qkv [n, (heads + 2 * kv_heads) *
     /// head_dim]` (q, then k, then v): optional per-head q/k RMSNorm, RoPE
     /// on q and k at the batch positions, then [`Backend::attention`].

@@ -172,6 +172,36 @@ impl Backend for ProfilingBackend {
         })
     }
 
+    fn rms_norm_linear(
+        &self,
+        x: &Tensor,
+        norm_w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        w: &Tensor,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        self.timed("rms_norm_linear", || {
+            self.inner
+                .rms_norm_linear(x, norm_w, eps, weight_offset, w, bias)
+        })
+    }
+
+    fn rms_norm_gated_linear(
+        &self,
+        x: &Tensor,
+        norm_w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        w_gate_up: &Tensor,
+        act: Activation,
+    ) -> Result<Tensor> {
+        self.timed("rms_norm_gated_linear", || {
+            self.inner
+                .rms_norm_gated_linear(x, norm_w, eps, weight_offset, w_gate_up, act)
+        })
+    }
+
     fn qkv_attention(
         &self,
         qkv: &Tensor,
@@ -218,5 +248,66 @@ mod tests {
         assert_eq!(snap["upload"].calls, 1);
         p.reset();
         assert!(p.snapshot().is_empty());
+    }
+
+    #[test]
+    fn norm_fused_ops_are_the_unfused_ops_bit_for_bit() {
+        let cpu = CpuBackend::new();
+        let p = ProfilingBackend::new(Arc::new(CpuBackend::new()));
+        let (n, k, m) = (3, 8, 6);
+        let vals = |len: usize, s: f32| -> Vec<f32> {
+            (0..len).map(|i| ((i * 7 % 11) as f32 - 5.0) * s).collect()
+        };
+        let up = |b: &dyn Backend, shape: &[usize], v: &[f32]| b.upload(shape, v).unwrap();
+        let (x, nw, w, bias) = (
+            vals(n * k, 0.3),
+            vals(k, 0.1),
+            vals(m * k, 0.05),
+            vals(m, 0.2),
+        );
+        for offset in [0.0f32, 1.0] {
+            for with_bias in [false, true] {
+                let h = cpu
+                    .rms_norm(&up(&cpu, &[n, k], &x), &up(&cpu, &[k], &nw), 1e-6, offset)
+                    .unwrap();
+                let cb = up(&cpu, &[m], &bias);
+                let want = cpu
+                    .linear(&h, &up(&cpu, &[m, k], &w), with_bias.then_some(&cb))
+                    .unwrap();
+                let pb = up(&p, &[m], &bias);
+                let got = p
+                    .rms_norm_linear(
+                        &up(&p, &[n, k], &x),
+                        &up(&p, &[k], &nw),
+                        1e-6,
+                        offset,
+                        &up(&p, &[m, k], &w),
+                        with_bias.then_some(&pb),
+                    )
+                    .unwrap();
+                assert_eq!(p.to_host(&got).unwrap(), cpu.to_host(&want).unwrap());
+            }
+            let h = cpu
+                .rms_norm(&up(&cpu, &[n, k], &x), &up(&cpu, &[k], &nw), 1e-6, offset)
+                .unwrap();
+            let want = cpu
+                .gated_linear(&h, &up(&cpu, &[m, k], &w), Activation::GeluTanh)
+                .unwrap();
+            let got = p
+                .rms_norm_gated_linear(
+                    &up(&p, &[n, k], &x),
+                    &up(&p, &[k], &nw),
+                    1e-6,
+                    offset,
+                    &up(&p, &[m, k], &w),
+                    Activation::GeluTanh,
+                )
+                .unwrap();
+            assert_eq!(got.shape(), &[n, m / 2]);
+            assert_eq!(p.to_host(&got).unwrap(), cpu.to_host(&want).unwrap());
+        }
+        let snap = p.snapshot();
+        assert_eq!(snap["rms_norm_linear"].calls, 4);
+        assert_eq!(snap["rms_norm_gated_linear"].calls, 2);
     }
 }

@@ -11,6 +11,7 @@ extern "C" __global__ void embedding_bf16(const bf16* __restrict__ table, const 
 // Fused residual add + RMSNorm, one block per row:
 //   sum = x + residual (written back to residual when residual is non-null),
 //   out = sum / sqrt(mean(sum^2) + eps) * (weight_offset + w).
+// rms_prologue.cuh reproduces this kernel's summation order and rounding (keep them in step).
 extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* __restrict__ residual,
                                              const bf16* __restrict__ w, bf16* __restrict__ out, int d, float eps,
                                              float weight_offset) {
@@ -22,7 +23,7 @@ extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* _
             v += to_f32(residual[base + i]);
             residual[base + i] = to_bf16(v);
         }
-        ss += v * v;
+        ss = __fmaf_rn(v, v, ss);  // what `ss += v * v` contracts to; rms_prologue.cuh relies on it
     }
     const float inv = rsqrtf(block_sum(ss) / d + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) {

@@ -1,6 +1,7 @@
 // Decode-shaped matrix products (M <= 8 activation rows) near the memory-bandwidth limit,
 // and a row argmax + log-probability for greedy sampling on the GPU.
 #include "common.cuh"
+#include "rms_prologue.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // GEMV: out[m, n] = sum_k x[m, k] * w[n, k] (+ epilogue), M = 1..8, bf16 in/out, f32 accumulation.
@@ -49,6 +50,14 @@
 // Modes: 0 plain, 1 + extra[n] (bias), 2 + extra[m * N + n] (residual; extra may equal out),
 //        3 silu(x.w[n]) * (x.w[N + n]), 4 gelu_tanh(x.w[n]) * (x.w[N + n]) (w has 2N rows).
 // The epilogue works on the f32 sums; the only rounding to bf16 is the final store.
+//
+// rms_norm_gemv_bf16_m{M}(x, norm_w, w, out, extra, N, K, mode, splits, ws, counters, eps,
+//                         weight_offset, nt):
+// the same product of rms_norm(x) (rms_prologue.cuh: each block issues its first stages, computes
+// the rows' inverse RMS, then scales each x piece by inv * (weight_offset + norm_w) as it takes it
+// from shared memory, rounded to bf16 exactly as add_rms_norm_bf16 with nt threads rounds its
+// output; norm_w is read with plain loads issued before the stage wait). Same host rule and
+// launch; norm_w [K], 16-byte aligned; nt = the unfused norm's block size (multiple of 32, <= 1024).
 // ---------------------------------------------------------------------------------------------
 
 namespace gemv_detail {
@@ -113,14 +122,19 @@ __device__ __forceinline__ float gate_act(float g, int act) {
 // T = weight tiles per unit (1 plain, 2 gated: gate + up).
 // Shared-memory stage (one work unit), in uint4 slots: [2T][256 threads] weights, then
 // [8 warps][4M lanes] x (only lanes with g < M load x).
-template <int M, int T>
+// NORM: x is normalized as it is taken from shared memory; the rows' inverse RMS is computed after
+// the first stages are issued, in scratch past the stages (kNormU4 slots).
+constexpr int kNormU4 = (8 * 32 + 8) * 4 / 16;
+
+template <int M, int T, bool NORM>
 __device__ __forceinline__ void gemv_run(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
                                          const bf16* extra, int N, int K, int mode, int splits,
                                          float* __restrict__ ws, unsigned int* __restrict__ counters,
-                                         uint4* sm) {
+                                         uint4* sm, const bf16* __restrict__ norm_w, float eps, float off,
+                                         int nt) {
     constexpr int WQ = 2 * T;
     constexpr int STAGE = WQ * kThreads + 32 * M;
-    constexpr int S0 = kSmemU4 / STAGE;
+    constexpr int S0 = (kSmemU4 - (NORM ? kNormU4 : 0)) / STAGE;
     constexpr int S = S0 > KILN_GEMV_MAX_STAGES ? KILN_GEMV_MAX_STAGES : S0;
     static_assert(S >= 2, "shared memory too small for two stages");
     static_assert(T * kWarps * 128 * 4 <= STAGE * 16, "reduction scratch must fit in a stage");
@@ -177,6 +191,13 @@ __device__ __forceinline__ void gemv_run(const bf16* __restrict__ x, const bf16*
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) issue();
 
+    float xinv = 0.0f;
+    if (NORM) {
+        float* scratch = reinterpret_cast<float*>(sm + S * STAGE);
+        rms_prologue::inv_rms_rows<M>(x, K, eps, nt, scratch, scratch + 32 * M);
+        if (xlane) xinv = scratch[32 * M + g];
+    }
+
     int ct = (int)(beg / KS), cks = (int)(beg % KS), seg0 = cks, cslot = 0;
     float acc[T][2][4];
 #pragma unroll
@@ -187,11 +208,17 @@ __device__ __forceinline__ void gemv_run(const bf16* __restrict__ x, const bf16*
             for (int i = 0; i < 4; ++i) acc[tt][j][i] = 0.0f;
 
     for (long long left = end - beg; left > 0; --left) {
+        uint4 nv = make_uint4(0u, 0u, 0u, 0u);
+        if (NORM && xlane) {  // in flight while the stage lands
+            const int k = cks * kChunkK + kl;
+            if (k < K) nv = rms_prologue::ld_v4(norm_w + k);
+        }
         issue();          // unit (current + S - 1) into the slot consumed last iteration
         cp_wait<S - 1>();  // this thread's copies of the current unit have landed
         const uint4* st = sm + cslot * STAGE;
         uint4 xv = make_uint4(0u, 0u, 0u, 0u);
         if (xlane) xv = st[WQ * kThreads + warp * 4 * M + lane];
+        if (NORM && xlane) xv = rms_prologue::scale8(xv, nv, xinv, off);
 #pragma unroll
         for (int tt = 0; tt < T; ++tt) {
             const uint4 lo = st[(tt * 2) * kThreads + tid], hi = st[(tt * 2 + 1) * kThreads + tid];
@@ -288,8 +315,20 @@ __device__ __forceinline__ void gemv(const bf16* __restrict__ x, const bf16* __r
                                      const bf16* extra, int N, int K, int mode, int splits, float* ws,
                                      unsigned int* counters) {
     __shared__ uint4 sm[kSmemU4];
-    if (mode >= 3) gemv_run<M, 2>(x, w, out, extra, N, K, mode, splits, ws, counters, sm);
-    else gemv_run<M, 1>(x, w, out, extra, N, K, mode, splits, ws, counters, sm);
+    if (mode >= 3) gemv_run<M, 2, false>(x, w, out, extra, N, K, mode, splits, ws, counters, sm, nullptr, 0.0f, 0.0f, 0);
+    else gemv_run<M, 1, false>(x, w, out, extra, N, K, mode, splits, ws, counters, sm, nullptr, 0.0f, 0.0f, 0);
+}
+
+template <int M>
+__device__ __forceinline__ void rms_norm_gemv(const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
+                                              const bf16* __restrict__ w, bf16* out, const bf16* extra, int N,
+                                              int K, int mode, int splits, float* ws, unsigned int* counters,
+                                              float eps, float weight_offset, int nt) {
+    __shared__ uint4 sm[kSmemU4];
+    if (mode >= 3)
+        gemv_run<M, 2, true>(x, w, out, extra, N, K, mode, splits, ws, counters, sm, norm_w, eps, weight_offset, nt);
+    else
+        gemv_run<M, 1, true>(x, w, out, extra, N, K, mode, splits, ws, counters, sm, norm_w, eps, weight_offset, nt);
 }
 
 }  // namespace gemv_detail
@@ -309,6 +348,24 @@ KILN_GEMV(6)
 KILN_GEMV(7)
 KILN_GEMV(8)
 #undef KILN_GEMV
+
+#define KILN_RMS_NORM_GEMV(MM)                                                                                \
+    extern "C" __global__ void __launch_bounds__(256, 4) rms_norm_gemv_bf16_m##MM(                             \
+        const bf16* __restrict__ x, const bf16* __restrict__ norm_w, const bf16* __restrict__ w, bf16* out,    \
+        const bf16* extra, int N, int K, int mode, int splits, float* ws, unsigned int* counters, float eps,  \
+        float weight_offset, int nt) {                                                                        \
+        gemv_detail::rms_norm_gemv<MM>(x, norm_w, w, out, extra, N, K, mode, splits, ws, counters, eps,        \
+                                       weight_offset, nt);                                                    \
+    }
+KILN_RMS_NORM_GEMV(1)
+KILN_RMS_NORM_GEMV(2)
+KILN_RMS_NORM_GEMV(3)
+KILN_RMS_NORM_GEMV(4)
+KILN_RMS_NORM_GEMV(5)
+KILN_RMS_NORM_GEMV(6)
+KILN_RMS_NORM_GEMV(7)
+KILN_RMS_NORM_GEMV(8)
+#undef KILN_RMS_NORM_GEMV
 
 // ---------------------------------------------------------------------------------------------
 // Greedy sampling: ids[row] = argmax_v logits[row, v] (lowest index on ties, NaNs ignored),

@@ -3,6 +3,7 @@
 // kernel of gemv.cu on the plain, bias and residual modes of decode shapes (qkv, o, down,
 // SmolLM2-sized layers); the backend uses gemv.cu for the gated modes.
 #include "common.cuh"
+#include "rms_prologue.cuh"
 
 // ---------------------------------------------------------------------------------------------
 // GEMV: out[m, n] = sum_k x[m, k] * w[n, k] (+ epilogue), M = 1..8, bf16 in/out, f32 accumulation.
@@ -28,6 +29,14 @@
 // Modes: 0 plain, 1 + extra[n] (bias), 2 + extra[m * N + n] (residual; extra may equal out),
 //        3 silu(x.w[n]) * (x.w[N + n]), 4 gelu_tanh(x.w[n]) * (x.w[N + n]) (w has 2N rows).
 // The epilogue works on the f32 sums; the only rounding to bf16 is the final store.
+//
+// rms_norm_gemv_direct_bf16_m{M}(x, norm_w, w, out, extra, N, K, mode, eps, weight_offset, nt):
+// the same product of rms_norm(x). Every block first asks L2 for its first round of weights,
+// computes the rows' inverse RMS (rms_prologue.cuh) while copying x into shared memory, scales it
+// there by inv * (weight_offset + norm_w), rounded to bf16 exactly as add_rms_norm_bf16 with nt
+// threads rounds its output, and reads x from there. Same grid and block; dynamic shared memory
+// M * (2 K + 64) bytes (over 48 KiB needs the function's MAX_DYNAMIC_SHARED_SIZE_BYTES raised);
+// norm_w [K], 16-byte aligned; nt = the unfused norm's block size (a multiple of 32, <= 1024).
 // ---------------------------------------------------------------------------------------------
 
 namespace gemv_direct_detail {
@@ -74,16 +83,27 @@ __device__ __forceinline__ float gate_act(float g, int act) {
     return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
+// Ask L2 for 16 bytes of weights ahead of their load (the first round of a norm kernel's first
+// tile, fetched while the block computes the norm).
+__device__ __forceinline__ void prefetch_l2(const bf16* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Row stride, in 16-byte slots, of the normalized x rows a norm kernel keeps in shared memory:
+// 64 bytes of padding put consecutive rows in opposite bank halves (conflict-free x reads).
+__device__ __forceinline__ int xs_stride(int K) { return K / 8 + 4; }
+
 // T = tiles per block (1 plain, 2 gated: gate + up), U = k steps with loads in flight per lane.
-// red: shared scratch of T * kWarps * 128 floats.
-template <int M, int T, int U>
+// red: shared scratch of T * kWarps * 128 floats. XS: x is read from xs (shared memory, rows of
+// xs_stride(K) slots: the normalized rows of a norm kernel) instead of global memory.
+template <int M, int T, int U, bool XS>
 __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
-                                           const bf16* extra, int N, int K, int mode, float* red) {
+                                           const bf16* extra, int N, int K, int mode, float* red,
+                                           const uint4* xs) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int ntiles = (N + kTileN - 1) / kTileN;
     const bf16* xrow = x + (long long)(g < M ? g : 0) * K;
     const bool xok = g < M;
+    const uint4* xsrow = XS ? xs + (xok ? g : 0) * xs_stride(K) : nullptr;
     for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         const int n0 = tile * kTileN;
         const bf16* wrow[T][2];
@@ -109,6 +129,13 @@ __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf1
         for (int k0 = 0; k0 < K; k0 += kBlockK * U) {
             uint4 wv[U][T][2];
             uint4 xv[U];
+            if (XS) {  // shared-memory x first, so that nothing but weights is outstanding below
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int k = k0 + u * kBlockK + warp * 32 + t * 8;
+                    xv[u] = k < K && xok ? xsrow[k >> 3] : make_uint4(0u, 0u, 0u, 0u);
+                }
+            }
             // Issue every load of this round before any math: U * T * 2 weight loads in flight.
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -118,7 +145,7 @@ __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf1
                 for (int tt = 0; tt < T; ++tt)
 #pragma unroll
                     for (int h = 0; h < 2; ++h) wv[u][tt][h] = ld_stream(wrow[tt][h] + k, kok && rok[tt][h]);
-                xv[u] = ld_cached(xrow + k, kok && xok);
+                if (!XS) xv[u] = ld_cached(xrow + k, kok && xok);
             }
 #pragma unroll
             for (int u = 0; u < U; ++u)
@@ -170,8 +197,50 @@ template <int M>
 __device__ __forceinline__ void gemv(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
                                      const bf16* extra, int N, int K, int mode) {
     __shared__ float red[2 * kWarps * 128];
-    if (mode >= 3) gemv_tiles<M, 2, 4>(x, w, out, extra, N, K, mode, red);
-    else gemv_tiles<M, 1, 8>(x, w, out, extra, N, K, mode, red);
+    if (mode >= 3) gemv_tiles<M, 2, 4, false>(x, w, out, extra, N, K, mode, red, nullptr);
+    else gemv_tiles<M, 1, 8, false>(x, w, out, extra, N, K, mode, red, nullptr);
+}
+
+// L2 prefetch of the weights of round 0 of this block's first tile (as gemv_tiles loads them).
+template <int T, int U>
+__device__ __forceinline__ void prefetch_first_round(const bf16* __restrict__ w, int N, int K) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    if ((int)blockIdx.x * kTileN >= N) return;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int k = u * kBlockK + warp * 32 + t * 8;
+#pragma unroll
+        for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = blockIdx.x * kTileN + g + 8 * h;
+                if (k < K && n < N) prefetch_l2(w + (long long)(n + tt * N) * K + k);
+            }
+    }
+}
+
+template <int M>
+__device__ __forceinline__ void rms_norm_gemv(const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
+                                              const bf16* __restrict__ w, bf16* out, const bf16* extra, int N,
+                                              int K, int mode, float eps, float weight_offset, int nt) {
+    extern __shared__ uint4 xs[];  // M rows of xs_stride(K) slots (dynamic)
+    __shared__ float red[2 * kWarps * 128];
+    __shared__ float partial[32 * M];
+    __shared__ float inv[M];
+    if (mode >= 3) prefetch_first_round<2, 4>(w, N, K);
+    else prefetch_first_round<1, 8>(w, N, K);
+    // Pass 1 (the norm's reduction) leaves x in xs; pass 2 normalizes it in place.
+    const int cols = K >> 3, stride = xs_stride(K);
+    rms_prologue::inv_rms_rows<M>(x, K, eps, nt, partial, inv, xs, stride);
+    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
+        const int m = i / cols, c = i - m * cols;
+        uint4* p = xs + m * stride + c;
+        *p = rms_prologue::scale8(*p, rms_prologue::ld_v4(norm_w + 8 * c), inv[m], weight_offset);
+    }
+    __syncthreads();
+    if (mode >= 3) gemv_tiles<M, 2, 4, true>(x, w, out, extra, N, K, mode, red, xs);
+    else gemv_tiles<M, 1, 8, true>(x, w, out, extra, N, K, mode, red, xs);
 }
 
 }  // namespace gemv_direct_detail
@@ -191,3 +260,19 @@ KILN_GEMV(6)
 KILN_GEMV(7)
 KILN_GEMV(8)
 #undef KILN_GEMV
+
+#define KILN_RMS_NORM_GEMV(MM)                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) rms_norm_gemv_direct_bf16_m##MM(                        \
+        const bf16* __restrict__ x, const bf16* __restrict__ norm_w, const bf16* __restrict__ w, bf16* out,   \
+        const bf16* extra, int N, int K, int mode, float eps, float weight_offset, int nt) {                \
+        gemv_direct_detail::rms_norm_gemv<MM>(x, norm_w, w, out, extra, N, K, mode, eps, weight_offset, nt); \
+    }
+KILN_RMS_NORM_GEMV(1)
+KILN_RMS_NORM_GEMV(2)
+KILN_RMS_NORM_GEMV(3)
+KILN_RMS_NORM_GEMV(4)
+KILN_RMS_NORM_GEMV(5)
+KILN_RMS_NORM_GEMV(6)
+KILN_RMS_NORM_GEMV(7)
+KILN_RMS_NORM_GEMV(8)
+#undef KILN_RMS_NORM_GEMV

@@ -178,16 +178,21 @@ impl Llama {
         let b = self.backend.as_ref();
         let mut x = b.embedding(&self.embed, &batch.token_ids)?;
         for (i, blk) in self.blocks.iter().enumerate() {
-            let h = blk.input_norm.forward(b, &x)?;
+            // Each norm runs fused into the projection that consumes it.
             x = blk
                 .attn
-                .forward_add(b, &h, &x, &self.rope, batch, cache, i)?;
-            let h = blk.post_attn_norm.forward(b, &x)?;
-            x = blk.mlp.forward_add(b, &h, &x)?;
+                .forward_norm_add(b, &blk.input_norm, &x, &self.rope, batch, cache, i)?;
+            x = blk.mlp.forward_norm_add(b, &blk.post_attn_norm, &x)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        let x = self.norm.forward(b, &x)?;
-        Ok(b.linear(&x, &self.lm_head, None)?)
+        Ok(b.rms_norm_linear(
+            &x,
+            &self.norm.weight,
+            self.norm.eps,
+            self.norm.weight_offset,
+            &self.lm_head,
+            None,
+        )?)
     }
 }

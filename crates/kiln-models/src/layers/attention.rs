@@ -94,8 +94,40 @@ impl Attention {
         cache: &mut KvCache,
         layer: usize,
     ) -> Result<Tensor> {
-        let c = &self.cfg;
         let qkv = self.qkv.forward(b, x)?;
+        self.attend_add(b, &qkv, residual, rope, batch, cache, layer)
+    }
+
+    /// `x +` attention of `norm(x)`: the pre-norm block, the norm fused
+    /// into the packed qkv projection ([`RmsNorm::forward_linear`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_norm_add(
+        &self,
+        b: &dyn Backend,
+        norm: &RmsNorm,
+        x: &Tensor,
+        rope: &Rope,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        layer: usize,
+    ) -> Result<Tensor> {
+        let qkv = norm.forward_linear(b, x, &self.qkv)?;
+        self.attend_add(b, &qkv, x, rope, batch, cache, layer)
+    }
+
+    /// `residual +` the output projection of attention over packed `qkv`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_add(
+        &self,
+        b: &dyn Backend,
+        qkv: &Tensor,
+        residual: &Tensor,
+        rope: &Rope,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        layer: usize,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
         let params = AttentionParams {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
@@ -114,7 +146,7 @@ impl Attention {
             _ => None,
         };
         let out = b.qkv_attention(
-            &qkv,
+            qkv,
             cache,
             layer,
             batch,

@@ -3,7 +3,7 @@
 
 use kiln_tensor::{Activation, Backend, Tensor};
 
-use super::{Linear, WeightLoader};
+use super::{Linear, RmsNorm, WeightLoader};
 use crate::error::Result;
 
 pub struct GatedMlp {
@@ -46,5 +46,12 @@ impl GatedMlp {
     pub fn forward_add(&self, b: &dyn Backend, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         let h = b.gated_linear(x, &self.gate_up, self.activation)?;
         self.down.forward_add(b, &h, residual)
+    }
+
+    /// `x + mlp(norm(x))`: the pre-norm block, the norm fused into the
+    /// gate/up projection ([`RmsNorm::forward_gated_linear`]).
+    pub fn forward_norm_add(&self, b: &dyn Backend, norm: &RmsNorm, x: &Tensor) -> Result<Tensor> {
+        let h = norm.forward_gated_linear(b, x, &self.gate_up, self.activation)?;
+        self.down.forward_add(b, &h, x)
     }
 }
