@@ -22,7 +22,7 @@ use crate::error::{EngineError, Result};
 use crate::events::{Event, RequestTimings, Usage};
 use crate::generate::{entropy, GenerationRequest};
 use crate::load::LoadedModel;
-use crate::process::TokenProcessor;
+use crate::process::{TokenOutcome, TokenProcessor};
 
 /// Sizes of the engine's KV pool and step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -331,6 +331,13 @@ impl Drop for Engine {
 enum Logits {
     Full(Vec<f32>),
     Picked(Vec<(u32, f32)>),
+    /// The argmax of every row, and the host logits of some: row `r`'s are
+    /// block `index[r]` of `host`.
+    Mixed {
+        picked: Vec<(u32, f32)>,
+        host: Vec<f32>,
+        index: Vec<Option<usize>>,
+    },
 }
 
 /// A request the loop is serving.
@@ -496,14 +503,18 @@ impl<'m> Loop<'m> {
             let table = s.block_table.iter().map(|b| b.0).collect();
             batch.push_seq(&tokens, s.num_computed_tokens, table, s.wants_logits);
         }
-        // Rows whose requests all take the plain argmax are sampled on the
-        // device: only ids cross to the host.
-        let num_rows = out.scheduled.iter().filter(|s| s.wants_logits).count();
-        let all_argmax = out.scheduled.iter().filter(|s| s.wants_logits).all(|s| {
-            self.active
-                .get(&s.id)
-                .is_some_and(|a| a.proc.wants_plain_argmax())
-        });
+        // Rows whose requests take the plain argmax are sampled on the
+        // device: only ids cross to the host; the others' logits are copied.
+        let plain: Vec<bool> = out
+            .scheduled
+            .iter()
+            .filter(|s| s.wants_logits)
+            .map(|s| {
+                self.active
+                    .get(&s.id)
+                    .is_some_and(|a| a.proc.wants_plain_argmax())
+            })
+            .collect();
         // The masks of constrained requests are computed on other threads
         // while the forward pass runs.
         let mask_ids: Vec<RequestId> = out
@@ -532,7 +543,7 @@ impl<'m> Loop<'m> {
                     started.elapsed().as_secs_f64()
                 })
             });
-            let logits = forward_logits(model, &batch, cache, all_argmax, num_rows);
+            let logits = forward_logits(model, &batch, cache, &plain);
             let forward_done = Instant::now();
             let mask_seconds = masks.map(|h| h.join().unwrap_or(0.0));
             (
@@ -558,17 +569,53 @@ impl<'m> Loop<'m> {
         self.step_seconds_total += step_seconds;
         self.last_step_seconds = step_seconds;
         let vocab = self.model.model.config().vocab_size;
+        // Sample every row (rows sampled on the host in parallel).
+        let row_of: HashMap<RequestId, usize> = out
+            .scheduled
+            .iter()
+            .filter(|s| s.wants_logits)
+            .enumerate()
+            .map(|(row, s)| (s.id, row))
+            .collect();
+        let mut outcomes: Vec<Option<Result<TokenOutcome>>> =
+            (0..row_of.len()).map(|_| None).collect();
+        let mut rows: Vec<(usize, &mut Active<'m>)> = self
+            .active
+            .iter_mut()
+            .filter_map(|(id, a)| row_of.get(id).map(|&row| (row, a)))
+            .collect();
+        let sampled: Vec<(usize, Result<TokenOutcome>)> = rows
+            .par_iter_mut()
+            .map(|(row, a)| {
+                let row = *row;
+                let outcome = match &logits {
+                    Logits::Picked(p) => a.proc.on_argmax(p[row].0, p[row].1),
+                    Logits::Full(l) => a
+                        .proc
+                        .on_logits(&mut l[row * vocab..(row + 1) * vocab].to_vec()),
+                    Logits::Mixed {
+                        picked,
+                        host,
+                        index,
+                    } => match index[row] {
+                        Some(k) => a
+                            .proc
+                            .on_logits(&mut host[k * vocab..(k + 1) * vocab].to_vec()),
+                        None => a.proc.on_argmax(picked[row].0, picked[row].1),
+                    },
+                };
+                (row, outcome)
+            })
+            .collect();
+        for (row, o) in sampled {
+            outcomes[row] = Some(o);
+        }
         let mut results = Vec::new();
         let mut finished = Vec::new();
         for (row, s) in out.scheduled.iter().filter(|s| s.wants_logits).enumerate() {
-            let Some(a) = self.active.get_mut(&s.id) else {
+            let (Some(a), Some(outcome)) = (self.active.get_mut(&s.id), outcomes[row].take())
+            else {
                 continue;
-            };
-            let outcome = match &logits {
-                Logits::Picked(p) => a.proc.on_argmax(p[row].0, p[row].1),
-                Logits::Full(l) => a
-                    .proc
-                    .on_logits(&mut l[row * vocab..(row + 1) * vocab].to_vec()),
             };
             match outcome {
                 Ok(o) => {
@@ -669,25 +716,39 @@ impl<'m> Loop<'m> {
     }
 }
 
-/// The forward pass of `batch` and its logits: on the host, or only the
-/// argmax ids when every row takes the plain argmax and the backend can.
+/// The forward pass of `batch` and its logits: only the argmax ids of rows
+/// that take the plain argmax (`plain[row]`) when the backend computes them,
+/// the host copy of the other rows.
 fn forward_logits(
     model: &LoadedModel,
     batch: &ForwardBatch,
     cache: &mut kiln_tensor::KvCache,
-    all_argmax: bool,
-    num_rows: usize,
+    plain: &[bool],
 ) -> kiln_models::Result<Logits> {
     let backend = model.model.backend();
-    model.model.forward(batch, cache).and_then(|t| {
-        let picked = if all_argmax {
-            backend.argmax_rows(&t)?
-        } else {
-            None
-        };
-        Ok(match picked {
-            Some(p) if p.len() == num_rows => Logits::Picked(p),
-            _ => Logits::Full(backend.to_host(&t)?),
-        })
+    let t = model.model.forward(batch, cache)?;
+    let picked = if plain.iter().any(|&p| p) {
+        backend.argmax_rows(&t)?.filter(|p| p.len() == plain.len())
+    } else {
+        None
+    };
+    let Some(picked) = picked else {
+        return Ok(Logits::Full(backend.to_host(&t)?));
+    };
+    if plain.iter().all(|&p| p) {
+        return Ok(Logits::Picked(picked));
+    }
+    let rows: Vec<u32> = (0..plain.len() as u32)
+        .filter(|&r| !plain[r as usize])
+        .collect();
+    let mut index = vec![None; plain.len()];
+    for (k, &r) in rows.iter().enumerate() {
+        index[r as usize] = Some(k);
+    }
+    let host = backend.to_host(&backend.gather_rows(&t, &rows)?)?;
+    Ok(Logits::Mixed {
+        picked,
+        host,
+        index,
     })
 }
