@@ -96,6 +96,11 @@ fn json_schema_answers_parse_and_validate_streamed_or_not() {
         })
         .collect();
     assert_eq!(text, content, "streamed and whole outputs agree");
+    // The masks were computed (alongside the forward passes) and counted.
+    let stats = common::get(server(), "/stats").json();
+    let masks = stats["engine"]["masks"].as_u64().unwrap_or(0);
+    assert!(masks >= 2 * content.len().min(4) as u64, "{stats}");
+    assert!(stats["engine"]["mask_seconds_total"].as_f64().unwrap_or(0.0) > 0.0, "{stats}");
 }
 
 #[test]

@@ -84,6 +84,12 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
             "decode_steps": stats.decode_steps,
             "decode_step_seconds_total": stats.decode_step_seconds_total,
             "decode_step_tokens": stats.decode_step_tokens,
+            // Output-format masks, computed alongside the forward passes;
+            // `wait` is the part a step waited for after its forward pass.
+            "mask_steps": stats.mask_steps,
+            "masks": stats.masks,
+            "mask_seconds_total": stats.mask_seconds_total,
+            "mask_wait_seconds_total": stats.mask_wait_seconds_total,
         },
         // Device memory (null on the CPU): driver free/total and the
         // backend's active, peak and reserved bytes.
