@@ -243,15 +243,28 @@ impl Constraint {
     /// the current state) forbids to `-inf`.
     pub fn apply(&self, mask: &SimpleVob, logits: &mut [f32]) {
         let eos_ok = mask.is_allowed(self.vocab.eos);
-        for (id, l) in logits.iter_mut().enumerate() {
-            let ok = if self.vocab.stop_ids.contains(&(id as u32)) {
-                eos_ok
-            } else {
-                id < mask.len() && mask.is_allowed(id as u32)
-            };
-            if !ok {
-                *l = f32::NEG_INFINITY;
+        let stops: Vec<(usize, f32)> = self
+            .vocab
+            .stop_ids
+            .iter()
+            .filter_map(|&id| logits.get(id as usize).map(|&l| (id as usize, l)))
+            .collect();
+        // 32 ids per mask word: whole words at a time.
+        let words = mask.as_slice();
+        for (w, chunk) in logits.chunks_mut(32).enumerate() {
+            let bits = words.get(w).copied().unwrap_or(0);
+            if bits == u32::MAX {
+                continue;
             }
+            for (i, l) in chunk.iter_mut().enumerate() {
+                if bits & (1 << i) == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        // Every stop id stands for end of sequence.
+        for (id, l) in stops {
+            logits[id] = if eos_ok { l } else { f32::NEG_INFINITY };
         }
     }
 

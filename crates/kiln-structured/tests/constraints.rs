@@ -260,3 +260,33 @@ fn a_token_the_grammar_forbids_is_refused() {
     let letter = t.encode("x", false).unwrap()[0];
     assert!(c.commit(letter).is_err());
 }
+
+#[test]
+fn masks_match_the_matcher_token_by_token() {
+    // `apply` works a mask word (32 ids) at a time: every id must still get
+    // exactly what the mask says, stop ids what end of sequence gets.
+    let (t, v) = setup();
+    let mut c = v
+        .constraint(&Format::JsonSchema(json!({"type": "object",
+            "properties": {"name": {"type": "string"}}, "required": ["name"]})))
+        .unwrap();
+    for token in t.encode("{\"name\": \"Ada\"}", false).unwrap() {
+        let mask = c.allowed().unwrap();
+        let mut logits: Vec<f32> = (0..49152).map(|i| (i % 7) as f32).collect();
+        c.apply(&mask, &mut logits);
+        let eos_ok = mask.is_allowed(EOS);
+        for (id, &l) in logits.iter().enumerate() {
+            let want = if [EOS, 0].contains(&(id as u32)) {
+                eos_ok
+            } else {
+                mask.is_allowed(id as u32)
+            };
+            assert_eq!(l.is_finite(), want, "id {id}");
+            if want {
+                assert_eq!(l, (id % 7) as f32);
+            }
+        }
+        c.commit(token).unwrap();
+    }
+    assert!(c.is_finished() || c.allowed().unwrap().is_allowed(EOS));
+}
