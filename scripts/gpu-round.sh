@@ -7,13 +7,19 @@
 #
 #   scripts/gpu-round.sh OUT_DIR [PHASE...]
 #
-# Phases (default: all, in this order): check kernels ckpt bench anchors parity profile.
+# Phases (default: all, in this order): check kernels ckpt parity bench structured fit profile anchors.
+# structured: bench-engine at 32 concurrent 8B requests, with none and half of
+# them under a JSON schema (structured-0.json, structured-0.5.json).
+# fit: `kiln fit`'s predicted peak against nvidia-smi's measured peak of a
+# bench-engine run in the same configuration (KV pinned to fit's KV term) on
+# the 8B checkpoint, at each CONTEXTxBATCH of FIT_SETTINGS (default
+# "4096x16 8192x32"); one fit-CxB.json each (needs the ckpt phase's checkpoint).
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu-round.sh OUT_DIR [PHASE...]}
 shift
-PHASES=${*:-check kernels ckpt parity bench profile anchors}
+PHASES=${*:-check kernels ckpt parity bench structured fit profile anchors}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 KILN=${KILN:-$( [ -x .device/kiln ] && echo .device/kiln || echo target/release/kiln )}
@@ -47,6 +53,22 @@ if has bench; then
   b 8b-batch64 bench-engine --device cuda -m "$WORK/ck8b" --concurrency 1,8,32,64 --prompt-tokens 128 --gen-tokens 128 --prefix-tokens 1000
   b 135m-decode bench --device cuda -m "$WORK/ck135m" --prompt-tokens 512 --gen-tokens 256 --runs 3
   KILN_CUDA_GRAPHS=0 b 135m-decode-nographs bench --device cuda -m "$WORK/ck135m" --prompt-tokens 512 --gen-tokens 256 --runs 3
+fi
+if has structured; then
+  # Structured output under load: 32 concurrent 8B requests, none and half
+  # under a JSON schema (masks computed alongside the forward passes).
+  for f in 0 0.5; do
+    note "structured json_fraction=$f"
+    "$KILN" bench-engine --device cuda -m "$WORK/ck8b" --concurrency 32 --prompt-tokens 128 --gen-tokens 128 \
+      --prefix-tokens 16 --json-fraction "$f" > "$OUT/structured-$f.json" 2>> "$OUT/round.log" || { note "FAILED structured $f"; status=1; }
+  done
+fi
+if has fit; then
+  [ -f "$WORK/ck8b/READY" ] || note "fit: no $WORK/ck8b (run the ckpt phase first)"
+  for setting in ${FIT_SETTINGS:-4096x16 8192x32}; do
+    run python3 bench/fit_check.py --kiln "$KILN" --model "$WORK/ck8b" --device cuda \
+      --context "${setting%x*}" --batch "${setting#*x}" --out "$OUT/fit-$setting.json"
+  done
 fi
 if has anchors; then
   run python3 bench/gpu/hf_bench.py --stages ceil,eager8b,comp8b --deadline "${ANCHOR_DEADLINE:-400}" --cfg-dir "$TOK" --save-dir "$WORK/ck8b" --out "$OUT/hf-8b.json"

@@ -186,6 +186,13 @@ where
         .min(4);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
+        // Every admitted request holds a blocking thread while it waits and
+        // runs (up to the engine's running cap plus its waiting queue, 1280
+        // by default, and one more per extra choice). Past tokio's default
+        // of 512, later requests would queue inside tokio unbounded instead
+        // of reaching the engine's admission and its 429, and `/stats`
+        // would wait behind them. Threads start only when needed.
+        .max_blocking_threads(4096)
         .thread_name("kiln-http")
         .enable_all()
         .build()

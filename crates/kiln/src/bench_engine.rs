@@ -32,6 +32,25 @@ pub struct BenchEngineArgs {
     /// weights and an activation reserve; on the CPU, 1024).
     #[arg(long)]
     pub kv_mib: Option<usize>,
+    /// Fraction of each level's requests constrained to a JSON schema
+    /// (structured output under load; masks are counted per step).
+    #[arg(long, default_value_t = 0.0)]
+    pub json_fraction: f64,
+}
+
+/// The schema of constrained requests: open strings keep a random model
+/// writing until its token budget.
+fn bench_schema() -> kiln_structured::Format {
+    kiln_structured::Format::JsonSchema(json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "bio": {"type": "string"}
+        },
+        "required": ["name", "age", "tags", "bio"]
+    }))
 }
 
 const TEXT: &str = "The history of the printing press begins in the fifteenth century, when movable type made \
@@ -118,7 +137,14 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
                     &format!("Request {i} of round {round}. "),
                     a.prompt_tokens,
                 )?;
-                Ok(h.submit(request(p, a.gen_tokens, Some(format!("r{round}-{i}"))))?)
+                let mut r = request(p, a.gen_tokens, Some(format!("r{round}-{i}")));
+                // Spread the constrained requests evenly over the batch.
+                let f = a.json_fraction.clamp(0.0, 1.0);
+                if ((i + 1) as f64 * f).floor() > (i as f64 * f).floor() {
+                    r.format = Some(bench_schema());
+                    r.params.ignore_eos = false;
+                }
+                Ok(h.submit(r)?)
             })
             .collect::<Result<Vec<_>>>()?;
         let mut ttft = Vec::new();
@@ -153,6 +179,11 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
             "decode_step_tokens": d_tokens,
             "decode_tokens_per_second": decode_tps,
             "forward_seconds": after.step_seconds_total - before.step_seconds_total,
+            "json_fraction": a.json_fraction,
+            "mask_steps": after.mask_steps - before.mask_steps,
+            "masks": after.masks - before.masks,
+            "mask_seconds": after.mask_seconds_total - before.mask_seconds_total,
+            "mask_wait_seconds": after.mask_wait_seconds_total - before.mask_wait_seconds_total,
         }));
     }
     // Time to first token with and without a cached prefix (salts keep them apart).
@@ -177,6 +208,15 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         t,
     )?;
     let stats = h.stats()?;
+    let device_memory = h.model().model.backend().device_memory().map(|m| {
+        json!({
+            "total_bytes": m.total_bytes,
+            "free_bytes": m.free_bytes,
+            "active_bytes": m.active_bytes,
+            "peak_active_bytes": m.peak_active_bytes,
+            "reserved_bytes": m.reserved_bytes,
+        })
+    });
     eprintln!(
         "TTFT with a {}-token prefix: cold {cold:.3}s, cached {warm:.3}s",
         a.prefix_tokens
@@ -194,6 +234,10 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
         "ttft_cached_seconds": warm,
         "ttft_speedup": cold / warm.max(1e-9),
         "prefix_cache_hit_tokens": stats.prefix_cache.num_hit_tokens,
+        "num_preemptions": stats.num_preemptions,
+        "kv_bytes": plan.kv_bytes,
+        "device_memory": device_memory,
+        "peak_rss_bytes": crate::generate::peak_rss_bytes(),
     });
     println!("{report}");
     Ok(())

@@ -35,7 +35,7 @@ pub struct GenerateArgs {
 }
 
 /// VmHWM from /proc/self/status, in bytes.
-fn peak_rss_bytes() -> Option<u64> {
+pub(crate) fn peak_rss_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let kb = status
         .lines()
