@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Correctness and speed of Kiln's decode GEMV (gemv.cu, gemv_direct.cu, their RMSNorm-fused variants) and
-fused glue kernels (fused.cu).
+"""Correctness and speed of Kiln's decode GEMV (gemv.cu, gemv_direct.cu, their RMSNorm-fused variants), the
+skinny GEMM for 9..64 rows (skinny.cu, against torch.matmul / cuBLAS) and fused glue kernels (fused.cu).
 
 Standalone: compiles the .cu files with NVRTC through ctypes, loads them with the CUDA driver API
 (libcuda through ctypes), launches them on torch tensors and compares with torch references in f32
@@ -585,6 +585,175 @@ def test_rms_norm_gemv(gemv_mod, direct_mod, elem_mod, report, bench_too=True):
 
 
 # ------------------------------------------------------------------------------------------------
+# Skinny GEMM (skinny.cu): 9..64 rows
+# ------------------------------------------------------------------------------------------------
+SK_CNT = None  # u32 tile counters of split-K launches, zero between launches
+SK_CNT_LEN = 16384  # crates/kiln-cuda/src/skinny.rs COUNTERS
+
+
+def skinny_smem(mt):
+    return 4 * (1024 + 8 * mt) * 16
+
+
+def skinny_launch(M, N, K, gated, num_sms=None):
+    """The host rule of crates/kiln-cuda/src/skinny.rs (launch_shape), verbatim: (mt, tiles, splits)."""
+    num_sms = num_sms or NUM_SMS
+    mt = -(-M // 16) * 16
+    tiles = -(-N // (64 if gated else 128))
+    chunks = -(-K // 64)
+    splits = 1 if tiles > SK_CNT_LEN else min(max(-(-num_sms // tiles), 1), max(chunks // 8, 1))
+    return mt, tiles, splits
+
+
+def skinny_prepare(mod):
+    cu = mod.cuda.cu
+    cu.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    for mt in (16, 32, 48, 64):
+        f = mod.fn(f"skinny_gemm_bf16_m{mt}")
+        mod.cuda.check(cu.cuFuncSetAttribute(f, 8, skinny_smem(64)), "cuFuncSetAttribute(max dynamic smem)")
+        mod.cuda.check(cu.cuFuncSetAttribute(f, 9, 100), "cuFuncSetAttribute(carveout)")
+
+
+def skinny_ws(M, N, K, mode, splits=None):
+    mt, tiles, sp = skinny_launch(M, N, K, mode >= 3)
+    sp = splits or sp
+    return torch.empty(max(tiles * sp * mt * 128, 1), device="cuda", dtype=torch.float32) if sp > 1 else None
+
+
+def run_skinny(mod, M, x, w, out, extra, N, K, mode, splits=None, ws=None):
+    """splits None: the host rule. ws: partial sums of a split launch (allocated here if None)."""
+    mt, tiles, sp = skinny_launch(M, N, K, mode >= 3)
+    sp = splits or sp
+    if sp > 1 and ws is None:
+        ws = skinny_ws(M, N, K, mode, sp)
+    mod.launch(f"skinny_gemm_bf16_m{mt}", (tiles, sp), (128,),
+               [P(x), P(w), P(out), P(extra), I32(M), I32(N), I32(K), I32(mode), P(ws if sp > 1 else None),
+                P(SK_CNT if sp > 1 else None)], smem=skinny_smem(mt))
+
+
+def test_skinny(mod, report, bench_too=True):
+    """Correctness of every mode at M = 9..64 (odd N, K not a multiple of 64, split and unsplit K, the
+    residual aliased with the output), determinism, counters left zero; then weight bandwidth on the
+    8B decode shapes at M = 16, 32, 64 next to torch.matmul (cuBLAS) and a sweep of the split count."""
+    global SK_CNT
+    torch.manual_seed(9)
+    skinny_prepare(mod)
+    SK_CNT = torch.zeros(SK_CNT_LEN, device="cuda", dtype=torch.int32)
+    res = {}
+    plain = [(6144, 4096), (4096, 4096), (4096, 14336), (1001, 1000), (515, 2048), (259, 3000), (1537, 576), (24, 8)]
+    gated = [(14336, 4096), (501, 1000), (769, 576), (130, 14336)]
+    cases = [(N, K, mode) for (N, K) in plain for mode in (0, 1, 2)] + \
+            [(N, K, mode) for (N, K) in gated for mode in (3, 4)]
+    for (N, K, mode) in cases:
+        rows = 2 * N if mode >= 3 else N
+        w = (torch.randn(rows, K, device="cuda") / math.sqrt(K)).to(torch.bfloat16)
+        big = N * K >= 4096 * 4096
+        for M in (9, 16, 17, 31, 32, 48, 63, 64):
+            if big and M not in (9, 32, 63, 64):
+                continue
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            pad = 256
+            buf = torch.full((M * N + pad,), float("nan"), device="cuda", dtype=torch.bfloat16)
+            out = buf[: M * N].view(M, N)
+            extra = None
+            if mode == 1:
+                extra = torch.randn(N, device="cuda").to(torch.bfloat16)
+            if mode == 2:
+                extra = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+            ref = gemv_ref(x, w, extra, N, mode)
+            _, tiles, rule = skinny_launch(M, N, K, mode >= 3)
+            chunks = -(-K // 64)
+            splits = sorted({rule, 1, min(3, chunks), chunks})
+            for sp in splits:
+                for alias in ([False, True] if mode == 2 else [False]):
+                    buf.fill_(float("nan"))
+                    ex = extra
+                    if alias:
+                        out.copy_(extra)
+                        ex = out
+                    run_skinny(mod, M, x, w, out, ex, N, K, mode, splits=sp)
+                    torch.cuda.synchronize()
+                    name = f"skinny M={M} N={N} K={K} mode={mode} splits={sp}" + (" alias" if alias else "") + \
+                           (" (rule)" if sp == rule else "")
+                    r = close(name, out.float(), ref)
+                    r["tail_untouched"] = exact(name + " tail", bool(torch.isnan(buf[M * N:].float()).all()))["ok"]
+                    r["counters_zero_after"] = exact(name + " counters zero after", bool((SK_CNT == 0).all()))["ok"]
+                    if not r["counters_zero_after"]:
+                        SK_CNT.zero_()
+                    if not alias:
+                        first = out.clone()
+                        run_skinny(mod, M, x, w, out, ex, N, K, mode, splits=sp)
+                        torch.cuda.synchronize()
+                        r["deterministic"] = exact(name + " deterministic", torch.equal(first, out))["ok"]
+                    res[name] = r
+        del w
+        torch.cuda.empty_cache()
+    n_ok = sum(1 for r in res.values() if r["ok"] and r["tail_untouched"] and r["counters_zero_after"]
+               and r.get("deterministic", True))
+    print(f"skinny: {n_ok}/{len(res)} cases ok")
+    report["skinny"] = res
+    if not bench_too:
+        return
+    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    t_copy = time_fn(lambda: big.clone(), iters=20, warmup=3)
+    copy_gbs = 2 * big.numel() / t_copy / 1e9
+    del big
+    torch.cuda.empty_cache()
+    clean_src = torch.ones(128 << 20, dtype=torch.float32, device="cuda")
+
+    class ReadFlush:  # L2 full of clean lines: read 512 MiB
+        def zero_(self):
+            clean_src.sum()
+    rflush = ReadFlush()
+    occ = {f"m{mt}": mod.occupancy(f"skinny_gemm_bf16_m{mt}", block=128, smem=skinny_smem(mt)) for mt in (16, 32, 48, 64)}
+    out_b = {"copy_GBps": copy_gbs, "num_sms": NUM_SMS, "occupancy_blocks_per_sm": occ, "cases": {}}
+    print(f"skinny occupancy (blocks/SM): {occ}; d2d copy {copy_gbs:.0f} GB/s")
+    shapes = [("qkv 6144x4096", 6144, 4096, 0), ("o 4096x4096 +res", 4096, 4096, 2),
+              ("gate_up 2x14336x4096 silu", 14336, 4096, 3), ("down 4096x14336 +res", 4096, 14336, 2),
+              ("lm_head 49152x4096", 49152, 4096, 0)]
+    for (label, N, K, mode) in shapes:
+        rows = 2 * N if mode >= 3 else N
+        w = (torch.randn(rows, K, device="cuda") / math.sqrt(K)).to(torch.bfloat16)
+        wbytes = w.numel() * 2
+        for M in (16, 32, 64):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            o = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            extra = torch.randn(M, N, device="cuda").to(torch.bfloat16) if mode == 2 else None
+            mt, tiles, rule = skinny_launch(M, N, K, mode >= 3)
+            chunks = -(-K // 64)
+            r = {"N": N, "K": K, "M": M, "mode": mode, "weight_MB": wbytes / 1e6, "tiles": tiles, "rule_splits": rule}
+            cfgs = [(f"splits={sp}" + (" (rule)" if sp == rule else ""),
+                     (lambda sp, ws: lambda: run_skinny(mod, M, x, w, o, extra, N, K, mode, splits=sp, ws=ws))(
+                         sp, skinny_ws(M, N, K, mode, sp)))
+                    for sp in sorted({rule, 1, 2, 3, 4, 6, 8}) if sp <= chunks]
+            if mode == 2:
+                cfgs.append(("cublas addmm", lambda: torch.addmm(extra, x, w.t())))
+            else:
+                cfgs.append(("cublas matmul", lambda: torch.matmul(x, w.t())))
+            print(f"skinny {label:26s} M={M} tiles={tiles} rule splits={rule} (us, GB/s of weights, % of copy: "
+                  f"write-flush | clean-flush)")
+            for cn, fn in cfgs:
+                tw = time_fn(fn, flush=flush)
+                tc = time_fn(fn, flush=rflush)
+                q = {"write_flush_us": tw * 1e6, "clean_flush_us": tc * 1e6, "write_flush_GBps": wbytes / tw / 1e9,
+                     "clean_flush_GBps": wbytes / tc / 1e9}
+                r[cn] = q
+                print(f"    {cn:20s} {q['write_flush_us']:7.1f} {q['write_flush_GBps']:6.0f} "
+                      f"{100 * q['write_flush_GBps'] / copy_gbs:5.1f}% | {q['clean_flush_us']:7.1f} "
+                      f"{q['clean_flush_GBps']:6.0f} {100 * q['clean_flush_GBps'] / copy_gbs:5.1f}%")
+            rk = next(v for k, v in r.items() if k.endswith("(rule)"))
+            cb = r.get("cublas matmul") or r.get("cublas addmm")
+            r["speedup_vs_cublas_clean"] = cb["clean_flush_us"] / rk["clean_flush_us"]
+            out_b["cases"][f"{label} M={M}"] = r
+        del w
+        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    out_b["counters_zero_after_bench"] = exact("skinny counters zero after bench", bool((SK_CNT == 0).all()))["ok"]
+    report["skinny_bench"] = out_b
+
+
+# ------------------------------------------------------------------------------------------------
 # timings
 # ------------------------------------------------------------------------------------------------
 def time_fn(fn, iters=50, warmup=5, flush=None):
@@ -724,7 +893,7 @@ def main():
     WS = torch.zeros(WS_FLOATS, device="cuda", dtype=torch.float32)  # once, reused by every launch
     CNT = torch.zeros(CNT_LEN, device="cuda", dtype=torch.int32)
     mods = {}
-    for name in ["gemv", "fused", "gemv_direct", "elementwise"]:
+    for name in ["gemv", "fused", "gemv_direct", "elementwise", "skinny"]:
         t0 = time.time()
         mods[name], how = cuda.load(os.path.join(KDIR, name + ".cu"))
         report[f"{name}_module"] = {"how": how, "compile_load_s": time.time() - t0}
@@ -734,7 +903,8 @@ def main():
              ("bias_residual", lambda: test_bias_residual(mods["fused"], report)),
              ("rms_norm_rows", lambda: test_rms_norm_rows(mods["fused"], report)),
              ("rms_norm_gemv", lambda: test_rms_norm_gemv(mods["gemv"], mods["gemv_direct"], mods["elementwise"], report,
-                                                          bench_too=not args.no_bench))]
+                                                          bench_too=not args.no_bench)),
+             ("skinny", lambda: test_skinny(mods["skinny"], report, bench_too=not args.no_bench))]
     if not args.no_bench:
         variants = []
         for defs in [("KILN_GEMV_MAX_STAGES=3",), ("KILN_GEMV_MAX_STAGES=2",)]:

@@ -2,7 +2,8 @@
 //! weights are bf16 on the device, math in f32. Decode-sized products
 //! (≤ 8 rows) run Kiln's GEMV kernels with fused epilogues (bias, residual
 //! add, gated activation) and, where an RMSNorm feeds them, a fused norm
-//! prologue (`norm_gemv.rs`); larger ones go through cuBLAS. Attention is
+//! prologue (`norm_gemv.rs`); 9–64 rows the skinny GEMM with the same
+//! epilogues (`skinny.rs`); larger ones go through cuBLAS. Attention is
 //! split-KV for decode steps and flash-style (tensor cores, no
 //! materialized scores) for prefill, over the paged cache. Each step's
 //! metadata is uploaded once ([`crate::meta::StepMeta`]); decode steps are
@@ -39,6 +40,7 @@ pub struct CudaBackend {
     pub(crate) graphs_enabled: AtomicBool,
     pub(crate) warnings: Mutex<Vec<String>>,
     rope_tables: Mutex<Vec<(Vec<f32>, Arc<DevBuf>)>>,
+    pub(crate) skinny: crate::skinny::Skinny,
 }
 
 /// A step's metadata on the device.
@@ -71,6 +73,7 @@ impl CudaBackend {
         let dev = Device::open(ordinal, compiler)?;
         let device_name = dev.name.clone();
         let warnings = Mutex::new(dev.warnings.clone());
+        let skinny = crate::skinny::Skinny::new(&dev);
         Ok(CudaBackend {
             dev,
             device_name,
@@ -80,6 +83,7 @@ impl CudaBackend {
             graphs_enabled: AtomicBool::new(true),
             warnings,
             rope_tables: Mutex::new(Vec::new()),
+            skinny,
         })
     }
 
@@ -203,8 +207,8 @@ impl CudaBackend {
 
     /// `out[n, m] = x[n, k] · w[m, k]ᵀ` with a GEMV epilogue `mode`
     /// (0 none, 1 bias, 2 residual, 3 SiLU gate, 4 GELU gate); `out_cols`
-    /// is m, or m / 2 for the gated modes. Returns false when the shape is
-    /// not for the GEMV kernels.
+    /// is m, or m / 2 for the gated modes; 9–64 rows go to the skinny GEMM.
+    /// Returns false when the shape is for neither (cuBLAS then).
     #[allow(clippy::too_many_arguments)]
     fn gemv(
         &self,
@@ -217,6 +221,9 @@ impl CudaBackend {
         out_cols: usize,
         mode: i32,
     ) -> Result<bool> {
+        if n > GEMV_MAX_ROWS {
+            return self.skinny_gemm(x, w, out, extra, n, k, out_cols, mode);
+        }
         // Plain, bias and residual products use the direct-load kernel; the
         // gated ones the pipelined kernel (each measured faster there).
         let direct = mode <= 2;
@@ -921,31 +928,15 @@ impl Backend for CudaBackend {
     }
 
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
-        let (rows, vocab) = logits.dims2("argmax_rows")?;
-        if !self.dev.has("argmax_logprob_bf16") || logits.dtype() != DType::BF16 {
-            return Ok(None);
-        }
-        if rows == 0 {
-            return Ok(Some(Vec::new()));
-        }
-        let ids = self.dev.alloc(rows, 4, "sampled ids")?;
-        let lps = self.dev.alloc(rows, 4, "sampled logprobs")?;
-        let (lp, v) = (ptr(logits, "argmax_rows")?, vocab as i32);
-        // SAFETY: logits [rows, vocab]; ids and lps hold `rows` words.
-        unsafe {
-            self.dev
-                .stream
-                .launch_builder(self.dev.func("argmax_logprob_bf16")?)
-                .arg(&lp)
-                .arg(&v)
-                .arg(&ids.ptr)
-                .arg(&lps.ptr)
-                .launch(rows_cfg(rows, 1024, 0))
-                .map_err(dev_err)?;
-        }
-        let ids = self.dev.dtoh::<u32>(ids.ptr, rows)?;
-        let lps = self.dev.dtoh::<f32>(lps.ptr, rows)?;
-        Ok(Some(ids.into_iter().zip(lps).collect()))
+        crate::argmax::argmax_rows(&self.dev, logits, None)
+    }
+
+    fn argmax_rows_masked(
+        &self,
+        logits: &Tensor,
+        masks: &[Option<&[u32]>],
+    ) -> Result<Option<Vec<(u32, f32)>>> {
+        crate::argmax::argmax_rows(&self.dev, logits, Some(masks))
     }
 
     fn run_step(

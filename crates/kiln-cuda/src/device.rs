@@ -129,6 +129,25 @@ impl Device {
                             continue;
                         }
                     }
+                    if entry.starts_with("skinny_gemm_bf16_m") {
+                        // 96 KiB of pipeline stages: left out (cuBLAS
+                        // instead) where the GPU cannot give that much.
+                        let set = f
+                            .set_attribute(
+                                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                crate::skinny::MAX_SMEM as i32,
+                            )
+                            .and_then(|_| {
+                                f.set_attribute(
+                                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                    100,
+                                )
+                            });
+                        if let Err(e) = set {
+                            warnings.push(format!("{entry} unavailable, using cuBLAS: {e:?}"));
+                            continue;
+                        }
+                    }
                     funcs.insert(entry, f);
                 }
             }

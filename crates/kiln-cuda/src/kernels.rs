@@ -19,6 +19,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("gemv_direct", include_str!("kernels/gemv_direct.cu")),
     ("fused", include_str!("kernels/fused.cu")),
     ("flash", include_str!("kernels/flash.cu")),
+    ("skinny", include_str!("kernels/skinny.cu")),
 ];
 
 /// Every kernel the backend launches by name (the CI compile test checks
@@ -67,6 +68,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "rms_norm_gemv_direct_bf16_m7",
     "rms_norm_gemv_direct_bf16_m8",
     "argmax_logprob_bf16",
+    "argmax_logprob_masked_bf16",
     "qkv_rope_write_bf16",
     "gated_act_packed_bf16",
     "decode_attention_hd64",
@@ -78,6 +80,10 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "flash_prefill_hd256",
+    "skinny_gemm_bf16_m16",
+    "skinny_gemm_bf16_m32",
+    "skinny_gemm_bf16_m48",
+    "skinny_gemm_bf16_m64",
 ];
 
 /// `src` with its local includes expanded (once each).

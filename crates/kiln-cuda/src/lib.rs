@@ -10,6 +10,7 @@
 //! `kiln_tensor::Backend`. Main types: [`CudaBackend`], [`KernelCompiler`],
 //! [`CudaError`], [`MemorySnapshot`], and [`kernels::SOURCES`].
 
+mod argmax;
 mod attention;
 pub mod backend;
 pub mod compile;
@@ -20,6 +21,7 @@ pub mod meta;
 mod norm_gemv;
 pub mod pool;
 pub mod selfcheck;
+pub mod skinny;
 
 pub use backend::CudaBackend;
 pub use compile::{CompiledKernel, KernelCompiler};

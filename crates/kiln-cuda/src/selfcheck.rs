@@ -137,8 +137,10 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
         attention_ops(&mut p, &mut rng, heads, kv_heads, hd, None)?;
     }
     attention_ops(&mut p, &mut rng, 8, 2, 64, Some(48))?;
-    recorded_steps(&mut p, &mut rng)?;
+    recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
+    skinny_ops(&mut p, &mut Rng(0x5851_F42D_4C95_7F2D))?;
+    recorded_steps(&mut p, &mut rng, &Toy::SKINNY)?;
     Ok(p.checks)
 }
 
@@ -225,9 +227,10 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
 /// The RMSNorm-fused projections against the CPU (norm then product) and
 /// against the GPU's own unfused ops, which they reproduce (same summation
 /// order and bf16 rounding; the report's errors show how exactly). Row
-/// counts 1–8 take the fused GEMV kernels, 9 the unfused cuBLAS path; k =
-/// 900 (not a multiple of 8) the unfused path at every row count, k = 8192
-/// the unfused path of `rms_norm_linear` from 6 rows (shared memory).
+/// counts 1–8 take the fused GEMV kernels, 9 the unfused path (norm, then
+/// the skinny GEMM); k = 900 (not a multiple of 8) the unfused path (cuBLAS)
+/// at every row count, k = 8192 the unfused path of `rms_norm_linear` from 6
+/// rows (shared memory).
 fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     for &(k, m) in &[
         (576usize, 1536usize),
@@ -280,6 +283,57 @@ fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
                         p.compare_gpu(format!("{what} vs unfused gpu"), &g, &u, TOL_SAME)?;
                     }
                 }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Products of 9–64 rows (the skinny GEMM): odd widths, K not a multiple
+/// of its 64-wide chunks, every epilogue; K of 576 runs unsplit, the longer
+/// ones split K (up to 28 ways at K = 14336) and reduce across blocks.
+fn skinny_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    for &(k, m) in &[
+        (576usize, 1537usize),
+        (1000, 1001),
+        (2048, 515),
+        (3000, 259),
+        (4096, 1001),
+        (14336, 259),
+    ] {
+        let (wg, wc) = p.up(&[m, k], &rng.vec(m * k, 0.05))?;
+        let (gug, guc) = p.up(&[m + 1, k], &rng.vec((m + 1) * k, 0.05))?;
+        let (bg, bc) = p.up(&[m], &rng.vec(m, 0.5))?;
+        for &n in &[9usize, 16, 17, 31, 32, 48, 63, 64] {
+            let label = format!("n={n} k={k}");
+            let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
+            let (rg, rc) = p.up(&[n, m], &rng.vec(n * m, 1.0))?;
+            let g = p.gpu.linear(&xg, &wg, None).map_err(e)?;
+            let c = p.cpu.linear(&xc, &wc, None).map_err(e)?;
+            p.compare(format!("skinny linear {label} m={m}"), &g, &c, TOL)?;
+            let g = p.gpu.linear(&xg, &wg, Some(&bg)).map_err(e)?;
+            let c = p.cpu.linear(&xc, &wc, Some(&bc)).map_err(e)?;
+            p.compare(format!("skinny linear+bias {label} m={m}"), &g, &c, TOL)?;
+            let g = p.gpu.linear_add(&xg, &wg, None, &rg).map_err(e)?;
+            let c = p.cpu.linear_add(&xc, &wc, None, &rc).map_err(e)?;
+            p.compare(format!("skinny linear_add {label} m={m}"), &g, &c, TOL)?;
+            if k == 4096 && (n == 17 || n == 64) {
+                // The A/B switch: the same product through cuBLAS.
+                p.gpu.set_skinny_gemm_enabled(false);
+                let u = p.gpu.linear_add(&xg, &wg, None, &rg).map_err(e);
+                p.gpu.set_skinny_gemm_enabled(true);
+                let what = format!("skinny linear_add vs cuBLAS {label} m={m}");
+                p.compare_gpu(what, &g, &u?, TOL)?;
+            }
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let g = p.gpu.gated_linear(&xg, &gug, act).map_err(e)?;
+                let c = p.cpu.gated_linear(&xc, &guc, act).map_err(e)?;
+                p.compare(
+                    format!("skinny gated_linear {act:?} {label} 2i={}", m + 1),
+                    &g,
+                    &c,
+                    TOL,
+                )?;
             }
         }
     }
@@ -479,13 +533,84 @@ fn argmax_check(p: &mut Pair, logits: &Tensor, it: usize) -> R<()> {
     Ok(())
 }
 
+/// The device's masked argmax against the host's (`masked_argmax`) on the
+/// same values: every other row masked to a pseudo-random third of the ids
+/// (the top id forbidden in some), one row masked to nothing.
+fn masked_argmax_check(p: &mut Pair, logits: &Tensor, it: usize) -> R<()> {
+    let (rows, vocab) = logits.dims2("argmax").map_err(e)?;
+    let host = p.gpu.to_host(logits).map_err(e)?;
+    let words = vocab.div_ceil(32);
+    let masks: Vec<Option<Vec<u32>>> = (0..rows)
+        .map(|r| match r % 3 {
+            0 => None,
+            1 => Some(
+                (0..words)
+                    .map(|w| (0x9e37_79b9u32.wrapping_mul((w + r + it) as u32 | 1)) & 0x4924_9249)
+                    .collect(),
+            ),
+            _ if r == 2 => Some(vec![0; words]),
+            _ => Some(vec![u32::MAX; words]),
+        })
+        .collect();
+    let refs: Vec<Option<&[u32]>> = masks.iter().map(|m| m.as_deref()).collect();
+    let Some(picked) = p.gpu.argmax_rows_masked(logits, &refs).map_err(e)? else {
+        return Err("argmax_rows_masked is not available".into());
+    };
+    let mut ok = picked.len() == rows;
+    let mut worst = 0f64;
+    for (r, &(id, lp)) in picked.iter().enumerate().take(rows) {
+        let want = kiln_tensor::backend::masked_argmax(&host[r * vocab..(r + 1) * vocab], refs[r]);
+        ok &= id == want.0;
+        worst = worst.max((lp as f64 - want.1 as f64).abs());
+    }
+    p.checks.push(Check {
+        op: format!("argmax_rows_masked step {it}"),
+        rel_err: if ok { 0.0 } else { 1.0 },
+        max_abs_err: worst,
+        tolerance: 1e-4,
+        pass: ok && worst <= 1e-4,
+    });
+    Ok(())
+}
+
+/// The toy model of [`recorded_steps`]: width, heads, sequences decoded,
+/// then sequences left.
+struct Toy {
+    d: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    seqs: usize,
+    after: usize,
+}
+
+impl Toy {
+    const SMALL: Toy = Toy {
+        d: 256,
+        heads: 4,
+        kv_heads: 2,
+        hd: 64,
+        seqs: 3,
+        after: 2,
+    };
+    const SKINNY: Toy = Toy {
+        d: 1024,
+        heads: 8,
+        kv_heads: 4,
+        hd: 128,
+        seqs: 40,
+        after: 20,
+    };
+}
+
 /// A toy model step (embedding → norm and packed qkv → attention → output
 /// projection into the residual → norm and gated MLP into the residual →
 /// norm and logits, each norm fused into its projection) run through
 /// `run_step`, so decode steps are recorded and replayed, against the CPU
-/// step by step.
-fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
-    let (vocab, d, heads, kv_heads, hd) = (512usize, 256usize, 4usize, 2usize, 64usize);
+/// step by step. `Toy::SKINNY` decodes 40 then 20 sequences (buckets 48
+/// and 24), so its recorded steps run the skinny GEMM, split K included.
+fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
+    let (vocab, d, heads, kv_heads, hd) = (512usize, toy.d, toy.heads, toy.kv_heads, toy.hd);
     let qkv_w = (heads + 2 * kv_heads) * hd;
     let (emb_g, emb_c) = p.up(&[vocab, d], &rng.vec(vocab * d, 1.0))?;
     let (wqkv_g, wqkv_c) = p.up(&[qkv_w, d], &rng.vec(qkv_w * d, 0.06))?;
@@ -496,7 +621,7 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let (down_g, down_c) = p.up(&[d, d], &rng.vec(d * d, 0.06))?;
     let spec = KvCacheSpec {
         num_layers: 1,
-        num_blocks: 64,
+        num_blocks: 64.max(4 * toy.seqs),
         block_size: 16,
         num_kv_heads: kv_heads,
         head_dim: hd,
@@ -538,8 +663,11 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
     }
     let mut gc = p.gpu.alloc_kv_cache(spec).map_err(e)?;
     let mut cc = p.cpu.alloc_kv_cache(spec).map_err(e)?;
-    let tables: Vec<Vec<u32>> = (0..3u32).map(|s| (s * 20..s * 20 + 20).collect()).collect();
-    let lens = [5usize, 9, 30];
+    let per = (spec.num_blocks / toy.seqs) as u32;
+    let tables: Vec<Vec<u32>> = (0..toy.seqs as u32)
+        .map(|s| (s * per..s * per + per).collect())
+        .collect();
+    let mut lens: Vec<usize> = (0..toy.seqs).map(|s| [5, 9, 30][s % 3] + s % 5).collect();
     // Prompts, eagerly (not graphable).
     let mut b = ForwardBatch {
         block_size: 16,
@@ -562,11 +690,11 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
         })
         .map_err(e)?;
     p.compare("run_step prefill".into(), &g, &c, TOL_ATTN)?;
-    // Decode steps: 3 sequences (bucket 4), the first records, the rest
-    // replay; then 2 sequences (bucket 2) after one finishes.
-    let mut pos = lens;
+    // Decode steps: all sequences (3: bucket 4), the first records, the
+    // rest replay; then fewer (2: bucket 2) after some finish.
+    let pos = &mut lens;
     for it in 0..6 {
-        let live = if it < 4 { 3 } else { 2 };
+        let live = if it < 4 { toy.seqs } else { toy.after };
         let mut b = ForwardBatch {
             block_size: 16,
             ..ForwardBatch::default()
@@ -586,12 +714,13 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
             })
             .map_err(e)?;
         p.compare(
-            format!("run_step decode {it} ({live} seqs)"),
+            format!("run_step decode {it} ({live} seqs, d={d})"),
             &g,
             &c,
             TOL_ATTN,
         )?;
         argmax_check(p, &g, it)?;
+        masked_argmax_check(p, &g, it)?;
     }
     let recorded = p.gpu.num_recordings();
     p.checks.push(Check {

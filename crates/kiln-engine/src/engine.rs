@@ -503,17 +503,23 @@ impl<'m> Loop<'m> {
             let table = s.block_table.iter().map(|b| b.0).collect();
             batch.push_seq(&tokens, s.num_computed_tokens, table, s.wants_logits);
         }
-        // Rows whose requests take the plain argmax are sampled on the
+        // Rows whose requests take the (masked) argmax are sampled on the
         // device: only ids cross to the host; the others' logits are copied.
-        let plain: Vec<bool> = out
+        let kinds: Vec<RowKind> = out
             .scheduled
             .iter()
             .filter(|s| s.wants_logits)
-            .map(|s| {
-                self.active
-                    .get(&s.id)
-                    .is_some_and(|a| a.proc.wants_plain_argmax())
+            .map(|s| match self.active.get(&s.id) {
+                Some(a) if a.proc.wants_plain_argmax() => RowKind::Argmax,
+                Some(a) if a.proc.wants_masked_argmax() => RowKind::Masked,
+                _ => RowKind::Host,
             })
+            .collect();
+        let row_ids: Vec<RequestId> = out
+            .scheduled
+            .iter()
+            .filter(|s| s.wants_logits)
+            .map(|s| s.id)
             .collect();
         // The masks of constrained requests are computed on other threads
         // while the forward pass runs.
@@ -543,14 +549,24 @@ impl<'m> Loop<'m> {
                     started.elapsed().as_secs_f64()
                 })
             });
-            let logits = forward_logits(model, &batch, cache, &plain);
+            let t = model.model.forward(&batch, cache);
             let forward_done = Instant::now();
             let mask_seconds = masks.map(|h| h.join().unwrap_or(0.0));
             (
-                logits,
+                t,
                 mask_seconds.map(|s| (s, forward_done.elapsed().as_secs_f64())),
             )
         });
+        // The masks are ready: the device argmax can use them.
+        let masks: Vec<Option<Vec<u32>>> = kinds
+            .iter()
+            .zip(&row_ids)
+            .map(|(k, id)| match k {
+                RowKind::Masked => self.active.get(id).and_then(|a| a.proc.mask_words()),
+                _ => None,
+            })
+            .collect();
+        let logits = logits.and_then(|t| read_logits(model, &t, &kinds, &masks));
         if let Some((seconds, wait)) = mask_timing {
             self.masks.steps += 1;
             self.masks.count += mask_ids.len() as u64;
@@ -588,8 +604,12 @@ impl<'m> Loop<'m> {
             .par_iter_mut()
             .map(|(row, a)| {
                 let row = *row;
+                let take = |a: &mut Active<'m>, (id, lp): (u32, f32)| match kinds[row] {
+                    RowKind::Masked => a.proc.on_masked_argmax(id, lp),
+                    _ => a.proc.on_argmax(id, lp),
+                };
                 let outcome = match &logits {
-                    Logits::Picked(p) => a.proc.on_argmax(p[row].0, p[row].1),
+                    Logits::Picked(p) => take(a, p[row]),
                     Logits::Full(l) => a
                         .proc
                         .on_logits(&mut l[row * vocab..(row + 1) * vocab].to_vec()),
@@ -601,7 +621,7 @@ impl<'m> Loop<'m> {
                         Some(k) => a
                             .proc
                             .on_logits(&mut host[k * vocab..(k + 1) * vocab].to_vec()),
-                        None => a.proc.on_argmax(picked[row].0, picked[row].1),
+                        None => take(a, picked[row]),
                     },
                 };
                 (row, outcome)
@@ -716,36 +736,61 @@ impl<'m> Loop<'m> {
     }
 }
 
-/// The forward pass of `batch` and its logits: only the argmax ids of rows
-/// that take the plain argmax (`plain[row]`) when the backend computes them,
-/// the host copy of the other rows.
-fn forward_logits(
+/// How a row of logits is sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RowKind {
+    /// The plain argmax, on the device when the backend can.
+    Argmax,
+    /// The argmax under the request's output-format mask.
+    Masked,
+    /// On the host, from the row's logits.
+    Host,
+}
+
+/// The logits of a step as the rows need them: only the argmax ids of rows
+/// sampled on the device (`masks[row]` restricting `Masked` rows) when the
+/// backend computes them, the host copy of the other rows.
+fn read_logits(
     model: &LoadedModel,
-    batch: &ForwardBatch,
-    cache: &mut kiln_tensor::KvCache,
-    plain: &[bool],
+    t: &kiln_tensor::Tensor,
+    kinds: &[RowKind],
+    masks: &[Option<Vec<u32>>],
 ) -> kiln_models::Result<Logits> {
     let backend = model.model.backend();
-    let t = model.model.forward(batch, cache)?;
-    let picked = if plain.iter().any(|&p| p) {
-        backend.argmax_rows(&t)?.filter(|p| p.len() == plain.len())
+    let any_masked = kinds
+        .iter()
+        .zip(masks)
+        .any(|(k, m)| *k == RowKind::Masked && m.is_some());
+    let picked = if any_masked {
+        let refs: Vec<Option<&[u32]>> = masks.iter().map(|m| m.as_deref()).collect();
+        backend.argmax_rows_masked(t, &refs)?
+    } else if kinds.contains(&RowKind::Argmax) {
+        backend.argmax_rows(t)?
     } else {
         None
+    }
+    .filter(|p| p.len() == kinds.len());
+    // Rows the device could not take go to the host: masked rows without a
+    // mask, and every masked row when the backend has no masked argmax.
+    let on_device = |row: usize| match kinds[row] {
+        RowKind::Argmax => true,
+        RowKind::Masked => any_masked && masks[row].is_some(),
+        RowKind::Host => false,
     };
     let Some(picked) = picked else {
-        return Ok(Logits::Full(backend.to_host(&t)?));
+        return Ok(Logits::Full(backend.to_host(t)?));
     };
-    if plain.iter().all(|&p| p) {
+    if (0..kinds.len()).all(on_device) {
         return Ok(Logits::Picked(picked));
     }
-    let rows: Vec<u32> = (0..plain.len() as u32)
-        .filter(|&r| !plain[r as usize])
+    let rows: Vec<u32> = (0..kinds.len() as u32)
+        .filter(|&r| !on_device(r as usize))
         .collect();
-    let mut index = vec![None; plain.len()];
+    let mut index = vec![None; kinds.len()];
     for (k, &r) in rows.iter().enumerate() {
         index[r as usize] = Some(k);
     }
-    let host = backend.to_host(&backend.gather_rows(&t, &rows)?)?;
+    let host = backend.to_host(&backend.gather_rows(t, &rows)?)?;
     Ok(Logits::Mixed {
         picked,
         host,

@@ -174,6 +174,34 @@ impl<'m> TokenProcessor<'m> {
             .is_some_and(|g| g.state == GateState::Closed)
     }
 
+    /// Whether the next token is the argmax of the constrained logits (the
+    /// backend may take it with the mask of [`TokenProcessor::mask_words`]).
+    pub fn wants_masked_argmax(&self) -> bool {
+        self.active_constraint().is_some()
+            && !self.after_reasoning()
+            && self.params.is_plain_argmax()
+    }
+
+    /// The prepared mask as device words (after [`TokenProcessor::prepare_mask`]).
+    pub fn mask_words(&self) -> Option<Vec<u32>> {
+        let c = self.active_constraint()?;
+        Some(c.mask_words(self.mask.as_ref()?))
+    }
+
+    /// Process the token the backend picked under this request's mask
+    /// (only for requests that [`TokenProcessor::wants_masked_argmax`]).
+    pub fn on_masked_argmax(&mut self, token: u32, logprob: f32) -> Result<TokenOutcome> {
+        self.mask = None;
+        if let Some(c) = self.constraint.as_mut() {
+            c.commit(token)?;
+        }
+        self.process(Sampled {
+            token: TokenId(token),
+            logprob,
+            top: Vec::new(),
+        })
+    }
+
     /// Whether [`TokenProcessor::prepare_mask`] has work to do.
     pub fn needs_mask(&self) -> bool {
         self.active_constraint().is_some() && self.mask.is_none()

@@ -268,6 +268,27 @@ impl Constraint {
         }
     }
 
+    /// `mask` as words for a device (`vocab_size` ids, bit `i % 32` of word
+    /// `i / 32`), every stop id allowed exactly when end of sequence is.
+    pub fn mask_words(&self, mask: &SimpleVob) -> Vec<u32> {
+        let mut words = vec![0u32; self.vocab.vocab_size.div_ceil(32)];
+        for (w, &m) in words.iter_mut().zip(mask.as_slice()) {
+            *w = m;
+        }
+        let eos_ok = mask.is_allowed(self.vocab.eos);
+        for &id in &self.vocab.stop_ids {
+            if let Some(w) = words.get_mut(id as usize / 32) {
+                let bit = 1u32 << (id % 32);
+                if eos_ok {
+                    *w |= bit;
+                } else {
+                    *w &= !bit;
+                }
+            }
+        }
+        words
+    }
+
     /// Advance past the sampled `token` (any stop id ends the output).
     pub fn commit(&mut self, token: u32) -> Result<()> {
         let t = if self.vocab.stop_ids.contains(&token) {

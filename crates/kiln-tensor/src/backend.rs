@@ -2,7 +2,7 @@
 
 use std::any::Any;
 
-use crate::error::Result;
+use crate::error::{Result, TensorError};
 use crate::tensor::Tensor;
 
 /// Gated activation applied as `act(gate) * up`.
@@ -353,6 +353,32 @@ pub trait Backend: Send + Sync {
         Ok(None)
     }
 
+    /// Like [`Backend::argmax_rows`], each row restricted to the ids whose
+    /// bit is set in its mask (`words` u32 words, bit `i % 32` of word
+    /// `i / 32` for id `i`; `None`: every id), the log-probability taken
+    /// over the allowed ids: greedy sampling under an output format. The
+    /// default computes it on the host.
+    fn argmax_rows_masked(
+        &self,
+        logits: &Tensor,
+        masks: &[Option<&[u32]>],
+    ) -> Result<Option<Vec<(u32, f32)>>> {
+        let (rows, vocab) = logits.dims2("argmax_rows_masked")?;
+        if masks.len() != rows {
+            return Err(TensorError::Shape {
+                op: "argmax_rows_masked",
+                detail: format!("{} masks for {rows} rows", masks.len()),
+            });
+        }
+        let host = self.to_host(logits)?;
+        Ok(Some(
+            host.chunks(vocab.max(1))
+                .zip(masks)
+                .map(|(row, mask)| masked_argmax(row, *mask))
+                .collect(),
+        ))
+    }
+
     /// Run one forward step: `forward(batch)` returns the logits of
     /// `batch.logits_rows`. Backends may pad the batch and replay a
     /// recorded version of the step (CUDA graphs); the result is the same.
@@ -534,4 +560,28 @@ pub fn check_rope_args(x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> cra
         });
     }
     Ok(())
+}
+
+/// The argmax of `row` over the ids `mask` allows (lowest id on ties, NaNs
+/// ignored) and its log-probability over the allowed ids; a row with
+/// nothing allowed gives id 0 and the uniform log-probability.
+pub fn masked_argmax(row: &[f32], mask: Option<&[u32]>) -> (u32, f32) {
+    let allowed =
+        |i: usize| mask.is_none_or(|m| m.get(i / 32).is_some_and(|w| (w >> (i % 32)) & 1 == 1));
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if allowed(i) && v > f32::NEG_INFINITY && best.is_none_or(|(_, b)| v > b) {
+            best = Some((i, v));
+        }
+    }
+    let Some((id, max)) = best else {
+        return (0, -(row.len().max(1) as f32).ln());
+    };
+    let sum: f64 = row
+        .iter()
+        .enumerate()
+        .filter(|&(i, &v)| allowed(i) && v > f32::NEG_INFINITY)
+        .map(|(_, &v)| f64::from((v - max).exp()))
+        .sum();
+    (id as u32, -(sum.ln() as f32))
 }

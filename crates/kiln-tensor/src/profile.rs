@@ -222,6 +222,16 @@ impl Backend for ProfilingBackend {
         self.timed("argmax_rows", || self.inner.argmax_rows(logits))
     }
 
+    fn argmax_rows_masked(
+        &self,
+        logits: &Tensor,
+        masks: &[Option<&[u32]>],
+    ) -> Result<Option<Vec<(u32, f32)>>> {
+        self.timed("argmax_rows_masked", || {
+            self.inner.argmax_rows_masked(logits, masks)
+        })
+    }
+
     fn run_step(
         &self,
         batch: &ForwardBatch,

@@ -95,6 +95,8 @@ pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
         .with_context(|| format!("--device cuda:{ordinal}"))?;
     // KILN_CUDA_GRAPHS=0 runs every step eagerly (for comparisons).
     b.set_graphs_enabled(std::env::var("KILN_CUDA_GRAPHS").map_or(true, |v| v != "0"));
+    // KILN_SKINNY_GEMM=0 runs 9-64-row products with cuBLAS (for comparisons).
+    b.set_skinny_gemm_enabled(std::env::var("KILN_SKINNY_GEMM").map_or(true, |v| v != "0"));
     eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
     for w in kiln_tensor::Backend::warnings(&b) {
         eprintln!("kiln: warning: {w}");

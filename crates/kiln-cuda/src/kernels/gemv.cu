@@ -384,18 +384,25 @@ __device__ __forceinline__ bool better(float v2, unsigned i2, float v1, unsigned
     return v2 > v1 || (v2 == v1 && i2 < i1);
 }
 
+// A logit the row's mask (one bit per id, or none) forbids reads as -inf.
+template <typename T>
+__device__ __forceinline__ float masked_logit(const T* row, const unsigned* mask, int i) {
+    if (mask != nullptr && !((mask[i >> 5] >> (i & 31)) & 1u)) return NEG_INF;
+    return load_logit(row + i);
+}
+
 template <typename T>
 __device__ __forceinline__ void argmax_logprob(const T* __restrict__ logits, int V, unsigned int* __restrict__ ids,
-                                               float* __restrict__ logprobs) {
+                                               float* __restrict__ logprobs, const unsigned* __restrict__ mask) {
     __shared__ float sv[32];
     __shared__ unsigned si[32];
     const T* row = logits + (long long)blockIdx.x * V;
     float best = NEG_INF;
     unsigned idx = 0xffffffffu;
     for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        const float v = load_logit(row + i);
+        const float v = masked_logit(row, mask, i);
         // Increasing i per thread: strict > keeps the lowest index; v == v skips NaN.
-        if (v == v && (idx == 0xffffffffu || v > best)) {
+        if (v == v && v != NEG_INF && (idx == 0xffffffffu || v > best)) {
             best = v;
             idx = (unsigned)i;
         }
@@ -439,7 +446,7 @@ __device__ __forceinline__ void argmax_logprob(const T* __restrict__ logits, int
     // Second pass (the row is in L2): sum of exp(v - max). NaNs make the sum NaN.
     float s = 0.0f;
     if (best != NEG_INF) {
-        for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(load_logit(row + i) - best);
+        for (int i = threadIdx.x; i < V; i += blockDim.x) s += expf(masked_logit(row, mask, i) - best);
     }
     s = block_sum(s);
     if (threadIdx.x == 0) {
@@ -453,10 +460,19 @@ __device__ __forceinline__ void argmax_logprob(const T* __restrict__ logits, int
 
 extern "C" __global__ void argmax_logprob_bf16(const bf16* __restrict__ logits, int V, unsigned int* __restrict__ ids,
                                                float* __restrict__ logprobs) {
-    argmax_detail::argmax_logprob(logits, V, ids, logprobs);
+    argmax_detail::argmax_logprob(logits, V, ids, logprobs, (const unsigned*)nullptr);
 }
 
 extern "C" __global__ void argmax_logprob_f32(const float* __restrict__ logits, int V, unsigned int* __restrict__ ids,
                                               float* __restrict__ logprobs) {
-    argmax_detail::argmax_logprob(logits, V, ids, logprobs);
+    argmax_detail::argmax_logprob(logits, V, ids, logprobs, (const unsigned*)nullptr);
+}
+
+// Constrained greedy sampling: row r takes only the ids whose bit is set in
+// masks[r * words ...] (an output format's allowed tokens; all-ones words for a
+// free row); the log-probability is over the allowed ids.
+extern "C" __global__ void argmax_logprob_masked_bf16(const bf16* __restrict__ logits, int V,
+                                                      unsigned int* __restrict__ ids, float* __restrict__ logprobs,
+                                                      const unsigned* __restrict__ masks, int words) {
+    argmax_detail::argmax_logprob(logits, V, ids, logprobs, masks + (long long)blockIdx.x * words);
 }
