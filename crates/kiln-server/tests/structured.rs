@@ -100,7 +100,13 @@ fn json_schema_answers_parse_and_validate_streamed_or_not() {
     let stats = common::get(server(), "/stats").json();
     let masks = stats["engine"]["masks"].as_u64().unwrap_or(0);
     assert!(masks >= 2 * content.len().min(4) as u64, "{stats}");
-    assert!(stats["engine"]["mask_seconds_total"].as_f64().unwrap_or(0.0) > 0.0, "{stats}");
+    assert!(
+        stats["engine"]["mask_seconds_total"]
+            .as_f64()
+            .unwrap_or(0.0)
+            > 0.0,
+        "{stats}"
+    );
 }
 
 #[test]
