@@ -13,7 +13,7 @@
 # fit: `kiln fit`'s predicted peak against nvidia-smi's measured peak of a
 # bench-engine run in the same configuration (KV pinned to fit's KV term) on
 # the 8B checkpoint, at each CONTEXTxBATCH of FIT_SETTINGS (default
-# "4096x16 8192x32"); one fit-CxB.json each (needs the ckpt phase's checkpoint).
+# "4096x16 8192x32 2048x64 8192x4"); one fit-CxB.json each (needs the ckpt phase's checkpoint).
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
@@ -65,7 +65,7 @@ if has structured; then
 fi
 if has fit; then
   [ -f "$WORK/ck8b/READY" ] || note "fit: no $WORK/ck8b (run the ckpt phase first)"
-  for setting in ${FIT_SETTINGS:-4096x16 8192x32}; do
+  for setting in ${FIT_SETTINGS:-4096x16 8192x32 2048x64 8192x4}; do
     run python3 bench/fit_check.py --kiln "$KILN" --model "$WORK/ck8b" --device cuda \
       --context "${setting%x*}" --batch "${setting#*x}" --out "$OUT/fit-$setting.json"
   done

@@ -155,6 +155,8 @@ impl EngineConfig {
 enum Command {
     Submit {
         request: GenerationRequest,
+        /// The request's output format, compiled on the caller's thread.
+        constraint: Option<kiln_structured::Constraint>,
         events: Sender<Event>,
         reply: SyncSender<Result<u64>>,
     },
@@ -231,11 +233,19 @@ impl EngineHandle {
     /// Submit a request. Refusals happen here, at once: a request that can
     /// never fit (with its numbers) or a full queue ([`EngineError::Busy`]).
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream> {
+        // Grammars are compiled here, on the caller's thread, never on the
+        // engine loop (a schema can take milliseconds to compile).
+        let constraint = request
+            .format
+            .as_ref()
+            .map(|f| self.model().constraint(f))
+            .transpose()?;
         let (events, rx) = mpsc::channel();
         let (reply, reply_rx) = mpsc::sync_channel(1);
         self.commands
             .send(Command::Submit {
                 request,
+                constraint,
                 events,
                 reply,
             })
@@ -396,10 +406,11 @@ impl<'m> Loop<'m> {
                 match cmd {
                     Command::Submit {
                         request,
+                        constraint,
                         events,
                         reply,
                     } => {
-                        let _ = reply.send(self.admit(request, events));
+                        let _ = reply.send(self.admit(request, constraint, events));
                     }
                     Command::Stats { reply } => {
                         let _ = reply.send(EngineStats {
@@ -423,7 +434,12 @@ impl<'m> Loop<'m> {
         }
     }
 
-    fn admit(&mut self, request: GenerationRequest, events: Sender<Event>) -> Result<u64> {
+    fn admit(
+        &mut self,
+        request: GenerationRequest,
+        constraint: Option<kiln_structured::Constraint>,
+        events: Sender<Event>,
+    ) -> Result<u64> {
         let id = RequestId(self.next_id);
         let ctx = self.model.context_length();
         let max_tokens = request
@@ -440,7 +456,7 @@ impl<'m> Loop<'m> {
             request.skip_special_tokens,
             max_tokens,
             entropy(),
-            request.format.as_ref(),
+            constraint,
             request.reasoning.as_ref(),
         )?;
         let prompt: Vec<TokenId> = request.prompt.iter().map(|&t| TokenId(t)).collect();

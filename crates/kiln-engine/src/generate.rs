@@ -128,7 +128,10 @@ impl LoadedModel {
             req.skip_special_tokens,
             max_new,
             entropy(),
-            req.format.as_ref(),
+            req.format
+                .as_ref()
+                .map(|f| self.constraint(f))
+                .transpose()?,
             req.reasoning.as_ref(),
         )?;
         let mut text = String::new();

@@ -111,7 +111,7 @@ impl Gate {
 
 impl<'m> TokenProcessor<'m> {
     /// State for a request of `prompt` that may generate up to `max_new`
-    /// tokens, its output constrained to `format` when given.
+    /// tokens, its output held to `constraint` (a compiled format) when given.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         model: &'m LoadedModel,
@@ -120,10 +120,9 @@ impl<'m> TokenProcessor<'m> {
         skip_special_tokens: bool,
         max_new: usize,
         entropy: u64,
-        format: Option<&kiln_structured::Format>,
+        constraint: Option<kiln_structured::Constraint>,
         reasoning: Option<&ReasoningTags>,
     ) -> Result<Self> {
-        let constraint = format.map(|f| model.constraint(f)).transpose()?;
         Ok(TokenProcessor {
             gate: constraint
                 .as_ref()

@@ -128,8 +128,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     let mut levels = Vec::new();
     for (round, &c) in a.concurrency.iter().enumerate() {
         let before = h.stats()?;
-        let start = Instant::now();
-        let streams = (0..c)
+        let requests = (0..c)
             .map(|i| {
                 // A distinct salt per request: no prefix sharing inflates the numbers.
                 let p = tokens(
@@ -144,9 +143,27 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
                     r.format = Some(bench_schema());
                     r.params.ignore_eos = false;
                 }
-                Ok(h.submit(r)?)
+                Ok(r)
             })
             .collect::<Result<Vec<_>>>()?;
+        let start = Instant::now();
+        // Submitted from a thread each, as a server's clients would: the
+        // engine admits what arrived during a step all at once (one thread
+        // waiting for each admission would add one request per step).
+        let streams = std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .into_iter()
+                .map(|r| scope.spawn(|| h.submit(r)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|t| {
+                    t.join()
+                        .map_err(|_| anyhow::anyhow!("a submitting thread panicked"))?
+                        .map_err(anyhow::Error::from)
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
         let mut ttft = Vec::new();
         let mut generated = 0;
         for s in streams {
