@@ -49,11 +49,12 @@ pub fn activation_bytes(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize) -
 }
 
 /// Activations as a backend holds them: on the CPU exactly
-/// [`activation_bytes`]; on a device three quarters of it — the CUDA
-/// backend keeps activations in bf16 and fuses some intermediates (the live
-/// peak of an 8,188-token chunk of the 8B shape was 0.36 of the f32 figure
-/// on an H200), and its caching allocator keeps freed buffers in size
-/// classes (as much again).
+/// [`activation_bytes`]; on a device two fifths of it — the CUDA backend
+/// keeps activations in bf16 and fuses intermediates, and an 8,192-token
+/// step of the 8B shape on an H200 used 1,003–1,005 MiB above the weights,
+/// the KV pool and the memory outside Kiln's pool (live buffers and the
+/// allocator's cached size classes together) at four context × batch
+/// settings, 0.40 of the f32 figure (`bench/results/2026-11-30_fit_h200_*.json`).
 pub fn step_activation_bytes(
     cfg: &ModelConfig,
     num_tokens: usize,
@@ -62,7 +63,7 @@ pub fn step_activation_bytes(
 ) -> u64 {
     let full = activation_bytes(cfg, num_tokens, num_seqs);
     if on_device {
-        full / 4 * 3
+        full / 5 * 2
     } else {
         full
     }

@@ -14,12 +14,13 @@
 //! models, requests or the server. Main types: [`StructuredVocab`],
 //! [`Format`], [`Constraint`], [`StructuredError`].
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use kiln_text::Tokenizer;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
-use llguidance::{Matcher, ParserFactory};
+use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::Value;
 
 /// A token mask (one bit per vocabulary id).
@@ -124,7 +125,13 @@ pub struct StructuredVocab {
     stop_ids: Vec<u32>,
     /// Tokens that spell only blanks (spaces, tabs, newlines).
     blank_ids: Vec<u32>,
+    /// Compiled grammars by their serialized form: a format seen before is
+    /// cloned, not compiled again (schemas repeat across requests).
+    compiled: Mutex<HashMap<String, TokenParser>>,
 }
+
+/// Compiled grammars kept (the cache starts over when full).
+const COMPILED_CACHE: usize = 256;
 
 impl StructuredVocab {
     /// Index `tokenizer` for a model with `vocab_size` logits and stop ids
@@ -177,19 +184,38 @@ impl StructuredVocab {
             eos,
             stop_ids: stop_ids.to_vec(),
             blank_ids,
+            compiled: Mutex::new(HashMap::new()),
         }))
     }
 
     /// Compile `format` into a fresh constraint (errors name the reason).
     pub fn constraint(self: &Arc<Self>, format: &Format) -> Result<Constraint> {
         let grammar = format.grammar()?;
-        let parser = self
-            .factory
-            .create_parser(grammar)
-            .map_err(|e| StructuredError::Invalid {
-                kind: format.kind(),
-                reason: e.to_string(),
-            })?;
+        let key = serde_json::to_string(&grammar).ok();
+        let cached = key.as_ref().and_then(|k| {
+            let cache = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+            cache.get(k).map(TokenParser::deep_clone)
+        });
+        let parser = match cached {
+            Some(p) => p,
+            None => {
+                let parser =
+                    self.factory
+                        .create_parser(grammar)
+                        .map_err(|e| StructuredError::Invalid {
+                            kind: format.kind(),
+                            reason: e.to_string(),
+                        })?;
+                if let Some(k) = key {
+                    let mut cache = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+                    if cache.len() >= COMPILED_CACHE {
+                        cache.clear();
+                    }
+                    cache.insert(k, parser.deep_clone());
+                }
+                parser
+            }
+        };
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(StructuredError::Invalid {

@@ -290,3 +290,20 @@ fn masks_match_the_matcher_token_by_token() {
     }
     assert!(c.is_finished() || c.allowed().unwrap().is_allowed(EOS));
 }
+
+#[test]
+fn a_format_seen_before_gives_an_independent_constraint() {
+    // The second constraint comes from the compiled-grammar cache: it must
+    // start where a fresh one starts and not share the first one's state.
+    let (t, v) = setup();
+    let f = Format::JsonSchema(json!({"type": "object",
+        "properties": {"n": {"type": "integer"}}, "required": ["n"]}));
+    let mut first = v.constraint(&f).unwrap();
+    let start = first.allowed().unwrap().as_slice().to_vec();
+    for token in t.encode("{\"n\": 4", false).unwrap() {
+        first.commit(token).unwrap();
+    }
+    let mut second = v.constraint(&f).unwrap();
+    assert_eq!(second.allowed().unwrap().as_slice(), &start[..]);
+    assert_ne!(first.allowed().unwrap().as_slice(), &start[..]);
+}
