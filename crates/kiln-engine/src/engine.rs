@@ -449,7 +449,7 @@ impl<'m> Loop<'m> {
         if request.prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
-        let proc = TokenProcessor::new(
+        let mut proc = TokenProcessor::new(
             self.model,
             &request.prompt,
             &request.params,
@@ -459,6 +459,7 @@ impl<'m> Loop<'m> {
             constraint,
             request.reasoning.as_ref(),
         )?;
+        proc.set_jump_forward(request.jump_forward);
         let prompt: Vec<TokenId> = request.prompt.iter().map(|&t| TokenId(t)).collect();
         let mut sreq = Request::new(id, prompt, max_tokens);
         sreq.priority = Priority(request.priority);
@@ -656,13 +657,24 @@ impl<'m> Loop<'m> {
             match outcome {
                 Ok(o) => {
                     a.first_token.get_or_insert_with(Instant::now);
-                    results.push((s.id, vec![o.sampled.token]));
+                    let mut tokens = vec![o.sampled.token];
+                    tokens.extend(o.forced.iter().map(|(t, _)| *t));
+                    results.push((s.id, tokens));
                     let event = Event::Token {
                         token_id: o.sampled.token.0,
                         text: o.text,
                         logprobs: a.want_logprobs.then_some(o.sampled),
                     };
-                    if a.events.send(event).is_err() {
+                    // Tokens the format forced follow as events of their own.
+                    let forced = o.forced.into_iter().map(|(t, text)| Event::Token {
+                        token_id: t.0,
+                        text,
+                        logprobs: None,
+                    });
+                    let sent = std::iter::once(event)
+                        .chain(forced)
+                        .all(|e| a.events.send(e).is_ok());
+                    if !sent {
                         // The client dropped its stream: cancel.
                         finished.push((s.id, FinishReason::Cancelled));
                     } else if let Some(f) = o.finish {

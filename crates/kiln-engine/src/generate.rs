@@ -31,6 +31,9 @@ pub struct GenerationRequest {
     /// The format applies after this reasoning block (when the model
     /// thinks), not to the reasoning itself.
     pub reasoning: Option<crate::process::ReasoningTags>,
+    /// Take tokens the output format forces without a forward pass each
+    /// (on in [`GenerationRequest::new`]).
+    pub jump_forward: bool,
 }
 
 impl GenerationRequest {
@@ -40,6 +43,7 @@ impl GenerationRequest {
             prompt,
             params,
             skip_special_tokens: true,
+            jump_forward: true,
             ..GenerationRequest::default()
         }
     }
@@ -134,6 +138,8 @@ impl LoadedModel {
                 .transpose()?,
             req.reasoning.as_ref(),
         )?;
+        // This loop feeds one token per step.
+        proc.set_jump_forward(false);
         let mut text = String::new();
         let mut logprobs = Vec::new();
         let mut timings = Timings {

@@ -19,6 +19,10 @@ pub struct TokenOutcome {
     /// whatever the detokenizer and the stop matcher held back.
     pub text: String,
     pub finish: Option<FinishReason>,
+    /// Tokens the output format forced after this one (jump-forward), with
+    /// their text: taken without a forward pass each, computed with the
+    /// next step's chunk.
+    pub forced: Vec<(TokenId, String)>,
 }
 
 /// Per-request decoding state.
@@ -41,6 +45,8 @@ pub struct TokenProcessor<'m> {
     /// The constraint's mask for the next token, computed ahead (while the
     /// forward pass runs).
     mask: Option<kiln_structured::TokenMask>,
+    /// Take the tokens the output format forces without sampling them.
+    jump_forward: bool,
 }
 
 /// The tags of a reasoning block that an output format does not cover.
@@ -129,6 +135,7 @@ impl<'m> TokenProcessor<'m> {
                 .and(reasoning)
                 .map(|t| Gate::new(t.clone())),
             mask: None,
+            jump_forward: true,
             constraint,
             sampler: Sampler::new(params.clone(), model.model.config().vocab_size, entropy)?,
             detok: IncrementalDetokenizer::new(&model.tokenizer, skip_special_tokens),
@@ -141,6 +148,13 @@ impl<'m> TokenProcessor<'m> {
             prompt: prompt.iter().map(|&t| TokenId(t)).collect(),
             generated: Vec::new(),
         })
+    }
+
+    /// Whether tokens the output format forces are taken at once (on by
+    /// default; never when log-probabilities are asked for, since forced
+    /// tokens are not sampled).
+    pub fn set_jump_forward(&mut self, on: bool) {
+        self.jump_forward = on;
     }
 
     pub fn generated(&self) -> &[TokenId] {
@@ -194,11 +208,12 @@ impl<'m> TokenProcessor<'m> {
         if let Some(c) = self.constraint.as_mut() {
             c.commit(token)?;
         }
-        self.process(Sampled {
+        let outcome = self.process(Sampled {
             token: TokenId(token),
             logprob,
             top: Vec::new(),
-        })
+        })?;
+        self.jump(outcome)
     }
 
     /// Whether [`TokenProcessor::prepare_mask`] has work to do.
@@ -251,7 +266,8 @@ impl<'m> TokenProcessor<'m> {
                 }
             }
         }
-        self.process(sampled)
+        let outcome = self.process(sampled)?;
+        self.jump(outcome)
     }
 
     /// Process the argmax token the backend picked (only for requests that
@@ -298,7 +314,46 @@ impl<'m> TokenProcessor<'m> {
             sampled,
             text,
             finish,
+            forced: Vec::new(),
         })
+    }
+
+    /// Jump-forward: while the output format allows exactly one next token,
+    /// take it (lossless: sampling could pick nothing else), up to the
+    /// finish; the mask of the first unforced position is kept for the next
+    /// step.
+    fn jump(&mut self, mut outcome: TokenOutcome) -> Result<TokenOutcome> {
+        let wanted = self.jump_forward
+            && self.params.logprobs.is_none()
+            && self
+                .gate
+                .as_ref()
+                .is_none_or(|g| g.state == GateState::Answer);
+        if !wanted || self.active_constraint().is_none() {
+            return Ok(outcome);
+        }
+        while outcome.finish.is_none() {
+            let Some(c) = self.constraint.as_mut() else {
+                break;
+            };
+            if c.is_finished() {
+                break;
+            }
+            let (forced, mask) = c.forced()?;
+            let Some(token) = forced else {
+                self.mask = Some(mask);
+                break;
+            };
+            c.commit(token)?;
+            let o = self.process(Sampled {
+                token: TokenId(token),
+                logprob: 0.0,
+                top: Vec::new(),
+            })?;
+            outcome.forced.push((TokenId(token), o.text));
+            outcome.finish = o.finish;
+        }
+        Ok(outcome)
     }
 
     /// Follows the output through the reasoning block; an answer that began

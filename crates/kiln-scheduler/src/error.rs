@@ -119,8 +119,9 @@ pub enum SchedulerError {
         /// The request.
         id: RequestId,
     },
-    /// A request got a different number of sampled tokens than the step allows: one
-    /// when the step computed its last known token, none otherwise.
+    /// A request got a number of sampled tokens the step does not allow: at least
+    /// one when the step computed its last known token (more when an output
+    /// format forced them), none otherwise.
     #[error("request {id} got {got} sampled tokens, expected {expected}")]
     WrongTokenCount {
         /// The request.

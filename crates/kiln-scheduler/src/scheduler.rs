@@ -366,8 +366,17 @@ impl Scheduler {
             if sampled.insert(*id, token_ids).is_some() {
                 return Err(SchedulerError::DuplicateResult { id: *id });
             }
+            // A sampling step gives its token and possibly more that an
+            // output format forced (jump-forward); they are computed with
+            // the next step's chunk. A step that only computed prompt
+            // tokens gives none.
             let expected = usize::from(wants_logits);
-            if self.is_running(*id) && token_ids.len() != expected {
+            let ok = if wants_logits {
+                !token_ids.is_empty()
+            } else {
+                token_ids.is_empty()
+            };
+            if self.is_running(*id) && !ok {
                 return Err(SchedulerError::WrongTokenCount {
                     id: *id,
                     expected,

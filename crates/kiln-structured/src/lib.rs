@@ -338,6 +338,18 @@ impl Constraint {
         self.finished || self.matcher.is_stopped()
     }
 
+    /// The one token the grammar allows next, if it allows exactly one
+    /// (every stop id counts as end of sequence, returned as the canonical
+    /// one); with its mask, for reuse when there is no such token.
+    pub fn forced(&mut self) -> Result<(Option<u32>, SimpleVob)> {
+        let mask = self.allowed()?;
+        let forced = (mask.num_set() == 1)
+            .then(|| mask.first_bit_set())
+            .flatten()
+            .map(|t| t as u32);
+        Ok((forced, mask))
+    }
+
     /// Tokens that spell only blanks.
     pub fn blank_ids(&self) -> &[u32] {
         &self.vocab.blank_ids
