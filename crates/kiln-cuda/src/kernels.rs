@@ -6,6 +6,7 @@
 pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("rms_prologue.cuh", include_str!("kernels/rms_prologue.cuh")),
+    ("mma.cuh", include_str!("kernels/mma.cuh")),
 ];
 
 /// Sources without which the backend does not start.

@@ -3,6 +3,7 @@
 // kernel of gemv.cu on the plain, bias and residual modes of decode shapes (qkv, o, down,
 // SmolLM2-sized layers); the backend uses gemv.cu for the gated modes.
 #include "common.cuh"
+#include "mma.cuh"
 #include "rms_prologue.cuh"
 
 // ---------------------------------------------------------------------------------------------
@@ -66,21 +67,6 @@ __device__ __forceinline__ uint4 ld_cached(const bf16* p, bool ok) {
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p), "r"((int)ok));
     return r;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Same activations as gated_act_bf16 (act 0 = SiLU, 1 = GELU tanh approximation).
-__device__ __forceinline__ float gate_act(float g, int act) {
-    if (act == 0) return g / (1.0f + __expf(-g));
-    const float c = 0.7978845608f;
-    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
 // Ask L2 for 16 bytes of weights ahead of their load (the first round of a norm kernel's first
