@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::errors::ApiError;
 use crate::metrics::Metrics;
-use crate::parse::{OutputSyntax, ThinkSyntax, ToolSyntax};
+use crate::parse::{OutputOverrides, OutputSyntax, ThinkSyntax, ToolSyntax};
 use crate::state::AppState;
 
 /// Events buffered between the engine and a slow client.
@@ -203,6 +203,8 @@ pub struct ChatRender {
     /// Further template variables (`chat_template_kwargs`,
     /// `reasoning_effort`).
     pub kwargs: Map<String, Value>,
+    /// The server's say on the output syntax.
+    pub overrides: OutputOverrides,
 }
 
 /// A rendered, tokenized chat prompt and how to read what follows it.
@@ -232,9 +234,13 @@ fn template_source(model: &LoadedModel) -> &str {
     model.tokenizer.chat_template().unwrap_or_default()
 }
 
-/// Whether the model's template writes reasoning blocks.
-pub fn thinks(model: &LoadedModel) -> bool {
-    ThinkSyntax::detect(template_source(model)).is_some()
+/// Whether the model writes reasoning blocks: as the server says, else
+/// when its template mentions them.
+pub fn thinks(state: &AppState) -> bool {
+    state
+        .output
+        .reasoning
+        .unwrap_or_else(|| ThinkSyntax::detect(template_source(state.engine.model())).is_some())
 }
 
 /// Renders template `messages` (with `render`'s tools and variables) with
@@ -252,12 +258,20 @@ pub fn chat_prompt(
     ctx.extra.extend(render.kwargs);
     let rendered = model.render_chat_with(&ctx)?;
     let template = template_source(model);
-    let think = ThinkSyntax::detect(template).map(|t| {
+    let think = match render.overrides.reasoning {
+        Some(false) => None,
+        Some(true) => ThinkSyntax::detect("<think>"),
+        None => ThinkSyntax::detect(template),
+    }
+    .map(|t| {
         let opened = rendered.trim_end().ends_with(&t.open);
         (t, opened)
     });
-    let tools =
-        (!render.tool_names.is_empty()).then(|| (ToolSyntax::detect(template), render.tool_names));
+    let syntax = render
+        .overrides
+        .tool_syntax
+        .unwrap_or_else(|| ToolSyntax::detect(template));
+    let tools = (!render.tool_names.is_empty()).then(|| (syntax, render.tool_names));
     Ok(ChatPrompt {
         tokens: model.tokenizer.encode(&rendered, false)?,
         syntax: OutputSyntax { think, tools },

@@ -48,6 +48,7 @@ mod structured;
 pub use errors::ApiError;
 pub use loading::Readiness;
 pub use metrics::Metrics;
+pub use parse::{OutputOverrides, ToolSyntax};
 pub use server::{
     bind, run, serve, serve_loading, serve_on, shutdown_signal, ServerConfig, ServerError,
 };

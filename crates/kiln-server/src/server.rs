@@ -45,6 +45,9 @@ pub struct ServerConfig {
     /// sends a keep-alive: `: ping` or Anthropic's `ping` event. Zero
     /// turns keep-alives off.
     pub sse_keepalive: Duration,
+    /// Tool-call syntax and reasoning split, where the chat template
+    /// should not decide.
+    pub output: crate::parse::OutputOverrides,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +61,7 @@ impl Default for ServerConfig {
             model_name: "kiln".into(),
             shutdown_grace: Duration::from_secs(30),
             sse_keepalive: Duration::from_secs(15),
+            output: crate::parse::OutputOverrides::default(),
         }
     }
 }
@@ -136,6 +140,7 @@ pub async fn serve_loading(
                 cancel: cancel_rx.clone(),
                 started_at,
                 sse_keepalive: config.sse_keepalive,
+                output: config.output,
             })
         }
     })

@@ -26,6 +26,8 @@ pub struct AppState {
     pub started_at: u64,
     /// Silence after which a stream sends a keep-alive frame.
     pub sse_keepalive: Duration,
+    /// Tool-call syntax and reasoning split, where the template should not decide.
+    pub output: crate::parse::OutputOverrides,
 }
 
 impl AppState {

@@ -87,6 +87,10 @@ struct Replay {
 
 impl Replay {
     fn start() -> Replay {
+        Replay::start_with(ServerConfig::default())
+    }
+
+    fn start_with(config: ServerConfig) -> Replay {
         let mut model = common::load_model();
         model.set_chat_template(TEMPLATE).expect("template");
         let script = Arc::new(Mutex::new(Vec::new()));
@@ -101,7 +105,7 @@ impl Replay {
         readiness.ready(engine.handle());
         let model = engine.handle().model().clone();
         std::mem::forget(engine);
-        let addr = start_loading(ServerConfig::default(), readiness);
+        let addr = start_loading(config, readiness);
         Replay {
             addr,
             script,
@@ -272,5 +276,39 @@ fn an_output_format_applies_after_the_reasoning() {
     assert_eq!(reasoning, json!("ok"));
     let text = content.as_str().unwrap_or_default().trim();
     assert!(text.is_empty() || text.starts_with('{'), "{text}");
+    wait_idle(r.addr);
+}
+
+#[test]
+fn server_overrides_choose_the_output_syntax() {
+    // `--tool-call-parser mistral --reasoning-parser none`: the template
+    // (which names neither) no longer decides.
+    let output = kiln_server::OutputOverrides {
+        tool_syntax: Some(kiln_server::ToolSyntax::Mistral),
+        reasoning: Some(false),
+    };
+    let r = Replay::start_with(ServerConfig {
+        output,
+        ..ServerConfig::default()
+    });
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    r.script("[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}");
+    let body = json!({"messages": [{"role": "user", "content": "Weather?"}], "tools": tools, "max_tokens": 40});
+    let v = post(r.addr, "/v1/chat/completions", &body).json();
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(call["name"], "get_weather", "{v}");
+    assert_eq!(
+        serde_json::from_str::<Value>(call["arguments"].as_str().unwrap()).unwrap(),
+        json!({"city": "Paris"})
+    );
+    // Reasoning is not split: the block stays in the content.
+    r.script(&format!("<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"));
+    let ((reasoning, content), _) = chat(r.addr, json!({}));
+    assert_eq!(reasoning, Value::Null);
+    assert!(
+        content.as_str().unwrap_or_default().starts_with("<think>"),
+        "{content}"
+    );
     wait_idle(r.addr);
 }

@@ -54,9 +54,40 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may run after a shutdown signal.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
+    /// Tool-call syntax to read: hermes (also qwen), llama3, mistral or
+    /// gemma (default: the one the chat template teaches).
+    #[arg(long)]
+    pub tool_call_parser: Option<String>,
+    /// Split `<think>` reasoning from answers: think, or none (default:
+    /// when the chat template mentions it).
+    #[arg(long)]
+    pub reasoning_parser: Option<String>,
+}
+
+/// The output syntax the flags choose.
+fn output_overrides(a: &ServeArgs) -> Result<kiln_server::OutputOverrides> {
+    let tool_syntax = match a.tool_call_parser.as_deref() {
+        None => None,
+        Some(name) => Some(kiln_server::ToolSyntax::from_name(name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--tool-call-parser `{name}`: expected hermes, qwen, llama3, mistral or gemma"
+            )
+        })?),
+    };
+    let reasoning = match a.reasoning_parser.as_deref() {
+        None => None,
+        Some("think" | "deepseek_r1" | "qwen3") => Some(true),
+        Some("none") => Some(false),
+        Some(other) => anyhow::bail!("--reasoning-parser `{other}`: expected think or none"),
+    };
+    Ok(kiln_server::OutputOverrides {
+        tool_syntax,
+        reasoning,
+    })
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    let output = output_overrides(&a)?;
     let model_args = ModelArgs {
         model: a.model.clone(),
         device: a.device.clone(),
@@ -90,6 +121,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_body_bytes: a.max_body_mib << 20,
         model_name: model_name.clone(),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
+        output,
         ..ServerConfig::default()
     };
     let (kv_mib, context) = (a.kv_mib, fit.context);

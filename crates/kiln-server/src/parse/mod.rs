@@ -20,6 +20,17 @@ pub enum Piece {
     Call(ToolCall),
 }
 
+/// What the server says about the model's output where the chat template
+/// should not decide (`--tool-call-parser`, `--reasoning-parser`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutputOverrides {
+    /// The tool-call syntax (else the one the template teaches).
+    pub tool_syntax: Option<ToolSyntax>,
+    /// Whether `<think>` blocks are split out (else: when the template
+    /// mentions them).
+    pub reasoning: Option<bool>,
+}
+
 /// What to look for in one request's output.
 #[derive(Debug, Clone, Default)]
 pub struct OutputSyntax {

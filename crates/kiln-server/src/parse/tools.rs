@@ -63,6 +63,17 @@ impl ToolSyntax {
         }
     }
 
+    /// From a `--tool-call-parser` name (vLLM's names where they exist).
+    pub fn from_name(name: &str) -> Option<ToolSyntax> {
+        Some(match name {
+            "hermes" | "qwen" => ToolSyntax::Hermes,
+            "llama3" | "llama3_json" | "llama" => ToolSyntax::Llama3,
+            "mistral" => ToolSyntax::Mistral,
+            "gemma" | "functiongemma" => ToolSyntax::Gemma,
+            _ => return None,
+        })
+    }
+
     /// The markers that open a call.
     fn openers(self) -> &'static [&'static str] {
         match self {

@@ -144,6 +144,7 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
             tool_names,
             enable_thinking,
             kwargs,
+            overrides: state.output,
         },
         parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
         params,
@@ -163,7 +164,7 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let v = validate(&state, req)?;
     let want_logprobs = v.params.logprobs.is_some();
-    let parses = !v.render.tool_names.is_empty() || generation::thinks(state.engine.model());
+    let parses = !v.render.tool_names.is_empty() || generation::thinks(&state);
     let generate = Generate {
         params: v.params,
         skip_special_tokens: !parses,

@@ -99,6 +99,7 @@ fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation,
             tools,
             tool_names,
             enable_thinking,
+            overrides: state.output,
             ..ChatRender::default()
         },
         format,
@@ -134,7 +135,7 @@ pub async fn handle(
     let conv = conversation(&state, &req)?;
     let stream = req.stream.unwrap_or(false);
     let (params, stop_sequences) = sampling(&state, req)?;
-    let parses = !conv.render.tool_names.is_empty() || generation::thinks(state.engine.model());
+    let parses = !conv.render.tool_names.is_empty() || generation::thinks(&state);
     let generate = Generate {
         params,
         skip_special_tokens: !parses,

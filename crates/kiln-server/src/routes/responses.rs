@@ -132,7 +132,7 @@ pub async fn handle(
     ApiJson(req): ApiJson<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
     let v = validate(&state, req)?;
-    let parses = !v.tool_names.is_empty() || generation::thinks(state.engine.model());
+    let parses = !v.tool_names.is_empty() || generation::thinks(&state);
     let generate = Generate {
         params: v.params,
         skip_special_tokens: !parses,
@@ -141,6 +141,7 @@ pub async fn handle(
     let render = ChatRender {
         tools: v.tools,
         tool_names: v.tool_names,
+        overrides: state.output,
         ..ChatRender::default()
     };
     let messages = v.messages;
