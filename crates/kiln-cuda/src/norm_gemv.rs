@@ -113,6 +113,43 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// The fused norm + GEMV of `x [n, k]` (normed by `norm` = weight, eps,
+    /// weight offset) against `w` into `[n, out_cols]` in `mode`, when a
+    /// kernel takes these shapes; `None` sends the caller to the unfused ops.
+    #[allow(clippy::too_many_arguments)]
+    fn try_norm_gemv(
+        &self,
+        op: &'static str,
+        x: &Tensor,
+        norm: (&Tensor, f32, f32),
+        w: &Tensor,
+        extra: u64,
+        out_cols: usize,
+        mode: i32,
+    ) -> Result<Option<Tensor>> {
+        let (n, k) = x.dims2(op)?;
+        let Some(plan) = self.norm_gemv_plan(n, k, out_cols, mode) else {
+            return Ok(None);
+        };
+        let out = self.alloc(n * out_cols, op)?;
+        let (norm_w, eps, weight_offset) = norm;
+        let (xp, np, wp) = (ptr(x, op)?, ptr(norm_w, op)?, ptr(w, op)?);
+        self.norm_gemv(
+            &plan,
+            xp,
+            np,
+            eps,
+            weight_offset,
+            wp,
+            out.ptr,
+            extra,
+            k,
+            out_cols,
+            mode,
+        )?;
+        Ok(Some(wrap(vec![n, out_cols], out)))
+    }
+
     pub(crate) fn fused_rms_norm_linear(
         &self,
         x: &Tensor,
@@ -122,7 +159,7 @@ impl CudaBackend {
         w: &Tensor,
         bias: Option<&Tensor>,
     ) -> Result<Tensor> {
-        let (n, k, m) = linear_dims(x, w)?;
+        let (_, k, m) = linear_dims(x, w)?;
         check_norm("rms_norm_linear", x, norm_w, k)?;
         if let Some(b) = bias {
             if b.num_elements() != m {
@@ -136,27 +173,9 @@ impl CudaBackend {
             Some(b) => (1, ptr(b, "rms_norm_linear bias")?),
             None => (0, 0),
         };
-        if let Some(plan) = self.norm_gemv_plan(n, k, m, mode) {
-            let out = self.alloc(n * m, "a projection")?;
-            let (xp, np, wp) = (
-                ptr(x, "rms_norm_linear")?,
-                ptr(norm_w, "rms_norm_linear")?,
-                ptr(w, "rms_norm_linear")?,
-            );
-            self.norm_gemv(
-                &plan,
-                xp,
-                np,
-                eps,
-                weight_offset,
-                wp,
-                out.ptr,
-                extra,
-                k,
-                m,
-                mode,
-            )?;
-            return Ok(wrap(vec![n, m], out));
+        let norm = (norm_w, eps, weight_offset);
+        if let Some(out) = self.try_norm_gemv("rms_norm_linear", x, norm, w, extra, m, mode)? {
+            return Ok(out);
         }
         let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
         self.linear(&h, w, bias)
@@ -171,7 +190,7 @@ impl CudaBackend {
         w_gate_up: &Tensor,
         act: Activation,
     ) -> Result<Tensor> {
-        let (n, k, two_i) = linear_dims(x, w_gate_up)?;
+        let (_, k, two_i) = linear_dims(x, w_gate_up)?;
         check_norm("rms_norm_gated_linear", x, norm_w, k)?;
         if two_i % 2 != 0 {
             return Err(TensorError::Shape {
@@ -181,27 +200,10 @@ impl CudaBackend {
         }
         let inter = two_i / 2;
         let mode = 3 + act_code(act);
-        if let Some(plan) = self.norm_gemv_plan(n, k, inter, mode) {
-            let out = self.alloc(n * inter, "an MLP activation")?;
-            let (xp, np, wp) = (
-                ptr(x, "rms_norm_gated_linear")?,
-                ptr(norm_w, "rms_norm_gated_linear")?,
-                ptr(w_gate_up, "rms_norm_gated_linear")?,
-            );
-            self.norm_gemv(
-                &plan,
-                xp,
-                np,
-                eps,
-                weight_offset,
-                wp,
-                out.ptr,
-                0,
-                k,
-                inter,
-                mode,
-            )?;
-            return Ok(wrap(vec![n, inter], out));
+        let norm = (norm_w, eps, weight_offset);
+        let op = "rms_norm_gated_linear";
+        if let Some(out) = self.try_norm_gemv(op, x, norm, w_gate_up, 0, inter, mode)? {
+            return Ok(out);
         }
         let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
         self.gated_linear(&h, w_gate_up, act)

@@ -47,7 +47,8 @@ impl OutputSyntax {
     }
 }
 
-/// The streaming parser of one output.
+/// The streaming parser of one output (with a plain syntax, every piece
+/// of text is text).
 #[derive(Debug)]
 pub struct OutputParser {
     think: Option<ThinkSplitter>,

@@ -266,18 +266,10 @@ impl MessageOutput {
     ) -> Result<Response, ApiError> {
         let collected = events.collect(|_, _| {}).await?;
         let (text, reason, usage) = (collected.text, collected.finish_reason, collected.usage);
-        let pieces = if syntax.is_plain() {
-            vec![Piece::Text(text)]
-        } else {
-            parse::parse(&text, syntax).pieces
-        };
+        let pieces = parse::parse(&text, syntax).pieces;
         let called = pieces.iter().any(|p| matches!(p, Piece::Call(_)));
         let (stop_reason, stop_sequence) = self.stop(reason, called);
-        let content = pieces
-            .into_iter()
-            .filter(|p| !matches!(p, Piece::Text(t) if t.is_empty()))
-            .map(block_of)
-            .collect();
+        let content = pieces.into_iter().map(block_of).collect();
         let body = self.message(
             content,
             Some(stop_reason),
@@ -314,7 +306,7 @@ enum BlockKind {
 struct MessagesStream {
     out: MessageOutput,
     /// Present when the output is parsed (tools, reasoning).
-    parser: Option<OutputParser>,
+    parser: OutputParser,
     /// The open reasoning or text block.
     open: Option<BlockKind>,
     num_blocks: usize,
@@ -325,7 +317,7 @@ impl MessagesStream {
     fn new(out: MessageOutput, syntax: &OutputSyntax) -> Self {
         MessagesStream {
             out,
-            parser: (!syntax.is_plain()).then(|| OutputParser::new(syntax)),
+            parser: OutputParser::new(syntax),
             open: None,
             num_blocks: 0,
             called: false,
@@ -421,18 +413,12 @@ fn block_stop(index: usize) -> Bytes {
 
 impl StreamFormat for MessagesStream {
     fn on_token(&mut self, _choice: usize, text: &str, _sampled: Option<&Sampled>) -> Vec<Bytes> {
-        let pieces = match self.parser.as_mut() {
-            Some(p) => p.push(text),
-            None => vec![Piece::Text(text.to_string())],
-        };
+        let pieces = self.parser.push(text);
         self.pieces(pieces)
     }
 
     fn on_finish(&mut self, _choice: usize, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
-        let pieces = match self.parser.take() {
-            Some(mut p) => p.finish(),
-            None => Vec::new(),
-        };
+        let pieces = self.parser.finish();
         let mut frames = self.pieces(pieces);
         self.close(&mut frames);
         let (stop_reason, stop_sequence) = self.out.stop(reason, self.called);

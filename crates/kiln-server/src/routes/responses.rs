@@ -169,11 +169,7 @@ pub async fn handle(
         ));
     }
     let collected = admitted.events.collect(|_, _| {}).await?;
-    let pieces = if syntax.is_plain() {
-        vec![Piece::Text(collected.text)]
-    } else {
-        parse::parse(&collected.text, &syntax).pieces
-    };
+    let pieces = parse::parse(&collected.text, &syntax).pieces;
     let (status, incomplete) = status(collected.finish_reason);
     // The items a stream gives: a message per run of text (closed as
     // complete when a call follows), a function call per call.
@@ -309,7 +305,7 @@ struct ResponsesStream {
     out: ResponseOutput,
     /// Present when the output is parsed (tools, reasoning; reasoning is
     /// not part of a Responses answer and is left out).
-    parser: Option<OutputParser>,
+    parser: OutputParser,
     calls: usize,
     /// The output items so far, as the final response will list them.
     output: Vec<OutputItem>,
@@ -332,7 +328,7 @@ impl ResponsesStream {
     fn new(out: ResponseOutput, syntax: &OutputSyntax) -> Self {
         ResponsesStream {
             out,
-            parser: (!syntax.is_plain()).then(|| OutputParser::new(syntax)),
+            parser: OutputParser::new(syntax),
             calls: 0,
             output: Vec::new(),
             message: None,
@@ -534,18 +530,12 @@ impl ResponsesStream {
 
 impl StreamFormat for ResponsesStream {
     fn on_token(&mut self, _choice: usize, text: &str, _sampled: Option<&Sampled>) -> Vec<Bytes> {
-        let pieces = match self.parser.as_mut() {
-            Some(p) => p.push(text),
-            None => vec![Piece::Text(text.to_string())],
-        };
+        let pieces = self.parser.push(text);
         self.pieces(pieces)
     }
 
     fn on_finish(&mut self, _choice: usize, reason: FinishReason, usage: &Usage) -> Vec<Bytes> {
-        let pieces = match self.parser.take() {
-            Some(mut p) => p.finish(),
-            None => Vec::new(),
-        };
+        let pieces = self.parser.finish();
         let mut frames = self.pieces(pieces);
         if self.output.is_empty() {
             // Every answer has a message, if an empty one.
