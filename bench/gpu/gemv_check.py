@@ -403,7 +403,7 @@ def test_qkv_rope(mod, report):
         inv_freq = (1.0 / (500000.0 ** (torch.arange(0, 2 * half, 2, device="cuda").float() / (2 * half)))).float()
         kc = torch.full((slots_total, kv * hd), 7.0, device="cuda", dtype=torch.bfloat16)
         vc = torch.full((slots_total, kv * hd), 7.0, device="cuda", dtype=torch.bfloat16)
-        mod.launch("qkv_rope_write_bf16", (n,), (block,),
+        mod.launch("qkv_rope_write_bf16", (n, heads + kv), (block,),
                    [P(qkv), I64(stride), P(kc), P(vc), P(pos), P(slots), P(inv_freq), I32(half), F32(scaling),
                     I32(heads), I32(kv), I32(hd)])
         torch.cuda.synchronize()

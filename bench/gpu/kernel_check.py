@@ -347,7 +347,8 @@ def u32(lst):
 
 
 def run_decode(mod, hd, qkv, q_stride, kv, pos, seq, heads, scale, window, softcap, partition_size, out, out_stride,
-               num_parts=None):
+               num_parts=None, fused=False):
+    """fused: the last partition combines (zeroed counters passed, no reduce kernel)."""
     rows = len(pos)
     pos_t, seq_t = (pos, seq) if isinstance(pos, torch.Tensor) else (u32(pos), u32(seq))
     if num_parts is None:
@@ -357,13 +358,14 @@ def run_decode(mod, hd, qkv, q_stride, kv, pos, seq, heads, scale, window, softc
     if num_parts > 1:
         part_out = torch.empty(rows * heads * num_parts * hd, dtype=torch.float32, device="cuda")
         part_ml = torch.empty(rows * heads * num_parts * 2, dtype=torch.float32, device="cuda")
+    counters = torch.zeros(rows * kv.kv_heads, dtype=torch.int32, device="cuda") if fused and num_parts > 1 else None
 
     main = Launch(mod, f"decode_attention_hd{hd}", (rows, kv.kv_heads, num_parts), (128,), 0,
                   [qkv, I64(q_stride), kv.k, kv.v, pos_t, seq_t, kv.tables, I32(kv.table_width), I32(kv.bs),
                    I32(heads), I32(kv.kv_heads), F32(scale), I32(window), F32(softcap), I32(partition_size),
-                   part_out, part_ml, out, I64(out_stride)])
+                   part_out, part_ml, counters, out, I64(out_stride)])
     red = None
-    if num_parts > 1:
+    if num_parts > 1 and counters is None:
         red = Launch(mod, f"decode_attention_reduce_hd{hd}", (rows, heads), (128,), 0,
                      [part_out, part_ml, I32(heads), I32(num_parts), out, I64(out_stride)])
 
@@ -414,13 +416,14 @@ def test_flash_decode(ctx):
         out_stride = heads * hd + 64  # padded output rows: the padding must stay untouched
         for window, softcap in VARIANTS:
             ref = ref_attention(qf, pos, seq, kv, heads, scale, window, softcap)
-            for psize in [0, 512, 100]:
+            for psize, fused in [(0, False), (512, False), (100, False), (512, True), (32, True)]:
                 out = torch.full((len(lens), out_stride), 7.0, dtype=torch.bfloat16, device="cuda")
                 _, nparts = run_decode(mod, hd, qkv, width, kv, pos, seq, heads, scale, window, softcap, psize, out,
-                                       out_stride)
+                                       out_stride, fused=fused)
                 torch.cuda.synchronize()
                 got = out[:, :heads * hd].view(len(lens), heads, hd)
-                name = f"decode hd{hd} h{heads}/{kvh} lens{lens} win{window} cap{softcap} parts{nparts}"
+                name = (f"decode hd{hd} h{heads}/{kvh} lens{lens} win{window} cap{softcap} parts{nparts}"
+                        + (" fused" if fused else ""))
                 ctx.check(name, got, ref)
                 ctx.check(name + " (padding untouched)", out[:, heads * hd:], torch.full_like(out[:, heads * hd:], 7.0))
     # a group larger than the per-pass head count, and block_size 1 / 5

@@ -2,7 +2,6 @@
 //! its log-probability, optionally under per-row token masks (an output
 //! format's allowed ids), so only ids cross to the host.
 
-use cudarc::driver::PushKernelArg;
 use kiln_tensor::{DType, Result, Tensor};
 
 use crate::device::{dev_err, ptr, rows_cfg, Device};
@@ -32,8 +31,7 @@ pub(crate) fn argmax_rows(
     let Some(masks) = masks else {
         // SAFETY: logits [rows, vocab]; ids and lps hold `rows` words.
         unsafe {
-            dev.stream
-                .launch_builder(dev.func(name)?)
+            dev.launch(dev.func(name)?)
                 .arg(&lp)
                 .arg(&v)
                 .arg(&ids.ptr)
@@ -59,8 +57,7 @@ pub(crate) fn argmax_rows(
     let w = words as i32;
     // SAFETY: logits [rows, vocab]; masks [rows, words]; ids and lps hold `rows` words.
     unsafe {
-        dev.stream
-            .launch_builder(dev.func(name)?)
+        dev.launch(dev.func(name)?)
             .arg(&lp)
             .arg(&v)
             .arg(&ids.ptr)

@@ -2,7 +2,7 @@
 //! attention for decode steps, flash-style prefill attention for the rest,
 //! the reference kernel where neither is loaded.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_tensor::{AttentionParams, Result, Tensor};
 
 use crate::backend::{ActiveStep, CudaBackend, CudaKv};
@@ -10,8 +10,11 @@ use crate::device::{dev_err, wrap};
 
 /// Blocks the decode attention kernel aims for when splitting keys.
 const DECODE_TARGET_CTAS: usize = 256;
+/// Completion counters of the decode kernel's partitions, one per (row,
+/// kv head) of a split step (`parts > 1` means rows × kv heads ≤ 128).
+pub(crate) const DECODE_COUNTERS: usize = 256;
 /// Fewest keys per split.
-const DECODE_MIN_PARTITION: usize = 64;
+const DECODE_MIN_PARTITION: usize = 32;
 
 impl CudaBackend {
     /// Attention of `n` query rows (row stride `q_stride`) over the cache
@@ -42,21 +45,19 @@ impl CudaBackend {
         let hd = p.head_dim;
         let decode = format!("decode_attention_hd{hd}");
         let flash = format!("flash_prefill_hd{hd}");
-        let stream = &self.dev.stream;
         if n == 0 {
             return Ok(wrap(vec![0, qw], out));
         }
         if m.decode_only && self.dev.has(&decode) {
             // Split the keys until there are enough blocks to fill the GPU
-            // (few rows × kv heads); splits cover the table width, so a
-            // recorded step's grid fits every batch it replays.
+            // (few rows × kv heads). The kernel spreads each row's own keys
+            // over the partitions, so a recorded step's grid (sized for the
+            // table width) fits every batch it replays, and a step run with
+            // or without a graph splits a row the same way.
             let max_keys = (m.width * block_size).max(1);
             let want = (DECODE_TARGET_CTAS / (n * p.num_kv_heads)).max(1);
-            let part_len = max_keys
-                .div_ceil(want)
-                .next_multiple_of(DECODE_MIN_PARTITION);
-            let parts = max_keys.div_ceil(part_len);
-            let part = part_len as i32;
+            let parts = want.min(max_keys.div_ceil(DECODE_MIN_PARTITION));
+            let part = DECODE_MIN_PARTITION as i32;
             let (part_out, part_ml) = if parts > 1 {
                 (
                     Some(self.dev.alloc(n * qw * parts, 4, "attention partials")?),
@@ -70,6 +71,12 @@ impl CudaBackend {
             };
             let po = part_out.as_ref().map_or(0, |b| b.ptr);
             let pm = part_ml.as_ref().map_or(0, |b| b.ptr);
+            // The last partition to finish combines them (no reduce kernel)
+            // where the backend's counters cover the rows.
+            let counters = match &self.decode_counters {
+                Some(c) if parts > 1 && n * p.num_kv_heads <= DECODE_COUNTERS => c.ptr,
+                _ => 0u64,
+            };
             let cfg = LaunchConfig {
                 grid_dim: (n as u32, p.num_kv_heads as u32, parts as u32),
                 block_dim: (128, 1, 1),
@@ -79,8 +86,8 @@ impl CudaBackend {
             // arrays of the step, partials sized [n, heads, parts, hd] and
             // [n, heads, parts, 2].
             unsafe {
-                stream
-                    .launch_builder(self.dev.func(&decode)?)
+                self.dev
+                    .launch(self.dev.func(&decode)?)
                     .arg(&q)
                     .arg(&qs)
                     .arg(&kc)
@@ -98,12 +105,13 @@ impl CudaBackend {
                     .arg(&part)
                     .arg(&po)
                     .arg(&pm)
+                    .arg(&counters)
                     .arg(&out.ptr)
                     .arg(&os)
                     .launch(cfg)
                     .map_err(dev_err)?;
             }
-            if parts > 1 {
+            if parts > 1 && counters == 0 {
                 let np = parts as i32;
                 let cfg = LaunchConfig {
                     grid_dim: (n as u32, p.num_heads as u32, 1),
@@ -112,8 +120,8 @@ impl CudaBackend {
                 };
                 // SAFETY: partials as written above; out [n, heads * hd].
                 unsafe {
-                    stream
-                        .launch_builder(self.dev.func(&format!("decode_attention_reduce_hd{hd}"))?)
+                    self.dev
+                        .launch(self.dev.func(&format!("decode_attention_reduce_hd{hd}"))?)
                         .arg(&po)
                         .arg(&pm)
                         .arg(&h)
@@ -135,8 +143,8 @@ impl CudaBackend {
             };
             // SAFETY: as for decode; tiles lie within the rows of the step.
             unsafe {
-                stream
-                    .launch_builder(self.dev.func(&flash)?)
+                self.dev
+                    .launch(self.dev.func(&flash)?)
                     .arg(&q)
                     .arg(&qs)
                     .arg(&kc)
@@ -172,8 +180,8 @@ impl CudaBackend {
         let hdi = hd as i32;
         // SAFETY: q [n, heads * hd]; metadata of the step.
         unsafe {
-            stream
-                .launch_builder(self.dev.func("paged_attention_bf16")?)
+            self.dev
+                .launch(self.dev.func("paged_attention_bf16")?)
                 .arg(&q)
                 .arg(&kc)
                 .arg(&vc)

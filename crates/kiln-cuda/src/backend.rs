@@ -13,7 +13,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use half::bf16;
 use kiln_tensor::{
     Activation, AttentionParams, Backend, DType, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
@@ -41,6 +41,9 @@ pub struct CudaBackend {
     pub(crate) warnings: Mutex<Vec<String>>,
     rope_tables: Mutex<Vec<(Vec<f32>, Arc<DevBuf>)>>,
     pub(crate) skinny: crate::skinny::Skinny,
+    /// Zeroed partition counters of split decode attention (`None`: the
+    /// separate reduce kernel combines the partitions).
+    pub(crate) decode_counters: Option<DevBuf>,
 }
 
 /// A step's metadata on the device.
@@ -74,6 +77,14 @@ impl CudaBackend {
         let device_name = dev.name.clone();
         let warnings = Mutex::new(dev.warnings.clone());
         let skinny = crate::skinny::Skinny::new(&dev);
+        // KILN_DECODE_FUSED=0: the separate reduce kernel (for comparisons).
+        let fused = std::env::var("KILN_DECODE_FUSED").map_or(true, |v| v != "0");
+        let decode_counters = fused
+            .then(|| {
+                dev.alloc_zeroed(crate::attention::DECODE_COUNTERS * 4, "attention counters")
+                    .ok()
+            })
+            .flatten();
         Ok(CudaBackend {
             dev,
             device_name,
@@ -84,6 +95,7 @@ impl CudaBackend {
             warnings,
             rope_tables: Mutex::new(Vec::new()),
             skinny,
+            decode_counters,
         })
     }
 
@@ -244,7 +256,7 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let func = self.dev.func(&name)?;
-        let mut b = self.dev.stream.launch_builder(func);
+        let mut b = self.dev.launch(func);
         b.arg(&x)
             .arg(&w)
             .arg(&out)
@@ -272,8 +284,7 @@ impl CudaBackend {
         // SAFETY: out [n, m], bias [m].
         unsafe {
             self.dev
-                .stream
-                .launch_builder(self.dev.func("add_bias_bf16")?)
+                .launch(self.dev.func("add_bias_bf16")?)
                 .arg(&out)
                 .arg(&b)
                 .arg(&nl)
@@ -414,8 +425,7 @@ impl Backend for CudaBackend {
             // SAFETY: table [vocab, d], ids < vocab (checked), out [len, d].
             unsafe {
                 self.dev
-                    .stream
-                    .launch_builder(self.dev.func("embedding_bf16")?)
+                    .launch(self.dev.func("embedding_bf16")?)
                     .arg(&t)
                     .arg(&dids.ptr)
                     .arg(&out.ptr)
@@ -506,8 +516,7 @@ impl Backend for CudaBackend {
         // SAFETY: gu [n, 2 * inter], out [n, inter].
         unsafe {
             self.dev
-                .stream
-                .launch_builder(self.dev.func("gated_act_packed_bf16")?)
+                .launch(self.dev.func("gated_act_packed_bf16")?)
                 .arg(&gu.ptr)
                 .arg(&out.ptr)
                 .arg(&nl)
@@ -558,8 +567,7 @@ impl Backend for CudaBackend {
             // SAFETY: x and out [rows, d], w [d]; a null residual skips the add.
             unsafe {
                 self.dev
-                    .stream
-                    .launch_builder(self.dev.func("add_rms_norm_bf16")?)
+                    .launch(self.dev.func("add_rms_norm_bf16")?)
                     .arg(&xp)
                     .arg(&null)
                     .arg(&wp)
@@ -587,8 +595,7 @@ impl Backend for CudaBackend {
         // SAFETY: a, b, out all hold n elements.
         unsafe {
             self.dev
-                .stream
-                .launch_builder(self.dev.func("add_scale_bf16")?)
+                .launch(self.dev.func("add_scale_bf16")?)
                 .arg(&ap)
                 .arg(&bp)
                 .arg(&out.ptr)
@@ -607,8 +614,7 @@ impl Backend for CudaBackend {
         // SAFETY: x and out hold n elements; a null b selects scaling.
         unsafe {
             self.dev
-                .stream
-                .launch_builder(self.dev.func("add_scale_bf16")?)
+                .launch(self.dev.func("add_scale_bf16")?)
                 .arg(&xp)
                 .arg(&null)
                 .arg(&out.ptr)
@@ -638,8 +644,7 @@ impl Backend for CudaBackend {
         // SAFETY: gate, up, out hold n elements.
         unsafe {
             self.dev
-                .stream
-                .launch_builder(self.dev.func("gated_act_bf16")?)
+                .launch(self.dev.func("gated_act_bf16")?)
                 .arg(&g)
                 .arg(&u)
                 .arg(&out.ptr)
@@ -673,8 +678,7 @@ impl Backend for CudaBackend {
             // SAFETY: out [n, heads * head_dim], positions [n], inv_freq [half].
             unsafe {
                 self.dev
-                    .stream
-                    .launch_builder(self.dev.func("rope_bf16")?)
+                    .launch(self.dev.func("rope_bf16")?)
                     .arg(&out.ptr)
                     .arg(&dpos.ptr)
                     .arg(&freq.ptr)
@@ -704,8 +708,7 @@ impl Backend for CudaBackend {
             // SAFETY: rows < n (checked); out [len, d].
             unsafe {
                 self.dev
-                    .stream
-                    .launch_builder(self.dev.func("gather_rows_bf16")?)
+                    .launch(self.dev.func("gather_rows_bf16")?)
                     .arg(&xp)
                     .arg(&drows.ptr)
                     .arg(&out.ptr)
@@ -735,8 +738,7 @@ impl Backend for CudaBackend {
                 // SAFETY: columns start..start + w of every row of x [n, d] into part [n, w].
                 unsafe {
                     self.dev
-                        .stream
-                        .launch_builder(self.dev.func("copy_cols_bf16")?)
+                        .launch(self.dev.func("copy_cols_bf16")?)
                         .arg(&src)
                         .arg(&ss)
                         .arg(&part.ptr)
@@ -814,8 +816,7 @@ impl Backend for CudaBackend {
             // SAFETY: k, v [n, kv_row]; slots < num_slots (checked).
             unsafe {
                 self.dev
-                    .stream
-                    .launch_builder(self.dev.func("write_kv_bf16")?)
+                    .launch(self.dev.func("write_kv_bf16")?)
                     .arg(&kp)
                     .arg(&vp)
                     .arg(&kc)
@@ -906,8 +907,7 @@ impl Backend for CudaBackend {
             // SAFETY: qkv [n, width]; caches [slots, kv_row]; slots checked.
             unsafe {
                 self.dev
-                    .stream
-                    .launch_builder(self.dev.func("qkv_rope_write_bf16")?)
+                    .launch(self.dev.func("qkv_rope_write_bf16")?)
                     .arg(&qkv_ptr)
                     .arg(&stride)
                     .arg(&kc)
@@ -920,7 +920,11 @@ impl Backend for CudaBackend {
                     .arg(&h)
                     .arg(&kvh)
                     .arg(&hdi)
-                    .launch(rows_cfg(n, 512, 0))
+                    .launch(LaunchConfig {
+                        grid_dim: (n as u32, (p.num_heads + p.num_kv_heads) as u32, 1),
+                        block_dim: ((hd / 2).next_multiple_of(32).clamp(32, 128) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
                     .map_err(dev_err)?;
             }
         }
@@ -937,6 +941,14 @@ impl Backend for CudaBackend {
         masks: &[Option<&[u32]>],
     ) -> Result<Option<Vec<(u32, f32)>>> {
         crate::argmax::argmax_rows(&self.dev, logits, Some(masks))
+    }
+
+    fn sample_rows(
+        &self,
+        logits: &Tensor,
+        rows: &[kiln_tensor::SampleRow<'_>],
+    ) -> Result<Option<Vec<Option<kiln_tensor::SampledRow>>>> {
+        crate::sample::sample_rows(&self.dev, logits, rows)
     }
 
     fn run_step(

@@ -6,7 +6,10 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{result as drv, CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use cudarc::driver::{
+    result as drv, sys as drv_sys, CudaContext, CudaFunction, CudaStream, DeviceRepr, DriverError,
+    LaunchConfig,
+};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use kiln_tensor::{DType, Result, Tensor, TensorError};
@@ -35,6 +38,10 @@ pub(crate) struct Device {
     pub name: String,
     /// What did not load (kernels with fallbacks), for the caller to show.
     pub warnings: Vec<String>,
+    /// Kernels launched through [`Device::launch`] may start while the
+    /// previous kernel finishes (programmatic dependent launch: sm_90 and
+    /// newer, unless `KILN_PDL=0`); every kernel waits for its inputs first.
+    pub pdl: bool,
     _workspace: DevBuf,
 }
 
@@ -152,6 +159,7 @@ impl Device {
                 }
             }
         }
+        let pdl = major >= 9 && std::env::var("KILN_PDL").map_or(true, |v| v != "0");
         Ok(Device {
             ctx,
             stream,
@@ -160,8 +168,19 @@ impl Device {
             pool,
             name,
             warnings,
+            pdl,
             _workspace: workspace,
         })
+    }
+
+    /// A launch of `func` on the device's stream, with programmatic
+    /// dependent launch where [`Device::pdl`] allows it.
+    pub fn launch<'a>(&'a self, func: &'a CudaFunction) -> Launch<'a> {
+        Launch {
+            dev: self,
+            func,
+            args: Vec::with_capacity(24),
+        }
     }
 
     pub fn func(&self, name: &str) -> Result<&CudaFunction> {
@@ -195,6 +214,16 @@ impl Device {
                 bytes: bytes as u64,
                 what: what.to_string(),
             })
+    }
+
+    /// A buffer of its own (never shared through the pool's caching), set
+    /// to zero on the stream: counters that kernels leave zeroed.
+    pub fn alloc_zeroed(&self, bytes: usize, what: &str) -> Result<DevBuf> {
+        let buf = self.alloc_exact(bytes, what)?;
+        // SAFETY: buf holds `bytes` bytes.
+        unsafe { drv::memset_d8_async(buf.ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(dev_err)?;
+        Ok(buf)
     }
 
     pub fn htod<T: Copy>(&self, dst: u64, src: &[T]) -> Result<()> {
@@ -309,5 +338,57 @@ pub(crate) fn elems_cfg(n: usize) -> LaunchConfig {
         grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// A kernel launch being built: arguments by reference, in the kernel's
+/// order, then [`Launch::launch`].
+pub(crate) struct Launch<'a> {
+    dev: &'a Device,
+    func: &'a CudaFunction,
+    args: Vec<*mut c_void>,
+}
+
+impl<'a> Launch<'a> {
+    /// Adds the next argument (a device pointer as `u64`, or a scalar).
+    pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.push(value as *const T as *mut c_void);
+        self
+    }
+
+    /// Launches the kernel.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order
+    /// and type, and every pointer must be valid for what the kernel does
+    /// with it for as long as it runs.
+    pub unsafe fn launch(&mut self, cfg: LaunchConfig) -> std::result::Result<(), DriverError> {
+        self.dev.ctx.bind_to_thread()?;
+        // SAFETY: a zeroed attribute is a valid value of the C union.
+        let mut attr: drv_sys::CUlaunchAttribute = std::mem::zeroed();
+        attr.id =
+            drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = drv_sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.dev.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.dev.pdl),
+        };
+        // SAFETY: the caller vouches for the arguments; `config` and `attr`
+        // live through the call.
+        drv_sys::cuLaunchKernelEx(
+            &config,
+            self.func.cu_function(),
+            self.args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+        .result()
     }
 }

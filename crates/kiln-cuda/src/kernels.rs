@@ -21,6 +21,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("fused", include_str!("kernels/fused.cu")),
     ("flash", include_str!("kernels/flash.cu")),
     ("skinny", include_str!("kernels/skinny.cu")),
+    ("sample", include_str!("kernels/sample.cu")),
 ];
 
 /// Every kernel the backend launches by name (the CI compile test checks
@@ -70,6 +71,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "rms_norm_gemv_direct_bf16_m8",
     "argmax_logprob_bf16",
     "argmax_logprob_masked_bf16",
+    "sample_bf16",
     "qkv_rope_write_bf16",
     "gated_act_packed_bf16",
     "decode_attention_hd64",

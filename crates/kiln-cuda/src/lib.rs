@@ -20,6 +20,8 @@ pub mod kernels;
 pub mod meta;
 mod norm_gemv;
 pub mod pool;
+mod sample;
+mod sample_check;
 pub mod selfcheck;
 pub mod skinny;
 

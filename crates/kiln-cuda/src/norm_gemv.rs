@@ -7,7 +7,7 @@
 //! summation order and bf16 rounding, so their results equal the unfused
 //! ops' on the same inputs.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_tensor::{Activation, Backend, Result, Tensor, TensorError};
 
 use crate::backend::{act_code, linear_dims, norm_threads, GEMV_MAX_ROWS};
@@ -92,7 +92,7 @@ impl CudaBackend {
             shared_mem_bytes: plan.smem as u32,
         };
         let func = self.dev.func(&plan.name)?;
-        let mut b = self.dev.stream.launch_builder(func);
+        let mut b = self.dev.launch(func);
         b.arg(&x)
             .arg(&norm_w)
             .arg(&w)

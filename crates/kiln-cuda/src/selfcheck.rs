@@ -1,8 +1,9 @@
 //! Cross-backend op checks: every op of [`CudaBackend`] against the CPU
 //! reference backend on the same (bf16-rounded) inputs, at odd sizes, GQA
 //! ratios, head dims 64/128/256, prefill, chunked prefill, mixed and
-//! split-KV decode batches, sliding windows, and recorded (graph) decode
-//! steps replayed against fresh metadata. `kiln dev cuda-check` runs it on a
+//! split-KV decode batches, sliding windows, recorded (graph) decode
+//! steps replayed against fresh metadata, and the device sampler against
+//! its host reference (`sample_check.rs`). `kiln dev cuda-check` runs it on a
 //! GPU machine and writes the report.
 
 use half::bf16;
@@ -145,6 +146,7 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     skinny_ops(&mut p, &mut Rng(0x5851_F42D_4C95_7F2D))?;
     recorded_steps(&mut p, &mut rng, &Toy::SKINNY)?;
     p.gpu.set_skinny_gemm_enabled(was);
+    p.checks.extend(crate::sample_check::checks(p.gpu)?);
     Ok(p.checks)
 }
 

@@ -12,7 +12,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 use kiln_tensor::Result;
 
 use crate::device::{dev_err, Device};
@@ -81,25 +81,7 @@ impl Skinny {
             )
             .map(|n| n.max(1) as usize)
             .unwrap_or(132);
-        let counters = dev.alloc_exact(COUNTERS * 4, "skinny GEMM counters").ok();
-        if let Some(c) = &counters {
-            // SAFETY: c holds COUNTERS u32.
-            let zeroed = unsafe {
-                cudarc::driver::result::memset_d8_async(
-                    c.ptr,
-                    0,
-                    COUNTERS * 4,
-                    dev.stream.cu_stream(),
-                )
-            };
-            if zeroed.is_err() {
-                return Skinny {
-                    enabled: AtomicBool::new(false),
-                    sms,
-                    counters: None,
-                };
-            }
-        }
+        let counters = dev.alloc_zeroed(COUNTERS * 4, "skinny GEMM counters").ok();
         Skinny {
             enabled: AtomicBool::new(false),
             sms,
@@ -177,7 +159,7 @@ impl CudaBackend {
             shared_mem_bytes: smem_bytes(mt) as u32,
         };
         let func = self.dev.func(&name)?;
-        let mut b = self.dev.stream.launch_builder(func);
+        let mut b = self.dev.launch(func);
         b.arg(&x)
             .arg(&w)
             .arg(&out)

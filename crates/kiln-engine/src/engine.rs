@@ -11,18 +11,18 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kiln_sampling::{FinishReason, TokenId};
+use kiln_sampling::{DeviceStep, FinishReason, SamplingError, TokenId};
 use kiln_scheduler::{
     KvCacheSpec, Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats,
 };
-use kiln_tensor::ForwardBatch;
+use kiln_tensor::{ForwardBatch, SampleRow, SampledRow};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::events::{Event, RequestTimings, Usage};
 use crate::generate::{entropy, GenerationRequest};
 use crate::load::LoadedModel;
-use crate::process::{TokenOutcome, TokenProcessor};
+use crate::process::{sample_row, TokenOutcome, TokenProcessor};
 
 /// Sizes of the engine's KV pool and step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -310,6 +310,7 @@ impl Engine {
                     decode_step_seconds_total: 0.0,
                     decode_step_tokens: 0,
                     masks: MaskStats::default(),
+                    device_sampler: true,
                 };
                 lp.run(rx);
             })
@@ -340,11 +341,12 @@ impl Drop for Engine {
 /// A step's logits on the host, or the ids the device picked.
 enum Logits {
     Full(Vec<f32>),
-    Picked(Vec<(u32, f32)>),
-    /// The argmax of every row, and the host logits of some: row `r`'s are
-    /// block `index[r]` of `host`.
+    /// Every row sampled on the device (`None`: no token was possible).
+    Picked(Vec<Option<SampledRow>>),
+    /// The device's pick of every row, and the host logits of some: row
+    /// `r`'s are block `index[r]` of `host`.
     Mixed {
-        picked: Vec<(u32, f32)>,
+        picked: Vec<Option<SampledRow>>,
         host: Vec<f32>,
         index: Vec<Option<usize>>,
     },
@@ -374,6 +376,9 @@ struct Loop<'m> {
     decode_step_seconds_total: f64,
     decode_step_tokens: u64,
     masks: MaskStats,
+    /// Whether the backend samples rows where the logits are (until it
+    /// first says it cannot).
+    device_sampler: bool,
 }
 
 /// Counters of the output-format masks computed alongside forward passes.
@@ -520,15 +525,17 @@ impl<'m> Loop<'m> {
             let table = s.block_table.iter().map(|b| b.0).collect();
             batch.push_seq(&tokens, s.num_computed_tokens, table, s.wants_logits);
         }
-        // Rows whose requests take the (masked) argmax are sampled on the
-        // device: only ids cross to the host; the others' logits are copied.
-        let kinds: Vec<RowKind> = out
+        // Rows the device can sample (the (masked) argmax, or any
+        // parameters its sampler takes) are sampled there: only ids cross to
+        // the host; the others' logits are copied.
+        let mut kinds: Vec<RowKind> = out
             .scheduled
             .iter()
             .filter(|s| s.wants_logits)
             .map(|s| match self.active.get(&s.id) {
                 Some(a) if a.proc.wants_plain_argmax() => RowKind::Argmax,
                 Some(a) if a.proc.wants_masked_argmax() => RowKind::Masked,
+                Some(a) if self.device_sampler && a.proc.wants_device_sample() => RowKind::Sampled,
                 _ => RowKind::Host,
             })
             .collect();
@@ -574,16 +581,35 @@ impl<'m> Loop<'m> {
                 mask_seconds.map(|s| (s, forward_done.elapsed().as_secs_f64())),
             )
         });
-        // The masks are ready: the device argmax can use them.
-        let masks: Vec<Option<Vec<u32>>> = kinds
-            .iter()
-            .zip(&row_ids)
-            .map(|(k, id)| match k {
-                RowKind::Masked => self.active.get(id).and_then(|a| a.proc.mask_words()),
-                _ => None,
-            })
-            .collect();
-        let logits = logits.and_then(|t| read_logits(model, &t, &kinds, &masks));
+        // The masks are ready: the device argmax and sampler can use them.
+        let mut masks: Vec<Option<Vec<u32>>> = vec![None; kinds.len()];
+        let mut steps: Vec<Option<DeviceStep>> = vec![None; kinds.len()];
+        for (row, id) in row_ids.iter().enumerate() {
+            let Some(a) = self.active.get_mut(id) else {
+                continue;
+            };
+            match kinds[row] {
+                RowKind::Masked => masks[row] = a.proc.mask_words(),
+                // A row whose data is not ready (or fails: the host path
+                // reports it) samples on the host.
+                RowKind::Sampled => match a.proc.device_row() {
+                    Ok(Some((step, mask))) => {
+                        steps[row] = Some(step);
+                        masks[row] = mask;
+                    }
+                    _ => kinds[row] = RowKind::Host,
+                },
+                _ => {}
+            }
+        }
+        let device_sampler = &mut self.device_sampler;
+        let logits = logits.and_then(|t| {
+            let logits = read_logits(model, &t, &kinds, &masks, &steps)?;
+            if kinds.contains(&RowKind::Sampled) && !logits.1 {
+                *device_sampler = false;
+            }
+            Ok(logits.0)
+        });
         if let Some((seconds, wait)) = mask_timing {
             self.masks.steps += 1;
             self.masks.count += mask_ids.len() as u64;
@@ -621,12 +647,15 @@ impl<'m> Loop<'m> {
             .par_iter_mut()
             .map(|(row, a)| {
                 let row = *row;
-                let take = |a: &mut Active<'m>, (id, lp): (u32, f32)| match kinds[row] {
-                    RowKind::Masked => a.proc.on_masked_argmax(id, lp),
-                    _ => a.proc.on_argmax(id, lp),
+                let take = |a: &mut Active<'m>, pick: &Option<SampledRow>| match (kinds[row], pick)
+                {
+                    (_, None) => Err(SamplingError::NoCandidates.into()),
+                    (RowKind::Masked, Some(p)) => a.proc.on_masked_argmax(p.token, p.logprob),
+                    (RowKind::Sampled, Some(p)) => a.proc.on_device_sample(p.clone()),
+                    (_, Some(p)) => a.proc.on_argmax(p.token, p.logprob),
                 };
                 let outcome = match &logits {
-                    Logits::Picked(p) => take(a, p[row]),
+                    Logits::Picked(p) => take(a, &p[row]),
                     Logits::Full(l) => a
                         .proc
                         .on_logits(&mut l[row * vocab..(row + 1) * vocab].to_vec()),
@@ -638,7 +667,7 @@ impl<'m> Loop<'m> {
                         Some(k) => a
                             .proc
                             .on_logits(&mut host[k * vocab..(k + 1) * vocab].to_vec()),
-                        None => take(a, picked[row]),
+                        None => take(a, &picked[row]),
                     },
                 };
                 (row, outcome)
@@ -771,45 +800,69 @@ enum RowKind {
     Argmax,
     /// The argmax under the request's output-format mask.
     Masked,
+    /// Sampled on the device from the request's [`DeviceStep`] (under its
+    /// mask when the output format applies), when the backend can.
+    Sampled,
     /// On the host, from the row's logits.
     Host,
 }
 
-/// The logits of a step as the rows need them: only the argmax ids of rows
-/// sampled on the device (`masks[row]` restricting `Masked` rows) when the
-/// backend computes them, the host copy of the other rows.
+/// The logits of a step as the rows need them: only the device's picks
+/// for rows sampled there (`masks[row]` restricting `Masked` and `Sampled`
+/// rows, `steps[row]` the parameters of `Sampled` ones) when the backend
+/// samples, the host copy of the other rows. With a `Sampled` row, one
+/// `sample_rows` call takes every device row (the argmax rows greedy);
+/// without one, or when the backend has no sampler, the argmax kernels.
+/// The flag says whether the backend's sampler ran.
 fn read_logits(
     model: &LoadedModel,
     t: &kiln_tensor::Tensor,
     kinds: &[RowKind],
     masks: &[Option<Vec<u32>>],
-) -> kiln_models::Result<Logits> {
-    let backend = model.model.backend();
+    steps: &[Option<DeviceStep>],
+) -> kiln_models::Result<(Logits, bool)> {
+    let backend = model.model.backend().as_ref();
+    let sampled = if kinds.contains(&RowKind::Sampled) {
+        let rows: Vec<SampleRow<'_>> = (0..kinds.len())
+            .map(|row| match (kinds[row], &steps[row]) {
+                (RowKind::Sampled, Some(step)) => sample_row(step, masks[row].as_deref()),
+                (RowKind::Masked, _) => SampleRow {
+                    mask: masks[row].as_deref(),
+                    ..SampleRow::GREEDY
+                },
+                // Host rows' picks are not used.
+                _ => SampleRow::GREEDY,
+            })
+            .collect();
+        backend
+            .sample_rows(t, &rows)?
+            .filter(|p| p.len() == kinds.len())
+    } else {
+        None
+    };
+    let device_sampled = sampled.is_some();
     let any_masked = kinds
         .iter()
         .zip(masks)
         .any(|(k, m)| *k == RowKind::Masked && m.is_some());
-    let picked = if any_masked {
-        let refs: Vec<Option<&[u32]>> = masks.iter().map(|m| m.as_deref()).collect();
-        backend.argmax_rows_masked(t, &refs)?
-    } else if kinds.contains(&RowKind::Argmax) {
-        backend.argmax_rows(t)?
-    } else {
-        None
-    }
-    .filter(|p| p.len() == kinds.len());
     // Rows the device could not take go to the host: masked rows without a
-    // mask, and every masked row when the backend has no masked argmax.
+    // mask, every masked row when the backend has no masked argmax, and the
+    // sampled rows when it has no sampler.
     let on_device = |row: usize| match kinds[row] {
         RowKind::Argmax => true,
-        RowKind::Masked => any_masked && masks[row].is_some(),
+        RowKind::Masked => (device_sampled || any_masked) && masks[row].is_some(),
+        RowKind::Sampled => device_sampled && steps[row].is_some(),
         RowKind::Host => false,
     };
+    let picked = match sampled {
+        Some(p) => Some(p),
+        None => argmax_picks(backend, t, kinds, masks, any_masked)?,
+    };
     let Some(picked) = picked else {
-        return Ok(Logits::Full(backend.to_host(t)?));
+        return Ok((Logits::Full(backend.to_host(t)?), device_sampled));
     };
     if (0..kinds.len()).all(on_device) {
-        return Ok(Logits::Picked(picked));
+        return Ok((Logits::Picked(picked), device_sampled));
     }
     let rows: Vec<u32> = (0..kinds.len() as u32)
         .filter(|&r| !on_device(r as usize))
@@ -819,9 +872,44 @@ fn read_logits(
         index[r as usize] = Some(k);
     }
     let host = backend.to_host(&backend.gather_rows(t, &rows)?)?;
-    Ok(Logits::Mixed {
+    let logits = Logits::Mixed {
         picked,
         host,
         index,
-    })
+    };
+    Ok((logits, device_sampled))
+}
+
+/// The device argmax of every row (masked rows under their masks), when
+/// the backend has it and some row takes it.
+fn argmax_picks(
+    backend: &dyn kiln_tensor::Backend,
+    t: &kiln_tensor::Tensor,
+    kinds: &[RowKind],
+    masks: &[Option<Vec<u32>>],
+    any_masked: bool,
+) -> kiln_models::Result<Option<Vec<Option<SampledRow>>>> {
+    let argmax = if any_masked {
+        let refs: Vec<Option<&[u32]>> = masks
+            .iter()
+            .zip(kinds)
+            .map(|(m, k)| m.as_deref().filter(|_| *k == RowKind::Masked))
+            .collect();
+        backend.argmax_rows_masked(t, &refs)?
+    } else if kinds.contains(&RowKind::Argmax) {
+        backend.argmax_rows(t)?
+    } else {
+        None
+    };
+    Ok(argmax.filter(|p| p.len() == kinds.len()).map(|p| {
+        p.into_iter()
+            .map(|(token, logprob)| {
+                Some(SampledRow {
+                    token,
+                    logprob,
+                    top: Vec::new(),
+                })
+            })
+            .collect()
+    }))
 }

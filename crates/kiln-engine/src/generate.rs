@@ -10,7 +10,7 @@ use kiln_tensor::ForwardBatch;
 
 use crate::error::{EngineError, Result};
 use crate::load::LoadedModel;
-use crate::process::TokenProcessor;
+use crate::process::{TokenOutcome, TokenProcessor};
 
 /// Tokens per KV block.
 const BLOCK_SIZE: usize = 16;
@@ -160,9 +160,16 @@ impl LoadedModel {
             } else {
                 None
             };
-            let out = match picked.as_deref() {
-                Some(&[(token, logprob)]) => proc.on_argmax(token, logprob)?,
-                _ => proc.on_logits(&mut backend.to_host(&logits)?)?,
+            let device = match picked.as_deref() {
+                Some(&[(token, logprob)]) => Some(proc.on_argmax(token, logprob)?),
+                _ if proc.wants_device_sample() => {
+                    device_sample(backend.as_ref(), &logits, &mut proc)?
+                }
+                _ => None,
+            };
+            let out = match device {
+                Some(out) => out,
+                None => proc.on_logits(&mut backend.to_host(&logits)?)?,
             };
             if decode_start.is_none() {
                 timings.prefill_seconds = start.elapsed().as_secs_f64();
@@ -202,5 +209,22 @@ impl LoadedModel {
             logprobs,
             timings,
         })
+    }
+}
+
+/// The next token sampled where the logits are, when the backend can.
+fn device_sample(
+    backend: &dyn kiln_tensor::Backend,
+    logits: &kiln_tensor::Tensor,
+    proc: &mut TokenProcessor<'_>,
+) -> Result<Option<TokenOutcome>> {
+    let Some((step, mask)) = proc.device_row()? else {
+        return Ok(None);
+    };
+    let row = crate::process::sample_row(&step, mask.as_deref());
+    match backend.sample_rows(logits, &[row])?.as_deref() {
+        Some([Some(sampled)]) => Ok(Some(proc.on_device_sample(sampled.clone())?)),
+        Some([None]) => Err(kiln_sampling::SamplingError::NoCandidates.into()),
+        _ => Ok(None),
     }
 }

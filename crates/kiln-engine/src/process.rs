@@ -4,8 +4,10 @@
 //! finish and emit text the same way.
 
 use kiln_sampling::{
-    FinishReason, History, RepetitionGuard, Sampled, Sampler, SamplingParams, StopMatcher, TokenId,
+    DeviceStep, FinishReason, History, RepetitionGuard, Sampled, Sampler, SamplingParams,
+    StopMatcher, TokenId,
 };
+use kiln_tensor::{SampleRow, SampledRow};
 use kiln_text::IncrementalDetokenizer;
 
 use crate::error::Result;
@@ -216,6 +218,55 @@ impl<'m> TokenProcessor<'m> {
         self.jump(outcome)
     }
 
+    /// Whether the next token may be sampled where the logits are, from
+    /// [`TokenProcessor::device_row`]'s data: any parameters the device
+    /// sampler takes, but not right after a reasoning block (where blank
+    /// tokens pass the format's mask, which the host path handles).
+    pub fn wants_device_sample(&self) -> bool {
+        !self.after_reasoning() && self.sampler.device_supported()
+    }
+
+    /// The next token's device sampling data (penalty counts brought up to
+    /// date, the draw's number read but not yet consumed), with the prepared
+    /// mask as device words when the output format applies; `None` when that
+    /// mask is not ready (the row samples on the host, which computes it).
+    pub fn device_row(&mut self) -> Result<Option<(DeviceStep, Option<Vec<u32>>)>> {
+        let mask = match self.active_constraint() {
+            Some(c) => match self.mask.as_ref() {
+                Some(m) => Some(c.mask_words(m)),
+                None => return Ok(None),
+            },
+            None => None,
+        };
+        let step = self
+            .sampler
+            .device_step(&History::new(&self.prompt, &self.generated))?;
+        Ok(Some((step, mask)))
+    }
+
+    /// Process the token the backend sampled from [`TokenProcessor::device_row`]'s
+    /// data (only for requests that [`TokenProcessor::wants_device_sample`]):
+    /// consumes the draw's number, commits the token to the output format
+    /// and takes what the format forces after it, as [`TokenProcessor::on_logits`].
+    pub fn on_device_sample(&mut self, row: SampledRow) -> Result<TokenOutcome> {
+        self.sampler.finish_device_step();
+        if self.active_constraint().is_some() {
+            self.mask = None;
+            if let Some(c) = self.constraint.as_mut() {
+                c.commit(row.token)?;
+            }
+            if let Some(g) = self.gate.as_mut() {
+                g.state = GateState::Answer;
+            }
+        }
+        let outcome = self.process(Sampled {
+            token: TokenId(row.token),
+            logprob: row.logprob,
+            top: row.top.into_iter().map(|(t, l)| (TokenId(t), l)).collect(),
+        })?;
+        self.jump(outcome)
+    }
+
     /// Whether [`TokenProcessor::prepare_mask`] has work to do.
     pub fn needs_mask(&self) -> bool {
         self.active_constraint().is_some() && self.mask.is_none()
@@ -392,5 +443,23 @@ impl<'m> TokenProcessor<'m> {
             text.push_str(&self.stops.finish());
         }
         Ok(text)
+    }
+}
+
+/// A backend's sampling row for `step` under `mask`.
+pub(crate) fn sample_row<'a>(step: &'a DeviceStep, mask: Option<&'a [u32]>) -> SampleRow<'a> {
+    SampleRow {
+        temperature: step.temperature,
+        top_k: step.top_k,
+        top_p: step.top_p,
+        min_p: step.min_p,
+        u: step.u,
+        logit_bias: &step.logit_bias,
+        repetition_penalty: step.repetition_penalty,
+        frequency_penalty: step.frequency_penalty,
+        presence_penalty: step.presence_penalty,
+        penalties: &step.penalties,
+        mask,
+        top_logprobs: step.top_logprobs,
     }
 }

@@ -4,15 +4,18 @@
 //!
 //! Everything here works on plain host data: a `&mut [f32]` row of logits, token ids
 //! and text. This crate must not depend on tensors, devices, tokenizers, the engine
-//! or the wire format (no serde); its only dependency is `thiserror`. A GPU sampler
-//! will come later and must reproduce the semantics documented in [`sampler`] and
-//! [`stop`]; the tests in `tests/statistical.rs` pin down the distributions.
+//! or the wire format (no serde); its only dependency is `thiserror`. A device
+//! sampler (the CUDA backend's) takes [`Sampler::device_step`]'s data and must
+//! reproduce the semantics documented in [`sampler`] (drawing in its *device order*);
+//! the tests in `tests/statistical.rs` pin down the distributions.
 //!
 //! Main types:
 //!
 //! * [`SamplingParams`]: what a request asks for, with [`SamplingParams::validate`].
 //! * [`Sampler`]: per-request state (RNG, penalty counts, scratch buffers);
 //!   [`Sampler::sample`] turns logits and a [`History`] into a [`Sampled`] token.
+//! * [`DeviceStep`]: one step's sampling data for a backend that samples where the
+//!   logits are ([`Sampler::device_step`]).
 //! * [`StopMatcher`]: withholds stop strings from streamed text.
 //! * [`RepetitionGuard`]: ends generation stuck in a loop.
 //! * [`FinishReason`]: why generation ended, with OpenAI's names.
@@ -21,6 +24,7 @@
 
 #![warn(missing_docs)]
 
+mod device;
 mod error;
 mod finish;
 mod guard;
@@ -32,6 +36,7 @@ pub mod sampler;
 pub mod stop;
 mod truncation;
 
+pub use device::DeviceStep;
 pub use error::SamplingError;
 pub use finish::FinishReason;
 pub use guard::RepetitionGuard;

@@ -86,6 +86,28 @@ impl PenaltyState {
         Ok(())
     }
 
+    /// `(token, generated_count, in_prompt)` for every distinct generated token,
+    /// and for every distinct prompt token when `with_prompt` (the repetition
+    /// penalty is on), sorted by token: what a device sampler needs to apply
+    /// the penalties as [`PenaltyState::apply`] does.
+    pub(crate) fn device_entries(&self, with_prompt: bool) -> Vec<(u32, u32, bool)> {
+        let mut entries: Vec<(u32, u32, bool)> = self
+            .generated_counts
+            .iter()
+            .map(|(&id, &count)| (id, count, self.prompt_ids.binary_search(&id).is_ok()))
+            .collect();
+        if with_prompt {
+            entries.extend(
+                self.prompt_ids
+                    .iter()
+                    .filter(|id| !self.generated_counts.contains_key(id))
+                    .map(|&id| (id, 0, true)),
+            );
+        }
+        entries.sort_unstable_by_key(|e| e.0);
+        entries
+    }
+
     /// Applies the penalties of `params` to `logits`, in this order:
     ///
     /// 1. Repetition penalty `r`, once per distinct token in prompt or generated text:

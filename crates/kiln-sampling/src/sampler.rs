@@ -43,6 +43,17 @@
 //!       order that is does not change the distribution, only which token a given `u`
 //!       maps to, so a GPU sampler matches in distribution, not draw for draw.
 //!
+//! # Device order
+//!
+//! A backend that samples where the logits are ([`Sampler::device_step`] gives it
+//! this step's data) keeps exactly the same survivors (up to `f64` summation order
+//! where `top_p`'s boundary falls) and computes the same logprobs, but draws in
+//! **id order**: with the same `U` (one xoshiro256** output, top 53 bits, drawn only
+//! when not greedy), the token is the first survivor by increasing id whose running
+//! weight sum exceeds `U * Σ w`. So a seeded request repeats exactly on the device,
+//! and device and host agree in distribution. If rounding leaves no such token, the
+//! highest-id survivor of positive weight is taken.
+//!
 //! The RNG is seeded once per request with splitmix64 from `seed` (or caller entropy),
 //! so a seeded request repeats exactly given the same logits.
 
@@ -50,7 +61,7 @@ use crate::logprobs::{log_normalizer, top_logprobs};
 use crate::processors::{apply_logit_bias, penalties_enabled, PenaltyState};
 use crate::rng::Rng;
 use crate::truncation::{apply_min_p, apply_top_k, apply_top_p, Candidate};
-use crate::{SamplingError, SamplingParams, TokenId};
+use crate::{DeviceStep, SamplingError, SamplingParams, TokenId, MAX_LOGPROBS};
 
 /// The tokens a request has seen so far, passed to every [`Sampler::sample`] call.
 ///
@@ -177,6 +188,57 @@ impl Sampler {
             logprob: (f64::from(logit) - log_z) as f32,
             top,
         })
+    }
+
+    /// Whether a backend may sample this request's rows where the logits are
+    /// (see [`Sampler::device_step`]).
+    pub fn device_supported(&self) -> bool {
+        self.params.logprobs.unwrap_or(0) <= MAX_LOGPROBS && u32::try_from(self.vocab_size).is_ok()
+    }
+
+    /// This step's data for a device sampler (the module documentation's *device
+    /// order*), without touching logits: brings the penalty counts up to date with
+    /// `history` and reads the draw's uniform number without consuming it. Once the
+    /// device's token is taken, [`Sampler::finish_device_step`] consumes it, so a
+    /// step that falls back to [`Sampler::sample`] draws the same number.
+    pub fn device_step(&mut self, history: &History<'_>) -> Result<DeviceStep, SamplingError> {
+        let params = &self.params;
+        let penalties = if penalties_enabled(params) {
+            self.penalties.update(history, self.vocab_size)?;
+            self.penalties
+                .device_entries(params.repetition_penalty != 1.0)
+        } else {
+            Vec::new()
+        };
+        let u = if params.is_greedy() {
+            0.0
+        } else {
+            self.rng.clone().next_f64()
+        };
+        Ok(DeviceStep {
+            temperature: params.temperature,
+            top_k: u32::try_from(params.top_k)
+                .ok()
+                .filter(|&k| (k as usize) < self.vocab_size)
+                .unwrap_or(0),
+            top_p: params.top_p,
+            min_p: params.min_p,
+            u,
+            logit_bias: params.logit_bias.iter().map(|&(t, b)| (t.0, b)).collect(),
+            repetition_penalty: params.repetition_penalty,
+            frequency_penalty: params.frequency_penalty,
+            presence_penalty: params.presence_penalty,
+            penalties,
+            top_logprobs: params.logprobs.unwrap_or(0).min(MAX_LOGPROBS) as u32,
+        })
+    }
+
+    /// Consumes the uniform number [`Sampler::device_step`] read (nothing when
+    /// greedy), after the device sampled a token with it.
+    pub fn finish_device_step(&mut self) {
+        if !self.params.is_greedy() {
+            self.rng.next_f64();
+        }
     }
 
     /// Steps 6.1 to 6.5 of the module documentation.

@@ -53,6 +53,65 @@ pub struct DeviceMemory {
     pub reserved_bytes: u64,
 }
 
+/// One row's sampling request for [`Backend::sample_rows`]: the parameters
+/// and per-step data of the host sampler (`kiln_sampling::Sampler`, whose
+/// module documentation defines the semantics), with the one uniform
+/// number `u` drawn on the host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SampleRow<'a> {
+    /// 0 is greedy (the highest processed logit, ties to the lowest id).
+    pub temperature: f32,
+    /// 0 is off.
+    pub top_k: u32,
+    /// 1 is off.
+    pub top_p: f32,
+    /// 0 is off.
+    pub min_p: f32,
+    /// The draw's uniform number in `[0, 1)` (unused when greedy).
+    pub u: f64,
+    /// `(token, bias)`, distinct tokens; a bias of -100 or less bans the token.
+    pub logit_bias: &'a [(u32, f32)],
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// `(token, generated_count, in_prompt)` for every distinct token the
+    /// penalties apply to.
+    pub penalties: &'a [(u32, u32, bool)],
+    /// Allowed ids as bit words (as [`Backend::argmax_rows_masked`]); `None`:
+    /// every id.
+    pub mask: Option<&'a [u32]>,
+    /// How many top alternatives to return (at most 20).
+    pub top_logprobs: u32,
+}
+
+impl SampleRow<'_> {
+    /// A greedy row with nothing else asked: the plain argmax.
+    pub const GREEDY: SampleRow<'static> = SampleRow {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        u: 0.0,
+        logit_bias: &[],
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        penalties: &[],
+        mask: None,
+        top_logprobs: 0,
+    };
+}
+
+/// One row's result from [`Backend::sample_rows`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SampledRow {
+    pub token: u32,
+    /// The token's log-probability under the processed logits.
+    pub logprob: f32,
+    /// The `top_logprobs` best tokens, highest first, ties to lower ids.
+    pub top: Vec<(u32, f32)>,
+}
+
 /// Per-head RMSNorm of q and k applied before RoPE (Qwen3, Gemma 3).
 #[derive(Clone, Copy)]
 pub struct QkNorm<'a> {
@@ -377,6 +436,20 @@ pub trait Backend: Send + Sync {
                 .map(|(row, mask)| masked_argmax(row, *mask))
                 .collect(),
         ))
+    }
+
+    /// Samples every row of `logits [rows, vocab]` where the logits are,
+    /// one [`SampleRow`] per row, so only ids and log-probabilities cross
+    /// to the host. A row whose processed logits are all `-inf` comes back
+    /// as `None`. `Ok(None)` when the backend has no such path (the caller
+    /// samples on the host); the default.
+    fn sample_rows(
+        &self,
+        logits: &Tensor,
+        rows: &[SampleRow<'_>],
+    ) -> Result<Option<Vec<Option<SampledRow>>>> {
+        let _ = (logits, rows);
+        Ok(None)
     }
 
     /// Run one forward step: `forward(batch)` returns the logits of

@@ -232,6 +232,14 @@ impl Backend for ProfilingBackend {
         })
     }
 
+    fn sample_rows(
+        &self,
+        logits: &Tensor,
+        rows: &[crate::SampleRow<'_>],
+    ) -> Result<Option<Vec<Option<crate::SampledRow>>>> {
+        self.timed("sample_rows", || self.inner.sample_rows(logits, rows))
+    }
+
     fn run_step(
         &self,
         batch: &ForwardBatch,

@@ -36,6 +36,15 @@ pub struct BenchEngineArgs {
     /// (structured output under load; masks are counted per step).
     #[arg(long, default_value_t = 0.0)]
     pub json_fraction: f64,
+    /// Sampling temperature of the measured requests (0: greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass of the measured requests.
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Top-k of the measured requests (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
 }
 
 /// The schema of constrained requests: open strings keep a random model
@@ -144,6 +153,10 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
                     a.prompt_tokens,
                 )?;
                 let mut r = request(p, a.gen_tokens, Some(format!("r{round}-{i}")));
+                r.params.temperature = a.temperature;
+                r.params.top_p = a.top_p;
+                r.params.top_k = a.top_k;
+                r.params.seed = Some(i as u64);
                 // Spread the constrained requests evenly over the batch.
                 let f = a.json_fraction.clamp(0.0, 1.0);
                 if ((i + 1) as f64 * f).floor() > (i as f64 * f).floor() {
@@ -204,6 +217,9 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
             "decode_tokens_per_second": decode_tps,
             "forward_seconds": after.step_seconds_total - before.step_seconds_total,
             "json_fraction": a.json_fraction,
+            "temperature": a.temperature,
+            "top_p": a.top_p,
+            "top_k": a.top_k,
             "mask_steps": after.mask_steps - before.mask_steps,
             "masks": after.masks - before.masks,
             "mask_seconds": after.mask_seconds_total - before.mask_seconds_total,

@@ -36,6 +36,7 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
                                                 int kv_heads,
                                                 int head_dim, int block_size, float scale, int window,
                                                 float softcap) {
+    kiln_pdl_enter();
     extern __shared__ float smem[];
     float* scores = smem;               // blockDim.x
     float* acc = smem + blockDim.x;     // head_dim

@@ -32,3 +32,29 @@ __device__ __forceinline__ float block_sum(float v) {
     __syncthreads();
     return v;
 }
+
+// Programmatic dependent launch (sm_90+; no-ops below and when the launch did
+// not ask for it). Every kernel begins with kiln_pdl_enter(): it lets the next
+// kernel of the stream be scheduled as soon as all of this grid's blocks have
+// started, then waits until the previous kernel has finished and its writes
+// are visible. Nothing before the wait may read what an earlier kernel wrote
+// or write anything an earlier kernel reads (only prefetches of weights, which
+// no kernel writes, go before it).
+__device__ __forceinline__ void kiln_pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kiln_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void kiln_pdl_enter() {
+    kiln_pdl_trigger();
+    kiln_pdl_wait();
+}
+
+// Ask L2 for the line holding p ahead of its load (weights, which no kernel writes: allowed
+// before kiln_pdl_wait()).
+__device__ __forceinline__ void kiln_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }

@@ -4,6 +4,7 @@
 // out[t, :] = table[ids[t], :]. One block per token.
 extern "C" __global__ void embedding_bf16(const bf16* __restrict__ table, const unsigned int* __restrict__ ids,
                                           bf16* __restrict__ out, int d) {
+    kiln_pdl_enter();
     const long long row = ids[blockIdx.x];
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[(long long)blockIdx.x * d + i] = table[row * d + i];
 }
@@ -15,6 +16,7 @@ extern "C" __global__ void embedding_bf16(const bf16* __restrict__ table, const 
 extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* __restrict__ residual,
                                              const bf16* __restrict__ w, bf16* __restrict__ out, int d, float eps,
                                              float weight_offset) {
+    kiln_pdl_enter();
     const long long base = (long long)blockIdx.x * d;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -36,6 +38,7 @@ extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* _
 // out = act(gate) * up over n elements; act 0 = SiLU, 1 = GELU (tanh approximation).
 extern "C" __global__ void gated_act_bf16(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                           bf16* __restrict__ out, long long n, int act) {
+    kiln_pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const float g = to_f32(gate[i]);
@@ -55,6 +58,7 @@ extern "C" __global__ void gated_act_bf16(const bf16* __restrict__ gate, const b
 extern "C" __global__ void rope_bf16(bf16* __restrict__ x, const unsigned int* __restrict__ positions,
                                      const float* __restrict__ inv_freq, int heads, int head_dim, int half,
                                      float attention_scaling) {
+    kiln_pdl_enter();
     const long long base = ((long long)blockIdx.x * heads + blockIdx.y) * head_dim;
     const float pos = (float)positions[blockIdx.x];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -72,6 +76,7 @@ extern "C" __global__ void rope_bf16(bf16* __restrict__ x, const unsigned int* _
 extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                          const unsigned int* __restrict__ slot_mapping, int kv_row) {
+    kiln_pdl_enter();
     const long long src = (long long)blockIdx.x * kv_row;
     const long long dst = (long long)slot_mapping[blockIdx.x] * kv_row;
     for (int i = threadIdx.x; i < kv_row; i += blockDim.x) {
@@ -83,6 +88,7 @@ extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16*
 // out = a + b, or out = a * s when b is null.
 extern "C" __global__ void add_scale_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b,
                                           bf16* __restrict__ out, long long n, float s) {
+    kiln_pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         out[i] = b ? to_bf16(to_f32(a[i]) + to_f32(b[i])) : to_bf16(to_f32(a[i]) * s);
@@ -91,6 +97,7 @@ extern "C" __global__ void add_scale_bf16(const bf16* __restrict__ a, const bf16
 
 // Add a bias [m] to every row of x [n, m] in place.
 extern "C" __global__ void add_bias_bf16(bf16* __restrict__ x, const bf16* __restrict__ bias, long long n, int m) {
+    kiln_pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n * m;
          i += (long long)gridDim.x * blockDim.x) {
         x[i] = to_bf16(to_f32(x[i]) + to_f32(bias[i % m]));
@@ -100,12 +107,14 @@ extern "C" __global__ void add_bias_bf16(bf16* __restrict__ x, const bf16* __res
 // Rows `rows` of x [n, d] into out [len(rows), d].
 extern "C" __global__ void gather_rows_bf16(const bf16* __restrict__ x, const unsigned int* __restrict__ rows,
                                             bf16* __restrict__ out, int d) {
+    kiln_pdl_enter();
     const long long src = (long long)rows[blockIdx.x] * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) out[(long long)blockIdx.x * d + i] = x[src + i];
 }
 
 // bf16 -> f32 copy (logits to the host).
 extern "C" __global__ void to_f32_bf16(const bf16* __restrict__ x, float* __restrict__ out, long long n) {
+    kiln_pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         out[i] = to_f32(x[i]);
@@ -115,6 +124,7 @@ extern "C" __global__ void to_f32_bf16(const bf16* __restrict__ x, float* __rest
 // Columns [0, width) of every row of src (row stride src_stride) into dst [rows, width].
 extern "C" __global__ void copy_cols_bf16(const bf16* __restrict__ src, long long src_stride, bf16* __restrict__ dst,
                                           int width, long long rows) {
+    kiln_pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows * width;
          i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / width, c = i % width;

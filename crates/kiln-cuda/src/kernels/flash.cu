@@ -21,20 +21,24 @@
 //
 //   decode_attention_hdN(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width,
 //                        block_size, heads, kv_heads, scale, window, softcap, partition_size,
-//                        part_out, part_ml, out, out_stride)
+//                        part_out, part_ml, counters, out, out_stride)
 //     grid (rows, kv_heads, num_parts), block 128 threads, no dynamic shared memory
-//     (static shared memory: (GB * 128 + GB * HD + 3 * GB + 128) * 4 bytes, GB = 4: < 7 KB).
+//     (static shared memory: (GB * 128 + KPI * GB * HD + 3 * GB + 128) * 4 bytes, GB = 4: < 19 KB).
 //     num_parts == gridDim.z == 1: the whole range 0..=pos (window-limited) is processed,
 //       partition_size is ignored, the normalized result goes to `out`;
 //       part_out / part_ml are not touched (may be null).
-//     num_parts > 1: partition z covers keys [z * partition_size, (z + 1) * partition_size)
-//       intersected with the row's range. It writes, for every head h of the group,
+//     num_parts > 1: the row's range [lo, hi) is split into num_parts partitions of
+//       per = max(partition_size, ceil((hi - lo) / num_parts) rounded up to 16) keys;
+//       partition z covers [lo + z * per, lo + (z + 1) * per) ∩ [lo, hi), so a grid recorded for
+//       the longest context still spreads a short one over its blocks. It writes, for every head h of the group,
 //         part_out[((row * heads + h) * num_parts + z) * HEAD_DIM + d] = sum_k exp(s_k - m) * v_k[d]
 //           (UNNORMALIZED: not divided by l)
 //         part_ml[((row * heads + h) * num_parts + z) * 2 + 0] = m  (running max of the scores)
 //         part_ml[((row * heads + h) * num_parts + z) * 2 + 1] = l  (sum_k exp(s_k - m))
-//       An empty partition writes m = -inf, l = 0 and zeros. `out` is not touched;
-//       run decode_attention_reduce_hdN afterwards.
+//       An empty partition writes only m = -inf, l = 0 (the reduce skips it).
+//       counters != null (rows * kv_heads zeroed words, left zeroed): the last partition of each
+//       (row, kv head) to finish combines them into `out` itself; counters == null: `out` is not
+//       touched; run decode_attention_reduce_hdN afterwards.
 //     Group size heads / kv_heads may be anything >= 1 (groups larger than KILN_DECODE_GB = 4
 //     are processed in passes of 4 heads, re-reading K/V; measured on H200 for the 8B shape,
 //     GB = 4 beats GB = 8 by ~2x through occupancy, 122 vs 191 registers).
@@ -58,6 +62,11 @@
 #define KILN_DECODE_GB 4      // heads of a GQA group served per pass (registers: 8 * GB accumulators)
 #endif
 #define KILN_DECODE_CHUNK 128 // keys per chunk (== threads)
+// 1: a chunk's first values are loaded together with its keys. Off: on the H200 it gave +1.9 % at
+// batch 1 (short partitions) but cost 9 % at 64 rows (longer ranges, more registers per thread).
+#ifndef KILN_DECODE_VPRE
+#define KILN_DECODE_VPRE 0
+#endif
 
 __device__ __forceinline__ float bf16lo(unsigned int u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf16hi(unsigned int u) { return __uint_as_float(u & 0xffff0000u); }
@@ -84,6 +93,58 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 // (C) P.V into per-thread accumulators acc[head][8], rescaled by the chunk correction.
 // At the end the KPI key-subgroups are summed in a fixed order (deterministic).
 // ---------------------------------------------------------------------------------------
+// The last block of a (row, kv head) to finish combines the partitions of its heads (as
+// decode_reduce_impl does, same order and math), so no second kernel runs. counters[row *
+// kv_heads + kvh] counts finished partitions; the last block sets it back to zero.
+template <int HD>
+__device__ __forceinline__ void decode_combine_last(const float* part_out, const float* part_ml,
+                                                    unsigned int* counters, int heads, int kv_heads, int active,
+                                                    bf16* __restrict__ out, long long out_stride) {
+    __shared__ int s_last;
+    const int row = blockIdx.x, kvh = blockIdx.y, nparts = gridDim.z;
+    __threadfence();  // this block's partials are visible before the count moves
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int* c = counters + (long long)row * kv_heads + kvh;
+        const bool last = atomicAdd(c, 1u) == (unsigned)nparts - 1;
+        if (last) *c = 0u;  // every partition is in: nobody touches it again this launch
+        s_last = last;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // Partitions >= active are empty (m = -inf) and would be skipped. Each thread combines 4
+    // consecutive dims of one head; the loads of all partitions are independent, in flight together.
+    const int G = heads / kv_heads;
+    for (int idx = threadIdx.x * 4; idx < G * HD; idx += blockDim.x * 4) {
+        const int h = kvh * G + idx / HD, d = idx % HD;
+        const long long base = ((long long)row * heads + h) * nparts;
+        float M = NEG_INF;
+#pragma unroll 8
+        for (int zz = 0; zz < active; ++zz) M = fmaxf(M, __ldcg(part_ml + (base + zz) * 2));
+        float L = 0.0f, a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll 4
+        for (int zz = 0; zz < active; ++zz) {
+            const float m = __ldcg(part_ml + (base + zz) * 2), l = __ldcg(part_ml + (base + zz) * 2 + 1);
+            const float4 o = __ldcg(reinterpret_cast<const float4*>(part_out + (base + zz) * HD + d));
+            if (m != NEG_INF) {
+                const float e = __expf(m - M);
+                L += e * l;
+                a0 += e * o.x;
+                a1 += e * o.y;
+                a2 += e * o.z;
+                a3 += e * o.w;
+            }
+        }
+        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+        bf16* op = out + (long long)row * out_stride + (long long)h * HD + d;
+        op[0] = to_bf16(a0 * inv);
+        op[1] = to_bf16(a1 * inv);
+        op[2] = to_bf16(a2 * inv);
+        op[3] = to_bf16(a3 * inv);
+    }
+}
+
 template <int HD>
 __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long long q_stride,
                                             const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache,
@@ -92,8 +153,8 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                                             const unsigned int* __restrict__ tables, int table_width,
                                             int block_size, int heads, int kv_heads, float scale, int window,
                                             float softcap, int partition_size, float* __restrict__ part_out,
-                                            float* __restrict__ part_ml, bf16* __restrict__ out,
-                                            long long out_stride) {
+                                            float* __restrict__ part_ml, unsigned int* __restrict__ counters,
+                                            bf16* __restrict__ out, long long out_stride) {
     constexpr int LPK = HD / 8;
     constexpr int KPI = KILN_DECODE_THREADS / LPK;
     constexpr int GB = KILN_DECODE_GB;
@@ -102,7 +163,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
     static_assert(LPK <= 32 && LPK >= GB, "head dim");
 
     __shared__ float s_p[GB][CH];
-    __shared__ __align__(16) float s_o[GB][HD];
+    __shared__ __align__(16) float s_o[KPI][GB][HD];  // per key-subgroup sums, added in a fixed order
     __shared__ float s_m[GB], s_l[GB], s_corr[GB];
     __shared__ unsigned int s_slot[CH];
 
@@ -114,22 +175,25 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
     const unsigned int* table = tables + (long long)row_seq[row] * table_width;
     int lo = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
     int hi = p + 1;
+    int active = 1;  // partitions holding keys
     if (nparts > 1) {
-        lo = max(lo, z * partition_size);
-        hi = min(hi, (z + 1) * partition_size);
+        // The row's own keys split evenly (in multiples of 16, at least
+        // partition_size each): the grid is fixed for a recorded step, the
+        // context is not.
+        const int per = max(partition_size, ((hi - lo + nparts - 1) / nparts + 15) & ~15);
+        active = (hi - lo + per - 1) / per;
+        lo += z * per;
+        hi = min(hi, lo + per);
     }
     const long long kv_row = (long long)kv_heads * HD;
 
-    if (lo >= hi) {  // empty partition (only possible when nparts > 1)
-        for (int idx = tid; idx < G * HD; idx += blockDim.x) {
-            const int h = kvh * G + idx / HD, d = idx % HD;
-            const long long pi = ((long long)row * heads + h) * nparts + z;
-            part_out[pi * HD + d] = 0.0f;
-            if (d == 0) {
-                part_ml[pi * 2 + 0] = NEG_INF;
-                part_ml[pi * 2 + 1] = 0.0f;
-            }
+    if (lo >= hi) {  // empty partition (only when nparts > 1): the reduce skips m = -inf
+        for (int g = tid; g < G; g += blockDim.x) {
+            const long long pi = ((long long)row * heads + kvh * G + g) * nparts + z;
+            part_ml[pi * 2 + 0] = NEG_INF;
+            part_ml[pi * 2 + 1] = 0.0f;
         }
+        if (counters != nullptr) decode_combine_last<HD>(part_out, part_ml, counters, heads, kv_heads, active, out, out_stride);
         return;
     }
 
@@ -169,6 +233,16 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                 s_slot[tid] = slot;
             }
             __syncthreads();
+
+            // The first round of values, in flight together with the keys.
+            uint4 v0[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int k = u * KPI + sub;
+                v0[u] = KILN_DECODE_VPRE && k < cn
+                            ? *reinterpret_cast<const uint4*>(vbase + (long long)s_slot[k] * kv_row)
+                            : make_uint4(0u, 0u, 0u, 0u);
+            }
 
             // (A) scores
             for (int k0 = 0; k0 < cn; k0 += KPI * U) {
@@ -244,7 +318,9 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int k = k0 + u * KPI + sub;
-                    if (k < cn)
+                    if (KILN_DECODE_VPRE && k0 == 0)
+                        vv[u] = v0[u];
+                    else if (k < cn)
                         vv[u] = *reinterpret_cast<const uint4*>(vbase + (long long)s_slot[k] * kv_row);
                     else
                         vv[u] = make_uint4(0u, 0u, 0u, 0u);
@@ -273,30 +349,26 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
         }
 
         // Sum the KPI key-subgroups in a fixed order.
-        for (int s = 0; s < KPI; ++s) {
-            if (sub == s) {
 #pragma unroll
-                for (int g = 0; g < GB; ++g) {
-                    if (g < gn) {
+        for (int g = 0; g < GB; ++g) {
+            if (g < gn) {
 #pragma unroll
-                        for (int i = 0; i < 8; ++i) {
-                            if (s == 0) s_o[g][ln * 8 + i] = acc[g][i];
-                            else s_o[g][ln * 8 + i] += acc[g][i];
-                        }
-                    }
-                }
+                for (int i = 0; i < 8; ++i) s_o[sub][g][ln * 8 + i] = acc[g][i];
             }
-            __syncthreads();
         }
+        __syncthreads();
 
         for (int idx = tid; idx < gn * HD; idx += blockDim.x) {
             const int g = idx / HD, d = idx % HD;
             const int h = kvh * G + hb + g;
+            float o = s_o[0][g][d];
+#pragma unroll
+            for (int s = 1; s < KPI; ++s) o += s_o[s][g][d];
             if (nparts == 1) {
-                out[(long long)row * out_stride + (long long)h * HD + d] = to_bf16(s_o[g][d] / s_l[g]);
+                out[(long long)row * out_stride + (long long)h * HD + d] = to_bf16(o / s_l[g]);
             } else {
                 const long long pi = ((long long)row * heads + h) * nparts + z;
-                part_out[pi * HD + d] = s_o[g][d];
+                part_out[pi * HD + d] = o;
                 if (d == 0) {
                     part_ml[pi * 2 + 0] = s_m[g];
                     part_ml[pi * 2 + 1] = s_l[g];
@@ -305,6 +377,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
         }
         __syncthreads();  // s_o / s_m / s_l are reused by the next pass
     }
+    if (nparts > 1 && counters != nullptr) decode_combine_last<HD>(part_out, part_ml, counters, heads, kv_heads, active, out, out_stride);
 }
 
 // Combine the partitions of decode_impl: out = sum_z exp(m_z - M) o_z / sum_z exp(m_z - M) l_z.
@@ -718,15 +791,18 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         const bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                  \
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
         int block_size, int heads, int kv_heads, float scale, int window, float softcap, int partition_size,     \
-        float* __restrict__ part_out, float* __restrict__ part_ml, bf16* __restrict__ out,                       \
-        long long out_stride) {                                                                                  \
+        float* __restrict__ part_out, float* __restrict__ part_ml, unsigned int* __restrict__ counters,          \
+        bf16* __restrict__ out, long long out_stride) {                                                          \
+        kiln_pdl_enter();                                                                                        \
         decode_impl<HD>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size, heads,     \
-                        kv_heads, scale, window, softcap, partition_size, part_out, part_ml, out, out_stride);   \
+                        kv_heads, scale, window, softcap, partition_size, part_out, part_ml, counters, out,      \
+                        out_stride);                                                                             \
     }                                                                                                            \
     extern "C" __global__ void decode_attention_reduce_hd##HD(const float* __restrict__ part_out,                \
                                                               const float* __restrict__ part_ml, int heads,      \
                                                               int num_parts, bf16* __restrict__ out,             \
                                                               long long out_stride) {                            \
+        kiln_pdl_enter();                                                                                        \
         decode_reduce_impl<HD>(part_out, part_ml, heads, num_parts, out, out_stride);                            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128, KILN_FA_MIN_BLOCKS_##HD) flash_prefill_hd##HD(                                  \
@@ -735,6 +811,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
         int block_size, const unsigned int* __restrict__ tiles, int heads, int kv_heads, float scale,            \
         int window, float softcap, bf16* __restrict__ out, long long out_stride) {                               \
+        kiln_pdl_enter();                                                                                        \
         flash_prefill_impl<HD>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,    \
                                tiles, heads, kv_heads, scale, window, softcap, out, out_stride);                 \
     }

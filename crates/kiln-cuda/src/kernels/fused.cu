@@ -38,72 +38,49 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 
 // RoPE on a packed QKV projection, with the KV-cache write fused in.
 // qkv [n, stride] rows: [q: heads * head_dim | k: kv_heads * head_dim | v: kv_heads * head_dim].
-// For token t = blockIdx.x at position pos[t], slot s = slots[t]:
-//   * every q head is rotated in place in qkv (rotate-half, pairs (i, i + half), i < half);
-//   * every k head is rotated, written back in place into qkv AND to
-//     k_cache[s * kv_heads * head_dim + h * head_dim + i];
-//   * v is copied to v_cache at the same offsets;
+// For token t = blockIdx.x at position pos[t], slot s = slots[t], and head blockIdx.y:
+//   * y < heads: q head y is rotated in place in qkv (rotate-half, pairs (i, i + half), i < half);
+//   * y = heads + h: k head h is rotated, written back in place into qkv AND to
+//     k_cache[s * kv_heads * head_dim + h * head_dim + i], and v head h is copied to v_cache at
+//     the same offsets;
 //   * dims >= 2 * half pass through unchanged (left in qkv, copied to the cache for k).
 // Same math as rope_bf16: sincosf(inv_freq[i] * (float)pos) times attn_scaling, f32 from the
 // bf16 inputs, one rounding.
-// Launch: grid.x = n tokens, block 128 or 256 (any size <= 1024), no dynamic shared memory
-// (2 KiB static: the cos/sin table when half <= 256, else recomputed per element).
+// Launch: grid (n tokens, heads + kv_heads), block 64 or 128 (any size <= 1024), no shared memory.
+// One block per head keeps a decode step's single token from running on one multiprocessor.
 extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long stride, bf16* __restrict__ k_cache,
                                                bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,
                                                const unsigned int* __restrict__ slots,
                                                const float* __restrict__ inv_freq, int half, float attn_scaling,
                                                int heads, int kv_heads, int head_dim) {
-    __shared__ float tab_c[256], tab_s[256];
+    kiln_pdl_enter();
     bf16* row = qkv + (long long)blockIdx.x * stride;
     const float p = (float)pos[blockIdx.x];
-    const long long cbase = (long long)slots[blockIdx.x] * kv_heads * head_dim;
+    const bool is_k = (int)blockIdx.y >= heads;
+    const int h = is_k ? (int)blockIdx.y - heads : (int)blockIdx.y;
+    const long long hoff = (long long)h * head_dim;
     const long long koff = (long long)heads * head_dim, voff = koff + (long long)kv_heads * head_dim;
-    const bool use_tab = half <= 256;
-    if (use_tab) {
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            float s, c;
-            sincosf(inv_freq[i] * p, &s, &c);
-            tab_s[i] = s * attn_scaling;
-            tab_c[i] = c * attn_scaling;
-        }
-        __syncthreads();
-    }
-    const int qpairs = heads * half, npairs = qpairs + kv_heads * half;
-    for (int j = threadIdx.x; j < npairs; j += blockDim.x) {
-        const bool is_k = j >= qpairs;
-        const int jj = is_k ? j - qpairs : j;
-        const int h = jj / half, i = jj - h * half;
-        float s, c;
-        if (use_tab) {
-            s = tab_s[i];
-            c = tab_c[i];
-        } else {
-            sincosf(inv_freq[i] * p, &s, &c);
-            s *= attn_scaling;
-            c *= attn_scaling;
-        }
-        const long long hoff = (long long)h * head_dim;
-        bf16* x = row + (is_k ? koff : 0) + hoff;
+    const long long cbase = is_k ? (long long)slots[blockIdx.x] * kv_heads * head_dim + hoff : 0;
+    bf16* x = row + (is_k ? koff : 0) + hoff;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float sn, c;
+        sincosf(inv_freq[i] * p, &sn, &c);
+        sn *= attn_scaling;
+        c *= attn_scaling;
         const float a = to_f32(x[i]), b = to_f32(x[i + half]);
-        const bf16 ra = to_bf16(a * c - b * s), rb = to_bf16(b * c + a * s);
+        const bf16 ra = to_bf16(a * c - b * sn), rb = to_bf16(b * c + a * sn);
         x[i] = ra;
         x[i + half] = rb;
         if (is_k) {
-            k_cache[cbase + hoff + i] = ra;
-            k_cache[cbase + hoff + i + half] = rb;
+            k_cache[cbase + i] = ra;
+            k_cache[cbase + i + half] = rb;
         }
     }
-    // Unrotated tail of each k head (partial rotary).
-    const int rest = head_dim - 2 * half;
-    if (rest > 0) {
-        for (int j = threadIdx.x; j < kv_heads * rest; j += blockDim.x) {
-            const int h = j / rest;
-            const long long d = (long long)h * head_dim + 2 * half + (j - h * rest);
-            k_cache[cbase + d] = row[koff + d];
-        }
-    }
-    const int kv_row = kv_heads * head_dim;
-    for (int j = threadIdx.x; j < kv_row; j += blockDim.x) v_cache[cbase + j] = row[voff + j];
+    if (!is_k) return;
+    // Unrotated tail of the k head (partial rotary), and the v head.
+    for (int d = 2 * half + threadIdx.x; d < head_dim; d += blockDim.x) k_cache[cbase + d] = x[d];
+    const bf16* v = row + voff + hoff;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) v_cache[cbase + d] = v[d];
 }
 
 // out [n_rows, inter] = act(gate) * up with gu [n_rows, 2 * inter] = [gate | up] per row.
@@ -112,6 +89,7 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
 // (any grid works). 16-byte vectorized when inter % 8 == 0 and both pointers are 16-byte aligned.
 extern "C" __global__ void gated_act_packed_bf16(const bf16* __restrict__ gu, bf16* __restrict__ out,
                                                  long long n_rows, int inter, int act) {
+    kiln_pdl_enter();
     using namespace fused_detail;
     const long long gstride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -146,6 +124,7 @@ extern "C" __global__ void gated_act_packed_bf16(const bf16* __restrict__ gu, bf
 // 16-byte vectorized when m % 8 == 0 and the pointers are 16-byte aligned.
 extern "C" __global__ void bias_residual_bf16(bf16* __restrict__ x, const bf16* __restrict__ bias,
                                               const bf16* __restrict__ residual, long long n_rows, int m) {
+    kiln_pdl_enter();
     using namespace fused_detail;
     const long long gstride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -189,6 +168,7 @@ extern "C" __global__ void bias_residual_bf16(bf16* __restrict__ x, const bf16* 
 extern "C" __global__ void rms_norm_rows_bf16(const bf16* x, long long x_stride, bf16* out,
                                               long long out_stride, const bf16* __restrict__ w, int d, float eps,
                                               float weight_offset) {
+    kiln_pdl_enter();
     using namespace fused_detail;
     const bf16* xr = x + (long long)blockIdx.x * x_stride;
     bf16* orow = out + (long long)blockIdx.x * out_stride;

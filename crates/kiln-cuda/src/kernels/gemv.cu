@@ -4,6 +4,11 @@
 #include "mma.cuh"
 #include "rms_prologue.cuh"
 
+// 1: each block asks L2 for the weights of its first stages before waiting for the previous kernel.
+#ifndef KILN_GEMV_PREFETCH
+#define KILN_GEMV_PREFETCH 0
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // GEMV: out[m, n] = sum_k x[m, k] * w[n, k] (+ epilogue), M = 1..8, bf16 in/out, f32 accumulation.
 //
@@ -126,12 +131,34 @@ __device__ __forceinline__ void gemv_run(const bf16* __restrict__ x, const bf16*
         beg = total * b / G;
         end = total * (b + 1) / G;
     }
+    const int kl = warp * 32 + t * 8;  // this lane's k offset inside a chunk
+    // The weights of the first stages do not depend on the previous kernel: ask L2 for them
+    // while it finishes (programmatic dependent launch), then wait for x.
+    if (KILN_GEMV_PREFETCH) {
+        int pt = (int)(beg / KS), pks = (int)(beg % KS);
+        for (long long left = end - beg, s = 0; left > 0 && s < S - 1; --left, ++s) {
+            const int k = pks * kChunkK + kl;
+            if (k < K) {
+#pragma unroll
+                for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int n = pt * kTileN + g + 8 * h;
+                        if (n < N) kiln_prefetch_l2(w + (long long)(n + tt * N) * K + k);
+                    }
+            }
+            if (++pks == KS) {
+                pks = 0;
+                ++pt;
+            }
+        }
+    }
+    kiln_pdl_wait();
     if (beg >= end) return;  // block-uniform
 
     const unsigned sbase = smem_addr(sm);
     const bool xlane = g < M;
     const bf16* xrow = x + (long long)(xlane ? g : 0) * K;
-    const int kl = warp * 32 + t * 8;  // this lane's k offset inside a chunk
 
     // Issue pointer (tile, chunk) and slot.
     int it = (int)(beg / KS), iks = (int)(beg % KS), islot = 0;
@@ -309,7 +336,8 @@ __device__ __forceinline__ void rms_norm_gemv(const bf16* __restrict__ x, const 
 #define KILN_GEMV(MM)                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 4) gemv_bf16_m##MM(                                  \
         const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out, const bf16* extra, int N, int K, \
-        int mode, int splits, float* ws, unsigned int* counters) {                                          \
+        int mode, int splits, float* ws, unsigned int* counters) {                                               \
+        kiln_pdl_trigger();                                                                                      \
         gemv_detail::gemv<MM>(x, w, out, extra, N, K, mode, splits, ws, counters);                          \
     }
 KILN_GEMV(1)
@@ -326,7 +354,8 @@ KILN_GEMV(8)
     extern "C" __global__ void __launch_bounds__(256, 4) rms_norm_gemv_bf16_m##MM(                             \
         const bf16* __restrict__ x, const bf16* __restrict__ norm_w, const bf16* __restrict__ w, bf16* out,    \
         const bf16* extra, int N, int K, int mode, int splits, float* ws, unsigned int* counters, float eps,  \
-        float weight_offset, int nt) {                                                                        \
+        float weight_offset, int nt) {                                                                           \
+        kiln_pdl_trigger();                                                                                      \
         gemv_detail::rms_norm_gemv<MM>(x, norm_w, w, out, extra, N, K, mode, splits, ws, counters, eps,        \
                                        weight_offset, nt);                                                    \
     }
@@ -433,11 +462,13 @@ __device__ __forceinline__ void argmax_logprob(const T* __restrict__ logits, int
 
 extern "C" __global__ void argmax_logprob_bf16(const bf16* __restrict__ logits, int V, unsigned int* __restrict__ ids,
                                                float* __restrict__ logprobs) {
+    kiln_pdl_enter();
     argmax_detail::argmax_logprob(logits, V, ids, logprobs, (const unsigned*)nullptr);
 }
 
 extern "C" __global__ void argmax_logprob_f32(const float* __restrict__ logits, int V, unsigned int* __restrict__ ids,
                                               float* __restrict__ logprobs) {
+    kiln_pdl_enter();
     argmax_detail::argmax_logprob(logits, V, ids, logprobs, (const unsigned*)nullptr);
 }
 
@@ -447,5 +478,6 @@ extern "C" __global__ void argmax_logprob_f32(const float* __restrict__ logits, 
 extern "C" __global__ void argmax_logprob_masked_bf16(const bf16* __restrict__ logits, int V,
                                                       unsigned int* __restrict__ ids, float* __restrict__ logprobs,
                                                       const unsigned* __restrict__ masks, int words) {
+    kiln_pdl_enter();
     argmax_detail::argmax_logprob(logits, V, ids, logprobs, masks + (long long)blockIdx.x * words);
 }

@@ -40,6 +40,20 @@
 // norm_w [K], 16-byte aligned; nt = the unfused norm's block size (a multiple of 32, <= 1024).
 // ---------------------------------------------------------------------------------------------
 
+// Resident blocks per multiprocessor the compiler must allow (register cap), and k steps in
+// flight per lane in the plain modes: tuning knobs, timed on the H200 (bench/gpu/gemv_check.py).
+#ifndef KILN_DIRECT_MIN_BLOCKS
+#define KILN_DIRECT_MIN_BLOCKS 2
+#endif
+#ifndef KILN_DIRECT_U
+#define KILN_DIRECT_U 4
+#endif
+// 1: the first round of weights goes into registers before waiting for the previous kernel;
+// 0: it is only prefetched into L2.
+#ifndef KILN_DIRECT_PRELOAD
+#define KILN_DIRECT_PRELOAD 1
+#endif
+
 namespace gemv_direct_detail {
 
 constexpr int kWarps = 8;
@@ -69,10 +83,6 @@ __device__ __forceinline__ uint4 ld_cached(const bf16* p, bool ok) {
     return r;
 }
 
-// Ask L2 for 16 bytes of weights ahead of their load (the first round of a norm kernel's first
-// tile, fetched while the block computes the norm).
-__device__ __forceinline__ void prefetch_l2(const bf16* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // Row stride, in 16-byte slots, of the normalized x rows a norm kernel keeps in shared memory:
 // 64 bytes of padding put consecutive rows in opposite bank halves (conflict-free x reads).
 __device__ __forceinline__ int xs_stride(int K) { return K / 8 + 4; }
@@ -80,10 +90,11 @@ __device__ __forceinline__ int xs_stride(int K) { return K / 8 + 4; }
 // T = tiles per block (1 plain, 2 gated: gate + up), U = k steps with loads in flight per lane.
 // red: shared scratch of T * kWarps * 128 floats. XS: x is read from xs (shared memory, rows of
 // xs_stride(K) slots: the normalized rows of a norm kernel) instead of global memory.
+// use_pre: pre holds round 0 of the block's first tile, already loaded by load_first_round.
 template <int M, int T, int U, bool XS>
 __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
                                            const bf16* extra, int N, int K, int mode, float* red,
-                                           const uint4* xs) {
+                                           const uint4* xs, const uint4 (&pre)[U][T][2], bool use_pre) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int ntiles = (N + kTileN - 1) / kTileN;
@@ -130,9 +141,13 @@ __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf1
 #pragma unroll
                 for (int tt = 0; tt < T; ++tt)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) wv[u][tt][h] = ld_stream(wrow[tt][h] + k, kok && rok[tt][h]);
+                    for (int h = 0; h < 2; ++h) {
+                        if (use_pre) wv[u][tt][h] = pre[u][tt][h];
+                        else wv[u][tt][h] = ld_stream(wrow[tt][h] + k, kok && rok[tt][h]);
+                    }
                 if (!XS) xv[u] = ld_cached(xrow + k, kok && xok);
             }
+            use_pre = false;
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -179,14 +194,6 @@ __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf1
     }
 }
 
-template <int M>
-__device__ __forceinline__ void gemv(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
-                                     const bf16* extra, int N, int K, int mode) {
-    __shared__ float red[2 * kWarps * 128];
-    if (mode >= 3) gemv_tiles<M, 2, 4, false>(x, w, out, extra, N, K, mode, red, nullptr);
-    else gemv_tiles<M, 1, 8, false>(x, w, out, extra, N, K, mode, red, nullptr);
-}
-
 // L2 prefetch of the weights of round 0 of this block's first tile (as gemv_tiles loads them).
 template <int T, int U>
 __device__ __forceinline__ void prefetch_first_round(const bf16* __restrict__ w, int N, int K) {
@@ -201,8 +208,50 @@ __device__ __forceinline__ void prefetch_first_round(const bf16* __restrict__ w,
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int n = blockIdx.x * kTileN + g + 8 * h;
-                if (k < K && n < N) prefetch_l2(w + (long long)(n + tt * N) * K + k);
+                if (k < K && n < N) kiln_prefetch_l2(w + (long long)(n + tt * N) * K + k);
             }
+    }
+}
+
+// Loads round 0 of this block's first tile into registers, exactly as gemv_tiles would.
+template <int T, int U>
+__device__ __forceinline__ void load_first_round(const bf16* __restrict__ w, int N, int K, uint4 (&wv)[U][T][2]) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = (int)blockIdx.x * kTileN;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int k = u * kBlockK + warp * 32 + t * 8;
+#pragma unroll
+        for (int tt = 0; tt < T; ++tt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = n0 + g + 8 * h;
+                const bool ok = n < N;
+                wv[u][tt][h] = ld_stream(w + (long long)(ok ? n + tt * N : 0) * K + k, k < K && ok);
+            }
+    }
+}
+
+// The weights do not depend on the previous kernel: the plain modes load their first round
+// into registers before waiting for it (programmatic dependent launch), the gated ones ask L2.
+template <int M>
+__device__ __forceinline__ void gemv(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
+                                     const bf16* extra, int N, int K, int mode) {
+    __shared__ float red[2 * kWarps * 128];
+    kiln_pdl_trigger();
+    if (mode >= 3) {
+        uint4 none[4][2][2];
+        prefetch_first_round<2, 4>(w, N, K);
+        kiln_pdl_wait();
+        gemv_tiles<M, 2, 4, false>(x, w, out, extra, N, K, mode, red, nullptr, none, false);
+    } else {
+        uint4 pre[KILN_DIRECT_U][1][2];
+        const bool use_pre = KILN_DIRECT_PRELOAD && (int)blockIdx.x * kTileN < N;
+        if (use_pre) load_first_round<1, KILN_DIRECT_U>(w, N, K, pre);
+        else prefetch_first_round<1, KILN_DIRECT_U>(w, N, K);
+        kiln_pdl_wait();
+        gemv_tiles<M, 1, KILN_DIRECT_U, false>(x, w, out, extra, N, K, mode, red, nullptr, pre, use_pre);
     }
 }
 
@@ -214,8 +263,13 @@ __device__ __forceinline__ void rms_norm_gemv(const bf16* __restrict__ x, const 
     __shared__ float red[2 * kWarps * 128];
     __shared__ float partial[32 * M];
     __shared__ float inv[M];
+    kiln_pdl_trigger();
+    uint4 pre[KILN_DIRECT_U][1][2];
+    const bool use_pre = KILN_DIRECT_PRELOAD && mode < 3 && (int)blockIdx.x * kTileN < N;
     if (mode >= 3) prefetch_first_round<2, 4>(w, N, K);
-    else prefetch_first_round<1, 8>(w, N, K);
+    else if (use_pre) load_first_round<1, KILN_DIRECT_U>(w, N, K, pre);
+    else prefetch_first_round<1, KILN_DIRECT_U>(w, N, K);
+    kiln_pdl_wait();  // x is the previous kernel's output
     // Pass 1 (the norm's reduction) leaves x in xs; pass 2 normalizes it in place.
     const int cols = K >> 3, stride = xs_stride(K);
     rms_prologue::inv_rms_rows<M>(x, K, eps, nt, partial, inv, xs, stride);
@@ -225,14 +279,18 @@ __device__ __forceinline__ void rms_norm_gemv(const bf16* __restrict__ x, const 
         *p = rms_prologue::scale8(*p, rms_prologue::ld_v4(norm_w + 8 * c), inv[m], weight_offset);
     }
     __syncthreads();
-    if (mode >= 3) gemv_tiles<M, 2, 4, true>(x, w, out, extra, N, K, mode, red, xs);
-    else gemv_tiles<M, 1, 8, true>(x, w, out, extra, N, K, mode, red, xs);
+    if (mode >= 3) {
+        uint4 none[4][2][2];
+        gemv_tiles<M, 2, 4, true>(x, w, out, extra, N, K, mode, red, xs, none, false);
+    } else {
+        gemv_tiles<M, 1, KILN_DIRECT_U, true>(x, w, out, extra, N, K, mode, red, xs, pre, use_pre);
+    }
 }
 
 }  // namespace gemv_direct_detail
 
 #define KILN_GEMV(MM)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256) gemv_direct_bf16_m##MM(                                     \
+    extern "C" __global__ void __launch_bounds__(256, KILN_DIRECT_MIN_BLOCKS) gemv_direct_bf16_m##MM(                                     \
         const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out, const bf16* extra, int N, int K, \
         int mode) {                                                                                         \
         gemv_direct_detail::gemv<MM>(x, w, out, extra, N, K, mode);                                                \
@@ -248,7 +306,7 @@ KILN_GEMV(8)
 #undef KILN_GEMV
 
 #define KILN_RMS_NORM_GEMV(MM)                                                                               \
-    extern "C" __global__ void __launch_bounds__(256) rms_norm_gemv_direct_bf16_m##MM(                        \
+    extern "C" __global__ void __launch_bounds__(256, KILN_DIRECT_MIN_BLOCKS) rms_norm_gemv_direct_bf16_m##MM(                        \
         const bf16* __restrict__ x, const bf16* __restrict__ norm_w, const bf16* __restrict__ w, bf16* out,   \
         const bf16* extra, int N, int K, int mode, float eps, float weight_offset, int nt) {                \
         gemv_direct_detail::rms_norm_gemv<MM>(x, norm_w, w, out, extra, N, K, mode, eps, weight_offset, nt); \

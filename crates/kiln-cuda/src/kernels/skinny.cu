@@ -278,7 +278,8 @@ __device__ __forceinline__ void skinny(const bf16* __restrict__ x, const bf16* _
 #define KILN_SKINNY(MT)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128, 2) skinny_gemm_bf16_m##MT(                              \
         const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out, const bf16* extra, int M, int N,   \
-        int K, int mode, float* ws, unsigned int* counters) {                                                  \
+        int K, int mode, float* ws, unsigned int* counters) {                                                    \
+        kiln_pdl_enter();                                                                                        \
         skinny_detail::skinny<MT>(x, w, out, extra, M, N, K, mode, ws, counters);                              \
     }
 KILN_SKINNY(16)
