@@ -44,6 +44,9 @@ pub struct CudaBackend {
     /// Zeroed partition counters of split decode attention (`None`: the
     /// separate reduce kernel combines the partitions).
     pub(crate) decode_counters: Option<DevBuf>,
+    /// Pinned buffers for weight uploads (`staging.rs`), made on first use.
+    pub(crate) staging: Mutex<Option<crate::staging::Staging>>,
+    pub(crate) staging_tried: AtomicBool,
 }
 
 /// A step's metadata on the device.
@@ -96,6 +99,8 @@ impl CudaBackend {
             rope_tables: Mutex::new(Vec::new()),
             skinny,
             decode_counters,
+            staging: Mutex::new(None),
+            staging_tried: AtomicBool::new(false),
         })
     }
 
@@ -378,9 +383,15 @@ impl Backend for CudaBackend {
             });
         }
         self.no_upload_while_recording("an upload")?;
-        let host = to_bf16(data);
-        let b = self.dev.alloc_exact(host.len() * 2, "a weight")?;
-        self.dev.htod(b.ptr, &host)?;
+        let b = self.dev.alloc_exact(data.len() * 2, "a weight")?;
+        let convert = |first: usize, out: &mut [u16]| {
+            for (o, &x) in out.iter_mut().zip(&data[first..]) {
+                *o = bf16::from_f32(x).to_bits();
+            }
+        };
+        if !self.upload_staged(b.ptr, data.len(), &convert)? {
+            self.dev.htod(b.ptr, &to_bf16(data))?;
+        }
         Ok(wrap(shape.to_vec(), b))
     }
 
@@ -393,7 +404,11 @@ impl Backend for CudaBackend {
         }
         self.no_upload_while_recording("an upload")?;
         let b = self.dev.alloc_exact(bits.len() * 2, "a weight")?;
-        self.dev.htod(b.ptr, bits)?;
+        let copy =
+            |first: usize, out: &mut [u16]| out.copy_from_slice(&bits[first..first + out.len()]);
+        if !self.upload_staged(b.ptr, bits.len(), &copy)? {
+            self.dev.htod(b.ptr, bits)?;
+        }
         Ok(wrap(shape.to_vec(), b))
     }
 

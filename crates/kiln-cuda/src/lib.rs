@@ -24,6 +24,7 @@ mod sample;
 mod sample_check;
 pub mod selfcheck;
 pub mod skinny;
+mod staging;
 
 pub use backend::CudaBackend;
 pub use compile::{CompiledKernel, KernelCompiler};

@@ -49,7 +49,8 @@ pub fn activation_bytes(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize) -
 }
 
 /// Activations as a backend holds them: on the CPU exactly
-/// [`activation_bytes`]; on a device two fifths of it — the CUDA backend
+/// [`activation_bytes`]; on a device two fifths of it, plus the sampling
+/// scratch (a vocabulary row of f32 per sequence) — the CUDA backend
 /// keeps activations in bf16 and fuses intermediates, and an 8,192-token
 /// step of the 8B shape on an H200 used 1,003–1,005 MiB above the weights,
 /// the KV pool and the memory outside Kiln's pool (live buffers and the
@@ -63,7 +64,9 @@ pub fn step_activation_bytes(
 ) -> u64 {
     let full = activation_bytes(cfg, num_tokens, num_seqs);
     if on_device {
-        full / 5 * 2
+        // Plus the device sampler's f32 scratch: one row of the vocabulary
+        // per sequence, beside the bf16 logits.
+        full / 5 * 2 + (4 * num_seqs * cfg.vocab_size) as u64
     } else {
         full
     }
