@@ -7,19 +7,21 @@
 #
 #   scripts/gpu-round.sh OUT_DIR [PHASE...]
 #
-# Phases (default: all, in this order): check kernels ckpt parity bench structured fit profile anchors.
+# Phases (default: all, in this order): check kernels ckpt parity staging bench structured fit profile anchors.
 # structured: bench-engine at 32 concurrent 8B requests, with none and half of
 # them under a JSON schema (structured-0.json, structured-0.5.json).
 # fit: `kiln fit`'s predicted peak against nvidia-smi's measured peak of a
 # bench-engine run in the same configuration (KV pinned to fit's KV term) on
 # the 8B checkpoint, at each CONTEXTxBATCH of FIT_SETTINGS (default
 # "4096x16 8192x32 2048x64 8192x4"); one fit-CxB.json each (needs the ckpt phase's checkpoint).
+# staging: weights through pinned buffers (KILN_PINNED_STAGING=1) — 8B parity with it on, and
+# the 8B load time with it off and on (load-staging0.json, load-staging1.json).
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu-round.sh OUT_DIR [PHASE...]}
 shift
-PHASES=${*:-check kernels ckpt parity bench structured fit profile anchors}
+PHASES=${*:-check kernels ckpt parity staging bench structured fit profile anchors}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 KILN=${KILN:-$( [ -x .device/kiln ] && echo .device/kiln || echo target/release/kiln )}
@@ -77,6 +79,14 @@ fi
 if has parity; then
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck135m" --cpu --out "$OUT/parity-135m.json"
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
+fi
+if has staging; then
+  KILN_PINNED_STAGING=1 run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b-staging.json"
+  for s in 0 1; do
+    note "load with KILN_PINNED_STAGING=$s"
+    KILN_PINNED_STAGING=$s "$KILN" bench --device cuda -m "$WORK/ck8b" --prompt-tokens 16 --gen-tokens 2 --runs 1 \
+      > "$OUT/load-staging$s.json" 2>> "$OUT/round.log" || { note "FAILED load staging $s"; status=1; }
+  done
 fi
 if has profile && command -v ncu >/dev/null; then
   # Per-kernel times of steady decode steps of the 8B shape (kernels inside
