@@ -16,6 +16,9 @@
 # "4096x16 8192x32 2048x64 8192x4"); one fit-CxB.json each (needs the ckpt phase's checkpoint).
 # staging: weights through pinned buffers (KILN_PINNED_STAGING=1) — 8B parity with it on, and
 # the 8B load time with it off and on (load-staging0.json, load-staging1.json).
+# variants (not in the default list): 8B batch-1 decode under each NAME:ENV... of VARIANTS
+# (default: base, no PDL, gated products on the direct GEMV, values loaded with keys), one
+# variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel defines: A=1+B=2).
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
@@ -79,6 +82,16 @@ fi
 if has parity; then
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck135m" --cpu --out "$OUT/parity-135m.json"
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
+fi
+if has variants; then
+  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_direct:KILN_GATED_DIRECT=1,KILN_KERNEL_DEFINES=KILN_DIRECT_MIN_BLOCKS=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
+    name=${v%%:*}; envs=${v#*:}
+    note "variant $name: $envs"
+    # shellcheck disable=SC2046
+    env $(echo "$envs" | tr ',' ' ') \
+      "$KILN" bench --device cuda -m "$WORK/ck8b" --prompt-tokens 512 --gen-tokens 96 --runs 2 \
+      > "$OUT/variant-$name.json" 2>> "$OUT/round.log" || { note "FAILED variant $name"; status=1; }
+  done
 fi
 if has staging; then
   KILN_PINNED_STAGING=1 run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b-staging.json"

@@ -243,7 +243,7 @@ impl CudaBackend {
         }
         // Plain, bias and residual products use the direct-load kernel; the
         // gated ones the pipelined kernel (each measured faster there).
-        let direct = mode <= 2;
+        let direct = mode <= 2 || self.dev.gated_direct;
         let name = if direct {
             format!("gemv_direct_bf16_m{n}")
         } else {

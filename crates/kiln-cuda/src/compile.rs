@@ -105,20 +105,47 @@ fn write_atomic(dir: &Path, key: &str, ptx: &str) -> Result<(), CudaError> {
     std::fs::rename(&tmp, dir.join(key)).map_err(err)
 }
 
-/// `KILN_KERNEL_DEFINES="NAME=VALUE ..."` overrides a kernel's tuning
+/// `KILN_KERNEL_DEFINES="NAME=VALUE ..."` (separated by blanks or `+`) overrides a kernel's tuning
 /// macros (`#ifndef NAME` defaults) for timing experiments; each define goes
 /// only into the sources that mention its name, so the cache key (the
 /// source hash) changes only for them.
 fn with_tuning_defines(src: &str) -> String {
-    let Ok(defines) = std::env::var("KILN_KERNEL_DEFINES") else {
-        return src.to_string();
-    };
+    match std::env::var("KILN_KERNEL_DEFINES") {
+        Ok(defines) => with_defines(src, &defines),
+        Err(_) => src.to_string(),
+    }
+}
+
+/// `src` with `#define NAME VALUE` lines in front for the `defines` it names.
+fn with_defines(src: &str, defines: &str) -> String {
     let mut head = String::new();
-    for d in defines.split_whitespace() {
+    for d in defines
+        .split(|c: char| c.is_whitespace() || c == '+')
+        .filter(|d| !d.is_empty())
+    {
         let (name, value) = d.split_once('=').unwrap_or((d, "1"));
         if src.contains(name) {
             head.push_str(&format!("#define {name} {value}\n"));
         }
     }
     head + src
+}
+
+#[cfg(test)]
+mod tests {
+    use super::with_defines;
+
+    #[test]
+    fn defines_go_only_into_sources_that_name_them() {
+        let src = "#ifndef KNOB_A\n#define KNOB_A 1\n#endif\n";
+        assert_eq!(
+            with_defines(src, "KNOB_A=3+KNOB_B=2 KNOB_C"),
+            format!("#define KNOB_A 3\n{src}")
+        );
+        assert_eq!(with_defines(src, "KNOB_B=2"), src);
+        assert_eq!(
+            with_defines("KNOB_C", " KNOB_C "),
+            "#define KNOB_C 1\nKNOB_C"
+        );
+    }
 }

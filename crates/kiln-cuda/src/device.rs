@@ -42,6 +42,9 @@ pub(crate) struct Device {
     /// previous kernel finishes (programmatic dependent launch: sm_90 and
     /// newer, unless `KILN_PDL=0`); every kernel waits for its inputs first.
     pub pdl: bool,
+    /// Gated decode products on the direct-load GEMV too (`KILN_GATED_DIRECT=1`,
+    /// an experiment: the pipelined kernel was the faster one there).
+    pub gated_direct: bool,
     _workspace: DevBuf,
 }
 
@@ -160,6 +163,7 @@ impl Device {
             }
         }
         let pdl = major >= 9 && std::env::var("KILN_PDL").map_or(true, |v| v != "0");
+        let gated_direct = std::env::var("KILN_GATED_DIRECT").is_ok_and(|v| v == "1");
         Ok(Device {
             ctx,
             stream,
@@ -169,6 +173,7 @@ impl Device {
             name,
             warnings,
             pdl,
+            gated_direct,
             _workspace: workspace,
         })
     }

@@ -51,7 +51,7 @@ impl CudaBackend {
     fn norm_gemv_plan(&self, n: usize, k: usize, out_cols: usize, mode: i32) -> Option<Plan> {
         // As the plain GEMV: the direct-load kernel for plain and bias
         // products, the pipelined one for the gated ones.
-        let direct = mode <= 2;
+        let direct = mode <= 2 || self.dev.gated_direct;
         let name = if direct {
             format!("rms_norm_gemv_direct_bf16_m{n}")
         } else {
