@@ -52,8 +52,10 @@ impl CudaBackend {
             // Split the keys until there are enough blocks to fill the GPU
             // (few rows × kv heads). The kernel spreads each row's own keys
             // over the partitions, so a recorded step's grid (sized for the
-            // table width) fits every batch it replays, and a step run with
-            // or without a graph splits a row the same way.
+            // table width) fits every batch it replays. (A recorded step
+            // counts its padded rows, so below a bucket size it may split a
+            // row into fewer partitions than an eager step: the same sum in
+            // another order.)
             let max_keys = (m.width * block_size).max(1);
             let want = (DECODE_TARGET_CTAS / (n * p.num_kv_heads)).max(1);
             let parts = want.min(max_keys.div_ceil(DECODE_MIN_PARTITION));

@@ -31,6 +31,10 @@ pub(crate) const GEMV_MAX_ROWS: usize = 8;
 
 /// The backend. One stream; every op is queued on it in order.
 pub struct CudaBackend {
+    /// Pinned buffers for weight uploads (`staging.rs`), made on first use;
+    /// declared before `dev` so that they are released while the context lives.
+    pub(crate) staging: Mutex<Option<crate::staging::Staging>>,
+    pub(crate) staging_tried: AtomicBool,
     pub(crate) dev: Device,
     pub device_name: String,
     /// The metadata of the step `run_step` is running, if any.
@@ -44,9 +48,6 @@ pub struct CudaBackend {
     /// Zeroed partition counters of split decode attention (`None`: the
     /// separate reduce kernel combines the partitions).
     pub(crate) decode_counters: Option<DevBuf>,
-    /// Pinned buffers for weight uploads (`staging.rs`), made on first use.
-    pub(crate) staging: Mutex<Option<crate::staging::Staging>>,
-    pub(crate) staging_tried: AtomicBool,
 }
 
 /// A step's metadata on the device.

@@ -5,8 +5,8 @@
 #include "rms_prologue.cuh"
 
 // 1: each block asks L2 for the weights of its first stages before waiting for the previous kernel.
-#ifndef KILN_GEMV_PREFETCH
-#define KILN_GEMV_PREFETCH 0
+#ifndef KILN_GEMV_PDL_PREFETCH
+#define KILN_GEMV_PDL_PREFETCH 0
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ __device__ __forceinline__ void gemv_run(const bf16* __restrict__ x, const bf16*
     const int kl = warp * 32 + t * 8;  // this lane's k offset inside a chunk
     // The weights of the first stages do not depend on the previous kernel: ask L2 for them
     // while it finishes (programmatic dependent launch), then wait for x.
-    if (KILN_GEMV_PREFETCH) {
+    if (KILN_GEMV_PDL_PREFETCH) {
         int pt = (int)(beg / KS), pks = (int)(beg % KS);
         for (long long left = end - beg, s = 0; left > 0 && s < S - 1; --left, ++s) {
             const int k = pks * kChunkK + kl;

@@ -72,10 +72,11 @@ __device__ __forceinline__ uint4 ld_stream(const bf16* p, bool ok) {
     return r;
 }
 
-// 16 bytes of activations (re-read by every block): through the read-only/L1 path.
+// 16 bytes of activations (re-read by every block): through the read-only/L1 path. volatile:
+// x is the previous kernel's output, so the load must stay after kiln_pdl_wait().
 __device__ __forceinline__ uint4 ld_cached(const bf16* p, bool ok) {
     uint4 r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
         "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
         "@p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)

@@ -17,9 +17,10 @@
 namespace rms_prologue {
 
 // 16 bytes through the read-only/L1 path (x rows and norm weights are re-read by every block).
+// volatile: x is the previous kernel's output, so these loads must stay after kiln_pdl_wait().
 __device__ __forceinline__ uint4 ld_v4(const bf16* p) {
     uint4 r;
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
 
