@@ -221,8 +221,8 @@ impl Device {
             })
     }
 
-    /// A buffer of its own (never shared through the pool's caching), set
-    /// to zero on the stream: counters that kernels leave zeroed.
+    /// An exact-size buffer set to zero on the stream: counters that
+    /// kernels leave zeroed.
     pub fn alloc_zeroed(&self, bytes: usize, what: &str) -> Result<DevBuf> {
         let buf = self.alloc_exact(bytes, what)?;
         // SAFETY: buf holds `bytes` bytes.
