@@ -15,6 +15,7 @@ mod attention;
 pub mod backend;
 pub mod compile;
 mod device;
+mod gemv;
 pub mod graphs;
 pub mod kernels;
 pub mod meta;
