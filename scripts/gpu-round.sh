@@ -17,7 +17,8 @@
 # staging: weights through pinned buffers (KILN_PINNED_STAGING=1) — 8B parity with it on, and
 # the 8B load time with it off and on (load-staging0.json, load-staging1.json).
 # variants (not in the default list): 8B batch-1 decode under each NAME:ENV... of VARIANTS
-# (default: base, no PDL, gated products on the direct GEMV, values loaded with keys), one
+# (default: base, no PDL, gated GEMV without its L2 hint, with the PDL-time prefetch, gated
+# products on the direct GEMV, values loaded with keys), one
 # variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel defines: A=1+B=2).
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
@@ -84,7 +85,7 @@ if has parity; then
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
 fi
 if has variants; then
-  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_direct:KILN_GATED_DIRECT=1,KILN_KERNEL_DEFINES=KILN_DIRECT_MIN_BLOCKS=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
+  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 nohint:KILN_KERNEL_DEFINES=KILN_GEMV_PREFETCH=0 pdlprefetch:KILN_KERNEL_DEFINES=KILN_GEMV_PDL_PREFETCH=1 gated_direct:KILN_GATED_DIRECT=1,KILN_KERNEL_DEFINES=KILN_DIRECT_MIN_BLOCKS=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
     name=${v%%:*}; envs=${v#*:}
     note "variant $name: $envs"
     # shellcheck disable=SC2046
