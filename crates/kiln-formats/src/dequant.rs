@@ -24,7 +24,7 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Vec<f32>, Stri
 pub fn dequantize_into(ty: GgmlType, bytes: &[u8], out: &mut [f32]) -> Result<(), String> {
     let bs = ty.block_size() as usize;
     let ts = ty.type_size() as usize;
-    if out.len() % bs != 0 || bytes.len() != out.len() / bs * ts {
+    if !out.len().is_multiple_of(bs) || bytes.len() != out.len() / bs * ts {
         return Err(format!(
             "{}: {} bytes do not hold {} elements",
             ty.name(),

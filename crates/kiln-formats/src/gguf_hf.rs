@@ -229,7 +229,7 @@ impl WeightSource for GgufWeights {
                 None
             };
             if let Some(h) = heads {
-                if shape[0] % (2 * h) != 0 {
+                if !shape[0].is_multiple_of(2 * h) {
                     return Err(FormatError::ShapeMismatch {
                         path: self.file.path.clone(),
                         tensor: name.to_string(),

@@ -271,7 +271,7 @@ pub fn chat_prompt(
         .overrides
         .tool_syntax
         .unwrap_or_else(|| ToolSyntax::detect(template));
-    let tools = (!render.tool_names.is_empty()).then(|| (syntax, render.tool_names));
+    let tools = (!render.tool_names.is_empty()).then_some((syntax, render.tool_names));
     Ok(ChatPrompt {
         tokens: model.tokenizer.encode(&rendered, false)?,
         syntax: OutputSyntax { think, tools },

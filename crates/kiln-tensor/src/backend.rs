@@ -568,7 +568,7 @@ pub fn check_attention_shapes(
         || k != [n, kv_row]
         || v != [n, kv_row]
         || p.num_kv_heads == 0
-        || p.num_heads % p.num_kv_heads != 0
+        || !p.num_heads.is_multiple_of(p.num_kv_heads)
         || layer >= spec.num_layers
         || kv_row != spec.num_kv_heads * spec.head_dim
         || batch.num_tokens() != n

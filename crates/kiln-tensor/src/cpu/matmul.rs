@@ -268,7 +268,7 @@ mod avx512 {
 // TileArgs is plain data for one call; the raw pointers never outlive it.
 impl Clone for TileArgs {
     fn clone(&self) -> Self {
-        TileArgs { ..*self }
+        *self
     }
 }
 impl Copy for TileArgs {}

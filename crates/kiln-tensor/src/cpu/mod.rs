@@ -48,7 +48,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn kv<'a>(cache: &'a mut KvCache) -> Result<&'a mut CpuKv> {
+    fn kv(cache: &mut KvCache) -> Result<&mut CpuKv> {
         cache
             .storage_mut()
             .downcast_mut::<CpuKv>()
