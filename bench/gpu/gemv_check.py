@@ -534,25 +534,20 @@ def test_rms_norm_gemv(gemv_mod, direct_mod, elem_mod, report, bench_too=True):
                 ref_out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
                 smem = M * (2 * K + 64)
 
-                def fused():
-                    if mode <= 2:
-                        direct_mod.launch(f"rms_norm_gemv_direct_bf16_m{M}", ((N + 15) // 16,), (256,),
-                                          [P(x), P(nw), P(w), P(out), P(bias), I32(N), I32(K), I32(mode), F32(eps),
-                                           F32(off), I32(nt)], smem=smem)
-                    else:
-                        gemv_mod.launch(f"rms_norm_gemv_bf16_m{M}", ((N + 15) // 16,), (256,),
-                                        [P(x), P(nw), P(w), P(out), P(None), I32(N), I32(K), I32(mode), I32(1),
-                                         P(None), P(None), F32(eps), F32(off), I32(nt)])
+                def fused(cols=None):
+                    c, md = direct_tiles(N, mode)
+                    if cols is not None and mode <= 2:
+                        c, md = cols, (mode | 8 if cols == 8 else mode)
+                    direct_mod.launch(f"rms_norm_gemv_direct_bf16_m{M}", ((N + c - 1) // c,), (256,),
+                                      [P(x), P(nw), P(w), P(out), P(bias), I32(N), I32(K), I32(md), F32(eps),
+                                       F32(off), I32(nt)], smem=smem)
 
                 def norm():
                     elem_mod.launch("add_rms_norm_bf16", (M,), (nt,),
                                     [P(x), P(None), P(nw), P(h), I32(K), F32(eps), F32(off)])
 
                 def gemv():
-                    if mode <= 2:
-                        run_old(direct_mod, M, h, w, ref_out, bias, N, K, mode)
-                    else:
-                        run_gemv(gemv_mod, M, h, w, ref_out, None, N, K, mode, splits=1, grid=(N + 15) // 16)
+                    run_old(direct_mod, M, h, w, ref_out, bias, N, K, mode)
 
                 fused()
                 norm()
@@ -570,6 +565,12 @@ def test_rms_norm_gemv(gemv_mod, direct_mod, elem_mod, report, bench_too=True):
                     r["n_diff_vs_unfused"] = nd
                     print(f"NOTE rms_norm_gemv {key}: {nd}/{out.numel()} outputs differ from the unfused kernels")
                 res[key] = r
+                if mode <= 2 and M in (1, 3, 8):  # the other tile width than the host rule's
+                    other = 24 - direct_tiles(N, mode)[0]
+                    out.fill_(float("nan"))
+                    fused(other)
+                    torch.cuda.synchronize()
+                    res[key + f" cols={other}"] = close(f"rms_norm_gemv {key} cols={other}", out.float(), ref)
                 if bench_too and off == 0.0 and M in (1, 2, 4, 8):
                     t = {"fused_us": time_fn(fused, flush=flush) * 1e6, "norm_us": time_fn(norm, flush=flush) * 1e6,
                          "gemv_us": time_fn(gemv, flush=flush) * 1e6}
@@ -792,9 +793,22 @@ def time_b2b(fn, ws_, n=24, reps=7):
     return times[len(times) // 2]
 
 
+def direct_tiles(N, mode, sms=None):
+    """The host rule of crates/kiln-cuda/src/gemv.rs (direct_tiles), verbatim: (tile width, mode argument)."""
+    if mode >= 3:
+        return 8, mode
+    slots = max(1, (sms or NUM_SMS) * 2)
+    fill = lambda b: b / (-(-b // slots) * slots)
+    if fill(-(-N // 8)) > fill(-(-N // 16)) + 0.05:
+        return 8, mode | 8
+    return 16, mode
+
+
 def run_old(old, M, x, w, out, extra, N, K, mode):
-    old.launch(f"gemv_direct_bf16_m{M}", ((N + 15) // 16,), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K),
-                                                                   I32(mode)])
+    """The direct-load GEMV (gemv_direct.cu) as the backend launches it."""
+    c, md = direct_tiles(N, mode)
+    old.launch(f"gemv_direct_bf16_m{M}", ((N + c - 1) // c,), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K),
+                                                                     I32(md)])
 
 
 def bench(mod, report, variants=(), old=None):

@@ -42,9 +42,14 @@ pub(crate) struct Device {
     /// previous kernel finishes (programmatic dependent launch: sm_90 and
     /// newer, unless `KILN_PDL=0`); every kernel waits for its inputs first.
     pub pdl: bool,
-    /// Gated decode products on the direct-load GEMV too (`KILN_GATED_DIRECT=1`,
-    /// an experiment: the pipelined kernel was the faster one there).
-    pub gated_direct: bool,
+    /// Gated decode products on gemv.cu's pipelined GEMV instead of the
+    /// direct-load one (`KILN_GATED_PIPELINED=1`, for A/B timings).
+    pub gated_pipelined: bool,
+    /// Streaming multiprocessors.
+    pub sms: usize,
+    /// The direct-load GEMV's tile width for plain products when set
+    /// (`KILN_DIRECT_COLS=8|16`, for A/B timings); else the host rule picks.
+    pub direct_cols: Option<usize>,
     _workspace: DevBuf,
 }
 
@@ -163,7 +168,18 @@ impl Device {
             }
         }
         let pdl = major >= 9 && std::env::var("KILN_PDL").map_or(true, |v| v != "0");
-        let gated_direct = std::env::var("KILN_GATED_DIRECT").is_ok_and(|v| v == "1");
+        let gated_pipelined = std::env::var("KILN_GATED_PIPELINED").is_ok_and(|v| v == "1");
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map(|n| n.max(1) as usize)
+            .unwrap_or(132);
+        let direct_cols = match std::env::var("KILN_DIRECT_COLS").as_deref() {
+            Ok("8") => Some(8),
+            Ok("16") => Some(16),
+            _ => None,
+        };
         Ok(Device {
             ctx,
             stream,
@@ -173,7 +189,9 @@ impl Device {
             name,
             warnings,
             pdl,
-            gated_direct,
+            gated_pipelined,
+            sms,
+            direct_cols,
             _workspace: workspace,
         })
     }

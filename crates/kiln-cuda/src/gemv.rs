@@ -1,7 +1,8 @@
 //! The decode-sized products' routing for [`CudaBackend`]: up to
-//! `GEMV_MAX_ROWS` rows the GEMV kernels (the direct-load one for plain,
-//! bias and residual products, the pipelined one for the gated ones), 9–64
-//! rows the skinny GEMM where it is on; the caller falls back to cuBLAS.
+//! `GEMV_MAX_ROWS` rows the direct-load GEMV (`kernels/gemv_direct.cu`; the
+//! pipelined one of `gemv.cu` for gated products under
+//! `KILN_GATED_PIPELINED=1`), 9–64 rows the skinny GEMM where it is on; the
+//! caller falls back to cuBLAS.
 
 use cudarc::driver::LaunchConfig;
 use kiln_tensor::Result;
@@ -29,9 +30,7 @@ impl CudaBackend {
         if n > GEMV_MAX_ROWS {
             return self.skinny_gemm(x, w, out, extra, n, k, out_cols, mode);
         }
-        // Plain, bias and residual products use the direct-load kernel; the
-        // gated ones the pipelined kernel (each measured faster there).
-        let direct = mode <= 2 || self.dev.gated_direct;
+        let direct = mode <= 2 || !self.dev.gated_pipelined;
         let name = if direct {
             format!("gemv_direct_bf16_m{n}")
         } else {
@@ -41,10 +40,15 @@ impl CudaBackend {
             return Ok(false);
         }
         let (ni, ki, splits, null) = (out_cols as i32, k as i32, 1i32, 0u64);
-        // One block per 16 output columns; no split-K (slower on every
-        // decode shape measured).
+        // One block per tile of 16 (or 8) output columns; no split-K
+        // (slower on every decode shape measured).
+        let (cols, mode) = if direct {
+            self.direct_tiles(out_cols, mode)
+        } else {
+            (16, mode)
+        };
         let cfg = LaunchConfig {
-            grid_dim: (out_cols.div_ceil(16) as u32, 1, 1),
+            grid_dim: (out_cols.div_ceil(cols) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -64,5 +68,55 @@ impl CudaBackend {
         // needs; the direct kernel takes the first seven arguments only.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(true)
+    }
+}
+
+impl CudaBackend {
+    /// [`direct_tiles`] on this GPU, or the width `KILN_DIRECT_COLS` sets.
+    pub(crate) fn direct_tiles(&self, out_cols: usize, mode: i32) -> (usize, i32) {
+        match self.dev.direct_cols {
+            Some(8) if mode < 3 => (8, mode | 8),
+            Some(16) if mode < 3 => (16, mode),
+            _ => direct_tiles(out_cols, mode, self.dev.sms),
+        }
+    }
+}
+
+/// Resident blocks per multiprocessor of the direct-load GEMV (its
+/// `KILN_DIRECT_MIN_BLOCKS`).
+const DIRECT_BLOCKS_PER_SM: usize = 2;
+
+/// The direct-load GEMV's tile width for `out_cols` outputs in epilogue
+/// `mode`, and the mode argument that asks for it: gated products always run
+/// 8-column tiles (gate and up rows in one tile); the others 16 columns,
+/// unless twice as many 8-column blocks fill the GPU's last wave of resident
+/// blocks clearly better (6,144 qkv outputs on 132 SMs: 384 blocks leave the
+/// second wave 45 % full, 768 fill their third to 91 %).
+pub(crate) fn direct_tiles(out_cols: usize, mode: i32, sms: usize) -> (usize, i32) {
+    if mode >= 3 {
+        return (8, mode);
+    }
+    let slots = (sms * DIRECT_BLOCKS_PER_SM).max(1);
+    let fill = |blocks: usize| blocks as f64 / (blocks.div_ceil(slots) * slots) as f64;
+    if fill(out_cols.div_ceil(8)) > fill(out_cols.div_ceil(16)) + 0.05 {
+        (8, mode | 8)
+    } else {
+        (16, mode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::direct_tiles;
+
+    #[test]
+    fn tile_width_follows_the_last_wave() {
+        // H200: 132 SMs, 264 resident blocks.
+        assert_eq!(direct_tiles(6144, 0, 132), (8, 8)); // 384 vs 768 blocks
+        assert_eq!(direct_tiles(4096, 2, 132), (16, 2)); // 256 blocks: one wave
+        assert_eq!(direct_tiles(49152, 0, 132), (16, 0)); // 3,072: 97 % either way
+        assert_eq!(direct_tiles(14336, 3, 132), (8, 3)); // gated: always 8
+        assert_eq!(direct_tiles(576, 1, 132), (8, 9)); // SmolLM2: 36 vs 72 blocks
+        assert_eq!(direct_tiles(100, 0, 0), (16, 0)); // no SM count: one slot, every wave full
     }
 }

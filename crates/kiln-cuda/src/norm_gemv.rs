@@ -49,9 +49,9 @@ impl CudaBackend {
     /// The fused kernel for `n` rows of `k` with GEMV epilogue `mode`
     /// (0 none, 1 bias, 3 SiLU gate, 4 GELU gate), if the shape is for one.
     fn norm_gemv_plan(&self, n: usize, k: usize, out_cols: usize, mode: i32) -> Option<Plan> {
-        // As the plain GEMV: the direct-load kernel for plain and bias
-        // products, the pipelined one for the gated ones.
-        let direct = mode <= 2 || self.dev.gated_direct;
+        // As the plain GEMV: the direct-load kernel, or the pipelined one
+        // for gated products under KILN_GATED_PIPELINED=1.
+        let direct = mode <= 2 || !self.dev.gated_pipelined;
         let name = if direct {
             format!("rms_norm_gemv_direct_bf16_m{n}")
         } else {
@@ -85,9 +85,14 @@ impl CudaBackend {
     ) -> Result<()> {
         let (ni, ki, nt) = (out_cols as i32, k as i32, norm_threads(k) as i32);
         let (splits, null) = (1i32, 0u64);
-        // One block per 16 output columns, as the plain GEMV.
+        // One block per tile of output columns, as the plain GEMV.
+        let (cols, mode) = if plan.direct {
+            self.direct_tiles(out_cols, mode)
+        } else {
+            (16, mode)
+        };
         let cfg = LaunchConfig {
-            grid_dim: (out_cols.div_ceil(16) as u32, 1, 1),
+            grid_dim: (out_cols.div_ceil(cols) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: plan.smem as u32,
         };

@@ -74,13 +74,7 @@ pub(crate) struct Skinny {
 
 impl Skinny {
     pub(crate) fn new(dev: &Device) -> Self {
-        let sms = dev
-            .ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map(|n| n.max(1) as usize)
-            .unwrap_or(132);
+        let sms = dev.sms;
         let counters = dev.alloc_zeroed(COUNTERS * 4, "skinny GEMM counters").ok();
         Skinny {
             enabled: AtomicBool::new(false),
