@@ -14,12 +14,14 @@
 # bench-engine run in the same configuration (KV pinned to fit's KV term) on
 # the 8B checkpoint, at each CONTEXTxBATCH of FIT_SETTINGS (default
 # "4096x16 8192x32 2048x64 8192x4"); one fit-CxB.json each (needs the ckpt phase's checkpoint).
-# staging: weights through pinned buffers (KILN_PINNED_STAGING=1) — 8B parity with it on, and
+# staging: weights through pinned buffers (on unless KILN_PINNED_STAGING=0) — 8B parity with it on, and
 # the 8B load time with it off and on (load-staging0.json, load-staging1.json).
 # variants (not in the default list): 8B batch-1 decode under each NAME:ENV... of VARIANTS
-# (default: base, no PDL, gated GEMV without its L2 hint, with the PDL-time prefetch, gated
-# products on the direct GEMV, values loaded with keys), one
-# variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel defines: A=1+B=2).
+# (default: base, no PDL, gated products on gemv.cu's pipelined GEMV, 16-column direct GEMV tiles
+# only, decode attention without its pre-wait slot lookup and L2 prefetch, values loaded with
+# keys), one variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel
+# defines: A=1+B=2).
+# sweep (not in the default list): bench/gpu/gemv_sweep.py over the direct GEMV's tuning macros.
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
@@ -85,7 +87,7 @@ if has parity; then
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
 fi
 if has variants; then
-  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 nohint:KILN_KERNEL_DEFINES=KILN_GEMV_PREFETCH=0 pdlprefetch:KILN_KERNEL_DEFINES=KILN_GEMV_PDL_PREFETCH=1 gated_direct:KILN_GATED_DIRECT=1,KILN_KERNEL_DEFINES=KILN_DIRECT_MIN_BLOCKS=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
+  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_pipelined:KILN_GATED_PIPELINED=1 cols16:KILN_DIRECT_COLS=16 noprewait:KILN_KERNEL_DEFINES=KILN_DECODE_PREWAIT=0 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
     name=${v%%:*}; envs=${v#*:}
     note "variant $name: $envs"
     # shellcheck disable=SC2046
@@ -93,6 +95,9 @@ if has variants; then
       "$KILN" bench --device cuda -m "$WORK/ck8b" --prompt-tokens 512 --gen-tokens 96 --runs 2 \
       > "$OUT/variant-$name.json" 2>> "$OUT/round.log" || { note "FAILED variant $name"; status=1; }
   done
+fi
+if has sweep; then
+  run python3 bench/gpu/gemv_sweep.py --out "$OUT/gemv-sweep.json" ${SWEEP:-2,4,4 2,4,8 2,3,6 3,3,6}
 fi
 if has staging; then
   KILN_PINNED_STAGING=1 run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b-staging.json"

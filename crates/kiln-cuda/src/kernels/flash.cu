@@ -67,6 +67,10 @@
 #ifndef KILN_DECODE_VPRE
 #define KILN_DECODE_VPRE 0
 #endif
+// 1: the first chunk's slots are computed, and its keys and values asked of L2, before the PDL wait.
+#ifndef KILN_DECODE_PREWAIT
+#define KILN_DECODE_PREWAIT 1
+#endif
 
 __device__ __forceinline__ float bf16lo(unsigned int u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf16hi(unsigned int u) { return __uint_as_float(u & 0xffff0000u); }
@@ -187,6 +191,29 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
     }
     const long long kv_row = (long long)kv_heads * HD;
 
+    // Before waiting for the previous kernel (programmatic dependent launch): the first chunk's
+    // slots (positions and block tables come from host copies, never from a kernel) and an L2
+    // prefetch of its key and value rows (a prefetch returns nothing, so the row the previous
+    // kernel may still be writing is read again after the wait).
+    const bf16* kbase = k_cache + (long long)kvh * HD + ln * 8;
+    const bf16* vbase = v_cache + (long long)kvh * HD + ln * 8;
+    if (KILN_DECODE_PREWAIT && lo < hi && tid < CH) {
+        const int cn = min(CH, hi - lo);
+        unsigned int slot = 0;
+        if (tid < cn) {
+            const int key = lo + tid;
+            slot = table[key / block_size] * (unsigned int)block_size + (unsigned int)(key % block_size);
+            const long long off = (long long)slot * kv_row + (long long)kvh * HD;
+#pragma unroll
+            for (int b = 0; b < HD * 2; b += 128) {
+                kiln_prefetch_l2(reinterpret_cast<const char*>(k_cache + off) + b);
+                kiln_prefetch_l2(reinterpret_cast<const char*>(v_cache + off) + b);
+            }
+        }
+        s_slot[tid] = slot;
+    }
+    kiln_pdl_wait();
+
     if (lo >= hi) {  // empty partition (only when nparts > 1): the reduce skips m = -inf
         for (int g = tid; g < G; g += blockDim.x) {
             const long long pi = ((long long)row * heads + kvh * G + g) * nparts + z;
@@ -196,9 +223,6 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
         if (counters != nullptr) decode_combine_last<HD>(part_out, part_ml, counters, heads, kv_heads, active, out, out_stride);
         return;
     }
-
-    const bf16* kbase = k_cache + (long long)kvh * HD + ln * 8;
-    const bf16* vbase = v_cache + (long long)kvh * HD + ln * 8;
 
     for (int hb = 0; hb < G; hb += GB) {
         const int gn = min(GB, G - hb);
@@ -224,7 +248,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
 
         for (int c0 = lo; c0 < hi; c0 += CH) {
             const int cn = min(CH, hi - c0);
-            if (tid < CH) {
+            if (tid < CH && !(KILN_DECODE_PREWAIT && c0 == lo && hb == 0)) {  // else filled before the wait
                 unsigned int slot = 0;
                 if (tid < cn) {
                     const int key = c0 + tid;
@@ -793,7 +817,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         int block_size, int heads, int kv_heads, float scale, int window, float softcap, int partition_size,     \
         float* __restrict__ part_out, float* __restrict__ part_ml, unsigned int* __restrict__ counters,          \
         bf16* __restrict__ out, long long out_stride) {                                                          \
-        kiln_pdl_enter();                                                                                        \
+        kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
         decode_impl<HD>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size, heads,     \
                         kv_heads, scale, window, softcap, partition_size, part_out, part_ml, counters, out,      \
                         out_stride);                                                                             \
