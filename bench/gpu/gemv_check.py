@@ -538,7 +538,7 @@ def test_rms_norm_gemv(gemv_mod, direct_mod, elem_mod, report, bench_too=True):
                     c, md = direct_tiles(N, mode)
                     if cols is not None and mode <= 2:
                         c, md = cols, (mode | 8 if cols == 8 else mode)
-                    direct_mod.launch(f"rms_norm_gemv_direct_bf16_m{M}", ((N + c - 1) // c,), (256,),
+                    direct_mod.launch(f"rms_norm_gemv_direct_bf16_m{M}", (direct_grid(N, c),), (256,),
                                       [P(x), P(nw), P(w), P(out), P(bias), I32(N), I32(K), I32(md), F32(eps),
                                        F32(off), I32(nt)], smem=smem)
 
@@ -804,10 +804,15 @@ def direct_tiles(N, mode, sms=None):
     return 16, mode
 
 
+def direct_grid(N, cols, sms=None):
+    """The backend's grid for the direct-load GEMV (gemv.rs direct_launch): at most one wave of 2 blocks per SM."""
+    return min(-(-N // cols), 2 * (sms or NUM_SMS))
+
+
 def run_old(old, M, x, w, out, extra, N, K, mode):
     """The direct-load GEMV (gemv_direct.cu) as the backend launches it."""
     c, md = direct_tiles(N, mode)
-    old.launch(f"gemv_direct_bf16_m{M}", ((N + c - 1) // c,), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K),
+    old.launch(f"gemv_direct_bf16_m{M}", (direct_grid(N, c),), (256,), [P(x), P(w), P(out), P(extra), I32(N), I32(K),
                                                                      I32(md)])
 
 

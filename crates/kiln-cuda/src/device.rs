@@ -50,6 +50,10 @@ pub(crate) struct Device {
     /// The direct-load GEMV's tile width for plain products when set
     /// (`KILN_DIRECT_COLS=8|16`, for A/B timings); else the host rule picks.
     pub direct_cols: Option<usize>,
+    /// The direct-load GEMV runs at most one wave of resident blocks, each
+    /// looping over its tiles (unless `KILN_DIRECT_PERSISTENT=0`: a block
+    /// per tile).
+    pub direct_persistent: bool,
     _workspace: DevBuf,
 }
 
@@ -180,6 +184,7 @@ impl Device {
             Ok("16") => Some(16),
             _ => None,
         };
+        let direct_persistent = std::env::var("KILN_DIRECT_PERSISTENT").map_or(true, |v| v != "0");
         Ok(Device {
             ctx,
             stream,
@@ -192,6 +197,7 @@ impl Device {
             gated_pipelined,
             sms,
             direct_cols,
+            direct_persistent,
             _workspace: workspace,
         })
     }

@@ -42,13 +42,13 @@ impl CudaBackend {
         let (ni, ki, splits, null) = (out_cols as i32, k as i32, 1i32, 0u64);
         // One block per tile of 16 (or 8) output columns; no split-K
         // (slower on every decode shape measured).
-        let (cols, mode) = if direct {
-            self.direct_tiles(out_cols, mode)
+        let (grid, mode) = if direct {
+            self.direct_launch(out_cols, mode)
         } else {
-            (16, mode)
+            (out_cols.div_ceil(16) as u32, mode)
         };
         let cfg = LaunchConfig {
-            grid_dim: (out_cols.div_ceil(cols) as u32, 1, 1),
+            grid_dim: (grid, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -72,13 +72,24 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// [`direct_tiles`] on this GPU, or the width `KILN_DIRECT_COLS` sets.
-    pub(crate) fn direct_tiles(&self, out_cols: usize, mode: i32) -> (usize, i32) {
-        match self.dev.direct_cols {
+    /// The direct-load GEMV's launch for `out_cols` outputs in `mode`: its
+    /// grid (one block per tile, or at most one wave of resident blocks that
+    /// loop over the tiles, carrying their loads from one tile into the
+    /// next) and mode argument; the tile width is [`direct_tiles`]'s, or the
+    /// one `KILN_DIRECT_COLS` sets.
+    pub(crate) fn direct_launch(&self, out_cols: usize, mode: i32) -> (u32, i32) {
+        let (cols, mode) = match self.dev.direct_cols {
             Some(8) if mode < 3 => (8, mode | 8),
             Some(16) if mode < 3 => (16, mode),
             _ => direct_tiles(out_cols, mode, self.dev.sms),
-        }
+        };
+        let tiles = out_cols.div_ceil(cols);
+        let grid = if self.dev.direct_persistent {
+            tiles.min(self.dev.sms * DIRECT_BLOCKS_PER_SM)
+        } else {
+            tiles
+        };
+        (grid.max(1) as u32, mode)
     }
 }
 

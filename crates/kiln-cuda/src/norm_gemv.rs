@@ -86,13 +86,13 @@ impl CudaBackend {
         let (ni, ki, nt) = (out_cols as i32, k as i32, norm_threads(k) as i32);
         let (splits, null) = (1i32, 0u64);
         // One block per tile of output columns, as the plain GEMV.
-        let (cols, mode) = if plan.direct {
-            self.direct_tiles(out_cols, mode)
+        let (grid, mode) = if plan.direct {
+            self.direct_launch(out_cols, mode)
         } else {
-            (16, mode)
+            (out_cols.div_ceil(16) as u32, mode)
         };
         let cfg = LaunchConfig {
-            grid_dim: (out_cols.div_ceil(cols) as u32, 1, 1),
+            grid_dim: (grid, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: plan.smem as u32,
         };

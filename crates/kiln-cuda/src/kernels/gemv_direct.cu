@@ -109,18 +109,19 @@ __device__ __forceinline__ const bf16* weight_row(const bf16* __restrict__ w, in
 
 // Loads of one k step for a lane: H weight rows (1 or 2) at k.
 template <int H>
-__device__ __forceinline__ void load_step(const bf16* const (&wrow)[2], int k, bool kok, uint4 (&wv)[H]) {
-#pragma unroll
-    for (int h = 0; h < H; ++h) wv[h] = ld_stream(wrow[h] != nullptr ? wrow[h] + k : nullptr, kok && wrow[h] != nullptr);
+__device__ __forceinline__ void load_step(const bf16* r0, const bf16* r1, int k, bool kok, uint4 (&wv)[H]) {
+    wv[0] = ld_stream(r0 != nullptr ? r0 + k : nullptr, kok && r0 != nullptr);
+    if (H == 2) wv[H - 1] = ld_stream(r1 != nullptr ? r1 + k : nullptr, kok && r1 != nullptr);
 }
 
-// One block's tiles. H = weight rows a lane loads per k step: 2 for 16-column tiles and the
-// gated 8-column tiles, 1 for plain 8-column tiles (A-rows 8..15 are zero). U = k steps in
-// flight per lane: a ring of U slots, each consumed and at once refilled with the step U further
-// on, so the loads never drain between rounds. red: shared scratch of kWarps * 128 floats. XS: x
-// is read from xs (shared memory, rows of xs_stride(K) slots: a norm kernel's normalized rows)
-// instead of global memory. use_pre: pre holds the first U steps of the block's first tile,
-// loaded by load_first_round before the PDL wait.
+// One block's tiles (blockIdx.x, + gridDim.x, ...). H = weight rows a lane loads per k step: 2
+// for 16-column tiles and the gated 8-column tiles, 1 for plain 8-column tiles (A-rows 8..15 are
+// zero). U = k steps in flight per lane: a ring of U slots, each consumed and at once refilled
+// with the step U further on — in the last round of a tile, with the first steps of the block's
+// next tile — so the loads never drain between rounds or tiles. red: shared scratch of
+// kWarps * 128 floats. XS: x is read from xs (shared memory, rows of xs_stride(K) slots: a norm
+// kernel's normalized rows) instead of global memory. use_pre: pre holds the first U steps of
+// the block's first tile, loaded by load_first_round before the PDL wait.
 template <int M, int H, int U, bool XS>
 __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* out,
                                            const bf16* extra, int N, int K, int mode, int cols, float* red,
@@ -132,31 +133,42 @@ __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf1
     const bool xok = g < M;
     const uint4* xsrow = XS ? xs + (xok ? g : 0) * xs_stride(K) : nullptr;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-        const int n0 = tile * cols;
-        const bf16* wrow[2] = {weight_row(w, N, K, n0, g, 0, cols), H == 2 ? weight_row(w, N, K, n0, g, 1, cols) : nullptr};
+    constexpr int kRound = kBlockK * U;                  // k covered by one round of the ring
+    const int kpad = (K + kRound - 1) / kRound * kRound;  // K rounded up to whole rounds
+    int tile = blockIdx.x;
+    if (tile >= ntiles) return;
+    const bf16* r0 = weight_row(w, N, K, tile * cols, g, 0, cols);
+    const bf16* r1 = H == 2 ? weight_row(w, N, K, tile * cols, g, 1, cols) : nullptr;
+
+    uint4 wv[U][H];
+    uint4 xv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int k = u * kBlockK + warp * 32 + t * 8;
+        if (use_pre) {
+#pragma unroll
+            for (int h = 0; h < H; ++h) wv[u][h] = pre[u][h];
+        } else {
+            load_step<H>(r0, r1, k, k < K, wv[u]);
+        }
+        if (!XS) xv[u] = ld_cached(xrow + k, k < K && xok);
+    }
+    for (; tile < ntiles; tile += gridDim.x) {
+        const int n0 = tile * cols, next = tile + gridDim.x;
+        const bf16* n_r0 = next < ntiles ? weight_row(w, N, K, next * cols, g, 0, cols) : nullptr;
+        const bf16* n_r1 = H == 2 && next < ntiles ? weight_row(w, N, K, next * cols, g, 1, cols) : nullptr;
         // Two accumulator sets (mma #1 / #2) to halve the dependent-mma chain.
         float acc[2][4];
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
-
-        uint4 wv[U][H];
-        uint4 xv[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int k = u * kBlockK + warp * 32 + t * 8;
-            if (use_pre) {
-#pragma unroll
-                for (int h = 0; h < H; ++h) wv[u][h] = pre[u][h];
-            } else {
-                load_step<H>(wrow, k, k < K, wv[u]);
-            }
-            if (!XS) xv[u] = ld_cached(xrow + k, k < K && xok);
-        }
-        use_pre = false;
-        for (int k0 = 0; k0 < K; k0 += kBlockK * U) {
+        for (int k0 = 0; k0 < kpad; k0 += kRound) {
+            // The last round refills the ring from the next tile (its steps 0 .. U - 1).
+            const bool last = k0 + kRound >= kpad;
+            const bf16* l0 = last ? n_r0 : r0;
+            const bf16* l1 = last ? n_r1 : r1;
+            const int shift = last ? kRound - kpad : kRound;
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int k = k0 + u * kBlockK + warp * 32 + t * 8;
@@ -164,11 +176,13 @@ __device__ __forceinline__ void gemv_tiles(const bf16* __restrict__ x, const bf1
                 const uint4 lo = wv[u][0], hi = H == 2 ? wv[u][H - 1] : zero;
                 mma_bf16(acc[0], lo.x, hi.x, lo.y, hi.y, xu.x, xu.y);
                 mma_bf16(acc[1], lo.z, hi.z, lo.w, hi.w, xu.z, xu.w);
-                const int kn = k + U * kBlockK;  // K % 8 == 0: a lane's 8 values are all in or all out
-                load_step<H>(wrow, kn, kn < K, wv[u]);
+                const int kn = k + shift;  // K % 8 == 0: a lane's 8 values are all in or all out
+                load_step<H>(l0, l1, kn, kn < K, wv[u]);
                 if (!XS) xv[u] = ld_cached(xrow + kn, kn < K && xok);
             }
         }
+        r0 = n_r0;
+        r1 = n_r1;
 #pragma unroll
         for (int i = 0; i < 4; ++i) red[warp * 128 + lane * 4 + i] = acc[0][i] + acc[1][i];
         __syncthreads();
@@ -228,11 +242,12 @@ __device__ __forceinline__ void load_first_round(const bf16* __restrict__ w, int
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = (int)blockIdx.x * cols;
-    const bf16* wrow[2] = {weight_row(w, N, K, n0, g, 0, cols), H == 2 ? weight_row(w, N, K, n0, g, 1, cols) : nullptr};
+    const bf16* r0 = weight_row(w, N, K, n0, g, 0, cols);
+    const bf16* r1 = H == 2 ? weight_row(w, N, K, n0, g, 1, cols) : nullptr;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int k = u * kBlockK + warp * 32 + t * 8;
-        load_step<H>(wrow, k, k < K, wv[u]);
+        load_step<H>(r0, r1, k, k < K, wv[u]);
     }
 }
 
