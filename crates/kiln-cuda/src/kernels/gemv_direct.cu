@@ -1,6 +1,6 @@
 // Decode-shaped matrix products (M <= 8 activation rows), the direct-load variant: weights
 // loaded straight into registers, a ring of k steps in flight per lane. The backend runs every
-// decode GEMV mode here (gemv.cu's pipelined kernel remains for the split-K path and checks).
+// decode GEMV mode here (gemv.cu's pipelined kernel remains for KILN_GATED_PIPELINED=1 A/Bs).
 #include "common.cuh"
 #include "mma.cuh"
 #include "rms_prologue.cuh"
@@ -27,8 +27,10 @@
 // out), 3 silu(x.w[n]) * (x.w[N + n]), 4 gelu_tanh(x.w[n]) * (x.w[N + n]) (w has 2N rows). Tile
 // width: 8 for the gated modes and when mode & 8, else 16 (more, smaller blocks fill the last
 // wave when ceil(N / 16) blocks would leave it mostly empty: the host picks).
-// Launch: block 256 threads (8 warps), no dynamic shared memory (4 KiB static), grid.x =
-// ceil(N / tile width) (any grid.x >= 1 is correct: blocks loop over tiles with stride gridDim.x).
+// Launch: block 256 threads (8 warps), no dynamic shared memory (4 KiB static), any grid.x >= 1
+// (block b takes tiles b, b + gridDim.x, ...). The backend launches min(tiles, 2 * SMs) blocks:
+// one wave, every block resident from the start (so the next kernel's launch is triggered at
+// once under programmatic dependent launch), the load ring running on from tile to tile.
 // The 8 warps of a block split K (warp w takes k in [32 w, 32 w + 32) of every 256-wide step),
 // then reduce through shared memory. Requirements: K % 8 == 0; x, w 16-byte aligned; out must
 // not overlap x or w. Weights are streamed with ld.global.nc.L1::no_allocate (they are read
