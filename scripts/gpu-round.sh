@@ -8,6 +8,8 @@
 #   scripts/gpu-round.sh OUT_DIR [PHASE...]
 #
 # Phases (default: all, in this order): check kernels ckpt parity staging bench structured fit profile anchors.
+# "check kernels ckpt parity bench anchors" — the report issue 4 asks for — fits one 10-minute device call
+# on an H200 (~8 min: anchors ~2.5 min of it).
 # structured: bench-engine at 32 concurrent 8B requests, with none and half of
 # them under a JSON schema (structured-0.json, structured-0.5.json).
 # fit: `kiln fit`'s predicted peak against nvidia-smi's measured peak of a
@@ -18,8 +20,8 @@
 # the 8B load time with it off and on (load-staging0.json, load-staging1.json).
 # variants (not in the default list): 8B batch-1 decode under each NAME:ENV... of VARIANTS
 # (default: base, no PDL, gated products on gemv.cu's pipelined GEMV, 16-column direct GEMV tiles
-# only, decode attention without its pre-wait slot lookup and L2 prefetch, values loaded with
-# keys), one variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel
+# only, decode attention without its pre-wait slot lookup and L2 prefetch, RoPE folded into decode
+# attention, values loaded with keys), one variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel
 # defines: A=1+B=2).
 # sweep (not in the default list): bench/gpu/gemv_sweep.py over the direct GEMV's tuning macros.
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
@@ -48,7 +50,8 @@ if has check; then
 fi
 if has kernels; then
   run python3 bench/gpu/kernel_check.py --out "$OUT/kernel-check.json"
-  run python3 bench/gpu/gemv_check.py --out "$OUT/gemv-check.json"
+  # The GEMV timings (next to cuBLAS, variants) only with GEMV_BENCH=1: the checks fit one device call then.
+  run python3 bench/gpu/gemv_check.py $( [ "${GEMV_BENCH:-0}" = 1 ] || echo --no-bench ) --out "$OUT/gemv-check.json"
 fi
 if has ckpt; then
   [ -f "$WORK/ck135m/config.json" ] || run "$KILN" dev random-checkpoint --preset smollm2-135m --tokenizer "$TOK" -o "$WORK/ck135m"
@@ -87,7 +90,7 @@ if has parity; then
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
 fi
 if has variants; then
-  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_pipelined:KILN_GATED_PIPELINED=1 cols16:KILN_DIRECT_COLS=16 noprewait:KILN_KERNEL_DEFINES=KILN_DECODE_PREWAIT=0 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
+  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_pipelined:KILN_GATED_PIPELINED=1 cols16:KILN_DIRECT_COLS=16 noprewait:KILN_KERNEL_DEFINES=KILN_DECODE_PREWAIT=0 rope:KILN_DECODE_ROPE=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
     name=${v%%:*}; envs=${v#*:}
     note "variant $name: $envs"
     # shellcheck disable=SC2046

@@ -16,9 +16,20 @@ pub(crate) const DECODE_COUNTERS: usize = 256;
 /// Fewest keys per split.
 const DECODE_MIN_PARTITION: usize = 32;
 
+/// RoPE folded into decode attention (`decode_rope_attention_hd*`): the
+/// device table of inverse frequencies, the rotated half width (a multiple
+/// of 8, at most half the head) and the attention scaling.
+pub(crate) struct RopeFold {
+    pub freq: u64,
+    pub half: i32,
+    pub scaling: f32,
+}
+
 impl CudaBackend {
     /// Attention of `n` query rows (row stride `q_stride`) over the cache
     /// of `layer`, keys and values already written; `out [n, heads * hd]`.
+    /// With `rope` (decode steps only): q is the packed qkv rows, not yet
+    /// rotated, and the new keys and values are not yet in the cache.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attend(
         &self,
@@ -29,6 +40,7 @@ impl CudaBackend {
         step: &ActiveStep,
         block_size: usize,
         p: &AttentionParams,
+        rope: Option<RopeFold>,
     ) -> Result<Tensor> {
         let n = step.meta.num_rows;
         let qw = p.num_heads * p.head_dim;
@@ -43,7 +55,11 @@ impl CudaBackend {
         let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
         let softcap = p.softcap.unwrap_or(0.0);
         let hd = p.head_dim;
-        let decode = format!("decode_attention_hd{hd}");
+        let decode = if rope.is_some() {
+            format!("decode_rope_attention_hd{hd}")
+        } else {
+            format!("decode_attention_hd{hd}")
+        };
         let flash = format!("flash_prefill_hd{hd}");
         if n == 0 {
             return Ok(wrap(vec![0, qw], out));
@@ -84,35 +100,37 @@ impl CudaBackend {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
+            let func = self.dev.func(&decode)?;
+            let mut b = self.dev.launch(func);
+            b.arg(&q)
+                .arg(&qs)
+                .arg(&kc)
+                .arg(&vc)
+                .arg(&pos)
+                .arg(&row_seq)
+                .arg(&tables)
+                .arg(&width)
+                .arg(&bs)
+                .arg(&h)
+                .arg(&kvh)
+                .arg(&p.scale)
+                .arg(&window)
+                .arg(&softcap)
+                .arg(&part)
+                .arg(&po)
+                .arg(&pm)
+                .arg(&counters)
+                .arg(&out.ptr)
+                .arg(&os);
+            if let Some(r) = &rope {
+                b.arg(&r.freq).arg(&r.half).arg(&r.scaling);
+            }
             // SAFETY: q rows [n, q_stride], caches [slots, kv_row], metadata
             // arrays of the step, partials sized [n, heads, parts, hd] and
-            // [n, heads, parts, 2].
-            unsafe {
-                self.dev
-                    .launch(self.dev.func(&decode)?)
-                    .arg(&q)
-                    .arg(&qs)
-                    .arg(&kc)
-                    .arg(&vc)
-                    .arg(&pos)
-                    .arg(&row_seq)
-                    .arg(&tables)
-                    .arg(&width)
-                    .arg(&bs)
-                    .arg(&h)
-                    .arg(&kvh)
-                    .arg(&p.scale)
-                    .arg(&window)
-                    .arg(&softcap)
-                    .arg(&part)
-                    .arg(&po)
-                    .arg(&pm)
-                    .arg(&counters)
-                    .arg(&out.ptr)
-                    .arg(&os)
-                    .launch(cfg)
-                    .map_err(dev_err)?;
-            }
+            // [n, heads, parts, 2]; with `rope`, q is the packed qkv rows
+            // (k and v after the q heads), the caches are written at each
+            // row's newest slot and the RoPE table holds `half` floats.
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
             if parts > 1 && counters == 0 {
                 let np = parts as i32;
                 let cfg = LaunchConfig {
@@ -135,6 +153,9 @@ impl CudaBackend {
                 }
             }
             return Ok(wrap(vec![n, qw], out));
+        }
+        if rope.is_some() {
+            return Err(dev_err("RoPE folds into decode attention only"));
         }
         if self.dev.has(&flash) {
             let tiles = word(m.tiles);

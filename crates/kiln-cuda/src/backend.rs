@@ -48,6 +48,11 @@ pub struct CudaBackend {
     /// Zeroed partition counters of split decode attention (`None`: the
     /// separate reduce kernel combines the partitions).
     pub(crate) decode_counters: Option<DevBuf>,
+    /// Decode steps rotate q and the new key inside decode attention
+    /// (`decode_rope_attention_hd*`) instead of running the RoPE kernel
+    /// first: `KILN_DECODE_ROPE=1` or [`CudaBackend::set_decode_rope_fused`]
+    /// (off by default until timed on a GPU).
+    pub(crate) decode_rope: AtomicBool,
 }
 
 /// A step's metadata on the device.
@@ -100,9 +105,16 @@ impl CudaBackend {
             rope_tables: Mutex::new(Vec::new()),
             skinny,
             decode_counters,
+            decode_rope: AtomicBool::new(std::env::var("KILN_DECODE_ROPE").is_ok_and(|v| v == "1")),
             staging: Mutex::new(None),
             staging_tried: AtomicBool::new(false),
         })
+    }
+
+    /// Fold RoPE and the cache write into decode attention on decode steps.
+    pub fn set_decode_rope_fused(&self, on: bool) {
+        self.decode_rope
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Wait for all queued work (for timing and profiling).
@@ -796,6 +808,7 @@ impl Backend for CudaBackend {
             &step,
             block_size,
             p,
+            None,
         )
     }
 
@@ -846,6 +859,25 @@ impl Backend for CudaBackend {
         let step = self.step_meta(batch)?;
         let block_size = cache.spec.block_size;
         let kv = Self::kv(cache)?;
+        // Decode steps (one new token a sequence): the attention kernel
+        // rotates q and the new key itself and writes the key and value.
+        let half = rope.inv_freq.len();
+        if step.meta.decode_only
+            && n > 0
+            && self.decode_rope.load(std::sync::atomic::Ordering::Relaxed)
+            && half > 0
+            && half.is_multiple_of(8)
+            && self.dev.has(&format!("decode_rope_attention_hd{hd}"))
+        {
+            let freq = self.rope_table(rope.inv_freq)?;
+            let fold = crate::attention::RopeFold {
+                freq: freq.ptr,
+                half: half as i32,
+                scaling: rope.attention_scaling,
+            };
+            let qkv_ptr = ptr(qkv, "qkv_attention")?;
+            return self.attend(qkv_ptr, width, kv, layer, &step, block_size, p, Some(fold));
+        }
         // RoPE is applied in place: work on a private copy unless this
         // tensor is the only holder of its buffer.
         let private;
@@ -888,7 +920,7 @@ impl Backend for CudaBackend {
                     .map_err(dev_err)?;
             }
         }
-        self.attend(qkv_ptr, width, kv, layer, &step, block_size, p)
+        self.attend(qkv_ptr, width, kv, layer, &step, block_size, p, None)
     }
 
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {

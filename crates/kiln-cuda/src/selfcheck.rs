@@ -451,7 +451,11 @@ fn attention_ops(
     let inv_freq: Vec<f32> = (0..hd / 2)
         .map(|i| 1e4f32.powf(-((2 * i) as f32) / hd as f32))
         .collect();
-    for fused in [false, true] {
+    // Unfused ops, qkv_attention, and qkv_attention with RoPE folded into
+    // decode attention (its decode steps then write the new keys: the
+    // second decode step reads them back).
+    for (fused, fold) in [(false, false), (true, false), (true, true)] {
+        p.gpu.set_decode_rope_fused(fold);
         let mut caches = Caches {
             gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
             cpu: p.cpu.alloc_kv_cache(spec).map_err(e)?,
@@ -497,8 +501,27 @@ fn attention_ops(
         b.push_seq(&toks(1), 20, tc.clone(), true);
         b.push_seq(&toks(1), 1200, td.clone(), true);
         b.push_seq(&toks(1), 600, te.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "decode", fused)?;
+        let label = if fold {
+            "decode (RoPE folded)"
+        } else {
+            "decode"
+        };
+        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, label, fused)?;
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        for (at, t) in [(152, &ta), (138, &tb), (21, &tc), (1201, &td), (601, &te)] {
+            b.push_seq(&toks(1), at, t.clone(), true);
+        }
+        let label = if fold {
+            "decode 2 (RoPE folded)"
+        } else {
+            "decode 2"
+        };
+        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, label, fused)?;
     }
+    p.gpu.set_decode_rope_fused(false);
     Ok(())
 }
 

@@ -33,6 +33,16 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
+// Rotate-half RoPE of one pair (a, b) = (x[i], x[i + half]) with c, s = cos, sin (times the
+// attention scaling): a c - b s and b c + a s, every product and sum rounded once in f32 (no fused
+// multiply-add: the CPU backend's order), so each kernel that rotates gives the same bits.
+__device__ __forceinline__ float rope_first(float a, float b, float c, float s) {
+    return __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+}
+__device__ __forceinline__ float rope_second(float a, float b, float c, float s) {
+    return __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
 // Programmatic dependent launch (sm_90+; no-ops below and when the launch did
 // not ask for it). Every kernel begins with kiln_pdl_enter(): it lets the next
 // kernel of the stream be scheduled as soon as all of this grid's blocks have

@@ -67,8 +67,8 @@ extern "C" __global__ void rope_bf16(bf16* __restrict__ x, const unsigned int* _
         s *= attention_scaling;
         c *= attention_scaling;
         const float a = to_f32(x[base + i]), b = to_f32(x[base + i + half]);
-        x[base + i] = to_bf16(a * c - b * s);
-        x[base + i + half] = to_bf16(b * c + a * s);
+        x[base + i] = to_bf16(rope_first(a, b, c, s));
+        x[base + i + half] = to_bf16(rope_second(a, b, c, s));
     }
 }
 

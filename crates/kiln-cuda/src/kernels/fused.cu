@@ -68,7 +68,7 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
         sn *= attn_scaling;
         c *= attn_scaling;
         const float a = to_f32(x[i]), b = to_f32(x[i + half]);
-        const bf16 ra = to_bf16(a * c - b * sn), rb = to_bf16(b * c + a * sn);
+        const bf16 ra = to_bf16(rope_first(a, b, c, sn)), rb = to_bf16(rope_second(a, b, c, sn));
         x[i] = ra;
         x[i + half] = rb;
         if (is_k) {
