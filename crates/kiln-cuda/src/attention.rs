@@ -18,11 +18,13 @@ const DECODE_MIN_PARTITION: usize = 32;
 
 /// RoPE folded into decode attention (`decode_rope_attention_hd*`): the
 /// device table of inverse frequencies, the rotated half width (a multiple
-/// of 8, at most half the head) and the attention scaling.
+/// of 8, at most half the head), the attention scaling, and the step's slot
+/// mapping (where each row's new key and value go).
 pub(crate) struct RopeFold {
     pub freq: u64,
     pub half: i32,
     pub scaling: f32,
+    pub slots: u64,
 }
 
 impl CudaBackend {
@@ -123,13 +125,14 @@ impl CudaBackend {
                 .arg(&out.ptr)
                 .arg(&os);
             if let Some(r) = &rope {
-                b.arg(&r.freq).arg(&r.half).arg(&r.scaling);
+                b.arg(&r.freq).arg(&r.half).arg(&r.scaling).arg(&r.slots);
             }
             // SAFETY: q rows [n, q_stride], caches [slots, kv_row], metadata
             // arrays of the step, partials sized [n, heads, parts, hd] and
             // [n, heads, parts, 2]; with `rope`, q is the packed qkv rows
-            // (k and v after the q heads), the caches are written at each
-            // row's newest slot and the RoPE table holds `half` floats.
+            // (k and v after the q heads), the caches are written at the
+            // step's slots (checked against the cache) and the RoPE table
+            // holds `half` floats.
             unsafe { b.launch(cfg) }.map_err(dev_err)?;
             if parts > 1 && counters == 0 {
                 let np = parts as i32;

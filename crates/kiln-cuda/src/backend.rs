@@ -111,7 +111,8 @@ impl CudaBackend {
         })
     }
 
-    /// Fold RoPE and the cache write into decode attention on decode steps.
+    /// Fold RoPE and the cache write into decode attention on decode steps
+    /// (steps recorded as graphs before the change keep what they recorded).
     pub fn set_decode_rope_fused(&self, on: bool) {
         self.decode_rope
             .store(on, std::sync::atomic::Ordering::Relaxed);
@@ -874,6 +875,7 @@ impl Backend for CudaBackend {
                 freq: freq.ptr,
                 half: half as i32,
                 scaling: rope.attention_scaling,
+                slots: step.base + 4 * step.meta.slot as u64,
             };
             let qkv_ptr = ptr(qkv, "qkv_attention")?;
             return self.attend(qkv_ptr, width, kv, layer, &step, block_size, p, Some(fold));

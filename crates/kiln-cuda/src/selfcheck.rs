@@ -135,9 +135,11 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     dense_ops(&mut p, &mut rng)?;
     for &(heads, kv_heads, hd) in &[(9, 3, 64), (32, 8, 128), (4, 1, 256), (14, 2, 64)] {
-        attention_ops(&mut p, &mut rng, heads, kv_heads, hd, None)?;
+        attention_ops(&mut p, &mut rng, heads, kv_heads, hd, None, (hd / 2, 1.0))?;
     }
-    attention_ops(&mut p, &mut rng, 8, 2, 64, Some(48))?;
+    attention_ops(&mut p, &mut rng, 8, 2, 64, Some(48), (32, 1.0))?;
+    // Partial rotary (a quarter of the head's dims rotate) with an attention scaling.
+    attention_ops(&mut p, &mut rng, 12, 4, 128, None, (32, 0.9))?;
     recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
     // The skinny GEMM is off by default (slower than cuBLAS so far): on here.
@@ -359,7 +361,7 @@ fn attention_step(
     caches: &mut Caches,
     batch: &ForwardBatch,
     ap: &AttentionParams,
-    inv_freq: &[f32],
+    rotary: (&[f32], f32),
     label: &str,
     fused: bool,
 ) -> R<()> {
@@ -368,8 +370,8 @@ fn attention_step(
     let rope = RopeParams {
         num_heads: ap.num_heads,
         head_dim: ap.head_dim,
-        inv_freq,
-        attention_scaling: 1.0,
+        inv_freq: rotary.0,
+        attention_scaling: rotary.1,
     };
     let (g, c) = if fused {
         let (xg, xc) = p.up(&[n, qw + 2 * kw], &rng.vec(n * (qw + 2 * kw), 1.0))?;
@@ -431,6 +433,7 @@ fn attention_ops(
     kv_heads: usize,
     hd: usize,
     window: Option<usize>,
+    (half, scaling): (usize, f32),
 ) -> R<()> {
     let bs = 16;
     let spec = KvCacheSpec {
@@ -448,9 +451,11 @@ fn attention_ops(
         sliding_window: window,
         softcap: None,
     };
-    let inv_freq: Vec<f32> = (0..hd / 2)
-        .map(|i| 1e4f32.powf(-((2 * i) as f32) / hd as f32))
+    // `half` rotated pairs (hd / 2: the whole head).
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1e4f32.powf(-((2 * i) as f32) / (2 * half) as f32))
         .collect();
+    let rotary = (inv_freq.as_slice(), scaling);
     // Unfused ops, qkv_attention, and qkv_attention with RoPE folded into
     // decode attention (its decode steps then write the new keys: the
     // second decode step reads them back).
@@ -478,20 +483,20 @@ fn attention_ops(
         b.push_seq(&toks(100), 0, tb.clone(), true);
         b.push_seq(&toks(1200), 0, td.clone(), true);
         b.push_seq(&toks(600), 0, te.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "prefill", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, "prefill", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq(&toks(37), 100, tb.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "chunked", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, "chunked", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq(&toks(1), 150, ta.clone(), true);
         b.push_seq(&toks(20), 0, tc.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, "mixed", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, "mixed", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -506,7 +511,7 @@ fn attention_ops(
         } else {
             "decode"
         };
-        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, label, fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, label, fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -519,7 +524,7 @@ fn attention_ops(
         } else {
             "decode 2"
         };
-        attention_step(p, rng, &mut caches, &b, &ap, &inv_freq, label, fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, label, fused)?;
     }
     p.gpu.set_decode_rope_fused(false);
     Ok(())

@@ -44,15 +44,16 @@
 //     GB = 4 beats GB = 8 by ~2x through occupancy, 122 vs 191 registers).
 //
 //   decode_rope_attention_hdN(qkv, qkv_stride, k_cache, v_cache, ...as decode_attention...,
-//                             out, out_stride, rope_freq, rope_half, rope_scaling)
+//                             out, out_stride, rope_freq, rope_half, rope_scaling, slots)
 //     decode_attention with the RoPE and cache write of qkv_rope_write_bf16 (fused.cu) folded in,
 //     for steps where every row is its sequence's only new token (no row reads a key another
 //     row of the step writes): q and k in the packed qkv rows [q heads | k heads | v heads] are
 //     not rotated yet (qkv is read only); each block rotates its q heads in registers, and the
 //     block whose partition holds key pos[row] rotates that key (rotate-half pairs (i, i + half),
 //     half = rope_half, a multiple of 8, 2 * half <= HD; cos and sin of rope_freq[i] * pos times
-//     rope_scaling) and writes it and the value into the cache at the key's slot before reading
-//     keys. Same grid, block and partials as decode_attention.
+//     rope_scaling) and writes it and the value into the cache at slots[row] (the step's slot
+//     mapping, which must be the slot the block table gives key pos[row]) before reading keys.
+//     Same grid, block and partials as decode_attention.
 //
 //   decode_attention_reduce_hdN(part_out, part_ml, heads, num_parts, out, out_stride)
 //     grid (rows, heads), block 128 threads (any multiple of 32 works), no dynamic smem.
@@ -225,7 +226,8 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                                             float softcap, int partition_size, float* __restrict__ part_out,
                                             float* __restrict__ part_ml, unsigned int* __restrict__ counters,
                                             bf16* __restrict__ out, long long out_stride,
-                                            const float* __restrict__ rope_freq, int rope_half, float rope_scaling) {
+                                            const float* __restrict__ rope_freq, int rope_half, float rope_scaling,
+                                            const unsigned int* __restrict__ new_slots) {
     constexpr int LPK = HD / 8;
     constexpr int KPI = KILN_DECODE_THREADS / LPK;
     constexpr int GB = KILN_DECODE_GB;
@@ -301,8 +303,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
         const uint4 kv = *reinterpret_cast<const uint4*>(kn);
         const uint4 kr = rope8(kv, rope_partner<LPK>(kv, lane, ln, rkind, rope_half), rkind, rc, rs);
         if (sub == 0) {
-            const unsigned int slot = table[p / block_size] * (unsigned int)block_size + (unsigned int)(p % block_size);
-            const long long off = (long long)slot * kv_row + (long long)kvh * HD + ln * 8;
+            const long long off = (long long)new_slots[row] * kv_row + (long long)kvh * HD + ln * 8;
             *reinterpret_cast<uint4*>(const_cast<bf16*>(k_cache) + off) = kr;
             *reinterpret_cast<uint4*>(const_cast<bf16*>(v_cache) + off) = *reinterpret_cast<const uint4*>(vn);
             __threadfence();  // in L2 before the block's L2 loads of the chunk (after the barrier below)
@@ -911,7 +912,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
         decode_impl<HD, false>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,     \
                                heads, kv_heads, scale, window, softcap, partition_size, part_out, part_ml,       \
-                               counters, out, out_stride, nullptr, 0, 0.0f);                                     \
+                               counters, out, out_stride, nullptr, 0, 0.0f, nullptr);                            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) decode_rope_attention_hd##HD(                              \
         const bf16* __restrict__ qkv, long long qkv_stride, bf16* k_cache, bf16* v_cache,                        \
@@ -919,11 +920,12 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         const unsigned int* __restrict__ tables, int table_width, int block_size, int heads, int kv_heads,       \
         float scale, int window, float softcap, int partition_size, float* __restrict__ part_out,                \
         float* __restrict__ part_ml, unsigned int* __restrict__ counters, bf16* __restrict__ out,                \
-        long long out_stride, const float* __restrict__ rope_freq, int rope_half, float rope_scaling) {          \
+        long long out_stride, const float* __restrict__ rope_freq, int rope_half, float rope_scaling,             \
+        const unsigned int* __restrict__ slots) {                                                                \
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
         decode_impl<HD, true>(qkv, qkv_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,  \
                               heads, kv_heads, scale, window, softcap, partition_size, part_out, part_ml,        \
-                              counters, out, out_stride, rope_freq, rope_half, rope_scaling);                    \
+                              counters, out, out_stride, rope_freq, rope_half, rope_scaling, slots);             \
     }                                                                                                            \
     extern "C" __global__ void decode_attention_reduce_hd##HD(const float* __restrict__ part_out,                \
                                                               const float* __restrict__ part_ml, int heads,      \

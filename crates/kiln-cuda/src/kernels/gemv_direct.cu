@@ -33,8 +33,10 @@
 // once under programmatic dependent launch), the load ring running on from tile to tile.
 // The 8 warps of a block split K (warp w takes k in [32 w, 32 w + 32) of every 256-wide step),
 // then reduce through shared memory. Requirements: K % 8 == 0; x, w 16-byte aligned; out must
-// not overlap x or w. Weights are streamed with ld.global.nc.L1::no_allocate (they are read
-// once) so x stays in L1. The epilogue works on the f32 sums; the only rounding to bf16 is the
+// not overlap x or w; w must not be written by a kernel of the same graph or stream chain: its
+// loads may run before the wait for the previous kernel (programmatic dependent launch), and
+// they are plain asm the compiler may move. Weights are streamed with
+// ld.global.nc.L1::no_allocate (they are read once) so x stays in L1. The epilogue works on the f32 sums; the only rounding to bf16 is the
 // final store.
 //
 //   rms_norm_gemv_direct_bf16_m{M}(x, norm_w, w, out, extra, N, K, mode, eps, weight_offset, nt)
