@@ -24,6 +24,8 @@
 # attention, values loaded with keys), one variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel
 # defines: A=1+B=2).
 # sweep (not in the default list): bench/gpu/gemv_sweep.py over the direct GEMV's tuning macros.
+# rope (not in the default list): 8B parity and batch-1 decode with RoPE folded into decode
+# attention (KILN_DECODE_ROPE=1): parity-8b-rope.json, bench-8b-decode-rope.json.
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
@@ -101,6 +103,13 @@ if has variants; then
 fi
 if has sweep; then
   run python3 bench/gpu/gemv_sweep.py --out "$OUT/gemv-sweep.json" ${SWEEP:-2,4,4 2,4,8 2,3,6 3,3,6}
+fi
+if has rope; then
+  # RoPE folded into decode attention (KILN_DECODE_ROPE=1): 8B parity and batch-1 decode with it on.
+  KILN_DECODE_ROPE=1 run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b-rope.json"
+  note "bench 8b-decode with KILN_DECODE_ROPE=1"
+  KILN_DECODE_ROPE=1 "$KILN" bench --device cuda -m "$WORK/ck8b" --prompt-tokens 512 --gen-tokens 128 --runs 3 \
+    > "$OUT/bench-8b-decode-rope.json" 2>> "$OUT/round.log" || { note "FAILED bench rope"; status=1; }
 fi
 if has staging; then
   KILN_PINNED_STAGING=1 run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b-staging.json"
