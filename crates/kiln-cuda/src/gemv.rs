@@ -40,8 +40,9 @@ impl CudaBackend {
             return Ok(false);
         }
         let (ni, ki, splits, null) = (out_cols as i32, k as i32, 1i32, 0u64);
-        // One block per tile of 16 (or 8) output columns; no split-K
-        // (slower on every decode shape measured).
+        // Tiles of 16 (or 8) output columns, at most one wave of blocks
+        // (`direct_launch`); no split-K (slower on every decode shape
+        // measured).
         let (grid, mode) = if direct {
             self.direct_launch(out_cols, mode)
         } else {
@@ -69,9 +70,7 @@ impl CudaBackend {
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(true)
     }
-}
 
-impl CudaBackend {
     /// The direct-load GEMV's launch for `out_cols` outputs in `mode`: its
     /// grid (one block per tile, or at most one wave of resident blocks that
     /// loop over the tiles, carrying their loads from one tile into the

@@ -85,7 +85,7 @@ impl CudaBackend {
     ) -> Result<()> {
         let (ni, ki, nt) = (out_cols as i32, k as i32, norm_threads(k) as i32);
         let (splits, null) = (1i32, 0u64);
-        // One block per tile of output columns, as the plain GEMV.
+        // The plain GEMV's launch (`direct_launch`).
         let (grid, mode) = if plan.direct {
             self.direct_launch(out_cols, mode)
         } else {
