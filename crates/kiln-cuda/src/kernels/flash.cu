@@ -161,11 +161,11 @@ __device__ __forceinline__ void decode_combine_last(const float* part_out, const
     }
 }
 
-// Loads of cached keys and values: the read-only path, or (ROPE: this kernel writes the new
-// token's row, so the loads must see that store) straight from L2.
+// Loads of cached keys and values: plain loads, or (ROPE: this kernel writes the new token's
+// row, so the loads must see that store) straight from L2.
 template <bool ROPE>
 __device__ __forceinline__ uint4 ld_kv(const bf16* p) {
-    return ROPE ? __ldcg(reinterpret_cast<const uint4*>(p)) : __ldg(reinterpret_cast<const uint4*>(p));
+    return ROPE ? __ldcg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
 }
 
 // RoPE of the 8 dims [8 ln, 8 ln + 8) a lane holds (rotate-half pairs (i, i + half), i < half):
