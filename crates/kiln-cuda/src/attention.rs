@@ -57,11 +57,8 @@ impl CudaBackend {
         let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
         let softcap = p.softcap.unwrap_or(0.0);
         let hd = p.head_dim;
-        let decode = if rope.is_some() {
-            format!("decode_rope_attention_hd{hd}")
-        } else {
-            format!("decode_attention_hd{hd}")
-        };
+        let kind = if rope.is_some() { "rope_attention" } else { "attention" };
+        let decode = format!("decode_{kind}_hd{hd}");
         let flash = format!("flash_prefill_hd{hd}");
         if n == 0 {
             return Ok(wrap(vec![0, qw], out));
@@ -102,7 +99,18 @@ impl CudaBackend {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let func = self.dev.func(&decode)?;
+            // Split steps hold few keys a block: their values' first round
+            // goes out with the keys (one memory round trip less).
+            let vpre = format!("decode_{kind}_vpre_hd{hd}");
+            let name = if parts > 1
+                && self.decode_vpre.load(std::sync::atomic::Ordering::Relaxed)
+                && self.dev.has(&vpre)
+            {
+                &vpre
+            } else {
+                &decode
+            };
+            let func = self.dev.func(name)?;
             let mut b = self.dev.launch(func);
             b.arg(&q)
                 .arg(&qs)

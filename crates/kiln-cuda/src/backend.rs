@@ -53,6 +53,9 @@ pub struct CudaBackend {
     /// first: `KILN_DECODE_ROPE=1` or [`CudaBackend::set_decode_rope_fused`]
     /// (off by default until timed on a GPU).
     pub(crate) decode_rope: AtomicBool,
+    /// Split decode steps use the kernels that load values with keys
+    /// (`decode_*attention_vpre_hd*`; `KILN_DECODE_VPRE_SPLIT=0` off).
+    pub(crate) decode_vpre: AtomicBool,
 }
 
 /// A step's metadata on the device.
@@ -106,6 +109,7 @@ impl CudaBackend {
             skinny,
             decode_counters,
             decode_rope: AtomicBool::new(std::env::var("KILN_DECODE_ROPE").is_ok_and(|v| v == "1")),
+            decode_vpre: AtomicBool::new(std::env::var("KILN_DECODE_VPRE_SPLIT").map_or(true, |v| v != "0")),
             staging: Mutex::new(None),
             staging_tried: AtomicBool::new(false),
         })
@@ -115,6 +119,14 @@ impl CudaBackend {
     /// (steps recorded as graphs before the change keep what they recorded).
     pub fn set_decode_rope_fused(&self, on: bool) {
         self.decode_rope
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Split decode steps (few rows, keys spread over many blocks) load each
+    /// chunk's first values together with its keys (steps recorded as
+    /// graphs before the change keep what they recorded).
+    pub fn set_decode_vpre(&self, on: bool) {
+        self.decode_vpre
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
@@ -304,17 +316,23 @@ impl Backend for CudaBackend {
         let bytes = 1usize << 30;
         let a = self.dev.alloc(bytes, 1, "bandwidth probe").ok()?;
         let b = self.dev.alloc(bytes, 1, "bandwidth probe").ok()?;
+        // Eight back-to-back copies per timed sample: the host's launch and
+        // synchronize (~10 µs) would otherwise count against one ~0.5 ms
+        // copy and understate the bandwidth by ~2 %.
+        const COPIES: usize = 8;
         let mut best = f64::INFINITY;
-        for i in 0..6 {
+        for i in 0..4 {
             self.dev.synchronize().ok()?;
             let t = std::time::Instant::now();
-            self.dev.dtod(b.ptr, a.ptr, bytes).ok()?;
+            for _ in 0..COPIES {
+                self.dev.dtod(b.ptr, a.ptr, bytes).ok()?;
+            }
             self.dev.synchronize().ok()?;
             if i > 0 {
                 best = best.min(t.elapsed().as_secs_f64());
             }
         }
-        Some(2.0 * bytes as f64 / best / 1e9)
+        Some(2.0 * (COPIES * bytes) as f64 / best / 1e9)
     }
 
     fn device_memory(&self) -> Option<kiln_tensor::DeviceMemory> {
@@ -673,6 +691,10 @@ impl Backend for CudaBackend {
                 op: "gather_rows",
                 detail: format!("row {r} of {n}"),
             });
+        }
+        // Every row in order (decode steps): the rows themselves.
+        if rows.len() == n && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            return Ok(x.clone());
         }
         let out = self.alloc(rows.len() * d, "gathered rows")?;
         if !rows.is_empty() {

@@ -209,6 +209,27 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let g = p.gpu.gather_rows(&xg, &rows).map_err(e)?;
     let c = p.cpu.gather_rows(&xc, &rows).map_err(e)?;
     p.compare("gather_rows".into(), &g, &c, 0.0)?;
+    // Rows of an odd width (element by element), and every row in order.
+    let (tg, tc) = p.up(&[300, 61], &rng.vec(300 * 61, 1.0))?;
+    let ids: Vec<u32> = (0..n as u32).map(|i| i * 31 % 300).collect();
+    let g = p.gpu.embedding(&tg, &ids).map_err(e)?;
+    let c = p.cpu.embedding(&tc, &ids).map_err(e)?;
+    p.compare("embedding (odd width)".into(), &g, &c, 0.0)?;
+    let rows = [7u32, 299, 0];
+    let g = p.gpu.gather_rows(&tg, &rows).map_err(e)?;
+    let c = p.cpu.gather_rows(&tc, &rows).map_err(e)?;
+    p.compare("gather_rows (odd width)".into(), &g, &c, 0.0)?;
+    // Argmax rows of an odd vocabulary (element by element) with ties (values on a coarse grid:
+    // the lowest index wins), and of the 8B shape's vocabulary.
+    for (it, (rows, vocab, grid)) in [(3usize, 1001usize, 4.0f32), (2, 49_152, 64.0)].into_iter().enumerate() {
+        let vals: Vec<f32> = rng.vec(rows * vocab, 3.0).iter().map(|v| (v * grid).round() / grid).collect();
+        let (lg, _) = p.up(&[rows, vocab], &vals)?;
+        argmax_check(p, &lg, 100 + it)?;
+    }
+    let all: Vec<u32> = (0..xg.shape()[0] as u32).collect();
+    let g = p.gpu.gather_rows(&xg, &all).map_err(e)?;
+    let c = p.cpu.gather_rows(&xc, &all).map_err(e)?;
+    p.compare("gather_rows (all, in order)".into(), &g, &c, 0.0)?;
     let g = p.gpu.split_cols(&xg, &[100, 700, 96]).map_err(e)?;
     let c = p.cpu.split_cols(&xc, &[100, 700, 96]).map_err(e)?;
     for i in 0..3 {
@@ -458,9 +479,17 @@ fn attention_ops(
     let rotary = (inv_freq.as_slice(), scaling);
     // Unfused ops, qkv_attention, and qkv_attention with RoPE folded into
     // decode attention (its decode steps then write the new keys: the
-    // second decode step reads them back).
-    for (fused, fold) in [(false, false), (true, false), (true, true)] {
+    // second decode step reads them back); split decode steps with values
+    // loaded with keys (the default) and apart.
+    for (fused, fold, vpre) in [
+        (false, false, true),
+        (true, false, true),
+        (true, true, true),
+        (true, false, false),
+        (true, true, false),
+    ] {
         p.gpu.set_decode_rope_fused(fold);
+        p.gpu.set_decode_vpre(vpre);
         let mut caches = Caches {
             gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
             cpu: p.cpu.alloc_kv_cache(spec).map_err(e)?,
@@ -506,12 +535,13 @@ fn attention_ops(
         b.push_seq(&toks(1), 20, tc.clone(), true);
         b.push_seq(&toks(1), 1200, td.clone(), true);
         b.push_seq(&toks(1), 600, te.clone(), true);
+        let apart = if vpre { "" } else { ", values apart" };
         let label = if fold {
-            "decode (RoPE folded)"
+            format!("decode (RoPE folded{apart})")
         } else {
-            "decode"
+            format!("decode{}", if vpre { "" } else { " (values apart)" })
         };
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, label, fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, &label, fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -520,13 +550,14 @@ fn attention_ops(
             b.push_seq(&toks(1), at, t.clone(), true);
         }
         let label = if fold {
-            "decode 2 (RoPE folded)"
+            format!("decode 2 (RoPE folded{apart})")
         } else {
-            "decode 2"
+            format!("decode 2{}", if vpre { "" } else { " (values apart)" })
         };
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, label, fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, &label, fused)?;
     }
     p.gpu.set_decode_rope_fused(false);
+    p.gpu.set_decode_vpre(true);
     Ok(())
 }
 

@@ -55,6 +55,9 @@
 //     mapping, which must be the slot the block table gives key pos[row]) before reading keys.
 //     Same grid, block and partials as decode_attention.
 //
+//   decode_attention_vpre_hdN, decode_rope_attention_vpre_hdN: the same, with each chunk's first
+//     round of values loaded together with its keys (more registers; for split steps).
+//
 //   decode_attention_reduce_hdN(part_out, part_ml, heads, num_parts, out, out_stride)
 //     grid (rows, heads), block 128 threads (any multiple of 32 works), no dynamic smem.
 //
@@ -74,8 +77,10 @@
 #define KILN_DECODE_GB 4      // heads of a GQA group served per pass (registers: 8 * GB accumulators)
 #endif
 #define KILN_DECODE_CHUNK 128 // keys per chunk (== threads)
-// 1: a chunk's first values are loaded together with its keys. Off: on the H200 it gave +1.9 % at
-// batch 1 (short partitions) but cost 9 % at 64 rows (longer ranges, more registers per thread).
+// 1: a chunk's first values are loaded together with its keys in every decode kernel. The
+// *_vpre_* kernels always do it: the host launches them for split steps (few rows, short
+// partitions), where on the H200 it gave +1.9 % at batch 1; with 64 rows (one partition of the
+// whole context a block, more registers per thread) it cost 9 %.
 #ifndef KILN_DECODE_VPRE
 #define KILN_DECODE_VPRE 0
 #endif
@@ -216,7 +221,7 @@ __device__ __forceinline__ uint4 rope_partner(uint4 v, int lane, int ln, int kin
 // packed qkv rows (q_stride = their width): the row's k and v follow its q heads; every block
 // rotates its heads' q in registers, and the block whose partition holds the newest key rotates
 // that key and writes it and its value into the cache before reading keys.
-template <int HD, bool ROPE>
+template <int HD, bool ROPE, bool VPRE>
 __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long long q_stride,
                                             const bf16* k_cache, const bf16* v_cache,
                                             const unsigned int* __restrict__ pos,
@@ -355,7 +360,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int k = u * KPI + sub;
-                v0[u] = KILN_DECODE_VPRE && k < cn
+                v0[u] = (VPRE || KILN_DECODE_VPRE) && k < cn
                             ? ld_kv<ROPE>(vbase + (long long)s_slot[k] * kv_row)
                             : make_uint4(0u, 0u, 0u, 0u);
             }
@@ -434,7 +439,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int k = k0 + u * KPI + sub;
-                    if (KILN_DECODE_VPRE && k0 == 0)
+                    if ((VPRE || KILN_DECODE_VPRE) && k0 == 0)
                         vv[u] = v0[u];
                     else if (k < cn)
                         vv[u] = ld_kv<ROPE>(vbase + (long long)s_slot[k] * kv_row);
@@ -901,8 +906,9 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
 #define KILN_FA_MIN_BLOCKS_128 2
 #define KILN_FA_MIN_BLOCKS_256 1
 
-#define KILN_FLASH_ENTRY(HD)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) decode_attention_hd##HD(                                   \
+// Decode entries: plain or RoPE-folded, each with and without the values' first round loaded with the keys.
+#define KILN_DECODE_ENTRIES(HD, SUFFIX, VPRE)                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) decode_attention##SUFFIX##_hd##HD(                         \
         const bf16* __restrict__ q, long long q_stride, const bf16* __restrict__ k_cache,                        \
         const bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                  \
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
@@ -910,11 +916,11 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         float* __restrict__ part_out, float* __restrict__ part_ml, unsigned int* __restrict__ counters,          \
         bf16* __restrict__ out, long long out_stride) {                                                          \
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
-        decode_impl<HD, false>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,     \
-                               heads, kv_heads, scale, window, softcap, partition_size, part_out, part_ml,       \
-                               counters, out, out_stride, nullptr, 0, 0.0f, nullptr);                            \
+        decode_impl<HD, false, VPRE>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width,           \
+                                     block_size, heads, kv_heads, scale, window, softcap, partition_size,        \
+                                     part_out, part_ml, counters, out, out_stride, nullptr, 0, 0.0f, nullptr);   \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) decode_rope_attention_hd##HD(                              \
+    extern "C" __global__ void __launch_bounds__(128) decode_rope_attention##SUFFIX##_hd##HD(                    \
         const bf16* __restrict__ qkv, long long qkv_stride, bf16* k_cache, bf16* v_cache,                        \
         const unsigned int* __restrict__ pos, const unsigned int* __restrict__ row_seq,                          \
         const unsigned int* __restrict__ tables, int table_width, int block_size, int heads, int kv_heads,       \
@@ -923,10 +929,15 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         long long out_stride, const float* __restrict__ rope_freq, int rope_half, float rope_scaling,             \
         const unsigned int* __restrict__ slots) {                                                                \
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
-        decode_impl<HD, true>(qkv, qkv_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,  \
-                              heads, kv_heads, scale, window, softcap, partition_size, part_out, part_ml,        \
-                              counters, out, out_stride, rope_freq, rope_half, rope_scaling, slots);             \
-    }                                                                                                            \
+        decode_impl<HD, true, VPRE>(qkv, qkv_stride, k_cache, v_cache, pos, row_seq, tables, table_width,        \
+                                    block_size, heads, kv_heads, scale, window, softcap, partition_size,         \
+                                    part_out, part_ml, counters, out, out_stride, rope_freq, rope_half,          \
+                                    rope_scaling, slots);                                                        \
+    }
+
+#define KILN_FLASH_ENTRY(HD)                                                                                      \
+    KILN_DECODE_ENTRIES(HD, , false)                                                                             \
+    KILN_DECODE_ENTRIES(HD, _vpre, true)                                                                         \
     extern "C" __global__ void decode_attention_reduce_hd##HD(const float* __restrict__ part_out,                \
                                                               const float* __restrict__ part_ml, int heads,      \
                                                               int num_parts, bf16* __restrict__ out,             \
