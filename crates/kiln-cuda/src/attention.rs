@@ -142,6 +142,12 @@ impl CudaBackend {
             // step's slots (checked against the cache) and the RoPE table
             // holds `half` floats.
             unsafe { b.launch(cfg) }.map_err(dev_err)?;
+            // The output projection that follows may stream its weights
+            // into L2 while this kernel runs (unless a reduce runs between).
+            self.prefetch_next.store(
+                self.dev.l2_prefetch && (parts == 1 || counters != 0),
+                std::sync::atomic::Ordering::Relaxed,
+            );
             if parts > 1 && counters == 0 {
                 let np = parts as i32;
                 let cfg = LaunchConfig {

@@ -56,6 +56,10 @@ pub struct CudaBackend {
     /// Split decode steps use the kernels that load values with keys
     /// (`decode_*attention_vpre_hd*`; `KILN_DECODE_VPRE_SPLIT=0` off).
     pub(crate) decode_vpre: AtomicBool,
+    /// The last kernel launched was decode attention (reads little memory):
+    /// the next direct-load GEMV prefetches its weights into L2 before its
+    /// PDL wait. Taken (cleared) by the next product of any kind.
+    pub(crate) prefetch_next: AtomicBool,
 }
 
 /// A step's metadata on the device.
@@ -109,6 +113,7 @@ impl CudaBackend {
             skinny,
             decode_counters,
             decode_rope: AtomicBool::new(std::env::var("KILN_DECODE_ROPE").is_ok_and(|v| v == "1")),
+            prefetch_next: AtomicBool::new(false),
             decode_vpre: AtomicBool::new(std::env::var("KILN_DECODE_VPRE_SPLIT").map_or(true, |v| v != "0")),
             staging: Mutex::new(None),
             staging_tried: AtomicBool::new(false),

@@ -54,6 +54,10 @@ pub(crate) struct Device {
     /// looping over its tiles (unless `KILN_DIRECT_PERSISTENT=0`: a block
     /// per tile).
     pub direct_persistent: bool,
+    /// A decode product right after decode attention prefetches all its
+    /// weights into L2 while attention runs (sm_90 with PDL, unless
+    /// `KILN_DIRECT_L2_PREFETCH=0`).
+    pub l2_prefetch: bool,
     _workspace: DevBuf,
 }
 
@@ -185,6 +189,8 @@ impl Device {
             _ => None,
         };
         let direct_persistent = std::env::var("KILN_DIRECT_PERSISTENT").map_or(true, |v| v != "0");
+        // Bulk L2 prefetch needs sm_90; it only pays ahead of the PDL wait.
+        let l2_prefetch = pdl && std::env::var("KILN_DIRECT_L2_PREFETCH").map_or(true, |v| v != "0");
         Ok(Device {
             ctx,
             stream,
@@ -198,6 +204,7 @@ impl Device {
             sms,
             direct_cols,
             direct_persistent,
+            l2_prefetch,
             _workspace: workspace,
         })
     }

@@ -27,6 +27,7 @@ impl CudaBackend {
         out_cols: usize,
         mode: i32,
     ) -> Result<bool> {
+        let prefetch = self.take_prefetch();
         if n > GEMV_MAX_ROWS {
             return self.skinny_gemm(x, w, out, extra, n, k, out_cols, mode);
         }
@@ -44,7 +45,7 @@ impl CudaBackend {
         // (`direct_launch`); no split-K (slower on every decode shape
         // measured).
         let (grid, mode) = if direct {
-            self.direct_launch(out_cols, mode)
+            self.direct_launch(out_cols, mode, prefetch)
         } else {
             (out_cols.div_ceil(16) as u32, mode)
         };
@@ -75,8 +76,9 @@ impl CudaBackend {
     /// grid (one block per tile, or at most one wave of resident blocks that
     /// loop over the tiles, carrying their loads from one tile into the
     /// next) and mode argument; the tile width is [`direct_tiles`]'s, or the
-    /// one `KILN_DIRECT_COLS` sets.
-    pub(crate) fn direct_launch(&self, out_cols: usize, mode: i32) -> (u32, i32) {
+    /// one `KILN_DIRECT_COLS` sets; `prefetch` (after decode attention)
+    /// asks every block to prefetch its weights into L2 first (mode | 16).
+    pub(crate) fn direct_launch(&self, out_cols: usize, mode: i32, prefetch: bool) -> (u32, i32) {
         let (cols, mode) = match self.dev.direct_cols {
             Some(8) if mode < 3 => (8, mode | 8),
             Some(16) if mode < 3 => (16, mode),
@@ -88,7 +90,16 @@ impl CudaBackend {
         } else {
             tiles
         };
-        (grid.max(1) as u32, mode)
+        (grid.max(1) as u32, if prefetch { mode | 16 } else { mode })
+    }
+}
+
+impl CudaBackend {
+    /// Whether the product about to launch follows decode attention (see
+    /// `prefetch_next`); clears it.
+    pub(crate) fn take_prefetch(&self) -> bool {
+        self.prefetch_next
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
     }
 }
 

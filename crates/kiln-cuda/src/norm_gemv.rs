@@ -87,7 +87,7 @@ impl CudaBackend {
         let (splits, null) = (1i32, 0u64);
         // The plain GEMV's launch (`direct_launch`).
         let (grid, mode) = if plan.direct {
-            self.direct_launch(out_cols, mode)
+            self.direct_launch(out_cols, mode, self.take_prefetch())
         } else {
             (out_cols.div_ceil(16) as u32, mode)
         };
