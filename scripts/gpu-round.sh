@@ -21,7 +21,8 @@
 # variants (not in the default list): 8B batch-1 decode under each NAME:ENV... of VARIANTS
 # (default: base, no PDL, gated products on gemv.cu's pipelined GEMV, 16-column direct GEMV tiles
 # only, decode attention without its pre-wait slot lookup and L2 prefetch, RoPE folded into decode
-# attention, values loaded with keys), one variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel
+# attention, values loaded with keys in every decode kernel, split steps' values loaded apart from
+# their keys, the product after decode attention prefetching its weights into L2), one variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel
 # defines: A=1+B=2).
 # sweep (not in the default list): bench/gpu/gemv_sweep.py over the direct GEMV's tuning macros.
 # rope (not in the default list): 8B parity and batch-1 decode with RoPE folded into decode
@@ -92,7 +93,7 @@ if has parity; then
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
 fi
 if has variants; then
-  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_pipelined:KILN_GATED_PIPELINED=1 cols16:KILN_DIRECT_COLS=16 noprewait:KILN_KERNEL_DEFINES=KILN_DECODE_PREWAIT=0 rope:KILN_DECODE_ROPE=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1}; do
+  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_pipelined:KILN_GATED_PIPELINED=1 cols16:KILN_DIRECT_COLS=16 noprewait:KILN_KERNEL_DEFINES=KILN_DECODE_PREWAIT=0 rope:KILN_DECODE_ROPE=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1 novpre:KILN_DECODE_VPRE_SPLIT=0 l2pf:KILN_DIRECT_L2_PREFETCH=1}; do
     name=${v%%:*}; envs=${v#*:}
     note "variant $name: $envs"
     # shellcheck disable=SC2046
