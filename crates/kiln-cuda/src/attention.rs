@@ -57,7 +57,11 @@ impl CudaBackend {
         let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
         let softcap = p.softcap.unwrap_or(0.0);
         let hd = p.head_dim;
-        let kind = if rope.is_some() { "rope_attention" } else { "attention" };
+        let kind = if rope.is_some() {
+            "rope_attention"
+        } else {
+            "attention"
+        };
         let decode = format!("decode_{kind}_hd{hd}");
         let flash = format!("flash_prefill_hd{hd}");
         if n == 0 {

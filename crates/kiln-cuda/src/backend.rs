@@ -114,7 +114,9 @@ impl CudaBackend {
             decode_counters,
             decode_rope: AtomicBool::new(std::env::var("KILN_DECODE_ROPE").is_ok_and(|v| v == "1")),
             prefetch_next: AtomicBool::new(false),
-            decode_vpre: AtomicBool::new(std::env::var("KILN_DECODE_VPRE_SPLIT").map_or(true, |v| v != "0")),
+            decode_vpre: AtomicBool::new(
+                std::env::var("KILN_DECODE_VPRE_SPLIT").map_or(true, |v| v != "0"),
+            ),
             staging: Mutex::new(None),
             staging_tried: AtomicBool::new(false),
         })
@@ -318,26 +320,7 @@ impl Backend for CudaBackend {
     }
 
     fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
-        let bytes = 1usize << 30;
-        let a = self.dev.alloc(bytes, 1, "bandwidth probe").ok()?;
-        let b = self.dev.alloc(bytes, 1, "bandwidth probe").ok()?;
-        // Eight back-to-back copies per timed sample: the host's launch and
-        // synchronize (~10 µs) would otherwise count against one ~0.5 ms
-        // copy and understate the bandwidth by ~2 %.
-        const COPIES: usize = 8;
-        let mut best = f64::INFINITY;
-        for i in 0..4 {
-            self.dev.synchronize().ok()?;
-            let t = std::time::Instant::now();
-            for _ in 0..COPIES {
-                self.dev.dtod(b.ptr, a.ptr, bytes).ok()?;
-            }
-            self.dev.synchronize().ok()?;
-            if i > 0 {
-                best = best.min(t.elapsed().as_secs_f64());
-            }
-        }
-        Some(2.0 * (COPIES * bytes) as f64 / best / 1e9)
+        self.dev.copy_bandwidth_gbs().ok()
     }
 
     fn device_memory(&self) -> Option<kiln_tensor::DeviceMemory> {

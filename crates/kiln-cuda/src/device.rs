@@ -292,6 +292,31 @@ impl Device {
         unsafe { drv::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(dev_err)
     }
 
+    /// Device-to-device copy bandwidth in GB/s, bytes read and written
+    /// counted (the ceiling of a memory-bound kernel), best of three samples.
+    /// Each sample times eight back-to-back 1 GiB copies: the host's launch
+    /// and synchronize (~10 µs) would otherwise count against one ~0.5 ms
+    /// copy and understate the bandwidth by ~2 %.
+    pub fn copy_bandwidth_gbs(&self) -> Result<f64> {
+        const BYTES: usize = 1 << 30;
+        const COPIES: usize = 8;
+        let a = self.alloc(BYTES, 1, "bandwidth probe")?;
+        let b = self.alloc(BYTES, 1, "bandwidth probe")?;
+        let mut best = f64::INFINITY;
+        for i in 0..4 {
+            self.synchronize()?;
+            let t = std::time::Instant::now();
+            for _ in 0..COPIES {
+                self.dtod(b.ptr, a.ptr, BYTES)?;
+            }
+            self.synchronize()?;
+            if i > 0 {
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+        }
+        Ok(2.0 * (COPIES * BYTES) as f64 / best / 1e9)
+    }
+
     /// `out[n, m] = x[n, k] · w[m, k]ᵀ + beta * out`, bf16 in and out, f32 accumulation.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(

@@ -221,8 +221,15 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     p.compare("gather_rows (odd width)".into(), &g, &c, 0.0)?;
     // Argmax rows of an odd vocabulary (element by element) with ties (values on a coarse grid:
     // the lowest index wins), and of the 8B shape's vocabulary.
-    for (it, (rows, vocab, grid)) in [(3usize, 1001usize, 4.0f32), (2, 49_152, 64.0)].into_iter().enumerate() {
-        let vals: Vec<f32> = rng.vec(rows * vocab, 3.0).iter().map(|v| (v * grid).round() / grid).collect();
+    for (it, (rows, vocab, grid)) in [(3usize, 1001usize, 4.0f32), (2, 49_152, 64.0)]
+        .into_iter()
+        .enumerate()
+    {
+        let vals: Vec<f32> = rng
+            .vec(rows * vocab, 3.0)
+            .iter()
+            .map(|v| (v * grid).round() / grid)
+            .collect();
         let (lg, _) = p.up(&[rows, vocab], &vals)?;
         argmax_check(p, &lg, 100 + it)?;
     }
