@@ -92,9 +92,7 @@ impl CudaBackend {
         };
         (grid.max(1) as u32, if prefetch { mode | 16 } else { mode })
     }
-}
 
-impl CudaBackend {
     /// Whether the product about to launch follows decode attention (see
     /// `prefetch_next`); clears it.
     pub(crate) fn take_prefetch(&self) -> bool {
