@@ -16,7 +16,7 @@ if [ ! -e models ]; then
   mkdir -p "$cache"
   ln -s "$cache" models
 fi
-scripts/fetch-models.sh models smollm2 qwen2.5-coder gemma3 || exit 1
+scripts/fetch-models.sh models smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3 || exit 1
 # NVRTC and the CUDA headers, so the kernel-compile tests run without a GPU.
 KILN_CUDA_HOME=$(scripts/install-nvrtc.sh) || exit 1
 export KILN_CUDA_HOME
@@ -25,10 +25,14 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
 cargo test --workspace "$@" 2>&1 | tee "$log" || status=$?
-# The server through the official OpenAI and Anthropic SDKs, on the binary cargo just built.
-pysdk=$(scripts/install-sdks.sh) || exit 1
-PYTHONPATH="$pysdk" python3 tests/sdk/sdk_conformance.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
-  models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 | tee -a "$log" || status=1
+# The server through the official OpenAI and Anthropic SDKs, on the binary cargo just built:
+# the pinned versions and the newest ones tested.
+pysdk=$(scripts/install-sdks.sh pinned) || exit 1
+pysdk_newest=$(scripts/install-sdks.sh newest) || exit 1
+for sdk in "$pysdk" "$pysdk_newest"; do
+  PYTHONPATH="$sdk" python3 tests/sdk/sdk_conformance.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
+    models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 | tee -a "$log" || status=1
+done
 # Structured output: 30 JSON schemas on SmolLM2 and Qwen2.5-Coder, validated by `jsonschema`.
 PYTHONPATH="$pysdk" python3 tests/structured/schema_suite.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
   models/SmolLM2-135M-Instruct.Q4_1.gguf models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf 2>&1 | tee -a "$log" || status=1

@@ -8,6 +8,5 @@ message = client.messages.create(
     model="SmolLM2-135M-Instruct.Q4_1",
     max_tokens=64,
     messages=[{"role": "user", "content": "What is the capital of France?"}],
-    temperature=0,
 )
 print(message.content[0].text)

@@ -10,8 +10,12 @@ against the server, and the README must show each one byte for byte.
 
     python3 tests/sdk/sdk_conformance.py KILN_BINARY MODEL.gguf
 
+scripts/test.sh runs it twice: with the pinned SDK versions and with the
+newest ones tested (scripts/install-sdks.sh says which).
+
 Prints one `test result:` line in cargo's format so scripts/test.sh counts it.
 """
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -27,9 +31,15 @@ import anthropic
 import openai
 
 KILN, MODEL = sys.argv[1], sys.argv[2]
+SDKS = f"openai-{openai.__version__}+anthropic-{anthropic.__version__}"
 NAME = "SmolLM2-135M-Instruct.Q4_1"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PARIS = "The capital of France is Paris."
+# The flags scripts/run.sh serves the default model with.
+RUN_SH_FLAGS = ("--temperature", "0")
+# anthropic 2.x dropped `temperature` from `messages.create`; the field still
+# goes through the request body.
+GREEDY = {"temperature": 0}
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples" / "sdk").glob("*.py")) + sorted((ROOT / "examples" / "curl").glob("*.sh"))
 WEATHER_TOOL = {
@@ -97,6 +107,8 @@ def wait_ready(p, base, deadline):
 def main():
     server, url = start_server()
     keyed, keyed_url = start_server("--api-key", "sekrit")
+    strict, strict_url = start_server("--strict-params")
+    greedy, greedy_url = start_server(*RUN_SH_FLAGS)
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
     tests = []
 
@@ -317,15 +329,71 @@ def main():
         assert m.stop_reason == "tool_use" and len(uses) == 1 and isinstance(uses[0].input["city"], str), m
 
     @test
-    def responses_refuse_state_and_unknown_parameters():
-        for kw, param in ((dict(store=True), "store"), (dict(previous_response_id="resp_1"), "previous_response_id"),
-                          (dict(extra_body={"frobnicate": 1}), "frobnicate")):
+    def responses_refuse_state_and_ignore_unknown_parameters():
+        for kw, param in ((dict(store=True), "store"), (dict(previous_response_id="resp_1"), "previous_response_id")):
             try:
                 client.responses.create(model=NAME, input="Hi", **kw)
                 raise AssertionError(f"{param} accepted")
             except openai.BadRequestError as e:
                 assert e.status_code == 400 and e.body["param"] == param, e.body
-                assert param == "frobnicate" or "stateless" in e.body["message"], e.body
+                assert "stateless" in e.body["message"], e.body
+        raw = client.responses.with_raw_response.create(model=NAME, input="Hi", max_output_tokens=4,
+                                                        extra_body={"frobnicate": 1})
+        assert raw.headers.get("x-kiln-ignored-params") == "frobnicate", dict(raw.headers)
+        assert raw.parse().status in ("completed", "incomplete")
+        strict_client = openai.OpenAI(base_url=strict_url, api_key="unused", max_retries=0)
+        try:
+            strict_client.responses.create(model=NAME, input="Hi", extra_body={"frobnicate": 1})
+            raise AssertionError("--strict-params accepted an unknown field")
+        except openai.BadRequestError as e:
+            assert e.status_code == 400 and e.body["param"] == "frobnicate", e.body
+
+    def headline(base, seed):
+        """The README's request as a new user sends it: no temperature, no max_tokens."""
+        c = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        return c.chat.completions.create(model=NAME, messages=QUESTION, seed=seed)
+
+    @test
+    def defaults_are_llama_cpp_and_unbounded_requests_stop():
+        models = client.models.list().model_dump()["data"][0]
+        d = models["sampling_defaults"]
+        assert (d["temperature"], d["top_k"], d["top_p"], d["min_p"], d["source"]) == (0.8, 40, 0.95, 0.05, "llama.cpp"), d
+        assert d["repetition_guard"] == [32, 8], d
+        assert models["max_model_len"] == 8192, models
+        # Ten seeds at once: each sampled answer ends (end of turn, or the
+        # repetition guard on a loop) within the context.
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(lambda seed: headline(url, seed), range(10)))
+        for r in answers:
+            assert r.choices[0].finish_reason == "stop", r
+            assert r.usage.prompt_tokens + r.usage.completion_tokens <= 8192, r.usage
+
+    @test
+    def headline_request_as_run_sh_serves_it_is_sensible_every_time():
+        # scripts/run.sh serves the 135M demo model greedy (`--temperature
+        # 0`): its first token is "The" at 15 % and "L" at 14 %, so any
+        # sampling temperature answers in broken French a third of the time.
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            answers = list(pool.map(lambda seed: headline(greedy_url, seed), range(10)))
+        for r in answers:
+            assert "Paris" in r.choices[0].message.content, r
+
+    @test
+    def llama_cpp_and_client_fields_are_accepted():
+        raw = client.chat.completions.with_raw_response.create(
+            model=NAME, messages=QUESTION, temperature=0,
+            extra_body={"repeat_penalty": 1.0, "cache_prompt": True, "modalities": ["text"],
+                        "service_tier": "auto", "n_predict": 5, "mirostat_tau": 5.0})
+        r = raw.parse()
+        assert r.usage.completion_tokens <= 5 and r.choices[0].finish_reason == "length", r
+        assert raw.headers.get("x-kiln-ignored-params") == "mirostat_tau", dict(raw.headers)
+        for body, param in (({"modalities": ["text", "audio"]}, "modalities"),
+                            ({"audio": {"voice": "alloy", "format": "wav"}}, "audio")):
+            try:
+                client.chat.completions.create(model=NAME, messages=QUESTION, extra_body=body)
+                raise AssertionError(f"{param} accepted")
+            except openai.BadRequestError as e:
+                assert e.status_code == 400 and e.body["param"] == param, e.body
 
     @test
     def examples_run_and_answer():
@@ -346,6 +414,8 @@ def main():
             block = f"```{lang}\n{path.read_text()}```\n"
             assert block in readme, f"README.md does not show {path.relative_to(ROOT)} byte for byte"
             shown[path.read_text()] = path
+        library = ROOT / "crates" / "kiln-engine" / "examples" / "chat.rs"
+        assert f"```rust\n{library.read_text()}```\n" in readme, "README.md does not show the library example"
         # And every README block that reads KILN_URL is one of the files.
         for body in re.findall(r"^```(?:sh|python)\n(.*?)^```$", readme, re.S | re.M):
             assert "KILN_URL" not in body or body in shown, "a README example is not in examples/: " + body[:80]
@@ -354,10 +424,10 @@ def main():
 
     @test
     def anthropic_messages_greedy_and_streaming():
-        r = claude.messages.create(model=NAME, max_tokens=32, temperature=0, messages=QUESTION)
+        r = claude.messages.create(model=NAME, max_tokens=32, messages=QUESTION, extra_body=GREEDY)
         assert r.content[0].text == "The capital of France is Paris.", r
         assert r.stop_reason == "end_turn" and r.usage.input_tokens > 0
-        with claude.messages.stream(model=NAME, max_tokens=32, temperature=0, messages=QUESTION) as stream:
+        with claude.messages.stream(model=NAME, max_tokens=32, messages=QUESTION, extra_body=GREEDY) as stream:
             text = "".join(stream.text_stream)
             final = stream.get_final_message()
         assert text == r.content[0].text and final.stop_reason == "end_turn"
@@ -365,13 +435,13 @@ def main():
     @test
     def anthropic_count_tokens_and_tool_error():
         n = claude.messages.count_tokens(model=NAME, messages=QUESTION).input_tokens
-        r = claude.messages.create(model=NAME, max_tokens=4, temperature=0, messages=QUESTION)
+        r = claude.messages.create(model=NAME, max_tokens=4, messages=QUESTION, extra_body=GREEDY)
         assert n == r.usage.input_tokens, (n, r.usage)
         convo = QUESTION + [
             {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {"q": "France"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "timeout", "is_error": True}]},
         ]
-        r = claude.messages.create(model=NAME, max_tokens=8, temperature=0, messages=convo)
+        r = claude.messages.create(model=NAME, max_tokens=8, messages=convo, extra_body=GREEDY)
         assert r.stop_reason in ("end_turn", "max_tokens")
 
     @test
@@ -387,14 +457,14 @@ def main():
         for t in tests:
             try:
                 t()
-                print(f"test sdk::{t.__name__} ... ok")
+                print(f"test sdk::{SDKS}::{t.__name__} ... ok")
                 passed += 1
             except Exception:
-                print(f"test sdk::{t.__name__} ... FAILED")
+                print(f"test sdk::{SDKS}::{t.__name__} ... FAILED")
                 traceback.print_exc()
                 failed += 1
     finally:
-        for p in (server, keyed):
+        for p in (server, keyed, strict, greedy):
             p.terminate()
             p.wait(timeout=60)
     print(f"test result: {'ok' if failed == 0 else 'FAILED'}. {passed} passed; {failed} failed; 0 ignored")

@@ -33,6 +33,9 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub max_waiting: usize,
+    /// The longest sequence served, prompt and output (`None`: the model's
+    /// trained context length). Longer prompts are refused at submit.
+    pub context_length: Option<usize>,
 }
 
 impl EngineConfig {
@@ -51,6 +54,7 @@ impl EngineConfig {
             max_num_seqs: 256,
             max_num_batched_tokens: if on_device { 8192 } else { 2048 },
             max_waiting: 1024,
+            context_length: None,
         }
     }
 }
@@ -94,13 +98,16 @@ impl std::fmt::Display for KvPlan {
 }
 
 impl EngineConfig {
-    /// Size the KV pool: `kv_mib` when given; else, on a device backend,
-    /// 90 % of the memory left after the weights minus
-    /// [`step_reserve_bytes`](crate::memory::step_reserve_bytes); else 1 GiB.
-    /// A pool that cannot hold one sequence of `context` tokens is refused
-    /// with the breakdown (the same rule `kiln fit` and `kiln serve` apply
-    /// before loading).
-    pub fn plan(model: &LoadedModel, kv_mib: Option<usize>, context: usize) -> Result<KvPlan> {
+    /// Size the KV pool for a served context of `context` tokens:
+    /// `kv_bytes` when given (`--kv-mib`, or the CPU pool of
+    /// [`memory::fit`](crate::memory::fit)'s plan); else, on a device
+    /// backend, 90 % of the memory left after the weights minus
+    /// [`step_reserve_bytes`](crate::memory::step_reserve_bytes); else
+    /// 1 GiB. A pool that cannot hold one sequence of `context` tokens is
+    /// refused with the breakdown (the rule `kiln fit` and `kiln serve`
+    /// apply before loading).
+    pub fn plan(model: &LoadedModel, kv_bytes: Option<usize>, context: usize) -> Result<KvPlan> {
+        let kv_mib = kv_bytes;
         let cfg = model.model.config();
         let backend = model.model.backend();
         let probe = EngineConfig::for_memory(model, 0);
@@ -114,7 +121,7 @@ impl EngineConfig {
             probe.max_num_seqs,
         ) as usize;
         let kv_bytes = match (kv_mib, mem) {
-            (Some(m), _) => m << 20,
+            (Some(b), _) => b,
             (None, Some(m)) => ((m.free_bytes as f64 * 0.9) as usize).saturating_sub(reserve),
             (None, None) => 1 << 30,
         };
@@ -202,6 +209,8 @@ impl std::ops::Deref for EngineStats {
 pub struct EngineHandle {
     commands: Sender<Command>,
     model: Arc<LoadedModel>,
+    /// The served context length.
+    context: usize,
 }
 
 /// The events of one request. Dropping it cancels the request.
@@ -228,6 +237,12 @@ impl EngineHandle {
     /// The model the engine serves, for tokenizing and rendering templates.
     pub fn model(&self) -> &Arc<LoadedModel> {
         &self.model
+    }
+
+    /// The longest sequence this engine serves (prompt and output): its
+    /// configured context, at most the model's trained length.
+    pub fn context_length(&self) -> usize {
+        self.context
     }
 
     /// Submit a request. Refusals happen here, at once: a request that can
@@ -274,6 +289,11 @@ impl Engine {
     /// Start the engine loop on its own thread, owning `model`.
     pub fn start(model: LoadedModel, config: EngineConfig) -> Result<Engine> {
         let model = Arc::new(model);
+        let context = config
+            .context_length
+            .unwrap_or(model.context_length())
+            .min(model.context_length())
+            .max(1);
         let cfg = model.model.config();
         let sched_cfg = SchedulerConfig {
             kv_cache: KvCacheSpec {
@@ -281,7 +301,7 @@ impl Engine {
                 ..KvCacheSpec::uniform(cfg.num_layers)
             },
             num_blocks: config.num_blocks,
-            max_model_len: model.context_length(),
+            max_model_len: context,
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
             max_waiting: config.max_waiting,
@@ -301,6 +321,7 @@ impl Engine {
                     scheduler,
                     cache,
                     block_size: config.block_size,
+                    context,
                     active: HashMap::new(),
                     next_id: 1,
                     num_steps: 0,
@@ -319,6 +340,7 @@ impl Engine {
             handle: EngineHandle {
                 commands: tx,
                 model: shared,
+                context,
             },
             thread: Some(thread),
         })
@@ -367,6 +389,8 @@ struct Loop<'m> {
     scheduler: Scheduler,
     cache: kiln_tensor::KvCache,
     block_size: usize,
+    /// The served context length.
+    context: usize,
     active: HashMap<RequestId, Active<'m>>,
     next_id: u64,
     num_steps: u64,
@@ -446,7 +470,7 @@ impl<'m> Loop<'m> {
         events: Sender<Event>,
     ) -> Result<u64> {
         let id = RequestId(self.next_id);
-        let ctx = self.model.context_length();
+        let ctx = self.context;
         let max_tokens = request
             .params
             .max_tokens

@@ -16,6 +16,7 @@ pub mod convert;
 mod engine;
 mod error;
 mod events;
+mod gen_defaults;
 mod generate;
 mod load;
 pub mod memory;

@@ -25,6 +25,9 @@ pub struct LoadedModel {
     pub eos_token_ids: Vec<TokenId>,
     /// Wall time of [`LoadedModel::load`].
     pub load_seconds: f64,
+    /// The sampling defaults the model declares (`generation_config.json`,
+    /// or `general.sampling.*` in a GGUF file).
+    pub sampling_defaults: kiln_sampling::PartialSampling,
     /// The vocabulary indexed for constrained decoding, built on first use.
     structured: OnceLock<std::result::Result<Arc<StructuredVocab>, String>>,
 }
@@ -67,8 +70,11 @@ impl LoadedModel {
         let config = ModelConfig::from_hf(&weights.hf_config()?)?;
         let tokenizer = Tokenizer::from_gguf(weights.metadata())?;
         let eos = config.eos_token_ids.clone();
+        let defaults = crate::gen_defaults::from_gguf(weights.metadata());
         let model = load_model_with_progress(backend, &weights, config, progress)?;
-        Self::assemble(path, model, tokenizer, eos)
+        let mut loaded = Self::assemble(path, model, tokenizer, eos)?;
+        loaded.sampling_defaults = defaults;
+        Ok(loaded)
     }
 
     fn load_hf_dir(
@@ -88,9 +94,15 @@ impl LoadedModel {
                 _ => {}
             }
         }
+        let defaults = weights
+            .generation_config()
+            .map(crate::gen_defaults::from_generation_config)
+            .unwrap_or_default();
         let tokenizer = Tokenizer::from_hf_dir(dir)?;
         let model = load_model_with_progress(backend, &weights, config, progress)?;
-        Self::assemble(dir, model, tokenizer, eos)
+        let mut loaded = Self::assemble(dir, model, tokenizer, eos)?;
+        loaded.sampling_defaults = defaults;
+        Ok(loaded)
     }
 
     fn assemble(
@@ -115,6 +127,7 @@ impl LoadedModel {
             chat_template,
             eos_token_ids: eos.into_iter().map(TokenId).collect(),
             load_seconds: 0.0,
+            sampling_defaults: kiln_sampling::PartialSampling::default(),
             structured: OnceLock::new(),
         })
     }

@@ -1,7 +1,19 @@
-//! The memory equation: what a model needs to run, term by term, against
-//! what is free. `kiln fit` prints it, `kiln serve` refuses to start when
-//! one sequence of its context does not fit, and [`EngineConfig::plan`]
-//! keeps [`step_reserve_bytes`] back from the KV pool.
+//! The memory equation and the one planner: what a model needs to run,
+//! term by term, against what is free, and from it the KV pool and the
+//! default context. `kiln fit` prints the plan, `kiln serve` runs it (the
+//! same function, so the two agree by construction) and refuses to start
+//! when one sequence of its context does not fit, and
+//! [`EngineConfig::plan`] keeps [`step_reserve_bytes`] back from a
+//! device's KV pool.
+//!
+//! The KV pool: on a device, 90 % of what is free after the weights and
+//! overheads, less one step's activations (as vLLM's memory utilization);
+//! on the CPU, up to 90 % of what is left after the weights, overheads and
+//! one step's activations, but no more than [`CPU_KV_POOL_CAP`] or one
+//! sequence of the trained context, whichever is larger (the machine is
+//! shared with everything else the user runs). `--kv-mib` sets it. The
+//! default context is the longest the pool holds, at most the trained
+//! length.
 //!
 //! Terms: weights as Kiln stores them (every tensor of
 //! `kiln_models::tensor_shapes`, packed or not, at the backend's weight
@@ -29,6 +41,9 @@ pub const CUDA_CONTEXT_BYTES: u64 = 588 * MIB;
 pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 * MIB;
 /// Buffers kept by recorded decode steps (their free list).
 pub const GRAPH_RESERVE_BYTES: u64 = 128 * MIB;
+/// The most the CPU KV pool takes by default unless one sequence of the
+/// trained context needs more.
+pub const CPU_KV_POOL_CAP: u64 = 1 << 30;
 /// The process without weights on the CPU: code, tokenizer, metadata,
 /// allocator slack (measured with `kiln generate --report-peak-rss`).
 pub const CPU_PROCESS_BYTES: u64 = 80 * MIB;
@@ -126,18 +141,39 @@ impl MemoryTarget {
 pub struct FitInput<'a> {
     pub config: &'a ModelConfig,
     pub target: MemoryTarget,
-    pub context: usize,
+    /// Tokens per sequence; `None` asks for the longest the pool holds at
+    /// `batch` (at most the trained length).
+    pub context: Option<usize>,
     pub batch: usize,
+    /// The KV pool's size when fixed (`--kv-mib`); `None` sizes it from
+    /// what is free.
+    pub kv_pool_bytes: Option<u64>,
     /// Memory free for the model (device memory, or `MemAvailable`).
     pub available_bytes: u64,
     /// Bytes of the weight files (mapped while loading on the CPU).
     pub file_bytes: u64,
 }
 
+/// Where a plan's context came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ContextSource {
+    /// Asked for (`--context`).
+    Requested,
+    /// The model's trained length (memory allows it).
+    Trained,
+    /// The longest the KV pool holds (shorter than the trained length).
+    Memory,
+}
+
 /// The answer, term by term.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FitReport {
     pub context: usize,
+    pub context_source: ContextSource,
+    /// The model's trained context length.
+    pub trained_context: usize,
+    /// The KV pool `kiln serve` would allocate.
+    pub kv_pool_bytes: u64,
     pub batch: usize,
     pub on_device: bool,
     pub weights_bytes: u64,
@@ -221,53 +257,81 @@ fn peak(input: &FitInput<'_>, terms: &Terms, context: usize, batch: usize) -> (u
     (total, kv, act)
 }
 
-/// The largest `n` in `1..=hi` with `fits(n)` (fits is monotone); 0 if none.
-fn largest(hi: usize, fits: impl Fn(usize) -> bool) -> usize {
-    let (mut lo, mut hi) = (0usize, hi);
-    while lo < hi {
-        let mid = lo + (hi - lo).div_ceil(2);
-        if fits(mid) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
+/// The KV pool the plan allocates (see the module docs).
+fn kv_pool_bytes(input: &FitInput<'_>, terms: &Terms) -> u64 {
+    if let Some(b) = input.kv_pool_bytes {
+        return b;
     }
-    lo
+    let t = input.target;
+    let fixed = terms.weights + terms.overheads.iter().map(|o| o.1).sum::<u64>();
+    let reserve = step_activation_bytes(
+        input.config,
+        t.max_num_batched_tokens,
+        t.max_num_seqs,
+        t.on_device,
+    );
+    let left = input.available_bytes.saturating_sub(fixed);
+    if t.on_device {
+        return ((left as f64 * 0.9) as u64).saturating_sub(reserve);
+    }
+    if input.available_bytes < fixed + terms.loading {
+        return 0; // It cannot even load.
+    }
+    let usable = (left.saturating_sub(reserve) as f64 * 0.9) as u64;
+    let per_token = input.config.kv_bytes_per_token(t.kv_bytes_per_element) as u64;
+    let one_trained = per_token * input.config.max_position_embeddings as u64;
+    usable.min(CPU_KV_POOL_CAP.max(one_trained))
 }
 
-/// Evaluate the memory equation.
+/// Evaluate the memory equation and plan the KV pool and context.
 pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
-    if input.context == 0 || input.batch == 0 {
+    let trained = input.config.max_position_embeddings.max(1);
+    if input.batch == 0 || input.context == Some(0) {
         return Err(EngineError::Config(
             "context and batch must be at least 1".into(),
         ));
     }
+    if let Some(c) = input.context.filter(|&c| c > trained) {
+        return Err(EngineError::Config(format!(
+            "a context of {c} tokens is beyond the model's trained length of {trained} tokens"
+        )));
+    }
     let terms = terms(input)?;
-    let (total, kv, act) = peak(input, &terms, input.context, input.batch);
+    let pool = kv_pool_bytes(input, &terms);
+    let per_token = input
+        .config
+        .kv_bytes_per_token(input.target.kv_bytes_per_element)
+        .max(1) as u64;
+    let pool_tokens = (pool / per_token) as usize;
+    let max_context = trained.min(pool_tokens / input.batch);
+    let (context, context_source) = match input.context {
+        Some(c) => (c, ContextSource::Requested),
+        None if max_context == trained => (trained, ContextSource::Trained),
+        // Nothing fits: report the attempt at the trained length.
+        None if max_context == 0 => (trained, ContextSource::Trained),
+        None => (max_context, ContextSource::Memory),
+    };
+    let (total, kv, act) = peak(input, &terms, context, input.batch);
     let avail = input.available_bytes;
-    let model_ctx = input.config.max_position_embeddings.max(1);
+    let needed = kv;
     Ok(FitReport {
-        context: input.context,
+        context,
+        context_source,
+        trained_context: trained,
+        kv_pool_bytes: pool,
         batch: input.batch,
         on_device: input.target.on_device,
         weights_bytes: terms.weights,
         loading_bytes: terms.loading,
-        kv_bytes_per_token: input
-            .config
-            .kv_bytes_per_token(input.target.kv_bytes_per_element)
-            as u64,
+        kv_bytes_per_token: per_token,
         kv_bytes: kv,
         activation_bytes: act,
-        max_context: largest(model_ctx, |c| {
-            peak(input, &terms, c, input.batch).0 <= avail
-        }),
-        max_batch: largest(1 << 20, |b| {
-            peak(input, &terms, input.context, b).0 <= avail
-        }),
+        max_context,
+        max_batch: pool_tokens / context,
         overheads: terms.overheads,
         total_bytes: total,
         available_bytes: avail,
-        fits: total <= avail,
+        fits: pool > 0 && needed <= pool && total <= avail,
     })
 }
 
@@ -308,6 +372,19 @@ impl std::fmt::Display for FitReport {
             f,
             "  available                   {}",
             mib(self.available_bytes)
+        )?;
+        let source = match self.context_source {
+            ContextSource::Requested => "asked for",
+            ContextSource::Trained => "the model's trained length",
+            ContextSource::Memory => "the longest the KV pool holds",
+        };
+        writeln!(
+            f,
+            "  KV pool                     {}  ({} tokens; context {} = {source}, trained {})",
+            mib(self.kv_pool_bytes),
+            self.kv_pool_bytes / self.kv_bytes_per_token.max(1),
+            self.context,
+            self.trained_context
         )?;
         writeln!(
             f,

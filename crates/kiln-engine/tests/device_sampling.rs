@@ -348,6 +348,7 @@ fn engine(model: LoadedModel) -> Engine {
             max_num_seqs: 8,
             max_num_batched_tokens: 512,
             max_waiting: 16,
+            context_length: None,
         },
     )
     .unwrap()

@@ -35,6 +35,7 @@ fn engine(num_blocks: usize) -> Engine {
             max_num_seqs: 64,
             max_num_batched_tokens: 512,
             max_waiting: 256,
+            context_length: None,
         },
     )
     .unwrap()

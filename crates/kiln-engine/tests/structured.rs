@@ -79,6 +79,7 @@ fn schema_and_free_requests_share_steps_and_each_gets_its_own_output() {
             max_num_seqs: 8,
             max_num_batched_tokens: 512,
             max_waiting: 16,
+            context_length: None,
         },
     )
     .unwrap();
@@ -157,6 +158,7 @@ fn a_format_that_does_not_compile_is_refused_at_submit() {
             max_num_seqs: 4,
             max_num_batched_tokens: 256,
             max_waiting: 4,
+            context_length: None,
         },
     )
     .unwrap();
@@ -194,6 +196,7 @@ fn jump_forward_is_lossless_and_saves_steps() {
             max_num_seqs: 4,
             max_num_batched_tokens: 512,
             max_waiting: 8,
+            context_length: None,
         },
     )
     .unwrap();

@@ -12,7 +12,8 @@ use crate::{FinishReason, NgramRepeat, SamplingParams, TokenId};
 pub struct RepetitionGuard {
     /// Fire when the last this-many tokens are all the same token.
     pub max_consecutive_identical: Option<usize>,
-    /// Fire when the last `ngram_len * num_repeats` tokens are one n-gram repeated.
+    /// Fire when the last `ngram_len * num_repeats` tokens are one n-gram of
+    /// at most `ngram_len` tokens repeated.
     pub ngram_repeat: Option<NgramRepeat>,
 }
 
@@ -33,10 +34,11 @@ impl RepetitionGuard {
     /// Returns [`FinishReason::Repetition`] if the tail of `generated` trips a guard:
     ///
     /// * `max_consecutive_identical = Some(n)`: the last `n` tokens are all equal.
-    /// * `ngram_repeat = Some(g)`: the last `g.ngram_len * g.num_repeats` tokens are
-    ///   the n-gram formed by the last `g.ngram_len` tokens, repeated `g.num_repeats`
-    ///   times back to back. A token run of the right length also counts as a
-    ///   repeated n-gram of any length.
+    /// * `ngram_repeat = Some(g)`: the last `g.ngram_len * g.num_repeats` tokens
+    ///   repeat with a period of at most `g.ngram_len` tokens: one loop of up to
+    ///   `ngram_len` tokens fills the window (`num_repeats` copies of an
+    ///   `ngram_len`-token phrase, more of a shorter one). A token run of the right
+    ///   length counts too.
     ///
     /// Nothing fires before enough tokens exist, and a zero-sized setting (which
     /// validation rejects) never fires.
@@ -47,7 +49,9 @@ impl RepetitionGuard {
         let ngram = self.ngram_repeat.is_some_and(|g| {
             g.ngram_len
                 .checked_mul(g.num_repeats)
-                .is_some_and(|window| is_periodic_tail(generated, g.ngram_len, window))
+                .is_some_and(|window| {
+                    (1..=g.ngram_len).any(|period| is_periodic_tail(generated, period, window))
+                })
         });
         (identical || ngram).then_some(FinishReason::Repetition)
     }
@@ -120,6 +124,21 @@ mod tests {
         assert_eq!(guard.check(&ids(&[1, 2, 3, 1, 9, 3, 1, 2, 3])), None);
         // A single-token run is a repeated n-gram of any length.
         assert_eq!(guard.check(&ids(&[4; 9])), Some(FinishReason::Repetition));
+    }
+
+    #[test]
+    fn ngram_repeat_catches_every_period_up_to_its_length() {
+        let guard = ngram(4, 3);
+        // Period 3 fills the 12-token window of a guard whose n-gram length is 4.
+        let period3: Vec<u32> = [7, 8, 9].iter().copied().cycle().take(12).collect();
+        assert_eq!(guard.check(&ids(&period3)), Some(FinishReason::Repetition));
+        let period2: Vec<u32> = [7, 8].iter().copied().cycle().take(12).collect();
+        assert_eq!(guard.check(&ids(&period2)), Some(FinishReason::Repetition));
+        // Period 5 is longer than the guard's n-gram: not a loop it looks for.
+        let period5: Vec<u32> = [1, 2, 3, 4, 5].iter().copied().cycle().take(40).collect();
+        assert_eq!(guard.check(&ids(&period5)), None);
+        // A loop that does not yet fill the window does not fire.
+        assert_eq!(guard.check(&ids(&period3[..11])), None);
     }
 
     #[test]

@@ -18,12 +18,15 @@
 //!   logits are ([`Sampler::device_step`]).
 //! * [`StopMatcher`]: withholds stop strings from streamed text.
 //! * [`RepetitionGuard`]: ends generation stuck in a loop.
+//! * [`SamplingDefaults`]: what a server fills in for fields a request leaves out
+//!   (its flags, else the model's generation defaults, else llama.cpp's).
 //! * [`FinishReason`]: why generation ended, with OpenAI's names.
 //! * [`TokenId`]: the token id newtype shared by all Kiln crates.
 //! * [`SamplingError`]: the crate's one error type.
 
 #![warn(missing_docs)]
 
+mod defaults;
 mod device;
 mod error;
 mod finish;
@@ -36,6 +39,9 @@ pub mod sampler;
 pub mod stop;
 mod truncation;
 
+pub use defaults::{
+    DefaultsSource, PartialSampling, SamplingDefaults, DEFAULT_LOOP_GUARD, LLAMA_CPP_DEFAULTS,
+};
 pub use device::DeviceStep;
 pub use error::SamplingError;
 pub use finish::FinishReason;

@@ -30,13 +30,14 @@ impl fmt::Display for TokenId {
     }
 }
 
-/// The n-gram repetition guard: generation stops when the last `ngram_len` tokens,
-/// taken as one n-gram, occur `num_repeats` times back to back at the tail.
+/// The n-gram repetition guard: generation stops when the last
+/// `ngram_len * num_repeats` tokens repeat with a period of at most `ngram_len`
+/// tokens (a loop of up to `ngram_len` tokens fills that window).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NgramRepeat {
-    /// Length of the repeated n-gram in tokens (at least 1).
+    /// The longest repeated n-gram looked for, in tokens (at least 1).
     pub ngram_len: usize,
-    /// How many back-to-back copies end generation (at least 2).
+    /// The window is this many copies of the longest n-gram (at least 2).
     pub num_repeats: usize,
 }
 

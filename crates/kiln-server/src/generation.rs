@@ -391,7 +391,7 @@ where
         extra,
         reasoning,
     } = prepare(model)?;
-    check_context(prompt.len(), model.context_length())?;
+    check_context(prompt.len(), engine.context_length())?;
     let mut streams = Vec::with_capacity(n);
     for i in 0..n {
         let mut params = generate.params.clone();
@@ -430,7 +430,7 @@ pub fn check_context(prompt_tokens: usize, context_length: usize) -> Result<(), 
     if prompt_tokens >= context_length {
         return Err(ApiError::ContextLengthExceeded {
             message: format!(
-                "the prompt has {prompt_tokens} tokens, but the model's context is \
+                "the prompt has {prompt_tokens} tokens, but the served context is \
                  {context_length} tokens (at most {} prompt tokens leave room to generate)",
                 context_length.saturating_sub(1)
             ),

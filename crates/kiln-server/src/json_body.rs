@@ -1,6 +1,7 @@
 //! Request bodies: bytes (under the size limit) → JSON → a typed request,
-//! with errors that name the offending parameter, and the refusal of
-//! parameters Kiln does not know or does not support.
+//! with errors that name the offending parameter; parameters Kiln cannot
+//! honour are refused, and unknown ones ignored and reported (or refused
+//! with `--strict-params`).
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
@@ -59,33 +60,127 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     })
 }
 
-/// OpenAI parameters that Kiln knows but does not implement yet, with what
-/// to say about each.
-const NOT_YET: &[(&str, &str)] = &[
-    ("response_format", "structured output is not supported yet"),
-    ("functions", "use `tools`"),
-    ("function_call", "use `tool_choice`"),
-    ("best_of", "only one candidate is generated"),
-    ("suffix", "insertion is not supported"),
-    ("audio", "audio output is not supported"),
-    ("modalities", "only text output is supported"),
-    ("prediction", "predicted outputs are not supported"),
-    ("web_search_options", "web search is not supported"),
-    ("service_tier", "there are no service tiers"),
+/// Parameters Kiln cannot honour: refused in every mode (ignoring them
+/// would change what the client gets), each with what to say.
+fn cannot_honour(key: &str, value: &Value) -> Option<&'static str> {
+    match key {
+        "functions" => Some("use `tools`"),
+        "function_call" => Some("use `tool_choice`"),
+        "audio" => Some("audio output is not supported"),
+        "modalities" => {
+            let text_only = value
+                .as_array()
+                .is_some_and(|m| m.iter().all(|v| v.as_str() == Some("text")));
+            (!text_only).then_some("only text output is supported")
+        }
+        "best_of" => (value.as_u64() != Some(1)).then_some("only one candidate is generated"),
+        "suffix" => {
+            (!value.as_str().is_some_and(str::is_empty)).then_some("insertion is not supported")
+        }
+        "web_search_options" => Some("web search is not supported"),
+        _ => None,
+    }
+}
+
+/// Parameters clients send that Kiln accepts without acting on them,
+/// because what they ask for is already what happens: `cache_prompt`
+/// (llama.cpp; the prefix cache is always on), `service_tier` (there is
+/// one tier), `modalities: ["text"]` and `best_of: 1` (checked above).
+const ACCEPTED: &[&str] = &[
+    "cache_prompt",
+    "service_tier",
+    "modalities",
+    "best_of",
+    "suffix",
 ];
 
-/// Refuses the first key of `extra` (the fields a request struct did not
+/// The unknown parameters one request carried, and whether they are
+/// refused (`--strict-params`) or ignored and reported.
+#[derive(Debug, Default)]
+pub struct IgnoredParams {
+    pub strict: bool,
+    pub names: Vec<String>,
+}
+
+tokio::task_local! {
+    /// The request being handled on this task (set by [`track_ignored`]).
+    static IGNORED: std::cell::RefCell<IgnoredParams>;
+}
+
+/// Checks the fields of `extra` (the fields a request struct did not
 /// name) whose value is not `null`; `context` prefixes the parameter path.
+/// A field Kiln cannot honour is refused. Unknown fields are ignored and
+/// recorded for the `x-kiln-ignored-params` header and the log, or, with
+/// `--strict-params` (and outside a request, as in unit tests), the first
+/// is refused by name.
 pub fn reject_unknown(extra: &Map<String, Value>, context: &str) -> Result<(), ApiError> {
-    let Some((key, _)) = extra.iter().find(|(_, v)| !v.is_null()) else {
+    let mut unknown = Vec::new();
+    for (key, value) in extra.iter().filter(|(_, v)| !v.is_null()) {
+        let param = format!("{context}{key}");
+        if let Some(why) = cannot_honour(key, value) {
+            return Err(ApiError::unsupported(
+                param.clone(),
+                format!("`{param}` is not supported by Kiln: {why}"),
+            ));
+        }
+        if !ACCEPTED.contains(&key.as_str()) {
+            unknown.push(param);
+        }
+    }
+    let Some(first) = unknown.first().cloned() else {
         return Ok(());
     };
-    let param = format!("{context}{key}");
-    let message = match NOT_YET.iter().find(|(k, _)| *k == key) {
-        Some((_, why)) => format!("`{param}` is not supported by Kiln: {why}"),
-        None => format!("unknown parameter `{param}`"),
-    };
-    Err(ApiError::unsupported(param, message))
+    let ignored = IGNORED
+        .try_with(|cell| {
+            let mut cell = cell.borrow_mut();
+            if cell.strict {
+                return false;
+            }
+            cell.names.append(&mut unknown);
+            true
+        })
+        .unwrap_or(false);
+    if ignored {
+        Ok(())
+    } else {
+        Err(ApiError::unsupported(
+            first.clone(),
+            format!("unknown parameter `{first}`"),
+        ))
+    }
+}
+
+/// The response header that lists the request fields Kiln ignored.
+pub const IGNORED_HEADER: &str = "x-kiln-ignored-params";
+
+/// Middleware: runs the request with a fresh [`IgnoredParams`] and, when
+/// the handler ignored fields, names them in [`IGNORED_HEADER`] and logs
+/// them once.
+pub async fn track_ignored(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    req: Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let path = req.uri().path().to_string();
+    let cell = std::cell::RefCell::new(IgnoredParams {
+        strict: state.strict_params,
+        names: Vec::new(),
+    });
+    let (mut response, cell) = IGNORED
+        .scope(cell, async move {
+            let response = next.run(req).await;
+            let names = IGNORED.with(|c| std::mem::take(&mut c.borrow_mut().names));
+            (response, names)
+        })
+        .await;
+    if !cell.is_empty() {
+        let list = cell.join(", ");
+        tracing::warn!(route = %path, ignored = %list, "ignored request fields Kiln does not know");
+        if let Ok(v) = axum::http::HeaderValue::from_str(&list) {
+            response.headers_mut().insert(IGNORED_HEADER, v);
+        }
+    }
+    response
 }
 
 #[cfg(test)]
@@ -117,8 +212,53 @@ mod tests {
         let p = parse::<Probe>(br#"{"n": 1, "frobnicate": true, "user2": null}"#).unwrap();
         let e = reject_unknown(&p.extra, "").unwrap_err();
         assert_eq!(e.body()["error"]["param"], "frobnicate");
-        let p = parse::<Probe>(br#"{"response_format": {"type": "json_object"}}"#).unwrap();
+        let p = parse::<Probe>(br#"{"audio": {"voice": "alloy"}}"#).unwrap();
         let msg = reject_unknown(&p.extra, "").unwrap_err().to_string();
         assert!(msg.contains("not supported"), "{msg}");
+    }
+
+    fn in_request<T>(strict: bool, f: impl FnOnce() -> T) -> (T, Vec<String>) {
+        let cell = std::cell::RefCell::new(IgnoredParams {
+            strict,
+            names: Vec::new(),
+        });
+        IGNORED.sync_scope(cell, || {
+            let out = f();
+            (
+                out,
+                IGNORED.with(|c| std::mem::take(&mut c.borrow_mut().names)),
+            )
+        })
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_listed_in_a_request() {
+        let p = parse::<Probe>(
+            br#"{"n": 1, "frobnicate": true, "cache_prompt": true, "modalities": ["text"], "service_tier": "auto"}"#,
+        )
+        .unwrap();
+        let (r, names) = in_request(false, || reject_unknown(&p.extra, "x."));
+        assert!(r.is_ok());
+        assert_eq!(names, vec!["x.frobnicate"]);
+        let (r, names) = in_request(true, || reject_unknown(&p.extra, ""));
+        assert_eq!(r.unwrap_err().body()["error"]["param"], "frobnicate");
+        assert!(names.is_empty());
+    }
+
+    #[test]
+    fn what_kiln_cannot_honour_is_refused_in_every_mode() {
+        for body in [
+            r#"{"modalities": ["text", "audio"]}"#,
+            r#"{"audio": {"voice": "alloy", "format": "wav"}}"#,
+            r#"{"best_of": 3}"#,
+            r#"{"suffix": "}"}"#,
+            r#"{"functions": []}"#,
+        ] {
+            let p = parse::<Probe>(body.as_bytes()).unwrap();
+            let (r, _) = in_request(false, || reject_unknown(&p.extra, ""));
+            assert!(r.is_err(), "{body}");
+        }
+        let p = parse::<Probe>(br#"{"best_of": 1, "suffix": ""}"#).unwrap();
+        assert!(in_request(false, || reject_unknown(&p.extra, "")).0.is_ok());
     }
 }

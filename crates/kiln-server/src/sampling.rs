@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use kiln_sampling::{SamplingParams, TokenId, MAX_LOGPROBS};
+use kiln_sampling::{SamplingDefaults, SamplingParams, TokenId, MAX_LOGPROBS};
 use serde_json::Value;
 
 use crate::errors::ApiError;
@@ -40,11 +40,16 @@ pub const OPENAI_MAX_TEMPERATURE: f32 = 2.0;
 pub const ANTHROPIC_MAX_TEMPERATURE: f32 = 1.0;
 
 impl SamplingFields {
-    /// Validated parameters for a model with `vocab_size` tokens.
-    pub fn into_params(self, vocab_size: usize) -> Result<SamplingParams, ApiError> {
-        let defaults = SamplingParams::default();
+    /// Validated parameters for a model with `vocab_size` tokens, the
+    /// fields left out taken from `defaults` (the server's).
+    pub fn into_params(
+        self,
+        vocab_size: usize,
+        defaults: &SamplingDefaults,
+    ) -> Result<SamplingParams, ApiError> {
+        let defaults = defaults.params();
         let max_tokens = match self.max_tokens {
-            None => None,
+            None => defaults.max_tokens,
             Some((n, param)) if n <= 0 => {
                 return Err(ApiError::invalid(
                     param,
@@ -54,7 +59,8 @@ impl SamplingFields {
             Some((n, _)) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
         };
         let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
+            None => defaults.top_k,
+            Some(-1) | Some(0) => 0,
             Some(k) if k < -1 => {
                 return Err(ApiError::invalid(
                     "top_k",
@@ -88,8 +94,8 @@ impl SamplingFields {
             repetition_penalty: self
                 .repetition_penalty
                 .unwrap_or(defaults.repetition_penalty),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: self.presence_penalty.unwrap_or(defaults.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(defaults.frequency_penalty),
             logit_bias: logit_bias(self.logit_bias)?,
             // Negative seeds are valid in the API; the bits are the seed.
             seed: self.seed.map(|s| s as u64),
@@ -108,6 +114,19 @@ impl SamplingFields {
         params.validate(vocab_size)?;
         Ok(params)
     }
+}
+
+/// The token limit a request sets, under the first of the names clients
+/// use that it carries (`named`, in order of precedence), then llama.cpp's
+/// `n_predict`, whose negative values mean no limit.
+pub fn token_limit(
+    named: &[(Option<i64>, &'static str)],
+    n_predict: Option<i64>,
+) -> Option<(i64, &'static str)> {
+    named
+        .iter()
+        .find_map(|&(v, name)| v.map(|n| (n, name)))
+        .or(n_predict.filter(|&n| n >= 0).map(|n| (n, "n_predict")))
 }
 
 /// `logit_bias` has token ids as string keys.
@@ -153,8 +172,12 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn neutral() -> SamplingDefaults {
+        SamplingDefaults::neutral()
+    }
+
     fn param_of(f: SamplingFields) -> String {
-        let e = f.into_params(100).unwrap_err();
+        let e = f.into_params(100, &neutral()).unwrap_err();
         e.body()["error"]["param"]
             .as_str()
             .unwrap_or("")
@@ -172,14 +195,16 @@ mod tests {
             seed: Some(-1),
             ..Default::default()
         }
-        .into_params(100)
+        .into_params(100, &neutral())
         .unwrap();
         assert_eq!(p.max_tokens, Some(5));
         assert_eq!(p.top_k, 0);
         assert_eq!(p.logit_bias, vec![(TokenId(7), -100.0)]);
         assert_eq!(p.stop, vec!["a", "b"]);
         assert_eq!(p.seed, Some(u64::MAX));
-        let d = SamplingFields::default().into_params(100).unwrap();
+        let d = SamplingFields::default()
+            .into_params(100, &neutral())
+            .unwrap();
         let hot = SamplingFields {
             temperature: Some(1.5),
             max_temperature: ANTHROPIC_MAX_TEMPERATURE,
@@ -187,6 +212,53 @@ mod tests {
         };
         assert_eq!(param_of(hot), "temperature");
         assert_eq!(d, SamplingParams::default());
+    }
+
+    #[test]
+    fn fields_left_out_take_the_servers_defaults() {
+        use kiln_sampling::{PartialSampling, DEFAULT_LOOP_GUARD};
+        let defaults = SamplingDefaults::resolve(
+            PartialSampling::default(),
+            PartialSampling::default(),
+            Some(DEFAULT_LOOP_GUARD),
+        );
+        let p = SamplingFields::default()
+            .into_params(100, &defaults)
+            .unwrap();
+        assert_eq!(
+            (p.temperature, p.top_k, p.top_p, p.min_p),
+            (0.8, 40, 0.95, 0.05)
+        );
+        assert_eq!(p.ngram_repeat, Some(DEFAULT_LOOP_GUARD));
+        assert_eq!(p.max_tokens, None);
+        // What a request sets wins, field by field; `top_k: -1` turns it off.
+        let p = SamplingFields {
+            temperature: Some(0.0),
+            top_k: Some(-1),
+            ..Default::default()
+        }
+        .into_params(100, &defaults)
+        .unwrap();
+        assert_eq!((p.temperature, p.top_k, p.top_p), (0.0, 0, 0.95));
+    }
+
+    #[test]
+    fn token_limits_under_every_name() {
+        let named = |a, b| [(a, "max_completion_tokens"), (b, "max_tokens")];
+        assert_eq!(
+            token_limit(&named(Some(5), Some(9)), Some(7)),
+            Some((5, "max_completion_tokens"))
+        );
+        assert_eq!(
+            token_limit(&named(None, Some(9)), Some(7)),
+            Some((9, "max_tokens"))
+        );
+        assert_eq!(
+            token_limit(&named(None, None), Some(7)),
+            Some((7, "n_predict"))
+        );
+        assert_eq!(token_limit(&named(None, None), Some(-1)), None);
+        assert_eq!(token_limit(&named(None, None), None), None);
     }
 
     #[test]

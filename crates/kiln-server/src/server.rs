@@ -48,6 +48,27 @@ pub struct ServerConfig {
     /// Tool-call syntax and reasoning split, where the chat template
     /// should not decide.
     pub output: crate::parse::OutputOverrides,
+    /// Sampling defaults set by flags; the fields left unset come from the
+    /// model's generation config, else llama.cpp's defaults.
+    pub sampling: kiln_sampling::PartialSampling,
+    /// The repetition guard every request gets (`None`: off).
+    pub loop_guard: Option<kiln_sampling::NgramRepeat>,
+    /// Refuse unknown request fields (400) instead of ignoring them.
+    pub strict_params: bool,
+}
+
+impl ServerConfig {
+    /// The sampling defaults requests to `model` get under this config.
+    pub fn sampling_defaults(
+        &self,
+        model: &kiln_engine::LoadedModel,
+    ) -> kiln_sampling::SamplingDefaults {
+        kiln_sampling::SamplingDefaults::resolve(
+            self.sampling,
+            model.sampling_defaults,
+            self.loop_guard,
+        )
+    }
 }
 
 impl Default for ServerConfig {
@@ -62,6 +83,9 @@ impl Default for ServerConfig {
             shutdown_grace: Duration::from_secs(30),
             sse_keepalive: Duration::from_secs(15),
             output: crate::parse::OutputOverrides::default(),
+            sampling: kiln_sampling::PartialSampling::default(),
+            loop_guard: Some(kiln_sampling::DEFAULT_LOOP_GUARD),
+            strict_params: false,
         }
     }
 }
@@ -132,7 +156,6 @@ pub async fn serve_loading(
         let started_at = unix_now();
         move |engine| {
             router(AppState {
-                engine,
                 model_name: config.model_name.as_str().into(),
                 api_key: config.api_key.as_deref().map(Arc::from),
                 max_body_bytes: config.max_body_bytes,
@@ -141,6 +164,9 @@ pub async fn serve_loading(
                 started_at,
                 sse_keepalive: config.sse_keepalive,
                 output: config.output,
+                sampling_defaults: Arc::new(config.sampling_defaults(engine.model())),
+                strict_params: config.strict_params,
+                engine,
             })
         }
     })
@@ -280,6 +306,10 @@ fn router(state: AppState) -> Router {
         .route("/metrics", get(ops::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::json_body::track_ignored,
+        ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             count_requests,

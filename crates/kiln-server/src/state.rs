@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kiln_engine::EngineHandle;
+use kiln_sampling::SamplingDefaults;
 use tokio::sync::watch;
 
 use crate::errors::ApiError;
@@ -28,6 +29,10 @@ pub struct AppState {
     pub sse_keepalive: Duration,
     /// Tool-call syntax and reasoning split, where the template should not decide.
     pub output: crate::parse::OutputOverrides,
+    /// What a request gets for the sampling fields it leaves out.
+    pub sampling_defaults: Arc<SamplingDefaults>,
+    /// Refuse unknown request fields instead of ignoring them.
+    pub strict_params: bool,
 }
 
 impl AppState {
@@ -36,9 +41,10 @@ impl AppState {
         self.engine.model().model.config().vocab_size
     }
 
-    /// The model's context length in tokens.
+    /// The served context length in tokens (`kiln serve --context`, at
+    /// most the model's trained length).
     pub fn context_length(&self) -> usize {
-        self.engine.model().context_length()
+        self.engine.context_length()
     }
 
     /// Refuses a request that names a model other than the one served.

@@ -255,8 +255,11 @@ fn errors_have_anthropic_shape() {
         .is_some_and(|m| m.contains("at least one tool")));
     let r = post("/v1/messages", &france(json!({"model": "nope"})));
     assert_anthropic_error(&r, 404, "not_found_error");
-    let r = post("/v1/messages", &france(json!({"frobnicate": 1})));
-    assert_anthropic_error(&r, 400, "invalid_request_error");
+    // Unknown fields are ignored and named in a header (`--strict-params`
+    // refuses them; tested through the SDK suite).
+    let r = post("/v1/messages", &france(json!({"frobnicate": 1, "max_tokens": 2})));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-kiln-ignored-params"), Some("frobnicate"));
     // The OpenAI routes keep their shape, and also take `x-api-key`.
     let r = post("/v1/chat/completions", &json!({"messages": []}));
     assert_eq!(r.status, 400, "{}", r.text());

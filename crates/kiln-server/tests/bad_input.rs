@@ -106,11 +106,12 @@ fn malformed_requests_are_400() {
 }
 
 #[test]
-fn unsupported_parameters_are_named() {
+fn what_kiln_cannot_honour_is_named_and_unknown_fields_are_ignored() {
     for (param, value) in [
-        ("frobnicate", json!(1)),
         ("modalities", json!(["audio"])),
-        ("prediction", json!({"type": "content", "content": "x"})),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
+        ("best_of", json!(2)),
+        ("functions", json!([])),
     ] {
         let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
         body[param] = value;
@@ -118,4 +119,19 @@ fn unsupported_parameters_are_named() {
         assert_eq!(e["param"], param, "{e}");
         assert_eq!(e["code"], "unsupported_parameter", "{e}");
     }
+    // Unknown fields (top level and nested) are ignored and listed.
+    let body = json!({
+        "messages": [{"role": "user", "content": "hi", "frob": 2}],
+        "max_tokens": 1,
+        "frobnicate": 1,
+        "prediction": {"type": "content", "content": "x"},
+        "cache_prompt": true,
+        "modalities": ["text"],
+    });
+    let r = chat(&body.to_string());
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        r.header("x-kiln-ignored-params"),
+        Some("frobnicate, prediction, messages[0].frob")
+    );
 }

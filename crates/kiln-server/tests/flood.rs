@@ -25,6 +25,7 @@ const ENGINE: EngineConfig = EngineConfig {
     max_num_seqs: 4,
     max_num_batched_tokens: 256,
     max_waiting: 4,
+    context_length: None,
 };
 
 /// However slow the machine, nothing takes this long unless it hangs.

@@ -120,7 +120,11 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     let model = a.model.load()?;
     let backend_name = model.model.backend().name();
     let path = model.path.display().to_string();
-    let plan = EngineConfig::plan(&model, a.kv_mib, model.context_length().min(256))?;
+    let plan = EngineConfig::plan(
+        &model,
+        a.kv_mib.map(|m| m << 20),
+        model.context_length().min(256),
+    )?;
     eprintln!("kiln bench-engine: {plan}");
     let cfg = plan.config;
     let engine = Engine::start(model, cfg)?;

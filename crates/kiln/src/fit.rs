@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln_engine::memory::{fit, FitInput, FitReport, MemoryTarget};
+use kiln_engine::memory::{fit, ContextSource, FitInput, FitReport, MemoryTarget};
 use kiln_models::ModelConfig;
 use kiln_tensor::Backend;
 use serde_json::json;
@@ -19,9 +19,14 @@ use crate::cli::ModelArgs;
 pub struct FitArgs {
     /// A GGUF file, a model directory, or a registered model's name.
     pub model: Option<String>,
-    /// Tokens per sequence (default: the model's context length).
+    /// Tokens per sequence (default: what `kiln serve` would choose, the
+    /// longest the KV pool holds at --batch, at most the trained length).
     #[arg(long)]
     pub context: Option<usize>,
+    /// A fixed KV pool in MiB, as `kiln serve --kv-mib` (default: sized
+    /// from what is free, as serve does).
+    #[arg(long)]
+    pub kv_mib: Option<u64>,
     /// Sequences at once.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -97,23 +102,30 @@ pub fn target_for(
     }
 }
 
-/// The memory equation for the model at `path`.
-pub fn check(
-    path: &Path,
-    target: MemoryTarget,
-    available_bytes: u64,
-    context: Option<usize>,
-    batch: usize,
-) -> Result<FitReport> {
+/// What to plan for: where, against how much memory, and the sizes asked.
+pub struct FitQuery {
+    pub target: MemoryTarget,
+    pub available_bytes: u64,
+    /// `None`: the longest the pool holds.
+    pub context: Option<usize>,
+    pub batch: usize,
+    /// `--kv-mib` in bytes.
+    pub kv_pool_bytes: Option<u64>,
+}
+
+/// The memory plan for the model at `path` (`kiln fit` prints it, `kiln
+/// serve` runs it).
+pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
     let config = kiln_registry::hf_config(path)?;
     let config = ModelConfig::from_hf(&config)
         .with_context(|| format!("reading the config of {}", path.display()))?;
     let input = FitInput {
-        context: context.unwrap_or(config.max_position_embeddings),
+        context: q.context,
         config: &config,
-        target,
-        batch,
-        available_bytes,
+        target: q.target,
+        batch: q.batch,
+        kv_pool_bytes: q.kv_pool_bytes,
+        available_bytes: q.available_bytes,
         file_bytes: file_bytes(path),
     };
     Ok(fit(&input)?)
@@ -129,6 +141,13 @@ pub fn report_json(path: &Path, r: &FitReport) -> serde_json::Value {
         "model": path.display().to_string(),
         "device": if r.on_device { "cuda" } else { "cpu" },
         "context": r.context,
+        "context_source": match r.context_source {
+            ContextSource::Requested => "requested",
+            ContextSource::Trained => "trained",
+            ContextSource::Memory => "memory",
+        },
+        "trained_context": r.trained_context,
+        "kv_pool_bytes": r.kv_pool_bytes,
         "batch": r.batch,
         "weights_bytes": r.weights_bytes,
         "kv_bytes_per_token": r.kv_bytes_per_token,
@@ -150,13 +169,24 @@ pub fn run(a: FitArgs) -> Result<()> {
         device: a.device.clone(),
     }
     .path()?;
-    let (target, avail) = target_for(&a.device, None, a.memory_bytes)?;
-    let report = check(&path, target, avail, a.context, a.batch)?;
+    let (target, available_bytes) = target_for(&a.device, None, a.memory_bytes)?;
+    let query = FitQuery {
+        target,
+        available_bytes,
+        context: a.context,
+        batch: a.batch,
+        kv_pool_bytes: a.kv_mib.map(|m| m << 20),
+    };
+    let report = check(&path, &query)?;
     if a.json {
         println!("{}", report_json(&path, &report));
     } else {
         println!("{}:", path.display());
         print!("{report}");
+    }
+    if !report.fits {
+        // The verdict is the exit status too, for scripts.
+        std::process::exit(1);
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use kiln_engine::memory::ContextSource;
 use kiln_engine::{Engine, EngineConfig};
 use kiln_server::ServerConfig;
 
@@ -19,8 +20,9 @@ pub struct ServeArgs {
     /// model's name (`kiln ls`). Default: the SmolLM2 model in
     /// $KILN_MODELS_DIR (or ./models).
     pub model: Option<String>,
-    /// Tokens one sequence must be able to reach (default: the model's
-    /// context length); serve refuses to start when that cannot fit.
+    /// Tokens one sequence may reach, prompt and output (default: the
+    /// longest the KV pool holds, at most the model's trained length — the
+    /// plan `kiln fit` prints); serve refuses to start when it cannot fit.
     #[arg(long)]
     pub context: Option<usize>,
     /// Check the fit against this many free bytes instead of measuring
@@ -41,8 +43,10 @@ pub struct ServeArgs {
     /// Allow browser calls from this origin (repeatable; `*` for any).
     #[arg(long = "cors-origin")]
     pub cors_origins: Vec<String>,
-    /// KV cache memory in MiB (default: on a GPU, what is free after the
-    /// weights and an activation reserve; on the CPU, 1024).
+    /// KV cache memory in MiB (default: on a GPU, 90 % of what is free
+    /// after the weights less an activation reserve; on the CPU, up to 90 %
+    /// of the free RAM left after the weights, at most 1 GiB or one
+    /// sequence of the trained context).
     #[arg(long)]
     pub kv_mib: Option<usize>,
     /// The name clients use in `model` (default: the model file's stem).
@@ -62,6 +66,81 @@ pub struct ServeArgs {
     /// when the chat template mentions it).
     #[arg(long)]
     pub reasoning_parser: Option<String>,
+    #[command(flatten)]
+    pub defaults: DefaultFlags,
+    /// Refuse requests with unknown fields (400) instead of ignoring them
+    /// (they are listed in the `x-kiln-ignored-params` header and the log).
+    #[arg(long)]
+    pub strict_params: bool,
+}
+
+/// Server-wide defaults for the sampling fields requests leave out (over
+/// the model's generation config, else llama.cpp's defaults).
+#[derive(Args, Debug, Default)]
+pub struct DefaultFlags {
+    /// Default temperature (0 = greedy).
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Default top-k (0 = off).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Default top-p (1 = off).
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Default min-p (0 = off).
+    #[arg(long)]
+    pub min_p: Option<f32>,
+    /// Default repetition penalty (1 = off).
+    #[arg(long)]
+    pub repetition_penalty: Option<f32>,
+    /// Default token limit of requests that set none (default: the context).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// The repetition guard every request gets: `N,K` ends generation when
+    /// a loop of up to N tokens fills the last N×K tokens; `off` disables it.
+    #[arg(long, default_value = "32,8", value_parser = parse_guard)]
+    pub repetition_guard: Guard,
+}
+
+/// `--repetition-guard`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Guard(pub Option<kiln_sampling::NgramRepeat>);
+
+fn parse_guard(s: &str) -> Result<Guard, String> {
+    if s == "off" {
+        return Ok(Guard(None));
+    }
+    let (n, k) = s
+        .split_once(',')
+        .ok_or_else(|| format!("expected N,K or off, got `{s}`"))?;
+    let n: usize = n.trim().parse().map_err(|_| format!("bad N in `{s}`"))?;
+    let k: usize = k.trim().parse().map_err(|_| format!("bad K in `{s}`"))?;
+    if n < 1 || k < 2 {
+        return Err(format!("`{s}`: N must be at least 1 and K at least 2"));
+    }
+    Ok(Guard(Some(kiln_sampling::NgramRepeat {
+        ngram_len: n,
+        num_repeats: k,
+    })))
+}
+
+impl DefaultFlags {
+    fn partial(&self) -> Result<kiln_sampling::PartialSampling> {
+        let p = kiln_sampling::PartialSampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            max_tokens: self.max_tokens,
+        };
+        // The same checks a request's values get.
+        let probe = kiln_sampling::SamplingDefaults::resolve(p, p, None).params();
+        probe
+            .validate(usize::MAX)
+            .map_err(|e| anyhow::anyhow!("sampling flags: {e}"))?;
+        Ok(p)
+    }
 }
 
 /// The output syntax the flags choose.
@@ -96,11 +175,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let path = model_args.path()?;
     // Resolved once: the loader takes the path.
     model_args.model = Some(path.to_string_lossy().into_owned());
-    // The memory equation before anything loads: one sequence of the
-    // context must fit.
+    // The plan before anything loads (the one `kiln fit` prints): the
+    // context and the KV pool; one sequence of the context must fit.
     let backend = model_args.backend()?;
-    let (target, avail) = crate::fit::target_for(&a.device, Some(&backend), a.memory_bytes)?;
-    let fit = crate::fit::check(&path, target, avail, a.context, 1)?;
+    let (target, available_bytes) =
+        crate::fit::target_for(&a.device, Some(&backend), a.memory_bytes)?;
+    let query = crate::fit::FitQuery {
+        target,
+        available_bytes,
+        context: a.context,
+        batch: 1,
+        kv_pool_bytes: a.kv_mib.map(|m| (m as u64) << 20),
+    };
+    let fit = crate::fit::check(&path, &query)?;
     if !fit.fits {
         anyhow::bail!(
             "{} does not fit one sequence of {} tokens:\n{fit}use --context, a smaller model or quantization, or another device",
@@ -108,6 +195,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             fit.context
         );
     }
+    let sampling = a.defaults.partial()?;
     let model_name = a.served_model_name.clone().unwrap_or_else(|| {
         path.file_stem()
             .map(|s| s.to_string_lossy().into_owned())
@@ -122,12 +210,39 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model_name: model_name.clone(),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
         output,
+        sampling,
+        loop_guard: a.defaults.repetition_guard.0,
+        strict_params: a.strict_params,
         ..ServerConfig::default()
     };
-    let (kv_mib, context) = (a.kv_mib, fit.context);
+    // A device measures what is free once the weights are there; the CPU
+    // pool is the plan's.
+    let kv_bytes = match (a.kv_mib, target.on_device) {
+        (Some(m), _) => Some(m << 20),
+        (None, true) => None,
+        (None, false) => Some(fit.kv_pool_bytes as usize),
+    };
+    let context_note = match fit.context_source {
+        ContextSource::Requested => "--context".to_string(),
+        ContextSource::Trained => "the model's trained length".to_string(),
+        ContextSource::Memory => format!(
+            "the longest the KV pool holds; trained {}",
+            fit.trained_context
+        ),
+    };
+    let context = fit.context;
+    let server_config = config.clone();
     let load_path = path.clone();
     let load = move || {
-        load_engine(&model_args, &load_path, backend, kv_mib, context).map_err(|e| format!("{e:#}"))
+        load_engine(&model_args, &load_path, backend, kv_bytes, context)
+            .map(|engine| {
+                let defaults = server_config.sampling_defaults(engine.handle().model());
+                eprintln!(
+                    "kiln serve: context {context} tokens ({context_note}); sampling defaults: {defaults}"
+                );
+                engine
+            })
+            .map_err(|e| format!("{e:#}"))
     };
     kiln_server::run(config, load, |addr| {
         eprintln!(
@@ -145,12 +260,15 @@ fn load_engine(
     model_args: &ModelArgs,
     path: &std::path::Path,
     backend: Arc<dyn kiln_tensor::Backend>,
-    kv_mib: Option<usize>,
+    kv_bytes: Option<usize>,
     context: usize,
 ) -> Result<Engine> {
     let model = model_args.load_on(backend)?;
-    let plan = EngineConfig::plan(&model, kv_mib, context)?;
-    let engine_config = plan.config;
+    let plan = EngineConfig::plan(&model, kv_bytes, context)?;
+    let engine_config = EngineConfig {
+        context_length: Some(context),
+        ..plan.config
+    };
     let load_seconds = model.load_seconds;
     let engine = Engine::start(model, engine_config).context("starting the engine")?;
     eprintln!(

@@ -21,12 +21,18 @@ pub struct CompletionRequest {
     pub logprobs: Option<i64>,
     pub n: Option<i64>,
     pub max_tokens: Option<i64>,
+    /// llama.cpp's token limit (negative: no limit).
+    pub n_predict: Option<i64>,
+    /// Text Generation Inference's token limit.
+    pub max_new_tokens: Option<i64>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Also under llama.cpp's and Ollama's name, `repeat_penalty`.
+    #[serde(alias = "repeat_penalty")]
     pub repetition_penalty: Option<f32>,
     pub logit_bias: Option<BTreeMap<String, f32>>,
     pub seed: Option<i64>,

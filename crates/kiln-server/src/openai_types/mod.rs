@@ -99,8 +99,46 @@ pub struct ModelCard {
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
-    /// The context length (a vLLM extension clients use).
+    /// The context length served (a vLLM extension clients use).
     pub max_model_len: usize,
+    /// What requests get for the sampling fields they leave out (Kiln's).
+    pub sampling_defaults: SamplingDefaultsOut,
+}
+
+/// The server's sampling defaults as `/v1/models` and `/stats` show them.
+#[derive(Debug, Serialize)]
+pub struct SamplingDefaultsOut {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub max_tokens: Option<usize>,
+    /// `model` (its generation config) or `llama.cpp`.
+    pub source: &'static str,
+    /// Fields set by `kiln serve` flags.
+    pub set_by_flags: Vec<&'static str>,
+    /// The repetition guard: `[longest n-gram, copies]`, or null when off.
+    pub repetition_guard: Option<[usize; 2]>,
+}
+
+impl From<&kiln_sampling::SamplingDefaults> for SamplingDefaultsOut {
+    fn from(d: &kiln_sampling::SamplingDefaults) -> Self {
+        SamplingDefaultsOut {
+            temperature: d.temperature,
+            top_k: d.top_k,
+            top_p: d.top_p,
+            min_p: d.min_p,
+            repetition_penalty: d.repetition_penalty,
+            max_tokens: d.max_tokens,
+            source: match d.source {
+                kiln_sampling::DefaultsSource::Model => "model",
+                kiln_sampling::DefaultsSource::LlamaCpp => "llama.cpp",
+            },
+            set_by_flags: d.overridden.clone(),
+            repetition_guard: d.loop_guard.map(|g| [g.ngram_len, g.num_repeats]),
+        }
+    }
 }
 
 /// Seconds since the Unix epoch.

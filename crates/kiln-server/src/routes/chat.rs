@@ -99,10 +99,14 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
         }
         _ => None,
     };
-    let max_tokens = req
-        .max_completion_tokens
-        .map(|n| (n, "max_completion_tokens"))
-        .or(req.max_tokens.map(|n| (n, "max_tokens")));
+    let max_tokens = crate::sampling::token_limit(
+        &[
+            (req.max_completion_tokens, "max_completion_tokens"),
+            (req.max_tokens, "max_tokens"),
+            (req.max_new_tokens, "max_new_tokens"),
+        ],
+        req.n_predict,
+    );
     let params = SamplingFields {
         max_tokens,
         temperature: req.temperature,
@@ -120,7 +124,7 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
         logprobs: top_logprobs,
         max_temperature: crate::sampling::OPENAI_MAX_TEMPERATURE,
     }
-    .into_params(state.vocab_size())?;
+    .into_params(state.vocab_size(), &state.sampling_defaults)?;
     let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
     let mut enable_thinking = kwargs.get("enable_thinking").and_then(Value::as_bool);
     if let Some(effort) = req.reasoning_effort {

@@ -110,7 +110,15 @@ pub async fn handle(
         ));
     }
     let params = SamplingFields {
-        max_tokens: Some((req.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS), "max_tokens")),
+        max_tokens: crate::sampling::token_limit(
+            &[
+                (req.max_tokens, "max_tokens"),
+                (req.max_new_tokens, "max_new_tokens"),
+            ],
+            req.n_predict,
+        )
+        // `n_predict: -1` asks for no limit (the context bounds it).
+        .or((!req.n_predict.is_some_and(|n| n < 0)).then_some((DEFAULT_MAX_TOKENS, "max_tokens"))),
         temperature: req.temperature,
         top_p: req.top_p,
         top_k: req.top_k,
@@ -126,7 +134,7 @@ pub async fn handle(
         logprobs,
         max_temperature: crate::sampling::OPENAI_MAX_TEMPERATURE,
     }
-    .into_params(state.vocab_size())?;
+    .into_params(state.vocab_size(), &state.sampling_defaults)?;
     let prompt = prompt_input(req.prompt, state.vocab_size())?;
     let generate = Generate {
         params,

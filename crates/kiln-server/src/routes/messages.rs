@@ -123,7 +123,7 @@ fn sampling(
         max_temperature: crate::sampling::ANTHROPIC_MAX_TEMPERATURE,
         ..SamplingFields::default()
     }
-    .into_params(state.vocab_size())?;
+    .into_params(state.vocab_size(), &state.sampling_defaults)?;
     Ok((params, stop_sequences))
 }
 

@@ -57,7 +57,9 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
         "model": &*state.model_name,
         "model_path": model.path.display().to_string(),
         "device": model.model.backend().name(),
-        "context_length": model.context_length(),
+        "context_length": state.context_length(),
+        "trained_context_length": model.context_length(),
+        "sampling_defaults": crate::openai_types::SamplingDefaultsOut::from(&*state.sampling_defaults),
         "scheduler": {
             "num_running": s.num_running,
             "num_waiting": s.num_waiting,
@@ -134,6 +136,7 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
             created: state.started_at,
             owned_by: "kiln",
             max_model_len: state.context_length(),
+            sampling_defaults: (&*state.sampling_defaults).into(),
         }],
     })
 }

@@ -104,7 +104,7 @@ fn validate(state: &AppState, mut req: ResponsesRequest) -> Result<ValidResponse
         max_temperature: OPENAI_MAX_TEMPERATURE,
         ..SamplingFields::default()
     }
-    .into_params(state.vocab_size())?;
+    .into_params(state.vocab_size(), &state.sampling_defaults)?;
     Ok(ValidResponses {
         messages,
         tools,

@@ -24,6 +24,7 @@ pub fn engine_config() -> EngineConfig {
         max_num_seqs: 16,
         max_num_batched_tokens: 512,
         max_waiting: 64,
+        context_length: None,
     }
 }
 

@@ -217,15 +217,11 @@ impl Backend for CpuBackend {
         let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
             (0..spec.num_layers)
                 .map(|_| {
-                    let mut v = Vec::new();
-                    v.try_reserve_exact(per_layer)
-                        .map_err(|_| TensorError::OutOfMemory {
-                            backend: "cpu",
-                            bytes: (per_layer * 4) as u64,
-                            what: format!("KV cache {what}"),
-                        })?;
-                    v.resize(per_layer, 0f32);
-                    Ok(v)
+                    zeroed_f32(per_layer).ok_or_else(|| TensorError::OutOfMemory {
+                        backend: "cpu",
+                        bytes: (per_layer * 4) as u64,
+                        what: format!("KV cache {what}"),
+                    })
                 })
                 .collect()
         };
@@ -263,5 +259,25 @@ impl Backend for CpuBackend {
         }
         let out = attention::attend(qd, batch, kc, vc, p);
         Ok(Self::wrap(vec![n, qw], out))
+    }
+}
+
+/// `n` zeros from the allocator's zeroed memory (`calloc`): large pools
+/// come from the kernel's zero pages, so a KV pool costs resident memory
+/// only as its blocks are written. `None` when the allocation fails.
+fn zeroed_f32(n: usize) -> Option<Vec<f32>> {
+    if n == 0 {
+        return Some(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<f32>(n).ok()?;
+    // SAFETY: the layout has a non-zero size; a non-null result is an
+    // allocation of `n` f32s from the global allocator, all bits zero (a
+    // valid 0.0), which `Vec` may own and free with the same layout.
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut f32;
+        if ptr.is_null() {
+            return None;
+        }
+        Some(Vec::from_raw_parts(ptr, n, n))
     }
 }
