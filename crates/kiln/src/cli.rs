@@ -28,6 +28,9 @@ pub enum Command {
     Generate(crate::generate::GenerateArgs),
     /// Chat with a model interactively, streaming its answers.
     Chat(crate::chat::ChatArgs),
+    /// Chat with a model by name, fetching ORG/NAME[:QUANT] from the hub
+    /// first if it is not here.
+    Run(crate::run::RunArgs),
     /// Measure prefill and decode speed.
     Bench(crate::bench::BenchArgs),
     /// Measure the engine loop: throughput under concurrency, cached-prefix TTFT.

@@ -1,7 +1,9 @@
 //! `kiln get`: download a model from the Hugging Face hub into its standard
 //! cache (or check that a local file or directory is there), printing the
-//! snapshot folder on stdout and progress on stderr. A local path is
-//! registered in the model registry instead.
+//! snapshot folder on stdout and progress on stderr, and register it in the
+//! model registry. `ORG/NAME:Q4_K_M` takes one quantization of a GGUF
+//! repository; a complete cached snapshot is used when the hub cannot be
+//! reached (or with `HF_HUB_OFFLINE=1`).
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -15,8 +17,9 @@ use kiln_hub::{ByteSize, GetOptions, HubConfig, Progress, ProgressEvent, RepoSpe
 
 #[derive(Args, Debug)]
 pub struct GetArgs {
-    /// ORG/NAME[@REVISION] on the hub (revision: branch, tag or commit; default main),
-    /// or a local GGUF file or model directory.
+    /// ORG/NAME[@REVISION][:QUANT] on the hub (revision: branch, tag or
+    /// commit; default main; QUANT such as Q4_K_M picks that GGUF file of
+    /// the repository), or a local GGUF file or model directory.
     pub model: String,
     /// Only files matching this glob (repeatable; `*` also matches `/`).
     #[arg(long)]
@@ -30,14 +33,26 @@ pub struct GetArgs {
 }
 
 pub fn run(a: GetArgs) -> Result<()> {
+    let path = fetch(&a)?;
+    println!("{}", path.display());
+    Ok(())
+}
+
+/// `kiln get`: the folder (or GGUF file's snapshot folder) to load.
+pub fn fetch(a: &GetArgs) -> Result<PathBuf> {
     if looks_local(&a.model) {
         return show_local(Path::new(&a.model));
     }
-    let spec = RepoSpec::parse(&a.model)?;
+    let (repo, quant) = split_quant(&a.model);
+    let spec = RepoSpec::parse(repo)?;
     let config = hub_config();
+    let mut include = a.include.clone();
+    if let Some(q) = quant {
+        include.extend(quant_globs(q));
+    }
     let options = GetOptions {
-        include: a.include,
-        exclude: a.exclude,
+        include,
+        exclude: a.exclude.clone(),
         num_workers: a.jobs.max(1),
         // Tests set this to exercise the disk-space check.
         free_bytes: std::env::var("KILN_TEST_FREE_BYTES")
@@ -45,6 +60,20 @@ pub fn run(a: GetArgs) -> Result<()> {
             .and_then(|v| v.parse().ok()),
         ..GetOptions::default()
     };
+    let offline = std::env::var("HF_HUB_OFFLINE").is_ok_and(|v| !v.is_empty() && v != "0");
+    let cached = || cached_snapshot(&config.cache_dir, &spec, quant);
+    if offline {
+        let dir = cached().with_context(|| {
+            format!(
+                "HF_HUB_OFFLINE is set and {}@{} is not complete in {}",
+                spec.repo_id,
+                spec.revision,
+                config.cache_dir.display()
+            )
+        })?;
+        eprintln!("kiln: offline (HF_HUB_OFFLINE): using the cached snapshot {}", dir.display());
+        return register_snapshot(&config.cache_dir, &dir);
+    }
     eprintln!(
         "kiln: fetching {}@{} from {} into {}",
         spec.repo_id,
@@ -53,7 +82,22 @@ pub fn run(a: GetArgs) -> Result<()> {
         config.cache_dir.display()
     );
     let progress = Display::new();
-    let snap = kiln_hub::get(&config, &spec, &options, &progress)?;
+    let snap = match kiln_hub::get(&config, &spec, &options, &progress) {
+        Ok(snap) => snap,
+        Err(e @ kiln_hub::HubError::Network { .. }) => {
+            let Some(dir) = cached() else {
+                return Err(e.into());
+            };
+            eprintln!("kiln: {e}\nkiln: using the complete cached snapshot {}", dir.display());
+            return register_snapshot(&config.cache_dir, &dir);
+        }
+        Err(e) => {
+            return Err(match quant {
+                Some(q) => anyhow::Error::new(e).context(format!("no `{q}` GGUF file in {}", spec.repo_id)),
+                None => e.into(),
+            })
+        }
+    };
     progress.finish();
     eprintln!(
         "kiln: {} at {}: {} files, {} downloaded ({}) in {:.1}s",
@@ -64,8 +108,106 @@ pub fn run(a: GetArgs) -> Result<()> {
         ByteSize(snap.bytes_downloaded),
         progress.start.elapsed().as_secs_f64()
     );
-    println!("{}", snap.dir.display());
+    register_snapshot(&config.cache_dir, &snap.dir)
+}
+
+/// Whether `s` reads as `ORG/NAME[@REVISION][:QUANT]` on the hub.
+pub fn is_hub_id(s: &str) -> bool {
+    !looks_local(s) && RepoSpec::parse(split_quant(s).0).is_ok()
+}
+
+/// `ORG/NAME[@REV]:QUANT` → (`ORG/NAME[@REV]`, `QUANT`); a colon is not
+/// otherwise part of a repository id or revision.
+fn split_quant(s: &str) -> (&str, Option<&str>) {
+    match s.rsplit_once(':') {
+        Some((repo, q)) if !q.is_empty() && !q.contains(['/', '@']) => (repo, Some(q)),
+        _ => (s, None),
+    }
+}
+
+/// Globs for the GGUF files of one quantization, in any letter case and
+/// with `-`, `_` or `.` between its parts (`Q4_K_M` matches
+/// `model-q4_k_m.gguf` and `model.Q4_K_M-00001-of-00002.gguf`, not
+/// `model-IQ4_K_M.gguf`).
+fn quant_globs(q: &str) -> Vec<String> {
+    let tag: String = q
+        .chars()
+        .map(|c| match c {
+            '_' | '-' | '.' => "[-_.]".to_string(),
+            c if c.is_ascii_alphabetic() => {
+                format!("[{}{}]", c.to_ascii_lowercase(), c.to_ascii_uppercase())
+            }
+            c => c.to_string(),
+        })
+        .collect();
+    vec![format!("*[-_./]{tag}[-.]*gguf"), format!("{tag}[-.]*gguf")]
+}
+
+/// A snapshot of `spec` in the cache whose every file is there (no broken
+/// link), holding a file of `quant` if one is asked for.
+fn cached_snapshot(cache_dir: &Path, spec: &RepoSpec, quant: Option<&str>) -> Option<PathBuf> {
+    let repo = kiln_hub::RepoCache::new(cache_dir, &spec.folder_name());
+    let commit = if kiln_hub::is_commit_hash(&spec.revision) {
+        spec.revision.clone()
+    } else {
+        std::fs::read_to_string(repo.root().join("refs").join(&spec.revision))
+            .ok()?
+            .trim()
+            .to_string()
+    };
+    let dir = repo.snapshot_dir(&commit);
+    let mut files = Vec::new();
+    collect_files(&dir, &mut files).ok()?;
+    if files.is_empty() {
+        return None;
+    }
+    if let Some(q) = quant {
+        let filter = kiln_hub::FileFilter::new(&quant_globs(q), &[]).ok()?;
+        let wanted = files.iter().any(|f| {
+            f.strip_prefix(&dir)
+                .ok()
+                .and_then(|p| p.to_str())
+                .is_some_and(|p| filter.matches(p))
+        });
+        if !wanted {
+            return None;
+        }
+    }
+    Some(dir)
+}
+
+/// Every file under `dir`; an error for a link whose blob is missing.
+fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let meta = std::fs::metadata(&path)?; // Follows the link to its blob.
+        if meta.is_dir() {
+            collect_files(&path, out)?;
+        } else {
+            out.push(path);
+        }
+    }
     Ok(())
+}
+
+/// Registers the models of a snapshot folder; returns the path to load:
+/// the one model's (the folder, or its GGUF file), else the folder.
+fn register_snapshot(cache_dir: &Path, dir: &Path) -> Result<PathBuf> {
+    let reg = crate::registry::open()?;
+    let mut paths = Vec::new();
+    for found in kiln_registry::find_in_hub_cache(cache_dir)
+        .into_iter()
+        .filter(|f| f.path.starts_with(dir))
+    {
+        let entry = kiln_registry::entry_for(found);
+        reg.upsert(&entry)?;
+        eprintln!("kiln: registered {} ({})", entry.found.name, entry.tier());
+        paths.push(entry.found.path);
+    }
+    Ok(match <[PathBuf; 1]>::try_from(paths) {
+        Ok([one]) => one,
+        Err(_) => dir.to_path_buf(),
+    })
 }
 
 /// A path rather than a repository id: starts like one, or exists.
@@ -73,7 +215,7 @@ fn looks_local(s: &str) -> bool {
     s.starts_with(['/', '.', '~']) || Path::new(s).exists()
 }
 
-fn show_local(path: &Path) -> Result<()> {
+fn show_local(path: &Path) -> Result<PathBuf> {
     let meta = std::fs::metadata(path)
         .with_context(|| format!("{} is not a file or directory here", path.display()))?;
     let full = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
@@ -96,8 +238,7 @@ fn show_local(path: &Path) -> Result<()> {
         (None, None) => entry.tier().to_string(),
     };
     eprintln!("kiln: registered {} ({what})", entry.found.name);
-    println!("{}", full.display());
-    Ok(())
+    Ok(full)
 }
 
 /// The hub settings, read as `huggingface_hub` reads them.

@@ -2,7 +2,7 @@
 //!
 //! This binary is the only place that reads environment variables, sets up
 //! threads and prints. Subcommands: `generate`, `chat`, `bench`, `serve`,
-//! `convert`, `get`, `scan`, `ls`, `rm`, `fit`, `dev random-checkpoint`.
+//! `run`, `convert`, `get`, `scan`, `ls`, `rm`, `fit`, `dev random-checkpoint`.
 
 mod bench;
 mod bench_engine;
@@ -14,6 +14,7 @@ mod fit;
 mod generate;
 mod get;
 mod registry;
+mod run;
 mod serve;
 
 use anyhow::Result;
@@ -42,6 +43,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
+        Command::Run(a) => run::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchEngine(a) => bench_engine::run(a),
         Command::Serve(a) => serve::run(a),

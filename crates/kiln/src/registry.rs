@@ -80,6 +80,17 @@ pub fn resolve_model(query: &str) -> Result<PathBuf> {
     if as_path.exists() {
         return Ok(as_path.to_path_buf());
     }
+    // A query spelled as a path (a folder, or a model file's extension)
+    // names a file, not a registered model: say it is missing.
+    let looks_like_path = ["/", "./", "../", "~"].iter().any(|p| query.starts_with(p))
+        || [".gguf", ".safetensors"].iter().any(|x| query.ends_with(x));
+    if looks_like_path {
+        bail!(
+            "{query}: no such file or directory. The README's example models are fetched by \
+             `scripts/fetch-models.sh` (into ./models); `kiln get ORG/NAME` downloads from the \
+             Hugging Face hub, and `kiln ls` lists the models registered here"
+        );
+    }
     if !db_path().exists() {
         bail!(
             "{query:?} is not a file or directory, and no models are registered yet: `kiln scan` registers the hub cache and ./models, `kiln get ORG/NAME` downloads one"

@@ -166,6 +166,63 @@ fn ambiguous_and_unknown_queries_say_what_to_do() {
     assert!(e.contains("kiln get") && e.contains("kiln scan"), "{e}");
 }
 
+/// A mock hub serving a random tiny checkpoint as `kiln-test/tiny-llama`.
+fn tiny_llama_hub(home: &Path) -> MockHub {
+    let ckpt = home.join("ckpt");
+    random_checkpoint(home, &ckpt);
+    let files = [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors",
+    ]
+    .iter()
+    .map(|f| {
+        let bytes = std::fs::read(ckpt.join(f)).unwrap();
+        if f.ends_with(".safetensors") {
+            MockFile::lfs(f, bytes)
+        } else {
+            MockFile::git(f, &bytes)
+        }
+    })
+    .collect();
+    MockHub::start(vec![MockRepo {
+        id: "kiln-test/tiny-llama".into(),
+        token: None,
+        revisions: vec![MockRevision {
+            commit: MAIN_COMMIT.into(),
+            branches: vec!["main".into()],
+            files,
+        }],
+    }])
+}
+
+#[test]
+fn kiln_run_fetches_registers_and_chats_then_runs_by_name_offline() {
+    let home = tempfile::tempdir().unwrap();
+    let hub = tiny_llama_hub(home.path());
+    let run = |name: &str, endpoint: &str| {
+        kiln(home.path())
+            .env("HF_ENDPOINT", endpoint)
+            .env("KILN_TEST_FREE_BYTES", "10000000000")
+            .args(["run", name, "--device", "cpu"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = run("kiln-test/tiny-llama", &hub.url);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("is not here yet; fetching it"), "{stderr}");
+    assert!(stderr.contains("kiln: registered kiln-test/tiny-llama"), "{stderr}");
+    assert!(stderr.contains("kiln chat"), "the chat started: {stderr}");
+    // Registered without a scan; by name, with the hub gone.
+    let rows = ls(home.path());
+    assert_eq!(by_name(&rows, "kiln-test/tiny-llama")["tier"], "llama");
+    let out = run("tiny-llama", "http://127.0.0.1:9");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
 #[test]
 fn a_mock_hub_download_shows_up_after_scan_and_rm_deletes_its_files() {
     let home = tempfile::tempdir().unwrap();
@@ -222,15 +279,20 @@ fn a_mock_hub_download_shows_up_after_scan_and_rm_deletes_its_files() {
         .all(|r| r["name"] != "kiln-test/tiny-llama"));
 }
 
+/// `kiln fit --json` on SmolLM2 (CPU); its exit status is the verdict.
 fn fit_json(home: &Path, args: &[&str]) -> Value {
-    let out = ok(kiln(home)
+    let out = kiln(home)
         .arg("fit")
         .arg(smollm2())
         .args(["--device", "cpu", "--json"])
         .args(args)
         .output()
-        .unwrap());
-    serde_json::from_str(&out).unwrap()
+        .unwrap();
+    let v: Value = serde_json::from_str(&text(&out.stdout))
+        .unwrap_or_else(|e| panic!("{e}: {}", text(&out.stderr)));
+    let fits = v["fits"].as_bool().unwrap();
+    assert_eq!(out.status.success(), fits, "exit status vs verdict: {v}");
+    v
 }
 
 #[test]
@@ -244,6 +306,7 @@ fn fit_verdicts_and_serve_refuses_with_the_breakdown() {
     assert_eq!(fits["weights_bytes"], 134_515_008u64 * 4);
     assert_eq!(fits["kv_bytes_per_token"], 2 * 30 * 3 * 64 * 4);
     assert_eq!(fits["max_context"], 8192);
+    assert_eq!(fits["context_source"], "requested");
     let max_batch = fits["max_batch"].as_u64().unwrap();
     assert!(max_batch > 1, "{fits}");
     // One more sequence than the largest batch does not fit.
@@ -292,6 +355,67 @@ fn fit_verdicts_and_serve_refuses_with_the_breakdown() {
     );
 }
 
+/// The context `kiln serve` announces at start (`--port 0`, stopped as
+/// soon as it is printed).
+fn serve_context(home: &Path, args: &[&str]) -> usize {
+    use std::io::{BufRead, BufReader};
+    let mut child = kiln(home)
+        .arg("serve")
+        .arg(smollm2())
+        .args(["--device", "cpu", "--port", "0"])
+        .args(args)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut seen = Vec::new();
+    let mut context = None;
+    for line in BufReader::new(stderr).lines() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("kiln serve: context ") {
+            context = rest.split(' ').next().and_then(|n| n.parse().ok());
+            break;
+        }
+        seen.push(line);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    context.unwrap_or_else(|| panic!("no context line in {seen:?}"))
+}
+
+#[test]
+fn fit_and_serve_agree_on_the_default_context() {
+    let home = tempfile::tempdir().unwrap();
+    // SmolLM2 on the CPU: 538 MB of f32 weights, 46,080 B of KV a token.
+    // Three budgets: two where the pool holds less than the trained
+    // context, one roomy.
+    let mut contexts = Vec::new();
+    for budget in ["1000000000", "1100000000", "8000000000"] {
+        let plan = fit_json(home.path(), &["--memory-bytes", budget]);
+        let served = serve_context(home.path(), &["--memory-bytes", budget]);
+        assert_eq!(plan["context"].as_u64().unwrap() as usize, served, "{plan}");
+        assert_eq!(plan["fits"], true, "{plan}");
+        contexts.push(served);
+    }
+    assert!(
+        contexts[0] < contexts[1] && contexts[1] < 8192,
+        "{contexts:?}"
+    );
+    assert_eq!(contexts[2], 8192, "capped at the trained length");
+    // A fixed pool gives the same answer through both too.
+    let plan = fit_json(
+        home.path(),
+        &["--kv-mib", "100", "--memory-bytes", "8000000000"],
+    );
+    assert_eq!(plan["context"], 100 * 1024 * 1024 / 46_080);
+    assert_eq!(plan["context_source"], "memory");
+    let served = serve_context(
+        home.path(),
+        &["--kv-mib", "100", "--memory-bytes", "8000000000"],
+    );
+    assert_eq!(plan["context"].as_u64().unwrap() as usize, served);
+}
+
 #[test]
 fn fit_predicts_generate_peak_rss_on_smollm2_within_5_percent() {
     let home = tempfile::tempdir().unwrap();
@@ -335,4 +459,22 @@ fn fit_predicts_generate_peak_rss_on_smollm2_within_5_percent() {
         "fit {predicted} vs peak RSS {peak}: {:+.1} %",
         err * 100.0
     );
+}
+
+#[test]
+fn a_missing_model_file_says_so_and_how_to_fetch_models() {
+    let home = tempfile::tempdir().unwrap();
+    for query in ["./models/nope.gguf", "missing-7b.Q4_K_M.gguf"] {
+        let e = failed(
+            kiln(home.path())
+                .args(["generate", "-m", query, "-p", "hi"])
+                .output()
+                .unwrap(),
+        );
+        assert!(
+            e.contains(&format!("{query}: no such file or directory"))
+                && e.contains("scripts/fetch-models.sh"),
+            "{e}"
+        );
+    }
 }
