@@ -59,12 +59,13 @@ fn a_1_5b_model_serves_on_the_cpu_with_default_flags() {
         if let Some(rest) = line.split_once(" on http://") {
             addr = rest.1.split_whitespace().next().map(str::to_string);
         }
-        if line.starts_with("kiln serve: context ") {
+        // The context and defaults line follows the load line.
+        let done = line.contains("kiln serve: context ");
+        if done {
             context_line = Some(line.clone());
         }
-        let ready = line.ends_with("; ready");
         seen.push(line);
-        if ready || seen.len() > 50 {
+        if done || seen.len() > 50 {
             break;
         }
     }
