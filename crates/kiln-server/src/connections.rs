@@ -38,6 +38,9 @@ pub(crate) struct ConnectionLimits {
     pub max_connections: usize,
 }
 
+/// Largest request head hyper reads (its read buffer); past it, 431.
+const MAX_HEAD_BYTES: usize = 256 << 10;
+
 /// Most connections being refused at once; past it, new ones are closed
 /// without an answer.
 const MAX_REFUSING: usize = 64;
@@ -102,10 +105,7 @@ async fn connection(
 ) {
     let _ = stream.set_nodelay(true);
     let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(Watched {
-        stream,
-        activity: activity.clone(),
-    });
+    let io = TokioIo::new(Watched::new(stream, activity.clone()));
     let service_activity = activity.clone();
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
         let in_flight = InFlight::begin(service_activity.clone());
@@ -129,6 +129,7 @@ async fn connection(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(None)
+        .max_buf_size(MAX_HEAD_BYTES)
         .max_headers(4 * crate::guard::MAX_HEADERS);
     let conn = builder.serve_connection(io, service);
     tokio::pin!(conn);
@@ -195,6 +196,8 @@ async fn refuse(stream: TcpStream, max_connections: usize) {
 struct Activity {
     epoch: Instant,
     in_flight: AtomicUsize,
+    /// Response heads the router's requests have yet to write.
+    heads_owed: AtomicUsize,
     /// Milliseconds after `epoch`.
     idle_since: AtomicU64,
     /// Milliseconds after `epoch`, plus one; zero while no head is coming.
@@ -206,6 +209,7 @@ impl Activity {
         Activity {
             epoch: Instant::now(),
             in_flight: AtomicUsize::new(0),
+            heads_owed: AtomicUsize::new(0),
             idle_since: AtomicU64::new(0),
             head_since: AtomicU64::new(0),
         }
@@ -247,6 +251,7 @@ struct InFlight(Arc<Activity>);
 impl InFlight {
     fn begin(activity: Arc<Activity>) -> Self {
         activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        activity.heads_owed.fetch_add(1, Ordering::AcqRel);
         activity.head_since.store(0, Ordering::Release);
         InFlight(activity)
     }
@@ -287,10 +292,94 @@ impl hyper::body::Body for Tracked {
     }
 }
 
-/// The connection's socket, noting when bytes arrive.
+/// The connection's socket, noting when bytes arrive, and giving the
+/// responses hyper writes on its own (a request head it cannot parse:
+/// 400, 414, 431 — a response head no request of the router owes) a JSON
+/// body.
 struct Watched {
     stream: TcpStream,
     activity: Arc<Activity>,
+    /// A replacement being written: its bytes, how many are out, and how
+    /// many of hyper's bytes it stands for.
+    replacing: Option<(Vec<u8>, usize, usize)>,
+}
+
+impl Watched {
+    fn new(stream: TcpStream, activity: Arc<Activity>) -> Self {
+        Watched {
+            stream,
+            activity,
+            replacing: None,
+        }
+    }
+
+    /// Writes the replacement for hyper's `claimed` bytes starting with
+    /// `first`, if they are hyper's own error response.
+    fn poll_replace(
+        &mut self,
+        cx: &mut Context<'_>,
+        first: &[u8],
+        claimed: usize,
+    ) -> Option<Poll<io::Result<usize>>> {
+        if self.replacing.is_none() {
+            // Only the start of a final response head is looked at.
+            if !first.starts_with(b"HTTP/1.1 ") || first.starts_with(b"HTTP/1.1 1") {
+                return None;
+            }
+            // The head of a response the router made.
+            let owed = &self.activity.heads_owed;
+            if owed
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return None;
+            }
+            let replacement = hyper_error_response(first)?;
+            self.replacing = Some((replacement, 0, claimed));
+        }
+        let (bytes, done, claimed) = self.replacing.as_mut()?;
+        while *done < bytes.len() {
+            match Pin::new(&mut self.stream).poll_write(cx, &bytes[*done..]) {
+                Poll::Ready(Ok(0)) => {
+                    return Some(Poll::Ready(Err(io::ErrorKind::WriteZero.into())))
+                }
+                Poll::Ready(Ok(n)) => *done += n,
+                Poll::Ready(Err(e)) => return Some(Poll::Ready(Err(e))),
+                Poll::Pending => return Some(Poll::Pending),
+            }
+        }
+        let claimed = *claimed;
+        self.replacing = None;
+        Some(Poll::Ready(Ok(claimed)))
+    }
+}
+
+/// Hyper's head-parse error responses have empty bodies; this is the same
+/// status with a JSON error body (OpenAI's shape: the route is unknown).
+fn hyper_error_response(head: &[u8]) -> Option<Vec<u8>> {
+    let rest = head.strip_prefix(b"HTTP/1.1 ")?;
+    let code = std::str::from_utf8(rest.get(..3)?).ok()?;
+    let error = match code {
+        "414" => ApiError::UriTooLong { limit: 65534 },
+        "431" => ApiError::HeadersTooLarge {
+            limit: MAX_HEAD_BYTES,
+        },
+        "400" => ApiError::InvalidRequest {
+            message: "the request is not valid HTTP/1.1".into(),
+            param: None,
+        },
+        _ => return None,
+    };
+    let status = error.status();
+    let body = error.body().to_string();
+    let response = format!(
+        "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n{body}",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    );
+    Some(response.into_bytes())
 }
 
 impl AsyncRead for Watched {
@@ -314,6 +403,9 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if let Some(poll) = self.poll_replace(cx, buf, buf.len()) {
+            return poll;
+        }
         Pin::new(&mut self.stream).poll_write(cx, buf)
     }
 
@@ -330,6 +422,12 @@ impl AsyncWrite for Watched {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        if let Some(first) = bufs.iter().find(|b| !b.is_empty()) {
+            let claimed = bufs.iter().map(|b| b.len()).sum();
+            if let Some(poll) = self.poll_replace(cx, first, claimed) {
+                return poll;
+            }
+        }
         Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
     }
 

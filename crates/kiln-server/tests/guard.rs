@@ -298,3 +298,20 @@ fn oversized_requests_are_400s_naming_the_field() {
     let r = common::post(addr, "/v1/completions", &body);
     assert_eq!(assert_error(&r, 400)["param"], "logit_bias");
 }
+
+#[test]
+fn hypers_own_refusals_get_json_bodies() {
+    let addr = server();
+    let host = format!("Host: {addr}");
+    // Past hyper's own limits: a 70 KiB target, 500 headers.
+    let long = "a".repeat(70 << 10);
+    let r = raw(
+        addr,
+        &format!("GET /health?q={long} HTTP/1.1\r\n{host}"),
+        "",
+    );
+    assert_eq!(assert_error(&r, 414)["code"], "uri_too_long");
+    let many: String = (0..500).map(|i| format!("\r\nX-H{i}: v")).collect();
+    let r = raw(addr, &format!("GET /health HTTP/1.1\r\n{host}{many}"), "");
+    assert_eq!(assert_error(&r, 431)["code"], "headers_too_large");
+}
