@@ -6,6 +6,7 @@
 //! and frees its blocks at the next step.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -23,6 +24,12 @@ use crate::events::{Event, RequestTimings, Usage};
 use crate::generate::{entropy, GenerationRequest};
 use crate::load::LoadedModel;
 use crate::process::{sample_row, TokenOutcome, TokenProcessor};
+
+mod supervise;
+
+pub use supervise::EngineStatus;
+#[cfg(feature = "fault-injection")]
+pub use supervise::FaultGate;
 
 /// Sizes of the engine's KV pool and step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,12 +172,20 @@ enum Command {
         /// The request's output format, compiled on the caller's thread.
         constraint: Option<kiln_structured::Constraint>,
         events: Sender<Event>,
+        /// Set when the caller drops its stream.
+        abandoned: Arc<AtomicBool>,
         reply: SyncSender<Result<u64>>,
     },
     Stats {
         reply: SyncSender<EngineStats>,
     },
     Shutdown,
+    /// The test hook: the loop panics on receipt and is restarted once
+    /// `hold` is released or dropped.
+    #[cfg(feature = "fault-injection")]
+    InjectPanic {
+        hold: Receiver<()>,
+    },
 }
 
 /// What the engine loop counts: the scheduler's counters plus step times.
@@ -211,18 +226,39 @@ pub struct EngineHandle {
     model: Arc<LoadedModel>,
     /// The served context length.
     context: usize,
+    status: Arc<supervise::StatusCell>,
 }
 
-/// The events of one request. Dropping it cancels the request.
+/// The events of one request. Dropping it cancels the request: one still
+/// queued is removed before it is ever scheduled.
 pub struct RequestStream {
     pub id: u64,
     events: Receiver<Event>,
+    /// Set when the stream is dropped; the loop checks it every step.
+    abandoned: Arc<AtomicBool>,
 }
 
 impl RequestStream {
     /// The next event, waiting for it; `None` after the last.
     pub fn next_event(&self) -> Option<Event> {
         self.events.recv().ok()
+    }
+
+    /// The next event, waiting at most `timeout`: `Err(())` when none came
+    /// in time, `Ok(None)` after the last.
+    #[allow(clippy::result_unit_err)]
+    pub fn next_event_timeout(&self, timeout: Duration) -> Result<Option<Event>, ()> {
+        match self.events.recv_timeout(timeout) {
+            Ok(e) => Ok(Some(e)),
+            Err(RecvTimeoutError::Timeout) => Err(()),
+            Err(RecvTimeoutError::Disconnected) => Ok(None),
+        }
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        self.abandoned.store(true, Ordering::Release);
     }
 }
 
@@ -248,6 +284,11 @@ impl EngineHandle {
     /// Submit a request. Refusals happen here, at once: a request that can
     /// never fit (with its numbers) or a full queue ([`EngineError::Busy`]).
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream> {
+        match self.status() {
+            EngineStatus::Running => {}
+            EngineStatus::Restarting => return Err(EngineError::Restarting),
+            EngineStatus::Stopped => return Err(EngineError::EngineStopped),
+        }
         // Grammars are compiled here, on the caller's thread, never on the
         // engine loop (a schema can take milliseconds to compile).
         let constraint = request
@@ -257,16 +298,45 @@ impl EngineHandle {
             .transpose()?;
         let (events, rx) = mpsc::channel();
         let (reply, reply_rx) = mpsc::sync_channel(1);
+        let abandoned = Arc::new(AtomicBool::new(false));
         self.commands
             .send(Command::Submit {
                 request,
                 constraint,
                 events,
+                abandoned: abandoned.clone(),
                 reply,
             })
             .map_err(|_| EngineError::EngineStopped)?;
         let id = reply_rx.recv().map_err(|_| EngineError::EngineStopped)??;
-        Ok(RequestStream { id, events: rx })
+        Ok(RequestStream {
+            id,
+            events: rx,
+            abandoned,
+        })
+    }
+
+    /// Whether the loop is serving, restarting after a failure, or gone.
+    pub fn status(&self) -> EngineStatus {
+        self.status.get()
+    }
+
+    /// How many times the loop failed and was restarted.
+    pub fn num_restarts(&self) -> u64 {
+        self.status.num_restarts()
+    }
+
+    /// The test hook behind the `fault-injection` feature: the loop panics
+    /// between steps, failing every request it holds, and restarts once
+    /// the returned gate is released. No request can reach it.
+    #[cfg(feature = "fault-injection")]
+    #[doc(hidden)]
+    pub fn inject_panic(&self) -> Result<FaultGate> {
+        let (gate, hold) = mpsc::sync_channel(1);
+        self.commands
+            .send(Command::InjectPanic { hold })
+            .map_err(|_| EngineError::EngineStopped)?;
+        Ok(FaultGate(gate))
     }
 
     /// Queue, pool, prefix-cache and step counters.
@@ -286,61 +356,29 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Start the engine loop on its own thread, owning `model`.
+    /// Start the engine loop on its own thread, owning `model`. The loop is
+    /// supervised: if it panics, the requests it held fail and it starts
+    /// again with a fresh scheduler and KV pool (see [`EngineStatus`]).
     pub fn start(model: LoadedModel, config: EngineConfig) -> Result<Engine> {
         let model = Arc::new(model);
-        let context = config
-            .context_length
-            .unwrap_or(model.context_length())
-            .min(model.context_length())
-            .max(1);
-        let cfg = model.model.config();
-        let sched_cfg = SchedulerConfig {
-            kv_cache: KvCacheSpec {
-                block_size: config.block_size,
-                ..KvCacheSpec::uniform(cfg.num_layers)
-            },
-            num_blocks: config.num_blocks,
-            max_model_len: context,
-            max_num_batched_tokens: config.max_num_batched_tokens,
-            max_num_seqs: config.max_num_seqs,
-            max_waiting: config.max_waiting,
-        };
-        let scheduler =
-            Scheduler::new(sched_cfg).map_err(|e| EngineError::Config(e.to_string()))?;
-        let cache = model
-            .model
-            .new_kv_cache(config.num_blocks, config.block_size)?;
+        let context = served_context(&model, &config);
+        // The first pool is made here, so a configuration that cannot work
+        // is refused at once.
+        let first = fresh_state(&model, config)?;
         let (tx, rx) = mpsc::channel();
+        let status = Arc::new(supervise::StatusCell::default());
         let shared = model.clone();
+        let loop_status = status.clone();
         let thread = std::thread::Builder::new()
             .name("kiln-engine".into())
-            .spawn(move || {
-                let mut lp = Loop {
-                    model: &model,
-                    scheduler,
-                    cache,
-                    block_size: config.block_size,
-                    context,
-                    active: HashMap::new(),
-                    next_id: 1,
-                    num_steps: 0,
-                    step_seconds_total: 0.0,
-                    last_step_seconds: 0.0,
-                    decode_steps: 0,
-                    decode_step_seconds_total: 0.0,
-                    decode_step_tokens: 0,
-                    masks: MaskStats::default(),
-                    device_sampler: true,
-                };
-                lp.run(rx);
-            })
+            .spawn(move || supervise::run(&model, config, first, &rx, &loop_status))
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
         Ok(Engine {
             handle: EngineHandle {
                 commands: tx,
                 model: shared,
                 context,
+                status,
             },
             thread: Some(thread),
         })
@@ -349,6 +387,40 @@ impl Engine {
     pub fn handle(&self) -> EngineHandle {
         self.handle.clone()
     }
+}
+
+/// The served context: the configured one, at most the model's trained
+/// length.
+pub(super) fn served_context(model: &LoadedModel, config: &EngineConfig) -> usize {
+    config
+        .context_length
+        .unwrap_or(model.context_length())
+        .min(model.context_length())
+        .max(1)
+}
+
+/// A scheduler and an empty KV pool for `config`.
+fn fresh_state(
+    model: &LoadedModel,
+    config: EngineConfig,
+) -> Result<(Scheduler, kiln_tensor::KvCache)> {
+    let cfg = model.model.config();
+    let sched_cfg = SchedulerConfig {
+        kv_cache: KvCacheSpec {
+            block_size: config.block_size,
+            ..KvCacheSpec::uniform(cfg.num_layers)
+        },
+        num_blocks: config.num_blocks,
+        max_model_len: served_context(model, &config),
+        max_num_batched_tokens: config.max_num_batched_tokens,
+        max_num_seqs: config.max_num_seqs,
+        max_waiting: config.max_waiting,
+    };
+    let scheduler = Scheduler::new(sched_cfg).map_err(|e| EngineError::Config(e.to_string()))?;
+    let cache = model
+        .model
+        .new_kv_cache(config.num_blocks, config.block_size)?;
+    Ok((scheduler, cache))
 }
 
 impl Drop for Engine {
@@ -379,6 +451,8 @@ struct Active<'m> {
     proc: TokenProcessor<'m>,
     want_logprobs: bool,
     events: Sender<Event>,
+    /// The caller dropped its stream.
+    abandoned: Arc<AtomicBool>,
     submitted: Instant,
     first_step: Option<Instant>,
     first_token: Option<Instant>,
@@ -403,6 +477,10 @@ struct Loop<'m> {
     /// Whether the backend samples rows where the logits are (until it
     /// first says it cannot).
     device_sampler: bool,
+    /// After an injected fault, the supervisor restarts the loop once this
+    /// is released (the test hook's gate).
+    #[cfg(feature = "fault-injection")]
+    restart_hold: Option<Receiver<()>>,
 }
 
 /// Counters of the output-format masks computed alongside forward passes.
@@ -415,7 +493,36 @@ struct MaskStats {
 }
 
 impl<'m> Loop<'m> {
-    fn run(&mut self, commands: Receiver<Command>) {
+    /// A loop over `state` whose first request gets id `next_id`.
+    fn new(
+        model: &'m LoadedModel,
+        (scheduler, cache): (Scheduler, kiln_tensor::KvCache),
+        block_size: usize,
+        context: usize,
+        next_id: u64,
+    ) -> Self {
+        Loop {
+            model,
+            scheduler,
+            cache,
+            block_size,
+            context,
+            active: HashMap::new(),
+            next_id,
+            num_steps: 0,
+            step_seconds_total: 0.0,
+            last_step_seconds: 0.0,
+            decode_steps: 0,
+            decode_step_seconds_total: 0.0,
+            decode_step_tokens: 0,
+            masks: MaskStats::default(),
+            device_sampler: true,
+            #[cfg(feature = "fault-injection")]
+            restart_hold: None,
+        }
+    }
+
+    fn run(&mut self, commands: &Receiver<Command>) {
         loop {
             // Take every waiting command; block only when there is no work.
             loop {
@@ -437,9 +544,11 @@ impl<'m> Loop<'m> {
                         request,
                         constraint,
                         events,
+                        abandoned,
                         reply,
                     } => {
-                        let _ = reply.send(self.admit(request, constraint, events));
+                        let admitted = self.admit(request, constraint, events, abandoned);
+                        let _ = reply.send(admitted);
                     }
                     Command::Stats { reply } => {
                         let _ = reply.send(EngineStats {
@@ -457,6 +566,11 @@ impl<'m> Loop<'m> {
                         });
                     }
                     Command::Shutdown => return,
+                    #[cfg(feature = "fault-injection")]
+                    Command::InjectPanic { hold } => {
+                        self.restart_hold = Some(hold);
+                        panic!("injected engine fault (the `fault-injection` test hook)");
+                    }
                 }
             }
             self.step();
@@ -468,6 +582,7 @@ impl<'m> Loop<'m> {
         request: GenerationRequest,
         constraint: Option<kiln_structured::Constraint>,
         events: Sender<Event>,
+        abandoned: Arc<AtomicBool>,
     ) -> Result<u64> {
         let id = RequestId(self.next_id);
         let ctx = self.context;
@@ -501,6 +616,7 @@ impl<'m> Loop<'m> {
                 proc,
                 want_logprobs: request.params.logprobs.is_some(),
                 events,
+                abandoned,
                 submitted: Instant::now(),
                 first_step: None,
                 first_token: None,
@@ -519,8 +635,24 @@ impl<'m> Loop<'m> {
         }
     }
 
+    /// Cancels the requests whose caller dropped its stream, before the
+    /// step is scheduled: a queued one is never prefilled.
+    fn drop_abandoned(&mut self) {
+        let gone: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.abandoned.load(Ordering::Acquire))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            let _ = self.scheduler.cancel(id);
+            self.active.remove(&id);
+        }
+    }
+
     /// One step; returns the number of sequences when it was a pure decode step.
     fn step_inner(&mut self) -> Option<usize> {
+        self.drop_abandoned();
         let out = match self.scheduler.schedule() {
             Ok(o) => o,
             Err(e) => {

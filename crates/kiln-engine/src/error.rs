@@ -37,6 +37,9 @@ pub enum EngineError {
     Failed(String),
     #[error("the engine has stopped")]
     EngineStopped,
+    /// The engine loop failed and is being restarted; retry shortly.
+    #[error("the engine is restarting after a failure; retry shortly")]
+    Restarting,
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

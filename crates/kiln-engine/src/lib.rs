@@ -23,7 +23,11 @@ pub mod memory;
 mod process;
 mod session;
 
-pub use engine::{Engine, EngineConfig, EngineHandle, EngineStats, KvPlan, RequestStream};
+#[cfg(feature = "fault-injection")]
+pub use engine::FaultGate;
+pub use engine::{
+    Engine, EngineConfig, EngineHandle, EngineStats, EngineStatus, KvPlan, RequestStream,
+};
 pub use error::{EngineError, Result};
 pub use events::{Event, RequestTimings, Usage};
 pub use generate::{Generation, GenerationRequest, Timings, TokenEvent};

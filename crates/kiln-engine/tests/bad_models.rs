@@ -158,3 +158,41 @@ fn truncated_gguf_is_an_error_not_a_panic() {
         );
     }
 }
+
+/// A tiny checkpoint whose `config.json` then gets `key` = `value`.
+fn load_with_config(key: &str, value: serde_json::Value) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config();
+    let w = RandomWeights::new(&ModelConfig::from_hf(&config).unwrap(), 1).unwrap();
+    write_hf_dir(dir.path(), &config, None, &w, SafetensorsDtype::F32).unwrap();
+    smollm2_tokenizer().save_hf(dir.path()).unwrap();
+    let mut edited = config.clone();
+    edited[key] = value;
+    std::fs::write(dir.path().join("config.json"), edited.to_string()).unwrap();
+    LoadedModel::load(dir.path(), Arc::new(CpuBackend::new()))
+        .err()
+        .expect("a config that does not match its weights must be refused")
+        .to_string()
+}
+
+#[test]
+fn a_billion_layers_is_refused_by_name_before_allocating() {
+    let err = load_with_config("num_hidden_layers", 1_000_000_000u64.into());
+    assert!(err.contains("num_hidden_layers"), "{err}");
+}
+
+#[test]
+fn config_dimensions_are_checked_against_the_tensor_table() {
+    let layers = tiny_config()["num_hidden_layers"].as_u64().unwrap();
+    // One layer more than the weights have: named, with both counts.
+    let err = load_with_config("num_hidden_layers", (layers + 1).into());
+    assert!(err.contains("num_hidden_layers"), "{err}");
+    assert!(err.contains(&format!("have {layers}")), "{err}");
+    let err = load_with_config("intermediate_size", 1000.into());
+    assert!(
+        err.contains("intermediate_size") && err.contains("1000"),
+        "{err}"
+    );
+    let err = load_with_config("vocab_size", 50000.into());
+    assert!(err.contains("vocab_size") && err.contains("50000"), "{err}");
+}

@@ -61,20 +61,50 @@ fn err(key: &str, what: impl Into<String>) -> ModelError {
     }
 }
 
+/// The largest value each dimension may take: far above any released
+/// model, and low enough that nothing sized from them (the tensor list,
+/// KV bytes per token, rotary tables) overflows or grows absurd before
+/// the weights are checked against the configuration.
+const LIMITS: &[(&str, u64)] = &[
+    ("hidden_size", 1 << 16),
+    ("intermediate_size", 1 << 20),
+    ("num_hidden_layers", 1 << 10),
+    ("num_attention_heads", 1 << 10),
+    ("num_key_value_heads", 1 << 10),
+    ("head_dim", 1 << 12),
+    ("vocab_size", 1 << 22),
+    ("max_position_embeddings", 1 << 24),
+    ("original_max_position_embeddings", 1 << 24),
+    ("sliding_window", 1 << 24),
+];
+
+/// `v` as a dimension named `key`, within its limit.
+fn dimension(key: &str, v: &Value) -> Result<usize> {
+    let n = v
+        .as_u64()
+        .ok_or_else(|| err(key, format!("{v} is not a non-negative integer")))?;
+    if let Some((_, max)) = LIMITS.iter().find(|(k, _)| *k == key) {
+        if n > *max {
+            return Err(err(
+                key,
+                format!("{n} is larger than any model Kiln can serve (at most {max})"),
+            ));
+        }
+    }
+    Ok(n as usize)
+}
+
 fn req_usize(c: &Value, key: &str) -> Result<usize> {
-    c.get(key)
-        .and_then(Value::as_u64)
-        .map(|v| v as usize)
-        .ok_or_else(|| err(key, "missing or not a non-negative integer"))
+    match c.get(key) {
+        None | Some(Value::Null) => Err(err(key, "missing")),
+        Some(v) => dimension(key, v),
+    }
 }
 
 fn opt_usize(c: &Value, key: &str) -> Result<Option<usize>> {
     match c.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(|v| Some(v as usize))
-            .ok_or_else(|| err(key, "not a non-negative integer")),
+        Some(v) => dimension(key, v).map(Some),
     }
 }
 
@@ -253,6 +283,24 @@ mod tests {
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
         let c = ModelConfig::from_hf(&v).unwrap();
         assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+    }
+
+    #[test]
+    fn absurd_dimensions_are_refused_by_name() {
+        for key in [
+            "num_hidden_layers",
+            "hidden_size",
+            "vocab_size",
+            "intermediate_size",
+        ] {
+            let mut v = base();
+            v[key] = json!(1_000_000_000u64);
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("1000000000"), "{e}");
+            v[key] = json!(1e9);
+            let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
     }
 
     #[test]

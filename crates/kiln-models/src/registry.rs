@@ -33,6 +33,9 @@ pub fn load_model_with_progress(
     progress: Option<LoadProgress<'_>>,
 ) -> Result<Box<dyn CausalLm>> {
     if LLAMA_FAMILY.contains(&config.model_type.as_str()) {
+        // The configuration must match the tensor table before a byte is
+        // allocated for it.
+        families::llama::check_weights(&config, &source.tensors())?;
         return Ok(Box::new(families::llama::Llama::load(
             backend, source, config, progress,
         )?));

@@ -22,6 +22,18 @@ pub enum ErrorShape {
     Anthropic,
 }
 
+impl ErrorShape {
+    /// The shape of the API a path belongs to: Anthropic's under
+    /// `/v1/messages`, else OpenAI's.
+    pub fn for_path(path: &str) -> Self {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            ErrorShape::Anthropic
+        } else {
+            ErrorShape::OpenAi
+        }
+    }
+}
+
 /// A request the server refuses or could not serve.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ApiError {
@@ -56,6 +68,22 @@ pub enum ApiError {
     /// The body is larger than the configured limit (413).
     #[error("the request body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    /// The `Host` header names a host this server does not answer for
+    /// (403): the defence against DNS rebinding.
+    #[error("{0}")]
+    HostNotAllowed(String),
+    /// A body that is not JSON (415).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    /// The client took too long to send its request (408).
+    #[error("{0}")]
+    RequestTimeout(String),
+    /// The request target is longer than the limit (414).
+    #[error("the request URI is longer than the limit of {limit} bytes")]
+    UriTooLong { limit: usize },
+    /// The request's headers are larger than the limit (431).
+    #[error("the request headers are larger than the limit of {limit} bytes")]
+    HeadersTooLarge { limit: usize },
     /// Missing or wrong `Authorization: Bearer` key (401).
     #[error(
         "missing or incorrect API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`"
@@ -99,6 +127,11 @@ impl ApiError {
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::HostNotAllowed(_) => StatusCode::FORBIDDEN,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::UriTooLong { .. } => StatusCode::URI_TOO_LONG,
+            ApiError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Busy(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -135,6 +168,17 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => {
                 ("invalid_request_error", None, Some("request_too_large"))
             }
+            ApiError::HostNotAllowed(_) => ("permission_error", None, Some("host_not_allowed")),
+            ApiError::UnsupportedMediaType(_) => (
+                "invalid_request_error",
+                None,
+                Some("unsupported_media_type"),
+            ),
+            ApiError::RequestTimeout(_) => ("invalid_request_error", None, Some("request_timeout")),
+            ApiError::UriTooLong { .. } => ("invalid_request_error", None, Some("uri_too_long")),
+            ApiError::HeadersTooLarge { .. } => {
+                ("invalid_request_error", None, Some("headers_too_large"))
+            }
             ApiError::Unauthorized => ("authentication_error", None, Some("invalid_api_key")),
             ApiError::Busy(_) => ("rate_limit_error", None, Some("rate_limit_exceeded")),
             ApiError::Unavailable(_) => ("server_error", None, Some("service_unavailable")),
@@ -146,6 +190,8 @@ impl ApiError {
     fn anthropic_kind(&self) -> &'static str {
         match self {
             ApiError::Unauthorized => "authentication_error",
+            ApiError::HostNotAllowed(_) => "permission_error",
+            ApiError::UriTooLong { .. } | ApiError::HeadersTooLarge { .. } => "request_too_large",
             ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "not_found_error",
             ApiError::Busy(_) => "rate_limit_error",
             ApiError::Unavailable(_) => "overloaded_error",
@@ -155,7 +201,9 @@ impl ApiError {
             | ApiError::UnsupportedParam { .. }
             | ApiError::ContextLengthExceeded { .. }
             | ApiError::MethodNotAllowed
-            | ApiError::BodyTooLarge { .. } => "invalid_request_error",
+            | ApiError::UnsupportedMediaType(_)
+            | ApiError::RequestTimeout(_) => "invalid_request_error",
+            ApiError::BodyTooLarge { .. } => "request_too_large",
         }
     }
 
@@ -269,7 +317,9 @@ impl From<EngineError> for ApiError {
                 message: s.to_string(),
                 param: Some("response_format".into()),
             },
-            EngineError::EngineStopped => ApiError::Unavailable(e.to_string()),
+            EngineError::EngineStopped | EngineError::Restarting => {
+                ApiError::Unavailable(e.to_string())
+            }
             e => ApiError::Internal(e.to_string()),
         }
     }

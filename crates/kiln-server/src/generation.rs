@@ -366,12 +366,25 @@ where
     })
 }
 
+/// How often a request that has no event yet (queued, or in a long
+/// prefill) checks whether its client is still there.
+const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Sends a stream's events, tagged with `idx`, until it ends or the
-/// receiver is gone (then dropping `stream` cancels the request).
+/// receiver is gone — also while no event comes, so a request whose client
+/// left while queued is dropped from the queue (dropping `stream` cancels
+/// the request).
 fn forward(idx: usize, stream: RequestStream, tx: &mpsc::Sender<(usize, Event)>) {
-    for event in stream {
-        if tx.blocking_send((idx, event)).is_err() {
-            return;
+    loop {
+        match stream.next_event_timeout(CLIENT_CHECK) {
+            Ok(Some(event)) => {
+                if tx.blocking_send((idx, event)).is_err() {
+                    return;
+                }
+            }
+            Ok(None) => return,
+            Err(()) if tx.is_closed() => return,
+            Err(()) => {}
         }
     }
 }

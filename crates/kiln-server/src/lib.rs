@@ -27,10 +27,13 @@
 
 mod anthropic_messages;
 mod anthropic_types;
+mod connections;
 mod errors;
 mod generation;
+mod guard;
 mod histogram;
 mod json_body;
+mod limits;
 mod loading;
 mod logprobs;
 mod messages;

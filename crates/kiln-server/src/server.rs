@@ -1,7 +1,7 @@
 //! The server: configuration, the router, authentication and request
 //! counting, binding, serving while the model loads, and graceful shutdown.
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +17,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
+use crate::connections::ConnectionLimits;
 use crate::errors::{ApiError, ErrorShape};
+use crate::guard::Guard;
 use crate::loading::{gate, Readiness};
 use crate::metrics::Metrics;
 use crate::openai_types::unix_now;
@@ -55,6 +57,19 @@ pub struct ServerConfig {
     pub loop_guard: Option<kiln_sampling::NgramRepeat>,
     /// Refuse unknown request fields (400) instead of ignoring them.
     pub strict_params: bool,
+    /// Host names accepted in the `Host` header besides the loopback ones
+    /// (`*` for any). With none, a server on a loopback address answers
+    /// only for loopback names and one bound elsewhere for any.
+    pub allowed_hosts: Vec<String>,
+    /// A request head not complete this long after its first byte closes
+    /// the connection.
+    pub header_read_timeout: Duration,
+    /// A request body not complete this long after its head gets 408.
+    pub body_read_timeout: Duration,
+    /// A connection with no request in progress this long is closed.
+    pub idle_timeout: Duration,
+    /// Most open connections; past it, new ones get 503 and are closed.
+    pub max_connections: usize,
 }
 
 impl ServerConfig {
@@ -86,6 +101,11 @@ impl Default for ServerConfig {
             sampling: kiln_sampling::PartialSampling::default(),
             loop_guard: Some(kiln_sampling::DEFAULT_LOOP_GUARD),
             strict_params: false,
+            allowed_hosts: Vec::new(),
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 512,
         }
     }
 }
@@ -100,6 +120,8 @@ pub enum ServerError {
     },
     #[error("invalid CORS origin {0:?}")]
     BadCorsOrigin(String),
+    #[error("invalid configuration: {0}")]
+    Config(String),
     #[error("the model failed to load: {0}")]
     Load(String),
     #[error("cannot start the async runtime: {0}")]
@@ -149,6 +171,15 @@ pub async fn serve_loading(
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    if config
+        .api_key
+        .as_deref()
+        .is_some_and(|k| k.trim().is_empty())
+    {
+        return Err(ServerError::Config(
+            "the API key is empty; give a non-empty key or none".into(),
+        ));
+    }
     let (cancel_tx, cancel_rx) = watch::channel(false);
     let mut app = gate(readiness, {
         let config = config.clone();
@@ -174,28 +205,34 @@ pub async fn serve_loading(
     if !config.cors_origins.is_empty() {
         app = app.layer(cors(&config.cors_origins)?);
     }
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let server = axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let _ = stop_rx.wait_for(|&s| s).await;
-        })
-        .into_future();
+    let app = app.layer(middleware::from_fn_with_state(
+        Guard::new(&config),
+        crate::guard::check,
+    ));
+    let limits = ConnectionLimits {
+        header_read_timeout: config.header_read_timeout,
+        idle_timeout: config.idle_timeout,
+        max_connections: config.max_connections,
+    };
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let server = crate::connections::serve(listener, app, limits, stop_rx);
     tokio::pin!(server);
     tokio::select! {
-        r = &mut server => return r.map_err(ServerError::Io),
+        () = &mut server => return Ok(()),
         () = shutdown => {}
     }
     let _ = stop_tx.send(true);
-    if let Ok(r) = tokio::time::timeout(config.shutdown_grace, &mut server).await {
-        return r.map_err(ServerError::Io);
+    if tokio::time::timeout(config.shutdown_grace, &mut server)
+        .await
+        .is_ok()
+    {
+        return Ok(());
     }
     // Grace is over: end every request still running (each drops its
     // stream, which cancels it in the engine) and give them a moment.
     let _ = cancel_tx.send(true);
-    match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
-        Ok(r) => r.map_err(ServerError::Io),
-        Err(_) => Ok(()),
-    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), &mut server).await;
+    Ok(())
 }
 
 /// Starts a runtime, binds, calls `on_listening` with the bound address,
@@ -340,28 +377,44 @@ fn cors(origins: &[String]) -> Result<CorsLayer, ServerError> {
 
 async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
-        let headers = req.headers();
-        let bearer = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
-        let given = bearer.or(x_api_key).map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            let shape = if req.uri().path().starts_with("/v1/messages") {
-                ErrorShape::Anthropic
-            } else {
-                ErrorShape::OpenAi
-            };
+        if !presents_key(req.headers(), key) {
+            let shape = ErrorShape::for_path(req.uri().path());
             return ApiError::Unauthorized.response_in(shape);
         }
     }
     next.run(req).await
 }
 
-/// Compares without stopping at the first difference.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Whether `Authorization: Bearer <key>` (the scheme in any case) or
+/// `x-api-key: <key>` carries `key`.
+fn presents_key(headers: &header::HeaderMap, key: &str) -> bool {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(token)
+        });
+    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+    bearer
+        .or(x_api_key)
+        .map(str::trim)
+        .is_some_and(|given| keys_match(given, key))
+}
+
+/// Compares the keys' SHA-256 digests without stopping at the first
+/// difference, so neither the time nor its dependence on where the keys
+/// differ says anything about the key's length or its bytes.
+fn keys_match(given: &str, key: &str) -> bool {
+    use sha2::{Digest, Sha256};
+    let (a, b) = (
+        Sha256::digest(given.as_bytes()),
+        Sha256::digest(key.as_bytes()),
+    );
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
 }
 
 async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
@@ -377,12 +430,13 @@ async fn count_requests(State(state): State<AppState>, req: Request, next: Next)
     response
 }
 
-async fn not_found(req: Request) -> ApiError {
-    ApiError::NotFound(format!("{} {}", req.method(), req.uri().path()))
+async fn not_found(req: Request) -> Response {
+    let path = req.uri().path();
+    ApiError::NotFound(format!("{} {path}", req.method())).response_in(ErrorShape::for_path(path))
 }
 
-async fn method_not_allowed() -> ApiError {
-    ApiError::MethodNotAllowed
+async fn method_not_allowed(req: Request) -> Response {
+    ApiError::MethodNotAllowed.response_in(ErrorShape::for_path(req.uri().path()))
 }
 
 #[cfg(test)]
@@ -391,8 +445,28 @@ mod tests {
 
     #[test]
     fn key_comparison() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secrets"));
+        assert!(keys_match("secret", "secret"));
+        assert!(!keys_match("secret", "secreT"));
+        assert!(!keys_match("secret", "secrets"));
+        assert!(!keys_match("", "secret"));
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        let with = |name: &str, value: &str| {
+            let mut h = header::HeaderMap::new();
+            h.insert(
+                header::HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                value.parse().unwrap(),
+            );
+            h
+        };
+        for auth in ["Bearer k1", "bearer k1", "BEARER  k1", " Bearer k1 "] {
+            assert!(presents_key(&with("authorization", auth), "k1"), "{auth}");
+        }
+        assert!(presents_key(&with("x-api-key", "k1"), "k1"));
+        assert!(!presents_key(&with("authorization", "Basic k1"), "k1"));
+        assert!(!presents_key(&with("authorization", "Bearer k2"), "k1"));
+        assert!(!presents_key(&header::HeaderMap::new(), "k1"));
     }
 }

@@ -37,9 +37,21 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on the API routes.
+    /// Require `Authorization: Bearer KEY` on the API routes (visible in
+    /// `ps`: prefer --api-key-file or $KILN_API_KEY).
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Read the API key from this file (surrounding whitespace removed).
+    #[arg(long, conflicts_with = "api_key")]
+    pub api_key_file: Option<std::path::PathBuf>,
+    /// Host names accepted in the `Host` header besides loopback ones
+    /// (repeatable or comma-separated; `*` for any). Default: loopback
+    /// names when listening on loopback, any host otherwise.
+    #[arg(long = "allowed-hosts", value_delimiter = ',')]
+    pub allowed_hosts: Vec<String>,
+    /// Most open connections; more get 503.
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
     /// Allow browser calls from this origin (repeatable; `*` for any).
     #[arg(long = "cors-origin")]
     pub cors_origins: Vec<String>,
@@ -165,8 +177,32 @@ fn output_overrides(a: &ServeArgs) -> Result<kiln_server::OutputOverrides> {
     })
 }
 
+/// The API key: `--api-key`, else the contents of `--api-key-file`, else
+/// `$KILN_API_KEY`; an empty one is refused.
+fn api_key(a: &ServeArgs) -> Result<Option<String>> {
+    let (key, from) = if let Some(k) = &a.api_key {
+        (k.clone(), "--api-key".to_string())
+    } else if let Some(path) = &a.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--api-key-file {}", path.display()))?;
+        (text, format!("--api-key-file {}", path.display()))
+    } else {
+        match std::env::var("KILN_API_KEY") {
+            Ok(k) => (k, "$KILN_API_KEY".to_string()),
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            Err(e) => anyhow::bail!("$KILN_API_KEY: {e}"),
+        }
+    };
+    let key = key.trim().to_string();
+    if key.is_empty() {
+        anyhow::bail!("{from}: the API key is empty");
+    }
+    Ok(Some(key))
+}
+
 pub fn run(a: ServeArgs) -> Result<()> {
     let output = output_overrides(&a)?;
+    let api_key = api_key(&a)?;
     let model_args = ModelArgs {
         model: a.model.clone(),
         device: a.device.clone(),
@@ -204,8 +240,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let config = ServerConfig {
         host: a.host,
         port: a.port,
-        api_key: a.api_key,
+        api_key,
         cors_origins: a.cors_origins,
+        allowed_hosts: a.allowed_hosts,
+        max_connections: a.max_connections,
         max_body_bytes: a.max_body_mib << 20,
         model_name: model_name.clone(),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),

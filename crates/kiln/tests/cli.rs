@@ -247,3 +247,67 @@ fn serve_listens_at_once_and_exits_with_the_error_when_the_model_cannot_load() {
     assert!(stderr.contains("tokenizer.json"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn serve_refuses_an_absurd_config_by_key_and_an_empty_api_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    let out = kiln()
+        .args([
+            "dev",
+            "random-checkpoint",
+            "--preset",
+            "tiny",
+            "--tokenizer",
+        ])
+        .arg(smollm2())
+        .arg("-o")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = ckpt.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    config["num_hidden_layers"] = 1_000_000_000u64.into();
+    std::fs::write(&path, config.to_string()).unwrap();
+    let out = kiln()
+        .args(["serve", "--port", "0", "--device", "cpu"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stderr: {stderr}");
+    assert!(stderr.contains("num_hidden_layers"), "{stderr}");
+
+    let empty = dir.path().join("key");
+    std::fs::write(&empty, "\n").unwrap();
+    let out = kiln()
+        .args(["serve", "--port", "0", "--device", "cpu", "--api-key-file"])
+        .arg(&empty)
+        .arg(smollm2())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stderr: {stderr}");
+    assert!(
+        stderr.contains("--api-key-file") && stderr.contains("empty"),
+        "{stderr}"
+    );
+    let out = kiln()
+        .args(["serve", "--port", "0", "--device", "cpu"])
+        .arg(smollm2())
+        .env("KILN_API_KEY", "")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "stderr: {stderr}");
+    assert!(
+        stderr.contains("KILN_API_KEY") && stderr.contains("empty"),
+        "{stderr}"
+    );
+}

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use kiln_formats::WeightSource;
+use kiln_formats::{StoredTensor, WeightSource};
 use kiln_tensor::{Backend, ForwardBatch, KvCache, KvCacheSpec, Tensor};
 
 use crate::config::ModelConfig;
@@ -94,6 +94,88 @@ impl Llama {
             lm_head,
             rope,
         })
+    }
+}
+
+/// Checks `cfg` against the checkpoint's tensor table before anything is
+/// loaded: the layers the weights have, and each dimension a tensor's
+/// shape shows (the embedding's vocabulary and width, the first layer's
+/// q, k and gate rows). A mismatch names the `config.json` key.
+pub fn check_weights(cfg: &ModelConfig, tensors: &[StoredTensor]) -> Result<()> {
+    let layers_found = tensors
+        .iter()
+        .filter_map(|t| t.name.strip_prefix("model.layers.")?.split('.').next())
+        .filter_map(|i| i.parse::<usize>().ok())
+        .max()
+        .map_or(0, |i| i + 1);
+    if layers_found != cfg.num_layers {
+        return Err(config_error(
+            "num_hidden_layers",
+            format!(
+                "config.json says {} layers, the weights have {layers_found}",
+                cfg.num_layers
+            ),
+        ));
+    }
+    let shape = |name: &str| tensors.iter().find(|t| t.name == name).map(|t| &t.shape);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let dims = [
+        ("vocab_size", cfg.vocab_size, "model.embed_tokens.weight", 0),
+        (
+            "hidden_size",
+            cfg.hidden_size,
+            "model.embed_tokens.weight",
+            1,
+        ),
+        (
+            "intermediate_size",
+            cfg.intermediate_size,
+            "model.layers.0.mlp.gate_proj.weight",
+            0,
+        ),
+        (
+            "num_attention_heads",
+            q,
+            "model.layers.0.self_attn.q_proj.weight",
+            0,
+        ),
+        (
+            "num_key_value_heads",
+            kv,
+            "model.layers.0.self_attn.k_proj.weight",
+            0,
+        ),
+    ];
+    for (key, expected, tensor, axis) in dims {
+        // A missing tensor is the loader's error, with the file's name.
+        let Some(found) = shape(tensor).and_then(|s| s.get(axis)) else {
+            continue;
+        };
+        if *found != expected {
+            let what = match key {
+                "num_attention_heads" | "num_key_value_heads" => format!(
+                    "config.json gives {expected} rows ({key} x head_dim {}) for {tensor}, \
+                     the weights have {found}",
+                    cfg.head_dim
+                ),
+                _ => format!(
+                    "config.json says {expected}, the weights' {tensor} has {found} \
+                     (dimension {axis})"
+                ),
+            };
+            return Err(config_error(key, what));
+        }
+    }
+    Ok(())
+}
+
+fn config_error(key: &str, what: String) -> crate::error::ModelError {
+    crate::error::ModelError::Config {
+        key: key.to_string(),
+        what,
     }
 }
 

@@ -2,20 +2,34 @@
 //! (Prometheus text), and `GET /v1/models`.
 
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kiln_engine::EngineStats;
+use kiln_engine::{EngineStats, EngineStatus};
 use serde_json::{json, Value};
 
 use crate::errors::ApiError;
 use crate::openai_types::{ModelCard, ModelList};
 use crate::state::AppState;
 
-/// 200 once the model is loaded (before that, the loading gate answers
-/// 503).
-pub async fn health() -> Json<Value> {
-    Json(json!({"status": "ok"}))
+/// 200 once the model is loaded and the engine runs (before that, the
+/// loading gate answers 503); 503 while the engine restarts after a
+/// failure, or after it stopped.
+pub async fn health(State(state): State<AppState>) -> Response {
+    let restarts = state.engine.num_restarts();
+    let status = match state.engine.status() {
+        EngineStatus::Running => {
+            return Json(json!({"status": "ok", "restarts": restarts})).into_response()
+        }
+        EngineStatus::Restarting => "restarting",
+        EngineStatus::Stopped => "stopped",
+    };
+    let body = json!({"status": status, "restarts": restarts});
+    let mut response = (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
 }
 
 /// The engine's counters, read off the async threads (the engine answers
