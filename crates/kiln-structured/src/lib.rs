@@ -121,7 +121,9 @@ impl Format {
             Format::JsonObject => {
                 TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
             }
-            Format::JsonSchema(schema) => TopLevelGrammar::from_json_schema(compact(schema.clone())),
+            Format::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(compact(schema.clone()))
+            }
             Format::StrictJsonSchema(schema) => {
                 TopLevelGrammar::from_json_schema(compact(strict::strict_schema(schema.clone())))
             }
@@ -166,7 +168,10 @@ fn readable(reason: &str) -> String {
     if line.len() <= MAX {
         return line;
     }
-    let cut = (0..=MAX).rev().find(|&i| line.is_char_boundary(i)).unwrap_or(0);
+    let cut = (0..=MAX)
+        .rev()
+        .find(|&i| line.is_char_boundary(i))
+        .unwrap_or(0);
     format!("{}…", &line[..cut])
 }
 

@@ -60,8 +60,8 @@ fn declares_properties(node: &Map<String, Value>) -> bool {
 fn find_open_refs(v: &Value, open: &mut Vec<String>) {
     match v {
         Value::Object(node) => {
-            let intersected = declares_properties(node)
-                || COMBINATORS.iter().any(|k| node.contains_key(*k));
+            let intersected =
+                declares_properties(node) || COMBINATORS.iter().any(|k| node.contains_key(*k));
             if let (true, Some(Value::String(r))) = (intersected, node.get("$ref")) {
                 open.push(r.trim_start_matches('#').to_string());
             }
@@ -197,7 +197,11 @@ fn close_over_map(node: &mut Map<String, Value>, names: &[String]) {
         return;
     }
     let required: Vec<String> = match node.get("required") {
-        Some(Value::Array(r)) => r.iter().filter_map(Value::as_str).map(str::to_string).collect(),
+        Some(Value::Array(r)) => r
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect(),
         _ => Vec::new(),
     };
     let props = node
@@ -276,8 +280,10 @@ mod tests {
             assert_eq!(m["additionalProperties"], false);
             assert!(m["properties"].get("a").is_some() && m["properties"].get("b").is_some());
         }
-        let s = strict_schema(json!({"type": "object", "properties": {"kind": {"type": "string"}},
-            "anyOf": [{"properties": {"x": {"type": "integer"}}}, {"type": "object"}]}));
+        let s = strict_schema(
+            json!({"type": "object", "properties": {"kind": {"type": "string"}},
+            "anyOf": [{"properties": {"x": {"type": "integer"}}}, {"type": "object"}]}),
+        );
         assert_eq!(s["additionalProperties"], false);
         assert_eq!(s["anyOf"][0]["properties"]["kind"], true);
         assert_eq!(s["anyOf"][1]["additionalProperties"], false);

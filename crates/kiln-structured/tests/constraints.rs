@@ -341,7 +341,12 @@ fn strict_schemas_close_objects_and_bound_numbers() {
         assert_eq!(admits(&t, &v, &plain, text), plain_admits, "{text}");
     }
     assert!(admits(&t, &v, &strict, fits));
-    assert!(admits(&t, &v, &strict, r#"{"n": 9007199254740991, "x": -0.5}"#));
+    assert!(admits(
+        &t,
+        &v,
+        &strict,
+        r#"{"n": 9007199254740991, "x": -0.5}"#
+    ));
 }
 
 #[test]
@@ -356,7 +361,11 @@ fn strict_random_outputs_end_with_only_declared_keys() {
         let text = generate(&t, &v, &Format::StrictJsonSchema(schema.clone()), seed * 31);
         let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
         let o = value.as_object().unwrap();
-        assert!(o.keys().all(|k| ["id", "score", "child"].contains(&k.as_str())), "{text}");
+        assert!(
+            o.keys()
+                .all(|k| ["id", "score", "child"].contains(&k.as_str())),
+            "{text}"
+        );
         if let Some(c) = o.get("child") {
             assert!(c.as_object().unwrap().keys().all(|k| k == "name"), "{text}");
         }
@@ -376,12 +385,18 @@ fn choices_over_the_limits_are_refused_before_compiling() {
     let long = Format::Choice(vec!["x".repeat(kiln_structured::MAX_CHOICE_BYTES + 1)]);
     for f in [many, long] {
         match v.constraint(&f) {
-            Err(StructuredError::Invalid { reason, .. }) => assert!(reason.contains("at most"), "{reason}"),
+            Err(StructuredError::Invalid { reason, .. }) => {
+                assert!(reason.contains("at most"), "{reason}")
+            }
             Err(e) => panic!("wrong error {e}"),
             Ok(_) => panic!("compiled"),
         }
     }
-    let at_limit = Format::Choice((0..kiln_structured::MAX_CHOICES).map(|i| format!("o{i}")).collect());
+    let at_limit = Format::Choice(
+        (0..kiln_structured::MAX_CHOICES)
+            .map(|i| format!("o{i}"))
+            .collect(),
+    );
     assert!(v.constraint(&at_limit).is_ok());
 }
 
