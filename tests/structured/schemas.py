@@ -61,3 +61,53 @@ OTHER_FORMATS = [
     ("guided_grammar", 'start: "(" item ("," item)* ")"\nitem: /[a-z]{1,6}/',
      lambda t: _re.fullmatch(r"\([a-z]{1,6}(,[a-z]{1,6})*\)", t)),
 ]
+
+
+# Schemas for `strict: true` as clients write them: no `additionalProperties`,
+# integers and numbers without bounds, nested objects and arrays. Strict semantics
+# must close every object and bound every number so that each answer ends,
+# validates, and has no key the schema does not declare. (Strings keep a
+# `maxLength`: strict semantics do not bound them, and a 135M model can fill an
+# unbounded string until `max_tokens`.)
+def sobj(props, required=None):
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required}
+
+
+STR, INT, NUM, BOOL = {"type": "string", "maxLength": 24}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+
+STRICT_SCHEMAS = [
+    sobj({"name": STR}),
+    sobj({"count": INT}),
+    sobj({"price": NUM}),
+    sobj({"name": STR, "age": INT}),
+    sobj({"x": NUM, "y": NUM}),
+    sobj({"id": INT, "score": NUM, "ok": BOOL}),
+    sobj({"user": sobj({"name": STR, "id": INT})}),
+    sobj({"a": sobj({"b": sobj({"c": INT})})}),
+    sobj({"point": sobj({"lat": NUM, "lon": NUM}), "label": STR}),
+    sobj({"values": {"type": "array", "items": INT, "maxItems": 4}}),
+    sobj({"tags": {"type": "array", "items": STR, "minItems": 1, "maxItems": 3}}),
+    sobj({"rows": {"type": "array", "items": sobj({"k": STR, "v": INT}), "maxItems": 2}}),
+    sobj({"grid": {"type": "array", "items": {"type": "array", "items": NUM, "maxItems": 2}, "maxItems": 2}}),
+    sobj({"title": STR, "year": INT, "rating": NUM}),
+    sobj({"color": {"enum": ["red", "green", "blue"]}, "weight": NUM}),
+    sobj({"kind": {"const": "circle"}, "radius": NUM}),
+    sobj({"name": STR, "nickname": STR, "age": INT}, required=["name"]),
+    sobj({"value": {"anyOf": [INT, STR]}}),
+    sobj({"maybe": {"anyOf": [NUM, {"type": "null"}]}, "flag": BOOL}),
+    {"$defs": {"person": sobj({"name": STR, "age": INT})}, **sobj({"owner": {"$ref": "#/$defs/person"}})},
+    sobj({"order": sobj({"id": INT, "items": {"type": "array", "items": sobj({"sku": STR, "qty": INT}), "maxItems": 2},
+                         "total": NUM})}),
+    sobj({"meta": {"type": "object"}, "n": INT}),
+    {"type": "array", "items": sobj({"n": INT}), "maxItems": 3},
+    sobj({"temperature": NUM, "unit": {"enum": ["C", "F"]}, "readings": {"type": "array", "items": NUM, "maxItems": 3}}),
+]
+assert len(STRICT_SCHEMAS) >= 20
+
+# Tools for the forced calls (`tool_choice` required and named) on the same model.
+STRICT_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+     "parameters": sobj({"city": STR, "days": INT})}},
+    {"type": "function", "function": {"name": "convert", "description": "Convert an amount of money",
+     "parameters": sobj({"amount": NUM, "currency": STR, "to": {"type": "object", "properties": {"currency": STR}}})}},
+]

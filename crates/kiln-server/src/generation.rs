@@ -274,7 +274,11 @@ pub fn chat_prompt(
     let tools = (!render.tool_names.is_empty()).then_some((syntax, render.tool_names));
     Ok(ChatPrompt {
         tokens: model.tokenizer.encode(&rendered, false)?,
-        syntax: OutputSyntax { think, tools },
+        syntax: OutputSyntax {
+            think,
+            tools,
+            forced_call: false,
+        },
     })
 }
 

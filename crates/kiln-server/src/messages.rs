@@ -209,7 +209,9 @@ pub fn tool_choice(choice: Option<&Value>) -> Result<ToolChoice, ApiError> {
 
 /// The output format that makes a forced tool call valid by construction:
 /// `{"name": <a declared tool>, "arguments": <its parameters>}`, which the
-/// tool-call parser reads as the call. `None` unless `choice` forces a call.
+/// tool-call parser reads as the call, under strict semantics (arguments
+/// hold only the declared parameters, numbers bounded), as OpenAI reads
+/// forced calls. `None` unless `choice` forces a call.
 pub fn forced_call_format(
     tools: &[(&str, Option<&Value>)],
     choice: &ToolChoice,
@@ -246,7 +248,7 @@ pub fn forced_call_format(
             }
         },
     };
-    Ok(Some(kiln_structured::Format::JsonSchema(schema)))
+    Ok(Some(kiln_structured::Format::StrictJsonSchema(schema)))
 }
 
 /// Tool definitions as the template receives them; only `function` tools.

@@ -4,7 +4,11 @@
 //! `guided_regex`, `guided_grammar`, `guided_choice`, or
 //! `structured_outputs: {json | regex | grammar | choice}`). At most one may
 //! be given. They are taken out of a request's unrecognised fields before
-//! those are refused, so the wire types need not name them.
+//! those are refused, so the wire types need not name them. A schema with
+//! `strict: true` becomes [`Format::StrictJsonSchema`] (OpenAI's strict
+//! semantics). A format over the limits (too many choices) is refused here,
+//! naming the field; one that does not compile is refused at submission,
+//! naming `response_format`.
 
 use kiln_structured::Format;
 use serde_json::{Map, Value};
@@ -35,6 +39,9 @@ pub fn take_format(extra: &mut Map<String, Value>) -> Result<Option<Format>, (St
             other => guided(other, &value),
         }
         .map_err(|reason| (field.clone(), reason))?;
+        if let Some(f) = &f {
+            f.check().map_err(|e| (field.clone(), e.to_string()))?;
+        }
         if let Some(f) = f {
             formats.push((field, f));
         }
@@ -73,7 +80,9 @@ pub fn take_text_format(
                 .get("schema")
                 .cloned()
                 .ok_or_else(|| err("`schema` is required with type json_schema"))?;
-            Ok((Some(Format::JsonSchema(schema)), "json_schema"))
+            let f = schema_format(schema, format.get("strict"));
+            f.check().map_err(|e| err(&e.to_string()))?;
+            Ok((Some(f), "json_schema"))
         }
         _ => Err(err("`type` must be text, json_object or json_schema")),
     }
@@ -91,12 +100,21 @@ fn response_format(v: &Value) -> Result<Option<Format>, String> {
                 .get("schema")
                 .cloned()
                 .unwrap_or(Value::Object(Map::new()));
-            Ok(Some(Format::JsonSchema(schema)))
+            Ok(Some(schema_format(schema, js.get("strict"))))
         }
         Some(other) => Err(format!(
             "type {other:?} is not one of text, json_object, json_schema"
         )),
         None => Err("`type` is required".into()),
+    }
+}
+
+/// The format of `schema`, strict when `strict` is `true`.
+fn schema_format(schema: Value, strict: Option<&Value>) -> Format {
+    if strict.and_then(Value::as_bool) == Some(true) {
+        Format::StrictJsonSchema(schema)
+    } else {
+        Format::JsonSchema(schema)
     }
 }
 
@@ -178,6 +196,12 @@ mod tests {
             take(
                 json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true}}})
             ),
+            Ok(Some(Format::StrictJsonSchema(schema.clone())))
+        );
+        assert_eq!(
+            take(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+            ),
             Ok(Some(Format::JsonSchema(schema.clone())))
         );
         assert_eq!(
@@ -219,6 +243,15 @@ mod tests {
             (
                 json!({"guided_regex": "a", "guided_choice": ["b"]}),
                 "guided_choice",
+            ),
+            (json!({"guided_choice": []}), "guided_choice"),
+            (
+                json!({"guided_choice": (0..2000).map(|i| i.to_string()).collect::<Vec<_>>()}),
+                "guided_choice",
+            ),
+            (
+                json!({"structured_outputs": {"choice": ["x".repeat(70_000)]}}),
+                "structured_outputs",
             ),
         ];
         for (req, param) in bad {

@@ -332,3 +332,190 @@ fn responses_text_format_json_schema_constrains_the_output() {
     let e = assert_error(&post(server(), "/v1/responses", &bad), 400);
     assert_eq!(e["param"], "text.format", "{e}");
 }
+
+#[test]
+fn strict_schemas_admit_only_declared_keys() {
+    // No `additionalProperties` and unbounded numbers: with `strict` the
+    // answer closes every object and ends on its own.
+    let schema = json!({"type": "object", "properties": {
+        "city": {"type": "string"}, "population": {"type": "integer"},
+        "location": {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}}}});
+    for stream in [false, true] {
+        let body = chat(
+            "Describe Paris as JSON with many fields.",
+            json!({"max_tokens": 200, "stream": stream, "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "city", "schema": schema, "strict": true}}}),
+        );
+        let r = post(server(), "/v1/chat/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (content, finish) = if stream {
+            let chunks: Vec<Value> = r
+                .sse_data()
+                .iter()
+                .filter_map(|d| serde_json::from_str(d).ok())
+                .collect();
+            let text: String = chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+                .collect();
+            let finish = chunks.iter().find_map(|c| {
+                c["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string)
+            });
+            (text, finish.unwrap_or_default())
+        } else {
+            let v = r.json();
+            let c = &v["choices"][0];
+            (
+                c["message"]["content"].as_str().unwrap().to_string(),
+                c["finish_reason"].as_str().unwrap().to_string(),
+            )
+        };
+        assert_eq!(finish, "stop", "{content}");
+        let v: Value = serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {content}"));
+        let o = v.as_object().unwrap();
+        assert!(
+            o.keys()
+                .all(|k| ["city", "population", "location"].contains(&k.as_str())),
+            "{v}"
+        );
+        if let Some(l) = o.get("location") {
+            assert!(
+                l.as_object()
+                    .unwrap()
+                    .keys()
+                    .all(|k| k == "lat" || k == "lon"),
+                "{v}"
+            );
+        }
+        if let Some(p) = o.get("population") {
+            assert!(p.is_i64(), "{v}");
+        }
+    }
+}
+
+#[test]
+fn formats_the_grammar_library_refuses_are_400s_with_a_reason() {
+    let recursive = json!({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"});
+    let many: Vec<String> = (0..2000).map(|i| format!("option {i}")).collect();
+    let cases = [
+        (
+            json!({"response_format": {"type": "json_schema",
+                   "json_schema": {"name": "r", "schema": recursive, "strict": true}}}),
+            "response_format",
+        ),
+        (json!({"guided_json": recursive}), "response_format"),
+        (json!({"guided_choice": many}), "guided_choice"),
+    ];
+    for (extra, param) in cases {
+        let r = post(server(), "/v1/chat/completions", &chat("Hi", extra.clone()));
+        let e = assert_error(&r, 400);
+        assert_eq!(e["param"], param, "{e}");
+        let message = e["message"].as_str().unwrap();
+        assert!(!message.to_lowercase().contains("internal"), "{message}");
+    }
+}
+
+#[test]
+fn a_forced_call_cut_by_max_tokens_is_still_a_call() {
+    // Two unbounded strings: the call is still being written at 24 tokens.
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                       "reason": {"type": "string"}}, "required": ["city", "reason"]}}}]);
+    let named = json!({"tools": tools, "max_tokens": 24,
+                       "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
+    let r = post(
+        server(),
+        "/v1/chat/completions",
+        &chat("What is the weather in Paris?", named.clone()),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "length", "{v}");
+    assert!(choice["message"]["content"].is_null(), "{v}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let args = calls[0]["function"]["arguments"].as_str().unwrap();
+    // What was written of the arguments, never a complete object.
+    assert!(
+        args.is_empty() || (args.starts_with('{') && serde_json::from_str::<Value>(args).is_err()),
+        "{args:?}"
+    );
+
+    // Streamed: the same partial call, and `length`.
+    let mut streamed = chat("What is the weather in Paris?", named);
+    streamed["stream"] = json!(true);
+    let r = post(server(), "/v1/chat/completions", &streamed);
+    let chunks: Vec<Value> = r
+        .sse_data()
+        .iter()
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    let streamed_args: String = chunks
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|d| d["function"]["arguments"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(streamed_args, args);
+    let finish: Vec<&str> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+        .collect();
+    assert_eq!(finish, ["length"]);
+
+    // Anthropic: a tool_use block and `max_tokens`.
+    let body = json!({"model": MODEL_NAME, "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object",
+                   "properties": {"city": {"type": "string"}, "reason": {"type": "string"}},
+                   "required": ["city", "reason"]}}],
+        "tool_choice": {"type": "tool", "name": "get_weather"}});
+    let v = post(server(), "/v1/messages", &body).json();
+    assert_eq!(v["stop_reason"], "max_tokens", "{v}");
+    assert_eq!(v["content"].as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v["content"][0]["type"], "tool_use", "{v}");
+    assert_eq!(v["content"][0]["name"], "get_weather", "{v}");
+}
+
+#[test]
+fn forced_call_arguments_stream_as_they_are_written() {
+    let mut body = chat(
+        "What is the weather in Paris?",
+        json!({"tools": tools(), "tool_choice": "required", "stream": true}),
+    );
+    let r = post(server(), "/v1/chat/completions", &body);
+    let deltas: Vec<Value> = r
+        .sse_data()
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .flat_map(|c| {
+            c["choices"][0]["delta"]["tool_calls"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    let parts: Vec<&str> = deltas
+        .iter()
+        .filter_map(|d| d["function"]["arguments"].as_str())
+        .filter(|a| !a.is_empty())
+        .collect();
+    assert!(parts.len() > 1, "{deltas:?}");
+    assert!(deltas.iter().all(|d| d["index"] == 0), "{deltas:?}");
+    // The same call as the whole answer.
+    body["stream"] = json!(false);
+    let (name, args) = the_call(&post(server(), "/v1/chat/completions", &body).json());
+    assert_eq!(deltas[0]["function"]["name"], name.as_str());
+    assert_eq!(
+        serde_json::from_str::<Value>(&parts.concat()).unwrap(),
+        args
+    );
+}

@@ -10,9 +10,15 @@
 //! the output is the model's end-of-sequence token, allowed only where the
 //! grammar accepts.
 //!
+//! [`Format::StrictJsonSchema`] is a schema under OpenAI's strict semantics
+//! (closed objects, bounded numbers; see [`strict`]), applied by rewriting
+//! the schema before it compiles.
+//!
 //! This crate knows tokenizers and logits as plain slices; it does not know
 //! models, requests or the server. Main types: [`StructuredVocab`],
 //! [`Format`], [`Constraint`], [`StructuredError`].
+
+pub mod strict;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -49,6 +55,11 @@ pub enum Format {
     JsonObject,
     /// JSON valid against a JSON schema.
     JsonSchema(Value),
+    /// JSON valid against a JSON schema read with OpenAI's strict
+    /// semantics: objects admit only their declared properties unless the
+    /// schema says otherwise, numbers stay within what parsers read
+    /// exactly ([`strict`]).
+    StrictJsonSchema(Value),
     /// Text matching a regular expression (whole output).
     Regex(String),
     /// Text in the language of a Lark grammar (llguidance's dialect).
@@ -61,36 +72,64 @@ impl Format {
     fn kind(&self) -> &'static str {
         match self {
             Format::JsonObject => "json_object format",
-            Format::JsonSchema(_) => "JSON schema",
+            Format::JsonSchema(_) | Format::StrictJsonSchema(_) => "JSON schema",
             Format::Regex(_) => "regex",
             Format::Lark(_) => "grammar",
             Format::Choice(_) => "choice list",
         }
     }
 
+    /// Check the limits a format must keep before it compiles (the
+    /// number and size of choices); compile errors come later, from
+    /// [`StructuredVocab::constraint`].
+    pub fn check(&self) -> Result<()> {
+        let invalid = |reason: String| {
+            Err(StructuredError::Invalid {
+                kind: self.kind(),
+                reason,
+            })
+        };
+        match self {
+            Format::JsonSchema(s) | Format::StrictJsonSchema(s)
+                if !s.is_object() && !s.is_boolean() =>
+            {
+                invalid("a JSON schema is an object (or true/false)".into())
+            }
+            Format::Choice(options) if options.is_empty() => {
+                invalid("the list of choices is empty".into())
+            }
+            Format::Choice(options) if options.len() > MAX_CHOICES => invalid(format!(
+                "{} choices given, at most {MAX_CHOICES} are allowed",
+                options.len()
+            )),
+            Format::Choice(options) => {
+                let bytes: usize = options.iter().map(String::len).sum();
+                if bytes > MAX_CHOICE_BYTES {
+                    return invalid(format!(
+                        "the choices have {bytes} bytes together, at most {MAX_CHOICE_BYTES} are allowed"
+                    ));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn grammar(&self) -> Result<TopLevelGrammar> {
+        self.check()?;
         Ok(match self {
             Format::JsonObject => {
                 TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
             }
             Format::JsonSchema(schema) => {
-                if !schema.is_object() && !schema.is_boolean() {
-                    return Err(StructuredError::Invalid {
-                        kind: self.kind(),
-                        reason: "a JSON schema is an object (or true/false)".into(),
-                    });
-                }
                 TopLevelGrammar::from_json_schema(compact(schema.clone()))
+            }
+            Format::StrictJsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(compact(strict::strict_schema(schema.clone())))
             }
             Format::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Format::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
             Format::Choice(options) => {
-                if options.is_empty() {
-                    return Err(StructuredError::Invalid {
-                        kind: self.kind(),
-                        reason: "the list of choices is empty".into(),
-                    });
-                }
                 let alts: Vec<String> = options
                     .iter()
                     .map(|o| serde_json::to_string(o).unwrap_or_default())
@@ -100,6 +139,10 @@ impl Format {
         })
     }
 }
+
+/// Choices a [`Format::Choice`] may list, and their bytes together.
+pub const MAX_CHOICES: usize = 1000;
+pub const MAX_CHOICE_BYTES: usize = 64 * 1024;
 
 /// JSON with single spaces after `:` and `,` and no other whitespace
 /// (llguidance's default allows any run of whitespace between tokens, which
@@ -111,6 +154,25 @@ fn compact(mut schema: Value) -> Value {
         });
     }
     schema
+}
+
+/// llguidance's reason as a client can read it: its first line, without
+/// the backtrace of a panic it caught, bounded in length.
+fn readable(reason: &str) -> String {
+    const MAX: usize = 300;
+    let line = reason.lines().next().unwrap_or("").trim();
+    let line = match line.strip_prefix("panic:") {
+        Some(p) => format!("the grammar compiler failed on it ({})", p.trim()),
+        None => line.to_string(),
+    };
+    if line.len() <= MAX {
+        return line;
+    }
+    let cut = (0..=MAX)
+        .rev()
+        .find(|&i| line.is_char_boundary(i))
+        .unwrap_or(0);
+    format!("{}…", &line[..cut])
 }
 
 /// A model's vocabulary indexed for constrained decoding; built once per
@@ -204,7 +266,7 @@ impl StructuredVocab {
                         .create_parser(grammar)
                         .map_err(|e| StructuredError::Invalid {
                             kind: format.kind(),
-                            reason: e.to_string(),
+                            reason: readable(&e.to_string()),
                         })?;
                 if let Some(k) = key {
                     let mut cache = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
@@ -220,14 +282,23 @@ impl StructuredVocab {
         if let Some(e) = matcher.get_error() {
             return Err(StructuredError::Invalid {
                 kind: format.kind(),
-                reason: e,
+                reason: readable(&e),
             });
         }
-        Ok(Constraint {
+        let mut constraint = Constraint {
             vocab: self.clone(),
             matcher,
             finished: false,
-        })
+        };
+        // A format whose language is empty (a `$ref` that only refers to
+        // itself) compiles; refuse it now rather than at the first step.
+        if constraint.allowed().is_err() {
+            return Err(StructuredError::Invalid {
+                kind: format.kind(),
+                reason: "no output can satisfy it (does a `$ref` only refer to itself?)".into(),
+            });
+        }
+        Ok(constraint)
     }
 }
 

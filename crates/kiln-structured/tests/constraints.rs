@@ -307,3 +307,118 @@ fn a_format_seen_before_gives_an_independent_constraint() {
     assert_eq!(second.allowed().unwrap().as_slice(), &start[..]);
     assert_ne!(first.allowed().unwrap().as_slice(), &start[..]);
 }
+
+/// Whether `format` admits exactly `text` (its tokens, then end of sequence).
+fn admits(t: &Tokenizer, v: &Arc<StructuredVocab>, format: &Format, text: &str) -> bool {
+    let mut c = v.constraint(format).unwrap();
+    for token in t.encode(text, false).unwrap() {
+        if !c.allowed().unwrap().is_allowed(token) || c.commit(token).is_err() {
+            return false;
+        }
+    }
+    c.allowed().unwrap().is_allowed(EOS)
+}
+
+#[test]
+fn strict_schemas_close_objects_and_bound_numbers() {
+    let (t, v) = setup();
+    let schema = json!({"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"},
+        "inner": {"type": "object", "properties": {"a": {"type": "boolean"}}}}});
+    let strict = Format::StrictJsonSchema(schema.clone());
+    let plain = Format::JsonSchema(schema);
+    let fits = r#"{"n": -9007199254740991, "x": 3.141593, "inner": {"a": true}}"#;
+    for (text, plain_admits) in [
+        (r#"{"n": 1, "extra": 2}"#, true),
+        (r#"{"inner": {"a": true, "b": 1}}"#, true),
+        (r#"{"n": 99999999999999999999}"#, true),
+        (r#"{"n": 9007199254740992}"#, true),
+        (r#"{"x": 3.1415926}"#, true),
+        (r#"{"x": 1e300}"#, true),
+        (r#"{"x": 10000000000000000}"#, true),
+    ] {
+        assert!(!admits(&t, &v, &strict, text), "strict admits {text}");
+        assert_eq!(admits(&t, &v, &plain, text), plain_admits, "{text}");
+    }
+    assert!(admits(&t, &v, &strict, fits));
+    assert!(admits(
+        &t,
+        &v,
+        &strict,
+        r#"{"n": 9007199254740991, "x": -0.5}"#
+    ));
+}
+
+#[test]
+fn strict_random_outputs_end_with_only_declared_keys() {
+    // Unbounded numbers and open objects: under strict semantics every
+    // noisy output still ends, inside the bounds, with no other key.
+    let (t, v) = setup();
+    let schema = json!({"type": "object", "properties": {
+        "id": {"type": "integer"}, "score": {"type": "number"},
+        "child": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}}});
+    for seed in 1..=6u64 {
+        let text = generate(&t, &v, &Format::StrictJsonSchema(schema.clone()), seed * 31);
+        let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        let o = value.as_object().unwrap();
+        assert!(
+            o.keys()
+                .all(|k| ["id", "score", "child"].contains(&k.as_str())),
+            "{text}"
+        );
+        if let Some(c) = o.get("child") {
+            assert!(c.as_object().unwrap().keys().all(|k| k == "name"), "{text}");
+        }
+        if let Some(id) = o.get("id") {
+            assert!(id.as_i64().is_some_and(|n| n.abs() < 1 << 53), "{text}");
+        }
+        if let Some(x) = o.get("score") {
+            assert!(x.as_f64().unwrap().abs() <= 1e15, "{text}");
+        }
+    }
+}
+
+#[test]
+fn choices_over_the_limits_are_refused_before_compiling() {
+    let (_, v) = setup();
+    let many = Format::Choice((0..2000).map(|i| format!("option {i}")).collect());
+    let long = Format::Choice(vec!["x".repeat(kiln_structured::MAX_CHOICE_BYTES + 1)]);
+    for f in [many, long] {
+        match v.constraint(&f) {
+            Err(StructuredError::Invalid { reason, .. }) => {
+                assert!(reason.contains("at most"), "{reason}")
+            }
+            Err(e) => panic!("wrong error {e}"),
+            Ok(_) => panic!("compiled"),
+        }
+    }
+    let at_limit = Format::Choice(
+        (0..kiln_structured::MAX_CHOICES)
+            .map(|i| format!("o{i}"))
+            .collect(),
+    );
+    assert!(v.constraint(&at_limit).is_ok());
+}
+
+#[test]
+fn schemas_the_compiler_refuses_have_a_short_readable_reason() {
+    let (_, v) = setup();
+    let recursive = json!({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"});
+    for f in [
+        Format::JsonSchema(recursive.clone()),
+        Format::StrictJsonSchema(recursive),
+    ] {
+        match v.constraint(&f) {
+            Err(StructuredError::Invalid { reason, .. }) => {
+                eprintln!("{reason}");
+                assert!(
+                    !reason.is_empty() && reason.len() < 400 && !reason.contains('\n'),
+                    "{reason}"
+                );
+                assert!(!reason.contains("backtrace"), "{reason}");
+            }
+            Err(e) => panic!("wrong error {e}"),
+            Ok(_) => panic!("{f:?} compiled"),
+        }
+    }
+}

@@ -2,6 +2,7 @@
 //! same pieces whether the text arrives whole or token by token, so
 //! streamed and non-streamed responses carry the same thing.
 
+mod forced;
 mod gemma;
 mod json_scan;
 mod reasoning;
@@ -9,6 +10,7 @@ mod reasoning;
 mod tests;
 mod tools;
 
+pub use forced::ForcedCallStream;
 pub use reasoning::{Split, ThinkSplitter, ThinkSyntax};
 pub use tools::{ToolCall, ToolStream, ToolSyntax};
 
@@ -18,6 +20,12 @@ pub enum Piece {
     Reasoning(String),
     Text(String),
     Call(ToolCall),
+    /// A forced call opens (its arguments follow as they are written).
+    CallOpen {
+        name: String,
+    },
+    /// More of the open call's arguments.
+    CallArguments(String),
 }
 
 /// What the server says about the model's output where the chat template
@@ -38,12 +46,15 @@ pub struct OutputSyntax {
     pub think: Option<(ThinkSyntax, bool)>,
     /// The tool-call syntax and the declared tools.
     pub tools: Option<(ToolSyntax, Vec<String>)>,
+    /// The answer is one call the output format forces
+    /// ([`ForcedCallStream`]), whatever the syntax.
+    pub forced_call: bool,
 }
 
 impl OutputSyntax {
     /// Whether anything is parsed at all.
     pub fn is_plain(&self) -> bool {
-        self.think.is_none() && self.tools.is_none()
+        self.think.is_none() && self.tools.is_none() && !self.forced_call
     }
 }
 
@@ -53,6 +64,7 @@ impl OutputSyntax {
 pub struct OutputParser {
     think: Option<ThinkSplitter>,
     tools: Option<ToolStream>,
+    forced: Option<ForcedCallStream>,
 }
 
 impl OutputParser {
@@ -65,7 +77,12 @@ impl OutputParser {
             tools: syntax
                 .tools
                 .clone()
+                .filter(|_| !syntax.forced_call)
                 .map(|(s, names)| ToolStream::new(s, names)),
+            forced: syntax.forced_call.then(|| {
+                let names = syntax.tools.clone().map(|t| t.1).unwrap_or_default();
+                ForcedCallStream::new(names)
+            }),
         }
     }
 
@@ -90,16 +107,20 @@ impl OutputParser {
     fn answer(&mut self, splits: Vec<Split>, end: bool) -> Vec<Piece> {
         let mut out = Vec::new();
         for s in splits {
-            match (s, self.tools.as_mut()) {
-                (Split::Reasoning(r), _) => out.push(Piece::Reasoning(r)),
-                (Split::Answer(a), Some(t)) => out.extend(t.push(&a)),
-                (Split::Answer(a), None) if !a.is_empty() => out.push(Piece::Text(a)),
+            match (s, self.tools.as_mut(), self.forced.as_mut()) {
+                (Split::Reasoning(r), _, _) => out.push(Piece::Reasoning(r)),
+                (Split::Answer(a), _, Some(f)) => out.extend(f.push(&a)),
+                (Split::Answer(a), Some(t), None) => out.extend(t.push(&a)),
+                (Split::Answer(a), None, None) if !a.is_empty() => out.push(Piece::Text(a)),
                 _ => {}
             }
         }
         if end {
             if let Some(t) = self.tools.as_mut() {
                 out.extend(t.finish());
+            }
+            if let Some(f) = self.forced.as_mut() {
+                out.extend(f.finish());
             }
         }
         out
@@ -118,14 +139,32 @@ pub struct Parsed {
 }
 
 impl Parsed {
-    /// Gathers pieces (as a stream gave them) into the whole answer.
+    /// Gathers pieces (as a stream gave them) into the whole answer; a
+    /// call that came in parts is one [`Piece::Call`].
     pub fn from_pieces(pieces: impl IntoIterator<Item = Piece>) -> Parsed {
         let mut p = Parsed::default();
         for piece in pieces {
+            let piece = match piece {
+                Piece::CallOpen { name } => Piece::Call(ToolCall {
+                    name,
+                    arguments: String::new(),
+                }),
+                Piece::CallArguments(a) => {
+                    if let Some(Piece::Call(c)) = p.pieces.last_mut() {
+                        c.arguments.push_str(&a);
+                    }
+                    if let Some(c) = p.calls.last_mut() {
+                        c.arguments.push_str(&a);
+                    }
+                    continue;
+                }
+                piece => piece,
+            };
             match &piece {
                 Piece::Reasoning(r) => p.reasoning.get_or_insert_with(String::new).push_str(r),
                 Piece::Text(t) => p.content.get_or_insert_with(String::new).push_str(t),
                 Piece::Call(c) => p.calls.push(c.clone()),
+                Piece::CallOpen { .. } | Piece::CallArguments(_) => {}
             }
             match (p.pieces.last_mut(), piece) {
                 (Some(Piece::Reasoning(a)), Piece::Reasoning(b)) => a.push_str(&b),

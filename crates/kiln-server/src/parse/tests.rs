@@ -10,6 +10,7 @@ fn syntax(tools: ToolSyntax, think: bool) -> OutputSyntax {
     OutputSyntax {
         think: think.then(|| (ThinkSyntax::detect("<think>").unwrap(), false)),
         tools: Some((tools, vec!["get_weather".into(), "search".into()])),
+        forced_call: false,
     }
 }
 
@@ -214,6 +215,7 @@ fn reasoning_is_split_from_the_answer() {
     let opened = OutputSyntax {
         think: Some((ThinkSyntax::detect("</think>").unwrap(), true)),
         tools: None,
+        forced_call: false,
     };
     let p = check("plan </thin", &opened);
     assert_eq!(p.reasoning.as_deref(), Some("plan </thin"));
@@ -241,4 +243,25 @@ fn syntax_detection() {
     );
     assert_eq!(ToolSyntax::detect("<|im_start|>"), ToolSyntax::Hermes);
     assert!(ThinkSyntax::detect("<|im_start|>").is_none());
+}
+
+#[test]
+fn a_forced_call_is_one_call_whole_streamed_or_cut() {
+    let mut s = syntax(ToolSyntax::Hermes, true);
+    s.forced_call = true;
+    let p = check(
+        "<think>the user wants weather</think>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Pa}ris\"}}",
+        &s,
+    );
+    assert_eq!(p.reasoning.as_deref(), Some("the user wants weather"));
+    assert_eq!(p.content, None);
+    assert_eq!(p.calls.len(), 1);
+    assert_eq!(
+        (p.calls[0].name.as_str(), args(&p.calls[0])),
+        ("get_weather", json!({"city": "Pa}ris"}))
+    );
+    assert_eq!(p.pieces.len(), 2, "{:?}", p.pieces);
+    let cut = check("{\"name\": \"search\", \"arguments\": {\"q\": \"ab", &s);
+    assert_eq!(cut.calls[0].name, "search");
+    assert_eq!(cut.calls[0].arguments, "{\"q\": \"ab");
 }

@@ -43,6 +43,8 @@ struct ValidChat {
     /// How many choices (`n`).
     n: usize,
     format: Option<kiln_structured::Format>,
+    /// `tool_choice` forces a call (the format makes the answer one).
+    forced_call: bool,
 }
 
 fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
@@ -74,6 +76,7 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
             "a forced tool call cannot be combined with an output format (`response_format`, `guided_*`)",
         ));
     }
+    let forced_call = forced.is_some();
     let format = forced.or(format);
     let tool_choice_none = choice == ToolChoice::None;
     let (tools, tool_names) = match &req.tools {
@@ -159,6 +162,7 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
             .unwrap_or(false),
         n,
         format,
+        forced_call,
     })
 }
 
@@ -181,7 +185,8 @@ pub async fn handle(
         Ok(prompt.prepared(syntax))
     })
     .await?;
-    let syntax = admitted.extra;
+    let mut syntax: OutputSyntax = admitted.extra;
+    syntax.forced_call = v.forced_call;
     let out = ChatOutput {
         id: new_id("chatcmpl-"),
         created: unix_now(),
@@ -189,6 +194,7 @@ pub async fn handle(
         model: state.engine.model().clone(),
         want_logprobs,
         parallel_tool_calls: v.parallel_tool_calls,
+        forced_call: v.forced_call,
     };
     if v.stream {
         let first = (0..v.n)
@@ -220,6 +226,17 @@ pub async fn handle(
     }
 }
 
+/// A choice's `finish_reason`: `tool_calls` when it called, except that a
+/// forced call cut by `max_tokens` (the whole answer is the call) is
+/// `length`, still a call.
+fn finish_reason(reason: FinishReason, called: bool, forced_call: bool) -> &'static str {
+    match reason {
+        FinishReason::Length if forced_call || !called => "length",
+        _ if called => "tool_calls",
+        other => other.as_openai_str(),
+    }
+}
+
 /// What every response and chunk of one request shares.
 struct ChatOutput {
     id: String,
@@ -228,6 +245,7 @@ struct ChatOutput {
     model: Arc<LoadedModel>,
     want_logprobs: bool,
     parallel_tool_calls: bool,
+    forced_call: bool,
 }
 
 impl ChatOutput {
@@ -285,11 +303,8 @@ impl ChatOutput {
                     let p = parse::parse(&c.text, syntax);
                     (p.content, p.reasoning, self.tool_calls(p.calls))
                 };
-                let finish_reason = if calls.is_empty() {
-                    c.finish_reason.as_openai_str()
-                } else {
-                    "tool_calls"
-                };
+                let finish_reason =
+                    finish_reason(c.finish_reason, !calls.is_empty(), self.forced_call);
                 ChatChoice {
                     index: idx as u32,
                     message: ChatMessageOut {
@@ -361,6 +376,42 @@ impl ChatStream {
                     reasoning_content: Some(r),
                     ..Delta::default()
                 },
+                Piece::CallOpen { name } => {
+                    let Some(n) = self.calls.get_mut(idx) else {
+                        continue;
+                    };
+                    let index = *n;
+                    *n += 1;
+                    Delta {
+                        tool_calls: vec![ToolCallDelta {
+                            index,
+                            id: Some(new_id("call_")),
+                            kind: Some("function"),
+                            function: FunctionDelta {
+                                name: Some(name),
+                                arguments: String::new(),
+                            },
+                        }],
+                        ..Delta::default()
+                    }
+                }
+                Piece::CallArguments(arguments) => {
+                    let Some(index) = self.calls.get(idx).and_then(|n| n.checked_sub(1)) else {
+                        continue;
+                    };
+                    Delta {
+                        tool_calls: vec![ToolCallDelta {
+                            index,
+                            id: None,
+                            kind: None,
+                            function: FunctionDelta {
+                                name: None,
+                                arguments,
+                            },
+                        }],
+                        ..Delta::default()
+                    }
+                }
                 Piece::Call(call) => {
                     let Some(n) = self.calls.get_mut(idx) else {
                         continue;
@@ -442,11 +493,7 @@ impl StreamFormat for ChatStream {
             self.pieces(idx, pieces, &mut frames);
         }
         let called = self.calls.get(idx).is_some_and(|&n| n > 0);
-        let finish_reason = if called {
-            "tool_calls"
-        } else {
-            reason.as_openai_str()
-        };
+        let finish_reason = finish_reason(reason, called, self.out.forced_call);
         frames.push(self.out.chunk(
             idx,
             Delta::default(),
@@ -469,5 +516,23 @@ impl StreamFormat for ChatStream {
             choices: Vec::new(),
             usage: Some(Some(UsageOut::from(usage))),
         })]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forced_call_cut_short_finishes_with_length() {
+        assert_eq!(finish_reason(FinishReason::Length, true, true), "length");
+        assert_eq!(finish_reason(FinishReason::Stop, true, true), "tool_calls");
+        // A complete call the model chose, then text cut short: the call.
+        assert_eq!(
+            finish_reason(FinishReason::Length, true, false),
+            "tool_calls"
+        );
+        assert_eq!(finish_reason(FinishReason::Length, false, false), "length");
+        assert_eq!(finish_reason(FinishReason::Stop, false, false), "stop");
     }
 }

@@ -136,6 +136,8 @@ pub async fn handle(
     let stream = req.stream.unwrap_or(false);
     let (params, stop_sequences) = sampling(&state, req)?;
     let parses = !conv.render.tool_names.is_empty() || generation::thinks(&state);
+    // The only format here is the one a forced call sets.
+    let forced_call = conv.format.is_some();
     let generate = Generate {
         params,
         skip_special_tokens: !parses,
@@ -148,11 +150,13 @@ pub async fn handle(
         Ok(prompt.prepared(extra))
     })
     .await?;
-    let (prompt_tokens, syntax) = admitted.extra;
+    let (prompt_tokens, mut syntax) = admitted.extra;
+    syntax.forced_call = forced_call;
     let out = MessageOutput {
         id: new_id("msg_"),
         model_name: state.model_name.clone(),
         stop_sequences,
+        forced_call,
     };
     if stream {
         let start = out.message(Vec::new(), None, None, usage_out(prompt_tokens, 0, 0));
@@ -225,6 +229,8 @@ struct MessageOutput {
     model_name: Arc<str>,
     /// The request's stop sequences, to name the one that matched.
     stop_sequences: Vec<String>,
+    /// The answer is one forced call.
+    forced_call: bool,
 }
 
 impl MessageOutput {
@@ -250,9 +256,12 @@ impl MessageOutput {
     /// `stop_reason` and `stop_sequence` for how generation ended.
     fn stop(&self, reason: FinishReason, called_tools: bool) -> (&'static str, Option<String>) {
         match reason {
+            // A forced call cut short is still a `tool_use` block, marked
+            // by `max_tokens`.
+            FinishReason::Length if self.forced_call => ("max_tokens", None),
             _ if called_tools => ("tool_use", None),
-            FinishReason::StopString(i) => ("stop_sequence", self.stop_sequences.get(i).cloned()),
             FinishReason::Length => ("max_tokens", None),
+            FinishReason::StopString(i) => ("stop_sequence", self.stop_sequences.get(i).cloned()),
             FinishReason::Stop | FinishReason::Repetition | FinishReason::Cancelled => {
                 ("end_turn", None)
             }
@@ -289,6 +298,12 @@ fn block_of(piece: Piece) -> ContentBlockOut {
             signature: String::new(),
         },
         Piece::Call(call) => tool_use_block(call),
+        // A whole answer holds calls whole (`Parsed` joins the parts).
+        Piece::CallOpen { name } => tool_use_block(ToolCall {
+            name,
+            arguments: String::new(),
+        }),
+        Piece::CallArguments(text) => ContentBlockOut::Text { text },
     }
 }
 
@@ -297,6 +312,8 @@ fn block_of(piece: Piece) -> ContentBlockOut {
 enum BlockKind {
     Thinking,
     Text,
+    /// A forced call, its input streamed as it is written.
+    ToolUse,
 }
 
 /// Anthropic's stream events: one content block per run of reasoning or
@@ -342,6 +359,12 @@ impl MessagesStream {
                     thinking: String::new(),
                     signature: String::new(),
                 },
+                // Calls open with their name (`Piece::CallOpen`), not here.
+                BlockKind::ToolUse => ContentBlockOut::ToolUse {
+                    id: new_id("toolu_"),
+                    name: String::new(),
+                    input: json!({}),
+                },
             };
             frames.push(block_start(self.num_blocks, &start));
             self.num_blocks += 1;
@@ -362,6 +385,27 @@ impl MessagesStream {
                 Piece::Reasoning(thinking) => {
                     let index = self.open(BlockKind::Thinking, &mut frames);
                     frames.push(block_delta(index, BlockDelta::ThinkingDelta { thinking }));
+                }
+                Piece::CallOpen { name } => {
+                    self.close(&mut frames);
+                    self.called = true;
+                    let start = ContentBlockOut::ToolUse {
+                        id: new_id("toolu_"),
+                        name,
+                        input: json!({}),
+                    };
+                    frames.push(block_start(self.num_blocks, &start));
+                    self.num_blocks += 1;
+                    self.open = Some(BlockKind::ToolUse);
+                }
+                Piece::CallArguments(partial_json) => {
+                    if self.open == Some(BlockKind::ToolUse) {
+                        let index = self.num_blocks - 1;
+                        frames.push(block_delta(
+                            index,
+                            BlockDelta::InputJsonDelta { partial_json },
+                        ));
+                    }
                 }
                 Piece::Call(call) => {
                     self.close(&mut frames);
@@ -480,10 +524,12 @@ mod tests {
             id: "msg_1".into(),
             model_name: "m".into(),
             stop_sequences: Vec::new(),
+            forced_call: false,
         };
         let syntax = OutputSyntax {
             think: None,
             tools: Some((ToolSyntax::Hermes, tool_names)),
+            forced_call: false,
         };
         MessagesStream::new(out, &syntax)
     }
@@ -550,6 +596,7 @@ mod tests {
             id: "msg_1".into(),
             model_name: "m".into(),
             stop_sequences: vec!["a".into(), "b".into()],
+            forced_call: false,
         };
         assert_eq!(
             out.stop(FinishReason::StopString(1), false),
@@ -558,5 +605,15 @@ mod tests {
         assert_eq!(out.stop(FinishReason::Length, false), ("max_tokens", None));
         assert_eq!(out.stop(FinishReason::Stop, false), ("end_turn", None));
         assert_eq!(out.stop(FinishReason::Stop, true), ("tool_use", None));
+        assert_eq!(out.stop(FinishReason::Length, true), ("tool_use", None));
+        let forced = MessageOutput {
+            forced_call: true,
+            ..out
+        };
+        assert_eq!(
+            forced.stop(FinishReason::Length, true),
+            ("max_tokens", None)
+        );
+        assert_eq!(forced.stop(FinishReason::Stop, true), ("tool_use", None));
     }
 }

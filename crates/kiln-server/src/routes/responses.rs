@@ -599,6 +599,7 @@ mod tests {
         let syntax = OutputSyntax {
             think: None,
             tools: Some((ToolSyntax::Hermes, tool_names)),
+            forced_call: false,
         };
         ResponsesStream::new(out, &syntax)
     }
