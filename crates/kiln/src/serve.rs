@@ -1,7 +1,9 @@
 //! `kiln serve`: bind at once, load the model and start the engine in the
 //! background (the server answers 503 until then; a failed load ends the
 //! process with the error), and serve the APIs over HTTP until SIGINT or
-//! SIGTERM.
+//! SIGTERM. The first signal stops accepting and waits up to the grace for
+//! the requests in flight; a second one cancels them and stops at once
+//! (the exit status is 0 either way).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -62,6 +64,13 @@ pub struct ServeArgs {
     /// when the chat template mentions it).
     #[arg(long)]
     pub reasoning_parser: Option<String>,
+    /// How log lines (one per request, throughput, shutdown) are written
+    /// to stderr.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: crate::logging::LogFormat,
+    /// Seconds between throughput lines while requests run (0: none).
+    #[arg(long, default_value_t = 10)]
+    pub throughput_log_secs: u64,
 }
 
 /// The output syntax the flags choose.
@@ -87,6 +96,7 @@ fn output_overrides(a: &ServeArgs) -> Result<kiln_server::OutputOverrides> {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    crate::logging::init(a.log_format);
     let output = output_overrides(&a)?;
     let model_args = ModelArgs {
         model: a.model.clone(),
@@ -122,6 +132,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         model_name: model_name.clone(),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
         output,
+        throughput_log_interval: Duration::from_secs(a.throughput_log_secs),
         ..ServerConfig::default()
     };
     let (kv_mib, context) = (a.kv_mib, fit.context);
