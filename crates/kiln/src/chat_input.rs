@@ -33,7 +33,7 @@ pub enum Lines {
     /// A terminal: line editing, history (kept in `history`, if any) and
     /// bracketed paste.
     Editor {
-        editor: rustyline::DefaultEditor,
+        editor: Box<rustyline::DefaultEditor>,
         history: Option<PathBuf>,
     },
     /// A pipe or file; the prompt goes to stderr.
@@ -55,7 +55,7 @@ impl Lines {
         // Built with its `signal-hook` feature, the editor leaves SIGINT to
         // the chat's own handler (without it, it takes SIGINT over for its
         // whole lifetime, and Ctrl-C could not stop an answer).
-        let mut editor = rustyline::DefaultEditor::with_config(config)?;
+        let mut editor = Box::new(rustyline::DefaultEditor::with_config(config)?);
         if let Some(path) = &history {
             // A missing history file is the first session.
             let _ = editor.load_history(path);
