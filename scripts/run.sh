@@ -16,4 +16,7 @@ if [ ! -e models ]; then
 fi
 scripts/fetch-models.sh models smollm2 >&2
 [ $# -eq 0 ] && set -- serve --temperature 0
-cargo run --quiet --release -p kiln -- "$@"
+# Cargo's own progress stays visible: the first build takes a few minutes.
+echo "run.sh: building kiln (release; the first build takes a few minutes)" >&2
+cargo build --release -p kiln
+exec cargo run --quiet --release -p kiln -- "$@"

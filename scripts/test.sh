@@ -17,6 +17,11 @@ if [ ! -e models ]; then
   ln -s "$cache" models
 fi
 scripts/fetch-models.sh models smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3 || exit 1
+# tmux drives `kiln chat` on a real terminal (crates/kiln/tests/chat_tmux.rs).
+if ! command -v tmux >/dev/null; then
+  apt-get install -y tmux >&2 || { apt-get update >&2 && apt-get install -y tmux >&2; } || {
+    echo "test.sh: tmux is missing and could not be installed (apt-get install -y tmux)" >&2; exit 1; }
+fi
 # NVRTC and the CUDA headers, so the kernel-compile tests run without a GPU.
 KILN_CUDA_HOME=$(scripts/install-nvrtc.sh) || exit 1
 export KILN_CUDA_HOME

@@ -15,6 +15,7 @@ use kiln_sampling::{FinishReason, Sampled, SamplingParams};
 use serde_json::{Map, Value};
 use tokio::sync::{mpsc, oneshot, watch};
 
+use crate::access_log::{self, Record};
 use crate::errors::ApiError;
 use crate::metrics::Metrics;
 use crate::parse::{OutputOverrides, OutputSyntax, ThinkSyntax, ToolSyntax};
@@ -60,6 +61,8 @@ pub struct EventReceiver {
     started: Instant,
     /// Per choice: when its last token arrived.
     last_token: Vec<Option<Instant>>,
+    /// The request's access-log record, noting tokens and usage.
+    access: Option<Arc<Record>>,
 }
 
 impl EventReceiver {
@@ -88,6 +91,9 @@ impl EventReceiver {
         match event {
             // Text flushed at the end (no token id) is not a token.
             Event::Token { token_id, .. } if *token_id != u32::MAX => {
+                if let Some(access) = &self.access {
+                    access.token(now);
+                }
                 let Some(last) = self.last_token.get_mut(idx) else {
                     return;
                 };
@@ -98,7 +104,14 @@ impl EventReceiver {
                         .observe((now - self.started).as_secs_f64()),
                 }
             }
-            Event::Finished { usage, timings, .. } => {
+            Event::Finished {
+                usage,
+                timings,
+                finish_reason,
+            } => {
+                if let Some(access) = &self.access {
+                    access.finished(usage, *finish_reason);
+                }
                 self.metrics.record_usage(usage);
                 latency.queue.observe(timings.queue_seconds);
                 latency
@@ -358,6 +371,10 @@ where
     let extra = ready_rx
         .await
         .map_err(|_| ApiError::Internal("the request's task ended before admission".into()))??;
+    let access = access_log::current();
+    if let Some(access) = &access {
+        access.admitted();
+    }
     Ok(Admitted {
         extra,
         events: EventReceiver {
@@ -366,6 +383,7 @@ where
             metrics: state.metrics.clone(),
             started,
             last_token: vec![None; n],
+            access,
         },
     })
 }

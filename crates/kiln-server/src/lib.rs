@@ -19,12 +19,18 @@
 //! not touch tensors, models or the scheduler's internals — only the
 //! engine's handle, stats and events.
 //!
+//! Logging goes through `tracing` (the binary installs the subscriber):
+//! one line per request (target `kiln::access`), a throughput line while
+//! the engine has work (`kiln::throughput`), and what a shutdown waits for
+//! (`kiln::server`).
+//!
 //! The server can start before its model is ready ([`serve_loading`] with a
 //! [`Readiness`]): it answers 503 until the engine is handed over.
 //!
 //! Main items: [`serve`], [`serve_on`], [`serve_loading`], [`run`],
 //! [`ServerConfig`], [`Readiness`], [`ApiError`], [`Metrics`].
 
+mod access_log;
 mod anthropic_messages;
 mod anthropic_types;
 mod connections;
@@ -47,6 +53,7 @@ mod server;
 mod sse;
 mod state;
 mod structured;
+mod throughput;
 
 pub use errors::ApiError;
 pub use loading::Readiness;

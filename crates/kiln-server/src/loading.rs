@@ -61,6 +61,20 @@ impl Readiness {
             .send_replace(Phase::Failed(message.into().into()));
     }
 
+    /// The engine once it is ready; `None` if the load failed.
+    pub(crate) async fn engine(&self) -> Option<EngineHandle> {
+        let mut rx = self.phase.subscribe();
+        let phase = rx
+            .wait_for(|p| !matches!(p, Phase::Loading))
+            .await
+            .ok()?
+            .clone();
+        match phase {
+            Phase::Ready(engine) => Some(engine),
+            _ => None,
+        }
+    }
+
     fn phase(&self) -> Phase {
         self.phase.borrow().clone()
     }

@@ -17,6 +17,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
+use crate::access_log::{self, AccessLog};
 use crate::connections::ConnectionLimits;
 use crate::errors::{ApiError, ErrorShape};
 use crate::guard::Guard;
@@ -70,6 +71,9 @@ pub struct ServerConfig {
     pub idle_timeout: Duration,
     /// Most open connections; past it, new ones get 503 and are closed.
     pub max_connections: usize,
+    /// How often the throughput line is logged while the engine has work;
+    /// zero turns it off.
+    pub throughput_log_interval: Duration,
 }
 
 impl ServerConfig {
@@ -106,6 +110,7 @@ impl Default for ServerConfig {
             body_read_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(60),
             max_connections: 512,
+            throughput_log_interval: Duration::from_secs(10),
         }
     }
 }
@@ -171,6 +176,25 @@ pub async fn serve_loading(
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    serve_until(
+        listener,
+        config,
+        readiness,
+        shutdown,
+        std::future::pending(),
+    )
+    .await
+}
+
+/// [`serve_loading`], where `force` resolving during the grace period
+/// cancels the requests still running and returns at once.
+async fn serve_until(
+    listener: TcpListener,
+    config: ServerConfig,
+    readiness: Readiness,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    force: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
     if config
         .api_key
         .as_deref()
@@ -181,24 +205,35 @@ pub async fn serve_loading(
         ));
     }
     let (cancel_tx, cancel_rx) = watch::channel(false);
+    let access = AccessLog::new(&config.model_name);
+    let _throughput = (!config.throughput_log_interval.is_zero()).then(|| {
+        AbortOnDrop(tokio::spawn(crate::throughput::report(
+            readiness.clone(),
+            config.throughput_log_interval,
+        )))
+    });
     let mut app = gate(readiness, {
+        let access = access.clone();
         let config = config.clone();
         let metrics = Arc::new(Metrics::default());
         let started_at = unix_now();
         move |engine| {
-            router(AppState {
-                model_name: config.model_name.as_str().into(),
-                api_key: config.api_key.as_deref().map(Arc::from),
-                max_body_bytes: config.max_body_bytes,
-                metrics: metrics.clone(),
-                cancel: cancel_rx.clone(),
-                started_at,
-                sse_keepalive: config.sse_keepalive,
-                output: config.output,
-                sampling_defaults: Arc::new(config.sampling_defaults(engine.model())),
-                strict_params: config.strict_params,
-                engine,
-            })
+            router(
+                AppState {
+                    model_name: config.model_name.as_str().into(),
+                    api_key: config.api_key.as_deref().map(Arc::from),
+                    max_body_bytes: config.max_body_bytes,
+                    metrics: metrics.clone(),
+                    cancel: cancel_rx.clone(),
+                    started_at,
+                    sse_keepalive: config.sse_keepalive,
+                    output: config.output,
+                    sampling_defaults: Arc::new(config.sampling_defaults(engine.model())),
+                    strict_params: config.strict_params,
+                    engine,
+                },
+                access.clone(),
+            )
         }
     })
     .layer(DefaultBodyLimit::max(config.max_body_bytes));
@@ -222,11 +257,40 @@ pub async fn serve_loading(
         () = shutdown => {}
     }
     let _ = stop_tx.send(true);
-    if tokio::time::timeout(config.shutdown_grace, &mut server)
-        .await
-        .is_ok()
-    {
-        return Ok(());
+    let grace = config.shutdown_grace.as_secs_f64();
+    match access.in_flight() {
+        0 => tracing::info!(target: "kiln::server", "shutting down: no requests in flight"),
+        n => tracing::info!(
+            target: "kiln::server",
+            in_flight = n,
+            grace_s = grace,
+            "shutting down: waiting up to {grace}s for {n} request(s) in flight; interrupt again to stop now"
+        ),
+    }
+    tokio::pin!(force);
+    tokio::select! {
+        r = tokio::time::timeout(config.shutdown_grace, &mut server) => {
+            if r.is_ok() {
+                return Ok(());
+            }
+            tracing::info!(
+                target: "kiln::server",
+                in_flight = access.in_flight(),
+                "the {grace}s grace is over: cancelling the requests still running"
+            );
+        }
+        () = &mut force => {
+            tracing::info!(
+                target: "kiln::server",
+                in_flight = access.in_flight(),
+                "interrupted again: cancelling the requests still running and stopping now"
+            );
+            let _ = cancel_tx.send(true);
+            // Each handler drops its stream as it sees the cancel; the
+            // server is not waited for.
+            tokio::task::yield_now().await;
+            return Ok(());
+        }
     }
     // Grace is over: end every request still running (each drops its
     // stream, which cancels it in the engine) and give them a moment.
@@ -275,7 +339,8 @@ where
             Err(e) => return (Err(ServerError::Io(e)), None),
         }
         let readiness = Readiness::new();
-        let serving = serve_loading(listener, config, readiness.clone(), shutdown_signal());
+        let (first, second) = signals();
+        let serving = serve_until(listener, config, readiness.clone(), first, second);
         tokio::pin!(serving);
         let loading = tokio::task::spawn_blocking(load);
         let engine = tokio::select! {
@@ -327,7 +392,53 @@ pub async fn shutdown_signal() {
     }
 }
 
-fn router(state: AppState) -> Router {
+/// Resolves on the first and on the second SIGINT or SIGTERM.
+fn signals() -> (
+    impl Future<Output = ()> + Send + 'static,
+    impl Future<Output = ()> + Send + 'static,
+) {
+    let (tx, rx) = watch::channel(0u32);
+    tokio::spawn(async move {
+        // Listeners kept across signals, so none is missed between two.
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            if let (Ok(mut int), Ok(mut term)) = (
+                signal(SignalKind::interrupt()),
+                signal(SignalKind::terminate()),
+            ) {
+                loop {
+                    tokio::select! {
+                        _ = int.recv() => {}
+                        _ = term.recv() => {}
+                    }
+                    tx.send_modify(|n| *n += 1);
+                }
+            }
+        }
+        loop {
+            shutdown_signal().await;
+            tx.send_modify(|n| *n += 1);
+        }
+    });
+    let nth = |n: u32, mut rx: watch::Receiver<u32>| async move {
+        if rx.wait_for(|&count| count >= n).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    (nth(1, rx.clone()), nth(2, rx))
+}
+
+/// A task that is aborted when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn router(state: AppState, access: AccessLog) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
@@ -351,6 +462,7 @@ fn router(state: AppState) -> Router {
             state.clone(),
             count_requests,
         ))
+        .layer(middleware::from_fn_with_state(access, access_log::record))
         .with_state(state)
 }
 

@@ -1,13 +1,22 @@
-//! `kiln chat`: an interactive multi-turn conversation streamed to the terminal.
+//! `kiln chat`: an interactive multi-turn conversation streamed to the
+//! terminal. Input is read by [`crate::chat_input`] (line editing, history,
+//! paste-safe multi-line messages); answers stream to stdout. Ctrl-C during
+//! an answer stops it and the session goes on; Ctrl-C twice at the prompt,
+//! Ctrl-D or `/bye` quits. Commands: see [`HELP`].
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
-use kiln_engine::GenerationRequest;
-use serde_json::json;
+use kiln_engine::{GenerationRequest, LoadedModel};
+use kiln_sampling::FinishReason;
+use serde_json::{json, Value};
 
+use crate::chat_input::{Input, Lines};
 use crate::cli::{ModelArgs, SamplingArgs};
 
 #[derive(Args, Debug)]
@@ -20,9 +29,22 @@ pub struct ChatArgs {
     /// Print timings after each answer.
     #[arg(long)]
     pub verbose: bool,
+    /// Keep no input history in ~/.cache/kiln/chat_history.
+    #[arg(long)]
+    pub no_history: bool,
     #[command(flatten)]
     pub sampling: SamplingArgs,
 }
+
+const HELP: &str = "\
+Type a message and press Enter. A paste is sent as one message; end a line
+with \\ to continue it on the next, or put a message between two \"\"\" lines.
+  /help           this text
+  /system TEXT    set the system message (without TEXT: remove it)
+  /reset          start the conversation over (the system message stays)
+  /save FILE      write the conversation to FILE as JSON
+  /bye            quit (also Ctrl-D, or Ctrl-C twice)
+Ctrl-C during an answer stops it.";
 
 pub fn run(a: ChatArgs) -> Result<()> {
     let model = a.model.load()?;
@@ -32,56 +54,265 @@ pub fn run(a: ChatArgs) -> Result<()> {
             model.path.display()
         );
     }
+    let interrupt = Interrupt::install()?;
     eprintln!(
-        "kiln chat: {} (loaded in {:.1}s). Empty line or Ctrl-D to quit; /reset to start over.",
+        "kiln chat: {} (loaded in {:.1}s). /help for commands; Ctrl-D or /bye to quit.",
         model.path.display(),
         model.load_seconds
     );
-    let mut messages = Vec::new();
-    if let Some(s) = &a.system {
-        messages.push(json!({"role": "system", "content": s}));
-    }
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let history = (!a.no_history)
+        .then(|| std::env::var_os("HOME"))
+        .flatten()
+        .map(|h| PathBuf::from(h).join(".cache/kiln/chat_history"));
+    let mut lines = Lines::open(history)?;
+    let mut conversation = Conversation {
+        system: a.system.clone(),
+        turns: Vec::new(),
+    };
+    let mut interrupted = false;
     loop {
-        eprint!("> ");
-        let Some(line) = lines.next() else { break };
-        let line = line?;
-        let line = line.trim();
-        if line.is_empty() {
-            break;
-        }
-        if line == "/reset" {
-            messages.truncate(usize::from(a.system.is_some()));
+        let text = match lines.message()? {
+            Input::End => break,
+            Input::Interrupted if interrupted => break,
+            Input::Interrupted => {
+                interrupted = true;
+                eprintln!("(Ctrl-C again, Ctrl-D or /bye to quit)");
+                continue;
+            }
+            Input::Message(text) => text,
+        };
+        interrupted = false;
+        if let Some(command) = ChatCommand::parse(&text) {
+            match command {
+                ChatCommand::Bye => break,
+                command => conversation.apply(command, &model),
+            }
             continue;
         }
-        messages.push(json!({"role": "user", "content": line}));
-        let rendered = model.render_chat(&serde_json::Value::Array(messages.clone()), true)?;
-        let prompt = model.tokenizer.encode(&rendered, false)?;
-        let req = GenerationRequest {
-            prompt,
-            params: a.sampling.params(),
-            skip_special_tokens: true,
-            ..Default::default()
-        };
-        let mut stdout = std::io::stdout().lock();
-        let g = model.generate(&req, &mut |ev| {
-            let _ = stdout.write_all(ev.text.as_bytes());
-            let _ = stdout.flush();
-            ControlFlow::Continue(())
-        })?;
-        writeln!(stdout)?;
-        if a.verbose {
-            let t = &g.timings;
-            eprintln!(
-                "[{} prompt tokens, prefill {:.1} tok/s; {} generated, decode {:.1} tok/s]",
-                t.prompt_tokens,
-                t.prefill_tokens_per_second(),
-                t.generated_tokens,
-                t.decode_tokens_per_second()
-            );
+        conversation
+            .turns
+            .push(json!({"role": "user", "content": text}));
+        match answer(&model, &a, &conversation.messages(), &interrupt) {
+            Ok(reply) => conversation
+                .turns
+                .push(json!({"role": "assistant", "content": reply})),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                conversation.turns.pop();
+            }
         }
-        messages.push(json!({"role": "assistant", "content": g.text}));
     }
     Ok(())
+}
+
+/// The conversation: the system message and the turns since the last reset.
+struct Conversation {
+    system: Option<String>,
+    turns: Vec<Value>,
+}
+
+impl Conversation {
+    /// The messages as the chat template takes them.
+    fn messages(&self) -> Vec<Value> {
+        let system = self
+            .system
+            .as_ref()
+            .map(|s| json!({"role": "system", "content": s}));
+        system
+            .into_iter()
+            .chain(self.turns.iter().cloned())
+            .collect()
+    }
+
+    fn apply(&mut self, command: ChatCommand, model: &LoadedModel) {
+        match command {
+            ChatCommand::Help => eprintln!("{HELP}"),
+            ChatCommand::Reset => {
+                self.turns.clear();
+                eprintln!("(the conversation starts over)");
+            }
+            ChatCommand::System(text) => {
+                self.system = text;
+                match &self.system {
+                    Some(_) => eprintln!("(system message set)"),
+                    None => eprintln!("(no system message)"),
+                }
+            }
+            ChatCommand::Save(path) => match self.save(&path, model) {
+                Ok(()) => eprintln!("(saved to {})", path.display()),
+                Err(e) => eprintln!("error: {e:#}"),
+            },
+            ChatCommand::Unknown(name) => eprintln!("unknown command /{name}; /help lists them"),
+            ChatCommand::Bye => {}
+        }
+    }
+
+    /// Writes `{"model": PATH, "messages": [...]}` to `path`.
+    fn save(&self, path: &std::path::Path, model: &LoadedModel) -> Result<()> {
+        let doc = json!({
+            "model": model.path.display().to_string(),
+            "messages": self.messages(),
+        });
+        let text = serde_json::to_string_pretty(&doc)? + "\n";
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+    }
+}
+
+/// A line starting with `/`.
+#[derive(Debug, PartialEq)]
+enum ChatCommand {
+    Help,
+    Bye,
+    Reset,
+    System(Option<String>),
+    Save(PathBuf),
+    Unknown(String),
+}
+
+impl ChatCommand {
+    /// The command `text` is, if it is one line starting with `/`.
+    fn parse(text: &str) -> Option<Self> {
+        let rest = text.strip_prefix('/')?;
+        if text.contains('\n') {
+            return None;
+        }
+        let (name, arg) = rest.split_once(char::is_whitespace).unwrap_or((rest, ""));
+        let arg = arg.trim();
+        Some(match name {
+            "help" | "?" => ChatCommand::Help,
+            "bye" | "exit" | "quit" => ChatCommand::Bye,
+            "reset" | "clear" => ChatCommand::Reset,
+            "system" => ChatCommand::System((!arg.is_empty()).then(|| arg.to_string())),
+            "save" if !arg.is_empty() => ChatCommand::Save(PathBuf::from(arg)),
+            "save" => ChatCommand::Unknown("save without a FILE".into()),
+            other => ChatCommand::Unknown(other.to_string()),
+        })
+    }
+}
+
+/// Ctrl-C while an answer streams: the flag the token callback checks. A
+/// second Ctrl-C before the flag is cleared ends the process (status 130).
+struct Interrupt {
+    flag: Arc<AtomicBool>,
+}
+
+impl Interrupt {
+    fn install() -> Result<Self> {
+        use signal_hook::consts::SIGINT;
+        let flag = Arc::new(AtomicBool::new(false));
+        // Registered first, so it sees the flag before this Ctrl-C sets it.
+        signal_hook::flag::register_conditional_shutdown(SIGINT, 130, flag.clone())
+            .context("installing the Ctrl-C handler")?;
+        signal_hook::flag::register(SIGINT, flag.clone())
+            .context("installing the Ctrl-C handler")?;
+        Ok(Interrupt { flag })
+    }
+
+    fn clear(&self) {
+        self.flag.store(false, Ordering::SeqCst);
+    }
+
+    fn is_set(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+}
+
+/// Streams the model's answer to `messages` to stdout and returns it (as
+/// far as it got when Ctrl-C stopped it).
+fn answer(
+    model: &LoadedModel,
+    a: &ChatArgs,
+    messages: &[Value],
+    interrupt: &Interrupt,
+) -> Result<String> {
+    let rendered = model.render_chat(&Value::Array(messages.to_vec()), true)?;
+    let prompt = model.tokenizer.encode(&rendered, false)?;
+    let req = GenerationRequest {
+        prompt,
+        params: a.sampling.params(),
+        skip_special_tokens: true,
+        ..Default::default()
+    };
+    let mut stdout = std::io::stdout().lock();
+    interrupt.clear();
+    let generated = model.generate(&req, &mut |ev| {
+        let _ = stdout.write_all(ev.text.as_bytes());
+        let _ = stdout.flush();
+        if interrupt.is_set() {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
+    });
+    interrupt.clear();
+    let g = generated?;
+    writeln!(stdout)?;
+    stdout.flush()?;
+    if g.finish_reason == FinishReason::Cancelled {
+        eprintln!("[interrupted]");
+    }
+    if a.verbose {
+        let t = &g.timings;
+        eprintln!(
+            "[{} prompt tokens, prefill {:.1} tok/s; {} generated, decode {:.1} tok/s]",
+            t.prompt_tokens,
+            t.prefill_tokens_per_second(),
+            t.generated_tokens,
+            t.decode_tokens_per_second()
+        );
+    }
+    Ok(g.text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_parse() {
+        assert_eq!(ChatCommand::parse("/help"), Some(ChatCommand::Help));
+        assert_eq!(ChatCommand::parse("/bye"), Some(ChatCommand::Bye));
+        assert_eq!(ChatCommand::parse("/reset"), Some(ChatCommand::Reset));
+        assert_eq!(
+            ChatCommand::parse("/system  Be brief. "),
+            Some(ChatCommand::System(Some("Be brief.".into())))
+        );
+        assert_eq!(
+            ChatCommand::parse("/system"),
+            Some(ChatCommand::System(None))
+        );
+        assert_eq!(
+            ChatCommand::parse("/save out.json"),
+            Some(ChatCommand::Save("out.json".into()))
+        );
+        assert!(matches!(
+            ChatCommand::parse("/save"),
+            Some(ChatCommand::Unknown(_))
+        ));
+        assert_eq!(
+            ChatCommand::parse("/nope"),
+            Some(ChatCommand::Unknown("nope".into()))
+        );
+    }
+
+    #[test]
+    fn messages_are_not_commands() {
+        assert_eq!(ChatCommand::parse("hello /help"), None);
+        // A pasted text that starts with a slash is a message.
+        assert_eq!(ChatCommand::parse("/usr/bin\nis a directory"), None);
+    }
+
+    #[test]
+    fn the_system_message_leads_and_survives_a_reset() {
+        let mut c = Conversation {
+            system: Some("S".into()),
+            turns: vec![json!({"role": "user", "content": "u"})],
+        };
+        assert_eq!(c.messages().len(), 2);
+        assert_eq!(c.messages()[0]["role"], "system");
+        c.turns.clear();
+        assert_eq!(c.messages(), [json!({"role": "system", "content": "S"})]);
+        c.system = None;
+        assert!(c.messages().is_empty());
+    }
 }

@@ -162,24 +162,53 @@ impl ModelArgs {
     /// Load onto a given backend (e.g. a profiling wrapper).
     pub fn load_on(&self, backend: Arc<dyn kiln_tensor::Backend>) -> Result<LoadedModel> {
         let path = self.path()?;
-        // A progress line on a terminal for models over 1 GB.
-        let shown = std::sync::atomic::AtomicU64::new(u64::MAX);
-        let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-        let progress = move |done: u64, total: u64| {
-            if !tty || total < 1 << 30 {
-                return;
+        let bar = LoadBar::new();
+        let progress = |done: u64, total: u64| bar.update(done, total);
+        let loaded = LoadedModel::load_with_progress(&path, backend, Some(&progress))
+            .with_context(|| format!("loading {}", path.display()));
+        bar.finish();
+        loaded
+    }
+}
+
+/// A progress bar over the weights' bytes on stderr while a model loads,
+/// when stderr is a terminal (nothing otherwise).
+struct LoadBar {
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl LoadBar {
+    fn new() -> Self {
+        let bar = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+            let bar = indicatif::ProgressBar::with_draw_target(
+                None,
+                indicatif::ProgressDrawTarget::stderr(),
+            );
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "loading weights {wide_bar} {binary_bytes}/{binary_total_bytes} ({eta})",
+                )
+                .expect("the progress template is valid; this is a bug"),
+            );
+            bar
+        });
+        LoadBar { bar }
+    }
+
+    fn update(&self, done: u64, total: u64) {
+        if let Some(bar) = &self.bar {
+            if bar.length() != Some(total) {
+                bar.set_length(total);
             }
-            let pct = (done * 100 / total.max(1)).min(100);
-            if shown.swap(pct, std::sync::atomic::Ordering::Relaxed) != pct {
-                eprint!(
-                    "\rloading weights: {pct:3}% of {:.1} GB{}",
-                    total as f64 / 1e9,
-                    if pct == 100 { "\n" } else { "" }
-                );
-            }
-        };
-        LoadedModel::load_with_progress(&path, backend, Some(&progress))
-            .with_context(|| format!("loading {}", path.display()))
+            bar.set_position(done);
+        }
+    }
+
+    /// Clears the bar (the caller says how the load went).
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
     }
 }
 

@@ -7,12 +7,14 @@
 mod bench;
 mod bench_engine;
 mod chat;
+mod chat_input;
 mod cli;
 mod convert;
 mod dev;
 mod fit;
 mod generate;
 mod get;
+mod logging;
 mod registry;
 mod run;
 mod serve;

@@ -1,7 +1,9 @@
 //! `kiln serve`: bind at once, load the model and start the engine in the
 //! background (the server answers 503 until then; a failed load ends the
 //! process with the error), and serve the APIs over HTTP until SIGINT or
-//! SIGTERM.
+//! SIGTERM. The first signal stops accepting and waits up to the grace for
+//! the requests in flight; a second one cancels them and stops at once
+//! (the exit status is 0 either way).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -84,6 +86,13 @@ pub struct ServeArgs {
     /// (they are listed in the `x-kiln-ignored-params` header and the log).
     #[arg(long)]
     pub strict_params: bool,
+    /// How log lines (one per request, throughput, shutdown) are written
+    /// to stderr.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: crate::logging::LogFormat,
+    /// Seconds between throughput lines while requests run (0: none).
+    #[arg(long, default_value_t = 10)]
+    pub throughput_log_secs: u64,
 }
 
 /// Server-wide defaults for the sampling fields requests leave out (over
@@ -201,6 +210,7 @@ fn api_key(a: &ServeArgs) -> Result<Option<String>> {
 }
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    crate::logging::init(a.log_format);
     let output = output_overrides(&a)?;
     let api_key = api_key(&a)?;
     let model_args = ModelArgs {
@@ -251,6 +261,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         sampling,
         loop_guard: a.defaults.repetition_guard.0,
         strict_params: a.strict_params,
+        throughput_log_interval: Duration::from_secs(a.throughput_log_secs),
         ..ServerConfig::default()
     };
     // A device measures what is free once the weights are there; the CPU
