@@ -12,7 +12,8 @@ use kiln_tensor::cpu::CpuBackend;
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = std::env::args().nth(1).ok_or("usage: chat MODEL.gguf")?;
     let model = LoadedModel::load(path.as_ref(), Arc::new(CpuBackend::new()))?;
-    let messages = serde_json::json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let messages =
+        serde_json::json!([{"role": "user", "content": "What is the capital of France?"}]);
     let prompt = model.render_chat(&messages, true)?;
     let params = SamplingParams {
         temperature: 0.0,
@@ -24,6 +25,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         print!("{}", token.text);
         ControlFlow::Continue(())
     })?;
-    println!("\n({} tokens, {:?})", answer.token_ids.len(), answer.finish_reason);
+    println!(
+        "\n({} tokens, {:?})",
+        answer.token_ids.len(),
+        answer.finish_reason
+    );
     Ok(())
 }

@@ -257,7 +257,10 @@ fn errors_have_anthropic_shape() {
     assert_anthropic_error(&r, 404, "not_found_error");
     // Unknown fields are ignored and named in a header (`--strict-params`
     // refuses them; tested through the SDK suite).
-    let r = post("/v1/messages", &france(json!({"frobnicate": 1, "max_tokens": 2})));
+    let r = post(
+        "/v1/messages",
+        &france(json!({"frobnicate": 1, "max_tokens": 2})),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-kiln-ignored-params"), Some("frobnicate"));
     // The OpenAI routes keep their shape, and also take `x-api-key`.

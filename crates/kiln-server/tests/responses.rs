@@ -363,9 +363,14 @@ fn stored_state_is_refused() {
 fn unknown_parameters_are_ignored_and_unsupported_ones_refused_by_name() {
     // A reasoning-effort hint is not acted on either (the answer is the
     // same without it): ignored and named.
-    let r = respond(&france(json!({"frobnicate": 1, "reasoning": {"effort": "low"}})));
+    let r = respond(&france(
+        json!({"frobnicate": 1, "reasoning": {"effort": "low"}}),
+    ));
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
-    assert_eq!(r.header("x-kiln-ignored-params"), Some("frobnicate, reasoning"));
+    assert_eq!(
+        r.header("x-kiln-ignored-params"),
+        Some("frobnicate, reasoning")
+    );
     let e = assert_error(&respond(&france(json!({"tool_choice": "required"}))), 400);
     assert_eq!(e["param"], "tool_choice");
     let e = assert_error(

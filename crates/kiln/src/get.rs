@@ -71,7 +71,10 @@ pub fn fetch(a: &GetArgs) -> Result<PathBuf> {
                 config.cache_dir.display()
             )
         })?;
-        eprintln!("kiln: offline (HF_HUB_OFFLINE): using the cached snapshot {}", dir.display());
+        eprintln!(
+            "kiln: offline (HF_HUB_OFFLINE): using the cached snapshot {}",
+            dir.display()
+        );
         return register_snapshot(&config.cache_dir, &dir);
     }
     eprintln!(
@@ -88,12 +91,17 @@ pub fn fetch(a: &GetArgs) -> Result<PathBuf> {
             let Some(dir) = cached() else {
                 return Err(e.into());
             };
-            eprintln!("kiln: {e}\nkiln: using the complete cached snapshot {}", dir.display());
+            eprintln!(
+                "kiln: {e}\nkiln: using the complete cached snapshot {}",
+                dir.display()
+            );
             return register_snapshot(&config.cache_dir, &dir);
         }
         Err(e) => {
             return Err(match quant {
-                Some(q) => anyhow::Error::new(e).context(format!("no `{q}` GGUF file in {}", spec.repo_id)),
+                Some(q) => {
+                    anyhow::Error::new(e).context(format!("no `{q}` GGUF file in {}", spec.repo_id))
+                }
                 None => e.into(),
             })
         }

@@ -203,15 +203,25 @@ fn get_picks_one_quantization_registers_it_and_uses_the_cache_offline() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(got, vec!["tiny-q4_k_m.gguf"], "{stderr}");
-    assert_eq!(stdout.trim(), snap.join("tiny-q4_k_m.gguf").display().to_string());
-    assert!(stderr.contains("kiln: registered kiln-test/tiny-gguf"), "{stderr}");
+    assert_eq!(
+        stdout.trim(),
+        snap.join("tiny-q4_k_m.gguf").display().to_string()
+    );
+    assert!(
+        stderr.contains("kiln: registered kiln-test/tiny-gguf"),
+        "{stderr}"
+    );
     // `kiln ls` knows it without a scan.
     let ls = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["ls", "--json"])
         .env("KILN_HOME", home.path().join("kiln"))
         .output()
         .unwrap();
-    assert!(text(&ls.stdout).contains("tiny-q4_k_m.gguf"), "{}", text(&ls.stdout));
+    assert!(
+        text(&ls.stdout).contains("tiny-q4_k_m.gguf"),
+        "{}",
+        text(&ls.stdout)
+    );
 
     // The hub unreachable: the complete cached snapshot is used.
     let (again, stderr) = ok(kiln_get(&hub, home.path())
@@ -220,7 +230,10 @@ fn get_picks_one_quantization_registers_it_and_uses_the_cache_offline() {
         .output()
         .unwrap());
     assert_eq!(again, stdout);
-    assert!(stderr.contains("using the complete cached snapshot"), "{stderr}");
+    assert!(
+        stderr.contains("using the complete cached snapshot"),
+        "{stderr}"
+    );
     // HF_HUB_OFFLINE never asks the hub; a quantization not cached is an error.
     hub.clear_log();
     let (offline, _) = ok(kiln_get(&hub, home.path())
@@ -245,5 +258,8 @@ fn get_picks_one_quantization_registers_it_and_uses_the_cache_offline() {
             .output()
             .unwrap(),
     );
-    assert!(e.contains("no `Q5_K_M` GGUF file in kiln-test/tiny-gguf"), "{e}");
+    assert!(
+        e.contains("no `Q5_K_M` GGUF file in kiln-test/tiny-gguf"),
+        "{e}"
+    );
 }

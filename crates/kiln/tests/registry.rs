@@ -221,7 +221,10 @@ fn kiln_run_fetches_registers_and_chats_then_runs_by_name_offline() {
     let stderr = text(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("is not here yet; fetching it"), "{stderr}");
-    assert!(stderr.contains("kiln: registered kiln-test/tiny-llama"), "{stderr}");
+    assert!(
+        stderr.contains("kiln: registered kiln-test/tiny-llama"),
+        "{stderr}"
+    );
     assert!(stderr.contains("kiln chat"), "the chat started: {stderr}");
     // Registered without a scan; by name, with the hub gone.
     let rows = ls(home.path());
