@@ -236,33 +236,7 @@ fn kiln_run_fetches_registers_and_chats_then_runs_by_name_offline() {
 #[test]
 fn a_mock_hub_download_shows_up_after_scan_and_rm_deletes_its_files() {
     let home = tempfile::tempdir().unwrap();
-    let ckpt = home.path().join("ckpt");
-    random_checkpoint(home.path(), &ckpt);
-    let files = [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "model.safetensors",
-    ]
-    .iter()
-    .map(|f| {
-        let bytes = std::fs::read(ckpt.join(f)).unwrap();
-        if f.ends_with(".safetensors") {
-            MockFile::lfs(f, bytes)
-        } else {
-            MockFile::git(f, &bytes)
-        }
-    })
-    .collect();
-    let hub = MockHub::start(vec![MockRepo {
-        id: "kiln-test/tiny-llama".into(),
-        token: None,
-        revisions: vec![MockRevision {
-            commit: MAIN_COMMIT.into(),
-            branches: vec!["main".into()],
-            files,
-        }],
-    }]);
+    let hub = tiny_llama_hub(home.path());
     ok(kiln(home.path())
         .env("HF_ENDPOINT", &hub.url)
         .env("KILN_TEST_FREE_BYTES", "10000000000")
