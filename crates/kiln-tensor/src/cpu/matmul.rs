@@ -5,7 +5,9 @@
 //! it: 16 lanes, lane `l` accumulating the products at `k ≡ l (mod 16)` in
 //! ascending `k`, the lanes summed by a fixed tree, then the tail (`k` past
 //! the last multiple of 16) added in order (the AVX-512 path sums the lanes
-//! with its own fixed shuffle order). Rows are computed in register
+//! with its own fixed shuffle order; the AVX2 path keeps the tree but fuses
+//! each multiply-add). Each CPU runs one path, detected at run time (AVX-512,
+//! else AVX2 with FMA, else portable code). Rows are computed in register
 //! tiles of up to 4 × 4 dot products for speed, but tiling only changes which
 //! dots run together, never their arithmetic. So a token's logits are
 //! bit-identical whether it runs alone, batched with other requests, or after
@@ -41,6 +43,11 @@ struct TileArgs {
 
 /// `out[n, m] = x[n, k] · w[m, k]ᵀ`.
 pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
+    matmul_t_with(tile_fn(), x, n, k, w, m)
+}
+
+/// [`matmul_t`] with a given register tile.
+fn matmul_t_with(tile: TileFn, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
     assert!(
         x.len() == n * k && w.len() == m * k,
         "matmul_t: operand sizes; this is a bug"
@@ -49,7 +56,6 @@ pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> 
     if n == 0 || m == 0 {
         return out;
     }
-    let tile = tile_fn();
     // Tasks own disjoint column ranges of `out`; pass its address as usize so
     // the closure is Send.
     let out_addr = out.as_mut_ptr() as usize;
@@ -93,6 +99,9 @@ fn tile_fn() -> TileFn {
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 return avx512::tile;
+            }
+            if avx2::detected() {
+                return avx2::tile;
             }
         }
         tile_portable
@@ -156,6 +165,9 @@ pub fn dot_fn() -> DotFn {
         {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 return avx512::dot;
+            }
+            if avx2::detected() {
+                return avx2::dot;
             }
         }
         dot_portable
@@ -265,6 +277,132 @@ mod avx512 {
     }
 }
 
+/// AVX2 with FMA: the portable lane structure (16 lanes as two 8-lane
+/// registers, summed by the same pairwise tree), each multiply-add fused.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{TileArgs, LANES};
+
+    pub fn detected() -> bool {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+
+    /// The 16 lanes `lo ‖ hi` summed by the portable tree: lane i += lane
+    /// i + 8, then i + 4, i + 2, i + 1.
+    #[target_feature(enable = "avx2,fma")]
+    fn reduce(lo: __m256, hi: __m256) -> f32 {
+        let v8 = _mm256_add_ps(lo, hi);
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps::<1>(v8));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        let v1 = _mm_add_ss(v2, _mm_shuffle_ps::<0b01>(v2, v2));
+        _mm_cvtss_f32(v1)
+    }
+
+    /// One dot product (the 1 × 1 tile).
+    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let k = a.len().min(b.len());
+        let args = TileArgs {
+            x: a.as_ptr(),
+            x_stride: k,
+            w: b.as_ptr(),
+            w_stride: k,
+            k,
+            out: std::ptr::null_mut(),
+            out_stride: 0,
+            ri: 1,
+            rj: 1,
+        };
+        let mut s = 0f32;
+        // SAFETY: only selected after detecting avx2 and fma; one row of
+        // each operand of length k, one output written to `s`.
+        unsafe {
+            tile_n::<1, 1>(&TileArgs {
+                out: &mut s,
+                ..args
+            })
+        };
+        s
+    }
+
+    /// Up to 4 × 4 dot products: one row of x against up to 4 rows of w, or
+    /// 2 × 2 sub-tiles (what fits in sixteen registers).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile(a: &TileArgs) {
+        if a.ri == 1 {
+            match a.rj {
+                4 => unsafe { tile_n::<1, 4>(a) },
+                3 => unsafe { tile_n::<1, 3>(a) },
+                2 => unsafe { tile_n::<1, 2>(a) },
+                _ => unsafe { tile_n::<1, 1>(a) },
+            }
+            return;
+        }
+        for i in (0..a.ri).step_by(2) {
+            for j in (0..a.rj).step_by(2) {
+                let sub = TileArgs {
+                    // SAFETY: i < ri and j < rj, inside the caller's tile.
+                    x: unsafe { a.x.add(i * a.x_stride) },
+                    w: unsafe { a.w.add(j * a.w_stride) },
+                    out: unsafe { a.out.add(i * a.out_stride + j) },
+                    ri: 2.min(a.ri - i),
+                    rj: 2.min(a.rj - j),
+                    ..*a
+                };
+                match (sub.ri, sub.rj) {
+                    (2, 2) => unsafe { tile_n::<2, 2>(&sub) },
+                    (2, _) => unsafe { tile_n::<2, 1>(&sub) },
+                    (_, 2) => unsafe { tile_n::<1, 2>(&sub) },
+                    _ => unsafe { tile_n::<1, 1>(&sub) },
+                }
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_n<const RI: usize, const RJ: usize>(a: &TileArgs) {
+        let k16 = a.k / LANES * LANES;
+        let mut acc = [[[_mm256_setzero_ps(); 2]; RJ]; RI];
+        let mut c = 0;
+        while c < k16 {
+            let mut xv = [[_mm256_setzero_ps(); 2]; RI];
+            for (i, x) in xv.iter_mut().enumerate() {
+                // SAFETY: row i < ri of x, columns c..c+16 <= k.
+                unsafe {
+                    x[0] = _mm256_loadu_ps(a.x.add(i * a.x_stride + c));
+                    x[1] = _mm256_loadu_ps(a.x.add(i * a.x_stride + c + 8));
+                }
+            }
+            for j in 0..RJ {
+                // SAFETY: row j < rj of w, columns c..c+16 <= k.
+                let (wlo, whi) = unsafe {
+                    (
+                        _mm256_loadu_ps(a.w.add(j * a.w_stride + c)),
+                        _mm256_loadu_ps(a.w.add(j * a.w_stride + c + 8)),
+                    )
+                };
+                for i in 0..RI {
+                    acc[i][j][0] = _mm256_fmadd_ps(xv[i][0], wlo, acc[i][j][0]);
+                    acc[i][j][1] = _mm256_fmadd_ps(xv[i][1], whi, acc[i][j][1]);
+                }
+            }
+            c += LANES;
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, acc_ij) in row.iter().enumerate() {
+                let mut s = reduce(acc_ij[0], acc_ij[1]);
+                for t in k16..a.k {
+                    // SAFETY: t < k.
+                    unsafe { s += *a.x.add(i * a.x_stride + t) * *a.w.add(j * a.w_stride + t) };
+                }
+                // SAFETY: (i, j) inside the tile the caller owns.
+                unsafe { *a.out.add(i * a.out_stride + j) = s };
+            }
+        }
+    }
+}
+
 // TileArgs is plain data for one call; the raw pointers never outlive it.
 impl Clone for TileArgs {
     fn clone(&self) -> Self {
@@ -276,6 +414,22 @@ impl Copy for TileArgs {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every path this CPU can run: (name, tile, dot).
+    fn paths() -> Vec<(&'static str, TileFn, DotFn)> {
+        let mut v: Vec<(&'static str, TileFn, DotFn)> =
+            vec![("portable", tile_portable, dot_portable)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx2::detected() {
+                v.push(("avx2", avx2::tile, avx2::dot));
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(("avx512", avx512::tile, avx512::dot));
+            }
+        }
+        v
+    }
 
     fn naive(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f64> {
         let mut out = vec![0f64; n * m];
@@ -303,23 +457,25 @@ mod tests {
 
     #[test]
     fn matmul_matches_naive_for_all_tile_shapes() {
-        for &(n, k, m) in &[
-            (1, 67, 45),
-            (1, 576, 1536),
-            (3, 33, 17),
-            (17, 128, 96),
-            (64, 64, 64),
-            (130, 70, 131),
-        ] {
-            let x = pseudo(n * k, 1);
-            let w = pseudo(m * k, 2);
-            let got = matmul_t(&x, n, k, &w, m);
-            let want = naive(&x, n, k, &w, m);
-            for (g, e) in got.iter().zip(&want) {
-                assert!(
-                    (*g as f64 - e).abs() < 1e-3 * (1.0 + e.abs()),
-                    "{n}x{k}x{m}: {g} vs {e}"
-                );
+        for (path, tile, _) in paths() {
+            for &(n, k, m) in &[
+                (1, 67, 45),
+                (1, 576, 1536),
+                (3, 33, 17),
+                (17, 128, 96),
+                (64, 64, 64),
+                (130, 70, 131),
+            ] {
+                let x = pseudo(n * k, 1);
+                let w = pseudo(m * k, 2);
+                let got = matmul_t_with(tile, &x, n, k, &w, m);
+                let want = naive(&x, n, k, &w, m);
+                for (g, e) in got.iter().zip(&want) {
+                    assert!(
+                        (*g as f64 - e).abs() < 1e-3 * (1.0 + e.abs()),
+                        "{path} {n}x{k}x{m}: {g} vs {e}"
+                    );
+                }
             }
         }
     }
@@ -329,19 +485,48 @@ mod tests {
         let (k, m) = (200, 75);
         let w = pseudo(m * k, 5);
         let x = pseudo(9 * k, 6);
-        let batched = matmul_t(&x, 9, k, &w, m);
-        for i in 0..9 {
-            let alone = matmul_t(&x[i * k..(i + 1) * k], 1, k, &w, m);
-            assert!(
-                alone == batched[i * m..(i + 1) * m],
-                "row {i} differs alone vs batched"
-            );
-            let dot = dot_fn();
-            assert_eq!(
-                dot(&x[i * k..(i + 1) * k], &w[..k]),
-                alone[0],
-                "dot_fn agrees with the tile"
-            );
+        for (path, tile, dot) in paths() {
+            let batched = matmul_t_with(tile, &x, 9, k, &w, m);
+            for i in 0..9 {
+                let alone = matmul_t_with(tile, &x[i * k..(i + 1) * k], 1, k, &w, m);
+                assert!(
+                    alone == batched[i * m..(i + 1) * m],
+                    "{path}: row {i} differs alone vs batched"
+                );
+                for j in 0..m {
+                    assert_eq!(
+                        dot(&x[i * k..(i + 1) * k], &w[j * k..(j + 1) * k]),
+                        alone[j],
+                        "{path}: the dot product agrees with the tile"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_avx2_path_sums_in_the_portable_order() {
+        // The same lanes and tree; only the fused multiply-add could round
+        // differently, and with products exact in f32 (b is 1 or 0.5) it
+        // does not, while the sums of values of very different magnitude
+        // round, so any other summation order shows in the bits.
+        let a: Vec<f32> = (0..1003)
+            .map(|i| (((i * 7) % 19) as f32 - 9.0) * 2f32.powi((i * 3) % 41 - 20))
+            .collect();
+        let b: Vec<f32> = (0..1003)
+            .map(|i| if i % 3 == 0 { 0.5 } else { 1.0 })
+            .collect();
+        let mut reversed = a.clone();
+        reversed.reverse();
+        let mut rb = b.clone();
+        rb.reverse();
+        assert_ne!(
+            dot_portable(&a, &b),
+            dot_portable(&reversed, &rb),
+            "the data is order-sensitive"
+        );
+        for (path, _, dot) in paths() {
+            assert_eq!(dot(&a, &b), dot_portable(&a, &b), "{path}");
         }
     }
 
@@ -350,6 +535,10 @@ mod tests {
         let a = pseudo(1000, 3);
         let b = pseudo(1000, 4);
         let p = dot_portable(&a, &b);
+        for (path, _, dot) in paths() {
+            let f = dot(&a, &b);
+            assert!((p - f).abs() < 1e-3, "{path}: {p} vs {f}");
+        }
         let f = dot_fn()(&a, &b);
         assert!((p - f).abs() < 1e-3, "{p} vs {f}");
     }
