@@ -219,6 +219,7 @@ def ask_other(base, name, field, value):
 def main():
     passed = failed = 0
     for model in MODELS:
+        started = time.monotonic()
         p, base = start(model)
         name = json.load(urllib.request.urlopen(base + "/v1/models"))["data"][0]["id"]
         try:
@@ -243,6 +244,7 @@ def main():
         finally:
             p.terminate()
             p.wait(timeout=30)
+            print(f"structured: {os.path.basename(model)} took {time.monotonic() - started:.0f} s", file=sys.stderr)
         for i, (schema, r) in enumerate(zip(SCHEMAS, answers)):
             text = r["choices"][0]["message"]["content"] if "choices" in r else json.dumps(r)
             try:

@@ -23,7 +23,7 @@ use crate::error::{EngineError, Result};
 use crate::events::{Event, RequestTimings, Usage};
 use crate::generate::{entropy, GenerationRequest};
 use crate::load::LoadedModel;
-use crate::process::{sample_row, TokenOutcome, TokenProcessor};
+use crate::process::{sample_row, PreparedRequest, TokenOutcome, TokenProcessor};
 
 mod config;
 mod supervise;
@@ -36,8 +36,9 @@ pub use supervise::FaultGate;
 enum Command {
     Submit {
         request: GenerationRequest,
-        /// The request's output format, compiled on the caller's thread.
-        constraint: Option<kiln_structured::Constraint>,
+        /// The request's decoding state (its output format compiled, its
+        /// stop matcher and sampler built), made on the caller's thread.
+        prepared: PreparedRequest,
         events: Sender<Event>,
         /// Set when the caller drops its stream.
         abandoned: Arc<AtomicBool>,
@@ -156,20 +157,38 @@ impl EngineHandle {
             EngineStatus::Restarting => return Err(EngineError::Restarting),
             EngineStatus::Stopped => return Err(EngineError::EngineStopped),
         }
-        // Grammars are compiled here, on the caller's thread, never on the
-        // engine loop (a schema can take milliseconds to compile).
+        // Per-request work happens here, on the caller's thread, never on
+        // the engine loop: a schema can take milliseconds to compile, and
+        // stop strings and logit biases are copied into their matchers.
+        if request.prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
         let constraint = request
             .format
             .as_ref()
             .map(|f| self.model().constraint(f))
             .transpose()?;
+        let max_tokens = request
+            .params
+            .max_tokens
+            .unwrap_or(self.context.saturating_sub(request.prompt.len()).max(1));
+        let prepared = PreparedRequest::new(
+            self.model().model.config().vocab_size,
+            &request.prompt,
+            &request.params,
+            request.skip_special_tokens,
+            max_tokens,
+            entropy(),
+            constraint,
+            request.reasoning.as_ref(),
+        )?;
         let (events, rx) = mpsc::channel();
         let (reply, reply_rx) = mpsc::sync_channel(1);
         let abandoned = Arc::new(AtomicBool::new(false));
         self.commands
             .send(Command::Submit {
                 request,
-                constraint,
+                prepared,
                 events,
                 abandoned: abandoned.clone(),
                 reply,
@@ -330,8 +349,6 @@ struct Loop<'m> {
     scheduler: Scheduler,
     cache: kiln_tensor::KvCache,
     block_size: usize,
-    /// The served context length.
-    context: usize,
     active: HashMap<RequestId, Active<'m>>,
     next_id: u64,
     num_steps: u64,
@@ -365,7 +382,6 @@ impl<'m> Loop<'m> {
         model: &'m LoadedModel,
         (scheduler, cache): (Scheduler, kiln_tensor::KvCache),
         block_size: usize,
-        context: usize,
         next_id: u64,
     ) -> Self {
         Loop {
@@ -373,7 +389,6 @@ impl<'m> Loop<'m> {
             scheduler,
             cache,
             block_size,
-            context,
             active: HashMap::new(),
             next_id,
             num_steps: 0,
@@ -409,12 +424,12 @@ impl<'m> Loop<'m> {
                 match cmd {
                     Command::Submit {
                         request,
-                        constraint,
+                        prepared,
                         events,
                         abandoned,
                         reply,
                     } => {
-                        let admitted = self.admit(request, constraint, events, abandoned);
+                        let admitted = self.admit(request, prepared, events, abandoned);
                         let _ = reply.send(admitted);
                     }
                     Command::Stats { reply } => {
@@ -447,29 +462,13 @@ impl<'m> Loop<'m> {
     fn admit(
         &mut self,
         request: GenerationRequest,
-        constraint: Option<kiln_structured::Constraint>,
+        prepared: PreparedRequest,
         events: Sender<Event>,
         abandoned: Arc<AtomicBool>,
     ) -> Result<u64> {
         let id = RequestId(self.next_id);
-        let ctx = self.context;
-        let max_tokens = request
-            .params
-            .max_tokens
-            .unwrap_or(ctx.saturating_sub(request.prompt.len()).max(1));
-        if request.prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let mut proc = TokenProcessor::new(
-            self.model,
-            &request.prompt,
-            &request.params,
-            request.skip_special_tokens,
-            max_tokens,
-            entropy(),
-            constraint,
-            request.reasoning.as_ref(),
-        )?;
+        let max_tokens = prepared.max_new();
+        let mut proc = TokenProcessor::attach(self.model, prepared);
         proc.set_jump_forward(request.jump_forward);
         let prompt: Vec<TokenId> = request.prompt.iter().map(|&t| TokenId(t)).collect();
         let mut sreq = Request::new(id, prompt, max_tokens);

@@ -117,6 +117,58 @@ impl Gate {
     }
 }
 
+/// A request's decoding state before it meets the model's tokenizer: what
+/// costs time to build (the stop matcher, the sampler with its logit bias,
+/// the repetition guard, the copied prompt) is built here, on the caller's
+/// thread, so the engine loop only attaches it.
+pub struct PreparedRequest {
+    params: SamplingParams,
+    max_new: usize,
+    prompt: Vec<TokenId>,
+    sampler: Sampler,
+    stops: StopMatcher,
+    guard: RepetitionGuard,
+    constraint: Option<kiln_structured::Constraint>,
+    gate: Option<Gate>,
+    skip_special_tokens: bool,
+}
+
+impl PreparedRequest {
+    /// State for a request of `prompt` that may generate up to `max_new`
+    /// tokens, its output held to `constraint` (a compiled format) when given.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        vocab_size: usize,
+        prompt: &[u32],
+        params: &SamplingParams,
+        skip_special_tokens: bool,
+        max_new: usize,
+        entropy: u64,
+        constraint: Option<kiln_structured::Constraint>,
+        reasoning: Option<&ReasoningTags>,
+    ) -> Result<Self> {
+        Ok(PreparedRequest {
+            gate: constraint
+                .as_ref()
+                .and(reasoning)
+                .map(|t| Gate::new(t.clone())),
+            constraint,
+            sampler: Sampler::new(params.clone(), vocab_size, entropy)?,
+            stops: StopMatcher::new(&params.stop),
+            guard: RepetitionGuard::from_params(params),
+            params: params.clone(),
+            max_new,
+            prompt: prompt.iter().map(|&t| TokenId(t)).collect(),
+            skip_special_tokens,
+        })
+    }
+
+    /// The tokens this request may still generate at most.
+    pub fn max_new(&self) -> usize {
+        self.max_new
+    }
+}
+
 impl<'m> TokenProcessor<'m> {
     /// State for a request of `prompt` that may generate up to `max_new`
     /// tokens, its output held to `constraint` (a compiled format) when given.
@@ -131,25 +183,38 @@ impl<'m> TokenProcessor<'m> {
         constraint: Option<kiln_structured::Constraint>,
         reasoning: Option<&ReasoningTags>,
     ) -> Result<Self> {
-        Ok(TokenProcessor {
-            gate: constraint
-                .as_ref()
-                .and(reasoning)
-                .map(|t| Gate::new(t.clone())),
+        let prepared = PreparedRequest::new(
+            model.model.config().vocab_size,
+            prompt,
+            params,
+            skip_special_tokens,
+            max_new,
+            entropy,
+            constraint,
+            reasoning,
+        )?;
+        Ok(Self::attach(model, prepared))
+    }
+
+    /// Binds a prepared request to the model's tokenizer and stop tokens
+    /// (no allocation proportional to the request).
+    pub fn attach(model: &'m LoadedModel, p: PreparedRequest) -> Self {
+        TokenProcessor {
+            gate: p.gate,
             mask: None,
             jump_forward: true,
-            constraint,
-            sampler: Sampler::new(params.clone(), model.model.config().vocab_size, entropy)?,
-            detok: IncrementalDetokenizer::new(&model.tokenizer, skip_special_tokens),
+            constraint: p.constraint,
+            sampler: p.sampler,
+            detok: IncrementalDetokenizer::new(&model.tokenizer, p.skip_special_tokens),
             tokenizer: &model.tokenizer,
-            stops: StopMatcher::new(&params.stop),
-            guard: RepetitionGuard::from_params(params),
-            params: params.clone(),
+            stops: p.stops,
+            guard: p.guard,
+            params: p.params,
             eos: &model.eos_token_ids,
-            max_new,
-            prompt: prompt.iter().map(|&t| TokenId(t)).collect(),
+            max_new: p.max_new,
+            prompt: p.prompt,
             generated: Vec::new(),
-        })
+        }
     }
 
     /// Whether tokens the output format forces are taken at once (on by

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kiln_scheduler::Scheduler;
 
-use super::{fresh_state, served_context, Command, EngineConfig, Loop};
+use super::{fresh_state, Command, EngineConfig, Loop};
 use crate::load::LoadedModel;
 
 /// Where the engine loop stands.
@@ -98,13 +98,7 @@ pub(super) fn run(
                 }
             },
         };
-        let mut lp = Loop::new(
-            model,
-            parts,
-            config.block_size,
-            served_context(model, &config),
-            next_id,
-        );
+        let mut lp = Loop::new(model, parts, config.block_size, next_id);
         status.set(StatusCell::RUNNING);
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| lp.run(commands)));
         let Err(payload) = outcome else {
