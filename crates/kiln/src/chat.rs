@@ -3,16 +3,20 @@
 //! paste-safe multi-line messages); answers stream to stdout. Ctrl-C during
 //! an answer stops it and the session goes on; Ctrl-C twice at the prompt,
 //! Ctrl-D or `/bye` quits. Commands: see [`HELP`].
+//!
+//! The conversation runs on the engine loop with its prefix cache, sized by
+//! the same plan as `kiln serve`: each turn resubmits the rendered
+//! conversation, and only what the cache does not already hold (the new
+//! turn, from the first block that differs) is prefilled.
 
 use std::io::Write;
-use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln_engine::{GenerationRequest, LoadedModel};
+use kiln_engine::{Engine, EngineConfig, EngineHandle, Event, GenerationRequest, LoadedModel};
 use kiln_sampling::FinishReason;
 use serde_json::{json, Value};
 
@@ -46,19 +50,53 @@ with \\ to continue it on the next, or put a message between two \"\"\" lines.
   /bye            quit (also Ctrl-D, or Ctrl-C twice)
 Ctrl-C during an answer stops it.";
 
-pub fn run(a: ChatArgs) -> Result<()> {
-    let model = a.model.load()?;
+/// Plans memory as `kiln serve` does (the context the budget allows, at
+/// most the trained length), loads the model and starts its engine.
+fn start_engine(a: &ChatArgs) -> Result<Engine> {
+    let path = a.model.path()?;
+    let backend = a.model.backend()?;
+    let (target, available_bytes) = crate::fit::target_for(&a.model.device, Some(&backend), None)?;
+    let query = crate::fit::FitQuery {
+        target,
+        available_bytes,
+        context: None,
+        batch: 1,
+        kv_pool_bytes: None,
+    };
+    let fit = crate::fit::check(&path, &query)?;
+    if !fit.fits {
+        anyhow::bail!(
+            "{} does not fit one sequence of {} tokens:\n{fit}use a smaller model or quantization, or another device",
+            path.display(),
+            fit.context
+        );
+    }
+    let model = a.model.load_on(backend)?;
     if model.chat_template.is_none() {
         anyhow::bail!(
             "{} has no chat template; use `kiln generate` with a raw prompt",
             model.path.display()
         );
     }
+    let kv_bytes = (!target.on_device).then_some(fit.kv_pool_bytes as usize);
+    let plan = EngineConfig::plan(&model, kv_bytes, fit.context)?;
+    let config = EngineConfig {
+        context_length: Some(fit.context),
+        ..plan.config
+    };
+    Engine::start(model, config).context("starting the engine")
+}
+
+pub fn run(a: ChatArgs) -> Result<()> {
+    let engine = start_engine(&a)?;
+    let handle = engine.handle();
+    let model = handle.model().clone();
     let interrupt = Interrupt::install()?;
     eprintln!(
-        "kiln chat: {} (loaded in {:.1}s). /help for commands; Ctrl-D or /bye to quit.",
+        "kiln chat: {} (loaded in {:.1}s, context {} tokens). /help for commands; Ctrl-D or /bye to quit.",
         model.path.display(),
-        model.load_seconds
+        model.load_seconds,
+        handle.context_length()
     );
     let history = (!a.no_history)
         .then(|| std::env::var_os("HOME"))
@@ -92,7 +130,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         conversation
             .turns
             .push(json!({"role": "user", "content": text}));
-        match answer(&model, &a, &conversation.messages(), &interrupt) {
+        match answer(&handle, &a, &conversation.messages(), &interrupt) {
             Ok(reply) => conversation
                 .turns
                 .push(json!({"role": "assistant", "content": reply})),
@@ -220,48 +258,74 @@ impl Interrupt {
 /// Streams the model's answer to `messages` to stdout and returns it (as
 /// far as it got when Ctrl-C stopped it).
 fn answer(
-    model: &LoadedModel,
+    engine: &EngineHandle,
     a: &ChatArgs,
     messages: &[Value],
     interrupt: &Interrupt,
 ) -> Result<String> {
+    let model = engine.model();
     let rendered = model.render_chat(&Value::Array(messages.to_vec()), true)?;
     let prompt = model.tokenizer.encode(&rendered, false)?;
+    // As in a single generation, an answer runs at most to the end of the
+    // context (the engine refuses a request that asks for more).
+    let mut params = a.sampling.params();
+    let room = engine.context_length().saturating_sub(prompt.len()).max(1);
+    params.max_tokens = Some(params.max_tokens.map_or(room, |m| m.min(room)));
     let req = GenerationRequest {
         prompt,
-        params: a.sampling.params(),
+        params,
         skip_special_tokens: true,
         ..Default::default()
     };
     let mut stdout = std::io::stdout().lock();
     interrupt.clear();
-    let generated = model.generate(&req, &mut |ev| {
-        let _ = stdout.write_all(ev.text.as_bytes());
-        let _ = stdout.flush();
+    let stream = engine.submit(req)?;
+    let mut text = String::new();
+    let finished = loop {
         if interrupt.is_set() {
-            ControlFlow::Break(())
-        } else {
-            ControlFlow::Continue(())
+            // Dropping the stream cancels the request on the engine loop.
+            break None;
         }
-    });
+        match stream.next_event_timeout(std::time::Duration::from_millis(50)) {
+            Ok(Some(Event::Token { text: t, .. })) => {
+                let _ = stdout.write_all(t.as_bytes());
+                let _ = stdout.flush();
+                text.push_str(&t);
+            }
+            Ok(Some(Event::Progress)) | Err(()) => {}
+            Ok(Some(Event::Finished {
+                finish_reason,
+                usage,
+                timings,
+            })) => break Some((finish_reason, usage, timings)),
+            Ok(Some(Event::Failed { message })) => anyhow::bail!("{message}"),
+            Ok(None) => anyhow::bail!("the engine stopped"),
+        }
+    };
+    drop(stream);
     interrupt.clear();
-    let g = generated?;
     writeln!(stdout)?;
     stdout.flush()?;
-    if g.finish_reason == FinishReason::Cancelled {
+    let Some((finish, usage, timings)) = finished else {
+        eprintln!("[interrupted]");
+        return Ok(text);
+    };
+    if finish == FinishReason::Cancelled {
         eprintln!("[interrupted]");
     }
     if a.verbose {
-        let t = &g.timings;
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        let computed = usage.prompt_tokens - usage.cached_tokens;
         eprintln!(
-            "[{} prompt tokens, prefill {:.1} tok/s; {} generated, decode {:.1} tok/s]",
-            t.prompt_tokens,
-            t.prefill_tokens_per_second(),
-            t.generated_tokens,
-            t.decode_tokens_per_second()
+            "[{} prompt tokens ({} from the cache), prefill {:.1} tok/s; {} generated, decode {:.1} tok/s]",
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            rate(computed, timings.prefill_seconds),
+            usage.completion_tokens,
+            rate(usage.completion_tokens.saturating_sub(1), timings.decode_seconds)
         );
     }
-    Ok(g.text)
+    Ok(text)
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! `kiln chat` on a real terminal: driven through tmux on SmolLM2 (greedy),
 //! a pasted three-line message is one turn, a blank line does not quit,
 //! Ctrl-C stops an answer and the session goes on, and Ctrl-D or Ctrl-C
-//! twice at the prompt quits cleanly. Needs tmux (`apt-get install -y
+//! twice at the prompt quits cleanly, and a second turn is prefilled only
+//! past what the prefix cache holds. Needs tmux (`apt-get install -y
 //! tmux`; scripts/test.sh installs it).
 
 use std::path::PathBuf;
@@ -289,5 +290,44 @@ fn ctrl_c_stops_an_answer_and_the_session_goes_on() {
     t.keys(&["C-c"]);
     t.wait_for("the hint to quit", |s| s.contains("Ctrl-C again"));
     t.keys(&["C-c"]);
+    assert_eq!(t.wait_for_exit(), "0", "{}", t.screen());
+}
+
+#[test]
+fn a_second_turn_prefills_only_what_the_cache_lacks() {
+    let t = Tmux::chat(
+        "cache",
+        &[
+            "--max-tokens",
+            "24",
+            "--verbose",
+            "--system",
+            &"Be brief. ".repeat(20),
+        ],
+    );
+    t.wait_for_prompt(1);
+    t.type_line("Name a color.");
+    let first = t.wait_for_prompt(2);
+    t.type_line("Name another one.");
+    let screen = t.wait_for_prompt(3);
+    // `[N prompt tokens (C from the cache), ...]` after each answer.
+    let cached: Vec<(usize, usize)> = screen
+        .lines()
+        .filter_map(|l| {
+            let (n, rest) = l.strip_prefix('[')?.split_once(" prompt tokens (")?;
+            let (c, _) = rest.split_once(" from the cache")?;
+            Some((n.parse().ok()?, c.parse().ok()?))
+        })
+        .collect();
+    assert_eq!(cached.len(), 2, "{screen}");
+    assert_eq!(cached[0].1, 0, "nothing cached on the first turn:\n{first}");
+    let (prompt, from_cache) = cached[1];
+    // The system message and the first turn (at least 120 tokens) come from
+    // the cache, to the last whole block before the first difference.
+    assert!(
+        from_cache >= cached[0].0 - 16 && from_cache < prompt,
+        "second turn: {from_cache} of {prompt} prompt tokens cached:\n{screen}"
+    );
+    t.keys(&["C-d"]);
     assert_eq!(t.wait_for_exit(), "0", "{}", t.screen());
 }
