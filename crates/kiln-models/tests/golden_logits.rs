@@ -1,7 +1,8 @@
 //! The Llama-family decoder against transformers' f32 logits on the real
 //! SmolLM2-135M (llama) and Qwen2.5-Coder-0.5B (qwen2) GGUFs: the last
 //! position's log-softmax within 1e-3 and the same top-20 ids, for every
-//! case in `logits_cases.json`. (Greedy continuations through the KV cache
+//! case in `logits_cases.json`, and Gemma 3 (gemma3_text) on the real
+//! Gemma-3-270M GGUF the same way. (Greedy continuations through the KV cache
 //! are checked end to end in kiln-engine's `pipeline` tests.)
 
 mod common;
@@ -54,4 +55,9 @@ fn qwen2_logits_match_transformers() {
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     );
+}
+
+#[test]
+fn gemma3_logits_match_transformers() {
+    check_logits("gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
 }

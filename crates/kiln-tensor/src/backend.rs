@@ -320,6 +320,17 @@ pub trait Backend: Send + Sync {
     /// Elementwise `x * s`.
     fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor>;
 
+    /// Elementwise `tanh(x / cap) * cap`: Gemma 2's soft-capping of the
+    /// final logits. A backend without it says so; models that need it
+    /// call it once at load time, so the refusal comes before any request.
+    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
+        let _ = (x, cap);
+        Err(TensorError::Device {
+            backend: self.name(),
+            message: "softcap (final logit soft-capping) is not supported on this backend".into(),
+        })
+    }
+
     /// `act(gate) * up` (same shape).
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor>;
 

@@ -119,6 +119,10 @@ impl Backend for ProfilingBackend {
         self.timed("scale", || self.inner.scale(x, s))
     }
 
+    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
+        self.timed("softcap", || self.inner.softcap(x, cap))
+    }
+
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
         self.timed("gated_activation", || {
             self.inner.gated_activation(gate, up, act)

@@ -156,6 +156,14 @@ impl Backend for CpuBackend {
         ))
     }
 
+    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
+        let d = self.data(x, "softcap")?;
+        Ok(Self::wrap(
+            x.shape().to_vec(),
+            d.iter().map(|v| (v / cap).tanh() * cap).collect(),
+        ))
+    }
+
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
         Self::same_shape("gated_activation", gate, up)?;
         let out = ops::gated(
