@@ -141,10 +141,11 @@ impl ModelConfig {
             .and_then(Value::as_str)
             .ok_or_else(|| err("model_type", "missing"))?
             .to_string();
-        let family = registry::find(&model_type).ok_or_else(|| ModelError::UnsupportedModel {
-            model_type: model_type.clone(),
-            supported: registry::supported_model_types(),
-        })?;
+        let descriptor =
+            registry::find(&model_type).ok_or_else(|| ModelError::UnsupportedModel {
+                model_type: model_type.clone(),
+                supported: registry::supported_model_types(),
+            })?;
         let hidden_size = req_usize(c, "hidden_size")?;
         let num_heads = req_usize(c, "num_attention_heads")?;
         if num_heads == 0 || hidden_size == 0 {
@@ -165,7 +166,7 @@ impl ModelConfig {
             ));
         }
         let num_layers = req_usize(c, "num_hidden_layers")?;
-        let (family, layer_kinds) = (family.parse)(c, num_layers, head_dim)?;
+        let (family, layer_kinds) = (descriptor.parse)(c, num_layers, head_dim)?;
         if layer_kinds.len() != num_layers {
             return Err(err(
                 "layer_types",
@@ -186,7 +187,7 @@ impl ModelConfig {
             tie_word_embeddings: c
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
-                .unwrap_or(false),
+                .unwrap_or(descriptor.tied_by_default),
             bos_token_id: ids(c, "bos_token_id").first().copied(),
             eos_token_ids: ids(c, "eos_token_id"),
             layer_kinds,

@@ -71,9 +71,5 @@ fn gemma3_logits_match_transformers() {
 /// oldest keys while the full-attention layers keep them.
 #[test]
 fn gemma3_logits_past_the_sliding_window_match_transformers() {
-    check_logits_of(
-        "gemma3-270m-long",
-        "cases.json",
-        "gemma-3-270m-q4_k_m.gguf",
-    );
+    check_logits_of("gemma3-270m-long", "cases.json", "gemma-3-270m-q4_k_m.gguf");
 }

@@ -45,6 +45,7 @@ use crate::CausalLm;
 pub static FAMILY: Family = Family {
     name: "gemma3",
     model_types: &["gemma3_text"],
+    tied_by_default: true,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
     check_weights: super::llama::check_weights,

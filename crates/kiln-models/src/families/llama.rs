@@ -27,6 +27,7 @@ use crate::CausalLm;
 pub static FAMILY: Family = Family {
     name: "llama",
     model_types: &["llama", "mistral", "qwen2", "qwen3", "smollm3"],
+    tied_by_default: false,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, llama_config(cfg)?)),
     check_weights,

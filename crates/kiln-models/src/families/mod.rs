@@ -31,6 +31,9 @@ pub struct Family {
     pub name: &'static str,
     /// The `config.json` `model_type`s it serves.
     pub model_types: &'static [&'static str],
+    /// `tie_word_embeddings` when `config.json` leaves it out (its
+    /// transformers config class's default).
+    pub tied_by_default: bool,
     /// Parse its own keys of `config.json` given the layer count and
     /// head dimension: its [`FamilyConfig`] and one [`LayerKind`] a layer.
     pub parse: fn(&Value, usize, usize) -> Result<(FamilyConfig, Vec<LayerKind>)>,
