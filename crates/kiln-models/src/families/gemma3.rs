@@ -446,3 +446,89 @@ impl CausalLm for Gemma3 {
         Ok(self.backend.run_step(batch, cache, &mut step)?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random::RandomWeights;
+    use kiln_tensor::cpu::CpuBackend;
+    use serde_json::json;
+
+    fn tiny() -> Value {
+        json!({"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 16, "vocab_size": 50, "sliding_window": 4,
+               "sliding_window_pattern": 2, "query_pre_attn_scalar": 16})
+    }
+
+    fn gemma(c: &ModelConfig) -> &Gemma3Config {
+        gemma3_config(c).unwrap()
+    }
+
+    #[test]
+    fn layer_types_rope_bases_and_softcaps_parse_both_config_styles() {
+        let c = ModelConfig::from_hf(&tiny()).unwrap();
+        let sw = LayerKind::SlidingWindow { window: 4 };
+        let full = LayerKind::FullAttention;
+        assert_eq!(c.layer_kinds, [sw, full, sw, full]);
+        assert!(c.tie_word_embeddings);
+        let g = gemma(&c);
+        assert_eq!((g.rope_theta, g.rope_local_base_freq), (1e6, 1e4));
+        assert_eq!(g.attn_logit_softcapping, None);
+        // transformers 5: explicit layer types and RoPE per layer type.
+        let mut v = tiny();
+        v["layer_types"] = json!([
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention"
+        ]);
+        v["rope_parameters"] = json!({
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e6}});
+        v["attn_logit_softcapping"] = json!(50.0);
+        v["final_logit_softcapping"] = json!(0);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        assert_eq!(c.layer_kinds, [full, sw, sw, sw]);
+        let g = gemma(&c);
+        assert_eq!((g.rope_theta, g.rope_local_base_freq), (2e6, 5000.0));
+        assert_eq!(g.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(
+            (g.attn_logit_softcapping, g.final_logit_softcapping),
+            (Some(50.0), None)
+        );
+        v["layer_types"] = json!(["full_attention", "chunked_attention"]);
+        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+        assert!(e.contains("layer_types"), "{e}");
+    }
+
+    fn logits(config: &Value, tokens: &[u32]) -> Vec<f32> {
+        let cfg = ModelConfig::from_hf(config).unwrap();
+        let w = RandomWeights::new(&cfg, 7).unwrap();
+        let m = crate::load_model(Arc::new(CpuBackend::new()), &w, cfg).unwrap();
+        let mut cache = m.new_kv_cache(tokens.len().div_ceil(4), 4).unwrap();
+        let batch = ForwardBatch::single(tokens, 0, 4, 0);
+        let out = m.forward(&batch, &mut cache).unwrap();
+        m.backend().to_host(&out).unwrap()
+    }
+
+    #[test]
+    fn final_logit_softcapping_bounds_the_logits() {
+        let tokens = [2, 7, 11, 3, 9, 30, 1, 4];
+        let plain = logits(&tiny(), &tokens);
+        let mut v = tiny();
+        v["final_logit_softcapping"] = json!(0.5);
+        let capped = logits(&v, &tokens);
+        assert!(plain.iter().any(|x| x.abs() > 0.5), "the cap must bite");
+        for (p, c) in plain.iter().zip(&capped) {
+            assert!((c - (p / 0.5).tanh() * 0.5).abs() < 1e-5, "{p} -> {c}");
+        }
+        // Attention soft-capping changes the scores, so the logits move.
+        v["attn_logit_softcapping"] = json!(0.01);
+        let attn_capped = logits(&v, &tokens);
+        assert!(attn_capped
+            .iter()
+            .zip(&capped)
+            .any(|(a, c)| (a - c).abs() > 1e-4));
+    }
+}
