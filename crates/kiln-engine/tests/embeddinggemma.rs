@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kiln_engine::LoadedModel;
 use kiln_models::families::FamilyConfig;
-use kiln_models::{config::LayerKind, CausalLm};
+use kiln_models::config::LayerKind;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::ForwardBatch;
 use kiln_text::Tokenizer;

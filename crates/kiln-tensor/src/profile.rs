@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::backend::{
-    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
+    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, QkNorm,
     RopeParams,
 };
 use crate::error::Result;
@@ -133,7 +133,7 @@ impl Backend for ProfilingBackend {
         self.timed("rope", || self.inner.rope(x, positions, p))
     }
 
-    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         self.timed("alloc_kv_cache", || self.inner.alloc_kv_cache(spec))
     }
 

@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use kiln_formats::WeightSource;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, QkNorm, Tensor,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, QkNorm, Tensor,
 };
 use serde_json::Value;
 
@@ -424,7 +424,7 @@ impl CausalLm for Gemma3 {
     }
 
     fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        Ok(self.backend.alloc_kv_cache(KvCacheSpec {
+        Ok(self.backend.alloc_kv_cache(KvPoolShape {
             num_layers: self.cfg.num_layers,
             num_blocks,
             block_size,

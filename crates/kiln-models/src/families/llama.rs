@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use kiln_formats::{StoredTensor, WeightSource};
-use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, KvCacheSpec, Tensor};
+use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, KvPoolShape, Tensor};
 use serde_json::Value;
 
 use super::{Family, FamilyConfig};
@@ -324,7 +324,7 @@ impl CausalLm for Llama {
     }
 
     fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        Ok(self.backend.alloc_kv_cache(KvCacheSpec {
+        Ok(self.backend.alloc_kv_cache(KvPoolShape {
             num_layers: self.cfg.num_layers,
             num_blocks,
             block_size,
