@@ -134,7 +134,7 @@ fn scan_lists_ggufs_and_a_random_checkpoint_with_their_headers() {
     // Local files are never deleted.
     let e = failed(
         kiln(home.path())
-            .args(["rm", "gemma", "--delete-files"])
+            .args(["rm", "gemma-3-270m", "--delete-files"])
             .output()
             .unwrap(),
     );
