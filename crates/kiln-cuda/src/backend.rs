@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::LaunchConfig;
 use half::bf16;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, DType, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
+    Activation, AttentionParams, Backend, DType, ForwardBatch, KvCache, KvPoolShape, QkNorm,
     Result, RopeParams, Tensor, TensorError,
 };
 
@@ -737,10 +737,10 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         // One hidden block more than asked: the scratch block that padding
         // rows of recorded decode steps write to.
-        let spec = KvCacheSpec {
+        let spec = KvPoolShape {
             num_blocks: spec.num_blocks + 1,
             ..spec
         };

@@ -9,7 +9,7 @@
 use half::bf16;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams, Tensor,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, RopeParams, Tensor,
 };
 
 use crate::CudaBackend;
@@ -464,7 +464,7 @@ fn attention_ops(
     (half, scaling): (usize, f32),
 ) -> R<()> {
     let bs = 16;
-    let spec = KvCacheSpec {
+    let spec = KvPoolShape {
         num_layers: 1,
         num_blocks: 400,
         block_size: bs,
@@ -691,7 +691,7 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
     let (norm_g, norm_c) = p.up(&[d], &rng.vec(d, 1.0))?;
     let (gu_g, gu_c) = p.up(&[2 * d, d], &rng.vec(2 * d * d, 0.06))?;
     let (down_g, down_c) = p.up(&[d, d], &rng.vec(d * d, 0.06))?;
-    let spec = KvCacheSpec {
+    let spec = KvPoolShape {
         num_layers: 1,
         num_blocks: 64.max(4 * toy.seqs),
         block_size: 16,

@@ -13,9 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kiln_sampling::{DeviceStep, FinishReason, SamplingError, TokenId};
-use kiln_scheduler::{
-    KvCacheSpec, Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats,
-};
+use kiln_scheduler::{Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats};
 use kiln_tensor::{ForwardBatch, SampleRow, SampledRow};
 use rayon::prelude::*;
 
@@ -292,10 +290,7 @@ fn fresh_state(
 ) -> Result<(Scheduler, kiln_tensor::KvCache)> {
     let cfg = model.model.config();
     let sched_cfg = SchedulerConfig {
-        kv_cache: KvCacheSpec {
-            block_size: config.block_size,
-            ..KvCacheSpec::uniform(cfg.num_layers)
-        },
+        kv_cache: cfg.kv_cache_spec(config.block_size),
         num_blocks: config.num_blocks,
         max_model_len: served_context(model, &config),
         max_num_batched_tokens: config.max_num_batched_tokens,

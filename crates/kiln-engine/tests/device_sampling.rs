@@ -16,7 +16,7 @@ use kiln_sampling::{Sampled, SamplingParams, TokenId};
 use kiln_structured::Format;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
+    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, QkNorm,
     Result, RopeParams, SampleRow, SampledRow, Tensor,
 };
 use serde_json::{json, Value};
@@ -203,7 +203,7 @@ impl Backend for DeviceSampling {
         self.0.rope(x, positions, p)
     }
 
-    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         self.0.alloc_kv_cache(spec)
     }
 

@@ -28,6 +28,7 @@ fn model_path(file: &str) -> PathBuf {
 
 const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const QWEN: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
+const GEMMA3: &str = "gemma-3-270m-q4_k_m.gguf";
 
 fn load(file: &str) -> LoadedModel {
     LoadedModel::load(&model_path(file), Arc::new(CpuBackend::new())).unwrap()
@@ -102,6 +103,47 @@ fn check_greedy(model_dir: &str, file: &str) {
         };
         assert_eq!(g.finish_reason, want_finish, "{model_dir} case {i}");
     }
+}
+
+/// Raw-completion greedy cases (`prompt_ids`, `generated_ids`): the prompt
+/// through the scheduler's chunked prefill, then the generation token for
+/// token.
+fn check_greedy_raw(model: &LoadedModel, model_dir: &str, cases_file: &str) {
+    let cases = goldens(model_dir, cases_file);
+    for case in cases["cases"].as_array().unwrap() {
+        let prompt = match case.get("prompt_ids") {
+            Some(ids_) => ids(ids_),
+            None => ids(&case["ids"]),
+        };
+        let text = case
+            .get("prompt_rendered")
+            .or_else(|| case.get("text"))
+            .and_then(|t| t.as_str())
+            .unwrap();
+        assert_eq!(
+            model.tokenizer.encode(text, true).unwrap(),
+            prompt,
+            "{model_dir} {text:.40?}: prompt ids"
+        );
+        let want = ids(&case["generated_ids"]);
+        let g = run(
+            model,
+            prompt,
+            SamplingParams {
+                max_tokens: Some(want.len()),
+                ..SamplingParams::greedy()
+            },
+        );
+        assert_eq!(g.token_ids, want, "{model_dir} {text:.40?}: generated ids");
+    }
+}
+
+#[test]
+fn gemma3_greedy_matches_transformers_end_to_end() {
+    let model = load(GEMMA3);
+    check_greedy_raw(&model, "gemma3-270m", "greedy_cases.json");
+    // Prompts of 628 to 976 tokens, past the 512-token sliding window.
+    check_greedy_raw(&model, "gemma3-270m-long", "cases.json");
 }
 
 #[test]

@@ -110,6 +110,19 @@ impl SafetensorsDir {
                 what: format!("no {SINGLE_WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}"),
             });
         };
+        // A base-model checkpoint (`Gemma3TextModel`, as EmbeddingGemma
+        // ships) names its tensors without the `model.` prefix the
+        // causal-LM classes add; Kiln addresses weights by the latter.
+        let tensors = if tensors.contains_key("embed_tokens.weight")
+            && !tensors.keys().any(|k| k.starts_with("model."))
+        {
+            tensors
+                .into_iter()
+                .map(|(k, e)| (format!("model.{k}"), e))
+                .collect()
+        } else {
+            tensors
+        };
         Ok(SafetensorsDir {
             dir,
             config,

@@ -4,9 +4,15 @@
 use serde_json::Value;
 
 use crate::error::{ModelError, Result};
+use crate::registry;
 
 /// The activation of the gated MLP.
 pub use kiln_tensor::Activation;
+
+/// How a layer keeps its past (full attention, a sliding window, recurrent state).
+pub use kiln_scheduler::LayerKind;
+
+pub use crate::families::FamilyConfig;
 
 /// How rotary frequencies are scaled.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,9 +30,12 @@ pub enum RopeScaling {
     },
 }
 
+/// What every decoder has, read by [`ModelConfig::from_hf`], plus what
+/// only its family reads ([`FamilyConfig`], parsed by the family's own file)
+/// and how each layer keeps its past ([`ModelConfig::layer_kinds`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
-    /// `model_type` as in config.json (`llama`, `qwen2`, ...).
+    /// `model_type` as in config.json (`llama`, `qwen2`, `gemma3_text`, ...).
     pub model_type: String,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -36,25 +45,19 @@ pub struct ModelConfig {
     pub head_dim: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f32,
-    pub rope_theta: f32,
-    pub rope_scaling: RopeScaling,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    /// Biases on q, k, v projections (Qwen2).
-    pub qkv_bias: bool,
-    /// Bias on the output projection (Llama with `attention_bias`).
-    pub o_bias: bool,
-    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
-    pub qk_norm: bool,
-    pub activation: Activation,
-    /// Sliding-window attention span for every layer (Mistral), if any.
-    pub sliding_window: Option<usize>,
     pub bos_token_id: Option<u32>,
     /// End-of-sequence ids from config.json (one or several).
     pub eos_token_ids: Vec<u32>,
+    /// How each layer keeps its past, one entry a layer: the KV layout the
+    /// engine's scheduler and memory plan follow.
+    pub layer_kinds: Vec<LayerKind>,
+    /// The keys only the model's family reads.
+    pub family: FamilyConfig,
 }
 
-fn err(key: &str, what: impl Into<String>) -> ModelError {
+pub(crate) fn err(key: &str, what: impl Into<String>) -> ModelError {
     ModelError::Config {
         key: key.to_string(),
         what: what.into(),
@@ -79,7 +82,7 @@ const LIMITS: &[(&str, u64)] = &[
 ];
 
 /// `v` as a dimension named `key`, within its limit.
-fn dimension(key: &str, v: &Value) -> Result<usize> {
+pub(crate) fn dimension(key: &str, v: &Value) -> Result<usize> {
     let n = v
         .as_u64()
         .ok_or_else(|| err(key, format!("{v} is not a non-negative integer")))?;
@@ -94,21 +97,21 @@ fn dimension(key: &str, v: &Value) -> Result<usize> {
     Ok(n as usize)
 }
 
-fn req_usize(c: &Value, key: &str) -> Result<usize> {
+pub(crate) fn req_usize(c: &Value, key: &str) -> Result<usize> {
     match c.get(key) {
         None | Some(Value::Null) => Err(err(key, "missing")),
         Some(v) => dimension(key, v),
     }
 }
 
-fn opt_usize(c: &Value, key: &str) -> Result<Option<usize>> {
+pub(crate) fn opt_usize(c: &Value, key: &str) -> Result<Option<usize>> {
     match c.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => dimension(key, v).map(Some),
     }
 }
 
-fn opt_f32(c: &Value, key: &str) -> Result<Option<f32>> {
+pub(crate) fn opt_f32(c: &Value, key: &str) -> Result<Option<f32>> {
     match c.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v
@@ -118,7 +121,7 @@ fn opt_f32(c: &Value, key: &str) -> Result<Option<f32>> {
     }
 }
 
-fn ids(c: &Value, key: &str) -> Vec<u32> {
+pub(crate) fn ids(c: &Value, key: &str) -> Vec<u32> {
     match c.get(key) {
         Some(Value::Number(n)) => n.as_u64().map(|v| vec![v as u32]).unwrap_or_default(),
         Some(Value::Array(a)) => a
@@ -129,17 +132,20 @@ fn ids(c: &Value, key: &str) -> Vec<u32> {
     }
 }
 
-/// Model types the Llama-family decoder serves.
-pub const LLAMA_FAMILY: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "smollm3"];
-
 impl ModelConfig {
-    /// Parse a `config.json` value.
+    /// Parse a `config.json` value: the shared decoder keys here, then the
+    /// family's own keys by the family that serves `model_type`.
     pub fn from_hf(c: &Value) -> Result<Self> {
         let model_type = c
             .get("model_type")
             .and_then(Value::as_str)
             .ok_or_else(|| err("model_type", "missing"))?
             .to_string();
+        let descriptor =
+            registry::find(&model_type).ok_or_else(|| ModelError::UnsupportedModel {
+                model_type: model_type.clone(),
+                supported: registry::supported_model_types(),
+            })?;
         let hidden_size = req_usize(c, "hidden_size")?;
         let num_heads = req_usize(c, "num_attention_heads")?;
         if num_heads == 0 || hidden_size == 0 {
@@ -159,106 +165,102 @@ impl ModelConfig {
                 format!("{head_dim} must be even and positive"),
             ));
         }
-        // transformers 5 moved rope settings into `rope_parameters`.
-        let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
-        let rope_theta = match opt_f32(c, "rope_theta")? {
-            Some(t) => t,
-            None => rope_params
-                .map(|p| opt_f32(p, "rope_theta"))
-                .transpose()?
-                .flatten()
-                .unwrap_or(10000.0),
-        };
-        let scaling = c
-            .get("rope_scaling")
-            .filter(|v| v.is_object())
-            .or(rope_params);
-        let rope_scaling = match scaling {
-            None => RopeScaling::None,
-            Some(s) => {
-                let kind = s
-                    .get("rope_type")
-                    .or_else(|| s.get("type"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("default");
-                let factor = opt_f32(s, "factor")?.unwrap_or(1.0);
-                match kind {
-                    "default" => RopeScaling::None,
-                    "linear" => RopeScaling::Linear { factor },
-                    "llama3" => RopeScaling::Llama3 {
-                        factor,
-                        low_freq_factor: opt_f32(s, "low_freq_factor")?.unwrap_or(1.0),
-                        high_freq_factor: opt_f32(s, "high_freq_factor")?.unwrap_or(4.0),
-                        original_max_position_embeddings: opt_usize(
-                            s,
-                            "original_max_position_embeddings",
-                        )?
-                        .unwrap_or(8192)
-                            as f32,
-                    },
-                    other => {
-                        return Err(err(
-                            "rope_scaling",
-                            format!("rope type {other:?} is not supported yet"),
-                        ))
-                    }
-                }
-            }
-        };
-        let activation = match c
-            .get("hidden_act")
-            .and_then(Value::as_str)
-            .unwrap_or("silu")
-        {
-            "silu" | "swish" => Activation::Silu,
-            "gelu_pytorch_tanh" | "gelu_tanh" => Activation::GeluTanh,
-            other => return Err(err("hidden_act", format!("{other:?} is not supported"))),
-        };
-        let attention_bias = c.get("attention_bias").and_then(Value::as_bool);
-        let (qkv_bias, o_bias) = match model_type.as_str() {
-            // Qwen2 always has q/k/v biases and never an o bias.
-            "qwen2" => (true, false),
-            _ => {
-                let b = attention_bias.unwrap_or(false);
-                (b, b)
-            }
-        };
-        let use_sliding = c.get("use_sliding_window").and_then(Value::as_bool);
-        let sliding_window = match (model_type.as_str(), use_sliding) {
-            (_, Some(false)) => None,
-            ("mistral", _) | (_, Some(true)) => opt_usize(c, "sliding_window")?,
-            _ => None,
-        };
+        let num_layers = req_usize(c, "num_hidden_layers")?;
+        let (family, layer_kinds) = (descriptor.parse)(c, num_layers, head_dim)?;
+        if layer_kinds.len() != num_layers {
+            return Err(err(
+                "layer_types",
+                format!("{} layer kinds for {num_layers} layers", layer_kinds.len()),
+            ));
+        }
         Ok(ModelConfig {
-            qk_norm: model_type == "qwen3",
             model_type,
             hidden_size,
             intermediate_size: req_usize(c, "intermediate_size")?,
-            num_layers: req_usize(c, "num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             vocab_size: req_usize(c, "vocab_size")?,
             rms_norm_eps: opt_f32(c, "rms_norm_eps")?.unwrap_or(1e-6),
-            rope_theta,
-            rope_scaling,
             max_position_embeddings: opt_usize(c, "max_position_embeddings")?.unwrap_or(4096),
             tie_word_embeddings: c
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
-                .unwrap_or(false),
-            qkv_bias,
-            o_bias,
-            activation,
-            sliding_window,
+                .unwrap_or(descriptor.tied_by_default),
             bos_token_id: ids(c, "bos_token_id").first().copied(),
             eos_token_ids: ids(c, "eos_token_id"),
+            layer_kinds,
+            family,
         })
     }
 
-    /// Bytes of KV cache per token over all layers at `dtype_bytes` per element.
+    /// Bytes of KV cache per token over all layers at `dtype_bytes` per
+    /// element, as the pool stores it (every layer holds every token).
     pub fn kv_bytes_per_token(&self, dtype_bytes: usize) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    }
+
+    /// The KV layout the scheduler keeps: the layers grouped by kind, in
+    /// the order each kind first appears, with `block_size`-token blocks.
+    pub fn kv_cache_spec(&self, block_size: usize) -> kiln_scheduler::KvCacheSpec {
+        let mut groups: Vec<kiln_scheduler::LayerGroup> = Vec::new();
+        for &kind in &self.layer_kinds {
+            match groups.iter_mut().find(|g| g.kind == kind) {
+                Some(g) => g.num_layers += 1,
+                None => groups.push(kiln_scheduler::LayerGroup {
+                    kind,
+                    num_layers: 1,
+                }),
+            }
+        }
+        kiln_scheduler::KvCacheSpec { block_size, groups }
+    }
+}
+
+/// Parse a rotary scaling object (`rope_scaling`, or one entry of
+/// transformers 5's `rope_parameters`).
+pub(crate) fn parse_rope_scaling(s: Option<&Value>) -> Result<RopeScaling> {
+    let Some(s) = s else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let factor = opt_f32(s, "factor")?.unwrap_or(1.0);
+    Ok(match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor },
+        "llama3" => RopeScaling::Llama3 {
+            factor,
+            low_freq_factor: opt_f32(s, "low_freq_factor")?.unwrap_or(1.0),
+            high_freq_factor: opt_f32(s, "high_freq_factor")?.unwrap_or(4.0),
+            original_max_position_embeddings: opt_usize(s, "original_max_position_embeddings")?
+                .unwrap_or(8192) as f32,
+        },
+        other => {
+            return Err(err(
+                "rope_scaling",
+                format!("rope type {other:?} is not supported yet"),
+            ))
+        }
+    })
+}
+
+/// The gated MLP's activation from `hidden_act` (or Gemma's
+/// `hidden_activation`), `default` when neither is given.
+pub(crate) fn parse_activation(c: &Value, default: &str) -> Result<Activation> {
+    let name = c
+        .get("hidden_activation")
+        .or_else(|| c.get("hidden_act"))
+        .and_then(Value::as_str)
+        .unwrap_or(default);
+    match name {
+        "silu" | "swish" => Ok(Activation::Silu),
+        "gelu_pytorch_tanh" | "gelu_tanh" => Ok(Activation::GeluTanh),
+        other => Err(err("hidden_act", format!("{other:?} is not supported"))),
     }
 }
 
@@ -277,12 +279,19 @@ mod tests {
     fn parses_defaults_and_llama3_scaling() {
         let c = ModelConfig::from_hf(&base()).unwrap();
         assert_eq!(c.head_dim, 16);
-        assert!(!c.qkv_bias && !c.tie_word_embeddings);
+        let FamilyConfig::Llama(l) = &c.family else {
+            panic!("{:?}", c.family)
+        };
+        assert!(!l.qkv_bias && !c.tie_word_embeddings);
+        assert_eq!(c.layer_kinds, vec![LayerKind::FullAttention; 2]);
         let mut v = base();
         v["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
         let c = ModelConfig::from_hf(&v).unwrap();
-        assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+        let FamilyConfig::Llama(l) = &c.family else {
+            panic!("{:?}", c.family)
+        };
+        assert!(matches!(l.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
     }
 
     #[test]

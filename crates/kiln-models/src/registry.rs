@@ -1,19 +1,46 @@
-//! The one table from `model_type` to model family.
+//! The one table from `model_type` to model family: one line a family.
 
 use std::sync::Arc;
 
 use kiln_formats::WeightSource;
 use kiln_tensor::Backend;
 
-use crate::config::{ModelConfig, LLAMA_FAMILY};
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::families;
+use crate::families::{self, Family};
 use crate::layers::LoadProgress;
 use crate::CausalLm;
 
+/// Every family Kiln serves.
+pub static FAMILIES: &[&Family] = &[&families::llama::FAMILY, &families::gemma3::FAMILY];
+
+/// The family descriptor that serves `model_type`.
+pub fn find(model_type: &str) -> Option<&'static Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.model_types.contains(&model_type))
+}
+
+/// Every `model_type` Kiln serves, comma-separated, for messages.
+pub fn supported_model_types() -> String {
+    FAMILIES
+        .iter()
+        .flat_map(|f| f.model_types.iter().copied())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The Kiln family that serves `model_type` (`None`: Kiln cannot load it).
 pub fn family(model_type: &str) -> Option<&'static str> {
-    LLAMA_FAMILY.contains(&model_type).then_some("llama")
+    find(model_type).map(|f| f.name)
+}
+
+fn family_of(config: &ModelConfig) -> Result<&'static Family> {
+    find(&config.model_type).ok_or_else(|| ModelError::UnsupportedModel {
+        model_type: config.model_type.clone(),
+        supported: supported_model_types(),
+    })
 }
 
 /// Load the model `config` describes from `source` onto `backend`.
@@ -32,27 +59,14 @@ pub fn load_model_with_progress(
     config: ModelConfig,
     progress: Option<LoadProgress<'_>>,
 ) -> Result<Box<dyn CausalLm>> {
-    if LLAMA_FAMILY.contains(&config.model_type.as_str()) {
-        // The configuration must match the tensor table before a byte is
-        // allocated for it.
-        families::llama::check_weights(&config, &source.tensors())?;
-        return Ok(Box::new(families::llama::Llama::load(
-            backend, source, config, progress,
-        )?));
-    }
-    Err(ModelError::UnsupportedModel {
-        model_type: config.model_type,
-        supported: LLAMA_FAMILY.join(", "),
-    })
+    let family = family_of(&config)?;
+    // The configuration must match the tensor table before a byte is
+    // allocated for it.
+    (family.check_weights)(&config, &source.tensors())?;
+    (family.load)(backend, source, config, progress)
 }
 
 /// Every weight the model `config` describes must have: name and shape.
 pub fn tensor_shapes(config: &ModelConfig) -> Result<Vec<(String, Vec<usize>)>> {
-    if LLAMA_FAMILY.contains(&config.model_type.as_str()) {
-        return Ok(families::llama::tensor_shapes(config));
-    }
-    Err(ModelError::UnsupportedModel {
-        model_type: config.model_type.clone(),
-        supported: LLAMA_FAMILY.join(", "),
-    })
+    (family_of(config)?.tensor_shapes)(config)
 }

@@ -1,15 +1,21 @@
 //! The Llama-family decoder against transformers' f32 logits on the real
 //! SmolLM2-135M (llama) and Qwen2.5-Coder-0.5B (qwen2) GGUFs: the last
 //! position's log-softmax within 1e-3 and the same top-20 ids, for every
-//! case in `logits_cases.json`. (Greedy continuations through the KV cache
+//! case in `logits_cases.json`, and Gemma 3 (gemma3_text) on the real
+//! Gemma-3-270M GGUF the same way, prompts past its 512-token sliding
+//! window included (`gemma3-270m-long`, see its README). (Greedy continuations through the KV cache
 //! are checked end to end in kiln-engine's `pipeline` tests.)
 
 mod common;
 use common::*;
 
 fn check_logits(model_dir: &str, file: &str) {
+    check_logits_of(model_dir, "logits_cases.json", file);
+}
+
+fn check_logits_of(model_dir: &str, cases_file: &str, file: &str) {
     let model = load_gguf_model(file);
-    let cases = goldens(model_dir, "logits_cases.json");
+    let cases = goldens(model_dir, cases_file);
     for case in cases["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let prompt = ids(&case["ids"]);
@@ -54,4 +60,16 @@ fn qwen2_logits_match_transformers() {
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     );
+}
+
+#[test]
+fn gemma3_logits_match_transformers() {
+    check_logits("gemma3-270m", "gemma-3-270m-q4_k_m.gguf");
+}
+
+/// Prompts of 628 to 976 tokens: the sliding layers (window 512) drop the
+/// oldest keys while the full-attention layers keep them.
+#[test]
+fn gemma3_logits_past_the_sliding_window_match_transformers() {
+    check_logits_of("gemma3-270m-long", "cases.json", "gemma-3-270m-q4_k_m.gguf");
 }

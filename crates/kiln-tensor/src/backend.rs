@@ -122,9 +122,10 @@ pub struct QkNorm<'a> {
 }
 
 /// Shape of a paged KV cache to allocate: `num_blocks` blocks of
-/// `block_size` token slots, for every layer.
+/// `block_size` token slots, for every layer. (The model's KV layout, its
+/// layer groups and their block arithmetic, is `kiln_scheduler::KvCacheSpec`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvCacheSpec {
+pub struct KvPoolShape {
     pub num_layers: usize,
     pub num_blocks: usize,
     pub block_size: usize,
@@ -132,7 +133,7 @@ pub struct KvCacheSpec {
     pub head_dim: usize,
 }
 
-impl KvCacheSpec {
+impl KvPoolShape {
     pub fn num_slots(&self) -> usize {
         self.num_blocks * self.block_size
     }
@@ -221,13 +222,13 @@ impl ForwardBatch {
 
 /// A paged KV cache whose storage belongs to a backend.
 pub struct KvCache {
-    pub spec: KvCacheSpec,
+    pub spec: KvPoolShape,
     id: u64,
     storage: Box<dyn Any + Send>,
 }
 
 impl KvCache {
-    pub fn from_storage(spec: KvCacheSpec, storage: Box<dyn Any + Send>) -> Self {
+    pub fn from_storage(spec: KvPoolShape, storage: Box<dyn Any + Send>) -> Self {
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         KvCache {
             spec,
@@ -319,6 +320,17 @@ pub trait Backend: Send + Sync {
 
     /// Elementwise `x * s`.
     fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor>;
+
+    /// Elementwise `tanh(x / cap) * cap`: Gemma 2's soft-capping of the
+    /// final logits. A backend without it says so; models that need it
+    /// call it once at load time, so the refusal comes before any request.
+    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
+        let _ = (x, cap);
+        Err(TensorError::Device {
+            backend: self.name(),
+            message: "softcap (final logit soft-capping) is not supported on this backend".into(),
+        })
+    }
 
     /// `act(gate) * up` (same shape).
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor>;
@@ -465,7 +477,7 @@ pub trait Backend: Send + Sync {
     }
 
     /// Allocate a zeroed paged KV cache.
-    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache>;
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache>;
 
     /// Write `k`, `v` (`[n, num_kv_heads * head_dim]`) of the batch's `n` new
     /// tokens into their slots of `layer`, then return causal attention
@@ -536,7 +548,7 @@ pub fn check_attention_args(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    spec: &KvCacheSpec,
+    spec: &KvPoolShape,
     layer: usize,
     batch: &ForwardBatch,
     p: &AttentionParams,
@@ -553,7 +565,7 @@ pub fn check_attention_shapes(
     qw: usize,
     k: &[usize],
     v: &[usize],
-    spec: &KvCacheSpec,
+    spec: &KvPoolShape,
     layer: usize,
     batch: &ForwardBatch,
     p: &AttentionParams,

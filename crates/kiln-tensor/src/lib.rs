@@ -19,7 +19,7 @@ pub mod tensor;
 
 pub use backend::{
     check_attention_args, check_attention_shapes, check_rope_args, Activation, AttentionParams,
-    Backend, DeviceMemory, ForwardBatch, KvCache, KvCacheSpec, QkNorm, RopeParams, SampleRow,
+    Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, QkNorm, RopeParams, SampleRow,
     SampledRow, SeqSlice,
 };
 pub use error::{Result, TensorError};

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::backend::{
-    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
+    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, QkNorm,
     RopeParams,
 };
 use crate::error::Result;
@@ -119,6 +119,10 @@ impl Backend for ProfilingBackend {
         self.timed("scale", || self.inner.scale(x, s))
     }
 
+    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
+        self.timed("softcap", || self.inner.softcap(x, cap))
+    }
+
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
         self.timed("gated_activation", || {
             self.inner.gated_activation(gate, up, act)
@@ -129,7 +133,7 @@ impl Backend for ProfilingBackend {
         self.timed("rope", || self.inner.rope(x, positions, p))
     }
 
-    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         self.timed("alloc_kv_cache", || self.inner.alloc_kv_cache(spec))
     }
 

@@ -100,7 +100,7 @@ fn scan_lists_ggufs_and_a_random_checkpoint_with_their_headers() {
     assert_eq!(gemma["num_params"], 268_098_176);
     assert_eq!(gemma["quant"], "Q4_K_M");
     assert_eq!(gemma["context_length"], 32768);
-    assert_eq!(gemma["tier"], "unsupported");
+    assert_eq!(gemma["tier"], "gemma3");
     let tiny = by_name(&rows, "tiny-ckpt");
     assert_eq!(tiny["format"], "safetensors");
     assert_eq!(tiny["model_type"], "llama");
@@ -134,7 +134,7 @@ fn scan_lists_ggufs_and_a_random_checkpoint_with_their_headers() {
     // Local files are never deleted.
     let e = failed(
         kiln(home.path())
-            .args(["rm", "gemma", "--delete-files"])
+            .args(["rm", "gemma-3-270m", "--delete-files"])
             .output()
             .unwrap(),
     );

@@ -10,14 +10,106 @@
 use std::sync::Arc;
 
 use kiln_formats::{StoredTensor, WeightSource};
-use kiln_tensor::{Backend, ForwardBatch, KvCache, KvCacheSpec, Tensor};
+use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, KvPoolShape, Tensor};
+use serde_json::Value;
 
-use crate::config::ModelConfig;
+use super::{Family, FamilyConfig};
+use crate::config::{
+    opt_f32, opt_usize, parse_activation, parse_rope_scaling, LayerKind, ModelConfig, RopeScaling,
+};
 use crate::error::Result;
 use crate::layers::{
     Attention, AttentionConfig, GatedMlp, LoadProgress, RmsNorm, Rope, WeightLoader,
 };
 use crate::CausalLm;
+
+/// The registry's entry for the family.
+pub static FAMILY: Family = Family {
+    name: "llama",
+    model_types: &["llama", "mistral", "qwen2", "qwen3", "smollm3"],
+    tied_by_default: false,
+    parse,
+    tensor_shapes: |cfg| Ok(tensor_shapes(cfg, llama_config(cfg)?)),
+    check_weights,
+    load: |backend, source, cfg, progress| {
+        Ok(Box::new(Llama::load(backend, source, cfg, progress)?))
+    },
+};
+
+/// The keys of `config.json` only the Llama family reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    /// Biases on q, k, v projections (Qwen2).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama with `attention_bias`).
+    pub o_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub activation: Activation,
+    /// Sliding-window attention span for every layer (Mistral), if any.
+    pub sliding_window: Option<usize>,
+}
+
+/// The family's keys of `c` and its layers' KV layout: every layer full
+/// attention, or every layer the same sliding window (Mistral).
+fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<(FamilyConfig, Vec<LayerKind>)> {
+    let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
+    // transformers 5 moved rope settings into `rope_parameters`.
+    let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
+    let rope_theta = match opt_f32(c, "rope_theta")? {
+        Some(t) => t,
+        None => rope_params
+            .map(|p| opt_f32(p, "rope_theta"))
+            .transpose()?
+            .flatten()
+            .unwrap_or(10000.0),
+    };
+    let scaling = c
+        .get("rope_scaling")
+        .filter(|v| v.is_object())
+        .or(rope_params);
+    let attention_bias = c.get("attention_bias").and_then(Value::as_bool);
+    let (qkv_bias, o_bias) = match model_type {
+        // Qwen2 always has q/k/v biases and never an o bias.
+        "qwen2" => (true, false),
+        _ => {
+            let b = attention_bias.unwrap_or(false);
+            (b, b)
+        }
+    };
+    let use_sliding = c.get("use_sliding_window").and_then(Value::as_bool);
+    let sliding_window = match (model_type, use_sliding) {
+        (_, Some(false)) => None,
+        ("mistral", _) | (_, Some(true)) => opt_usize(c, "sliding_window")?,
+        _ => None,
+    };
+    let kind = match sliding_window {
+        Some(window) => LayerKind::SlidingWindow {
+            window: window.max(1),
+        },
+        None => LayerKind::FullAttention,
+    };
+    let cfg = LlamaConfig {
+        rope_theta,
+        rope_scaling: parse_rope_scaling(scaling)?,
+        qkv_bias,
+        o_bias,
+        qk_norm: model_type == "qwen3",
+        activation: parse_activation(c, "silu")?,
+        sliding_window,
+    };
+    Ok((FamilyConfig::Llama(cfg), vec![kind; num_layers]))
+}
+
+/// The Llama part of `cfg`.
+fn llama_config(cfg: &ModelConfig) -> Result<&LlamaConfig> {
+    match &cfg.family {
+        FamilyConfig::Llama(l) => Ok(l),
+        _ => Err(super::wrong_family(cfg, "llama")),
+    }
+}
 
 struct Block {
     input_norm: RmsNorm,
@@ -43,6 +135,8 @@ impl Llama {
         cfg: ModelConfig,
         progress: Option<LoadProgress<'_>>,
     ) -> Result<Self> {
+        let f = llama_config(&cfg)?.clone();
+        let f = &f;
         let l = WeightLoader::with_progress(&backend, source, progress);
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
@@ -51,11 +145,11 @@ impl Llama {
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
-            qkv_bias: cfg.qkv_bias,
-            o_bias: cfg.o_bias,
-            qk_norm_eps: cfg.qk_norm.then_some(eps),
+            qkv_bias: f.qkv_bias,
+            o_bias: f.o_bias,
+            qk_norm_eps: f.qk_norm.then_some(eps),
             scale: (cfg.head_dim as f32).powf(-0.5),
-            sliding_window: cfg.sliding_window,
+            sliding_window: f.sliding_window,
         };
         let blocks = (0..cfg.num_layers)
             .map(|i| {
@@ -74,7 +168,7 @@ impl Llama {
                         &format!("{p}.mlp"),
                         h,
                         cfg.intermediate_size,
-                        cfg.activation,
+                        f.activation,
                     )?,
                 })
             })
@@ -84,7 +178,7 @@ impl Llama {
             Some(w) if !cfg.tie_word_embeddings => w,
             _ => embed.clone(),
         };
-        let rope = Rope::new(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling);
+        let rope = Rope::new(cfg.head_dim, f.rope_theta, &f.rope_scaling);
         Ok(Llama {
             cfg,
             backend,
@@ -181,7 +275,7 @@ fn config_error(key: &str, what: String) -> crate::error::ModelError {
 
 /// Every weight a Llama-family checkpoint with `cfg` holds: Hugging Face
 /// name and shape (the tied `lm_head` is left out when tied).
-pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+pub fn tensor_shapes(cfg: &ModelConfig, f: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
     let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
     let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
     let mut out = vec![(
@@ -197,15 +291,15 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         add("self_attn.k_proj.weight", vec![kv, h]);
         add("self_attn.v_proj.weight", vec![kv, h]);
         add("self_attn.o_proj.weight", vec![h, q]);
-        if cfg.qkv_bias {
+        if f.qkv_bias {
             add("self_attn.q_proj.bias", vec![q]);
             add("self_attn.k_proj.bias", vec![kv]);
             add("self_attn.v_proj.bias", vec![kv]);
         }
-        if cfg.o_bias {
+        if f.o_bias {
             add("self_attn.o_proj.bias", vec![h]);
         }
-        if cfg.qk_norm {
+        if f.qk_norm {
             add("self_attn.q_norm.weight", vec![hd]);
             add("self_attn.k_norm.weight", vec![hd]);
         }
@@ -230,7 +324,7 @@ impl CausalLm for Llama {
     }
 
     fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        Ok(self.backend.alloc_kv_cache(KvCacheSpec {
+        Ok(self.backend.alloc_kv_cache(KvPoolShape {
             num_layers: self.cfg.num_layers,
             num_blocks,
             block_size,

@@ -1,4 +1,63 @@
-//! Model families. Each is one file; [`crate::registry`] maps `model_type`
-//! to a family's loader.
+//! Model families. Each is one file that owns its definition: the
+//! `config.json` keys only it reads, its per-layer KV layout, the weights
+//! it expects and its forward pass. [`crate::registry`] lists one
+//! [`Family`] descriptor a family.
 
+use std::sync::Arc;
+
+use kiln_formats::{StoredTensor, WeightSource};
+use kiln_tensor::Backend;
+use serde_json::Value;
+
+use crate::config::{LayerKind, ModelConfig};
+use crate::error::Result;
+use crate::layers::LoadProgress;
+use crate::CausalLm;
+
+pub mod gemma3;
 pub mod llama;
+
+/// The keys only one family reads, parsed by that family's file.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FamilyConfig {
+    Llama(llama::LlamaConfig),
+    Gemma3(gemma3::Gemma3Config),
+}
+
+/// A family as the registry sees it: its name, the `model_type`s it
+/// serves, and its entry points.
+pub struct Family {
+    /// The family's name (`llama`, `gemma3`), shown by `kiln ls`.
+    pub name: &'static str,
+    /// The `config.json` `model_type`s it serves.
+    pub model_types: &'static [&'static str],
+    /// `tie_word_embeddings` when `config.json` leaves it out (its
+    /// transformers config class's default).
+    pub tied_by_default: bool,
+    /// Parse its own keys of `config.json` given the layer count and
+    /// head dimension: its [`FamilyConfig`] and one [`LayerKind`] a layer.
+    pub parse: fn(&Value, usize, usize) -> Result<(FamilyConfig, Vec<LayerKind>)>,
+    /// Every weight a checkpoint of the config holds: name and shape.
+    pub tensor_shapes: fn(&ModelConfig) -> Result<Vec<(String, Vec<usize>)>>,
+    /// Check the config against a checkpoint's tensor table before loading.
+    pub check_weights: fn(&ModelConfig, &[StoredTensor]) -> Result<()>,
+    /// Load the model onto a backend.
+    pub load: fn(
+        Arc<dyn Backend>,
+        &dyn WeightSource,
+        ModelConfig,
+        Option<LoadProgress<'_>>,
+    ) -> Result<Box<dyn CausalLm>>,
+}
+
+/// The error of a family's entry point handed another family's config:
+/// the registry never does this.
+pub(crate) fn wrong_family(cfg: &ModelConfig, family: &str) -> crate::error::ModelError {
+    crate::error::ModelError::Config {
+        key: "model_type".into(),
+        what: format!(
+            "{:?} was parsed as {:?}, not as the {family} family; this is a bug",
+            cfg.model_type, cfg.family
+        ),
+    }
+}

@@ -8,7 +8,7 @@ mod ops;
 use std::sync::Arc;
 
 use crate::backend::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, RopeParams,
 };
 use crate::error::{Result, TensorError};
 use crate::tensor::{DType, Tensor};
@@ -156,6 +156,14 @@ impl Backend for CpuBackend {
         ))
     }
 
+    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
+        let d = self.data(x, "softcap")?;
+        Ok(Self::wrap(
+            x.shape().to_vec(),
+            d.iter().map(|v| (v / cap).tanh() * cap).collect(),
+        ))
+    }
+
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
         Self::same_shape("gated_activation", gate, up)?;
         let out = ops::gated(
@@ -212,7 +220,7 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim;
         let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
             (0..spec.num_layers)

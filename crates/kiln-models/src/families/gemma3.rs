@@ -1,0 +1,534 @@
+//! Gemma 3 text decoders (`gemma3_text`, `Gemma3ForCausalLM`, the `gemma3`
+//! GGUF architecture) and the text side of EmbeddingGemma. Reference:
+//! transformers `models/gemma3/modeling_gemma3.py` (with Gemma 2's
+//! soft-capping from `modeling_gemma2.py`).
+//!
+//! Quirks, each as transformers computes it:
+//! - Four RMSNorms a block, each scaling by `(1 + w)` in f32: input and
+//!   post-attention around attention, pre- and post-feedforward around the
+//!   MLP, every output normalized before it joins the residual stream.
+//!   (GGUF files store `1 + w`; `kiln-formats` subtracts the 1.)
+//! - GeGLU: `down(gelu_tanh(gate(x)) * up(x))`.
+//! - Per-head RMSNorm of q and k (also `(1 + w)`) before RoPE.
+//! - Attention scale `query_pre_attn_scalar^-0.5`, not `head_dim^-0.5`.
+//! - Token embeddings multiplied by `sqrt(hidden_size)`, rounded to the
+//!   activation dtype first; the output projection is the embedding (tied).
+//! - Layers are `sliding_attention` (a window of `sliding_window` keys, the
+//!   query's own included) or `full_attention`, from `layer_types` or else
+//!   `sliding_window_pattern` (every 6th layer full). Sliding layers rotate
+//!   with the local base `rope_local_base_freq` (10k) and no scaling; full
+//!   layers with `rope_theta` and the global `rope_scaling`. transformers 5
+//!   writes both under `rope_parameters.{sliding,full}_attention`.
+//! - `attn_logit_softcapping` and `final_logit_softcapping` (Gemma 2):
+//!   `tanh(x / cap) * cap` on attention scores and on the logits, when set.
+//! - `use_bidirectional_attention` (EmbeddingGemma) turns the causal mask
+//!   off; Kiln's backends attend causally only, so such a config loads for
+//!   its weights and tokenizer but refuses to run a forward step.
+
+use std::sync::Arc;
+
+use kiln_formats::WeightSource;
+use kiln_tensor::{
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, QkNorm, Tensor,
+};
+use serde_json::Value;
+
+use super::{Family, FamilyConfig};
+use crate::config::{
+    err, opt_f32, opt_usize, parse_rope_scaling, LayerKind, ModelConfig, RopeScaling,
+};
+use crate::error::{ModelError, Result};
+use crate::layers::{Linear, LoadProgress, RmsNorm, Rope, WeightLoader};
+use crate::CausalLm;
+
+/// The registry's entry for the family.
+pub static FAMILY: Family = Family {
+    name: "gemma3",
+    model_types: &["gemma3_text"],
+    tied_by_default: true,
+    parse,
+    tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
+    check_weights: super::llama::check_weights,
+    load: |backend, source, cfg, progress| {
+        Ok(Box::new(Gemma3::load(backend, source, cfg, progress)?))
+    },
+};
+
+/// The keys of `config.json` only Gemma 3 reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma3Config {
+    /// The global (full-attention) RoPE base and scaling.
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    /// The sliding layers' RoPE base (never scaled).
+    pub rope_local_base_freq: f32,
+    /// Keys a sliding layer's query reads, itself included.
+    pub sliding_window: usize,
+    /// Attention scores are multiplied by `query_pre_attn_scalar^-0.5`.
+    pub query_pre_attn_scalar: f32,
+    pub attn_logit_softcapping: Option<f32>,
+    pub final_logit_softcapping: Option<f32>,
+    /// Attention over the whole sequence instead of causal (EmbeddingGemma).
+    pub bidirectional: bool,
+}
+
+/// A soft-capping value: absent, `null` and 0 all mean none.
+fn softcap(c: &Value, key: &str) -> Result<Option<f32>> {
+    Ok(opt_f32(c, key)?.filter(|&v| v != 0.0))
+}
+
+/// The family's keys of `c` and its layers' KV layout.
+fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<(FamilyConfig, Vec<LayerKind>)> {
+    // transformers 5 keeps RoPE per layer type under `rope_parameters`.
+    let params = |kind: &str| {
+        c.get("rope_parameters")
+            .and_then(|p| p.get(kind))
+            .filter(|v| v.is_object())
+    };
+    let theta = |p: Option<&Value>| p.map(|p| opt_f32(p, "rope_theta")).transpose();
+    let rope_theta = match opt_f32(c, "rope_theta")? {
+        Some(t) => t,
+        None => theta(params("full_attention"))?.flatten().unwrap_or(1e6),
+    };
+    let rope_local_base_freq = match opt_f32(c, "rope_local_base_freq")? {
+        Some(t) => t,
+        None => theta(params("sliding_attention"))?.flatten().unwrap_or(1e4),
+    };
+    let rope_scaling = parse_rope_scaling(
+        c.get("rope_scaling")
+            .filter(|v| v.is_object())
+            .or(params("full_attention")),
+    )?;
+    let sliding_window = opt_usize(c, "sliding_window")?.unwrap_or(4096);
+    if sliding_window == 0 {
+        return Err(err("sliding_window", "must be positive"));
+    }
+    let sliding = LayerKind::SlidingWindow {
+        window: sliding_window,
+    };
+    let layer_kinds = match c.get("layer_types").and_then(Value::as_array) {
+        Some(types) => types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("sliding_attention") => Ok(sliding),
+                Some("full_attention") => Ok(LayerKind::FullAttention),
+                _ => Err(err(
+                    "layer_types",
+                    format!("{t} is not a layer type Kiln knows"),
+                )),
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => {
+            let pattern = match opt_usize(c, "sliding_window_pattern")? {
+                Some(p) => p,
+                None => opt_usize(c, "_sliding_window_pattern")?.unwrap_or(6),
+            };
+            if pattern == 0 {
+                return Err(err("sliding_window_pattern", "must be positive"));
+            }
+            (0..num_layers)
+                .map(|i| {
+                    if (i + 1) % pattern == 0 {
+                        LayerKind::FullAttention
+                    } else {
+                        sliding
+                    }
+                })
+                .collect()
+        }
+    };
+    let cfg = Gemma3Config {
+        rope_theta,
+        rope_scaling,
+        rope_local_base_freq,
+        sliding_window,
+        query_pre_attn_scalar: opt_f32(c, "query_pre_attn_scalar")?.unwrap_or(head_dim as f32),
+        attn_logit_softcapping: softcap(c, "attn_logit_softcapping")?,
+        final_logit_softcapping: softcap(c, "final_logit_softcapping")?,
+        bidirectional: c
+            .get("use_bidirectional_attention")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    };
+    if !matches!(
+        c.get("hidden_activation")
+            .or_else(|| c.get("hidden_act"))
+            .and_then(Value::as_str),
+        None | Some("gelu_pytorch_tanh") | Some("gelu_tanh")
+    ) {
+        return Err(err("hidden_activation", "Gemma 3 uses gelu_pytorch_tanh"));
+    }
+    Ok((FamilyConfig::Gemma3(cfg), layer_kinds))
+}
+
+/// The Gemma 3 part of `cfg`.
+fn gemma3_config(cfg: &ModelConfig) -> Result<&Gemma3Config> {
+    match &cfg.family {
+        FamilyConfig::Gemma3(g) => Ok(g),
+        _ => Err(super::wrong_family(cfg, "gemma3")),
+    }
+}
+
+/// Every weight a Gemma 3 checkpoint with `cfg` holds: Hugging Face name
+/// and shape (the output projection is the embedding unless untied).
+pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
+        for norm in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ] {
+            add(&format!("{norm}.weight"), vec![h]);
+        }
+        add("self_attn.q_proj.weight", vec![q, h]);
+        add("self_attn.k_proj.weight", vec![kv, h]);
+        add("self_attn.v_proj.weight", vec![kv, h]);
+        add("self_attn.o_proj.weight", vec![h, q]);
+        add("self_attn.q_norm.weight", vec![hd]);
+        add("self_attn.k_norm.weight", vec![hd]);
+        add("mlp.gate_proj.weight", vec![i, h]);
+        add("mlp.up_proj.weight", vec![i, h]);
+        add("mlp.down_proj.weight", vec![h, i]);
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+/// A Gemma RMSNorm: the stored weight `w` scales by `1 + w`.
+fn norm(l: &WeightLoader, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
+    Ok(RmsNorm {
+        weight: l.tensor(name, &[dim])?,
+        eps,
+        weight_offset: 1.0,
+    })
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    /// q, k and v packed: `[(heads + 2 * kv_heads) * head_dim, hidden]`.
+    qkv: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    o: Linear,
+    post_attn_norm: RmsNorm,
+    pre_ff_norm: RmsNorm,
+    /// gate rows then up rows: `[2 * intermediate, hidden]`.
+    gate_up: Tensor,
+    down: Linear,
+    post_ff_norm: RmsNorm,
+    /// The layer's attention: its window and soft-capping.
+    params: AttentionParams,
+    /// Whether the layer rotates with the local (sliding) RoPE.
+    local_rope: bool,
+}
+
+pub struct Gemma3 {
+    cfg: ModelConfig,
+    backend: Arc<dyn Backend>,
+    embed: Tensor,
+    /// `sqrt(hidden_size)`, as f32.
+    embed_scale: f32,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    global_rope: Rope,
+    local_rope: Rope,
+    final_softcap: Option<f32>,
+}
+
+impl Gemma3 {
+    pub fn load(
+        backend: Arc<dyn Backend>,
+        source: &dyn WeightSource,
+        cfg: ModelConfig,
+        progress: Option<LoadProgress<'_>>,
+    ) -> Result<Self> {
+        let g = gemma3_config(&cfg)?.clone();
+        if let Some(cap) = g.final_logit_softcapping {
+            // Refuse at load time, not mid-request, when the backend lacks the op.
+            let probe = backend.upload(&[1, 1], &[0.0])?;
+            backend.softcap(&probe, cap)?;
+        }
+        let l = WeightLoader::with_progress(&backend, source, progress);
+        let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
+        let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+        let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let blocks = cfg
+            .layer_kinds
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| {
+                let p = format!("model.layers.{i}");
+                let a = format!("{p}.self_attn");
+                let m = format!("{p}.mlp");
+                let sliding_window = match *kind {
+                    LayerKind::SlidingWindow { window } => Some(window),
+                    _ => None,
+                };
+                Ok(Block {
+                    input_norm: norm(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
+                    qkv: Linear::load_packed(
+                        &l,
+                        &[
+                            format!("{a}.q_proj"),
+                            format!("{a}.k_proj"),
+                            format!("{a}.v_proj"),
+                        ],
+                        h,
+                        &[q, kv, kv],
+                        false,
+                    )?,
+                    q_norm: norm(&l, &format!("{a}.q_norm.weight"), hd, eps)?,
+                    k_norm: norm(&l, &format!("{a}.k_norm.weight"), hd, eps)?,
+                    o: Linear::load(&l, &format!("{a}.o_proj"), q, h, false)?,
+                    post_attn_norm: norm(
+                        &l,
+                        &format!("{p}.post_attention_layernorm.weight"),
+                        h,
+                        eps,
+                    )?,
+                    pre_ff_norm: norm(
+                        &l,
+                        &format!("{p}.pre_feedforward_layernorm.weight"),
+                        h,
+                        eps,
+                    )?,
+                    gate_up: Linear::load_packed(
+                        &l,
+                        &[format!("{m}.gate_proj"), format!("{m}.up_proj")],
+                        h,
+                        &[cfg.intermediate_size, cfg.intermediate_size],
+                        false,
+                    )?
+                    .weight,
+                    down: Linear::load(
+                        &l,
+                        &format!("{m}.down_proj"),
+                        cfg.intermediate_size,
+                        h,
+                        false,
+                    )?,
+                    post_ff_norm: norm(
+                        &l,
+                        &format!("{p}.post_feedforward_layernorm.weight"),
+                        h,
+                        eps,
+                    )?,
+                    params: AttentionParams {
+                        num_heads: cfg.num_heads,
+                        num_kv_heads: cfg.num_kv_heads,
+                        head_dim: hd,
+                        scale: g.query_pre_attn_scalar.powf(-0.5),
+                        sliding_window,
+                        softcap: g.attn_logit_softcapping,
+                    },
+                    local_rope: sliding_window.is_some(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = norm(&l, "model.norm.weight", h, eps)?;
+        let lm_head = Linear {
+            weight: match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
+                Some(w) if !cfg.tie_word_embeddings => w,
+                _ => embed.clone(),
+            },
+            bias: None,
+        };
+        Ok(Gemma3 {
+            embed_scale: (h as f32).sqrt(),
+            backend,
+            embed,
+            blocks,
+            norm: final_norm,
+            lm_head,
+            global_rope: Rope::new(hd, g.rope_theta, &g.rope_scaling),
+            local_rope: Rope::new(hd, g.rope_local_base_freq, &RopeScaling::None),
+            final_softcap: g.final_logit_softcapping,
+            cfg,
+        })
+    }
+
+    /// One forward step as backend ops; [`Backend::run_step`] may record it.
+    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        if gemma3_config(&self.cfg)?.bidirectional {
+            return Err(ModelError::Config {
+                key: "use_bidirectional_attention".into(),
+                what: "bidirectional attention is not supported by Kiln's backends yet; \
+                       this model loads but cannot run"
+                    .into(),
+            });
+        }
+        let b = self.backend.as_ref();
+        let x = b.embedding(&self.embed, &batch.token_ids)?;
+        let mut x = b.scale(&x, self.embed_scale)?;
+        let (nh, hd) = (self.cfg.num_heads, self.cfg.head_dim);
+        for (i, blk) in self.blocks.iter().enumerate() {
+            let rope = if blk.local_rope {
+                &self.local_rope
+            } else {
+                &self.global_rope
+            };
+            let qkv = blk.input_norm.forward_linear(b, &x, &blk.qkv)?;
+            let qk_norm = QkNorm {
+                q_weight: &blk.q_norm.weight,
+                k_weight: &blk.k_norm.weight,
+                eps: blk.q_norm.eps,
+                weight_offset: blk.q_norm.weight_offset,
+            };
+            let attn = b.qkv_attention(
+                &qkv,
+                cache,
+                i,
+                batch,
+                &blk.params,
+                &rope.params(nh, hd),
+                Some(qk_norm),
+            )?;
+            let attn = blk.o.forward(b, &attn)?;
+            x = b.add(&x, &blk.post_attn_norm.forward(b, &attn)?)?;
+            let h =
+                blk.pre_ff_norm
+                    .forward_gated_linear(b, &x, &blk.gate_up, Activation::GeluTanh)?;
+            let h = blk.down.forward(b, &h)?;
+            x = b.add(&x, &blk.post_ff_norm.forward(b, &h)?)?;
+        }
+        // Only the rows that want logits go through the final norm and head.
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
+        let logits = self.norm.forward_linear(b, &x, &self.lm_head)?;
+        match self.final_softcap {
+            Some(cap) => Ok(b.softcap(&logits, cap)?),
+            None => Ok(logits),
+        }
+    }
+}
+
+impl CausalLm for Gemma3 {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        Ok(self.backend.alloc_kv_cache(KvPoolShape {
+            num_layers: self.cfg.num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        })?)
+    }
+
+    fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        let mut step = |batch: &ForwardBatch, cache: &mut KvCache| -> kiln_tensor::Result<Tensor> {
+            self.step(batch, cache).map_err(|e| match e {
+                ModelError::Tensor(t) => t,
+                other => kiln_tensor::TensorError::Device {
+                    backend: "model",
+                    message: other.to_string(),
+                },
+            })
+        };
+        Ok(self.backend.run_step(batch, cache, &mut step)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random::RandomWeights;
+    use kiln_tensor::cpu::CpuBackend;
+    use serde_json::json;
+
+    fn tiny() -> Value {
+        json!({"model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "head_dim": 16, "vocab_size": 50, "sliding_window": 4,
+               "sliding_window_pattern": 2, "query_pre_attn_scalar": 16})
+    }
+
+    fn gemma(c: &ModelConfig) -> &Gemma3Config {
+        gemma3_config(c).unwrap()
+    }
+
+    #[test]
+    fn layer_types_rope_bases_and_softcaps_parse_both_config_styles() {
+        let c = ModelConfig::from_hf(&tiny()).unwrap();
+        let sw = LayerKind::SlidingWindow { window: 4 };
+        let full = LayerKind::FullAttention;
+        assert_eq!(c.layer_kinds, [sw, full, sw, full]);
+        assert!(c.tie_word_embeddings);
+        let g = gemma(&c);
+        assert_eq!((g.rope_theta, g.rope_local_base_freq), (1e6, 1e4));
+        assert_eq!(g.attn_logit_softcapping, None);
+        // transformers 5: explicit layer types and RoPE per layer type.
+        let mut v = tiny();
+        v["layer_types"] = json!([
+            "full_attention",
+            "sliding_attention",
+            "sliding_attention",
+            "sliding_attention"
+        ]);
+        v["rope_parameters"] = json!({
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e6}});
+        v["attn_logit_softcapping"] = json!(50.0);
+        v["final_logit_softcapping"] = json!(0);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        assert_eq!(c.layer_kinds, [full, sw, sw, sw]);
+        let g = gemma(&c);
+        assert_eq!((g.rope_theta, g.rope_local_base_freq), (2e6, 5000.0));
+        assert_eq!(g.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(
+            (g.attn_logit_softcapping, g.final_logit_softcapping),
+            (Some(50.0), None)
+        );
+        v["layer_types"] = json!(["full_attention", "chunked_attention"]);
+        let e = ModelConfig::from_hf(&v).unwrap_err().to_string();
+        assert!(e.contains("layer_types"), "{e}");
+    }
+
+    fn logits(config: &Value, tokens: &[u32]) -> Vec<f32> {
+        let cfg = ModelConfig::from_hf(config).unwrap();
+        let w = RandomWeights::new(&cfg, 7).unwrap();
+        let m = crate::load_model(Arc::new(CpuBackend::new()), &w, cfg).unwrap();
+        let mut cache = m.new_kv_cache(tokens.len().div_ceil(4), 4).unwrap();
+        let batch = ForwardBatch::single(tokens, 0, 4, 0);
+        let out = m.forward(&batch, &mut cache).unwrap();
+        m.backend().to_host(&out).unwrap()
+    }
+
+    #[test]
+    fn final_logit_softcapping_bounds_the_logits() {
+        let tokens = [2, 7, 11, 3, 9, 30, 1, 4];
+        let plain = logits(&tiny(), &tokens);
+        let mut v = tiny();
+        v["final_logit_softcapping"] = json!(0.5);
+        let capped = logits(&v, &tokens);
+        assert!(plain.iter().any(|x| x.abs() > 0.5), "the cap must bite");
+        for (p, c) in plain.iter().zip(&capped) {
+            assert!((c - (p / 0.5).tanh() * 0.5).abs() < 1e-5, "{p} -> {c}");
+        }
+        // Attention soft-capping changes the scores, so the logits move.
+        v["attn_logit_softcapping"] = json!(0.01);
+        let attn_capped = logits(&v, &tokens);
+        assert!(attn_capped
+            .iter()
+            .zip(&capped)
+            .any(|(a, c)| (a - c).abs() > 1e-4));
+    }
+}
