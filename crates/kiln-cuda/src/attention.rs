@@ -16,22 +16,9 @@ pub(crate) const DECODE_COUNTERS: usize = 256;
 /// Fewest keys per split.
 const DECODE_MIN_PARTITION: usize = 32;
 
-/// RoPE folded into decode attention (`decode_rope_attention_hd*`): the
-/// device table of inverse frequencies, the rotated half width (a multiple
-/// of 8, at most half the head), the attention scaling, and the step's slot
-/// mapping (where each row's new key and value go).
-pub(crate) struct RopeFold {
-    pub freq: u64,
-    pub half: i32,
-    pub scaling: f32,
-    pub slots: u64,
-}
-
 impl CudaBackend {
     /// Attention of `n` query rows (row stride `q_stride`) over the cache
     /// of `layer`, keys and values already written; `out [n, heads * hd]`.
-    /// With `rope` (decode steps only): q is the packed qkv rows, not yet
-    /// rotated, and the new keys and values are not yet in the cache.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attend(
         &self,
@@ -42,7 +29,6 @@ impl CudaBackend {
         step: &ActiveStep,
         block_size: usize,
         p: &AttentionParams,
-        rope: Option<RopeFold>,
     ) -> Result<Tensor> {
         let n = step.meta.num_rows;
         let qw = p.num_heads * p.head_dim;
@@ -57,12 +43,7 @@ impl CudaBackend {
         let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
         let softcap = p.softcap.unwrap_or(0.0);
         let hd = p.head_dim;
-        let kind = if rope.is_some() {
-            "rope_attention"
-        } else {
-            "attention"
-        };
-        let decode = format!("decode_{kind}_hd{hd}");
+        let decode = format!("decode_attention_hd{hd}");
         let flash = format!("flash_prefill_hd{hd}");
         if n == 0 {
             return Ok(wrap(vec![0, qw], out));
@@ -105,7 +86,7 @@ impl CudaBackend {
             };
             // Split steps hold few keys a block: their values' first round
             // goes out with the keys (one memory round trip less).
-            let vpre = format!("decode_{kind}_vpre_hd{hd}");
+            let vpre = format!("decode_attention_vpre_hd{hd}");
             let name = if parts > 1
                 && self.decode_vpre.load(std::sync::atomic::Ordering::Relaxed)
                 && self.dev.has(&vpre)
@@ -136,22 +117,10 @@ impl CudaBackend {
                 .arg(&counters)
                 .arg(&out.ptr)
                 .arg(&os);
-            if let Some(r) = &rope {
-                b.arg(&r.freq).arg(&r.half).arg(&r.scaling).arg(&r.slots);
-            }
             // SAFETY: q rows [n, q_stride], caches [slots, kv_row], metadata
             // arrays of the step, partials sized [n, heads, parts, hd] and
-            // [n, heads, parts, 2]; with `rope`, q is the packed qkv rows
-            // (k and v after the q heads), the caches are written at the
-            // step's slots (checked against the cache) and the RoPE table
-            // holds `half` floats.
+            // [n, heads, parts, 2].
             unsafe { b.launch(cfg) }.map_err(dev_err)?;
-            // The output projection that follows may stream its weights
-            // into L2 while this kernel runs (unless a reduce runs between).
-            self.prefetch_next.store(
-                self.dev.l2_prefetch && (parts == 1 || counters != 0),
-                std::sync::atomic::Ordering::Relaxed,
-            );
             if parts > 1 && counters == 0 {
                 let np = parts as i32;
                 let cfg = LaunchConfig {
@@ -174,9 +143,6 @@ impl CudaBackend {
                 }
             }
             return Ok(wrap(vec![n, qw], out));
-        }
-        if rope.is_some() {
-            return Err(dev_err("RoPE folds into decode attention only"));
         }
         if self.dev.has(&flash) {
             let tiles = word(m.tiles);

@@ -2,8 +2,7 @@
 //! weights are bf16 on the device, math in f32. Decode-sized products
 //! (≤ 8 rows) run Kiln's GEMV kernels with fused epilogues (bias, residual
 //! add, gated activation) and, where an RMSNorm feeds them, a fused norm
-//! prologue (`norm_gemv.rs`); 9–64 rows the skinny GEMM with the same
-//! epilogues (`skinny.rs`); larger ones go through cuBLAS. Attention is
+//! prologue (`norm_gemv.rs`); larger ones go through cuBLAS. Attention is
 //! split-KV for decode steps and flash-style (tensor cores, no
 //! materialized scores) for prefill, over the paged cache. Each step's
 //! metadata is uploaded once ([`crate::meta::StepMeta`]); decode steps are
@@ -44,22 +43,12 @@ pub struct CudaBackend {
     pub(crate) graphs_enabled: AtomicBool,
     pub(crate) warnings: Mutex<Vec<String>>,
     rope_tables: Mutex<Vec<(Vec<f32>, Arc<DevBuf>)>>,
-    pub(crate) skinny: crate::skinny::Skinny,
     /// Zeroed partition counters of split decode attention (`None`: the
     /// separate reduce kernel combines the partitions).
     pub(crate) decode_counters: Option<DevBuf>,
-    /// Decode steps rotate q and the new key inside decode attention
-    /// (`decode_rope_attention_hd*`) instead of running the RoPE kernel
-    /// first: `KILN_DECODE_ROPE=1` or [`CudaBackend::set_decode_rope_fused`]
-    /// (off by default until timed on a GPU).
-    pub(crate) decode_rope: AtomicBool,
     /// Split decode steps use the kernels that load values with keys
     /// (`decode_*attention_vpre_hd*`; `KILN_DECODE_VPRE_SPLIT=0` off).
     pub(crate) decode_vpre: AtomicBool,
-    /// The last kernel launched was decode attention (reads little memory):
-    /// the next direct-load GEMV prefetches its weights into L2 before its
-    /// PDL wait. Taken (cleared) by the next product of any kind.
-    pub(crate) prefetch_next: AtomicBool,
 }
 
 /// A step's metadata on the device.
@@ -92,7 +81,6 @@ impl CudaBackend {
         let dev = Device::open(ordinal, compiler)?;
         let device_name = dev.name.clone();
         let warnings = Mutex::new(dev.warnings.clone());
-        let skinny = crate::skinny::Skinny::new(&dev);
         // KILN_DECODE_FUSED=0: the separate reduce kernel (for comparisons).
         let fused = std::env::var("KILN_DECODE_FUSED").map_or(true, |v| v != "0");
         let decode_counters = fused
@@ -110,23 +98,13 @@ impl CudaBackend {
             graphs_enabled: AtomicBool::new(true),
             warnings,
             rope_tables: Mutex::new(Vec::new()),
-            skinny,
             decode_counters,
-            decode_rope: AtomicBool::new(std::env::var("KILN_DECODE_ROPE").is_ok_and(|v| v == "1")),
-            prefetch_next: AtomicBool::new(false),
             decode_vpre: AtomicBool::new(
                 std::env::var("KILN_DECODE_VPRE_SPLIT").map_or(true, |v| v != "0"),
             ),
             staging: Mutex::new(None),
             staging_tried: AtomicBool::new(false),
         })
-    }
-
-    /// Fold RoPE and the cache write into decode attention on decode steps
-    /// (steps recorded as graphs before the change keep what they recorded).
-    pub fn set_decode_rope_fused(&self, on: bool) {
-        self.decode_rope
-            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Split decode steps (few rows, keys spread over many blocks) load each
@@ -819,7 +797,6 @@ impl Backend for CudaBackend {
             &step,
             block_size,
             p,
-            None,
         )
     }
 
@@ -870,26 +847,6 @@ impl Backend for CudaBackend {
         let step = self.step_meta(batch)?;
         let block_size = cache.spec.block_size;
         let kv = Self::kv(cache)?;
-        // Decode steps (one new token a sequence): the attention kernel
-        // rotates q and the new key itself and writes the key and value.
-        let half = rope.inv_freq.len();
-        if step.meta.decode_only
-            && n > 0
-            && self.decode_rope.load(std::sync::atomic::Ordering::Relaxed)
-            && half > 0
-            && half.is_multiple_of(8)
-            && self.dev.has(&format!("decode_rope_attention_hd{hd}"))
-        {
-            let freq = self.rope_table(rope.inv_freq)?;
-            let fold = crate::attention::RopeFold {
-                freq: freq.ptr,
-                half: half as i32,
-                scaling: rope.attention_scaling,
-                slots: step.base + 4 * step.meta.slot as u64,
-            };
-            let qkv_ptr = ptr(qkv, "qkv_attention")?;
-            return self.attend(qkv_ptr, width, kv, layer, &step, block_size, p, Some(fold));
-        }
         // RoPE is applied in place: work on a private copy unless this
         // tensor is the only holder of its buffer.
         let private;
@@ -932,7 +889,7 @@ impl Backend for CudaBackend {
                     .map_err(dev_err)?;
             }
         }
-        self.attend(qkv_ptr, width, kv, layer, &step, block_size, p, None)
+        self.attend(qkv_ptr, width, kv, layer, &step, block_size, p)
     }
 
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {

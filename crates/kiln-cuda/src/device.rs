@@ -42,23 +42,11 @@ pub(crate) struct Device {
     /// previous kernel finishes (programmatic dependent launch: sm_90 and
     /// newer, unless `KILN_PDL=0`); every kernel waits for its inputs first.
     pub pdl: bool,
-    /// Gated decode products on gemv.cu's pipelined GEMV instead of the
-    /// direct-load one (`KILN_GATED_PIPELINED=1`, for A/B timings).
-    pub gated_pipelined: bool,
     /// Streaming multiprocessors.
     pub sms: usize,
     /// The direct-load GEMV's tile width for plain products when set
     /// (`KILN_DIRECT_COLS=8|16`, for A/B timings); else the host rule picks.
     pub direct_cols: Option<usize>,
-    /// The direct-load GEMV runs at most one wave of resident blocks, each
-    /// looping over its tiles (unless `KILN_DIRECT_PERSISTENT=0`: a block
-    /// per tile).
-    pub direct_persistent: bool,
-    /// A decode product right after decode attention prefetches all its
-    /// weights into L2 while attention runs (sm_90 with PDL, and
-    /// `KILN_DIRECT_L2_PREFETCH=1`: measured 1.1 % slower on the H200 at
-    /// batch 1, so off by default).
-    pub l2_prefetch: bool,
     _workspace: DevBuf,
 }
 
@@ -153,31 +141,11 @@ impl Device {
                             continue;
                         }
                     }
-                    if entry.starts_with("skinny_gemm_bf16_m") {
-                        // 96 KiB of pipeline stages: left out (cuBLAS
-                        // instead) where the GPU cannot give that much.
-                        let set = f
-                            .set_attribute(
-                                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                crate::skinny::MAX_SMEM as i32,
-                            )
-                            .and_then(|_| {
-                                f.set_attribute(
-                                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                    100,
-                                )
-                            });
-                        if let Err(e) = set {
-                            warnings.push(format!("{entry} unavailable, using cuBLAS: {e:?}"));
-                            continue;
-                        }
-                    }
                     funcs.insert(entry, f);
                 }
             }
         }
         let pdl = major >= 9 && std::env::var("KILN_PDL").map_or(true, |v| v != "0");
-        let gated_pipelined = std::env::var("KILN_GATED_PIPELINED").is_ok_and(|v| v == "1");
         let sms = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -189,10 +157,6 @@ impl Device {
             Ok("16") => Some(16),
             _ => None,
         };
-        let direct_persistent = std::env::var("KILN_DIRECT_PERSISTENT").map_or(true, |v| v != "0");
-        // Bulk L2 prefetch needs sm_90 and only acts ahead of the PDL wait.
-        // Off by default: on the H200 it cost 1.1 % at batch 1 (8B shape).
-        let l2_prefetch = pdl && std::env::var("KILN_DIRECT_L2_PREFETCH").is_ok_and(|v| v == "1");
         Ok(Device {
             ctx,
             stream,
@@ -202,11 +166,8 @@ impl Device {
             name,
             warnings,
             pdl,
-            gated_pipelined,
             sms,
             direct_cols,
-            direct_persistent,
-            l2_prefetch,
             _workspace: workspace,
         })
     }

@@ -1,8 +1,6 @@
 //! The decode-sized products' routing for [`CudaBackend`]: up to
-//! `GEMV_MAX_ROWS` rows the direct-load GEMV (`kernels/gemv_direct.cu`; the
-//! pipelined one of `gemv.cu` for gated products under
-//! `KILN_GATED_PIPELINED=1`), 9–64 rows the skinny GEMM where it is on; the
-//! caller falls back to cuBLAS.
+//! `GEMV_MAX_ROWS` rows the direct-load GEMV (`kernels/gemv_direct.cu`);
+//! the caller falls back to cuBLAS.
 
 use cudarc::driver::LaunchConfig;
 use kiln_tensor::Result;
@@ -13,8 +11,8 @@ use crate::device::dev_err;
 impl CudaBackend {
     /// `out[n, m] = x[n, k] · w[m, k]ᵀ` with a GEMV epilogue `mode`
     /// (0 none, 1 bias, 2 residual, 3 SiLU gate, 4 GELU gate); `out_cols`
-    /// is m, or m / 2 for the gated modes; 9–64 rows go to the skinny GEMM.
-    /// Returns false when the shape is for neither (cuBLAS then).
+    /// is m, or m / 2 for the gated modes.
+    /// Returns false when the shape is not for it (cuBLAS then).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv(
         &self,
@@ -27,28 +25,15 @@ impl CudaBackend {
         out_cols: usize,
         mode: i32,
     ) -> Result<bool> {
-        let prefetch = self.take_prefetch();
-        if n > GEMV_MAX_ROWS {
-            return self.skinny_gemm(x, w, out, extra, n, k, out_cols, mode);
-        }
-        let direct = mode <= 2 || !self.dev.gated_pipelined;
-        let name = if direct {
-            format!("gemv_direct_bf16_m{n}")
-        } else {
-            format!("gemv_bf16_m{n}")
-        };
+        let name = format!("gemv_direct_bf16_m{n}");
         if n == 0 || n > GEMV_MAX_ROWS || !k.is_multiple_of(8) || !self.dev.has(&name) {
             return Ok(false);
         }
-        let (ni, ki, splits, null) = (out_cols as i32, k as i32, 1i32, 0u64);
+        let (ni, ki) = (out_cols as i32, k as i32);
         // Tiles of 16 (or 8) output columns, at most one wave of blocks
         // (`direct_launch`); no split-K (slower on every decode shape
         // measured).
-        let (grid, mode) = if direct {
-            self.direct_launch(out_cols, mode, prefetch)
-        } else {
-            (out_cols.div_ceil(16) as u32, mode)
-        };
+        let (grid, mode) = self.direct_launch(out_cols, mode);
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (256, 1, 1),
@@ -63,41 +48,26 @@ impl CudaBackend {
             .arg(&ni)
             .arg(&ki)
             .arg(&mode);
-        if !direct {
-            b.arg(&splits).arg(&null).arg(&null);
-        }
         // SAFETY: x [n, k], w [m, k], out [n, out_cols], extra as `mode`
-        // needs; the direct kernel takes the first seven arguments only.
+        // needs.
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
         Ok(true)
     }
 
     /// The direct-load GEMV's launch for `out_cols` outputs in `mode`: its
-    /// grid (one block per tile, or at most one wave of resident blocks that
-    /// loop over the tiles, carrying their loads from one tile into the
-    /// next) and mode argument; the tile width is [`direct_tiles`]'s, or the
-    /// one `KILN_DIRECT_COLS` sets; `prefetch` (after decode attention)
-    /// asks every block to prefetch its weights into L2 first (mode | 16).
-    pub(crate) fn direct_launch(&self, out_cols: usize, mode: i32, prefetch: bool) -> (u32, i32) {
+    /// grid (at most one wave of resident blocks that loop over the tiles,
+    /// carrying their loads from one tile into the next) and mode argument;
+    /// the tile width is [`direct_tiles`]'s, or the one
+    /// [`crate::CudaOptions::direct_cols`] sets.
+    pub(crate) fn direct_launch(&self, out_cols: usize, mode: i32) -> (u32, i32) {
         let (cols, mode) = match self.dev.direct_cols {
             Some(8) if mode < 3 => (8, mode | 8),
             Some(16) if mode < 3 => (16, mode),
             _ => direct_tiles(out_cols, mode, self.dev.sms),
         };
         let tiles = out_cols.div_ceil(cols);
-        let grid = if self.dev.direct_persistent {
-            tiles.min(self.dev.sms * DIRECT_BLOCKS_PER_SM)
-        } else {
-            tiles
-        };
-        (grid.max(1) as u32, if prefetch { mode | 16 } else { mode })
-    }
-
-    /// Whether the product about to launch follows decode attention (see
-    /// `prefetch_next`); clears it.
-    pub(crate) fn take_prefetch(&self) -> bool {
-        self.prefetch_next
-            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        let grid = tiles.min(self.dev.sms * DIRECT_BLOCKS_PER_SM);
+        (grid.max(1) as u32, mode)
     }
 }
 

@@ -24,7 +24,6 @@ pub mod pool;
 mod sample;
 mod sample_check;
 pub mod selfcheck;
-pub mod skinny;
 mod staging;
 
 pub use backend::CudaBackend;

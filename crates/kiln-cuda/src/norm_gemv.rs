@@ -41,29 +41,21 @@ fn check_norm(op: &'static str, x: &Tensor, norm_w: &Tensor, k: usize) -> Result
 /// A fused launch that can run: the kernel and its dynamic shared memory.
 struct Plan {
     name: String,
-    direct: bool,
     smem: usize,
 }
 
 impl CudaBackend {
-    /// The fused kernel for `n` rows of `k` with GEMV epilogue `mode`
-    /// (0 none, 1 bias, 3 SiLU gate, 4 GELU gate), if the shape is for one.
-    fn norm_gemv_plan(&self, n: usize, k: usize, out_cols: usize, mode: i32) -> Option<Plan> {
-        // As the plain GEMV: the direct-load kernel, or the pipelined one
-        // for gated products under KILN_GATED_PIPELINED=1.
-        let direct = mode <= 2 || !self.dev.gated_pipelined;
-        let name = if direct {
-            format!("rms_norm_gemv_direct_bf16_m{n}")
-        } else {
-            format!("rms_norm_gemv_bf16_m{n}")
-        };
-        let smem = if direct { direct_smem(n, k) } else { 0 };
+    /// The fused kernel for `n` rows of `k` into `out_cols` outputs, if the
+    /// shape is for one.
+    fn norm_gemv_plan(&self, n: usize, k: usize, out_cols: usize) -> Option<Plan> {
+        let name = format!("rms_norm_gemv_direct_bf16_m{n}");
+        let smem = direct_smem(n, k);
         let fits = (1..=GEMV_MAX_ROWS).contains(&n)
             && k > 0
             && k.is_multiple_of(8)
             && out_cols > 0
             && smem <= NORM_GEMV_MAX_SMEM;
-        (fits && self.dev.has(&name)).then_some(Plan { name, direct, smem })
+        (fits && self.dev.has(&name)).then_some(Plan { name, smem })
     }
 
     /// `out[n, out_cols] = rms_norm(x)[n, k] · w[m, k]ᵀ` with the plan's
@@ -84,13 +76,8 @@ impl CudaBackend {
         mode: i32,
     ) -> Result<()> {
         let (ni, ki, nt) = (out_cols as i32, k as i32, norm_threads(k) as i32);
-        let (splits, null) = (1i32, 0u64);
         // The plain GEMV's launch (`direct_launch`).
-        let (grid, mode) = if plan.direct {
-            self.direct_launch(out_cols, mode, self.take_prefetch())
-        } else {
-            (out_cols.div_ceil(16) as u32, mode)
-        };
+        let (grid, mode) = self.direct_launch(out_cols, mode);
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (256, 1, 1),
@@ -106,12 +93,9 @@ impl CudaBackend {
             .arg(&ni)
             .arg(&ki)
             .arg(&mode);
-        if !plan.direct {
-            b.arg(&splits).arg(&null).arg(&null);
-        }
         b.arg(&eps).arg(&weight_offset).arg(&nt);
         // SAFETY: x [n, k], norm_w [k], w [m, k], out [n, out_cols], extra as
-        // `mode` needs; k % 8 == 0 (the plan); the direct kernel's dynamic
+        // `mode` needs; k % 8 == 0 (the plan); the kernel's dynamic
         // shared memory is within the attribute set at load; nt =
         // norm_threads(k) is a multiple of 32 in [128, 1024].
         unsafe { b.launch(cfg) }.map_err(dev_err)?;
@@ -133,7 +117,7 @@ impl CudaBackend {
         mode: i32,
     ) -> Result<Option<Tensor>> {
         let (n, k) = x.dims2(op)?;
-        let Some(plan) = self.norm_gemv_plan(n, k, out_cols, mode) else {
+        let Some(plan) = self.norm_gemv_plan(n, k, out_cols) else {
             return Ok(None);
         };
         let out = self.alloc(n * out_cols, op)?;

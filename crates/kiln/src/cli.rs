@@ -98,9 +98,6 @@ pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
         .with_context(|| format!("--device cuda:{ordinal}"))?;
     // KILN_CUDA_GRAPHS=0 runs every step eagerly (for comparisons).
     b.set_graphs_enabled(std::env::var("KILN_CUDA_GRAPHS").map_or(true, |v| v != "0"));
-    // KILN_SKINNY_GEMM=1 runs 9-64-row products with Kiln's skinny GEMM
-    // instead of cuBLAS (off by default: slower at the 8B shapes so far).
-    b.set_skinny_gemm_enabled(std::env::var("KILN_SKINNY_GEMM").is_ok_and(|v| v == "1"));
     eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
     for w in kiln_tensor::Backend::warnings(&b) {
         eprintln!("kiln: warning: {w}");

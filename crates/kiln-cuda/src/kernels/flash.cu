@@ -43,19 +43,7 @@
 //     are processed in passes of 4 heads, re-reading K/V; measured on H200 for the 8B shape,
 //     GB = 4 beats GB = 8 by ~2x through occupancy, 122 vs 191 registers).
 //
-//   decode_rope_attention_hdN(qkv, qkv_stride, k_cache, v_cache, ...as decode_attention...,
-//                             out, out_stride, rope_freq, rope_half, rope_scaling, slots)
-//     decode_attention with the RoPE and cache write of qkv_rope_write_bf16 (fused.cu) folded in,
-//     for steps where every row is its sequence's only new token (no row reads a key another
-//     row of the step writes): q and k in the packed qkv rows [q heads | k heads | v heads] are
-//     not rotated yet (qkv is read only); each block rotates its q heads in registers, and the
-//     block whose partition holds key pos[row] rotates that key (rotate-half pairs (i, i + half),
-//     half = rope_half, a multiple of 8, 2 * half <= HD; cos and sin of rope_freq[i] * pos times
-//     rope_scaling) and writes it and the value into the cache at slots[row] (the step's slot
-//     mapping, which must be the slot the block table gives key pos[row]) before reading keys.
-//     Same grid, block and partials as decode_attention.
-//
-//   decode_attention_vpre_hdN, decode_rope_attention_vpre_hdN: the same, with each chunk's first
+//   decode_attention_vpre_hdN: the same, with each chunk's first
 //     round of values loaded together with its keys (more registers; for split steps).
 //
 //   decode_attention_reduce_hdN(part_out, part_ml, heads, num_parts, out, out_stride)
@@ -166,62 +154,7 @@ __device__ __forceinline__ void decode_combine_last(const float* part_out, const
     }
 }
 
-// Loads of cached keys and values: plain loads, or (ROPE: this kernel writes the new token's
-// row, so the loads must see that store) straight from L2.
-template <bool ROPE>
-__device__ __forceinline__ uint4 ld_kv(const bf16* p) {
-    return ROPE ? __ldcg(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
-}
-
-// RoPE of the 8 dims [8 ln, 8 ln + 8) a lane holds (rotate-half pairs (i, i + half), i < half):
-// kind 1 = first half (own = x[i], partner = x[i + half]), 2 = second half (own = x[i + half],
-// partner = x[i]), 0 = past the rotary dims (unchanged). c, s: cos and sin times the attention
-// scaling. The operations of qkv_rope_write_bf16 (fused.cu): the same bits.
-__device__ __forceinline__ uint4 rope8(uint4 own, uint4 partner, int kind, const float (&c)[8], const float (&s)[8]) {
-    if (kind == 0) return own;
-    const unsigned int o[4] = {own.x, own.y, own.z, own.w}, q[4] = {partner.x, partner.y, partner.z, partner.w};
-    unsigned int r[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        float v[2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const float a = j ? bf16hi(o[i]) : bf16lo(o[i]), b = j ? bf16hi(q[i]) : bf16lo(q[i]);
-            const int d = 2 * i + j;
-            v[j] = kind == 1 ? rope_first(a, b, c[d], s[d]) : rope_second(b, a, c[d], s[d]);
-        }
-        r[i] = (unsigned int)__bfloat16_as_ushort(to_bf16(v[0])) | ((unsigned int)__bfloat16_as_ushort(to_bf16(v[1])) << 16);
-    }
-    return make_uint4(r[0], r[1], r[2], r[3]);
-}
-
-// cos and sin (times the attention scaling) of position p for the 8 dims [8 ln, 8 ln + 8).
-__device__ __forceinline__ void rope_angles(const float* __restrict__ freq, int half, float scaling, int p, int ln,
-                                            int kind, float (&c)[8], float (&s)[8]) {
-    const int f0 = kind == 2 ? ln * 8 - half : ln * 8;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float sn = 0.0f, cs = 1.0f;
-        if (kind != 0) sincosf(freq[f0 + i] * (float)p, &sn, &cs);
-        c[i] = __fmul_rn(cs, scaling);
-        s[i] = __fmul_rn(sn, scaling);
-    }
-}
-
-// The lane holding the partner dims of a rope8 pair (itself for kind 0), as a warp lane.
-template <int LPK>
-__device__ __forceinline__ uint4 rope_partner(uint4 v, int lane, int ln, int kind, int half) {
-    const int pln = kind == 1 ? ln + half / 8 : kind == 2 ? ln - half / 8 : ln;
-    const int src = (lane & ~(LPK - 1)) + pln;
-    return make_uint4(__shfl_sync(0xffffffffu, v.x, src), __shfl_sync(0xffffffffu, v.y, src),
-                      __shfl_sync(0xffffffffu, v.z, src), __shfl_sync(0xffffffffu, v.w, src));
-}
-
-// ROPE (decode_rope_attention): q and the new token's k are not yet rotated. q rows are the
-// packed qkv rows (q_stride = their width): the row's k and v follow its q heads; every block
-// rotates its heads' q in registers, and the block whose partition holds the newest key rotates
-// that key and writes it and its value into the cache before reading keys.
-template <int HD, bool ROPE, bool VPRE>
+template <int HD, bool VPRE>
 __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long long q_stride,
                                             const bf16* k_cache, const bf16* v_cache,
                                             const unsigned int* __restrict__ pos,
@@ -230,9 +163,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                                             int block_size, int heads, int kv_heads, float scale, int window,
                                             float softcap, int partition_size, float* __restrict__ part_out,
                                             float* __restrict__ part_ml, unsigned int* __restrict__ counters,
-                                            bf16* __restrict__ out, long long out_stride,
-                                            const float* __restrict__ rope_freq, int rope_half, float rope_scaling,
-                                            const unsigned int* __restrict__ new_slots) {
+                                            bf16* __restrict__ out, long long out_stride) {
     constexpr int LPK = HD / 8;
     constexpr int KPI = KILN_DECODE_THREADS / LPK;
     constexpr int GB = KILN_DECODE_GB;
@@ -298,23 +229,6 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
         return;
     }
 
-    // ROPE: which half of the rotary dims this lane's 8 dims are in, and the newest key into the cache.
-    const int rkind = !ROPE ? 0 : ln * 8 < rope_half ? 1 : ln * 8 < 2 * rope_half ? 2 : 0;
-    if (ROPE && p >= lo && p < hi && warp == 0) {  // this partition holds key p (one block per (row, kv head))
-        float rc[8], rs[8];
-        rope_angles(rope_freq, rope_half, rope_scaling, p, ln, rkind, rc, rs);
-        const bf16* kn = q + (long long)row * q_stride + (long long)(heads + kvh) * HD + ln * 8;
-        const bf16* vn = kn + (long long)kv_heads * HD;
-        const uint4 kv = *reinterpret_cast<const uint4*>(kn);
-        const uint4 kr = rope8(kv, rope_partner<LPK>(kv, lane, ln, rkind, rope_half), rkind, rc, rs);
-        if (sub == 0) {
-            const long long off = (long long)new_slots[row] * kv_row + (long long)kvh * HD + ln * 8;
-            *reinterpret_cast<uint4*>(const_cast<bf16*>(k_cache) + off) = kr;
-            *reinterpret_cast<uint4*>(const_cast<bf16*>(v_cache) + off) = *reinterpret_cast<const uint4*>(vn);
-            __threadfence();  // in L2 before the block's L2 loads of the chunk (after the barrier below)
-        }
-    }
-
     for (int hb = 0; hb < G; hb += GB) {
         const int gn = min(GB, G - hb);
         uint4 qr[GB];
@@ -326,12 +240,6 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
             } else {
                 qr[g] = make_uint4(0u, 0u, 0u, 0u);
             }
-        }
-        if (ROPE) {  // cos and sin recomputed per pass: not held in registers through the key loop
-            float rc[8], rs[8];
-            rope_angles(rope_freq, rope_half, rope_scaling, p, ln, rkind, rc, rs);
-#pragma unroll
-            for (int g = 0; g < GB; ++g) qr[g] = rope8(qr[g], rope_partner<LPK>(qr[g], lane, ln, rkind, rope_half), rkind, rc, rs);
         }
         float acc[GB][8];
 #pragma unroll
@@ -361,7 +269,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
             for (int u = 0; u < U; ++u) {
                 const int k = u * KPI + sub;
                 v0[u] = (VPRE || KILN_DECODE_VPRE) && k < cn
-                            ? ld_kv<ROPE>(vbase + (long long)s_slot[k] * kv_row)
+                            ? *reinterpret_cast<const uint4*>(vbase + (long long)s_slot[k] * kv_row)
                             : make_uint4(0u, 0u, 0u, 0u);
             }
 
@@ -372,7 +280,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                 for (int u = 0; u < U; ++u) {
                     const int k = k0 + u * KPI + sub;
                     if (k < cn)
-                        kv[u] = ld_kv<ROPE>(kbase + (long long)s_slot[k] * kv_row);
+                        kv[u] = *reinterpret_cast<const uint4*>(kbase + (long long)s_slot[k] * kv_row);
                     else
                         kv[u] = make_uint4(0u, 0u, 0u, 0u);
                 }
@@ -442,7 +350,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                     if ((VPRE || KILN_DECODE_VPRE) && k0 == 0)
                         vv[u] = v0[u];
                     else if (k < cn)
-                        vv[u] = ld_kv<ROPE>(vbase + (long long)s_slot[k] * kv_row);
+                        vv[u] = *reinterpret_cast<const uint4*>(vbase + (long long)s_slot[k] * kv_row);
                     else
                         vv[u] = make_uint4(0u, 0u, 0u, 0u);
                 }
@@ -906,7 +814,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
 #define KILN_FA_MIN_BLOCKS_128 2
 #define KILN_FA_MIN_BLOCKS_256 1
 
-// Decode entries: plain or RoPE-folded, each with and without the values' first round loaded with the keys.
+// Decode entries: with and without the values' first round loaded with the keys.
 #define KILN_DECODE_ENTRIES(HD, SUFFIX, VPRE)                                                                    \
     extern "C" __global__ void __launch_bounds__(128) decode_attention##SUFFIX##_hd##HD(                         \
         const bf16* __restrict__ q, long long q_stride, const bf16* __restrict__ k_cache,                        \
@@ -916,23 +824,9 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         float* __restrict__ part_out, float* __restrict__ part_ml, unsigned int* __restrict__ counters,          \
         bf16* __restrict__ out, long long out_stride) {                                                          \
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
-        decode_impl<HD, false, VPRE>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width,           \
-                                     block_size, heads, kv_heads, scale, window, softcap, partition_size,        \
-                                     part_out, part_ml, counters, out, out_stride, nullptr, 0, 0.0f, nullptr);   \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) decode_rope_attention##SUFFIX##_hd##HD(                    \
-        const bf16* __restrict__ qkv, long long qkv_stride, bf16* k_cache, bf16* v_cache,                        \
-        const unsigned int* __restrict__ pos, const unsigned int* __restrict__ row_seq,                          \
-        const unsigned int* __restrict__ tables, int table_width, int block_size, int heads, int kv_heads,       \
-        float scale, int window, float softcap, int partition_size, float* __restrict__ part_out,                \
-        float* __restrict__ part_ml, unsigned int* __restrict__ counters, bf16* __restrict__ out,                \
-        long long out_stride, const float* __restrict__ rope_freq, int rope_half, float rope_scaling,             \
-        const unsigned int* __restrict__ slots) {                                                                \
-        kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
-        decode_impl<HD, true, VPRE>(qkv, qkv_stride, k_cache, v_cache, pos, row_seq, tables, table_width,        \
-                                    block_size, heads, kv_heads, scale, window, softcap, partition_size,         \
-                                    part_out, part_ml, counters, out, out_stride, rope_freq, rope_half,          \
-                                    rope_scaling, slots);                                                        \
+        decode_impl<HD, VPRE>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,      \
+                              heads, kv_heads, scale, window, softcap, partition_size, part_out, part_ml,        \
+                              counters, out, out_stride);                                                        \
     }
 
 #define KILN_FLASH_ENTRY(HD)                                                                                      \

@@ -1,6 +1,6 @@
 // Decode-shaped matrix products (M <= 8 activation rows), the direct-load variant: weights
 // loaded straight into registers, a ring of k steps in flight per lane. The backend runs every
-// decode GEMV mode here (gemv.cu's pipelined kernel remains for KILN_GATED_PIPELINED=1 A/Bs).
+// decode GEMV mode here.
 #include "common.cuh"
 #include "mma.cuh"
 #include "rms_prologue.cuh"
@@ -26,8 +26,7 @@
 // Modes (mode & 7): 0 plain, 1 + extra[n] (bias), 2 + extra[m * N + n] (residual; extra may equal
 // out), 3 silu(x.w[n]) * (x.w[N + n]), 4 gelu_tanh(x.w[n]) * (x.w[N + n]) (w has 2N rows). Tile
 // width: 8 for the gated modes and when mode & 8, else 16 (more, smaller blocks fill the last
-// wave when ceil(N / 16) blocks would leave it mostly empty: the host picks). mode & 16: every
-// block prefetches all its weights into L2 before the PDL wait (prefetch_share).
+// wave when ceil(N / 16) blocks would leave it mostly empty: the host picks).
 // Launch: block 256 threads (8 warps), no dynamic shared memory (4 KiB static), any grid.x >= 1
 // (block b takes tiles b, b + gridDim.x, ...). The backend launches min(tiles, 2 * SMs) blocks:
 // one wave, every block resident from the start (so the next kernel's launch is triggered at
@@ -287,27 +286,6 @@ __device__ __forceinline__ void norm_rows(const bf16* __restrict__ x, const bf16
 // tiles (twice the blocks: a fuller last wave when N / 16 blocks would leave it mostly empty).
 __device__ __forceinline__ int tile_cols(int mode) { return (mode & 7) >= 3 || (mode & 8) ? 8 : 16; }
 
-// mode | 16: before waiting for the previous kernel, the block asks L2 for all of its tiles'
-// weights (bulk prefetches of 16 KiB; a tile's rows are contiguous: 16 rows, 8 rows, or 8 gate
-// and 8 up rows). For a product that follows a kernel that reads little memory (decode
-// attention), so its weights stream in while that kernel runs. sm_90 and up; no-op below.
-__device__ __forceinline__ void prefetch_share(const bf16* __restrict__ w, int N, int K, int cols, bool gated) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr long long kChunk = 16384;
-    for (int tile = blockIdx.x; tile * cols < N; tile += gridDim.x) {
-        const int n0 = tile * cols, rows = min(cols, N - n0);
-        const long long bytes = (long long)rows * K * 2;  // K % 8 == 0: a multiple of 16
-        for (int h = 0; h < (gated ? 2 : 1); ++h) {
-            const char* base = reinterpret_cast<const char*>(w + (long long)(n0 + h * N) * K);
-            for (long long off = threadIdx.x * kChunk; off < bytes; off += blockDim.x * kChunk) {
-                const unsigned int size = (unsigned int)min(kChunk, bytes - off);
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(base + off), "r"(size) : "memory");
-            }
-        }
-    }
-#endif
-}
-
 template <int M, bool XS>
 __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __restrict__ norm_w,
                                     const bf16* __restrict__ w, bf16* out, const bf16* extra, int N, int K, int mode,
@@ -316,19 +294,16 @@ __device__ __forceinline__ void run(const bf16* __restrict__ x, const bf16* __re
     __shared__ float red[kWarps * 128];
     kiln_pdl_trigger();
     const int cols = tile_cols(mode);
-    const bool share = mode & 16;
     mode &= 7;
     if (cols == 16 || mode >= 3) {
         uint4 pre[KILN_DIRECT_U][2];
         const bool use_pre = preload<2, KILN_DIRECT_U>(w, N, K, cols, pre);
-        if (share) prefetch_share(w, N, K, cols, mode >= 3);
         kiln_pdl_wait();  // x is the previous kernel's output
         if constexpr (XS) norm_rows<M>(x, norm_w, K, eps, weight_offset, nt, xs);
         gemv_tiles<M, 2, KILN_DIRECT_U, XS>(x, w, out, extra, N, K, mode, cols, red, xs, pre, use_pre);
     } else {
         uint4 pre[KILN_DIRECT_HALF_U][1];
         const bool use_pre = preload<1, KILN_DIRECT_HALF_U>(w, N, K, cols, pre);
-        if (share) prefetch_share(w, N, K, cols, false);
         kiln_pdl_wait();
         if constexpr (XS) norm_rows<M>(x, norm_w, K, eps, weight_offset, nt, xs);
         gemv_tiles<M, 1, KILN_DIRECT_HALF_U, XS>(x, w, out, extra, N, K, mode, cols, red, xs, pre, use_pre);
