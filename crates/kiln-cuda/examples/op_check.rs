@@ -70,6 +70,7 @@ fn main() -> R<()> {
             arch: "compute_90",
             include_paths: vec![inc.clone(), inc.join("cccl")],
             cache_dir: None,
+            defines: String::new(),
         };
         let k = c.compile("elementwise", kiln_cuda::kernels::SOURCES[0].1)?;
         std::fs::write(args.get(2).ok_or("--emit-ptx needs a path")?, k.ptx)?;
@@ -82,6 +83,7 @@ fn main() -> R<()> {
                 arch: "compute_90",
                 include_paths: Vec::new(),
                 cache_dir: None,
+                defines: String::new(),
             };
             Ptx::from_src(
                 c.compile("elementwise", kiln_cuda::kernels::SOURCES[0].1)?

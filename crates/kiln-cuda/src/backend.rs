@@ -23,7 +23,7 @@ use crate::device::{buf, dev_err, elems_cfg, ptr, rows_cfg, to_bf16, wrap, Devic
 use crate::graphs::Recordings;
 use crate::meta::{table_width, StepMeta};
 use crate::pool::{DevBuf, MemorySnapshot};
-use crate::{CudaError, KernelCompiler};
+use crate::{CudaError, CudaOptions, KernelCompiler};
 
 /// Largest row count served by the GEMV kernels.
 pub(crate) const GEMV_MAX_ROWS: usize = 8;
@@ -42,12 +42,14 @@ pub struct CudaBackend {
     pub(crate) recordings: Mutex<Recordings>,
     pub(crate) graphs_enabled: AtomicBool,
     pub(crate) warnings: Mutex<Vec<String>>,
+    /// The settings the backend was opened with.
+    pub(crate) options: CudaOptions,
     rope_tables: Mutex<Vec<(Vec<f32>, Arc<DevBuf>)>>,
     /// Zeroed partition counters of split decode attention (`None`: the
     /// separate reduce kernel combines the partitions).
     pub(crate) decode_counters: Option<DevBuf>,
     /// Split decode steps use the kernels that load values with keys
-    /// (`decode_*attention_vpre_hd*`; `KILN_DECODE_VPRE_SPLIT=0` off).
+    /// (`decode_attention_vpre_hd*`; [`CudaOptions::decode_vpre_split`]).
     pub(crate) decode_vpre: AtomicBool,
 }
 
@@ -76,14 +78,19 @@ pub(crate) struct CudaKv {
 
 impl CudaBackend {
     /// Open GPU `ordinal` and load Kiln's kernels, compiled for its
-    /// architecture by `compiler` (cached on disk).
-    pub fn new(ordinal: usize, compiler: KernelCompiler) -> std::result::Result<Self, CudaError> {
-        let dev = Device::open(ordinal, compiler)?;
+    /// architecture by `compiler` (cached on disk), with `options`' settings
+    /// (the compiler takes its tuning defines from them).
+    pub fn new(
+        ordinal: usize,
+        mut compiler: KernelCompiler,
+        options: CudaOptions,
+    ) -> std::result::Result<Self, CudaError> {
+        compiler.defines = options.kernel_defines.clone();
+        let dev = Device::open(ordinal, compiler, &options)?;
         let device_name = dev.name.clone();
         let warnings = Mutex::new(dev.warnings.clone());
-        // KILN_DECODE_FUSED=0: the separate reduce kernel (for comparisons).
-        let fused = std::env::var("KILN_DECODE_FUSED").map_or(true, |v| v != "0");
-        let decode_counters = fused
+        let decode_counters = options
+            .decode_combine_in_kernel
             .then(|| {
                 dev.alloc_zeroed(crate::attention::DECODE_COUNTERS * 4, "attention counters")
                     .ok()
@@ -95,13 +102,12 @@ impl CudaBackend {
             step: Mutex::new(None),
             capturing: AtomicBool::new(false),
             recordings: Mutex::new(Recordings::default()),
-            graphs_enabled: AtomicBool::new(true),
+            graphs_enabled: AtomicBool::new(options.graphs),
             warnings,
             rope_tables: Mutex::new(Vec::new()),
             decode_counters,
-            decode_vpre: AtomicBool::new(
-                std::env::var("KILN_DECODE_VPRE_SPLIT").map_or(true, |v| v != "0"),
-            ),
+            decode_vpre: AtomicBool::new(options.decode_vpre_split),
+            options,
             staging: Mutex::new(None),
             staging_tried: AtomicBool::new(false),
         })
@@ -909,6 +915,9 @@ impl Backend for CudaBackend {
         logits: &Tensor,
         rows: &[kiln_tensor::SampleRow<'_>],
     ) -> Result<Option<Vec<Option<kiln_tensor::SampledRow>>>> {
+        if !self.options.device_sampling {
+            return Ok(None);
+        }
         crate::sample::sample_rows(&self.dev, logits, rows)
     }
 

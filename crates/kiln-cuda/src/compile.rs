@@ -17,12 +17,14 @@ pub struct CompiledKernel {
 }
 
 /// Compiles kernel sources for one architecture (`compute_90` for Hopper),
-/// with the CUDA headers' include directories, caching PTX under `cache_dir`.
+/// with the CUDA headers' include directories, caching PTX under `cache_dir`;
+/// `defines` overrides tuning macros ([`crate::CudaOptions::kernel_defines`]).
 #[derive(Debug, Clone)]
 pub struct KernelCompiler {
     pub arch: &'static str,
     pub include_paths: Vec<PathBuf>,
     pub cache_dir: Option<PathBuf>,
+    pub defines: String,
 }
 
 /// 64-bit FNV-1a: a stable content hash for cache keys.
@@ -38,7 +40,7 @@ impl KernelCompiler {
         if !nvrtc_available() {
             return Err(CudaError::NoNvrtc);
         }
-        let src = with_tuning_defines(&expand(src));
+        let src = with_defines(&expand(src), &self.defines);
         let (major, minor) = nvrtc_version().ok_or(CudaError::NoNvrtc)?;
         let key = format!(
             "{name}-{}-nvrtc{major}.{minor}-{:016x}.ptx",
@@ -105,18 +107,11 @@ fn write_atomic(dir: &Path, key: &str, ptx: &str) -> Result<(), CudaError> {
     std::fs::rename(&tmp, dir.join(key)).map_err(err)
 }
 
-/// `KILN_KERNEL_DEFINES="NAME=VALUE ..."` (separated by blanks or `+`) overrides a kernel's tuning
-/// macros (`#ifndef NAME` defaults) for timing experiments; each define goes
-/// only into the sources that mention its name, so the cache key (the
-/// source hash) changes only for them.
-fn with_tuning_defines(src: &str) -> String {
-    match std::env::var("KILN_KERNEL_DEFINES") {
-        Ok(defines) => with_defines(src, &defines),
-        Err(_) => src.to_string(),
-    }
-}
-
-/// `src` with `#define NAME VALUE` lines in front for the `defines` it names.
+/// `src` with `#define NAME VALUE` lines in front for the `defines` it names
+/// (`NAME=VALUE` pairs separated by blanks or `+`; a bare `NAME` is
+/// `NAME=1`): a kernel's `#ifndef NAME` tuning defaults are overridden only
+/// in the sources that mention the name, so only their cache keys (the
+/// source hash) change.
 fn with_defines(src: &str, defines: &str) -> String {
     let mut head = String::new();
     for d in defines

@@ -15,7 +15,7 @@ use half::bf16;
 use kiln_tensor::{DType, Result, Tensor, TensorError};
 
 use crate::pool::{DevBuf, Pool};
-use crate::{driver_available, CudaError, KernelCompiler};
+use crate::{driver_available, CudaError, CudaOptions, KernelCompiler};
 
 pub(crate) const NAME: &str = "cuda";
 
@@ -40,12 +40,13 @@ pub(crate) struct Device {
     pub warnings: Vec<String>,
     /// Kernels launched through [`Device::launch`] may start while the
     /// previous kernel finishes (programmatic dependent launch: sm_90 and
-    /// newer, unless `KILN_PDL=0`); every kernel waits for its inputs first.
+    /// newer, unless [`CudaOptions::pdl`] is off); every kernel waits for
+    /// its inputs first.
     pub pdl: bool,
     /// Streaming multiprocessors.
     pub sms: usize,
     /// The direct-load GEMV's tile width for plain products when set
-    /// (`KILN_DIRECT_COLS=8|16`, for A/B timings); else the host rule picks.
+    /// ([`CudaOptions::direct_cols`]); else the host rule picks.
     pub direct_cols: Option<usize>,
     _workspace: DevBuf,
 }
@@ -54,6 +55,7 @@ impl Device {
     pub fn open(
         ordinal: usize,
         mut compiler: KernelCompiler,
+        options: &CudaOptions,
     ) -> std::result::Result<Self, CudaError> {
         if !driver_available() {
             return Err(CudaError::NoDriver);
@@ -145,18 +147,14 @@ impl Device {
                 }
             }
         }
-        let pdl = major >= 9 && std::env::var("KILN_PDL").map_or(true, |v| v != "0");
+        let pdl = major >= 9 && options.pdl;
         let sms = ctx
             .attribute(
                 cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
             )
             .map(|n| n.max(1) as usize)
             .unwrap_or(132);
-        let direct_cols = match std::env::var("KILN_DIRECT_COLS").as_deref() {
-            Ok("8") => Some(8),
-            Ok("16") => Some(16),
-            _ => None,
-        };
+        let direct_cols = options.direct_cols.filter(|c| *c == 8 || *c == 16);
         Ok(Device {
             ctx,
             stream,

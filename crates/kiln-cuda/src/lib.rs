@@ -20,6 +20,7 @@ pub mod graphs;
 pub mod kernels;
 pub mod meta;
 mod norm_gemv;
+pub mod options;
 pub mod pool;
 mod sample;
 mod sample_check;
@@ -28,6 +29,7 @@ mod staging;
 
 pub use backend::CudaBackend;
 pub use compile::{CompiledKernel, KernelCompiler};
+pub use options::CudaOptions;
 pub use pool::MemorySnapshot;
 
 /// Why CUDA could not be used.

@@ -26,11 +26,7 @@ pub(crate) fn sample_rows(
     rows: &[SampleRow<'_>],
 ) -> Result<Option<Vec<Option<SampledRow>>>> {
     let (num_rows, vocab) = logits.dims2("sample_rows")?;
-    // KILN_DEVICE_SAMPLING=0 keeps sampling on the host (for comparisons).
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("KILN_DEVICE_SAMPLING").is_ok_and(|v| v == "0"));
-    if off || !dev.has("sample_bf16") || logits.dtype() != DType::BF16 || vocab > i32::MAX as usize
-    {
+    if !dev.has("sample_bf16") || logits.dtype() != DType::BF16 || vocab > i32::MAX as usize {
         return Ok(None);
     }
     if rows.len() != num_rows {

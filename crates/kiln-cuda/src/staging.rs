@@ -129,8 +129,7 @@ impl crate::CudaBackend {
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         self.dev.ctx.bind_to_thread().map_err(dev_err)?;
         if staging.is_none() && !self.staging_tried.swap(true, Ordering::Relaxed) {
-            let enabled = std::env::var("KILN_PINNED_STAGING").map_or(true, |v| v != "0");
-            *staging = enabled.then(Staging::new).flatten();
+            *staging = self.options.pinned_staging.then(Staging::new).flatten();
         }
         let Some(s) = staging.as_mut() else {
             return Ok(false);

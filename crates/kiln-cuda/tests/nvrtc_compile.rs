@@ -30,6 +30,7 @@ fn compiler(cache: Option<PathBuf>) -> KernelCompiler {
         arch: "compute_90",
         include_paths: vec![inc.clone(), inc.join("cccl")],
         cache_dir: cache,
+        defines: String::new(),
     }
 }
 
