@@ -1,26 +1,58 @@
-//! Kiln's CUDA C sources, embedded in the binary. Local `#include "x.cuh"`
+//! Kiln's CUDA C sources, embedded in the binary: each op's kernels live
+//! beside its launcher (`src/ops/<op>/<op>.cu`). Local `#include "x.cuh"`
 //! lines are expanded from [`HEADERS`] before compilation, so NVRTC needs
 //! no files of ours on disk.
 
+use crate::{CompiledKernel, CudaError, KernelCompiler};
+
 /// Headers that kernel sources include by name.
 pub const HEADERS: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("kernels/common.cuh")),
-    ("rms_prologue.cuh", include_str!("kernels/rms_prologue.cuh")),
-    ("mma.cuh", include_str!("kernels/mma.cuh")),
+    ("common.cuh", include_str!("ops/common.cuh")),
+    ("vec8.cuh", include_str!("ops/vec8.cuh")),
+    (
+        "rms_prologue.cuh",
+        include_str!("ops/matmul/rms_prologue.cuh"),
+    ),
+    ("mma.cuh", include_str!("ops/matmul/mma.cuh")),
 ];
 
-/// Sources without which the backend does not start.
-pub const REQUIRED: &[&str] = &["elementwise", "attention"];
+/// Sources without which the backend does not start (the others' kernels
+/// have fallbacks).
+pub const REQUIRED: &[&str] = &[
+    "gather",
+    "norm",
+    "activation",
+    "elementwise",
+    "rope_kv_write",
+    "attention_reference",
+];
 
-/// Every kernel source: (name, CUDA C).
+/// Every kernel source: (name, CUDA C), each beside its op's launcher in
+/// `src/ops/<op>/`.
 pub const SOURCES: &[(&str, &str)] = &[
-    ("elementwise", include_str!("kernels/elementwise.cu")),
-    ("attention", include_str!("kernels/attention.cu")),
-    ("argmax", include_str!("kernels/argmax.cu")),
-    ("gemv_direct", include_str!("kernels/gemv_direct.cu")),
-    ("fused", include_str!("kernels/fused.cu")),
-    ("flash", include_str!("kernels/flash.cu")),
-    ("sample", include_str!("kernels/sample.cu")),
+    ("gather", include_str!("ops/gather/gather.cu")),
+    ("norm", include_str!("ops/norm/norm.cu")),
+    ("activation", include_str!("ops/activation/activation.cu")),
+    (
+        "elementwise",
+        include_str!("ops/elementwise/elementwise.cu"),
+    ),
+    (
+        "rope_kv_write",
+        include_str!("ops/rope_kv_write/rope_kv_write.cu"),
+    ),
+    (
+        "attention_reference",
+        include_str!("ops/attention/reference.cu"),
+    ),
+    ("attention_decode", include_str!("ops/attention/decode.cu")),
+    (
+        "attention_prefill",
+        include_str!("ops/attention/prefill.cu"),
+    ),
+    ("matmul_gemv", include_str!("ops/matmul/gemv.cu")),
+    ("argmax", include_str!("ops/argmax/argmax.cu")),
+    ("sample", include_str!("ops/sample/sample.cu")),
 ];
 
 /// Every kernel the backend launches by name (the CI compile test checks
@@ -71,27 +103,17 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_hd256",
 ];
 
-/// `src` with its local includes expanded (once each).
+/// `src` with its local includes expanded from [`HEADERS`].
 pub fn expand(src: &str) -> String {
-    let mut out = String::with_capacity(src.len() + 4096);
-    for line in src.lines() {
-        let included = line
-            .trim()
-            .strip_prefix("#include \"")
-            .and_then(|rest| rest.strip_suffix('"'))
-            .and_then(|name| HEADERS.iter().find(|(h, _)| *h == name));
-        match included {
-            Some((_, header)) => {
-                out.push_str(&header.replace("#pragma once", ""));
-                out.push('\n');
-            }
-            None => {
-                out.push_str(line);
-                out.push('\n');
-            }
-        }
-    }
-    out
+    crate::driver::compile::expand(src, HEADERS)
+}
+
+/// Every kernel source compiled by `compiler` (from its cache when possible).
+pub fn compile_all(compiler: &KernelCompiler) -> Result<Vec<CompiledKernel>, CudaError> {
+    SOURCES
+        .iter()
+        .map(|(name, src)| compiler.compile(name, &expand(src)))
+        .collect()
 }
 
 #[cfg(test)]

@@ -143,7 +143,7 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
     recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
-    p.checks.extend(crate::sample_check::checks(p.gpu)?);
+    p.checks.extend(crate::ops::sample::check::checks(p.gpu)?);
     Ok(p.checks)
 }
 

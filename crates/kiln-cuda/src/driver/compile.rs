@@ -4,8 +4,7 @@ use std::path::{Path, PathBuf};
 
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions};
 
-use crate::kernels::{expand, SOURCES};
-use crate::{nvrtc_available, nvrtc_version, CudaError};
+use super::{nvrtc_available, nvrtc_version, CudaError};
 
 /// PTX for one kernel source.
 #[derive(Debug, Clone)]
@@ -35,12 +34,13 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 }
 
 impl KernelCompiler {
-    /// Compile `name`'s source (expanded), from the cache when possible.
+    /// Compile `name`'s source (its local includes already expanded:
+    /// [`expand`]), from the cache when possible.
     pub fn compile(&self, name: &str, src: &str) -> Result<CompiledKernel, CudaError> {
         if !nvrtc_available() {
             return Err(CudaError::NoNvrtc);
         }
-        let src = with_defines(&expand(src), &self.defines);
+        let src = with_defines(src, &self.defines);
         let (major, minor) = nvrtc_version().ok_or(CudaError::NoNvrtc)?;
         let key = format!(
             "{name}-{}-nvrtc{major}.{minor}-{:016x}.ptx",
@@ -86,14 +86,30 @@ impl KernelCompiler {
             cached: false,
         })
     }
+}
 
-    /// Compile every kernel source.
-    pub fn compile_all(&self) -> Result<Vec<CompiledKernel>, CudaError> {
-        SOURCES
-            .iter()
-            .map(|(name, src)| self.compile(name, src))
-            .collect()
+/// `src` with its local includes (`#include "name"` of a header in
+/// `headers`) expanded, once each.
+pub fn expand(src: &str, headers: &[(&str, &str)]) -> String {
+    let mut out = String::with_capacity(src.len() + 4096);
+    for line in src.lines() {
+        let included = line
+            .trim()
+            .strip_prefix("#include \"")
+            .and_then(|rest| rest.strip_suffix('"'))
+            .and_then(|name| headers.iter().find(|(h, _)| *h == name));
+        match included {
+            Some((_, header)) => {
+                out.push_str(&header.replace("#pragma once", ""));
+                out.push('\n');
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
     }
+    out
 }
 
 fn write_atomic(dir: &Path, key: &str, ptx: &str) -> Result<(), CudaError> {

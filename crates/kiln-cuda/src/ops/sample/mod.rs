@@ -1,13 +1,15 @@
-//! Sampling on the device (`kernels/sample.cu`): bias, penalties, masks,
+//! Sampling on the device (`sample.cu`): bias, penalties, masks,
 //! temperature, top-k, top-p, min-p and the draw with the host's uniform
 //! number, so only ids and the requested log-probabilities cross to the
 //! host. The semantics are the host sampler's (kiln-sampling's `sampler`
-//! module documentation), drawing in its *device order*; `sample_check.rs`
+//! module documentation), drawing in its *device order*; `check.rs`
 //! holds the host reference and the GPU check.
+
+pub(crate) mod check;
 
 use kiln_tensor::{DType, Result, SampleRow, SampledRow, Tensor, TensorError};
 
-use crate::device::{dev_err, ptr, rows_cfg, Device};
+use crate::driver::device::{dev_err, ptr, rows_cfg, Device};
 
 /// Header words per row (`sample.cu`'s `HDR`).
 const HDR: usize = 16;

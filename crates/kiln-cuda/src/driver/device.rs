@@ -1,11 +1,11 @@
-//! The device side of [`crate::CudaBackend`]: context, stream, kernels,
+//! The device: context, its one stream, loaded kernels,
 //! cuBLAS, the memory pool, and typed launch helpers over raw pointers.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::{
     result as drv, sys as drv_sys, CudaContext, CudaFunction, CudaStream, DeviceRepr, DriverError,
     LaunchConfig,
@@ -14,8 +14,9 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 use kiln_tensor::{DType, Result, Tensor, TensorError};
 
-use crate::pool::{DevBuf, Pool};
-use crate::{driver_available, CudaError, CudaOptions, KernelCompiler};
+use super::compile::CompiledKernel;
+use super::pool::{DevBuf, Pool};
+use super::{driver_available, CudaError};
 
 pub(crate) const NAME: &str = "cuda";
 
@@ -36,8 +37,8 @@ pub(crate) struct Device {
     pub funcs: HashMap<String, CudaFunction>,
     pub pool: Arc<Pool>,
     pub name: String,
-    /// What did not load (kernels with fallbacks), for the caller to show.
-    pub warnings: Vec<String>,
+    /// The architecture NVRTC compiles for (`compute_90` on Hopper).
+    pub arch: &'static str,
     /// Kernels launched through [`Device::launch`] may start while the
     /// previous kernel finishes (programmatic dependent launch: sm_90 and
     /// newer, unless [`CudaOptions::pdl`] is off); every kernel waits for
@@ -45,18 +46,14 @@ pub(crate) struct Device {
     pub pdl: bool,
     /// Streaming multiprocessors.
     pub sms: usize,
-    /// The direct-load GEMV's tile width for plain products when set
-    /// ([`CudaOptions::direct_cols`]); else the host rule picks.
-    pub direct_cols: Option<usize>,
     _workspace: DevBuf,
 }
 
 impl Device {
-    pub fn open(
-        ordinal: usize,
-        mut compiler: KernelCompiler,
-        options: &CudaOptions,
-    ) -> std::result::Result<Self, CudaError> {
+    /// Opens GPU `ordinal` (compute capability 8.0 or newer) with its own
+    /// stream, cuBLAS and the pool; `pdl` asks for programmatic dependent
+    /// launch where the GPU has it. No kernels yet: [`Device::load`].
+    pub fn open(ordinal: usize, pdl: bool) -> std::result::Result<Self, CudaError> {
         if !driver_available() {
             return Err(CudaError::NoDriver);
         }
@@ -72,7 +69,7 @@ impl Device {
                 "GPU {ordinal} has compute capability {major}.{minor}; Kiln needs 8.0 or newer"
             )));
         }
-        compiler.arch = match (major, minor) {
+        let arch = match (major, minor) {
             (9, _) => "compute_90",
             (8, 9) => "compute_89",
             (8, 6) => "compute_86",
@@ -98,22 +95,33 @@ impl Device {
             .result()
             .map_err(|e| CudaError::Device(format!("cuBLAS workspace: {e:?}")))?;
         }
-        let mut funcs = HashMap::new();
-        let mut compiled = Vec::new();
-        let mut warnings = Vec::new();
-        for (name, src) in crate::kernels::SOURCES {
-            match compiler.compile(name, src) {
-                Ok(k) => compiled.push(k),
-                // The reference kernels are required; the fast ones have
-                // fallbacks (and CI compiles every kernel before it lands).
-                Err(e) if !crate::kernels::REQUIRED.contains(name) => {
-                    warnings.push(format!("{name} kernels unavailable, using fallbacks: {e}"))
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        for k in compiled {
-            let module = ctx
+        let pdl = major >= 9 && pdl;
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map(|n| n.max(1) as usize)
+            .unwrap_or(132);
+        Ok(Device {
+            ctx,
+            stream,
+            blas,
+            funcs: HashMap::new(),
+            pool,
+            name,
+            arch,
+            pdl,
+            sms,
+            _workspace: workspace,
+        })
+    }
+
+    /// Loads compiled kernels: every entry point of their PTX becomes a
+    /// function [`Device::func`] finds by name.
+    pub fn load(&mut self, kernels: &[CompiledKernel]) -> std::result::Result<(), CudaError> {
+        for k in kernels {
+            let module = self
+                .ctx
                 .load_module(Ptx::from_src(k.ptx.clone()))
                 .map_err(|e| CudaError::Device(format!("loading {}: {e:?}", k.name)))?;
             for line in k.ptx.lines() {
@@ -122,52 +130,11 @@ impl Device {
                     let f = module
                         .load_function(&entry)
                         .map_err(|e| CudaError::Device(format!("{entry}: {e:?}")))?;
-                    if let Some(hd) = entry
-                        .strip_prefix("flash_prefill_hd")
-                        .and_then(|h| h.parse::<usize>().ok())
-                    {
-                        f.set_attribute(
-                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            crate::graphs::flash_smem_bytes(hd) as i32,
-                        )
-                        .map_err(|e| CudaError::Device(format!("{entry}: {e:?}")))?;
-                    }
-                    if entry.starts_with("rms_norm_gemv_direct_bf16_m") {
-                        // Fused norm kernels have unfused fallbacks: one the
-                        // GPU cannot give this much shared memory is left out.
-                        if let Err(e) = f.set_attribute(
-                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            crate::norm_gemv::NORM_GEMV_MAX_SMEM as i32,
-                        ) {
-                            warnings.push(format!("{entry} unavailable, using the unfused norm: {e:?}"));
-                            continue;
-                        }
-                    }
-                    funcs.insert(entry, f);
+                    self.funcs.insert(entry, f);
                 }
             }
         }
-        let pdl = major >= 9 && options.pdl;
-        let sms = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-            )
-            .map(|n| n.max(1) as usize)
-            .unwrap_or(132);
-        let direct_cols = options.direct_cols.filter(|c| *c == 8 || *c == 16);
-        Ok(Device {
-            ctx,
-            stream,
-            blas,
-            funcs,
-            pool,
-            name,
-            warnings,
-            pdl,
-            sms,
-            direct_cols,
-            _workspace: workspace,
-        })
+        Ok(())
     }
 
     /// A launch of `func` on the device's stream, with programmatic
@@ -274,50 +241,6 @@ impl Device {
             }
         }
         Ok(2.0 * (COPIES * BYTES) as f64 / best / 1e9)
-    }
-
-    /// `out[n, m] = x[n, k] · w[m, k]ᵀ + beta * out`, bf16 in and out, f32 accumulation.
-    #[allow(clippy::too_many_arguments)]
-    pub fn gemm(
-        &self,
-        x: u64,
-        w: u64,
-        out: u64,
-        n: usize,
-        k: usize,
-        m: usize,
-        beta: f32,
-    ) -> Result<()> {
-        if n == 0 || m == 0 {
-            return Ok(());
-        }
-        let alpha = 1f32;
-        let bf = blas_sys::cudaDataType::CUDA_R_16BF;
-        // SAFETY: the three pointers hold [m, k], [n, k] and [n, m] bf16.
-        unsafe {
-            blas::gemm_ex(
-                *self.blas.handle(),
-                blas_sys::cublasOperation_t::CUBLAS_OP_T,
-                blas_sys::cublasOperation_t::CUBLAS_OP_N,
-                m as i32,
-                n as i32,
-                k as i32,
-                &alpha as *const f32 as *const c_void,
-                w as *const c_void,
-                bf,
-                k as i32,
-                x as *const c_void,
-                bf,
-                k as i32,
-                &beta as *const f32 as *const c_void,
-                out as *mut c_void,
-                bf,
-                m as i32,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(dev_err)
     }
 
     pub fn synchronize(&self) -> Result<()> {

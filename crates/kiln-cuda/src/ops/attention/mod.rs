@@ -1,12 +1,47 @@
-//! Attention over the paged KV cache for [`CudaBackend`]: split-KV decode
-//! attention for decode steps, flash-style prefill attention for the rest,
-//! the reference kernel where neither is loaded.
+//! Attention over the paged KV cache (`cache.rs`): split-KV decode
+//! attention for decode steps (`decode.cu`), flash-style prefill attention
+//! for the rest (`prefill.cu`), the reference kernel (`reference.cu`) where
+//! neither is loaded; the new keys and values are written first
+//! (`ops::rope_kv_write`).
+
+use std::sync::Arc;
 
 use cudarc::driver::LaunchConfig;
-use kiln_tensor::{AttentionParams, Result, Tensor};
+use kiln_tensor::{
+    AttentionParams, ForwardBatch, KvCache, QkNorm, Result, RopeParams, Tensor, TensorError,
+};
 
-use crate::backend::{ActiveStep, CudaBackend, CudaKv};
-use crate::device::{dev_err, wrap};
+use crate::backend::CudaBackend;
+use crate::driver::device::{dev_err, ptr, wrap, Device};
+use crate::step::ActiveStep;
+
+pub(crate) mod cache;
+
+use cache::CudaKv;
+
+/// Dynamic shared memory of the flash prefill kernel for `head_dim` (its
+/// launch rule): a 128-row Q tile and double-buffered 64-key K and V
+/// chunks of `head_dim + 8` bf16 (padded rows), plus the chunks' slots.
+pub fn flash_smem_bytes(head_dim: usize) -> usize {
+    768 * (head_dim + 8) + 512
+}
+
+/// Raises the prefill kernels' dynamic shared memory limit (above the
+/// default 48 KiB at every head size).
+pub(crate) fn configure(dev: &mut Device) -> std::result::Result<(), crate::CudaError> {
+    let attr =
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    for (entry, f) in &dev.funcs {
+        if let Some(hd) = entry
+            .strip_prefix("flash_prefill_hd")
+            .and_then(|h| h.parse::<usize>().ok())
+        {
+            f.set_attribute(attr, flash_smem_bytes(hd) as i32)
+                .map_err(|e| crate::CudaError::Device(format!("{entry}: {e:?}")))?;
+        }
+    }
+    Ok(())
+}
 
 /// Blocks the decode attention kernel aims for when splitting keys.
 const DECODE_TARGET_CTAS: usize = 256;
@@ -149,7 +184,7 @@ impl CudaBackend {
             let cfg = LaunchConfig {
                 grid_dim: (m.num_tiles as u32, p.num_heads as u32, 1),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: crate::graphs::flash_smem_bytes(hd) as u32,
+                shared_mem_bytes: flash_smem_bytes(hd) as u32,
             };
             // SAFETY: as for decode; tiles lie within the rows of the step.
             unsafe {
@@ -212,4 +247,94 @@ impl CudaBackend {
         }
         Ok(wrap(vec![n, qw], out))
     }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    cuda: &CudaBackend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cache: &mut KvCache,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+) -> Result<Tensor> {
+    kiln_tensor::check_attention_args(q, k, v, &cache.spec, layer, batch, p)?;
+    let (n, _) = q.dims2("attention")?;
+    let step = cuda.step_meta(batch)?;
+    let block_size = cache.spec.block_size;
+    let kv = cache::kv(cache)?;
+    if n > 0 {
+        let (kp, vp) = (ptr(k, "attention")?, ptr(v, "attention")?);
+        crate::ops::rope_kv_write::write_kv(cuda, n, kp, vp, kv, layer, &step, p)?;
+    }
+    let qp = ptr(q, "attention")?;
+    cuda.attend(
+        qp,
+        p.num_heads * p.head_dim,
+        kv,
+        layer,
+        &step,
+        block_size,
+        p,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_attention(
+    cuda: &CudaBackend,
+    qkv: &Tensor,
+    cache: &mut KvCache,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+    rope: &RopeParams<'_>,
+    qk_norm: Option<QkNorm<'_>>,
+) -> Result<Tensor> {
+    let hd = p.head_dim;
+    let fused = qk_norm.is_none()
+        && cuda.dev.has("qkv_rope_write_bf16")
+        && cuda.dev.has(&format!("flash_prefill_hd{hd}"))
+        && cuda.dev.has(&format!("decode_attention_hd{hd}"));
+    if !fused {
+        return kiln_tensor::backend::qkv_attention_unfused(
+            cuda, qkv, cache, layer, batch, p, rope, qk_norm,
+        );
+    }
+    let (n, width) = qkv.dims2("qkv_attention")?;
+    let (qw, kw) = (p.num_heads * hd, p.num_kv_heads * hd);
+    if width != qw + 2 * kw {
+        return Err(TensorError::Shape {
+            op: "qkv_attention",
+            detail: format!("qkv {:?} for {p:?}", qkv.shape()),
+        });
+    }
+    kiln_tensor::check_attention_shapes(n, qw, &[n, kw], &[n, kw], &cache.spec, layer, batch, p)?;
+    if 2 * rope.inv_freq.len() > hd || rope.num_heads != p.num_heads || rope.head_dim != hd {
+        return Err(TensorError::Shape {
+            op: "qkv_attention",
+            detail: format!("RoPE {rope:?} for {p:?}"),
+        });
+    }
+    let step = cuda.step_meta(batch)?;
+    let block_size = cache.spec.block_size;
+    let kv = cache::kv(cache)?;
+    // RoPE is applied in place: work on a private copy unless this
+    // tensor is the only holder of its buffer.
+    let private;
+    let qkv_ptr = if Arc::strong_count(qkv.storage()) == 1 {
+        ptr(qkv, "qkv_attention")?
+    } else {
+        private = cuda.alloc(n * width, "a qkv copy")?;
+        cuda.dev
+            .dtod(private.ptr, ptr(qkv, "qkv_attention")?, n * width * 2)?;
+        private.ptr
+    };
+    if n > 0 {
+        crate::ops::rope_kv_write::qkv_rope_write(
+            cuda, n, qkv_ptr, width, kv, layer, &step, p, rope,
+        )?;
+    }
+    cuda.attend(qkv_ptr, width, kv, layer, &step, block_size, p)
 }

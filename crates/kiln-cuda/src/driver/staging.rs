@@ -4,9 +4,13 @@
 //! be staged by the driver one piece at a time on the calling thread.
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use cudarc::driver::{result as drv, sys, DriverError};
 use rayon::prelude::*;
+
+use super::device::{dev_err, Device};
 
 /// Elements (bf16) per pinned buffer: 64 MiB.
 const CHUNK: usize = 32 << 20;
@@ -109,34 +113,49 @@ impl Drop for Staging {
     }
 }
 
-impl crate::CudaBackend {
-    /// Uploads `n` bf16 elements to `dst` through the pinned buffers (made on
-    /// first use; `KILN_PINNED_STAGING=0` turns them off: on an H200 the 8B
-    /// checkpoint loaded in 9.2 s with them, 11.4 s without, same logits).
+/// Weight uploads through the pinned buffers, made on first use (unless
+/// off: [`crate::CudaOptions::pinned_staging`]; on an H200 the 8B checkpoint
+/// loaded in 9.2 s with them, 11.4 s without, same logits).
+pub(crate) struct Uploader {
+    staging: Mutex<Option<Staging>>,
+    tried: AtomicBool,
+    enabled: bool,
+}
+
+impl Uploader {
+    pub(crate) fn new(enabled: bool) -> Self {
+        Uploader {
+            staging: Mutex::new(None),
+            tried: AtomicBool::new(false),
+            enabled,
+        }
+    }
+
+    /// Uploads `n` bf16 elements to `dst` on `dev`'s stream; `fill(first,
+    /// out)` writes elements `first .. first + out.len()` into `out`.
     /// `Ok(false)`: off, too small or no pinned memory; the caller copies the
     /// pageable way.
-    pub(crate) fn upload_staged(
+    pub(crate) fn upload(
         &self,
+        dev: &Device,
         dst: u64,
         n: usize,
         fill: &(dyn Fn(usize, &mut [u16]) + Sync),
     ) -> kiln_tensor::Result<bool> {
-        use crate::device::dev_err;
-        use std::sync::atomic::Ordering;
         if n < MIN_STAGED {
             return Ok(false);
         }
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        self.dev.ctx.bind_to_thread().map_err(dev_err)?;
-        if staging.is_none() && !self.staging_tried.swap(true, Ordering::Relaxed) {
-            *staging = self.options.pinned_staging.then(Staging::new).flatten();
+        dev.ctx.bind_to_thread().map_err(dev_err)?;
+        if staging.is_none() && !self.tried.swap(true, Ordering::Relaxed) {
+            *staging = self.enabled.then(Staging::new).flatten();
         }
         let Some(s) = staging.as_mut() else {
             return Ok(false);
         };
         // SAFETY: the caller allocated `dst` for `n` elements; weights are
-        // used on the backend's one stream.
-        unsafe { s.upload(self.dev.stream.cu_stream(), dst, n, fill) }.map_err(dev_err)?;
+        // used on the device's one stream.
+        unsafe { s.upload(dev.stream.cu_stream(), dst, n, fill) }.map_err(dev_err)?;
         Ok(true)
     }
 }

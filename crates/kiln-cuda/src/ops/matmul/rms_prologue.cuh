@@ -2,7 +2,7 @@
 // inverse RMS of the M <= 8 activation rows (x is hidden_size bf16, L2-resident) and scales x by
 // inv_rms * (weight_offset + norm_w) as it feeds the tensor cores. Needs common.cuh.
 //
-// Numerics are those of add_rms_norm_bf16 (elementwise.cu) launched with `nt` threads per row
+// Numerics are those of add_rms_norm_bf16 (norm.cu) launched with `nt` threads per row
 // (the host passes norm_threads(d), the block size the unfused launch would use), bit for bit:
 //   - virtual thread j of nt sums x[j + nt * i]^2, i = 0, 1, ..., with one fma per element in i
 //     order (16-byte loads: one real thread keeps eight virtual threads' sums);

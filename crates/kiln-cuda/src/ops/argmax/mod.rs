@@ -4,7 +4,7 @@
 
 use kiln_tensor::{DType, Result, Tensor};
 
-use crate::device::{dev_err, ptr, rows_cfg, Device};
+use crate::driver::device::{dev_err, ptr, rows_cfg, Device};
 
 /// `None` when the kernel is missing or the logits are not bf16 (the
 /// caller samples on the host).

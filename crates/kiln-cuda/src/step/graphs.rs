@@ -13,17 +13,11 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaGraph;
 use kiln_tensor::{DType, ForwardBatch, KvCache, Result, Tensor, TensorError};
 
-use crate::backend::{ActiveStep, CudaBackend};
-use crate::device::dev_err;
-use crate::meta::{bucket_for, is_graphable, pad_decode, table_width, StepMeta};
-use crate::pool::DevBuf;
-
-/// Dynamic shared memory of the flash prefill kernel for `head_dim` (its
-/// launch rule): a 128-row Q tile and double-buffered 64-key K and V
-/// chunks of `head_dim + 8` bf16 (padded rows), plus the chunks' slots.
-pub fn flash_smem_bytes(head_dim: usize) -> usize {
-    768 * (head_dim + 8) + 512
-}
+use super::meta::{bucket_for, is_graphable, pad_decode, table_width, StepMeta};
+use super::ActiveStep;
+use crate::backend::CudaBackend;
+use crate::driver::device::dev_err;
+use crate::driver::pool::DevBuf;
 
 type Key = (u64, usize, usize);
 
@@ -49,10 +43,6 @@ unsafe impl Send for Recordings {}
 impl Recordings {
     pub fn len(&self) -> usize {
         self.graphs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.graphs.is_empty()
     }
 }
 
@@ -128,7 +118,7 @@ pub(crate) fn run_step(
     }
     let Some(alive) = cache
         .storage()
-        .downcast_ref::<crate::backend::CudaKv>()
+        .downcast_ref::<crate::ops::attention::cache::CudaKv>()
         .map(|kv| Arc::downgrade(&kv.alive))
     else {
         return Err(TensorError::WrongBackend {

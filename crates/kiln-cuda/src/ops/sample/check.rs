@@ -103,7 +103,7 @@ pub(crate) fn reference(row: &[f32], p: &SampleRow<'_>) -> Option<Reference> {
     let lp = |i: u32| (f64::from(l[i as usize]) - log_z) as f32;
     let top = order
         .iter()
-        .take(p.top_logprobs.min(crate::sample::MAX_TOP) as usize)
+        .take(p.top_logprobs.min(super::MAX_TOP) as usize)
         .map(|&i| (i, lp(i)))
         .collect();
     if p.temperature == 0.0 {

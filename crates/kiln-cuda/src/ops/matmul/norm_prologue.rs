@@ -1,7 +1,7 @@
 //! RMSNorm fused into the decode projections that consume it
 //! (`Backend::rms_norm_linear`, `Backend::rms_norm_gated_linear`): for
 //! decode-sized rows (≤ 8) one GEMV kernel per product, each block
-//! recomputing the rows' inverse RMS (`kernels/rms_prologue.cuh`) before its
+//! recomputing the rows' inverse RMS (`rms_prologue.cuh`) before its
 //! dot products; larger row counts (prefill, cuBLAS) run the norm and the
 //! product as separate ops. The fused kernels reproduce `add_rms_norm_bf16`'s
 //! summation order and bf16 rounding, so their results equal the unfused
@@ -10,8 +10,10 @@
 use cudarc::driver::LaunchConfig;
 use kiln_tensor::{Activation, Backend, Result, Tensor, TensorError};
 
-use crate::backend::{act_code, linear_dims, norm_threads, GEMV_MAX_ROWS};
-use crate::device::{dev_err, ptr, wrap};
+use super::{linear_dims, GEMV_MAX_ROWS};
+use crate::driver::device::{dev_err, ptr, wrap, Device};
+use crate::ops::activation::act_code;
+use crate::ops::norm::norm_threads;
 use crate::CudaBackend;
 
 /// Dynamic shared memory the direct-load norm kernels may use (their
@@ -167,7 +169,7 @@ impl CudaBackend {
             return Ok(out);
         }
         let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
-        self.linear(&h, w, bias)
+        super::linear(self, &h, w, bias)
     }
 
     pub(crate) fn fused_rms_norm_gated_linear(
@@ -195,6 +197,28 @@ impl CudaBackend {
             return Ok(out);
         }
         let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
-        self.gated_linear(&h, w_gate_up, act)
+        super::gated_linear(self, &h, w_gate_up, act)
     }
+}
+
+/// Raises the fused kernels' dynamic shared memory limit to
+/// [`NORM_GEMV_MAX_SMEM`]; a kernel the GPU cannot give that much is left
+/// out (the unfused norm runs instead).
+pub(crate) fn configure(dev: &mut Device, warnings: &mut Vec<String>) {
+    let attr =
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    dev.funcs.retain(|entry, f| {
+        if !entry.starts_with("rms_norm_gemv_direct_bf16_m") {
+            return true;
+        }
+        match f.set_attribute(attr, NORM_GEMV_MAX_SMEM as i32) {
+            Ok(()) => true,
+            Err(e) => {
+                warnings.push(format!(
+                    "{entry} unavailable, using the unfused norm: {e:?}"
+                ));
+                false
+            }
+        }
+    });
 }
