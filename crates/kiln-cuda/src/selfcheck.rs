@@ -3,13 +3,15 @@
 //! ratios, head dims 64/128/256, prefill, chunked prefill, mixed and
 //! split-KV decode batches, sliding windows, recorded (graph) decode
 //! steps replayed against fresh metadata, and the device sampler against
-//! its host reference (`sample_check.rs`). `kiln dev cuda-check` runs it on a
+//! its host reference (`ops/sample/check.rs`); `qkv_attention` with and
+//! without QK-norm. `kiln dev cuda-check` runs it on a
 //! GPU machine and writes the report.
 
 use half::bf16;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, RopeParams, Tensor,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvCacheSpec, QkNorm, RopeParams,
+    Tensor,
 };
 
 use crate::CudaBackend;
@@ -326,6 +328,9 @@ struct Caches {
     cpu: KvCache,
 }
 
+/// QK-norm weights (q, k) on the GPU and on the CPU, and the weight offset.
+type QkNorms<'a> = ([(&'a Tensor, &'a Tensor); 2], f32);
+
 #[allow(clippy::too_many_arguments)]
 fn attention_step(
     p: &mut Pair,
@@ -334,6 +339,7 @@ fn attention_step(
     batch: &ForwardBatch,
     ap: &AttentionParams,
     rotary: (&[f32], f32),
+    qk: Option<QkNorms>,
     label: &str,
     fused: bool,
 ) -> R<()> {
@@ -345,14 +351,22 @@ fn attention_step(
         inv_freq: rotary.0,
         attention_scaling: rotary.1,
     };
+    let norm = |side: usize| {
+        qk.map(|(w, weight_offset)| QkNorm {
+            q_weight: w[side].0,
+            k_weight: w[side].1,
+            eps: 1e-6,
+            weight_offset,
+        })
+    };
     let (g, c) = if fused {
         let (xg, xc) = p.up(&[n, qw + 2 * kw], &rng.vec(n * (qw + 2 * kw), 1.0))?;
         (
             p.gpu
-                .qkv_attention(&xg, &mut caches.gpu, 0, batch, ap, &rope, None)
+                .qkv_attention(&xg, &mut caches.gpu, 0, batch, ap, &rope, norm(0))
                 .map_err(e)?,
             p.cpu
-                .qkv_attention(&xc, &mut caches.cpu, 0, batch, ap, &rope, None)
+                .qkv_attention(&xc, &mut caches.cpu, 0, batch, ap, &rope, norm(1))
                 .map_err(e)?,
         )
     } else {
@@ -368,7 +382,11 @@ fn attention_step(
                 .map_err(e)?,
         )
     };
-    let kind = if fused { "qkv_attention" } else { "attention" };
+    let kind = match (fused, qk.is_some()) {
+        (true, true) => "qkv_attention (QK-norm)",
+        (true, false) => "qkv_attention",
+        _ => "attention",
+    };
     p.compare(
         format!(
             "{kind} {label} heads={}/{} hd={} window={:?}",
@@ -430,7 +448,20 @@ fn attention_ops(
     let rotary = (inv_freq.as_slice(), scaling);
     // Unfused ops and qkv_attention; split decode steps with values loaded
     // with keys (the default) and apart.
-    for (fused, vpre) in [(false, true), (true, true), (true, false)] {
+    // QK-norm (Qwen3, Gemma 3: weight offset 1 at head dim 256) through the
+    // fused path too.
+    let offset = if hd == 256 { 1.0 } else { 0.0 };
+    let (qn, kn) = (rng.vec(hd, 0.5), rng.vec(hd, 0.5));
+    let (qng, qnc) = p.up(&[hd], &qn)?;
+    let (kng, knc) = p.up(&[hd], &kn)?;
+    let norms = [(&qng, &kng), (&qnc, &knc)];
+    for (fused, vpre, qk) in [
+        (false, true, false),
+        (true, true, false),
+        (true, false, false),
+        (true, true, true),
+    ] {
+        let qk = qk.then_some((norms, offset));
         p.gpu.set_decode_vpre(vpre);
         let mut caches = Caches {
             gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
@@ -454,20 +485,20 @@ fn attention_ops(
         b.push_seq(&toks(100), 0, tb.clone(), true);
         b.push_seq(&toks(1200), 0, td.clone(), true);
         b.push_seq(&toks(600), 0, te.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, "prefill", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "prefill", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq(&toks(37), 100, tb.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, "chunked", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "chunked", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq(&toks(1), 150, ta.clone(), true);
         b.push_seq(&toks(20), 0, tc.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, "mixed", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "mixed", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -479,7 +510,7 @@ fn attention_ops(
         b.push_seq(&toks(1), 600, te.clone(), true);
         let apart = if vpre { "" } else { " (values apart)" };
         let label = format!("decode{apart}");
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, &label, fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -488,7 +519,7 @@ fn attention_ops(
             b.push_seq(&toks(1), at, t.clone(), true);
         }
         let label = format!("decode 2{apart}");
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, &label, fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
     }
     p.gpu.set_decode_vpre(true);
     Ok(())

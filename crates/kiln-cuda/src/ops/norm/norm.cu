@@ -29,7 +29,9 @@ extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* _
 }
 
 // RMSNorm of strided rows: out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (weight_offset + w),
-// x row r at x + r * x_stride, out row r at out + r * out_stride (strides in elements).
+// x row r at x + r * x_stride + blockIdx.y * d, out row r at out + r * out_stride + blockIdx.y * d
+// (strides in elements): grid.y > 1 normalizes grid.y consecutive rows of d inside each strided
+// row, e.g. every head of the q or k part of packed qkv rows (QK-norm). x may equal out.
 // Same math as add_rms_norm_bf16 with no residual. One block per row: grid.x = n_rows,
 // block 256 (any multiple of 32 up to 1024), no dynamic shared memory. 16-byte vectorized when
 // d, both strides are multiples of 8 and x, out, w are 16-byte aligned; scalar otherwise.
@@ -38,8 +40,8 @@ extern "C" __global__ void rms_norm_rows_bf16(const bf16* x, long long x_stride,
                                               float weight_offset) {
     kiln_pdl_enter();
     using namespace vec8;
-    const bf16* xr = x + (long long)blockIdx.x * x_stride;
-    bf16* orow = out + (long long)blockIdx.x * out_stride;
+    const bf16* xr = x + (long long)blockIdx.x * x_stride + (long long)blockIdx.y * d;
+    bf16* orow = out + (long long)blockIdx.x * out_stride + (long long)blockIdx.y * d;
     const bool vec = (d & 7) == 0 && (x_stride & 7) == 0 && (out_stride & 7) == 0 && aligned16(x) &&
                      aligned16(out) && aligned16(w);
     float ss = 0.0f;
