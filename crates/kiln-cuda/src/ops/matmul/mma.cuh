@@ -1,4 +1,4 @@
-// Tensor-core and cp.async helpers shared by the GEMV and skinny-GEMM kernels.
+// Tensor-core and cp.async helpers of the decode GEMV kernels.
 #pragma once
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
