@@ -1,27 +1,58 @@
-//! Kiln's CUDA C sources, embedded in the binary. Local `#include "x.cuh"`
+//! Kiln's CUDA C sources, embedded in the binary: each op's kernels live
+//! beside its launcher (`src/ops/<op>/<op>.cu`). Local `#include "x.cuh"`
 //! lines are expanded from [`HEADERS`] before compilation, so NVRTC needs
 //! no files of ours on disk.
 
+use crate::{CompiledKernel, CudaError, KernelCompiler};
+
 /// Headers that kernel sources include by name.
 pub const HEADERS: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("kernels/common.cuh")),
-    ("rms_prologue.cuh", include_str!("kernels/rms_prologue.cuh")),
-    ("mma.cuh", include_str!("kernels/mma.cuh")),
+    ("common.cuh", include_str!("ops/common.cuh")),
+    ("vec8.cuh", include_str!("ops/vec8.cuh")),
+    (
+        "rms_prologue.cuh",
+        include_str!("ops/matmul/rms_prologue.cuh"),
+    ),
+    ("mma.cuh", include_str!("ops/matmul/mma.cuh")),
 ];
 
-/// Sources without which the backend does not start.
-pub const REQUIRED: &[&str] = &["elementwise", "attention"];
+/// Sources without which the backend does not start (the others' kernels
+/// have fallbacks).
+pub const REQUIRED: &[&str] = &[
+    "gather",
+    "norm",
+    "activation",
+    "elementwise",
+    "rope_kv_write",
+    "attention_reference",
+];
 
-/// Every kernel source: (name, CUDA C).
+/// Every kernel source: (name, CUDA C), each beside its op's launcher in
+/// `src/ops/<op>/`.
 pub const SOURCES: &[(&str, &str)] = &[
-    ("elementwise", include_str!("kernels/elementwise.cu")),
-    ("attention", include_str!("kernels/attention.cu")),
-    ("gemv", include_str!("kernels/gemv.cu")),
-    ("gemv_direct", include_str!("kernels/gemv_direct.cu")),
-    ("fused", include_str!("kernels/fused.cu")),
-    ("flash", include_str!("kernels/flash.cu")),
-    ("skinny", include_str!("kernels/skinny.cu")),
-    ("sample", include_str!("kernels/sample.cu")),
+    ("gather", include_str!("ops/gather/gather.cu")),
+    ("norm", include_str!("ops/norm/norm.cu")),
+    ("activation", include_str!("ops/activation/activation.cu")),
+    (
+        "elementwise",
+        include_str!("ops/elementwise/elementwise.cu"),
+    ),
+    (
+        "rope_kv_write",
+        include_str!("ops/rope_kv_write/rope_kv_write.cu"),
+    ),
+    (
+        "attention_reference",
+        include_str!("ops/attention/reference.cu"),
+    ),
+    ("attention_decode", include_str!("ops/attention/decode.cu")),
+    (
+        "attention_prefill",
+        include_str!("ops/attention/prefill.cu"),
+    ),
+    ("matmul_gemv", include_str!("ops/matmul/gemv.cu")),
+    ("argmax", include_str!("ops/argmax/argmax.cu")),
+    ("sample", include_str!("ops/sample/sample.cu")),
 ];
 
 /// Every kernel the backend launches by name (the CI compile test checks
@@ -37,14 +68,6 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gather_rows_bf16",
     "copy_cols_bf16",
     "paged_attention_bf16",
-    "gemv_bf16_m1",
-    "gemv_bf16_m2",
-    "gemv_bf16_m3",
-    "gemv_bf16_m4",
-    "gemv_bf16_m5",
-    "gemv_bf16_m6",
-    "gemv_bf16_m7",
-    "gemv_bf16_m8",
     "gemv_direct_bf16_m1",
     "gemv_direct_bf16_m2",
     "gemv_direct_bf16_m3",
@@ -53,14 +76,6 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gemv_direct_bf16_m6",
     "gemv_direct_bf16_m7",
     "gemv_direct_bf16_m8",
-    "rms_norm_gemv_bf16_m1",
-    "rms_norm_gemv_bf16_m2",
-    "rms_norm_gemv_bf16_m3",
-    "rms_norm_gemv_bf16_m4",
-    "rms_norm_gemv_bf16_m5",
-    "rms_norm_gemv_bf16_m6",
-    "rms_norm_gemv_bf16_m7",
-    "rms_norm_gemv_bf16_m8",
     "rms_norm_gemv_direct_bf16_m1",
     "rms_norm_gemv_direct_bf16_m2",
     "rms_norm_gemv_direct_bf16_m3",
@@ -73,52 +88,33 @@ pub const ENTRY_POINTS: &[&str] = &[
     "argmax_logprob_masked_bf16",
     "sample_bf16",
     "qkv_rope_write_bf16",
+    "rms_norm_rows_bf16",
     "gated_act_packed_bf16",
     "decode_attention_hd64",
     "decode_attention_hd128",
     "decode_attention_hd256",
-    "decode_rope_attention_hd64",
-    "decode_rope_attention_hd128",
-    "decode_rope_attention_hd256",
     "decode_attention_vpre_hd64",
     "decode_attention_vpre_hd128",
     "decode_attention_vpre_hd256",
-    "decode_rope_attention_vpre_hd64",
-    "decode_rope_attention_vpre_hd128",
-    "decode_rope_attention_vpre_hd256",
     "decode_attention_reduce_hd64",
     "decode_attention_reduce_hd128",
     "decode_attention_reduce_hd256",
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "flash_prefill_hd256",
-    "skinny_gemm_bf16_m16",
-    "skinny_gemm_bf16_m32",
-    "skinny_gemm_bf16_m48",
-    "skinny_gemm_bf16_m64",
 ];
 
-/// `src` with its local includes expanded (once each).
+/// `src` with its local includes expanded from [`HEADERS`].
 pub fn expand(src: &str) -> String {
-    let mut out = String::with_capacity(src.len() + 4096);
-    for line in src.lines() {
-        let included = line
-            .trim()
-            .strip_prefix("#include \"")
-            .and_then(|rest| rest.strip_suffix('"'))
-            .and_then(|name| HEADERS.iter().find(|(h, _)| *h == name));
-        match included {
-            Some((_, header)) => {
-                out.push_str(&header.replace("#pragma once", ""));
-                out.push('\n');
-            }
-            None => {
-                out.push_str(line);
-                out.push('\n');
-            }
-        }
-    }
-    out
+    crate::driver::compile::expand(src, HEADERS)
+}
+
+/// Every kernel source compiled by `compiler` (from its cache when possible).
+pub fn compile_all(compiler: &KernelCompiler) -> Result<Vec<CompiledKernel>, CudaError> {
+    SOURCES
+        .iter()
+        .map(|(name, src)| compiler.compile(name, &expand(src)))
+        .collect()
 }
 
 #[cfg(test)]

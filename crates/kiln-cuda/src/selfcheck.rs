@@ -3,13 +3,15 @@
 //! ratios, head dims 64/128/256, prefill, chunked prefill, mixed and
 //! split-KV decode batches, sliding windows, recorded (graph) decode
 //! steps replayed against fresh metadata, and the device sampler against
-//! its host reference (`sample_check.rs`). `kiln dev cuda-check` runs it on a
+//! its host reference (`ops/sample/check.rs`); `qkv_attention` with and
+//! without QK-norm. `kiln dev cuda-check` runs it on a
 //! GPU machine and writes the report.
 
 use half::bf16;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, RopeParams, Tensor,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, QkNorm, RopeParams,
+    Tensor,
 };
 
 use crate::CudaBackend;
@@ -142,13 +144,8 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     attention_ops(&mut p, &mut rng, 12, 4, 128, None, (32, 0.9))?;
     recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
-    // The skinny GEMM is off by default (slower than cuBLAS so far): on here.
-    let was = p.gpu.skinny_gemm_enabled();
-    p.gpu.set_skinny_gemm_enabled(true);
-    skinny_ops(&mut p, &mut Rng(0x5851_F42D_4C95_7F2D))?;
-    recorded_steps(&mut p, &mut rng, &Toy::SKINNY)?;
-    p.gpu.set_skinny_gemm_enabled(was);
-    p.checks.extend(crate::sample_check::checks(p.gpu)?);
+    recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
+    p.checks.extend(crate::ops::sample::check::checks(p.gpu)?);
     Ok(p.checks)
 }
 
@@ -264,7 +261,7 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
 /// against the GPU's own unfused ops, which they reproduce (same summation
 /// order and bf16 rounding; the report's errors show how exactly). Row
 /// counts 1–8 take the fused GEMV kernels, 9 the unfused path (norm, then
-/// the skinny GEMM); k = 900 (not a multiple of 8) the unfused path (cuBLAS)
+/// cuBLAS); k = 900 (not a multiple of 8) the unfused path (cuBLAS)
 /// at every row count, k = 8192 the unfused path of `rms_norm_linear` from 6
 /// rows (shared memory).
 fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
@@ -325,62 +322,14 @@ fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     Ok(())
 }
 
-/// Products of 9–64 rows (the skinny GEMM): odd widths, K not a multiple
-/// of its 64-wide chunks, every epilogue; K of 576 runs unsplit, the longer
-/// ones split K (up to 28 ways at K = 14336) and reduce across blocks.
-fn skinny_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
-    for &(k, m) in &[
-        (576usize, 1537usize),
-        (1000, 1001),
-        (2048, 515),
-        (3000, 259),
-        (4096, 1001),
-        (14336, 259),
-    ] {
-        let (wg, wc) = p.up(&[m, k], &rng.vec(m * k, 0.05))?;
-        let (gug, guc) = p.up(&[m + 1, k], &rng.vec((m + 1) * k, 0.05))?;
-        let (bg, bc) = p.up(&[m], &rng.vec(m, 0.5))?;
-        for &n in &[9usize, 16, 17, 31, 32, 48, 63, 64] {
-            let label = format!("n={n} k={k}");
-            let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
-            let (rg, rc) = p.up(&[n, m], &rng.vec(n * m, 1.0))?;
-            let g = p.gpu.linear(&xg, &wg, None).map_err(e)?;
-            let c = p.cpu.linear(&xc, &wc, None).map_err(e)?;
-            p.compare(format!("skinny linear {label} m={m}"), &g, &c, TOL)?;
-            let g = p.gpu.linear(&xg, &wg, Some(&bg)).map_err(e)?;
-            let c = p.cpu.linear(&xc, &wc, Some(&bc)).map_err(e)?;
-            p.compare(format!("skinny linear+bias {label} m={m}"), &g, &c, TOL)?;
-            let g = p.gpu.linear_add(&xg, &wg, None, &rg).map_err(e)?;
-            let c = p.cpu.linear_add(&xc, &wc, None, &rc).map_err(e)?;
-            p.compare(format!("skinny linear_add {label} m={m}"), &g, &c, TOL)?;
-            if k == 4096 && (n == 17 || n == 64) {
-                // The A/B switch: the same product through cuBLAS.
-                p.gpu.set_skinny_gemm_enabled(false);
-                let u = p.gpu.linear_add(&xg, &wg, None, &rg).map_err(e);
-                p.gpu.set_skinny_gemm_enabled(true);
-                let what = format!("skinny linear_add vs cuBLAS {label} m={m}");
-                p.compare_gpu(what, &g, &u?, TOL)?;
-            }
-            for act in [Activation::Silu, Activation::GeluTanh] {
-                let g = p.gpu.gated_linear(&xg, &gug, act).map_err(e)?;
-                let c = p.cpu.gated_linear(&xc, &guc, act).map_err(e)?;
-                p.compare(
-                    format!("skinny gated_linear {act:?} {label} 2i={}", m + 1),
-                    &g,
-                    &c,
-                    TOL,
-                )?;
-            }
-        }
-    }
-    Ok(())
-}
-
 /// A sequence of steps over one shared KV history on both backends.
 struct Caches {
     gpu: KvCache,
     cpu: KvCache,
 }
+
+/// QK-norm weights (q, k) on the GPU and on the CPU, and the weight offset.
+type QkNorms<'a> = ([(&'a Tensor, &'a Tensor); 2], f32);
 
 #[allow(clippy::too_many_arguments)]
 fn attention_step(
@@ -390,6 +339,7 @@ fn attention_step(
     batch: &ForwardBatch,
     ap: &AttentionParams,
     rotary: (&[f32], f32),
+    qk: Option<QkNorms>,
     label: &str,
     fused: bool,
 ) -> R<()> {
@@ -401,14 +351,22 @@ fn attention_step(
         inv_freq: rotary.0,
         attention_scaling: rotary.1,
     };
+    let norm = |side: usize| {
+        qk.map(|(w, weight_offset)| QkNorm {
+            q_weight: w[side].0,
+            k_weight: w[side].1,
+            eps: 1e-6,
+            weight_offset,
+        })
+    };
     let (g, c) = if fused {
         let (xg, xc) = p.up(&[n, qw + 2 * kw], &rng.vec(n * (qw + 2 * kw), 1.0))?;
         (
             p.gpu
-                .qkv_attention(&xg, &mut caches.gpu, 0, batch, ap, &rope, None)
+                .qkv_attention(&xg, &mut caches.gpu, 0, batch, ap, &rope, norm(0))
                 .map_err(e)?,
             p.cpu
-                .qkv_attention(&xc, &mut caches.cpu, 0, batch, ap, &rope, None)
+                .qkv_attention(&xc, &mut caches.cpu, 0, batch, ap, &rope, norm(1))
                 .map_err(e)?,
         )
     } else {
@@ -424,7 +382,11 @@ fn attention_step(
                 .map_err(e)?,
         )
     };
-    let kind = if fused { "qkv_attention" } else { "attention" };
+    let kind = match (fused, qk.is_some()) {
+        (true, true) => "qkv_attention (QK-norm)",
+        (true, false) => "qkv_attention",
+        _ => "attention",
+    };
     p.compare(
         format!(
             "{kind} {label} heads={}/{} hd={} window={:?}",
@@ -484,18 +446,22 @@ fn attention_ops(
         .map(|i| 1e4f32.powf(-((2 * i) as f32) / (2 * half) as f32))
         .collect();
     let rotary = (inv_freq.as_slice(), scaling);
-    // Unfused ops, qkv_attention, and qkv_attention with RoPE folded into
-    // decode attention (its decode steps then write the new keys: the
-    // second decode step reads them back); split decode steps with values
-    // loaded with keys (the default) and apart.
-    for (fused, fold, vpre) in [
-        (false, false, true),
-        (true, false, true),
-        (true, true, true),
-        (true, false, false),
+    // Unfused ops and qkv_attention; split decode steps with values loaded
+    // with keys (the default) and apart.
+    // QK-norm (Qwen3, Gemma 3: weight offset 1 at head dim 256) through the
+    // fused path too.
+    let offset = if hd == 256 { 1.0 } else { 0.0 };
+    let (qn, kn) = (rng.vec(hd, 0.5), rng.vec(hd, 0.5));
+    let (qng, qnc) = p.up(&[hd], &qn)?;
+    let (kng, knc) = p.up(&[hd], &kn)?;
+    let norms = [(&qng, &kng), (&qnc, &knc)];
+    for (fused, vpre, qk) in [
+        (false, true, false),
         (true, true, false),
+        (true, false, false),
+        (true, true, true),
     ] {
-        p.gpu.set_decode_rope_fused(fold);
+        let qk = qk.then_some((norms, offset));
         p.gpu.set_decode_vpre(vpre);
         let mut caches = Caches {
             gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
@@ -519,20 +485,20 @@ fn attention_ops(
         b.push_seq(&toks(100), 0, tb.clone(), true);
         b.push_seq(&toks(1200), 0, td.clone(), true);
         b.push_seq(&toks(600), 0, te.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, "prefill", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "prefill", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq(&toks(37), 100, tb.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, "chunked", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "chunked", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq(&toks(1), 150, ta.clone(), true);
         b.push_seq(&toks(20), 0, tc.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, "mixed", fused)?;
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "mixed", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -542,13 +508,9 @@ fn attention_ops(
         b.push_seq(&toks(1), 20, tc.clone(), true);
         b.push_seq(&toks(1), 1200, td.clone(), true);
         b.push_seq(&toks(1), 600, te.clone(), true);
-        let apart = if vpre { "" } else { ", values apart" };
-        let label = if fold {
-            format!("decode (RoPE folded{apart})")
-        } else {
-            format!("decode{}", if vpre { "" } else { " (values apart)" })
-        };
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, &label, fused)?;
+        let apart = if vpre { "" } else { " (values apart)" };
+        let label = format!("decode{apart}");
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -556,14 +518,9 @@ fn attention_ops(
         for (at, t) in [(152, &ta), (138, &tb), (21, &tc), (1201, &td), (601, &te)] {
             b.push_seq(&toks(1), at, t.clone(), true);
         }
-        let label = if fold {
-            format!("decode 2 (RoPE folded{apart})")
-        } else {
-            format!("decode 2{}", if vpre { "" } else { " (values apart)" })
-        };
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, &label, fused)?;
+        let label = format!("decode 2{apart}");
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
     }
-    p.gpu.set_decode_rope_fused(false);
     p.gpu.set_decode_vpre(true);
     Ok(())
 }
@@ -665,7 +622,7 @@ impl Toy {
         seqs: 3,
         after: 2,
     };
-    const SKINNY: Toy = Toy {
+    const WIDE: Toy = Toy {
         d: 1024,
         heads: 8,
         kv_heads: 4,
@@ -679,8 +636,8 @@ impl Toy {
 /// projection into the residual → norm and gated MLP into the residual →
 /// norm and logits, each norm fused into its projection) run through
 /// `run_step`, so decode steps are recorded and replayed, against the CPU
-/// step by step. `Toy::SKINNY` decodes 40 then 20 sequences (buckets 48
-/// and 24), so its recorded steps run the skinny GEMM, split K included.
+/// step by step. `Toy::WIDE` decodes 40 then 20 sequences (buckets 48
+/// and 24): recorded steps whose products run on cuBLAS.
 fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
     let (vocab, d, heads, kv_heads, hd) = (512usize, toy.d, toy.heads, toy.kv_heads, toy.hd);
     let qkv_w = (heads + 2 * kv_heads) * hd;

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use kiln_cuda::{
-    kernels::{ENTRY_POINTS, SOURCES},
+    kernels::{compile_all, expand, ENTRY_POINTS, SOURCES},
     KernelCompiler,
 };
 
@@ -30,6 +30,7 @@ fn compiler(cache: Option<PathBuf>) -> KernelCompiler {
         arch: "compute_90",
         include_paths: vec![inc.clone(), inc.join("cccl")],
         cache_dir: cache,
+        defines: String::new(),
     }
 }
 
@@ -38,7 +39,9 @@ fn every_kernel_compiles_to_ptx_for_sm90_with_every_entry_point() {
     let c = compiler(None);
     let mut ptx = String::new();
     for (name, src) in SOURCES {
-        let k = c.compile(name, src).unwrap_or_else(|e| panic!("{e}"));
+        let k = c
+            .compile(name, &expand(src))
+            .unwrap_or_else(|e| panic!("{e}"));
         assert!(k.ptx.contains(".target sm_90"), "{name}: PTX targets sm_90");
         ptx.push_str(&k.ptx);
     }
@@ -55,9 +58,9 @@ fn every_kernel_compiles_to_ptx_for_sm90_with_every_entry_point() {
 fn compiled_ptx_is_cached_by_source_arch_and_nvrtc_version() {
     let dir = std::env::temp_dir().join(format!("kiln-ptx-cache-{}", std::process::id()));
     let c = compiler(Some(dir.clone()));
-    let first = c.compile_all().unwrap();
+    let first = compile_all(&c).unwrap();
     assert!(first.iter().all(|k| !k.cached));
-    let second = c.compile_all().unwrap();
+    let second = compile_all(&c).unwrap();
     assert!(
         second.iter().all(|k| k.cached),
         "a second start compiles nothing"
@@ -65,7 +68,10 @@ fn compiled_ptx_is_cached_by_source_arch_and_nvrtc_version() {
     assert_eq!(first[0].ptx, second[0].ptx);
     // A changed source is a different key.
     let changed = c
-        .compile("elementwise", &format!("{}\n// edit\n", SOURCES[0].1))
+        .compile(
+            SOURCES[0].0,
+            &format!("{}\n// edit\n", expand(SOURCES[0].1)),
+        )
         .unwrap();
     assert!(!changed.cached);
     let _ = std::fs::remove_dir_all(dir);

@@ -86,21 +86,19 @@ fn cuda_include_paths() -> Vec<PathBuf> {
     out.into_iter().filter(|p| p.exists()).collect()
 }
 
-/// Open GPU `ordinal` with kernels cached under `~/.cache/kiln/kernels`.
+/// Open GPU `ordinal` with kernels cached under `~/.cache/kiln/kernels`
+/// and the options the environment sets (`cuda_env.rs`).
 pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
     let cache_dir = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln/kernels"));
     let compiler = kiln_cuda::KernelCompiler {
         arch: "compute_90",
         include_paths: cuda_include_paths(),
         cache_dir,
+        defines: String::new(),
     };
-    let b = kiln_cuda::CudaBackend::new(ordinal, compiler)
+    let options = crate::cuda_env::cuda_options()?;
+    let b = kiln_cuda::CudaBackend::new(ordinal, compiler, options)
         .with_context(|| format!("--device cuda:{ordinal}"))?;
-    // KILN_CUDA_GRAPHS=0 runs every step eagerly (for comparisons).
-    b.set_graphs_enabled(std::env::var("KILN_CUDA_GRAPHS").map_or(true, |v| v != "0"));
-    // KILN_SKINNY_GEMM=1 runs 9-64-row products with Kiln's skinny GEMM
-    // instead of cuBLAS (off by default: slower at the 8B shapes so far).
-    b.set_skinny_gemm_enabled(std::env::var("KILN_SKINNY_GEMM").is_ok_and(|v| v == "1"));
     eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
     for w in kiln_tensor::Backend::warnings(&b) {
         eprintln!("kiln: warning: {w}");

@@ -22,6 +22,9 @@ pub enum DevCommand {
     /// Check every CUDA op against the CPU backend on GPU `--gpu`; writes
     /// a JSON report and fails if any check does.
     CudaCheck(CudaCheckArgs),
+    /// List the CUDA backend's environment variables: each one's default,
+    /// its value here, and what it does.
+    CudaOptions,
 }
 
 #[derive(Args, Debug)]
@@ -76,6 +79,10 @@ pub fn run(cmd: DevCommand) -> Result<()> {
         DevCommand::RandomCheckpoint(a) => random_checkpoint(a),
         DevCommand::Logits(a) => logits(a),
         DevCommand::CudaCheck(a) => cuda_check(a),
+        DevCommand::CudaOptions => {
+            print!("{}", crate::cuda_env::describe()?);
+            Ok(())
+        }
     }
 }
 

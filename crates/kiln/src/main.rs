@@ -10,6 +10,7 @@ mod chat;
 mod chat_input;
 mod cli;
 mod convert;
+mod cuda_env;
 mod dev;
 mod fit;
 mod generate;

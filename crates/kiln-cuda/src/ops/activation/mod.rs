@@ -1,0 +1,56 @@
+//! Gated activations (`activation.cu`): act(gate) * up with SiLU or GELU
+//! (tanh), from separate tensors or packed [gate | up] rows.
+
+use kiln_tensor::{Activation, Backend, Result, Tensor, TensorError};
+
+use crate::backend::CudaBackend;
+use crate::driver::device::{dev_err, elems_cfg, ptr, wrap};
+
+pub(crate) fn act_code(act: Activation) -> i32 {
+    match act {
+        Activation::Silu => 0,
+        Activation::GeluTanh => 1,
+    }
+}
+
+pub(crate) fn gated_activation(
+    cuda: &CudaBackend,
+    gate: &Tensor,
+    up: &Tensor,
+    act: Activation,
+) -> Result<Tensor> {
+    if gate.shape() != up.shape() {
+        return Err(TensorError::Shape {
+            op: "gated_activation",
+            detail: format!("{:?} vs {:?}", gate.shape(), up.shape()),
+        });
+    }
+    let n = gate.num_elements();
+    let out = cuda.alloc(n, "an activation")?;
+    let (g, u, nl, a) = (
+        ptr(gate, "gated_activation")?,
+        ptr(up, "gated_activation")?,
+        n as i64,
+        act_code(act),
+    );
+    // SAFETY: gate, up, out hold n elements.
+    unsafe {
+        cuda.dev
+            .launch(cuda.dev.func("gated_act_bf16")?)
+            .arg(&g)
+            .arg(&u)
+            .arg(&out.ptr)
+            .arg(&nl)
+            .arg(&a)
+            .launch(elems_cfg(n))
+            .map_err(dev_err)?;
+    }
+    Ok(wrap(gate.shape().to_vec(), out))
+}
+
+pub(crate) fn gated_unfused(cuda: &CudaBackend, gu: &Tensor, act: Activation) -> Result<Tensor> {
+    let (n, two_i) = gu.dims2("gated_linear")?;
+    let parts = cuda.split_cols(gu, &[two_i / 2, two_i / 2])?;
+    let _ = n;
+    cuda.gated_activation(&parts[0], &parts[1], act)
+}

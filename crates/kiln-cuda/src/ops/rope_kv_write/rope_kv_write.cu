@@ -1,0 +1,82 @@
+// Rotary position embedding and the KV-cache write: RoPE in place, the cache write of new
+// keys and values, and both in one kernel on packed QKV rows.
+#include "common.cuh"
+
+// Rotate-half RoPE in place on x [tokens, heads * head_dim]; grid (tokens, heads),
+// block covers half = rotary_dim / 2 pairs (i, i + half).
+extern "C" __global__ void rope_bf16(bf16* __restrict__ x, const unsigned int* __restrict__ positions,
+                                     const float* __restrict__ inv_freq, int heads, int head_dim, int half,
+                                     float attention_scaling) {
+    kiln_pdl_enter();
+    const long long base = ((long long)blockIdx.x * heads + blockIdx.y) * head_dim;
+    const float pos = (float)positions[blockIdx.x];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf(inv_freq[i] * pos, &s, &c);
+        s *= attention_scaling;
+        c *= attention_scaling;
+        const float a = to_f32(x[base + i]), b = to_f32(x[base + i + half]);
+        x[base + i] = to_bf16(rope_first(a, b, c, s));
+        x[base + i + half] = to_bf16(rope_second(a, b, c, s));
+    }
+}
+
+// Write new keys and values [tokens, kv_row] into their cache slots [slots, kv_row].
+extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
+                                         const unsigned int* __restrict__ slot_mapping, int kv_row) {
+    kiln_pdl_enter();
+    const long long src = (long long)blockIdx.x * kv_row;
+    const long long dst = (long long)slot_mapping[blockIdx.x] * kv_row;
+    for (int i = threadIdx.x; i < kv_row; i += blockDim.x) {
+        k_cache[dst + i] = k[src + i];
+        v_cache[dst + i] = v[src + i];
+    }
+}
+
+// RoPE on a packed QKV projection, with the KV-cache write fused in.
+// qkv [n, stride] rows: [q: heads * head_dim | k: kv_heads * head_dim | v: kv_heads * head_dim].
+// For token t = blockIdx.x at position pos[t], slot s = slots[t], and head blockIdx.y:
+//   * y < heads: q head y is rotated in place in qkv (rotate-half, pairs (i, i + half), i < half);
+//   * y = heads + h: k head h is rotated, written back in place into qkv AND to
+//     k_cache[s * kv_heads * head_dim + h * head_dim + i], and v head h is copied to v_cache at
+//     the same offsets;
+//   * dims >= 2 * half pass through unchanged (left in qkv, copied to the cache for k).
+// Same math as rope_bf16: sincosf(inv_freq[i] * (float)pos) times attn_scaling, f32 from the
+// bf16 inputs, one rounding.
+// Launch: grid (n tokens, heads + kv_heads), block 64 or 128 (any size <= 1024), no shared memory.
+// One block per head keeps a decode step's single token from running on one multiprocessor.
+extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long stride, bf16* __restrict__ k_cache,
+                                               bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,
+                                               const unsigned int* __restrict__ slots,
+                                               const float* __restrict__ inv_freq, int half, float attn_scaling,
+                                               int heads, int kv_heads, int head_dim) {
+    kiln_pdl_enter();
+    bf16* row = qkv + (long long)blockIdx.x * stride;
+    const float p = (float)pos[blockIdx.x];
+    const bool is_k = (int)blockIdx.y >= heads;
+    const int h = is_k ? (int)blockIdx.y - heads : (int)blockIdx.y;
+    const long long hoff = (long long)h * head_dim;
+    const long long koff = (long long)heads * head_dim, voff = koff + (long long)kv_heads * head_dim;
+    const long long cbase = is_k ? (long long)slots[blockIdx.x] * kv_heads * head_dim + hoff : 0;
+    bf16* x = row + (is_k ? koff : 0) + hoff;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float sn, c;
+        sincosf(inv_freq[i] * p, &sn, &c);
+        sn *= attn_scaling;
+        c *= attn_scaling;
+        const float a = to_f32(x[i]), b = to_f32(x[i + half]);
+        const bf16 ra = to_bf16(rope_first(a, b, c, sn)), rb = to_bf16(rope_second(a, b, c, sn));
+        x[i] = ra;
+        x[i + half] = rb;
+        if (is_k) {
+            k_cache[cbase + i] = ra;
+            k_cache[cbase + i + half] = rb;
+        }
+    }
+    if (!is_k) return;
+    // Unrotated tail of the k head (partial rotary), and the v head.
+    for (int d = 2 * half + threadIdx.x; d < head_dim; d += blockDim.x) k_cache[cbase + d] = x[d];
+    const bf16* v = row + voff + hoff;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) v_cache[cbase + d] = v[d];
+}

@@ -1,0 +1,54 @@
+//! Every setting of the CUDA backend, in one place. The binary builds a
+//! [`CudaOptions`] (from its flags and environment: `crates/kiln/src/cuda_env.rs`
+//! lists the variables) and hands it to [`crate::CudaBackend::new`]; nothing
+//! in this crate reads the environment. The defaults are the measured-fastest
+//! settings; the switches exist for A/B comparisons against them.
+
+/// The CUDA backend's settings. `Default` is what Kiln runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Programmatic dependent launch (sm_90 and newer): each kernel may be
+    /// scheduled while the previous one finishes and waits for its inputs
+    /// inside. Default `true`; `false` launches kernels strictly in turn.
+    pub pdl: bool,
+    /// Record decode steps as CUDA graphs and replay them. Default `true`;
+    /// `false` runs every step eagerly.
+    pub graphs: bool,
+    /// Upload weights through two pinned 64 MiB buffers in turn. Default
+    /// `true`; `false` copies from pageable memory.
+    pub pinned_staging: bool,
+    /// Run sampling (every parameter) on the device. Default `true`; `false`
+    /// sends the logits to the host sampler.
+    pub device_sampling: bool,
+    /// Split decode attention's last partition to finish combines the
+    /// partitions (zeroed counters). Default `true`; `false` runs the
+    /// separate reduce kernel.
+    pub decode_combine_in_kernel: bool,
+    /// Split decode steps load a chunk's first values together with its
+    /// keys (the `_vpre_` kernels). Default `true`.
+    pub decode_vpre_split: bool,
+    /// The decode GEMV's tile width for plain products: `None` (default)
+    /// lets the host rule pick 8 or 16 columns by how full the last wave of
+    /// blocks is; `Some(8)` or `Some(16)` forces one.
+    pub direct_cols: Option<usize>,
+    /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
+    /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
+    /// only into the sources that name it, so only their cache keys change.
+    /// Default empty.
+    pub kernel_defines: String,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            pdl: true,
+            graphs: true,
+            pinned_staging: true,
+            device_sampling: true,
+            decode_combine_in_kernel: true,
+            decode_vpre_split: true,
+            direct_cols: None,
+            kernel_defines: String::new(),
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! The registry of the CUDA backend's environment variables: every knob,
+//! its default and what it does, in one table ([`KNOBS`]). The binary is
+//! the only place that reads them; it builds a [`CudaOptions`] here and
+//! hands it to `kiln_cuda::CudaBackend::new` (whose fields document the
+//! same settings from the library's side). Unset or empty means the
+//! default; a value that is not understood is an error naming the variable.
+
+use anyhow::{bail, Result};
+use kiln_cuda::CudaOptions;
+
+/// One environment variable and the [`CudaOptions`] field it sets.
+pub struct Knob {
+    pub var: &'static str,
+    pub default: &'static str,
+    pub help: &'static str,
+    set: Set,
+}
+
+/// How a variable's value becomes its field.
+enum Set {
+    /// An on/off switch: `1` or `0` (also true/false, on/off, yes/no).
+    Switch(fn(&mut CudaOptions) -> &mut bool),
+    /// Any other value, parsed by the function.
+    Parse(fn(&mut CudaOptions, &str) -> Result<()>),
+}
+
+/// Every environment variable the CUDA backend's options come from.
+pub const KNOBS: &[Knob] = &[
+    Knob {
+        var: "KILN_PDL",
+        default: "1",
+        help: "programmatic dependent launch on sm_90+ (kernels overlap their neighbours); 0 launches strictly in turn",
+        set: Set::Switch(|o| &mut o.pdl),
+    },
+    Knob {
+        var: "KILN_CUDA_GRAPHS",
+        default: "1",
+        help: "record decode steps as CUDA graphs and replay them; 0 runs every step eagerly",
+        set: Set::Switch(|o| &mut o.graphs),
+    },
+    Knob {
+        var: "KILN_PINNED_STAGING",
+        default: "1",
+        help: "upload weights through two pinned 64 MiB buffers; 0 copies from pageable memory",
+        set: Set::Switch(|o| &mut o.pinned_staging),
+    },
+    Knob {
+        var: "KILN_DEVICE_SAMPLING",
+        default: "1",
+        help: "sample on the GPU (every sampling parameter); 0 samples on the host",
+        set: Set::Switch(|o| &mut o.device_sampling),
+    },
+    Knob {
+        var: "KILN_DECODE_FUSED",
+        default: "1",
+        help: "split decode attention combines its partitions in the last block to finish; 0 runs the separate reduce kernel",
+        set: Set::Switch(|o| &mut o.decode_combine_in_kernel),
+    },
+    Knob {
+        var: "KILN_DECODE_VPRE_SPLIT",
+        default: "1",
+        help: "split decode steps load each chunk's first values with its keys; 0 loads them apart",
+        set: Set::Switch(|o| &mut o.decode_vpre_split),
+    },
+    Knob {
+        var: "KILN_DIRECT_COLS",
+        default: "",
+        help: "tile width (8 or 16 columns) of the decode GEMV's plain products; unset lets the host rule pick",
+        set: Set::Parse(|o, v| {
+            o.direct_cols = match v {
+                "8" => Some(8),
+                "16" => Some(16),
+                _ => bail!("KILN_DIRECT_COLS={v:?}: expected 8 or 16"),
+            };
+            Ok(())
+        }),
+    },
+    Knob {
+        var: "KILN_KERNEL_DEFINES",
+        default: "",
+        help: "NAME=VALUE overrides of kernels' #ifndef tuning macros, separated by blanks or +, for timing experiments",
+        set: Set::Parse(|o, v| {
+            o.kernel_defines = v.to_string();
+            Ok(())
+        }),
+    },
+];
+
+/// An on/off switch's value.
+fn switch(var: &str, v: &str) -> Result<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(true),
+        "0" | "false" | "off" | "no" => Ok(false),
+        _ => bail!("{var}={v:?}: expected 0 or 1"),
+    }
+}
+
+/// The options `get` (a variable's value, if set) asks for.
+pub fn cuda_options_from(get: impl Fn(&str) -> Option<String>) -> Result<CudaOptions> {
+    let mut options = CudaOptions::default();
+    for knob in KNOBS {
+        if let Some(v) = get(knob.var).filter(|v| !v.is_empty()) {
+            let v = v.trim();
+            match knob.set {
+                Set::Switch(field) => *field(&mut options) = switch(knob.var, v)?,
+                Set::Parse(parse) => parse(&mut options, v)?,
+            }
+        }
+    }
+    Ok(options)
+}
+
+/// The options this process's environment asks for.
+pub fn cuda_options() -> Result<CudaOptions> {
+    cuda_options_from(|var| std::env::var(var).ok())
+}
+
+/// The table of [`KNOBS`] for `kiln dev cuda-options`: each variable, its
+/// default, its value in this environment, and what it does; an error if a
+/// value set here is not understood.
+pub fn describe() -> Result<String> {
+    cuda_options()?;
+    let mut out = String::new();
+    for knob in KNOBS {
+        let now = std::env::var(knob.var).unwrap_or_default();
+        let show = |v: &str| {
+            if v.is_empty() {
+                "-".to_string()
+            } else {
+                v.to_string()
+            }
+        };
+        out.push_str(&format!(
+            "{:24} default {:4} set {:8} {}\n",
+            knob.var,
+            show(knob.default),
+            show(&now),
+            knob.help
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn from(pairs: &[(&str, &str)]) -> Result<CudaOptions> {
+        cuda_options_from(|var| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == var)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn an_empty_environment_gives_the_defaults() {
+        assert_eq!(from(&[]).unwrap(), CudaOptions::default());
+        assert_eq!(from(&[("KILN_PDL", "")]).unwrap(), CudaOptions::default());
+    }
+
+    #[test]
+    fn every_knob_sets_its_field() {
+        let o = from(&[
+            ("KILN_PDL", "0"),
+            ("KILN_CUDA_GRAPHS", "0"),
+            ("KILN_PINNED_STAGING", "0"),
+            ("KILN_DEVICE_SAMPLING", "0"),
+            ("KILN_DECODE_FUSED", "0"),
+            ("KILN_DECODE_VPRE_SPLIT", "0"),
+            ("KILN_DIRECT_COLS", "16"),
+            ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
+        ])
+        .unwrap();
+        assert_eq!(
+            o,
+            CudaOptions {
+                pdl: false,
+                graphs: false,
+                pinned_staging: false,
+                device_sampling: false,
+                decode_combine_in_kernel: false,
+                decode_vpre_split: false,
+                direct_cols: Some(16),
+                kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
+            }
+        );
+        // Every knob in the table was set above: a new one needs a case.
+        assert_eq!(KNOBS.len(), 8);
+    }
+
+    #[test]
+    fn a_value_not_understood_names_its_variable() {
+        let err = from(&[("KILN_PDL", "maybe")]).unwrap_err().to_string();
+        assert!(err.contains("KILN_PDL") && err.contains("maybe"), "{err}");
+        let err = from(&[("KILN_DIRECT_COLS", "12")]).unwrap_err().to_string();
+        assert!(err.contains("KILN_DIRECT_COLS"), "{err}");
+    }
+}
