@@ -1,4 +1,4 @@
-//! `CudaBackend`: `kiln_tensor::Backend` on one NVIDIA GPU. Activations and
+//! `CudaBackend`: the `kiln_tensor::Backend` traits on one NVIDIA GPU. Activations and
 //! weights are bf16 on the device, math in f32. Decode-sized products
 //! (≤ 8 rows) run Kiln's GEMV kernels with fused epilogues (bias, residual
 //! add, gated activation) and, where an RMSNorm feeds them, a fused norm
@@ -16,8 +16,9 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::LaunchConfig;
 use half::bf16;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, DType, ForwardBatch, KvCache, KvCacheSpec, QkNorm,
-    Result, RopeParams, Tensor, TensorError,
+    Activation, AttentionParams, Backend, DType, Epilogue, ForwardBatch, KvCache, KvCacheSpec,
+    Memory, NormPrologue, Ops, QkNorm, Result, RopeParams, Sampling, StepRecording, Tensor,
+    TensorError, Weight,
 };
 
 use crate::device::{buf, dev_err, elems_cfg, ptr, rows_cfg, to_bf16, wrap, Device, NAME};
@@ -307,16 +308,18 @@ impl Backend for CudaBackend {
         NAME
     }
 
+    fn warnings(&self) -> Vec<String> {
+        self.warnings.lock().map(|w| w.clone()).unwrap_or_default()
+    }
+}
+
+impl Memory for CudaBackend {
     fn kv_bytes_per_element(&self) -> usize {
         2
     }
 
     fn weight_bytes_per_element(&self) -> usize {
         2
-    }
-
-    fn warnings(&self) -> Vec<String> {
-        self.warnings.lock().map(|w| w.clone()).unwrap_or_default()
     }
 
     fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
@@ -389,34 +392,50 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        let (vocab, d) = table.dims2("embedding")?;
-        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(TensorError::Shape {
-                op: "embedding",
-                detail: format!("token id {bad} outside vocabulary of {vocab}"),
-            });
-        }
-        let out = self.alloc(ids.len() * d, "embeddings")?;
-        if !ids.is_empty() {
-            let dids = self.dev_u32(ids, |m| m.tok)?;
-            let (t, di) = (ptr(table, "embedding")?, d as i32);
-            // SAFETY: table [vocab, d], ids < vocab (checked), out [len, d].
-            unsafe {
-                self.dev
-                    .launch(self.dev.func("embedding_bf16")?)
-                    .arg(&t)
-                    .arg(&dids.ptr)
-                    .arg(&out.ptr)
-                    .arg(&di)
-                    .launch(rows_cfg(ids.len(), 256, 0))
+    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
+        // One hidden block more than asked: the scratch block that padding
+        // rows of recorded decode steps write to.
+        let spec = KvCacheSpec {
+            num_blocks: spec.num_blocks + 1,
+            ..spec
+        };
+        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim * 2;
+        let mut k = Vec::with_capacity(spec.num_layers);
+        let mut v = Vec::with_capacity(spec.num_layers);
+        for layer in 0..spec.num_layers {
+            for (side, list) in [("keys", &mut k), ("values", &mut v)] {
+                let b = self
+                    .dev
+                    .alloc_exact(per_layer, &format!("KV cache {side} of layer {layer}"))?;
+                // Zeroed so that never-written slots read as finite numbers.
+                // SAFETY: b holds per_layer bytes.
+                unsafe {
+                    cudarc::driver::result::memset_d8_async(
+                        b.ptr,
+                        0,
+                        per_layer,
+                        self.dev.stream.cu_stream(),
+                    )
                     .map_err(dev_err)?;
+                }
+                list.push(b);
             }
         }
-        Ok(wrap(vec![ids.len(), d], out))
+        Ok(KvCache::from_storage(
+            spec,
+            Box::new(CudaKv {
+                k,
+                v,
+                alive: Arc::new(()),
+            }),
+        ))
     }
+}
 
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+/// The products [`Ops::matmul`] dispatches to: GEMV, skinny GEMM or cuBLAS
+/// with their fused epilogues (the norm-fused ones are in `norm_gemv.rs`).
+impl CudaBackend {
+    pub(crate) fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let (n, k, m) = linear_dims(x, w)?;
         let out = self.alloc(n * m, "a projection")?;
         let (xp, wp) = (ptr(x, "linear")?, ptr(w, "linear")?);
@@ -441,7 +460,7 @@ impl Backend for CudaBackend {
         Ok(wrap(vec![n, m], out))
     }
 
-    fn linear_add(
+    pub(crate) fn linear_add(
         &self,
         x: &Tensor,
         w: &Tensor,
@@ -472,7 +491,12 @@ impl Backend for CudaBackend {
         Ok(wrap(vec![n, m], out))
     }
 
-    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
+    pub(crate) fn gated_linear(
+        &self,
+        x: &Tensor,
+        w_gate_up: &Tensor,
+        act: Activation,
+    ) -> Result<Tensor> {
         let (n, k, two_i) = linear_dims(x, w_gate_up)?;
         let inter = two_i / 2;
         if two_i % 2 != 0 {
@@ -506,29 +530,67 @@ impl Backend for CudaBackend {
         }
         Ok(wrap(vec![n, inter], out))
     }
+}
 
-    fn rms_norm_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        self.fused_rms_norm_linear(x, norm_w, eps, weight_offset, w, bias)
+impl Ops for CudaBackend {
+    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+        let (vocab, d) = table.dims2("embedding")?;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(TensorError::Shape {
+                op: "embedding",
+                detail: format!("token id {bad} outside vocabulary of {vocab}"),
+            });
+        }
+        let out = self.alloc(ids.len() * d, "embeddings")?;
+        if !ids.is_empty() {
+            let dids = self.dev_u32(ids, |m| m.tok)?;
+            let (t, di) = (ptr(table, "embedding")?, d as i32);
+            // SAFETY: table [vocab, d], ids < vocab (checked), out [len, d].
+            unsafe {
+                self.dev
+                    .launch(self.dev.func("embedding_bf16")?)
+                    .arg(&t)
+                    .arg(&dids.ptr)
+                    .arg(&out.ptr)
+                    .arg(&di)
+                    .launch(rows_cfg(ids.len(), 256, 0))
+                    .map_err(dev_err)?;
+            }
+        }
+        Ok(wrap(vec![ids.len(), d], out))
     }
 
-    fn rms_norm_gated_linear(
+    fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.linear(x, w, bias)
+    }
+
+    /// The fused forms the kernels have; anything else is composed
+    /// ([`kiln_tensor::matmul_unfused`]), fusing what it still can.
+    fn matmul(
         &self,
         x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w_gate_up: &Tensor,
-        act: Activation,
+        w: &Weight,
+        prologue: Option<NormPrologue<'_>>,
+        epilogue: Epilogue<'_>,
     ) -> Result<Tensor> {
-        self.fused_rms_norm_gated_linear(x, norm_w, eps, weight_offset, w_gate_up, act)
+        let wd = w.dense("matmul")?;
+        let Epilogue {
+            bias,
+            gated,
+            residual,
+        } = epilogue;
+        match (prologue, gated, residual) {
+            (None, None, None) => self.linear(x, wd, bias),
+            (None, None, Some(r)) => self.linear_add(x, wd, bias, r),
+            (None, Some(act), None) if bias.is_none() => self.gated_linear(x, wd, act),
+            (Some(n), None, None) => {
+                self.fused_rms_norm_linear(x, n.weight, n.eps, n.offset, wd, bias)
+            }
+            (Some(n), Some(act), None) if bias.is_none() => {
+                self.fused_rms_norm_gated_linear(x, n.weight, n.eps, n.offset, wd, act)
+            }
+            _ => kiln_tensor::matmul_unfused(self, x, w, prologue, epilogue),
+        }
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
@@ -737,45 +799,6 @@ impl Backend for CudaBackend {
         Ok(out)
     }
 
-    fn alloc_kv_cache(&self, spec: KvCacheSpec) -> Result<KvCache> {
-        // One hidden block more than asked: the scratch block that padding
-        // rows of recorded decode steps write to.
-        let spec = KvCacheSpec {
-            num_blocks: spec.num_blocks + 1,
-            ..spec
-        };
-        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim * 2;
-        let mut k = Vec::with_capacity(spec.num_layers);
-        let mut v = Vec::with_capacity(spec.num_layers);
-        for layer in 0..spec.num_layers {
-            for (side, list) in [("keys", &mut k), ("values", &mut v)] {
-                let b = self
-                    .dev
-                    .alloc_exact(per_layer, &format!("KV cache {side} of layer {layer}"))?;
-                // Zeroed so that never-written slots read as finite numbers.
-                // SAFETY: b holds per_layer bytes.
-                unsafe {
-                    cudarc::driver::result::memset_d8_async(
-                        b.ptr,
-                        0,
-                        per_layer,
-                        self.dev.stream.cu_stream(),
-                    )
-                    .map_err(dev_err)?;
-                }
-                list.push(b);
-            }
-        }
-        Ok(KvCache::from_storage(
-            spec,
-            Box::new(CudaKv {
-                k,
-                v,
-                alive: Arc::new(()),
-            }),
-        ))
-    }
-
     fn attention(
         &self,
         q: &Tensor,
@@ -934,7 +957,9 @@ impl Backend for CudaBackend {
         }
         self.attend(qkv_ptr, width, kv, layer, &step, block_size, p, None)
     }
+}
 
+impl Sampling for CudaBackend {
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
         crate::argmax::argmax_rows(&self.dev, logits, None)
     }
@@ -954,7 +979,9 @@ impl Backend for CudaBackend {
     ) -> Result<Option<Vec<Option<kiln_tensor::SampledRow>>>> {
         crate::sample::sample_rows(&self.dev, logits, rows)
     }
+}
 
+impl StepRecording for CudaBackend {
     fn run_step(
         &self,
         batch: &ForwardBatch,

@@ -9,7 +9,7 @@ mod norm;
 mod rope;
 
 pub use attention::{Attention, AttentionConfig};
-pub use linear::Linear;
+pub use linear::{Fuse, Linear};
 pub use loader::{LoadProgress, WeightLoader};
 pub use mlp::GatedMlp;
 pub use norm::RmsNorm;
