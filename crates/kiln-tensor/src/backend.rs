@@ -417,7 +417,7 @@ pub trait Ops {
     fn extension(&self, op: &dyn ExtensionOp, x: &Tensor) -> Result<Tensor> {
         let _ = x;
         Err(TensorError::Unsupported {
-            backend: "this",
+            backend: "running",
             what: format!("the extension op {}", op.name()),
         })
     }
