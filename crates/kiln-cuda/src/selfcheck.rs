@@ -812,7 +812,7 @@ fn linear(b: &dyn Backend, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> R2 
 }
 
 fn linear_add(b: &dyn Backend, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, r: &Tensor) -> R2 {
-    b.matmul(x, &dense(w), None, Epilogue::bias(bias).add(r))
+    b.matmul(x, &dense(w), None, Epilogue::bias(bias).with_residual(r))
 }
 
 fn gated_linear(b: &dyn Backend, x: &Tensor, w: &Tensor, act: Activation) -> R2 {

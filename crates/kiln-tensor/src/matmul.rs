@@ -56,7 +56,7 @@ impl<'a> Epilogue<'a> {
     }
 
     /// This epilogue, then `+ residual`.
-    pub fn add(self, residual: &'a Tensor) -> Self {
+    pub fn with_residual(self, residual: &'a Tensor) -> Self {
         Epilogue {
             residual: Some(residual),
             ..self

@@ -267,11 +267,10 @@ impl Llama {
             // Pre-norm blocks: each norm runs fused into the projection that
             // consumes it, each residual add into the projection that ends
             // the sub-layer.
-            let attn = Fuse::norm(&blk.input_norm).add(&x);
+            let attn = Fuse::norm(&blk.input_norm).with_residual(&x);
             x = blk.attn.forward(b, &x, attn, &self.rope, batch, cache, i)?;
-            x = blk
-                .mlp
-                .forward(b, &x, Fuse::norm(&blk.post_attn_norm).add(&x))?;
+            let mlp = Fuse::norm(&blk.post_attn_norm).with_residual(&x);
+            x = blk.mlp.forward(b, &x, mlp)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;

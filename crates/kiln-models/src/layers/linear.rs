@@ -35,7 +35,7 @@ impl<'a> Fuse<'a> {
     }
 
     /// This, with `residual` added to the layer's output.
-    pub fn add(self, residual: &'a Tensor) -> Self {
+    pub fn with_residual(self, residual: &'a Tensor) -> Self {
         Fuse {
             residual: Some(residual),
             ..self
@@ -126,7 +126,7 @@ impl Linear {
         epilogue: Epilogue<'_>,
     ) -> Result<Tensor> {
         let epilogue = match fuse.residual {
-            Some(r) => epilogue.add(r),
+            Some(r) => epilogue.with_residual(r),
             None => epilogue,
         };
         let prologue = fuse.norm.map(RmsNorm::prologue);
