@@ -1,4 +1,4 @@
-//! `CudaBackend`: `kiln_tensor::Backend` on one NVIDIA GPU. Activations and
+//! `CudaBackend`: the `kiln_tensor::Backend` traits on one NVIDIA GPU. Activations and
 //! weights are bf16 on the device, math in f32. This file opens the device,
 //! loads the kernels and maps each trait method onto its op in
 //! `crate::ops` (matmul, attention, rope_kv_write, norm, activation,
@@ -11,8 +11,9 @@ use std::sync::{Arc, Mutex};
 
 use half::bf16;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, DType, ForwardBatch, KvCache, KvPoolShape, QkNorm,
-    Result, RopeParams, Tensor, TensorError,
+    Activation, AttentionParams, Backend, DType, Epilogue, ForwardBatch, KvCache, KvPoolShape,
+    Memory, NormPrologue, Ops, QkNorm, Result, RopeParams, Sampling, StepRecording, Tensor,
+    TensorError, Weight,
 };
 
 use crate::driver::device::{buf, dev_err, to_bf16, wrap, Device, NAME};
@@ -162,16 +163,18 @@ impl Backend for CudaBackend {
         NAME
     }
 
+    fn warnings(&self) -> Vec<String> {
+        self.warnings.lock().map(|w| w.clone()).unwrap_or_default()
+    }
+}
+
+impl Memory for CudaBackend {
     fn kv_bytes_per_element(&self) -> usize {
         2
     }
 
     fn weight_bytes_per_element(&self) -> usize {
         2
-    }
-
-    fn warnings(&self) -> Vec<String> {
-        self.warnings.lock().map(|w| w.clone()).unwrap_or_default()
     }
 
     fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
@@ -247,50 +250,49 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
+        crate::ops::attention::cache::alloc_kv_cache(self, spec)
+    }
+}
+
+impl Ops for CudaBackend {
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         crate::ops::gather::embedding(self, table, ids)
     }
 
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         crate::ops::matmul::linear(self, x, w, bias)
     }
 
-    fn linear_add(
+    /// The fused forms the kernels have; anything else is composed
+    /// ([`kiln_tensor::matmul_unfused`]), fusing what it still can.
+    fn matmul(
         &self,
         x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        residual: &Tensor,
+        w: &Weight,
+        prologue: Option<NormPrologue<'_>>,
+        epilogue: Epilogue<'_>,
     ) -> Result<Tensor> {
-        crate::ops::matmul::linear_add(self, x, w, bias, residual)
-    }
-
-    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
-        crate::ops::matmul::gated_linear(self, x, w_gate_up, act)
-    }
-
-    fn rms_norm_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        self.fused_rms_norm_linear(x, norm_w, eps, weight_offset, w, bias)
-    }
-
-    fn rms_norm_gated_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w_gate_up: &Tensor,
-        act: Activation,
-    ) -> Result<Tensor> {
-        self.fused_rms_norm_gated_linear(x, norm_w, eps, weight_offset, w_gate_up, act)
+        let wd = w.dense("matmul")?;
+        let Epilogue {
+            bias,
+            gated,
+            residual,
+        } = epilogue;
+        match (prologue, gated, residual) {
+            (None, None, None) => crate::ops::matmul::linear(self, x, wd, bias),
+            (None, None, Some(r)) => crate::ops::matmul::linear_add(self, x, wd, bias, r),
+            (None, Some(act), None) if bias.is_none() => {
+                crate::ops::matmul::gated_linear(self, x, wd, act)
+            }
+            (Some(n), None, None) => {
+                self.fused_rms_norm_linear(x, n.weight, n.eps, n.offset, wd, bias)
+            }
+            (Some(n), Some(act), None) if bias.is_none() => {
+                self.fused_rms_norm_gated_linear(x, n.weight, n.eps, n.offset, wd, act)
+            }
+            _ => kiln_tensor::matmul_unfused(self, x, w, prologue, epilogue),
+        }
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
@@ -321,10 +323,6 @@ impl Backend for CudaBackend {
         crate::ops::gather::split_cols(self, x, widths)
     }
 
-    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
-        crate::ops::attention::cache::alloc_kv_cache(self, spec)
-    }
-
     fn attention(
         &self,
         q: &Tensor,
@@ -350,7 +348,9 @@ impl Backend for CudaBackend {
     ) -> Result<Tensor> {
         crate::ops::attention::qkv_attention(self, qkv, cache, layer, batch, p, rope, qk_norm)
     }
+}
 
+impl Sampling for CudaBackend {
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
         crate::ops::argmax::argmax_rows(&self.dev, logits, None)
     }
@@ -373,7 +373,9 @@ impl Backend for CudaBackend {
         }
         crate::ops::sample::sample_rows(&self.dev, logits, rows)
     }
+}
 
+impl StepRecording for CudaBackend {
     fn run_step(
         &self,
         batch: &ForwardBatch,

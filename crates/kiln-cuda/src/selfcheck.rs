@@ -9,9 +9,10 @@
 
 use half::bf16;
 use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::prelude::*;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, QkNorm, RopeParams,
-    Tensor,
+    Activation, AttentionParams, Epilogue, ForwardBatch, KvCache, KvPoolShape, NormPrologue,
+    QkNorm, RopeParams, Tensor, Weight,
 };
 
 use crate::CudaBackend;
@@ -156,19 +157,19 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         for &n in &[1usize, 2, 3, 8, 9, 37] {
             let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
             let (rg, rc) = p.up(&[n, m], &rng.vec(n * m, 1.0))?;
-            let g = p.gpu.linear(&xg, &wg, None).map_err(e)?;
-            let c = p.cpu.linear(&xc, &wc, None).map_err(e)?;
+            let g = linear(p.gpu, &xg, &wg, None).map_err(e)?;
+            let c = linear(&p.cpu, &xc, &wc, None).map_err(e)?;
             p.compare(format!("linear n={n} k={k} m={m}"), &g, &c, TOL)?;
-            let g = p.gpu.linear(&xg, &wg, Some(&bg)).map_err(e)?;
-            let c = p.cpu.linear(&xc, &wc, Some(&bc)).map_err(e)?;
+            let g = linear(p.gpu, &xg, &wg, Some(&bg)).map_err(e)?;
+            let c = linear(&p.cpu, &xc, &wc, Some(&bc)).map_err(e)?;
             p.compare(format!("linear+bias n={n} k={k} m={m}"), &g, &c, TOL)?;
-            let g = p.gpu.linear_add(&xg, &wg, None, &rg).map_err(e)?;
-            let c = p.cpu.linear_add(&xc, &wc, None, &rc).map_err(e)?;
+            let g = linear_add(p.gpu, &xg, &wg, None, &rg).map_err(e)?;
+            let c = linear_add(&p.cpu, &xc, &wc, None, &rc).map_err(e)?;
             p.compare(format!("linear_add n={n} k={k} m={m}"), &g, &c, TOL)?;
             if m % 2 == 0 {
                 for act in [Activation::Silu, Activation::GeluTanh] {
-                    let g = p.gpu.gated_linear(&xg, &wg, act).map_err(e)?;
-                    let c = p.cpu.gated_linear(&xc, &wc, act).map_err(e)?;
+                    let g = gated_linear(p.gpu, &xg, &wg, act).map_err(e)?;
+                    let c = gated_linear(&p.cpu, &xc, &wc, act).map_err(e)?;
                     p.compare(
                         format!("gated_linear {act:?} n={n} k={k} 2i={m}"),
                         &g,
@@ -282,17 +283,13 @@ fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
                 let label = format!("n={n} k={k} offset={offset}");
                 let hg = p.gpu.rms_norm(&xg, &ng, 1e-6, offset).map_err(e)?;
                 for bias in [None, Some((&bg, &bc))] {
-                    let g = p
-                        .gpu
-                        .rms_norm_linear(&xg, &ng, 1e-6, offset, &wg, bias.map(|b| b.0))
+                    let g = rms_norm_linear(p.gpu, &xg, &ng, 1e-6, offset, &wg, bias.map(|b| b.0))
                         .map_err(e)?;
-                    let c = p
-                        .cpu
-                        .rms_norm_linear(&xc, &nc, 1e-6, offset, &wc, bias.map(|b| b.1))
+                    let c = rms_norm_linear(&p.cpu, &xc, &nc, 1e-6, offset, &wc, bias.map(|b| b.1))
                         .map_err(e)?;
                     let what = if bias.is_some() { "+bias" } else { "" };
                     p.compare(format!("rms_norm_linear{what} {label} m={m}"), &g, &c, TOL)?;
-                    let u = p.gpu.linear(&hg, &wg, bias.map(|b| b.0)).map_err(e)?;
+                    let u = linear(p.gpu, &hg, &wg, bias.map(|b| b.0)).map_err(e)?;
                     p.compare_gpu(
                         format!("rms_norm_linear{what} vs unfused gpu {label} m={m}"),
                         &g,
@@ -302,17 +299,13 @@ fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
                 }
                 if m % 2 == 0 {
                     for act in [Activation::Silu, Activation::GeluTanh] {
-                        let g = p
-                            .gpu
-                            .rms_norm_gated_linear(&xg, &ng, 1e-6, offset, &wg, act)
+                        let g = rms_norm_gated_linear(p.gpu, &xg, &ng, 1e-6, offset, &wg, act)
                             .map_err(e)?;
-                        let c = p
-                            .cpu
-                            .rms_norm_gated_linear(&xc, &nc, 1e-6, offset, &wc, act)
+                        let c = rms_norm_gated_linear(&p.cpu, &xc, &nc, 1e-6, offset, &wc, act)
                             .map_err(e)?;
                         let what = format!("rms_norm_gated_linear {act:?} {label} 2i={m}");
                         p.compare(what.clone(), &g, &c, TOL)?;
-                        let u = p.gpu.gated_linear(&hg, &wg, act).map_err(e)?;
+                        let u = gated_linear(p.gpu, &hg, &wg, act).map_err(e)?;
                         p.compare_gpu(format!("{what} vs unfused gpu"), &g, &u, TOL_SAME)?;
                     }
                 }
@@ -682,13 +675,13 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
     ) -> kiln_tensor::Result<Tensor> {
         let [emb, wqkv, wo, head, norm, gu, down] = w;
         let x = b.embedding(emb, &batch.token_ids)?;
-        let qkv = b.rms_norm_linear(&x, norm, 1e-6, 0.0, wqkv, None)?;
+        let qkv = rms_norm_linear(b, &x, norm, 1e-6, 0.0, wqkv, None)?;
         let a = b.qkv_attention(&qkv, cache, 0, batch, ap, rope, None)?;
-        let x = b.linear_add(&a, wo, None, &x)?;
-        let h = b.rms_norm_gated_linear(&x, norm, 1e-6, 1.0, gu, Activation::Silu)?;
-        let x = b.linear_add(&h, down, None, &x)?;
+        let x = linear_add(b, &a, wo, None, &x)?;
+        let h = rms_norm_gated_linear(b, &x, norm, 1e-6, 1.0, gu, Activation::Silu)?;
+        let x = linear_add(b, &h, down, None, &x)?;
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        b.rms_norm_linear(&x, norm, 1e-6, 0.0, head, None)
+        rms_norm_linear(b, &x, norm, 1e-6, 0.0, head, None)
     }
     let mut gc = p.gpu.alloc_kv_cache(spec).map_err(e)?;
     let mut cc = p.cpu.alloc_kv_cache(spec).map_err(e)?;
@@ -760,4 +753,57 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
         pass: !p.gpu.graphs_enabled() || recorded >= 2,
     });
     Ok(())
+}
+
+/// The products the checks compare, each one form of [`Ops::matmul`] on
+/// a dense weight.
+type R2 = kiln_tensor::Result<Tensor>;
+
+fn dense(w: &Tensor) -> Weight {
+    Weight::Dense(w.clone())
+}
+
+fn linear(b: &dyn Backend, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> R2 {
+    b.matmul(x, &dense(w), None, Epilogue::bias(bias))
+}
+
+fn linear_add(b: &dyn Backend, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, r: &Tensor) -> R2 {
+    b.matmul(x, &dense(w), None, Epilogue::bias(bias).with_residual(r))
+}
+
+fn gated_linear(b: &dyn Backend, x: &Tensor, w: &Tensor, act: Activation) -> R2 {
+    b.matmul(x, &dense(w), None, Epilogue::gated(act))
+}
+
+fn prologue(weight: &Tensor, eps: f32, offset: f32) -> Option<NormPrologue<'_>> {
+    Some(NormPrologue {
+        weight,
+        eps,
+        offset,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_linear(
+    b: &dyn Backend,
+    x: &Tensor,
+    n: &Tensor,
+    eps: f32,
+    offset: f32,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> R2 {
+    b.matmul(x, &dense(w), prologue(n, eps, offset), Epilogue::bias(bias))
+}
+
+fn rms_norm_gated_linear(
+    b: &dyn Backend,
+    x: &Tensor,
+    n: &Tensor,
+    eps: f32,
+    offset: f32,
+    w: &Tensor,
+    act: Activation,
+) -> R2 {
+    b.matmul(x, &dense(w), prologue(n, eps, offset), Epilogue::gated(act))
 }

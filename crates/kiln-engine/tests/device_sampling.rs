@@ -16,8 +16,8 @@ use kiln_sampling::{Sampled, SamplingParams, TokenId};
 use kiln_structured::Format;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, QkNorm,
-    Result, RopeParams, SampleRow, SampledRow, Tensor,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, Memory, Ops, Result,
+    RopeParams, SampleRow, SampledRow, Sampling, StepRecording, Tensor,
 };
 use serde_json::{json, Value};
 
@@ -138,49 +138,32 @@ impl Backend for DeviceSampling {
     fn name(&self) -> &'static str {
         self.0.name()
     }
+}
 
-    fn kv_bytes_per_element(&self) -> usize {
-        self.0.kv_bytes_per_element()
-    }
-
-    fn weight_bytes_per_element(&self) -> usize {
-        self.0.weight_bytes_per_element()
-    }
-
-    fn warnings(&self) -> Vec<String> {
-        self.0.warnings()
-    }
-
-    fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
-        self.0.measure_copy_bandwidth_gbs()
-    }
-
-    fn device_memory(&self) -> Option<DeviceMemory> {
-        self.0.device_memory()
-    }
-
-    fn reset_peak_memory(&self) {
-        self.0.reset_peak_memory()
-    }
-
+/// The CPU's memory (the defaults are the CPU's sizes).
+impl Memory for DeviceSampling {
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
         self.0.upload(shape, data)
-    }
-
-    fn upload_bf16(&self, shape: &[usize], bits: &[u16]) -> Result<Tensor> {
-        self.0.upload_bf16(shape, bits)
     }
 
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>> {
         self.0.to_host(t)
     }
 
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
+        self.0.alloc_kv_cache(spec)
+    }
+}
+
+/// The CPU's basic ops; `matmul` and `qkv_attention` are the defaults the
+/// CPU uses too.
+impl Ops for DeviceSampling {
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         self.0.embedding(table, ids)
     }
 
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.0.linear(x, w, bias)
+    fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.0.matmul_dense(x, w, bias)
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
@@ -203,10 +186,6 @@ impl Backend for DeviceSampling {
         self.0.rope(x, positions, p)
     }
 
-    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
-        self.0.alloc_kv_cache(spec)
-    }
-
     fn attention(
         &self,
         q: &Tensor,
@@ -227,61 +206,10 @@ impl Backend for DeviceSampling {
     fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
         self.0.split_cols(x, widths)
     }
+}
 
-    fn linear_add(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        residual: &Tensor,
-    ) -> Result<Tensor> {
-        self.0.linear_add(x, w, bias, residual)
-    }
-
-    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
-        self.0.gated_linear(x, w_gate_up, act)
-    }
-
-    fn rms_norm_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        self.0
-            .rms_norm_linear(x, norm_w, eps, weight_offset, w, bias)
-    }
-
-    fn rms_norm_gated_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w_gate_up: &Tensor,
-        act: Activation,
-    ) -> Result<Tensor> {
-        self.0
-            .rms_norm_gated_linear(x, norm_w, eps, weight_offset, w_gate_up, act)
-    }
-
-    fn qkv_attention(
-        &self,
-        qkv: &Tensor,
-        cache: &mut KvCache,
-        layer: usize,
-        batch: &ForwardBatch,
-        p: &AttentionParams,
-        rope: &RopeParams<'_>,
-        qk_norm: Option<QkNorm<'_>>,
-    ) -> Result<Tensor> {
-        self.0
-            .qkv_attention(qkv, cache, layer, batch, p, rope, qk_norm)
-    }
-
+/// The one part this double changes: sampling "on the device".
+impl Sampling for DeviceSampling {
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
         self.0.argmax_rows(logits)
     }
@@ -309,16 +237,9 @@ impl Backend for DeviceSampling {
                 .collect(),
         ))
     }
-
-    fn run_step(
-        &self,
-        batch: &ForwardBatch,
-        cache: &mut KvCache,
-        forward: &mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>,
-    ) -> Result<Tensor> {
-        self.0.run_step(batch, cache, forward)
-    }
 }
+
+impl StepRecording for DeviceSampling {}
 
 fn load(device: bool) -> (LoadedModel, Option<Arc<DeviceSampling>>) {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

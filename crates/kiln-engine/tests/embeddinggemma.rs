@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use kiln_engine::LoadedModel;
-use kiln_models::families::FamilyConfig;
 use kiln_models::config::LayerKind;
+use kiln_models::families::FamilyConfig;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::ForwardBatch;
 use kiln_text::Tokenizer;

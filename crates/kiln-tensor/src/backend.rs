@@ -1,9 +1,13 @@
-//! The [`Backend`] trait: every op a model needs, on opaque tensors.
+//! The [`Backend`] traits (memory, ops, sampling, step recording) and the
+//! plain data their methods take.
 
 use std::any::Any;
 
 use crate::error::{Result, TensorError};
+use crate::extension::ExtensionOp;
+use crate::matmul::{matmul_unfused, Epilogue, NormPrologue};
 use crate::tensor::Tensor;
+use crate::weight::{Weight, WeightKind};
 
 /// Gated activation applied as `act(gate) * up`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,7 +18,7 @@ pub enum Activation {
     GeluTanh,
 }
 
-/// Rotary embedding applied by [`Backend::rope`]: Hugging Face's rotate-half
+/// Rotary embedding applied by [`Ops::rope`]: Hugging Face's rotate-half
 /// layout (pairs `(i, i + rotary_dim/2)` within each head).
 #[derive(Debug, Clone)]
 pub struct RopeParams<'a> {
@@ -53,7 +57,7 @@ pub struct DeviceMemory {
     pub reserved_bytes: u64,
 }
 
-/// One row's sampling request for [`Backend::sample_rows`]: the parameters
+/// One row's sampling request for [`Sampling::sample_rows`]: the parameters
 /// and per-step data of the host sampler (`kiln_sampling::Sampler`, whose
 /// module documentation defines the semantics), with the one uniform
 /// number `u` drawn on the host.
@@ -77,7 +81,7 @@ pub struct SampleRow<'a> {
     /// `(token, generated_count, in_prompt)` for every distinct token the
     /// penalties apply to.
     pub penalties: &'a [(u32, u32, bool)],
-    /// Allowed ids as bit words (as [`Backend::argmax_rows_masked`]); `None`:
+    /// Allowed ids as bit words (as [`Sampling::argmax_rows_masked`]); `None`:
     /// every id.
     pub mask: Option<&'a [u32]>,
     /// How many top alternatives to return (at most 20).
@@ -102,7 +106,7 @@ impl SampleRow<'_> {
     };
 }
 
-/// One row's result from [`Backend::sample_rows`].
+/// One row's result from [`Sampling::sample_rows`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampledRow {
     pub token: u32,
@@ -122,8 +126,7 @@ pub struct QkNorm<'a> {
 }
 
 /// Shape of a paged KV cache to allocate: `num_blocks` blocks of
-/// `block_size` token slots, for every layer. (The model's KV layout, its
-/// layer groups and their block arithmetic, is `kiln_scheduler::KvCacheSpec`.)
+/// `block_size` token slots, for every layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvPoolShape {
     pub num_layers: usize,
@@ -252,27 +255,40 @@ impl KvCache {
     }
 }
 
-/// Every op models are written against. Tensors are row-major; "rows" are
-/// tokens. Implementations must match the CPU backend within the tolerance
-/// their cross-backend tests state.
-pub trait Backend: Send + Sync {
+/// A backend: where tensors live and what computes on them, split by
+/// concern into [`Memory`], [`Ops`], [`Sampling`] and [`StepRecording`].
+/// Models hold an `Arc<dyn Backend>` and call the methods of all four on
+/// it. Tensors are row-major; "rows" are tokens. Implementations must
+/// match the CPU backend within the tolerance their cross-backend tests
+/// state.
+pub trait Backend: Memory + Ops + Sampling + StepRecording + Send + Sync {
     /// A short name for logs and errors (`cpu`, `cuda:0`).
     fn name(&self) -> &'static str;
-
-    /// Bytes of one KV-cache element on this backend (f32 on the CPU).
-    fn kv_bytes_per_element(&self) -> usize {
-        4
-    }
 
     /// Problems the backend worked around (a kernel that did not load, a
     /// step shape that could not be recorded), for the caller to show.
     fn warnings(&self) -> Vec<String> {
         Vec::new()
     }
+}
+
+/// Where tensors live: uploads and downloads, the KV cache, device memory,
+/// and the element sizes memory planning uses.
+pub trait Memory {
+    /// Bytes of one KV-cache element on this backend (f32 on the CPU).
+    fn kv_bytes_per_element(&self) -> usize {
+        4
+    }
 
     /// Bytes of one stored weight element (f32 on the CPU).
     fn weight_bytes_per_element(&self) -> usize {
         4
+    }
+
+    /// Whether [`Ops::matmul`] takes weights of `kind`; the loader asks
+    /// before it keeps a weight, so an unsupported kind fails the load.
+    fn supports_weight(&self, kind: WeightKind) -> bool {
+        matches!(kind, WeightKind::Dense(_))
     }
 
     /// Measured memory bandwidth of a large device-to-device copy in GB/s,
@@ -306,11 +322,34 @@ pub trait Backend: Send + Sync {
     /// Copy a tensor back to the host as f32.
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>>;
 
+    /// Allocate a zeroed paged KV cache.
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache>;
+}
+
+/// The ops a forward pass is made of. A new backend implements the basic
+/// ones; [`Ops::matmul`] and [`Ops::qkv_attention`] have unfused defaults
+/// built from them, which backends replace with fused kernels.
+pub trait Ops {
     /// Rows `ids` of `table` `[vocab, d]` → `[ids.len(), d]`.
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
 
-    /// `x [n, k] · w[m, k]ᵀ (+ bias [m])` → `[n, m]`.
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
+    /// The basic product of a dense weight: `x [n, k] · w[m, k]ᵀ (+ bias
+    /// [m])` → `[n, m]`. Models call [`Ops::matmul`].
+    fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
+
+    /// `epilogue(prologue(x) · wᵀ)`: every projection of a model, with the
+    /// RMSNorm that feeds it and the bias, gated activation and residual
+    /// add that follow it (see [`Epilogue`] for the order). Backends fuse
+    /// behind it; the default is [`matmul_unfused`].
+    fn matmul(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        prologue: Option<NormPrologue<'_>>,
+        epilogue: Epilogue<'_>,
+    ) -> Result<Tensor> {
+        matmul_unfused(self, x, w, prologue, epilogue)
+    }
 
     /// RMSNorm over the last dimension: `x / rms(x) * (weight_offset + w)`.
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor>;
@@ -320,17 +359,6 @@ pub trait Backend: Send + Sync {
 
     /// Elementwise `x * s`.
     fn scale(&self, x: &Tensor, s: f32) -> Result<Tensor>;
-
-    /// Elementwise `tanh(x / cap) * cap`: Gemma 2's soft-capping of the
-    /// final logits. A backend without it says so; models that need it
-    /// call it once at load time, so the refusal comes before any request.
-    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
-        let _ = (x, cap);
-        Err(TensorError::Device {
-            backend: self.name(),
-            message: "softcap (final logit soft-capping) is not supported on this backend".into(),
-        })
-    }
 
     /// `act(gate) * up` (same shape).
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor>;
@@ -344,62 +372,25 @@ pub trait Backend: Send + Sync {
     /// Split `x [n, sum(widths)]` into column blocks `[n, widths[i]]`.
     fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>>;
 
-    /// `residual + x · wᵀ (+ bias)`: a projection whose output joins the
-    /// residual stream. Backends fuse the add into the product.
-    fn linear_add(
+    /// Write `k`, `v` (`[n, num_kv_heads * head_dim]`) of the batch's `n` new
+    /// tokens into their slots of `layer`, then return causal attention
+    /// `[n, num_heads * head_dim]` of each new token over its own sequence's
+    /// keys up to and including its position.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
         &self,
-        x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        residual: &Tensor,
-    ) -> Result<Tensor> {
-        let y = self.linear(x, w, bias)?;
-        self.add(residual, &y)
-    }
-
-    /// `act(x · gᵀ) * (x · uᵀ)` where `w_gate_up [2 * inter, k]` holds the
-    /// gate rows then the up rows: the first half of a gated MLP.
-    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
-        let (two_i, _) = w_gate_up.dims2("gated_linear")?;
-        let gu = self.linear(x, w_gate_up, None)?;
-        let parts = self.split_cols(&gu, &[two_i / 2, two_i / 2])?;
-        self.gated_activation(&parts[0], &parts[1], act)
-    }
-
-    /// `linear(rms_norm(x, norm_w, eps, weight_offset), w, bias)`: a
-    /// projection of a normalized input. Backends fuse the norm into the
-    /// product (decode-sized rows recompute it per output tile).
-    fn rms_norm_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
-        self.linear(&h, w, bias)
-    }
-
-    /// `gated_linear(rms_norm(x, norm_w, eps, weight_offset), w_gate_up,
-    /// act)`: the first half of a gated MLP on a normalized input.
-    fn rms_norm_gated_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w_gate_up: &Tensor,
-        act: Activation,
-    ) -> Result<Tensor> {
-        let h = self.rms_norm(x, norm_w, eps, weight_offset)?;
-        self.gated_linear(&h, w_gate_up, act)
-    }
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+    ) -> Result<Tensor>;
 
     /// Attention from packed projections `qkv [n, (heads + 2 * kv_heads) *
     /// head_dim]` (q, then k, then v): optional per-head q/k RMSNorm, RoPE
-    /// on q and k at the batch positions, then [`Backend::attention`].
+    /// on q and k at the batch positions, then [`Ops::attention`].
     #[allow(clippy::too_many_arguments)]
     fn qkv_attention(
         &self,
@@ -414,17 +405,36 @@ pub trait Backend: Send + Sync {
         qkv_attention_unfused(self, qkv, cache, layer, batch, p, rope, qk_norm)
     }
 
+    /// Whether this backend runs the extension op named `name` (see
+    /// [`crate::extension`]); models check their ops with it at load.
+    fn has_extension(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
+
+    /// Run extension op `op` on `x`. A backend that does not implement the
+    /// op returns [`crate::TensorError::Unsupported`] (the default).
+    fn extension(&self, op: &dyn ExtensionOp, x: &Tensor) -> Result<Tensor> {
+        let _ = x;
+        Err(TensorError::Unsupported {
+            backend: "running",
+            what: format!("the extension op {}", op.name()),
+        })
+    }
+}
+
+/// Choosing tokens from logits where the logits are, so only ids cross to
+/// the host. Every method may answer `Ok(None)`: no such path here, the
+/// caller samples on the host.
+pub trait Sampling: Memory {
     /// The argmax of every row of `logits [rows, vocab]` with its
-    /// log-probability (`logit - logsumexp(row)`), computed where the
-    /// logits are, so only ids cross to the host; ties go to the lowest id.
-    /// `None` when the backend has no such path (the caller samples on the
-    /// host).
+    /// log-probability (`logit - logsumexp(row)`); ties go to the lowest id.
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
         let _ = logits;
         Ok(None)
     }
 
-    /// Like [`Backend::argmax_rows`], each row restricted to the ids whose
+    /// Like [`Sampling::argmax_rows`], each row restricted to the ids whose
     /// bit is set in its mask (`words` u32 words, bit `i % 32` of word
     /// `i / 32` for id `i`; `None`: every id), the log-probability taken
     /// over the allowed ids: greedy sampling under an output format. The
@@ -450,11 +460,9 @@ pub trait Backend: Send + Sync {
         ))
     }
 
-    /// Samples every row of `logits [rows, vocab]` where the logits are,
-    /// one [`SampleRow`] per row, so only ids and log-probabilities cross
-    /// to the host. A row whose processed logits are all `-inf` comes back
-    /// as `None`. `Ok(None)` when the backend has no such path (the caller
-    /// samples on the host); the default.
+    /// Samples every row of `logits [rows, vocab]`, one [`SampleRow`] per
+    /// row. A row whose processed logits are all `-inf` comes back as
+    /// `None`. The default has no such path.
     fn sample_rows(
         &self,
         logits: &Tensor,
@@ -463,7 +471,10 @@ pub trait Backend: Send + Sync {
         let _ = (logits, rows);
         Ok(None)
     }
+}
 
+/// Running a whole forward step, which a backend may record and replay.
+pub trait StepRecording {
     /// Run one forward step: `forward(batch)` returns the logits of
     /// `batch.logits_rows`. Backends may pad the batch and replay a
     /// recorded version of the step (CUDA graphs); the result is the same.
@@ -475,31 +486,12 @@ pub trait Backend: Send + Sync {
     ) -> Result<Tensor> {
         forward(batch, cache)
     }
-
-    /// Allocate a zeroed paged KV cache.
-    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache>;
-
-    /// Write `k`, `v` (`[n, num_kv_heads * head_dim]`) of the batch's `n` new
-    /// tokens into their slots of `layer`, then return causal attention
-    /// `[n, num_heads * head_dim]` of each new token over its own sequence's
-    /// keys up to and including its position.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        cache: &mut KvCache,
-        layer: usize,
-        batch: &ForwardBatch,
-        p: &AttentionParams,
-    ) -> Result<Tensor>;
 }
 
-/// [`Backend::qkv_attention`] as separate ops: split, q/k norms, RoPE,
-/// [`Backend::attention`]. The default, and the fallback of fused backends.
+/// [`Ops::qkv_attention`] as separate ops: split, q/k norms, RoPE,
+/// [`Ops::attention`]. The default, and the fallback of fused backends.
 #[allow(clippy::too_many_arguments)]
-pub fn qkv_attention_unfused<B: Backend + ?Sized>(
+pub fn qkv_attention_unfused<B: Ops + ?Sized>(
     b: &B,
     qkv: &Tensor,
     cache: &mut KvCache,
@@ -540,7 +532,7 @@ pub fn qkv_attention_unfused<B: Backend + ?Sized>(
     b.attention(&q, &k, &parts[2], cache, layer, batch, p)
 }
 
-/// Check the arguments of [`Backend::attention`] against each other, the
+/// Check the arguments of [`Ops::attention`] against each other, the
 /// cache and the batch; every backend calls this before touching memory.
 /// A slot past the pool is [`crate::TensorError::KvCacheFull`]; anything
 /// else inconsistent is a shape error.
@@ -625,7 +617,7 @@ pub fn check_attention_shapes(
     Ok(())
 }
 
-/// Check the arguments of [`Backend::rope`]; every backend calls this.
+/// Check the arguments of [`Ops::rope`]; every backend calls this.
 pub fn check_rope_args(x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> crate::Result<()> {
     let (n, width) = x.dims2("rope")?;
     if width != p.num_heads * p.head_dim

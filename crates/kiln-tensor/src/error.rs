@@ -16,6 +16,10 @@ pub enum TensorError {
         backend: &'static str,
         message: String,
     },
+    /// Something the backend does not implement (an extension op, a kind
+    /// of weight); raised while a model loads, never mid-request.
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported { backend: &'static str, what: String },
     #[error("{backend}: out of memory allocating {bytes} bytes for {what}")]
     OutOfMemory {
         backend: &'static str,

@@ -1,26 +1,42 @@
 //! Tensors and the backends that compute on them.
 //!
-//! Model code is written against the [`Backend`] trait and the opaque
+//! Model code is written against the [`Backend`] traits and the opaque
 //! [`Tensor`] handle; it never names a concrete backend. A backend owns the
 //! storage behind its tensors (host memory for [`cpu::CpuBackend`], device
-//! memory for the CUDA backend later) and implements every op. The CPU
-//! backend is the reference implementation every other backend is tested
-//! against.
+//! memory for the CUDA backend) and implements the traits [`Backend`]
+//! bundles: [`Memory`], [`Ops`], [`Sampling`] and [`StepRecording`].
+//! Projections hold a [`Weight`] and go through one op, [`Ops::matmul`],
+//! with an optional norm prologue and bias/gate/residual epilogue. Ops a
+//! family needs beyond the basics are [`extension`] ops, checked at load.
+//! The CPU backend is the reference implementation every other backend is
+//! tested against.
 //!
 //! This crate does not know about file formats, tokenizers, models or
-//! requests. Main types: [`Tensor`], [`Backend`], [`KvCache`],
+//! requests. Main types: [`Tensor`], [`Weight`], [`Backend`], [`KvCache`],
 //! [`AttentionParams`], [`TensorError`].
 
 pub mod backend;
 pub mod cpu;
 pub mod error;
+pub mod extension;
+pub mod matmul;
 pub mod profile;
 pub mod tensor;
+pub mod weight;
 
 pub use backend::{
     check_attention_args, check_attention_shapes, check_rope_args, Activation, AttentionParams,
-    Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, QkNorm, RopeParams, SampleRow,
-    SampledRow, SeqSlice,
+    Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, Memory, Ops, QkNorm, RopeParams,
+    SampleRow, SampledRow, Sampling, SeqSlice, StepRecording,
 };
 pub use error::{Result, TensorError};
+pub use extension::{require_extensions, ExtensionOp, SoftCap};
+pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
 pub use tensor::{DType, Tensor};
+pub use weight::{Weight, WeightKind};
+
+/// The four traits a backend is made of, for code that calls their methods
+/// on a concrete backend type (`dyn Backend` needs no import).
+pub mod prelude {
+    pub use crate::backend::{Backend, Memory, Ops, Sampling, StepRecording};
+}

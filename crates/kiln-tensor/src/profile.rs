@@ -7,11 +7,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::backend::{
-    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, QkNorm,
-    RopeParams,
+    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, Memory,
+    Ops, QkNorm, RopeParams, Sampling, StepRecording,
 };
 use crate::error::Result;
+use crate::extension::ExtensionOp;
+use crate::matmul::{Epilogue, NormPrologue};
 use crate::tensor::Tensor;
+use crate::weight::{Weight, WeightKind};
 
 /// Calls and total seconds of one op.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -58,11 +61,31 @@ impl ProfilingBackend {
     }
 }
 
+/// The report's name for one form of [`Ops::matmul`].
+fn matmul_label(prologue: bool, e: &Epilogue<'_>) -> &'static str {
+    match (prologue, e.gated.is_some(), e.residual.is_some()) {
+        (false, false, false) => "matmul",
+        (false, false, true) => "matmul+add",
+        (false, true, false) => "matmul+gate",
+        (false, true, true) => "matmul+gate+add",
+        (true, false, false) => "norm+matmul",
+        (true, false, true) => "norm+matmul+add",
+        (true, true, false) => "norm+matmul+gate",
+        (true, true, true) => "norm+matmul+gate+add",
+    }
+}
+
 impl Backend for ProfilingBackend {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
 
+    fn warnings(&self) -> Vec<String> {
+        self.inner.warnings()
+    }
+}
+
+impl Memory for ProfilingBackend {
     fn kv_bytes_per_element(&self) -> usize {
         self.inner.kv_bytes_per_element()
     }
@@ -71,8 +94,8 @@ impl Backend for ProfilingBackend {
         self.inner.weight_bytes_per_element()
     }
 
-    fn warnings(&self) -> Vec<String> {
-        self.inner.warnings()
+    fn supports_weight(&self, kind: WeightKind) -> bool {
+        self.inner.supports_weight(kind)
     }
 
     fn measure_copy_bandwidth_gbs(&self) -> Option<f64> {
@@ -99,12 +122,30 @@ impl Backend for ProfilingBackend {
         self.timed("to_host", || self.inner.to_host(t))
     }
 
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
+        self.timed("alloc_kv_cache", || self.inner.alloc_kv_cache(spec))
+    }
+}
+
+impl Ops for ProfilingBackend {
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         self.timed("embedding", || self.inner.embedding(table, ids))
     }
 
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        self.timed("linear", || self.inner.linear(x, w, bias))
+    fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.timed("matmul_dense", || self.inner.matmul_dense(x, w, bias))
+    }
+
+    fn matmul(
+        &self,
+        x: &Tensor,
+        w: &Weight,
+        prologue: Option<NormPrologue<'_>>,
+        epilogue: Epilogue<'_>,
+    ) -> Result<Tensor> {
+        self.timed(matmul_label(prologue.is_some(), &epilogue), || {
+            self.inner.matmul(x, w, prologue, epilogue)
+        })
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {
@@ -119,10 +160,6 @@ impl Backend for ProfilingBackend {
         self.timed("scale", || self.inner.scale(x, s))
     }
 
-    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
-        self.timed("softcap", || self.inner.softcap(x, cap))
-    }
-
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> {
         self.timed("gated_activation", || {
             self.inner.gated_activation(gate, up, act)
@@ -133,8 +170,12 @@ impl Backend for ProfilingBackend {
         self.timed("rope", || self.inner.rope(x, positions, p))
     }
 
-    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
-        self.timed("alloc_kv_cache", || self.inner.alloc_kv_cache(spec))
+    fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
+        self.timed("gather_rows", || self.inner.gather_rows(x, rows))
+    }
+
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        self.timed("split_cols", || self.inner.split_cols(x, widths))
     }
 
     fn attention(
@@ -149,60 +190,6 @@ impl Backend for ProfilingBackend {
     ) -> Result<Tensor> {
         self.timed("attention", || {
             self.inner.attention(q, k, v, cache, layer, batch, p)
-        })
-    }
-
-    fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
-        self.timed("gather_rows", || self.inner.gather_rows(x, rows))
-    }
-
-    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
-        self.timed("split_cols", || self.inner.split_cols(x, widths))
-    }
-
-    fn linear_add(
-        &self,
-        x: &Tensor,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-        residual: &Tensor,
-    ) -> Result<Tensor> {
-        self.timed("linear_add", || self.inner.linear_add(x, w, bias, residual))
-    }
-
-    fn gated_linear(&self, x: &Tensor, w_gate_up: &Tensor, act: Activation) -> Result<Tensor> {
-        self.timed("gated_linear", || {
-            self.inner.gated_linear(x, w_gate_up, act)
-        })
-    }
-
-    fn rms_norm_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w: &Tensor,
-        bias: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        self.timed("rms_norm_linear", || {
-            self.inner
-                .rms_norm_linear(x, norm_w, eps, weight_offset, w, bias)
-        })
-    }
-
-    fn rms_norm_gated_linear(
-        &self,
-        x: &Tensor,
-        norm_w: &Tensor,
-        eps: f32,
-        weight_offset: f32,
-        w_gate_up: &Tensor,
-        act: Activation,
-    ) -> Result<Tensor> {
-        self.timed("rms_norm_gated_linear", || {
-            self.inner
-                .rms_norm_gated_linear(x, norm_w, eps, weight_offset, w_gate_up, act)
         })
     }
 
@@ -222,6 +209,16 @@ impl Backend for ProfilingBackend {
         })
     }
 
+    fn has_extension(&self, name: &str) -> bool {
+        self.inner.has_extension(name)
+    }
+
+    fn extension(&self, op: &dyn ExtensionOp, x: &Tensor) -> Result<Tensor> {
+        self.timed(op.name(), || self.inner.extension(op, x))
+    }
+}
+
+impl Sampling for ProfilingBackend {
     fn argmax_rows(&self, logits: &Tensor) -> Result<Option<Vec<(u32, f32)>>> {
         self.timed("argmax_rows", || self.inner.argmax_rows(logits))
     }
@@ -243,7 +240,9 @@ impl Backend for ProfilingBackend {
     ) -> Result<Option<Vec<Option<crate::SampledRow>>>> {
         self.timed("sample_rows", || self.inner.sample_rows(logits, rows))
     }
+}
 
+impl StepRecording for ProfilingBackend {
     fn run_step(
         &self,
         batch: &ForwardBatch,
@@ -272,8 +271,10 @@ mod tests {
         assert!(p.snapshot().is_empty());
     }
 
+    /// Every form of `matmul` (through the wrapper) against the basic ops
+    /// it is defined by, composed by hand on the CPU: equal bit for bit.
     #[test]
-    fn norm_fused_ops_are_the_unfused_ops_bit_for_bit() {
+    fn every_matmul_form_is_its_basic_ops_bit_for_bit() {
         let cpu = CpuBackend::new();
         let p = ProfilingBackend::new(Arc::new(CpuBackend::new()));
         let (n, k, m) = (3, 8, 6);
@@ -287,49 +288,61 @@ mod tests {
             vals(m * k, 0.05),
             vals(m, 0.2),
         );
-        for offset in [0.0f32, 1.0] {
+        let (res_full, res_half) = (vals(n * m, 0.7), vals(n * m / 2, 0.9));
+        let (cx, cw, cb) = (
+            up(&cpu, &[n, k], &x),
+            up(&cpu, &[m, k], &w),
+            up(&cpu, &[m], &bias),
+        );
+        let (px, pw, pb, pn) = (
+            up(&p, &[n, k], &x),
+            Weight::Dense(up(&p, &[m, k], &w)),
+            up(&p, &[m], &bias),
+            up(&p, &[k], &nw),
+        );
+        let mut forms = 0;
+        for offset in [None, Some(0.0f32), Some(1.0)] {
+            let input = match offset {
+                Some(o) => cpu.rms_norm(&cx, &up(&cpu, &[k], &nw), 1e-6, o).unwrap(),
+                None => cx.clone(),
+            };
+            let prologue = offset.map(|o| NormPrologue {
+                weight: &pn,
+                eps: 1e-6,
+                offset: o,
+            });
             for with_bias in [false, true] {
-                let h = cpu
-                    .rms_norm(&up(&cpu, &[n, k], &x), &up(&cpu, &[k], &nw), 1e-6, offset)
-                    .unwrap();
-                let cb = up(&cpu, &[m], &bias);
-                let want = cpu
-                    .linear(&h, &up(&cpu, &[m, k], &w), with_bias.then_some(&cb))
-                    .unwrap();
-                let pb = up(&p, &[m], &bias);
-                let got = p
-                    .rms_norm_linear(
-                        &up(&p, &[n, k], &x),
-                        &up(&p, &[k], &nw),
-                        1e-6,
-                        offset,
-                        &up(&p, &[m, k], &w),
-                        with_bias.then_some(&pb),
-                    )
-                    .unwrap();
-                assert_eq!(p.to_host(&got).unwrap(), cpu.to_host(&want).unwrap());
+                for gate in [None, Some(Activation::Silu), Some(Activation::GeluTanh)] {
+                    for with_residual in [false, true] {
+                        let mut want = cpu
+                            .matmul_dense(&input, &cw, with_bias.then_some(&cb))
+                            .unwrap();
+                        if let Some(act) = gate {
+                            let parts = cpu.split_cols(&want, &[m / 2, m / 2]).unwrap();
+                            want = cpu.gated_activation(&parts[0], &parts[1], act).unwrap();
+                        }
+                        let width = if gate.is_some() { m / 2 } else { m };
+                        let res = if gate.is_some() { &res_half } else { &res_full };
+                        let pr = up(&p, &[n, width], res);
+                        if with_residual {
+                            want = cpu.add(&up(&cpu, &[n, width], res), &want).unwrap();
+                        }
+                        let epilogue = Epilogue {
+                            bias: with_bias.then_some(&pb),
+                            gated: gate,
+                            residual: with_residual.then_some(&pr),
+                        };
+                        let got = p.matmul(&px, &pw, prologue, epilogue).unwrap();
+                        assert_eq!(got.shape(), &[n, width]);
+                        assert_eq!(p.to_host(&got).unwrap(), cpu.to_host(&want).unwrap());
+                        forms += 1;
+                    }
+                }
             }
-            let h = cpu
-                .rms_norm(&up(&cpu, &[n, k], &x), &up(&cpu, &[k], &nw), 1e-6, offset)
-                .unwrap();
-            let want = cpu
-                .gated_linear(&h, &up(&cpu, &[m, k], &w), Activation::GeluTanh)
-                .unwrap();
-            let got = p
-                .rms_norm_gated_linear(
-                    &up(&p, &[n, k], &x),
-                    &up(&p, &[k], &nw),
-                    1e-6,
-                    offset,
-                    &up(&p, &[m, k], &w),
-                    Activation::GeluTanh,
-                )
-                .unwrap();
-            assert_eq!(got.shape(), &[n, m / 2]);
-            assert_eq!(p.to_host(&got).unwrap(), cpu.to_host(&want).unwrap());
         }
+        assert_eq!(forms, 36);
         let snap = p.snapshot();
-        assert_eq!(snap["rms_norm_linear"].calls, 4);
-        assert_eq!(snap["rms_norm_gated_linear"].calls, 2);
+        assert_eq!(snap["norm+matmul"].calls, 4);
+        assert_eq!(snap["matmul+gate+add"].calls, 4);
     }
 }

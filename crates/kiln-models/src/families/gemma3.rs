@@ -30,6 +30,7 @@ use std::sync::Arc;
 use kiln_formats::WeightSource;
 use kiln_tensor::{
     Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, QkNorm, Tensor,
+    Weight,
 };
 use serde_json::Value;
 
@@ -38,7 +39,9 @@ use crate::config::{
     err, opt_f32, opt_usize, parse_rope_scaling, LayerKind, ModelConfig, RopeScaling,
 };
 use crate::error::{ModelError, Result};
-use crate::layers::{Linear, LoadProgress, RmsNorm, Rope, WeightLoader};
+use crate::layers::{
+    Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, Rope, SoftCapping, WeightLoader,
+};
 use crate::CausalLm;
 
 /// The registry's entry for the family.
@@ -224,9 +227,8 @@ struct Block {
     o: Linear,
     post_attn_norm: RmsNorm,
     pre_ff_norm: RmsNorm,
-    /// gate rows then up rows: `[2 * intermediate, hidden]`.
-    gate_up: Tensor,
-    down: Linear,
+    /// GeGLU: gelu-tanh of the gate rows times the up rows, then down.
+    mlp: GatedMlp,
     post_ff_norm: RmsNorm,
     /// The layer's attention: its window and soft-capping.
     params: AttentionParams,
@@ -245,7 +247,7 @@ pub struct Gemma3 {
     lm_head: Linear,
     global_rope: Rope,
     local_rope: Rope,
-    final_softcap: Option<f32>,
+    final_softcap: Option<SoftCapping>,
 }
 
 impl Gemma3 {
@@ -256,11 +258,11 @@ impl Gemma3 {
         progress: Option<LoadProgress<'_>>,
     ) -> Result<Self> {
         let g = gemma3_config(&cfg)?.clone();
-        if let Some(cap) = g.final_logit_softcapping {
-            // Refuse at load time, not mid-request, when the backend lacks the op.
-            let probe = backend.upload(&[1, 1], &[0.0])?;
-            backend.softcap(&probe, cap)?;
-        }
+        // Built first: a backend without the op refuses here, at load time.
+        let final_softcap = g
+            .final_logit_softcapping
+            .map(|cap| SoftCapping::load(backend.as_ref(), cap))
+            .transpose()?;
         let l = WeightLoader::with_progress(&backend, source, progress);
         let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
         let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
@@ -305,21 +307,7 @@ impl Gemma3 {
                         h,
                         eps,
                     )?,
-                    gate_up: Linear::load_packed(
-                        &l,
-                        &[format!("{m}.gate_proj"), format!("{m}.up_proj")],
-                        h,
-                        &[cfg.intermediate_size, cfg.intermediate_size],
-                        false,
-                    )?
-                    .weight,
-                    down: Linear::load(
-                        &l,
-                        &format!("{m}.down_proj"),
-                        cfg.intermediate_size,
-                        h,
-                        false,
-                    )?,
+                    mlp: GatedMlp::load(&l, &m, h, cfg.intermediate_size, Activation::GeluTanh)?,
                     post_ff_norm: norm(
                         &l,
                         &format!("{p}.post_feedforward_layernorm.weight"),
@@ -340,10 +328,12 @@ impl Gemma3 {
             .collect::<Result<Vec<_>>>()?;
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
         let lm_head = Linear {
-            weight: match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
-                Some(w) if !cfg.tie_word_embeddings => w,
-                _ => embed.clone(),
-            },
+            weight: l.supported(Weight::Dense(
+                match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
+                    Some(w) if !cfg.tie_word_embeddings => w,
+                    _ => embed.clone(),
+                },
+            ))?,
             bias: None,
         };
         Ok(Gemma3 {
@@ -355,7 +345,7 @@ impl Gemma3 {
             lm_head,
             global_rope: Rope::new(hd, g.rope_theta, &g.rope_scaling),
             local_rope: Rope::new(hd, g.rope_local_base_freq, &RopeScaling::None),
-            final_softcap: g.final_logit_softcapping,
+            final_softcap,
             cfg,
         })
     }
@@ -380,7 +370,7 @@ impl Gemma3 {
             } else {
                 &self.global_rope
             };
-            let qkv = blk.input_norm.forward_linear(b, &x, &blk.qkv)?;
+            let qkv = blk.qkv.forward(b, &x, Fuse::norm(&blk.input_norm))?;
             let qk_norm = QkNorm {
                 q_weight: &blk.q_norm.weight,
                 k_weight: &blk.k_norm.weight,
@@ -396,19 +386,18 @@ impl Gemma3 {
                 &rope.params(nh, hd),
                 Some(qk_norm),
             )?;
-            let attn = blk.o.forward(b, &attn)?;
+            // Post-norms: each sub-layer's output is normalised before
+            // the residual add, so no residual is fused into the products.
+            let attn = blk.o.forward(b, &attn, Fuse::NONE)?;
             x = b.add(&x, &blk.post_attn_norm.forward(b, &attn)?)?;
-            let h =
-                blk.pre_ff_norm
-                    .forward_gated_linear(b, &x, &blk.gate_up, Activation::GeluTanh)?;
-            let h = blk.down.forward(b, &h)?;
+            let h = blk.mlp.forward(b, &x, Fuse::norm(&blk.pre_ff_norm))?;
             x = b.add(&x, &blk.post_ff_norm.forward(b, &h)?)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        let logits = self.norm.forward_linear(b, &x, &self.lm_head)?;
-        match self.final_softcap {
-            Some(cap) => Ok(b.softcap(&logits, cap)?),
+        let logits = self.lm_head.forward(b, &x, Fuse::norm(&self.norm))?;
+        match &self.final_softcap {
+            Some(cap) => cap.forward(b, &logits),
             None => Ok(logits),
         }
     }

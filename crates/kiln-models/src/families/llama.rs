@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use kiln_formats::{StoredTensor, WeightSource};
-use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, KvPoolShape, Tensor};
+use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, KvPoolShape, Tensor, Weight};
 use serde_json::Value;
 
 use super::{Family, FamilyConfig};
@@ -19,7 +19,7 @@ use crate::config::{
 };
 use crate::error::Result;
 use crate::layers::{
-    Attention, AttentionConfig, GatedMlp, LoadProgress, RmsNorm, Rope, WeightLoader,
+    Attention, AttentionConfig, Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, Rope, WeightLoader,
 };
 use crate::CausalLm;
 
@@ -124,7 +124,7 @@ pub struct Llama {
     embed: Tensor,
     blocks: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Tensor,
+    lm_head: Linear,
     rope: Rope,
 }
 
@@ -177,6 +177,10 @@ impl Llama {
         let lm_head = match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
             Some(w) if !cfg.tie_word_embeddings => w,
             _ => embed.clone(),
+        };
+        let lm_head = Linear {
+            weight: l.supported(Weight::Dense(lm_head))?,
+            bias: None,
         };
         let rope = Rope::new(cfg.head_dim, f.rope_theta, &f.rope_scaling);
         Ok(Llama {
@@ -349,26 +353,21 @@ impl CausalLm for Llama {
 }
 
 impl Llama {
-    /// One forward step as backend ops; [`Backend::run_step`] may record it.
+    /// One forward step as backend ops; `run_step` may record it.
     fn step(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         let b = self.backend.as_ref();
         let mut x = b.embedding(&self.embed, &batch.token_ids)?;
         for (i, blk) in self.blocks.iter().enumerate() {
-            // Each norm runs fused into the projection that consumes it.
-            x = blk
-                .attn
-                .forward_norm_add(b, &blk.input_norm, &x, &self.rope, batch, cache, i)?;
-            x = blk.mlp.forward_norm_add(b, &blk.post_attn_norm, &x)?;
+            // Pre-norm blocks: each norm runs fused into the projection that
+            // consumes it, each residual add into the projection that ends
+            // the sub-layer.
+            let attn = Fuse::norm(&blk.input_norm).with_residual(&x);
+            x = blk.attn.forward(b, &x, attn, &self.rope, batch, cache, i)?;
+            let mlp = Fuse::norm(&blk.post_attn_norm).with_residual(&x);
+            x = blk.mlp.forward(b, &x, mlp)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        Ok(b.rms_norm_linear(
-            &x,
-            &self.norm.weight,
-            self.norm.eps,
-            self.norm.weight_offset,
-            &self.lm_head,
-            None,
-        )?)
+        self.lm_head.forward(b, &x, Fuse::norm(&self.norm))
     }
 }

@@ -3,7 +3,7 @@
 
 use kiln_tensor::{AttentionParams, Backend, ForwardBatch, KvCache, QkNorm, Tensor};
 
-use super::{Linear, RmsNorm, Rope, WeightLoader};
+use super::{Fuse, Linear, RmsNorm, Rope, WeightLoader};
 use crate::error::Result;
 
 /// What differs between families' attention blocks.
@@ -81,52 +81,23 @@ impl Attention {
         })
     }
 
-    /// `residual +` attention of the batch's new tokens `x [n, hidden]`
-    /// over the cache of `layer`.
+    /// `fuse.residual +` attention of `fuse.norm(x)` for the batch's new
+    /// tokens `x [n, hidden]` over the cache of `layer`: the norm runs
+    /// inside the packed qkv product, the residual add inside the output
+    /// projection.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward_add(
+    pub fn forward(
         &self,
         b: &dyn Backend,
         x: &Tensor,
-        residual: &Tensor,
+        fuse: Fuse<'_>,
         rope: &Rope,
         batch: &ForwardBatch,
         cache: &mut KvCache,
         layer: usize,
     ) -> Result<Tensor> {
-        let qkv = self.qkv.forward(b, x)?;
-        self.attend_add(b, &qkv, residual, rope, batch, cache, layer)
-    }
-
-    /// `x +` attention of `norm(x)`: the pre-norm block, the norm fused
-    /// into the packed qkv projection ([`RmsNorm::forward_linear`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_norm_add(
-        &self,
-        b: &dyn Backend,
-        norm: &RmsNorm,
-        x: &Tensor,
-        rope: &Rope,
-        batch: &ForwardBatch,
-        cache: &mut KvCache,
-        layer: usize,
-    ) -> Result<Tensor> {
-        let qkv = norm.forward_linear(b, x, &self.qkv)?;
-        self.attend_add(b, &qkv, x, rope, batch, cache, layer)
-    }
-
-    /// `residual +` the output projection of attention over packed `qkv`.
-    #[allow(clippy::too_many_arguments)]
-    fn attend_add(
-        &self,
-        b: &dyn Backend,
-        qkv: &Tensor,
-        residual: &Tensor,
-        rope: &Rope,
-        batch: &ForwardBatch,
-        cache: &mut KvCache,
-        layer: usize,
-    ) -> Result<Tensor> {
+        let (first, last) = fuse.split();
+        let qkv = self.qkv.forward(b, x, first)?;
         let c = &self.cfg;
         let params = AttentionParams {
             num_heads: c.num_heads,
@@ -146,7 +117,7 @@ impl Attention {
             _ => None,
         };
         let out = b.qkv_attention(
-            qkv,
+            &qkv,
             cache,
             layer,
             batch,
@@ -154,6 +125,6 @@ impl Attention {
             &rope.params(c.num_heads, c.head_dim),
             qk_norm,
         )?;
-        self.o.forward_add(b, &out, residual)
+        self.o.forward(b, &out, last)
     }
 }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kiln_formats::{FormatError, WeightSource};
-use kiln_tensor::{Backend, Tensor};
+use kiln_tensor::{Backend, Tensor, Weight};
 
 use crate::error::Result;
 
@@ -170,6 +170,28 @@ impl<'a> WeightLoader<'a> {
             return Ok(self.backend.upload_bf16(&shape, &bits)?);
         }
         Ok(self.backend.upload(&shape, &data)?)
+    }
+
+    /// Load the projection weight `name`, which must have `shape`, in the
+    /// form the backend multiplies by; a form the backend cannot multiply
+    /// by fails here, at load.
+    pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        self.supported(Weight::Dense(self.tensor(name, shape)?))
+    }
+
+    /// The projection weights `names` stacked by rows, as [`Self::stacked`].
+    pub fn stacked_weight(&self, names: &[String], shapes: &[Vec<usize>]) -> Result<Weight> {
+        self.supported(Weight::Dense(self.stacked(names, shapes)?))
+    }
+
+    /// `w` if the backend's `matmul` takes its kind.
+    pub fn supported(&self, w: Weight) -> Result<Weight> {
+        if !self.backend.supports_weight(w.kind()) {
+            return Err(
+                kiln_tensor::weight::unsupported_weight(self.backend.name(), w.kind()).into(),
+            );
+        }
+        Ok(w)
     }
 
     /// Load `name` if the source has it.

@@ -1,14 +1,14 @@
 //! The gated MLP: `down(act(gate(x)) * up(x))`, with gate and up packed
 //! into one projection.
 
-use kiln_tensor::{Activation, Backend, Tensor};
+use kiln_tensor::{Activation, Backend, Epilogue, Tensor};
 
-use super::{Linear, RmsNorm, WeightLoader};
+use super::{Fuse, Linear, WeightLoader};
 use crate::error::Result;
 
 pub struct GatedMlp {
     /// `[2 * intermediate, hidden]`: the gate rows, then the up rows.
-    pub gate_up: Tensor,
+    pub gate_up: Linear,
     pub down: Linear,
     pub activation: Activation,
 }
@@ -27,8 +27,7 @@ impl GatedMlp {
             hidden,
             &[intermediate, intermediate],
             false,
-        )?
-        .weight;
+        )?;
         Ok(GatedMlp {
             gate_up,
             down: Linear::load(
@@ -42,16 +41,13 @@ impl GatedMlp {
         })
     }
 
-    /// `residual + mlp(x)`.
-    pub fn forward_add(&self, b: &dyn Backend, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        let h = b.gated_linear(x, &self.gate_up, self.activation)?;
-        self.down.forward_add(b, &h, residual)
-    }
-
-    /// `x + mlp(norm(x))`: the pre-norm block, the norm fused into the
-    /// gate/up projection ([`RmsNorm::forward_gated_linear`]).
-    pub fn forward_norm_add(&self, b: &dyn Backend, norm: &RmsNorm, x: &Tensor) -> Result<Tensor> {
-        let h = norm.forward_gated_linear(b, x, &self.gate_up, self.activation)?;
-        self.down.forward_add(b, &h, x)
+    /// `fuse.residual + mlp(fuse.norm(x))`: the norm runs inside the
+    /// gate/up product, the residual add inside the down product.
+    pub fn forward(&self, b: &dyn Backend, x: &Tensor, fuse: Fuse<'_>) -> Result<Tensor> {
+        let (first, last) = fuse.split();
+        let h = self
+            .gate_up
+            .forward_epilogue(b, x, first, Epilogue::gated(self.activation))?;
+        self.down.forward(b, &h, last)
     }
 }

@@ -1,5 +1,8 @@
 //! Shared layers every model family is built from. Each takes the backend
-//! as `&dyn Backend` and never names a concrete one.
+//! as `&dyn Backend` and never names a concrete one, and returns its value:
+//! where norms and residuals go is the block's choice, passed as a [`Fuse`]
+//! so that they still run inside the products. A layer that needs an
+//! extension op checks the backend for it when it is built (at load).
 
 mod attention;
 mod linear;
@@ -7,10 +10,12 @@ mod loader;
 mod mlp;
 mod norm;
 mod rope;
+mod softcap;
 
 pub use attention::{Attention, AttentionConfig};
-pub use linear::Linear;
+pub use linear::{Fuse, Linear};
 pub use loader::{LoadProgress, WeightLoader};
 pub use mlp::GatedMlp;
 pub use norm::RmsNorm;
 pub use rope::Rope;
+pub use softcap::SoftCapping;

@@ -1,8 +1,8 @@
 //! RMSNorm: `x / sqrt(mean(x²) + eps) * (offset + w)`; Gemma uses offset 1.
 
-use kiln_tensor::{Activation, Backend, Tensor};
+use kiln_tensor::{Backend, NormPrologue, Tensor};
 
-use super::{Linear, WeightLoader};
+use super::WeightLoader;
 use crate::error::Result;
 
 pub struct RmsNorm {
@@ -25,34 +25,12 @@ impl RmsNorm {
         Ok(b.rms_norm(x, &self.weight, self.eps, self.weight_offset)?)
     }
 
-    /// `proj(norm(x))` as one backend op ([`Backend::rms_norm_linear`]).
-    pub fn forward_linear(&self, b: &dyn Backend, x: &Tensor, proj: &Linear) -> Result<Tensor> {
-        Ok(b.rms_norm_linear(
-            x,
-            &self.weight,
-            self.eps,
-            self.weight_offset,
-            &proj.weight,
-            proj.bias.as_ref(),
-        )?)
-    }
-
-    /// `act(norm(x) · gᵀ) * (norm(x) · uᵀ)` as one backend op
-    /// ([`Backend::rms_norm_gated_linear`]).
-    pub fn forward_gated_linear(
-        &self,
-        b: &dyn Backend,
-        x: &Tensor,
-        w_gate_up: &Tensor,
-        act: Activation,
-    ) -> Result<Tensor> {
-        Ok(b.rms_norm_gated_linear(
-            x,
-            &self.weight,
-            self.eps,
-            self.weight_offset,
-            w_gate_up,
-            act,
-        )?)
+    /// This norm as the prologue of a product that consumes its output.
+    pub fn prologue(&self) -> NormPrologue<'_> {
+        NormPrologue {
+            weight: &self.weight,
+            eps: self.eps,
+            offset: self.weight_offset,
+        }
     }
 }

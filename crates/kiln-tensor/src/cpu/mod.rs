@@ -8,9 +8,11 @@ mod ops;
 use std::sync::Arc;
 
 use crate::backend::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, RopeParams,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, Memory, Ops,
+    RopeParams, Sampling, StepRecording,
 };
 use crate::error::{Result, TensorError};
+use crate::extension::ExtensionOp;
 use crate::tensor::{DType, Tensor};
 
 use attention::CpuKv;
@@ -63,7 +65,10 @@ impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
     }
+}
 
+/// Host memory; the defaults' element sizes (f32) are the CPU's.
+impl Memory for CpuBackend {
     fn upload(&self, shape: &[usize], data: &[f32]) -> Result<Tensor> {
         if shape.iter().product::<usize>() != data.len() {
             return Err(TensorError::Shape {
@@ -78,6 +83,31 @@ impl Backend for CpuBackend {
         Ok(self.data(t, "to_host")?.to_vec())
     }
 
+    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
+        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim;
+        let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
+            (0..spec.num_layers)
+                .map(|_| {
+                    zeroed_f32(per_layer).ok_or_else(|| TensorError::OutOfMemory {
+                        backend: "cpu",
+                        bytes: (per_layer * 4) as u64,
+                        what: format!("KV cache {what}"),
+                    })
+                })
+                .collect()
+        };
+        let kv = CpuKv {
+            k: alloc("keys")?,
+            v: alloc("values")?,
+        };
+        Ok(KvCache::from_storage(spec, Box::new(kv)))
+    }
+}
+
+/// The reference ops. `matmul` is the default composition
+/// ([`crate::matmul_unfused`]), so the fused forms are the unfused ops bit
+/// for bit.
+impl Ops for CpuBackend {
     fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
         let (vocab, d) = table.dims2("embedding")?;
         let data = self.data(table, "embedding")?;
@@ -95,21 +125,21 @@ impl Backend for CpuBackend {
         Ok(Self::wrap(vec![ids.len(), d], out))
     }
 
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let (n, k) = x.dims2("linear")?;
-        let (m, kw) = w.dims2("linear")?;
+    fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (n, k) = x.dims2("matmul")?;
+        let (m, kw) = w.dims2("matmul")?;
         if k != kw {
             return Err(TensorError::Shape {
-                op: "linear",
+                op: "matmul",
                 detail: format!("x {:?} · w {:?}ᵀ", x.shape(), w.shape()),
             });
         }
-        let mut out = matmul::matmul_t(self.data(x, "linear")?, n, k, self.data(w, "linear")?, m);
+        let mut out = matmul::matmul_t(self.data(x, "matmul")?, n, k, self.data(w, "matmul")?, m);
         if let Some(b) = bias {
-            let b = self.data(b, "linear bias")?;
+            let b = self.data(b, "matmul bias")?;
             if b.len() != m {
                 return Err(TensorError::Shape {
-                    op: "linear",
+                    op: "matmul",
                     detail: format!("bias of {} for {} outputs", b.len(), m),
                 });
             }
@@ -153,14 +183,6 @@ impl Backend for CpuBackend {
         Ok(Self::wrap(
             x.shape().to_vec(),
             d.iter().map(|v| v * s).collect(),
-        ))
-    }
-
-    fn softcap(&self, x: &Tensor, cap: f32) -> Result<Tensor> {
-        let d = self.data(x, "softcap")?;
-        Ok(Self::wrap(
-            x.shape().to_vec(),
-            d.iter().map(|v| (v / cap).tanh() * cap).collect(),
         ))
     }
 
@@ -220,26 +242,6 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
-    fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
-        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim;
-        let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
-            (0..spec.num_layers)
-                .map(|_| {
-                    zeroed_f32(per_layer).ok_or_else(|| TensorError::OutOfMemory {
-                        backend: "cpu",
-                        bytes: (per_layer * 4) as u64,
-                        what: format!("KV cache {what}"),
-                    })
-                })
-                .collect()
-        };
-        let kv = CpuKv {
-            k: alloc("keys")?,
-            v: alloc("values")?,
-        };
-        Ok(KvCache::from_storage(spec, Box::new(kv)))
-    }
-
     fn attention(
         &self,
         q: &Tensor,
@@ -268,7 +270,29 @@ impl Backend for CpuBackend {
         let out = attention::attend(qd, batch, kc, vc, p);
         Ok(Self::wrap(vec![n, qw], out))
     }
+
+    /// Every extension op: the CPU runs each op's reference.
+    fn has_extension(&self, _name: &str) -> bool {
+        true
+    }
+
+    fn extension(&self, op: &dyn ExtensionOp, x: &Tensor) -> Result<Tensor> {
+        let (shape, out) = op.cpu(self.data(x, op.name())?, x.shape())?;
+        if shape.iter().product::<usize>() != out.len() {
+            return Err(TensorError::Shape {
+                op: op.name(),
+                detail: format!("{} elements for shape {shape:?}", out.len()),
+            });
+        }
+        Ok(Self::wrap(shape, out))
+    }
 }
+
+/// Tokens are sampled on the host (the defaults).
+impl Sampling for CpuBackend {}
+
+/// Steps run as they come (the default).
+impl StepRecording for CpuBackend {}
 
 /// `n` zeros from the allocator's zeroed memory (`calloc`): large pools
 /// come from the kernel's zero pages, so a KV pool costs resident memory

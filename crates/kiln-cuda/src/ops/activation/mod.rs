@@ -1,7 +1,7 @@
 //! Gated activations (`activation.cu`): act(gate) * up with SiLU or GELU
 //! (tanh), from separate tensors or packed [gate | up] rows.
 
-use kiln_tensor::{Activation, Backend, Result, Tensor, TensorError};
+use kiln_tensor::{Activation, Ops, Result, Tensor, TensorError};
 
 use crate::backend::CudaBackend;
 use crate::driver::device::{dev_err, elems_cfg, ptr, wrap};

@@ -1,5 +1,5 @@
 //! RMSNorm fused into the decode projections that consume it
-//! (`Backend::rms_norm_linear`, `Backend::rms_norm_gated_linear`): for
+//! (the norm-prologue forms of `Ops::matmul`): for
 //! decode-sized rows (≤ 8) one GEMV kernel per product, each block
 //! recomputing the rows' inverse RMS (`rms_prologue.cuh`) before its
 //! dot products; larger row counts (prefill, cuBLAS) run the norm and the
@@ -8,7 +8,7 @@
 //! ops' on the same inputs.
 
 use cudarc::driver::LaunchConfig;
-use kiln_tensor::{Activation, Backend, Result, Tensor, TensorError};
+use kiln_tensor::{Activation, Ops, Result, Tensor, TensorError};
 
 use super::{linear_dims, GEMV_MAX_ROWS};
 use crate::driver::device::{dev_err, ptr, wrap, Device};

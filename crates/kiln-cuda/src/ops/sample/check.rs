@@ -10,7 +10,7 @@
 //! `kiln_sampling::Sampler`.
 
 use half::bf16;
-use kiln_tensor::{Backend, SampleRow};
+use kiln_tensor::{Memory, SampleRow, Sampling};
 
 use crate::selfcheck::Check;
 use crate::CudaBackend;
