@@ -19,14 +19,11 @@
 # staging: weights through pinned buffers (on unless KILN_PINNED_STAGING=0) — 8B parity with it on, and
 # the 8B load time with it off and on (load-staging0.json, load-staging1.json).
 # variants (not in the default list): 8B batch-1 decode under each NAME:ENV... of VARIANTS
-# (default: base, no PDL, gated products on gemv.cu's pipelined GEMV, 16-column direct GEMV tiles
-# only, decode attention without its pre-wait slot lookup and L2 prefetch, RoPE folded into decode
-# attention, values loaded with keys in every decode kernel, split steps' values loaded apart from
-# their keys, the product after decode attention prefetching its weights into L2), one variant-NAME.json each; ENV entries are VAR=VALUE joined by commas (several kernel
-# defines: A=1+B=2).
+# (default: base, no PDL, 16-column direct GEMV tiles only, decode attention without its pre-wait
+# slot lookup and L2 prefetch, values loaded with keys in every decode kernel, split steps' values
+# loaded apart from their keys), one variant-NAME.json each; ENV entries are VAR=VALUE joined by
+# commas (several kernel defines: A=1+B=2). `kiln dev cuda-options` lists every variable.
 # sweep (not in the default list): bench/gpu/gemv_sweep.py over the direct GEMV's tuning macros.
-# rope (not in the default list): 8B parity and batch-1 decode with RoPE folded into decode
-# attention (KILN_DECODE_ROPE=1): parity-8b-rope.json, bench-8b-decode-rope.json.
 # KILN (default .device/kiln, else target/release/kiln) is the binary to test;
 # WORK (default /tmp/kiln-round) holds the checkpoints.
 set -uo pipefail
@@ -93,7 +90,7 @@ if has parity; then
   run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b.json"
 fi
 if has variants; then
-  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 gated_pipelined:KILN_GATED_PIPELINED=1 cols16:KILN_DIRECT_COLS=16 noprewait:KILN_KERNEL_DEFINES=KILN_DECODE_PREWAIT=0 rope:KILN_DECODE_ROPE=1 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1 novpre:KILN_DECODE_VPRE_SPLIT=0 l2pf:KILN_DIRECT_L2_PREFETCH=1}; do
+  for v in ${VARIANTS:-base: nopdl:KILN_PDL=0 cols16:KILN_DIRECT_COLS=16 noprewait:KILN_KERNEL_DEFINES=KILN_DECODE_PREWAIT=0 vpre:KILN_KERNEL_DEFINES=KILN_DECODE_VPRE=1 novpre:KILN_DECODE_VPRE_SPLIT=0}; do
     name=${v%%:*}; envs=${v#*:}
     note "variant $name: $envs"
     # shellcheck disable=SC2046
@@ -104,13 +101,6 @@ if has variants; then
 fi
 if has sweep; then
   run python3 bench/gpu/gemv_sweep.py --out "$OUT/gemv-sweep.json" ${SWEEP:-2,4,4 2,4,8 2,3,6 3,3,6}
-fi
-if has rope; then
-  # RoPE folded into decode attention (KILN_DECODE_ROPE=1): 8B parity and batch-1 decode with it on.
-  KILN_DECODE_ROPE=1 run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b-rope.json"
-  note "bench 8b-decode with KILN_DECODE_ROPE=1"
-  KILN_DECODE_ROPE=1 "$KILN" bench --device cuda -m "$WORK/ck8b" --prompt-tokens 512 --gen-tokens 128 --runs 3 \
-    > "$OUT/bench-8b-decode-rope.json" 2>> "$OUT/round.log" || { note "FAILED bench rope"; status=1; }
 fi
 if has staging; then
   KILN_PINNED_STAGING=1 run python3 bench/gpu/parity.py --kiln "$KILN" --ckpt "$WORK/ck8b" --tokens 160 --prefill 80 --out "$OUT/parity-8b-staging.json"
