@@ -29,7 +29,7 @@ export LD_LIBRARY_PATH="$KILN_CUDA_HOME/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_L
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --workspace "$@" 2>&1 | tee "$log" || status=$?
+cargo test --workspace --no-fail-fast "$@" 2>&1 | tee "$log" || status=$?
 # The server through the official OpenAI and Anthropic SDKs, on the binary cargo just built:
 # the pinned versions and the newest ones tested.
 pysdk=$(scripts/install-sdks.sh pinned) || exit 1

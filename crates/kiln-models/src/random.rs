@@ -1,5 +1,5 @@
 //! Random-weight checkpoints: config presets and a [`WeightSource`] that
-//! makes deterministic normal(0, 0.02) weights (norms 1 + normal(0, 0.1)) for every tensor a
+//! makes deterministic normal(0, 0.02) weights (norms scaling by 1 + normal(0, 0.1)) for every tensor a
 //! family expects. Used for fast tests and large-shape benchmarks.
 
 use std::path::{Path, PathBuf};
@@ -53,6 +53,11 @@ pub struct RandomWeights {
     path: PathBuf,
     shapes: Vec<(String, Vec<usize>)>,
     seed: u64,
+    /// The mean of stored norm weights: 1 where the model multiplies by the
+    /// weight, 0 where it multiplies by `1 + w` (Gemma), so either way a
+    /// norm scales by about 1 and deep random checkpoints stay well
+    /// conditioned enough for a bf16 oracle.
+    norm_mean: f64,
 }
 
 impl RandomWeights {
@@ -62,6 +67,10 @@ impl RandomWeights {
             path: PathBuf::from("<random>"),
             shapes: tensor_shapes(config)?,
             seed,
+            norm_mean: match config.family {
+                crate::families::FamilyConfig::Gemma3(_) => 0.0,
+                _ => 1.0,
+            },
         })
     }
 }
@@ -113,10 +122,11 @@ impl WeightSource for RandomWeights {
                 tensor: name.to_string(),
             })?;
         let n: usize = shape.iter().product();
-        // Norm weights are 1 + N(0, 0.1): close to the usual init, but not all
-        // equal, so a checkpoint exercises how each norm's weight is applied.
+        // Norm weights scale by 1 + N(0, 0.1): close to the usual init, but
+        // not all equal, so a checkpoint exercises how each norm's weight is
+        // applied.
         let (mean, std) = if name.ends_with("norm.weight") {
-            (1.0, 0.1)
+            (self.norm_mean, 0.1)
         } else {
             (0.0, 0.02)
         };

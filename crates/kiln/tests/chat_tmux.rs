@@ -121,18 +121,28 @@ impl Tmux {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// `(dead, exit status)` of the pane's process.
+    /// `(dead, exit status)` of the pane's process: the status is `"N"` for
+    /// an exit, `"signal N"` for a kill, and empty while tmux has seen the
+    /// pane close but not yet collected the process.
     fn dead(&self) -> (bool, String) {
         let out = self.run(&[
             "display-message",
             "-p",
             "-t",
             "chat",
-            "#{pane_dead} #{pane_dead_status}",
+            "#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}",
         ]);
         let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        let (dead, status) = s.split_once(' ').unwrap_or((&s, ""));
-        (dead == "1", status.to_string())
+        let mut parts = s.split('|');
+        let dead = parts.next() == Some("1");
+        let status = parts.next().unwrap_or("").to_string();
+        let signal = parts.next().unwrap_or("");
+        let status = if signal.is_empty() {
+            status
+        } else {
+            format!("signal {signal}")
+        };
+        (dead, status)
     }
 
     /// Polls the screen until `done` holds; fails with the screen after
@@ -164,7 +174,7 @@ impl Tmux {
         let start = Instant::now();
         loop {
             let (dead, status) = self.dead();
-            if dead {
+            if dead && !status.is_empty() {
                 return status;
             }
             assert!(
