@@ -31,8 +31,19 @@ pub trait CausalLm: Send + Sync {
     /// The backend the weights live on.
     fn backend(&self) -> &Arc<dyn Backend>;
 
-    /// A paged KV cache of `num_blocks` blocks of `block_size` tokens.
-    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache>;
+    /// A paged KV cache of `num_blocks` blocks of `block_size` tokens (by
+    /// default one pool of every layer's keys and values, shaped by the
+    /// config).
+    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        let cfg = self.config();
+        Ok(self.backend().alloc_kv_cache(kiln_tensor::KvPoolShape {
+            num_layers: cfg.num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        })?)
+    }
 
     /// Run one step: every sequence's new tokens, writing their keys and
     /// values into `cache`, returning logits `[batch.logits_rows.len(), vocab]`.

@@ -29,8 +29,7 @@ use std::sync::Arc;
 
 use kiln_formats::WeightSource;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, QkNorm, Tensor,
-    Weight,
+    Activation, AttentionParams, Backend, ForwardBatch, KvCache, QkNorm, Tensor, Weight,
 };
 use serde_json::Value;
 
@@ -412,27 +411,8 @@ impl CausalLm for Gemma3 {
         &self.backend
     }
 
-    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        Ok(self.backend.alloc_kv_cache(KvPoolShape {
-            num_layers: self.cfg.num_layers,
-            num_blocks,
-            block_size,
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-        })?)
-    }
-
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        let mut step = |batch: &ForwardBatch, cache: &mut KvCache| -> kiln_tensor::Result<Tensor> {
-            self.step(batch, cache).map_err(|e| match e {
-                ModelError::Tensor(t) => t,
-                other => kiln_tensor::TensorError::Device {
-                    backend: "model",
-                    message: other.to_string(),
-                },
-            })
-        };
-        Ok(self.backend.run_step(batch, cache, &mut step)?)
+        super::run_step(self.backend.as_ref(), batch, cache, |b, c| self.step(b, c))
     }
 }
 

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use kiln_formats::{StoredTensor, WeightSource};
-use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, KvPoolShape, Tensor, Weight};
+use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, Tensor, Weight};
 use serde_json::Value;
 
 use super::{Family, FamilyConfig};
@@ -327,28 +327,8 @@ impl CausalLm for Llama {
         &self.backend
     }
 
-    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        Ok(self.backend.alloc_kv_cache(KvPoolShape {
-            num_layers: self.cfg.num_layers,
-            num_blocks,
-            block_size,
-            num_kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
-        })?)
-    }
-
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        let b = self.backend.as_ref();
-        let mut step = |batch: &ForwardBatch, cache: &mut KvCache| -> kiln_tensor::Result<Tensor> {
-            self.step(batch, cache).map_err(|e| match e {
-                crate::error::ModelError::Tensor(t) => t,
-                other => kiln_tensor::TensorError::Device {
-                    backend: "model",
-                    message: other.to_string(),
-                },
-            })
-        };
-        Ok(b.run_step(batch, cache, &mut step)?)
+        super::run_step(self.backend.as_ref(), batch, cache, |b, c| self.step(b, c))
     }
 }
 

@@ -61,3 +61,29 @@ pub(crate) fn wrong_family(cfg: &ModelConfig, family: &str) -> crate::error::Mod
         ),
     }
 }
+
+/// Runs a family's forward `step` through the backend's step recording
+/// ([`kiln_tensor::StepRecording::run_step`]), which may record and replay
+/// it; model errors inside the step travel as tensor errors.
+pub(crate) fn run_step(
+    backend: &dyn kiln_tensor::Backend,
+    batch: &kiln_tensor::ForwardBatch,
+    cache: &mut kiln_tensor::KvCache,
+    step: impl Fn(
+        &kiln_tensor::ForwardBatch,
+        &mut kiln_tensor::KvCache,
+    ) -> crate::Result<kiln_tensor::Tensor>,
+) -> crate::Result<kiln_tensor::Tensor> {
+    let mut step = |batch: &kiln_tensor::ForwardBatch,
+                    cache: &mut kiln_tensor::KvCache|
+     -> kiln_tensor::Result<kiln_tensor::Tensor> {
+        step(batch, cache).map_err(|e| match e {
+            crate::error::ModelError::Tensor(t) => t,
+            other => kiln_tensor::TensorError::Device {
+                backend: "model",
+                message: other.to_string(),
+            },
+        })
+    };
+    Ok(backend.run_step(batch, cache, &mut step)?)
+}
