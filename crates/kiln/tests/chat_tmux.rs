@@ -48,8 +48,14 @@ impl Tmux {
             "set -g remain-on-exit on\nset -g history-limit 50000\n",
         )
         .unwrap();
+        // The pane's shell waits for `kiln chat` and writes its exit status
+        // to a file: tmux 3.3 does not always reap a pane's process, so its
+        // `pane_dead_status` can stay empty for good. The shell catches
+        // SIGINT with a no-op trap, so it outlives a Ctrl-C meant for the
+        // chat, whose own disposition stays the default (a caught signal is
+        // reset on exec; an ignored one would not be).
         let mut command = format!(
-            "exec env HOME='{}' TERM=xterm '{}' --threads 2 chat -m '{}'",
+            "trap : INT; env HOME='{}' TERM=xterm '{}' --threads 2 chat -m '{}'",
             dir.display(),
             env!("CARGO_BIN_EXE_kiln"),
             smollm2().display()
@@ -57,6 +63,10 @@ impl Tmux {
         for a in args {
             command.push_str(&format!(" '{a}'"));
         }
+        command.push_str(&format!(
+            "; echo $? > '{}.tmp' && mv '{0}.tmp' '{0}'",
+            dir.join("status").display()
+        ));
         let t = Tmux { socket, dir };
         let out = t.run(&[
             "-f",
@@ -121,28 +131,12 @@ impl Tmux {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// `(dead, exit status)` of the pane's process: the status is `"N"` for
-    /// an exit, `"signal N"` for a kill, and empty while tmux has seen the
-    /// pane close but not yet collected the process.
-    fn dead(&self) -> (bool, String) {
-        let out = self.run(&[
-            "display-message",
-            "-p",
-            "-t",
-            "chat",
-            "#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}",
-        ]);
-        let s = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        let mut parts = s.split('|');
-        let dead = parts.next() == Some("1");
-        let status = parts.next().unwrap_or("").to_string();
-        let signal = parts.next().unwrap_or("");
-        let status = if signal.is_empty() {
-            status
-        } else {
-            format!("signal {signal}")
-        };
-        (dead, status)
+    /// The exit status of `kiln chat`, once it has exited: `"N"`, or
+    /// `"128+N"` for a kill by signal N (as the shell reports it).
+    fn exit_status(&self) -> Option<String> {
+        std::fs::read_to_string(self.dir.join("status"))
+            .ok()
+            .map(|s| s.trim().to_string())
     }
 
     /// Polls the screen until `done` holds; fails with the screen after
@@ -155,7 +149,7 @@ impl Tmux {
                 return screen;
             }
             assert!(
-                start.elapsed() < WAIT && !self.dead().0,
+                start.elapsed() < WAIT && self.exit_status().is_none(),
                 "waiting for {what}; the pane shows:\n{screen}"
             );
             std::thread::sleep(Duration::from_millis(200));
@@ -169,12 +163,11 @@ impl Tmux {
         })
     }
 
-    /// Waits for the pane's process to exit; its exit status.
+    /// Waits for `kiln chat` to exit; its exit status.
     fn wait_for_exit(&self) -> String {
         let start = Instant::now();
         loop {
-            let (dead, status) = self.dead();
-            if dead && !status.is_empty() {
+            if let Some(status) = self.exit_status() {
                 return status;
             }
             assert!(
