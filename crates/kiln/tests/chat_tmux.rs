@@ -1,9 +1,10 @@
 //! `kiln chat` on a real terminal: driven through tmux on SmolLM2 (greedy),
 //! a pasted three-line message is one turn, a blank line does not quit,
 //! Ctrl-C stops an answer and the session goes on, and Ctrl-D or Ctrl-C
-//! twice at the prompt quits cleanly, and a second turn is prefilled only
-//! past what the prefix cache holds. Needs tmux (`apt-get install -y
-//! tmux`; scripts/test.sh installs it).
+//! twice at the prompt quits cleanly, and a second turn (typed ahead while
+//! the first answer streams) is prefilled only past what the prefix cache
+//! holds. Needs tmux (`apt-get install -y tmux`; scripts/test.sh installs
+//! it).
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -310,7 +311,8 @@ fn a_second_turn_prefills_only_what_the_cache_lacks() {
     );
     t.wait_for_prompt(1);
     t.type_line("Name a color.");
-    let first = t.wait_for_prompt(2);
+    // Typed ahead while the first answer is coming: the editor reads it
+    // whole when the next prompt opens (many keys in one read).
     t.type_line("Name another one.");
     let screen = t.wait_for_prompt(3);
     // `[N prompt tokens (C from the cache), ...]` after each answer.
@@ -323,7 +325,7 @@ fn a_second_turn_prefills_only_what_the_cache_lacks() {
         })
         .collect();
     assert_eq!(cached.len(), 2, "{screen}");
-    assert_eq!(cached[0].1, 0, "nothing cached on the first turn:\n{first}");
+    assert_eq!(cached[0].1, 0, "nothing cached on the first turn:\n{screen}");
     let (prompt, from_cache) = cached[1];
     // The system message and the first turn (at least 120 tokens) come from
     // the cache, to the last whole block before the first difference.
