@@ -12,7 +12,9 @@
 //!
 //! [`Format::StrictJsonSchema`] is a schema under OpenAI's strict semantics
 //! (closed objects, bounded numbers; see [`strict`]), applied by rewriting
-//! the schema before it compiles.
+//! the schema before it compiles. [`Format::TaggedJson`] leaves text free
+//! and constrains only what the model opens with a marker (tool calls under
+//! `tool_choice: auto`: a lazy grammar).
 //!
 //! This crate knows tokenizers and logits as plain slices; it does not know
 //! models, requests or the server. Main types: [`StructuredVocab`],
@@ -66,6 +68,76 @@ pub enum Format {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
+    /// Free text in which each [`TaggedJson::begin`] opens a JSON value
+    /// constrained as [`TaggedJson::schema`] (strict semantics), closed by
+    /// [`TaggedJson::end`].
+    TaggedJson(TaggedJson),
+}
+
+/// Text left free until the model writes `begin`; from there a JSON value
+/// valid against `schema` under strict semantics, then `end`, then free
+/// text again. Tool calls under `tool_choice: auto` (llama.cpp's lazy
+/// grammars, xgrammar's structural tags): the model may answer in prose or
+/// call, and a call it opens holds.
+///
+/// A marker the vocabulary has as one special token is that token (text
+/// cannot spell it); any other is text, and the free text around calls
+/// cannot contain it except as the opening of a call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaggedJson {
+    pub begin: String,
+    pub schema: Value,
+    /// May be empty: the value ends the output, or the next `begin` follows.
+    pub end: String,
+    /// Whether more than one tagged value may be written.
+    pub many: bool,
+}
+
+impl TaggedJson {
+    /// The grammar in llguidance's Lark dialect; `special` says whether a
+    /// marker is one special token of the vocabulary.
+    fn lark(&self, special: impl Fn(&str) -> bool) -> String {
+        let marker = |m: &str| {
+            if special(m) {
+                m.to_string()
+            } else {
+                serde_json::to_string(m).unwrap_or_default()
+            }
+        };
+        let schema = compact(strict::strict_schema(self.schema.clone()));
+        let repeat = if self.many { "*" } else { "?" };
+        let end = if self.end.is_empty() {
+            String::new()
+        } else {
+            format!(" _ws? {}", marker(&self.end))
+        };
+        let mut g = format!(
+            "%llguidance {{}}\n\
+             start: tagged{repeat} tail\n\
+             _ws: /[ \\t\\r\\n]{{1,4}}/\n\
+             value: %json {schema}\n"
+        );
+        if special(&self.begin) {
+            // Text cannot spell a special token: free text is any text.
+            g += &format!(
+                "tagged: FREE? {} _ws? value{end}\n\
+                 tail: FREE?\n\
+                 FREE: /(?s:.+)/\n",
+                self.begin
+            );
+        } else {
+            // Free text up to the first `begin` (kept in the output), and
+            // after the last call text that never spells `begin`.
+            g += &format!(
+                "tagged: before _ws? value{end}\n\
+                 before[suffix={begin}]: /(?s:.*)/\n\
+                 tail: TAIL?\n\
+                 TAIL: /(?s:.+)/ & ~(/(?s:.*)/ {begin} /(?s:.*)/)\n",
+                begin = marker(&self.begin)
+            );
+        }
+        g
+    }
 }
 
 impl Format {
@@ -76,6 +148,7 @@ impl Format {
             Format::Regex(_) => "regex",
             Format::Lark(_) => "grammar",
             Format::Choice(_) => "choice list",
+            Format::TaggedJson(_) => "tool-call schema",
         }
     }
 
@@ -115,7 +188,9 @@ impl Format {
         }
     }
 
-    fn grammar(&self) -> Result<TopLevelGrammar> {
+    /// The grammar llguidance compiles; `special` says whether a string is
+    /// one special token of the vocabulary.
+    fn grammar(&self, special: impl Fn(&str) -> bool) -> Result<TopLevelGrammar> {
         self.check()?;
         Ok(match self {
             Format::JsonObject => {
@@ -136,6 +211,7 @@ impl Format {
                     .collect();
                 TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
             }
+            Format::TaggedJson(t) => TopLevelGrammar::from_lark(t.lark(special)),
         })
     }
 }
@@ -250,9 +326,16 @@ impl StructuredVocab {
         }))
     }
 
+    /// Whether `text` is one special token of the vocabulary.
+    pub fn is_special_token(&self, text: &str) -> bool {
+        let mut bytes = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+        bytes.extend_from_slice(text.as_bytes());
+        self.factory.tok_env().tok_trie().token_id(&bytes).is_some()
+    }
+
     /// Compile `format` into a fresh constraint (errors name the reason).
     pub fn constraint(self: &Arc<Self>, format: &Format) -> Result<Constraint> {
-        let grammar = format.grammar()?;
+        let grammar = format.grammar(|s| self.is_special_token(s))?;
         let key = serde_json::to_string(&grammar).ok();
         let cached = key.as_ref().and_then(|k| {
             let cache = self.compiled.lock().unwrap_or_else(|p| p.into_inner());

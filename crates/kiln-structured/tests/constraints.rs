@@ -422,3 +422,117 @@ fn schemas_the_compiler_refuses_have_a_short_readable_reason() {
         }
     }
 }
+
+/// Hermes-style tool calls under `tool_choice: auto`: one weather tool.
+fn weather_calls(begin: &str, end: &str, many: bool) -> Format {
+    let call = json!({"type": "object", "properties": {
+        "name": {"const": "get_weather"},
+        "arguments": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}}}},
+        "required": ["name", "arguments"]});
+    Format::TaggedJson(kiln_structured::TaggedJson {
+        begin: begin.into(),
+        schema: call,
+        end: end.into(),
+        many,
+    })
+}
+
+#[test]
+fn tagged_json_leaves_text_free_and_holds_what_a_marker_opens() {
+    let (t, v) = setup();
+    let one = weather_calls("<tool_call>", "</tool_call>", false);
+    let many = weather_calls("<tool_call>", "</tool_call>", true);
+    assert!(!v.is_special_token("<tool_call>"));
+    let call = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
+    let tagged = format!("<tool_call>\n{call}\n</tool_call>");
+    for text in [
+        "It is sunny in Paris today.",
+        "",
+        "x < y, <b>bold</b> and <tool_call without its bracket",
+        &format!("Let me look that up.\n{tagged}"),
+        &tagged,
+        &format!("{tagged}\nDone."),
+    ] {
+        assert!(admits(&t, &v, &one, text), "{text:?}");
+        assert!(admits(&t, &v, &many, text), "{text:?}");
+    }
+    let two = format!("{tagged}\n{tagged}");
+    assert!(admits(&t, &v, &many, &two));
+    assert!(!admits(&t, &v, &one, &two), "one call at most");
+    for bad in [
+        // Undeclared keys, tools and values, an unbounded integer, an
+        // unclosed call, and prose where the call should be.
+        r#"{"name": "get_weather", "arguments": {"city": "Paris", "mood": 1}}"#,
+        r#"{"name": "get_time", "arguments": {}}"#,
+        r#"{"name": "get_weather", "arguments": {"city": 7}}"#,
+        r#"{"name": "get_weather", "arguments": {"days": 99999999999999999999}}"#,
+        r#"{"name": "get_weather", "arguments": {"city": "Paris"}"#,
+        "I would call get_weather now.",
+    ] {
+        let text = format!("Sure.<tool_call>\n{bad}\n</tool_call>");
+        assert!(!admits(&t, &v, &many, &text), "{text:?}");
+    }
+    // A call that is opened must be closed before the output ends.
+    assert!(!admits(&t, &v, &many, &format!("<tool_call>\n{call}")));
+}
+
+#[test]
+fn tagged_json_opened_by_a_special_token() {
+    let (t, v) = setup();
+    assert!(v.is_special_token("<|im_start|>"));
+    let f = weather_calls("<|im_start|>", "", true);
+    let call = r#"{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}"#;
+    assert!(admits(&t, &v, &f, "Just text."));
+    assert!(admits(&t, &v, &f, &format!("Checking.<|im_start|>{call}")));
+    assert!(admits(&t, &v, &f, &format!("<|im_start|>{call}<|im_start|>{call}")));
+    let bad = r#"{"name": "get_weather", "arguments": {"town": "Oslo"}}"#;
+    assert!(!admits(&t, &v, &f, &format!("Checking.<|im_start|>{bad}")));
+}
+
+#[test]
+fn tagged_json_random_calls_validate() {
+    // Once the marker is written, whatever the noise, the call ends valid.
+    let (t, v) = setup();
+    let f = weather_calls("<tool_call>", "</tool_call>", false);
+    for seed in 1..=4u64 {
+        let mut c = v.constraint(&f).unwrap();
+        let mut out = t.encode("Checking.<tool_call>\n", false).unwrap();
+        for &token in &out {
+            assert!(c.allowed().unwrap().is_allowed(token));
+            c.commit(token).unwrap();
+        }
+        let mut rng = Rng(seed * 7919);
+        let closers: Vec<u32> = (0..49152u32)
+            .filter(|&id| matches!(t.token_bytes(id).as_deref(), Some(b"}") | Some(b"\"")))
+            .collect();
+        for _ in 0..400 {
+            let mut logits: Vec<f32> = (0..49152).map(|_| rng.next()).collect();
+            for &id in &closers {
+                logits[id as usize] += 0.6;
+            }
+            logits[EOS as usize] += 2.0;
+            c.mask_logits(&mut logits).unwrap();
+            let (best, _) = logits
+                .iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap();
+            c.commit(best as u32).unwrap();
+            if best as u32 == EOS {
+                break;
+            }
+            out.push(best as u32);
+        }
+        let text = t.decode(&out, false).unwrap();
+        let body = text
+            .split_once("<tool_call>")
+            .and_then(|(_, rest)| rest.split_once("</tool_call>"))
+            .unwrap_or_else(|| panic!("no closed call: {text:?}"))
+            .0;
+        let call: Value = serde_json::from_str(body.trim()).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        assert_eq!(call["name"], "get_weather", "{text:?}");
+        let args = call["arguments"].as_object().unwrap();
+        assert!(args.keys().all(|k| k == "city" || k == "days"), "{text:?}");
+    }
+}
