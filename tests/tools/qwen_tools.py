@@ -10,7 +10,10 @@ the official OpenAI and Anthropic SDKs, greedy.
 - every case streamed too: the concatenated deltas (OpenAI
   `delta.tool_calls`, Anthropic `input_json_delta`, Responses
   `function_call_arguments.delta`) equal the non-streamed call;
-- Anthropic `tool_use` and a `tool_result` with `is_error`.
+- Anthropic `tool_use` and a `tool_result` with `is_error`;
+- a `strict` tool under `auto`, sampled at temperature 1 over several
+  seeds: every call holds to the schema (enums, no undeclared key), and
+  the Responses API, whose tools are strict unless they say otherwise.
 
     python3 tests/tools/qwen_tools.py KILN_BINARY QWEN.gguf
 
@@ -55,6 +58,21 @@ TIME = {
     },
 }
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+# Strict: enums the model does not know, and no `additionalProperties`.
+STRICT_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a given city",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
 # Greedy Qwen2.5-Coder-0.5B calls get_weather here on its own.
 ASK = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 GREET = [{"role": "user", "content": "Hello! Who are you?"}]
@@ -162,6 +180,26 @@ def test_required_and_named(client):
     check_same_streamed(client, r, tool_choice=named, **kw)
 
 
+def test_strict_auto(client):
+    schema = dict(STRICT_WEATHER["function"]["parameters"], additionalProperties=False)
+    calls = 0
+    for temperature, seed in [(0, 0), (1, 1), (1, 2), (1, 3)]:
+        kw = dict(model=NAME, messages=ASK, tools=[STRICT_WEATHER], tool_choice="auto",
+                  temperature=temperature, seed=seed, max_tokens=60)
+        r = client.chat.completions.create(**kw)
+        c = r.choices[0]
+        for tc in c.message.tool_calls or []:
+            assert tc.function.name == "get_weather", tc
+            jsonschema.validate(json.loads(tc.function.arguments), schema)
+            calls += 1
+        # Text (even a call written without its tags) is left as written.
+        assert c.finish_reason in (("tool_calls",) if c.message.tool_calls else ("stop", "length")), c
+        if temperature == 0:
+            assert c.message.tool_calls, "greedy, the model calls the tool here"
+            check_same_streamed(client, r, **kw)
+    assert calls > 1, f"{calls} call(s) in 4 answers"
+
+
 def anthropic_tool(t):
     f = t["function"]
     return {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
@@ -219,6 +257,7 @@ def main():
         ("required and named, stream = whole", lambda: test_required_and_named(client)),
         ("anthropic tool_use, stream = whole, is_error", lambda: test_anthropic_tool_use(base)),
         ("responses function_call, stream = whole", lambda: test_responses_function_call(client)),
+        ("strict tool under auto, temperature 1", lambda: test_strict_auto(client)),
     ]
     passed = failed = 0
     try:

@@ -177,7 +177,7 @@ pub fn template_anthropic_tools(tools: &[ToolIn]) -> Result<Value, ApiError> {
                     name: t.name.clone(),
                     description: t.description.clone(),
                     parameters: Some(t.input_schema.clone()),
-                    strict: None,
+                    strict: t.strict,
                 },
             })
         })

@@ -52,6 +52,8 @@ pub struct ToolIn {
     pub name: String,
     pub description: Option<String>,
     pub input_schema: Value,
+    /// Calls hold to `input_schema` (strict tool use).
+    pub strict: Option<bool>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }

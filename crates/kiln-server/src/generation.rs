@@ -243,8 +243,16 @@ impl ChatPrompt {
 }
 
 /// The model's chat template source (empty when it has none).
-fn template_source(model: &LoadedModel) -> &str {
+pub(crate) fn template_source(model: &LoadedModel) -> &str {
     model.tokenizer.chat_template().unwrap_or_default()
+}
+
+/// The tool-call syntax the model writes: as the server says, else the one
+/// its template teaches.
+pub fn tool_syntax(model: &LoadedModel, overrides: &OutputOverrides) -> ToolSyntax {
+    overrides
+        .tool_syntax
+        .unwrap_or_else(|| ToolSyntax::detect(template_source(model)))
 }
 
 /// Whether the model writes reasoning blocks: as the server says, else
@@ -280,10 +288,7 @@ pub fn chat_prompt(
         let opened = rendered.trim_end().ends_with(&t.open);
         (t, opened)
     });
-    let syntax = render
-        .overrides
-        .tool_syntax
-        .unwrap_or_else(|| ToolSyntax::detect(template));
+    let syntax = tool_syntax(model, &render.overrides);
     let tools = (!render.tool_names.is_empty()).then_some((syntax, render.tool_names));
     Ok(ChatPrompt {
         tokens: model.tokenizer.encode(&rendered, false)?,

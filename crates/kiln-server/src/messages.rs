@@ -1,6 +1,7 @@
 //! Chat messages and tool definitions from the wire, checked and turned into
 //! the JSON a chat template renders.
 
+use crate::state::AppState;
 use serde_json::{json, Map, Value};
 
 use crate::errors::ApiError;
@@ -251,6 +252,72 @@ pub fn forced_call_format(
     Ok(Some(kiln_structured::Format::StrictJsonSchema(schema)))
 }
 
+/// A declared tool as the call formats read it.
+pub struct DeclaredTool<'a> {
+    pub name: &'a str,
+    pub parameters: Option<&'a Value>,
+    pub strict: bool,
+}
+
+/// Under `tool_choice: auto` with at least one `strict` tool: the format
+/// that leaves the answer free and holds every call the model opens, in
+/// the syntax it writes, to a declared tool's name and arguments (a strict
+/// tool's parameters under strict semantics, any object for the others),
+/// as OpenAI holds strict tools. `None` when no tool is strict or the
+/// syntax is not a marker before JSON.
+pub fn auto_call_format(
+    state: &AppState,
+    tools: &[DeclaredTool],
+    parallel: bool,
+) -> Option<kiln_structured::Format> {
+    if !tools.iter().any(|t| t.strict) {
+        return None;
+    }
+    let model = state.engine.model();
+    let syntax = crate::generation::tool_syntax(model, &state.output);
+    let spelling = syntax.call_spelling(crate::generation::template_source(model))?;
+    Some(tagged_calls(spelling, tools, parallel))
+}
+
+/// The format of [`auto_call_format`] for calls spelled as `spelling`.
+fn tagged_calls(
+    spelling: crate::parse::CallSpelling,
+    tools: &[DeclaredTool],
+    parallel: bool,
+) -> kiln_structured::Format {
+    let calls: Vec<Value> = tools
+        .iter()
+        .map(|t| {
+            let arguments = match (t.strict, t.parameters) {
+                (true, Some(p)) => p.clone(),
+                (true, None) => serde_json::json!({"type": "object"}),
+                (false, _) => serde_json::json!({"type": "object", "additionalProperties": true}),
+            };
+            serde_json::json!({
+                "type": "object",
+                "properties": {"name": {"const": t.name}, spelling.arguments_key: arguments},
+                "required": ["name", spelling.arguments_key],
+            })
+        })
+        .collect();
+    let call = serde_json::json!({"anyOf": calls});
+    let schema = if spelling.array {
+        let mut array = serde_json::json!({"type": "array", "items": call, "minItems": 1});
+        if !parallel {
+            array["maxItems"] = 1.into();
+        }
+        array
+    } else {
+        call
+    };
+    kiln_structured::Format::TaggedJson(kiln_structured::TaggedJson {
+        begin: spelling.begin.to_string(),
+        schema,
+        end: spelling.end.to_string(),
+        many: spelling.many && parallel,
+    })
+}
+
 /// Tool definitions as the template receives them; only `function` tools.
 pub fn template_tools(tools: &[ToolIn]) -> Result<Value, ApiError> {
     for (i, t) in tools.iter().enumerate() {
@@ -298,6 +365,70 @@ mod tests {
         );
         assert_eq!(v[2]["content"], "", "a tool-call turn has empty text");
         assert_eq!(v[3]["tool_call_id"], "c1");
+    }
+
+    #[test]
+    fn strict_tools_under_auto_hold_calls_in_the_models_syntax() {
+        use crate::parse::ToolSyntax;
+        use kiln_structured::Format;
+        let params = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+        let tools = [
+            DeclaredTool {
+                name: "get_weather",
+                parameters: Some(&params),
+                strict: true,
+            },
+            DeclaredTool {
+                name: "note",
+                parameters: Some(&params),
+                strict: false,
+            },
+        ];
+        let hermes = ToolSyntax::Hermes.call_spelling("").unwrap();
+        let Format::TaggedJson(t) = tagged_calls(hermes, &tools, true) else {
+            panic!("not a tagged format")
+        };
+        assert_eq!(
+            (t.begin.as_str(), t.end.as_str(), t.many),
+            ("<tool_call>", "</tool_call>", true)
+        );
+        let calls = t.schema["anyOf"].as_array().unwrap();
+        assert_eq!(
+            calls[0]["properties"]["name"],
+            json!({"const": "get_weather"})
+        );
+        assert_eq!(
+            calls[0]["properties"]["arguments"], params,
+            "a strict tool's parameters"
+        );
+        assert_eq!(
+            calls[1]["properties"]["arguments"]["additionalProperties"], true,
+            "a tool that is not strict takes any object"
+        );
+        let Format::TaggedJson(one) = tagged_calls(hermes, &tools, false) else {
+            panic!()
+        };
+        assert!(!one.many, "parallel_tool_calls: false allows one call");
+        // Llama 3 names arguments `parameters`; Mistral writes an array.
+        let llama = ToolSyntax::Llama3.call_spelling("").unwrap();
+        let Format::TaggedJson(l) = tagged_calls(llama, &tools, true) else {
+            panic!()
+        };
+        assert_eq!(l.begin, "<|python_tag|>");
+        assert!(l.schema["anyOf"][0]["properties"]["parameters"].is_object());
+        let mistral = ToolSyntax::Mistral.call_spelling("[TOOL_CALLS]").unwrap();
+        let Format::TaggedJson(m) = tagged_calls(mistral, &tools, false) else {
+            panic!()
+        };
+        assert_eq!(
+            (m.schema["type"].as_str(), m.schema["maxItems"].as_u64()),
+            (Some("array"), Some(1))
+        );
+        // No marker before JSON: no format (the calls are parsed as written).
+        assert!(ToolSyntax::Mistral
+            .call_spelling("[TOOL_CALLS]name[ARGS]")
+            .is_none());
+        assert!(ToolSyntax::Gemma.call_spelling("").is_none());
     }
 
     #[test]

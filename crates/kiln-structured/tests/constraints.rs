@@ -485,7 +485,12 @@ fn tagged_json_opened_by_a_special_token() {
     let call = r#"{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}"#;
     assert!(admits(&t, &v, &f, "Just text."));
     assert!(admits(&t, &v, &f, &format!("Checking.<|im_start|>{call}")));
-    assert!(admits(&t, &v, &f, &format!("<|im_start|>{call}<|im_start|>{call}")));
+    assert!(admits(
+        &t,
+        &v,
+        &f,
+        &format!("<|im_start|>{call}<|im_start|>{call}")
+    ));
     let bad = r#"{"name": "get_weather", "arguments": {"town": "Oslo"}}"#;
     assert!(!admits(&t, &v, &f, &format!("Checking.<|im_start|>{bad}")));
 }
@@ -530,7 +535,8 @@ fn tagged_json_random_calls_validate() {
             .and_then(|(_, rest)| rest.split_once("</tool_call>"))
             .unwrap_or_else(|| panic!("no closed call: {text:?}"))
             .0;
-        let call: Value = serde_json::from_str(body.trim()).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+        let call: Value =
+            serde_json::from_str(body.trim()).unwrap_or_else(|e| panic!("{e}: {text:?}"));
         assert_eq!(call["name"], "get_weather", "{text:?}");
         let args = call["arguments"].as_object().unwrap();
         assert!(args.keys().all(|k| k == "city" || k == "days"), "{text:?}");

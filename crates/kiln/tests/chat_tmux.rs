@@ -325,7 +325,10 @@ fn a_second_turn_prefills_only_what_the_cache_lacks() {
         })
         .collect();
     assert_eq!(cached.len(), 2, "{screen}");
-    assert_eq!(cached[0].1, 0, "nothing cached on the first turn:\n{screen}");
+    assert_eq!(
+        cached[0].1, 0,
+        "nothing cached on the first turn:\n{screen}"
+    );
     let (prompt, from_cache) = cached[1];
     // The system message and the first turn (at least 120 tokens) come from
     // the cache, to the last whole block before the first difference.

@@ -12,7 +12,7 @@ mod tools;
 
 pub use forced::ForcedCallStream;
 pub use reasoning::{Split, ThinkSplitter, ThinkSyntax};
-pub use tools::{ToolCall, ToolStream, ToolSyntax};
+pub use tools::{CallSpelling, ToolCall, ToolStream, ToolSyntax};
 
 /// A decided piece of output.
 #[derive(Debug, Clone, PartialEq)]

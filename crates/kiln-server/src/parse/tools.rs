@@ -74,6 +74,37 @@ impl ToolSyntax {
         })
     }
 
+    /// How a call is spelled, for a grammar that holds calls to their
+    /// schemas: `None` where the syntax is not a marker before JSON
+    /// (Gemma's Python-like calls, Mistral's `name[ARGS]{…}` form, which a
+    /// template teaches by mentioning `[ARGS]`).
+    pub fn call_spelling(self, template: &str) -> Option<CallSpelling> {
+        match self {
+            ToolSyntax::Hermes => Some(CallSpelling {
+                begin: "<tool_call>",
+                end: "</tool_call>",
+                arguments_key: "arguments",
+                array: false,
+                many: true,
+            }),
+            ToolSyntax::Llama3 => Some(CallSpelling {
+                begin: "<|python_tag|>",
+                end: "",
+                arguments_key: "parameters",
+                array: false,
+                many: false,
+            }),
+            ToolSyntax::Mistral if !template.contains("[ARGS]") => Some(CallSpelling {
+                begin: "[TOOL_CALLS]",
+                end: "",
+                arguments_key: "arguments",
+                array: true,
+                many: false,
+            }),
+            ToolSyntax::Mistral | ToolSyntax::Gemma => None,
+        }
+    }
+
     /// The markers that open a call.
     fn openers(self) -> &'static [&'static str] {
         match self {
@@ -83,6 +114,19 @@ impl ToolSyntax {
             ToolSyntax::Gemma => &[gemma::CALL_OPEN, gemma::CODE_OPEN],
         }
     }
+}
+
+/// How a syntax writes calls: `begin`, a JSON call (`{"name": …,
+/// ARGUMENTS_KEY: {…}}`, or an array of them), `end`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CallSpelling {
+    pub begin: &'static str,
+    pub end: &'static str,
+    pub arguments_key: &'static str,
+    /// The calls after one `begin` are a JSON array.
+    pub array: bool,
+    /// Whether `begin` may open more calls after the first.
+    pub many: bool,
 }
 
 /// What the text from an opener on turned out to be.

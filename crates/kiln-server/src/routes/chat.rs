@@ -18,7 +18,8 @@ use crate::generation::{self, ChatRender, EventReceiver, Generate};
 use crate::json_body::{reject_unknown, ApiJson};
 use crate::logprobs::TokenSpeller;
 use crate::messages::{
-    forced_call_format, template_messages, template_tools, tool_choice, ToolChoice,
+    auto_call_format, forced_call_format, template_messages, template_tools, tool_choice,
+    DeclaredTool, ToolChoice,
 };
 use crate::openai_types::chat::{
     ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut,
@@ -77,7 +78,23 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
         ));
     }
     let forced_call = forced.is_some();
-    let format = forced.or(format);
+    let parallel_tool_calls = req.parallel_tool_calls.unwrap_or(true);
+    // Strict tools under `auto`: every call the model opens holds.
+    let auto_calls = match (&choice, &format, &req.tools) {
+        (ToolChoice::Auto, None, Some(tools)) => {
+            let declared: Vec<DeclaredTool> = tools
+                .iter()
+                .map(|t| DeclaredTool {
+                    name: &t.function.name,
+                    parameters: t.function.parameters.as_ref(),
+                    strict: t.function.strict == Some(true),
+                })
+                .collect();
+            auto_call_format(state, &declared, parallel_tool_calls)
+        }
+        _ => None,
+    };
+    let format = forced.or(format).or(auto_calls);
     let tool_choice_none = choice == ToolChoice::None;
     let (tools, tool_names) = match &req.tools {
         Some(t) if !t.is_empty() && !tool_choice_none => (
@@ -153,7 +170,7 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
             kwargs,
             overrides: state.output,
         },
-        parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
+        parallel_tool_calls,
         params,
         stream: req.stream.unwrap_or(false),
         include_usage: req

@@ -21,7 +21,7 @@ use crate::anthropic_types::{
 use crate::errors::{AnthropicError, ApiError, ErrorShape};
 use crate::generation::{self, ChatRender, EventReceiver, Generate};
 use crate::json_body::{reject_unknown, ApiJson};
-use crate::messages::{forced_call_format, ToolChoice};
+use crate::messages::{auto_call_format, forced_call_format, DeclaredTool, ToolChoice};
 use crate::openai_types::new_id;
 use crate::parse::{self, OutputParser, OutputSyntax, Piece, ToolCall};
 use crate::sampling::SamplingFields;
@@ -72,6 +72,25 @@ fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation,
         .map(|t| (t.name.as_str(), Some(&t.input_schema)))
         .collect();
     let format = forced_call_format(&declared, &choice)?;
+    let format = match (&choice, &req.tools) {
+        (ToolChoice::Auto, Some(tools)) if format.is_none() => {
+            let strict: Vec<DeclaredTool> = tools
+                .iter()
+                .map(|t| DeclaredTool {
+                    name: &t.name,
+                    parameters: Some(&t.input_schema),
+                    strict: t.strict == Some(true),
+                })
+                .collect();
+            let parallel = !req
+                .tool_choice
+                .as_ref()
+                .and_then(|c| c.disable_parallel_tool_use)
+                .unwrap_or(false);
+            auto_call_format(&state, &strict, parallel)
+        }
+        _ => format,
+    };
     let tool_choice_none = choice == ToolChoice::None;
     let (tools, tool_names) = match &req.tools {
         Some(t) if !t.is_empty() && !tool_choice_none => (

@@ -18,7 +18,7 @@ use serde_json::{Map, Value};
 use crate::errors::ApiError;
 use crate::generation::{self, ChatRender, Generate};
 use crate::json_body::{reject_unknown, ApiJson};
-use crate::messages::tool_choice_is_none;
+use crate::messages::{auto_call_format, tool_choice_is_none, DeclaredTool};
 use crate::openai_types::responses::{
     EventBody, IncompleteDetails, OutputItem, OutputText, ResponseError, ResponseObject,
     ResponseUsage, ResponsesRequest, StreamEvent, TextConfig, TextFormat, ToolIn,
@@ -97,6 +97,24 @@ fn validate(state: &AppState, mut req: ResponsesRequest) -> Result<ValidResponse
     } else {
         (Some(tools), tool_names)
     };
+    let parallel_tool_calls = req.parallel_tool_calls.unwrap_or(true);
+    // Strict tools (the Responses API's default) hold every call opened.
+    let format = match format {
+        None if !tool_names.is_empty() => {
+            let strict: Vec<DeclaredTool> = declared
+                .iter()
+                .filter_map(|t| {
+                    Some(DeclaredTool {
+                        name: t.name.as_deref()?,
+                        parameters: t.parameters.as_ref(),
+                        strict: t.strict.unwrap_or(true),
+                    })
+                })
+                .collect();
+            auto_call_format(state, &strict, parallel_tool_calls)
+        }
+        format => format,
+    };
     let params = SamplingFields {
         max_tokens: req.max_output_tokens.map(|n| (n, "max_output_tokens")),
         temperature: req.temperature,
@@ -114,7 +132,7 @@ fn validate(state: &AppState, mut req: ResponsesRequest) -> Result<ValidResponse
         echo: Echo {
             instructions: req.instructions,
             max_output_tokens: req.max_output_tokens,
-            parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
+            parallel_tool_calls,
             temperature: req.temperature,
             top_p: req.top_p,
             tool_choice: if tool_choice_none { "none" } else { "auto" },
