@@ -7,8 +7,8 @@
 #
 #   scripts/gpu-round.sh OUT_DIR [PHASE...]
 #
-# Phases (default: all, in this order): check kernels ckpt parity staging bench structured fit profile anchors.
-# "check kernels ckpt parity bench anchors" — the report issue 4 asks for — fits one 10-minute device call
+# Phases (default: all, in this order): check ckpt parity staging bench structured fit profile anchors.
+# "check ckpt parity bench anchors" — the report issue 4 asks for — fits one 10-minute device call
 # on an H200 (~8 min: anchors ~2.5 min of it).
 # structured: bench-engine at 32 concurrent 8B requests, with none and half of
 # them under a JSON schema (structured-0.json, structured-0.5.json).
@@ -29,7 +29,7 @@
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu-round.sh OUT_DIR [PHASE...]}
 shift
-PHASES=${*:-check kernels ckpt parity staging bench structured fit profile anchors}
+PHASES=${*:-check ckpt parity staging bench structured fit profile anchors}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 KILN=${KILN:-$( [ -x .device/kiln ] && echo .device/kiln || echo target/release/kiln )}
@@ -47,11 +47,6 @@ which nsys ncu >> "$OUT/round.log" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>/dev/null
 if has check; then
   run "$KILN" dev cuda-check -o "$OUT/cuda-check.json"
-fi
-if has kernels; then
-  run python3 bench/gpu/kernel_check.py --out "$OUT/kernel-check.json"
-  # The GEMV timings (next to cuBLAS, variants) only with GEMV_BENCH=1: the checks fit one device call then.
-  run python3 bench/gpu/gemv_check.py $( [ "${GEMV_BENCH:-0}" = 1 ] || echo --no-bench ) --out "$OUT/gemv-check.json"
 fi
 if has ckpt; then
   [ -f "$WORK/ck135m/config.json" ] || run "$KILN" dev random-checkpoint --preset smollm2-135m --tokenizer "$TOK" -o "$WORK/ck135m"

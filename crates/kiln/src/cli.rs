@@ -18,6 +18,10 @@ pub struct Cli {
     /// Worker threads for the CPU backend (default: all cores).
     #[arg(long, global = true)]
     pub threads: Option<usize>,
+    /// A CUDA backend option as NAME=VALUE (repeatable; `kiln dev
+    /// cuda-options` lists them; wins over the environment variable).
+    #[arg(long = "cuda-option", global = true, value_name = "NAME=VALUE")]
+    pub cuda_options: Vec<String>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -87,7 +91,7 @@ fn cuda_include_paths() -> Vec<PathBuf> {
 }
 
 /// Open GPU `ordinal` with kernels cached under `~/.cache/kiln/kernels`
-/// and the options the environment sets (`cuda_env.rs`).
+/// and the options flags and environment set (`cuda_env.rs`).
 pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
     let cache_dir = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/kiln/kernels"));
     let compiler = kiln_cuda::KernelCompiler {

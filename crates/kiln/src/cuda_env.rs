@@ -1,9 +1,13 @@
-//! The registry of the CUDA backend's environment variables: every knob,
-//! its default and what it does, in one table ([`KNOBS`]). The binary is
-//! the only place that reads them; it builds a [`CudaOptions`] here and
+//! The registry of the CUDA backend's options: every knob, its default and
+//! what it does, in one table ([`KNOBS`]), set by an environment variable or
+//! by `--cuda-option NAME=VALUE` (the variable's name, with or without its
+//! `KILN_` prefix, any case; a flag wins over the environment). The binary
+//! is the only place that reads them; it builds a [`CudaOptions`] here and
 //! hands it to `kiln_cuda::CudaBackend::new` (whose fields document the
 //! same settings from the library's side). Unset or empty means the
-//! default; a value that is not understood is an error naming the variable.
+//! default; a value that is not understood is an error naming the knob.
+
+use std::sync::OnceLock;
 
 use anyhow::{bail, Result};
 use kiln_cuda::CudaOptions;
@@ -110,19 +114,72 @@ pub fn cuda_options_from(get: impl Fn(&str) -> Option<String>) -> Result<CudaOpt
     Ok(options)
 }
 
-/// The options this process's environment asks for.
+/// `--cuda-option` values, by variable name (set once by `main`).
+static FLAGS: OnceLock<Vec<(&'static str, String)>> = OnceLock::new();
+
+/// `NAME=VALUE` flags as (variable, value) pairs; an unknown name is an
+/// error listing the known ones.
+fn parse_flags(flags: &[String]) -> Result<Vec<(&'static str, String)>> {
+    flags
+        .iter()
+        .map(|f| {
+            let Some((name, value)) = f.split_once('=') else {
+                bail!("--cuda-option {f:?}: expected NAME=VALUE");
+            };
+            let upper = name.trim().to_ascii_uppercase();
+            let var = KNOBS
+                .iter()
+                .map(|k| k.var)
+                .find(|v| *v == upper || v.strip_prefix("KILN_") == Some(upper.as_str()));
+            match var {
+                Some(var) => Ok((var, value.trim().to_string())),
+                None => {
+                    let known: Vec<&str> = KNOBS.iter().map(|k| k.var).collect();
+                    bail!("--cuda-option {name:?} is not one of {}", known.join(", "))
+                }
+            }
+        })
+        .collect()
+}
+
+/// Takes this process's `--cuda-option` flags (checked now, so a bad one
+/// fails before any model loads).
+pub fn set_flags(flags: &[String]) -> Result<()> {
+    let parsed = parse_flags(flags)?;
+    cuda_options_from(|var| lookup(&parsed, var))?;
+    let _ = FLAGS.set(parsed);
+    Ok(())
+}
+
+fn lookup(flags: &[(&'static str, String)], var: &str) -> Option<String> {
+    flags
+        .iter()
+        .rev()
+        .find(|(v, _)| *v == var)
+        .map(|(_, value)| value.clone())
+}
+
+/// A knob's value here: its flag, else its environment variable.
+fn value(var: &str) -> Option<String> {
+    FLAGS
+        .get()
+        .and_then(|f| lookup(f, var))
+        .or_else(|| std::env::var(var).ok())
+}
+
+/// The options this process's flags and environment ask for.
 pub fn cuda_options() -> Result<CudaOptions> {
-    cuda_options_from(|var| std::env::var(var).ok())
+    cuda_options_from(value)
 }
 
 /// The table of [`KNOBS`] for `kiln dev cuda-options`: each variable, its
-/// default, its value in this environment, and what it does; an error if a
-/// value set here is not understood.
+/// default, its value here (flag or environment), and what it does; an
+/// error if a value set here is not understood.
 pub fn describe() -> Result<String> {
     cuda_options()?;
     let mut out = String::new();
     for knob in KNOBS {
-        let now = std::env::var(knob.var).unwrap_or_default();
+        let now = value(knob.var).unwrap_or_default();
         let show = |v: &str| {
             if v.is_empty() {
                 "-".to_string()
@@ -188,6 +245,34 @@ mod tests {
         );
         // Every knob in the table was set above: a new one needs a case.
         assert_eq!(KNOBS.len(), 8);
+    }
+
+    #[test]
+    fn flags_name_knobs_with_or_without_the_prefix_and_win_over_the_environment() {
+        let flags = parse_flags(&[
+            "cuda_graphs=0".into(),
+            "KILN_PDL = 0".into(),
+            "direct_cols=8".into(),
+        ])
+        .unwrap();
+        let env = [("KILN_PDL", "1"), ("KILN_DEVICE_SAMPLING", "0")];
+        let o = cuda_options_from(|var| {
+            lookup(&flags, var).or_else(|| {
+                env.iter()
+                    .find(|(k, _)| *k == var)
+                    .map(|(_, v)| v.to_string())
+            })
+        })
+        .unwrap();
+        assert!(!o.graphs && !o.pdl && !o.device_sampling, "{o:?}");
+        assert_eq!(o.direct_cols, Some(8));
+        let err = parse_flags(&["graphs=0".into()]).unwrap_err().to_string();
+        assert!(err.contains("KILN_CUDA_GRAPHS"), "lists the knobs: {err}");
+        assert!(parse_flags(&["pdl".into()]).is_err(), "no value");
+        assert!(
+            set_flags(&["pdl=maybe".into()]).is_err(),
+            "checked when set"
+        );
     }
 
     #[test]

@@ -38,6 +38,7 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    cuda_env::set_flags(&cli.cuda_options)?;
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
