@@ -121,7 +121,7 @@ fn prompts(model: &LoadedModel, n: usize) -> Vec<Vec<u32>> {
 fn batched_preempted_and_cancelled_requests_match_requests_run_alone() {
     let big = engine(512);
     let h = big.handle();
-    let ps = prompts(h.model(), 64);
+    let ps = prompts(h.model(), 32);
     let max = |i: usize| 4 + i % 9;
     // Alone: one request at a time.
     let alone: Vec<Done> = ps
@@ -129,7 +129,7 @@ fn batched_preempted_and_cancelled_requests_match_requests_run_alone() {
         .enumerate()
         .map(|(i, p)| collect(h.submit(greedy(p.clone(), max(i))).unwrap()))
         .collect();
-    // 64 at once, continuous batching.
+    // 32 at once, continuous batching.
     let streams: Vec<RequestStream> = ps
         .iter()
         .enumerate()
