@@ -198,6 +198,15 @@ def test_strict_auto(client):
             assert c.message.tool_calls, "greedy, the model calls the tool here"
             check_same_streamed(client, r, **kw)
     assert calls > 1, f"{calls} call(s) in 4 answers"
+    # Anthropic's strict tool use: the call holds, and is still read as a
+    # `tool_use` block (not as a forced call).
+    f = STRICT_WEATHER["function"]
+    tool = {"name": f["name"], "description": f["description"], "input_schema": f["parameters"], "strict": True}
+    m = anthropic.Anthropic(base_url=str(client.base_url)[:-len("/v1/")], api_key="none").messages.create(
+        model=NAME, max_tokens=60, temperature=0, tools=[tool], messages=ASK)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1, m
+    jsonschema.validate(uses[0].input, schema)
 
 
 def anthropic_tool(t):

@@ -33,8 +33,11 @@ struct Conversation {
     messages: Value,
     /// Tools (their calls are parsed when declared) and the thinking switch.
     render: ChatRender,
-    /// The call format `tool_choice` any/tool enforces.
+    /// The call format `tool_choice` any/tool enforces, or the one strict
+    /// tools set under `auto`.
     format: Option<kiln_structured::Format>,
+    /// `tool_choice` any/tool: the whole answer is one call.
+    forced_call: bool,
 }
 
 /// The parts of a request that make the prompt, checked; shared with
@@ -72,6 +75,7 @@ fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation,
         .map(|t| (t.name.as_str(), Some(&t.input_schema)))
         .collect();
     let format = forced_call_format(&declared, &choice)?;
+    let forced_call = format.is_some();
     let format = match (&choice, &req.tools) {
         (ToolChoice::Auto, Some(tools)) if format.is_none() => {
             let strict: Vec<DeclaredTool> = tools
@@ -122,6 +126,7 @@ fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation,
             ..ChatRender::default()
         },
         format,
+        forced_call,
     })
 }
 
@@ -155,8 +160,7 @@ pub async fn handle(
     let stream = req.stream.unwrap_or(false);
     let (params, stop_sequences) = sampling(&state, req)?;
     let parses = !conv.render.tool_names.is_empty() || generation::thinks(&state);
-    // The only format here is the one a forced call sets.
-    let forced_call = conv.format.is_some();
+    let forced_call = conv.forced_call;
     let generate = Generate {
         params,
         skip_special_tokens: !parses,
