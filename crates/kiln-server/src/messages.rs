@@ -1,12 +1,12 @@
 //! Chat messages and tool definitions from the wire, checked and turned into
 //! the JSON a chat template renders.
 
-use crate::state::AppState;
 use serde_json::{json, Map, Value};
 
 use crate::errors::ApiError;
 use crate::json_body::reject_unknown;
 use crate::openai_types::chat::{ChatMessageIn, Role, ToolCallIn, ToolIn};
+use crate::state::AppState;
 
 /// Message fields that clients echo back from responses; accepted when empty.
 const ECHOED_FIELDS: &[&str] = &["refusal", "annotations", "audio", "function_call"];
@@ -218,15 +218,8 @@ pub fn forced_call_format(
     choice: &ToolChoice,
 ) -> Result<Option<kiln_structured::Format>, ApiError> {
     let call = |&(name, params): &(&str, Option<&Value>)| {
-        serde_json::json!({
-            "type": "object",
-            "properties": {
-                "name": {"const": name},
-                "arguments": params.cloned().unwrap_or(serde_json::json!({"type": "object"})),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": false,
-        })
+        let arguments = params.cloned().unwrap_or(json!({"type": "object"}));
+        call_schema(name, "arguments", arguments)
     };
     let schema = match choice {
         ToolChoice::Auto | ToolChoice::None => return Ok(None),
@@ -250,6 +243,17 @@ pub fn forced_call_format(
         },
     };
     Ok(Some(kiln_structured::Format::StrictJsonSchema(schema)))
+}
+
+/// `{"name": NAME, ARGUMENTS_KEY: <arguments>}`, nothing else: one call as
+/// a JSON schema.
+fn call_schema(name: &str, arguments_key: &str, arguments: Value) -> Value {
+    json!({
+        "type": "object",
+        "properties": {"name": {"const": name}, arguments_key: arguments},
+        "required": ["name", arguments_key],
+        "additionalProperties": false,
+    })
 }
 
 /// A declared tool as the call formats read it.
@@ -290,19 +294,15 @@ fn tagged_calls(
         .map(|t| {
             let arguments = match (t.strict, t.parameters) {
                 (true, Some(p)) => p.clone(),
-                (true, None) => serde_json::json!({"type": "object"}),
-                (false, _) => serde_json::json!({"type": "object", "additionalProperties": true}),
+                (true, None) => json!({"type": "object"}),
+                (false, _) => json!({"type": "object", "additionalProperties": true}),
             };
-            serde_json::json!({
-                "type": "object",
-                "properties": {"name": {"const": t.name}, spelling.arguments_key: arguments},
-                "required": ["name", spelling.arguments_key],
-            })
+            call_schema(t.name, spelling.arguments_key, arguments)
         })
         .collect();
-    let call = serde_json::json!({"anyOf": calls});
+    let call = json!({"anyOf": calls});
     let schema = if spelling.array {
-        let mut array = serde_json::json!({"type": "array", "items": call, "minItems": 1});
+        let mut array = json!({"type": "array", "items": call, "minItems": 1});
         if !parallel {
             array["maxItems"] = 1.into();
         }

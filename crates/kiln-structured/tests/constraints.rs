@@ -36,7 +36,24 @@ fn setup() -> (Tokenizer, Arc<StructuredVocab>) {
 
 /// Generate under `format` with noise seeded by `seed`; the text before EOS.
 fn generate(t: &Tokenizer, v: &Arc<StructuredVocab>, format: &Format, seed: u64) -> String {
+    generate_after(t, v, format, "", seed)
+}
+
+/// [`generate`] once `prefix` is written (its tokens must be allowed); the
+/// text before EOS, prefix included.
+fn generate_after(
+    t: &Tokenizer,
+    v: &Arc<StructuredVocab>,
+    format: &Format,
+    prefix: &str,
+    seed: u64,
+) -> String {
     let mut c = v.constraint(format).unwrap();
+    let mut out = t.encode(prefix, false).unwrap();
+    for &token in &out {
+        assert!(c.allowed().unwrap().is_allowed(token), "prefix {prefix:?}");
+        c.commit(token).unwrap();
+    }
     let mut rng = Rng(seed | 1);
     // Tokens that close things, pulled up so random outputs end.
     let closers: Vec<u32> = (0..49152u32)
@@ -47,7 +64,6 @@ fn generate(t: &Tokenizer, v: &Arc<StructuredVocab>, format: &Format, seed: u64)
             )
         })
         .collect();
-    let mut out = Vec::new();
     for _ in 0..600 {
         let mut logits: Vec<f32> = (0..49152).map(|_| rng.next()).collect();
         for &id in &closers {
@@ -501,35 +517,7 @@ fn tagged_json_random_calls_validate() {
     let (t, v) = setup();
     let f = weather_calls("<tool_call>", "</tool_call>", false);
     for seed in 1..=4u64 {
-        let mut c = v.constraint(&f).unwrap();
-        let mut out = t.encode("Checking.<tool_call>\n", false).unwrap();
-        for &token in &out {
-            assert!(c.allowed().unwrap().is_allowed(token));
-            c.commit(token).unwrap();
-        }
-        let mut rng = Rng(seed * 7919);
-        let closers: Vec<u32> = (0..49152u32)
-            .filter(|&id| matches!(t.token_bytes(id).as_deref(), Some(b"}") | Some(b"\"")))
-            .collect();
-        for _ in 0..400 {
-            let mut logits: Vec<f32> = (0..49152).map(|_| rng.next()).collect();
-            for &id in &closers {
-                logits[id as usize] += 0.6;
-            }
-            logits[EOS as usize] += 2.0;
-            c.mask_logits(&mut logits).unwrap();
-            let (best, _) = logits
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .unwrap();
-            c.commit(best as u32).unwrap();
-            if best as u32 == EOS {
-                break;
-            }
-            out.push(best as u32);
-        }
-        let text = t.decode(&out, false).unwrap();
+        let text = generate_after(&t, &v, &f, "Checking.<tool_call>\n", seed * 7919);
         let body = text
             .split_once("<tool_call>")
             .and_then(|(_, rest)| rest.split_once("</tool_call>"))
