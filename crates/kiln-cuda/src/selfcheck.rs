@@ -419,13 +419,17 @@ fn attention_ops(
     (half, scaling): (usize, f32),
 ) -> R<()> {
     let bs = 16;
+    // Two KV groups (as Gemma's global and sliding layers): a windowed
+    // layer reads group 1's tables and slots, the others group 0's.
     let spec = KvPoolShape {
         num_layers: 1,
+        num_groups: 2,
         num_blocks: 400,
         block_size: bs,
         num_kv_heads: kv_heads,
         head_dim: hd,
     };
+    let group = usize::from(window.is_some());
     let ap = AttentionParams {
         num_heads: heads,
         num_kv_heads: kv_heads,
@@ -433,6 +437,19 @@ fn attention_ops(
         scale: (hd as f32).powf(-0.5),
         sliding_window: window,
         softcap: None,
+        kv_group: group,
+        causal: true,
+    };
+    // A decode step's tables as the engine passes them: a windowed group's
+    // entries before the window (freed) name its first held block.
+    let held = |t: &Vec<Vec<u32>>, pos: usize| -> Vec<Vec<u32>> {
+        let mut t = t.clone();
+        if let Some(w) = window {
+            let first = (pos + 1).saturating_sub(w) / bs;
+            let keep = t[1][first];
+            t[1][..first].fill(keep);
+        }
+        t
     };
     // `half` rotated pairs (hd / 2: the whole head).
     let inv_freq: Vec<f32> = (0..half)
@@ -464,55 +481,47 @@ fn attention_ops(
         // A: 150-token prompt from scratch; B: 100 tokens, then 37 more
         // (chunked prefill); then a mixed step (A decodes, C prefills 20);
         // then decode steps of A, B, C and two long sequences (split KV).
-        let ta = blocks.take(12);
-        let tb = blocks.take(10);
-        let tc = blocks.take(4);
-        let td = blocks.take(80);
-        let te = blocks.take(40);
+        let mut two = |n: usize| vec![blocks.take(n), blocks.take(n)];
+        let ta = two(12);
+        let tb = two(10);
+        let tc = two(4);
+        let td = two(80);
+        let te = two(40);
         let toks = |n: usize| vec![0u32; n];
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
-        b.push_seq(&toks(150), 0, ta.clone(), true);
-        b.push_seq(&toks(100), 0, tb.clone(), true);
-        b.push_seq(&toks(1200), 0, td.clone(), true);
-        b.push_seq(&toks(600), 0, te.clone(), true);
+        b.push_seq_groups(&toks(150), 0, ta.clone(), true);
+        b.push_seq_groups(&toks(100), 0, tb.clone(), true);
+        b.push_seq_groups(&toks(1200), 0, td.clone(), true);
+        b.push_seq_groups(&toks(600), 0, te.clone(), true);
         attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "prefill", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
-        b.push_seq(&toks(37), 100, tb.clone(), true);
+        b.push_seq_groups(&toks(37), 100, tb.clone(), true);
         attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "chunked", fused)?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
-        b.push_seq(&toks(1), 150, ta.clone(), true);
-        b.push_seq(&toks(20), 0, tc.clone(), true);
+        b.push_seq_groups(&toks(1), 150, held(&ta, 150), true);
+        b.push_seq_groups(&toks(20), 0, tc.clone(), true);
         attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "mixed", fused)?;
-        let mut b = ForwardBatch {
-            block_size: bs,
-            ..ForwardBatch::default()
-        };
-        b.push_seq(&toks(1), 151, ta.clone(), true);
-        b.push_seq(&toks(1), 137, tb.clone(), true);
-        b.push_seq(&toks(1), 20, tc.clone(), true);
-        b.push_seq(&toks(1), 1200, td.clone(), true);
-        b.push_seq(&toks(1), 600, te.clone(), true);
         let apart = if vpre { "" } else { " (values apart)" };
-        let label = format!("decode{apart}");
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
-        let mut b = ForwardBatch {
-            block_size: bs,
-            ..ForwardBatch::default()
-        };
-        for (at, t) in [(152, &ta), (138, &tb), (21, &tc), (1201, &td), (601, &te)] {
-            b.push_seq(&toks(1), at, t.clone(), true);
+        for (step, label) in [(0, "decode"), (1, "decode 2")] {
+            let mut b = ForwardBatch {
+                block_size: bs,
+                ..ForwardBatch::default()
+            };
+            for (at, t) in [(151, &ta), (137, &tb), (20, &tc), (1200, &td), (600, &te)] {
+                b.push_seq_groups(&toks(1), at + step, held(t, at + step), true);
+            }
+            let label = format!("{label}{apart}");
+            attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
         }
-        let label = format!("decode 2{apart}");
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
     }
     p.gpu.set_decode_vpre(true);
     Ok(())
@@ -643,6 +652,7 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
     let (down_g, down_c) = p.up(&[d, d], &rng.vec(d * d, 0.06))?;
     let spec = KvPoolShape {
         num_layers: 1,
+        num_groups: 1,
         num_blocks: 64.max(4 * toy.seqs),
         block_size: 16,
         num_kv_heads: kv_heads,
@@ -655,6 +665,8 @@ fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
         scale: 0.125,
         sliding_window: None,
         softcap: None,
+        kv_group: 0,
+        causal: true,
     };
     let inv_freq: Vec<f32> = (0..hd / 2)
         .map(|i| 1e4f32.powf(-((2 * i) as f32) / hd as f32))

@@ -283,6 +283,15 @@ pub(super) fn served_context(model: &LoadedModel, config: &EngineConfig) -> usiz
         .max(1)
 }
 
+/// A group's block table as the backend reads it: the entries a sliding
+/// window freed name the first held block (the kernels never read them).
+fn backend_table(t: &kiln_scheduler::BlockTable) -> Vec<u32> {
+    let fill = t.blocks.first().map_or(0, |b| b.0);
+    std::iter::repeat_n(fill, t.first)
+        .chain(t.blocks.iter().map(|b| b.0))
+        .collect()
+}
+
 /// A scheduler and an empty KV pool for `config`.
 fn fresh_state(
     model: &LoadedModel,
@@ -290,7 +299,7 @@ fn fresh_state(
 ) -> Result<(Scheduler, kiln_tensor::KvCache)> {
     let cfg = model.model.config();
     let sched_cfg = SchedulerConfig {
-        kv_cache: cfg.kv_cache_spec(config.block_size),
+        kv_cache: cfg.kv_layout(config.block_size).0,
         num_blocks: config.num_blocks,
         max_model_len: served_context(model, &config),
         max_num_batched_tokens: config.max_num_batched_tokens,
@@ -539,8 +548,8 @@ impl<'m> Loop<'m> {
                 a.first_step.get_or_insert(now);
             }
             let tokens: Vec<u32> = s.new_token_ids.iter().map(|t| t.0).collect();
-            let table = s.block_table.iter().map(|b| b.0).collect();
-            batch.push_seq(&tokens, s.num_computed_tokens, table, s.wants_logits);
+            let tables = s.block_tables.iter().map(backend_table).collect();
+            batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, s.wants_logits);
         }
         // Rows the device can sample (the (masked) argmax, or any
         // parameters its sampler takes) are sampled there: only ids cross to

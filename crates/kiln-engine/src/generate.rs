@@ -148,9 +148,10 @@ impl LoadedModel {
         };
 
         let start = Instant::now();
-        let blocks = (req.prompt.len() + max_new).div_ceil(BLOCK_SIZE);
-        let mut cache = self.model.new_kv_cache(blocks, BLOCK_SIZE)?;
-        let prefill = ForwardBatch::single(&req.prompt, 0, BLOCK_SIZE, req.prompt.len() - 1);
+        let mut cache = self
+            .model
+            .kv_cache_for_tokens(req.prompt.len() + max_new, BLOCK_SIZE)?;
+        let prefill = ForwardBatch::single(&req.prompt, 0, &cache.spec, req.prompt.len() - 1);
         let mut logits = self.model.forward(&prefill, &mut cache)?;
         let mut decode_start = None;
         let finish_reason = loop {
@@ -193,7 +194,7 @@ impl LoadedModel {
             }
             let pos = req.prompt.len() + proc.generated().len() - 1;
             logits = self.model.forward(
-                &ForwardBatch::single(&[token.0], pos, BLOCK_SIZE, 0),
+                &ForwardBatch::single(&[token.0], pos, &cache.spec, 0),
                 &mut cache,
             )?;
         };

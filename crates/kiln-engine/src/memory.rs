@@ -17,10 +17,10 @@
 //!
 //! Terms: weights as Kiln stores them (every tensor of
 //! `kiln_models::tensor_shapes`, packed or not, at the backend's weight
-//! element size); the KV cache (every layer's keys and values for every
-//! token of every sequence: sliding-window layers are not capped, because
-//! one block table per request keeps blocks that left the window until
-//! the request ends); one prefill chunk's activations; fixed overheads. On
+//! element size); the KV cache ([`kv_bytes_for`]: full-attention layers
+//! hold every token of every sequence, sliding-window layers only the
+//! blocks of their window, plus what one step's prefill chunk adds to
+//! them); one prefill chunk's activations; fixed overheads. On
 //! the CPU the peak is the larger of loading (the weight file mapped and
 //! one tensor's host copy on top of the weights) and running (KV and
 //! activations on top of the weights).
@@ -47,6 +47,35 @@ pub const CPU_KV_POOL_CAP: u64 = 1 << 30;
 /// The process without weights on the CPU: code, tokenizer, metadata,
 /// allocator slack (measured with `kiln generate --report-peak-rss`).
 pub const CPU_PROCESS_BYTES: u64 = 80 * MIB;
+
+/// KV bytes `batch` sequences of `context` tokens hold at once in
+/// [`kiln_scheduler::DEFAULT_BLOCK_SIZE`]-token blocks of `elem`-byte
+/// elements, when a step computes at most `max_chunk` prompt tokens: each
+/// sequence's blocks in every layer group (a sliding-window group only
+/// those its window reads), plus the blocks a step's chunk spans in the
+/// sliding groups beyond the window.
+pub fn kv_bytes_for(
+    cfg: &ModelConfig,
+    context: usize,
+    batch: usize,
+    max_chunk: usize,
+    elem: usize,
+) -> u64 {
+    let bs = kiln_scheduler::DEFAULT_BLOCK_SIZE;
+    let (spec, _) = cfg.kv_layout(bs);
+    let per_block = cfg.kv_bytes_per_block(bs, elem) as u64;
+    let full = context.div_ceil(bs);
+    let mut blocks = 0u64;
+    for g in &spec.groups {
+        let steady = g.kind.max_needed_blocks(bs, context, 1);
+        // A step's chunks together span at most `max_chunk` tokens (and one
+        // partial block per sequence) past the windows.
+        let chunk = max_chunk.min(context.saturating_mul(batch));
+        let extra = (chunk.div_ceil(bs) + batch).min((full - steady) * batch);
+        blocks += (steady * batch + extra) as u64;
+    }
+    blocks * per_block
+}
 
 /// Peak activations of one step of `num_tokens` tokens over `num_seqs`
 /// sequences, in f32, as the reference (CPU) backend allocates them: per
@@ -179,8 +208,13 @@ pub struct FitReport {
     pub weights_bytes: u64,
     /// Extra while loading on the CPU: the mapped file and one host copy.
     pub loading_bytes: u64,
+    /// Bytes per token of full attention in every layer.
     pub kv_bytes_per_token: u64,
+    /// What the sequences hold ([`kv_bytes_for`]).
     pub kv_bytes: u64,
+    /// What they would hold if every layer kept every token: more than
+    /// `kv_bytes` when sliding-window layers keep only their window.
+    pub kv_full_attention_bytes: u64,
     pub activation_bytes: u64,
     /// Fixed costs by name.
     pub overheads: Vec<(&'static str, u64)>,
@@ -238,10 +272,36 @@ fn terms(input: &FitInput<'_>) -> Result<Terms> {
     })
 }
 
+/// [`kv_bytes_for`] at `input`'s target.
+fn kv_of(input: &FitInput<'_>, context: usize, batch: usize) -> u64 {
+    let t = input.target;
+    kv_bytes_for(
+        input.config,
+        context,
+        batch,
+        t.max_num_batched_tokens,
+        t.kv_bytes_per_element,
+    )
+}
+
+/// The largest `n` in `0..=hi` with `ok(n)`, for `ok` true up to some `n`
+/// and false after.
+fn largest(hi: usize, ok: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, hi);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if ok(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
 fn peak(input: &FitInput<'_>, terms: &Terms, context: usize, batch: usize) -> (u64, u64, u64) {
     let t = input.target;
-    let per_token = input.config.kv_bytes_per_token(t.kv_bytes_per_element) as u64;
-    let kv = per_token * context as u64 * batch as u64;
+    let kv = kv_of(input, context, batch);
     let chunk = (context.saturating_mul(batch)).min(t.max_num_batched_tokens);
     let act = if batch == 0 {
         0
@@ -278,8 +338,7 @@ fn kv_pool_bytes(input: &FitInput<'_>, terms: &Terms) -> u64 {
         return 0; // It cannot even load.
     }
     let usable = (left.saturating_sub(reserve) as f64 * 0.9) as u64;
-    let per_token = input.config.kv_bytes_per_token(t.kv_bytes_per_element) as u64;
-    let one_trained = per_token * input.config.max_position_embeddings as u64;
+    let one_trained = kv_of(input, input.config.max_position_embeddings, 1);
     usable.min(CPU_KV_POOL_CAP.max(one_trained))
 }
 
@@ -302,8 +361,7 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
         .config
         .kv_bytes_per_token(input.target.kv_bytes_per_element)
         .max(1) as u64;
-    let pool_tokens = (pool / per_token) as usize;
-    let max_context = trained.min(pool_tokens / input.batch);
+    let max_context = largest(trained, |c| kv_of(input, c, input.batch) <= pool);
     let (context, context_source) = match input.context {
         Some(c) => (c, ContextSource::Requested),
         None if max_context == trained => (trained, ContextSource::Trained),
@@ -314,6 +372,8 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
     let (total, kv, act) = peak(input, &terms, context, input.batch);
     let avail = input.available_bytes;
     let needed = kv;
+    let per_seq = kv_of(input, context, 1).max(1);
+    let max_batch = largest((pool / per_seq) as usize + 1, |b| kv_of(input, context, b) <= pool);
     Ok(FitReport {
         context,
         context_source,
@@ -325,9 +385,10 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
         loading_bytes: terms.loading,
         kv_bytes_per_token: per_token,
         kv_bytes: kv,
+        kv_full_attention_bytes: per_token * context as u64 * input.batch as u64,
         activation_bytes: act,
         max_context,
-        max_batch: pool_tokens / context,
+        max_batch,
         overheads: terms.overheads,
         total_bytes: total,
         available_bytes: avail,
@@ -344,14 +405,26 @@ impl std::fmt::Display for FitReport {
             "  weights ({w})              {}",
             mib(self.weights_bytes)
         )?;
-        writeln!(
-            f,
-            "  KV cache                    {}  ({} B/token x {} tokens x {} seqs)",
-            mib(self.kv_bytes),
-            self.kv_bytes_per_token,
-            self.context,
-            self.batch
-        )?;
+        if self.kv_bytes < self.kv_full_attention_bytes {
+            writeln!(
+                f,
+                "  KV cache                    {}  ({} tokens x {} seqs; sliding-window layers keep only their window: {:.1} % of the {:.1} MiB full attention needs)",
+                mib(self.kv_bytes),
+                self.context,
+                self.batch,
+                100.0 * self.kv_bytes as f64 / self.kv_full_attention_bytes.max(1) as f64,
+                self.kv_full_attention_bytes as f64 / MIB as f64
+            )?;
+        } else {
+            writeln!(
+                f,
+                "  KV cache                    {}  ({} B/token x {} tokens x {} seqs)",
+                mib(self.kv_bytes),
+                self.kv_bytes_per_token,
+                self.context,
+                self.batch
+            )?;
+        }
         writeln!(
             f,
             "  activations (one chunk)     {}",
@@ -380,9 +453,8 @@ impl std::fmt::Display for FitReport {
         };
         writeln!(
             f,
-            "  KV pool                     {}  ({} tokens; context {} = {source}, trained {})",
+            "  KV pool                     {}  (context {} = {source}, trained {})",
             mib(self.kv_pool_bytes),
-            self.kv_pool_bytes / self.kv_bytes_per_token.max(1),
             self.context,
             self.trained_context
         )?;

@@ -47,19 +47,26 @@ fn embeddinggemma_loads_through_the_safetensors_path() {
     assert!(g.bidirectional);
     assert_eq!(g.sliding_window, 512);
     let full: Vec<usize> = (0..cfg.num_layers)
-        .filter(|&i| cfg.layer_kinds[i] == LayerKind::FullAttention)
+        .filter(|&i| !g.sliding_layers[i])
         .collect();
     assert_eq!(full, [5, 11, 17, 23]);
-    // The backends attend causally only: a step says why it cannot run.
-    let mut cache = m.model.new_kv_cache(1, 16).unwrap();
-    let batch = ForwardBatch::single(&[2, 9259], 0, 16, 1);
-    let err = m
-        .model
-        .forward(&batch, &mut cache)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(err.contains("use_bidirectional_attention"), "{err}");
+    // A window that looks ahead frees nothing: every layer keeps every block.
+    assert!(cfg
+        .layer_kinds
+        .iter()
+        .all(|k| *k == LayerKind::FullAttention));
+    // Bidirectional: the first token's output depends on the tokens after it
+    // (a causal model's would not).
+    let first_row = |ids: &[u32]| {
+        let mut cache = m.model.kv_cache_for_tokens(ids.len(), 16).unwrap();
+        let batch = ForwardBatch::single(ids, 0, &cache.spec, 0);
+        let out = m.model.forward(&batch, &mut cache).unwrap();
+        let rows = m.model.backend().to_host(&out).unwrap();
+        rows[..rows.len() / ids.len()].to_vec()
+    };
+    let (a, b) = (first_row(&[2, 9259, 603]), first_row(&[2, 9259, 1000]));
+    assert!(a.iter().chain(&b).all(|x| x.is_finite()));
+    assert!(a.iter().zip(&b).any(|(x, y)| (x - y).abs() > 1e-4));
 }
 
 #[test]

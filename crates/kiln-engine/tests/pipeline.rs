@@ -169,15 +169,15 @@ fn gguf_and_its_converted_safetensors_give_identical_logits() {
     let b = chat_prompt(&st, &messages);
     assert_eq!(a, b, "same template and tokenizer after conversion");
     assert_eq!(gguf.eos_token_ids, st.eos_token_ids);
-    let mut ca = gguf.model.new_kv_cache(a.len().div_ceil(16), 16).unwrap();
-    let mut cb = st.model.new_kv_cache(b.len().div_ceil(16), 16).unwrap();
+    let mut ca = gguf.model.kv_cache_for_tokens(a.len(), 16).unwrap();
+    let mut cb = st.model.kv_cache_for_tokens(b.len(), 16).unwrap();
     let la = gguf
         .model
-        .forward(&ForwardBatch::single(&a, 0, 16, 0), &mut ca)
+        .forward(&ForwardBatch::single(&a, 0, &ca.spec, 0), &mut ca)
         .unwrap();
     let lb = st
         .model
-        .forward(&ForwardBatch::single(&b, 0, 16, 0), &mut cb)
+        .forward(&ForwardBatch::single(&b, 0, &cb.spec, 0), &mut cb)
         .unwrap();
     let (la, lb) = (
         gguf.model.backend().to_host(&la).unwrap(),

@@ -196,25 +196,27 @@ impl ModelConfig {
     }
 
     /// Bytes of KV cache per token over all layers at `dtype_bytes` per
-    /// element, as the pool stores it (every layer holds every token).
+    /// element, when every layer holds every token (full attention).
     pub fn kv_bytes_per_token(&self, dtype_bytes: usize) -> usize {
         2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
     }
 
-    /// The KV layout the scheduler keeps: the layers grouped by kind, in
-    /// the order each kind first appears, with `block_size`-token blocks.
-    pub fn kv_cache_spec(&self, block_size: usize) -> kiln_scheduler::KvCacheSpec {
-        let mut groups: Vec<kiln_scheduler::LayerGroup> = Vec::new();
-        for &kind in &self.layer_kinds {
-            match groups.iter_mut().find(|g| g.kind == kind) {
-                Some(g) => g.num_layers += 1,
-                None => groups.push(kiln_scheduler::LayerGroup {
-                    kind,
-                    num_layers: 1,
-                }),
-            }
-        }
-        kiln_scheduler::KvCacheSpec { block_size, groups }
+    /// Bytes of one KV block of `block_size` tokens at `dtype_bytes` per
+    /// element: the layers of one group ([`ModelConfig::kv_layout`]).
+    pub fn kv_bytes_per_block(&self, block_size: usize, dtype_bytes: usize) -> usize {
+        let (spec, _) = self.kv_layout(block_size);
+        2 * spec.layers_per_block() * self.num_kv_heads * self.head_dim * dtype_bytes * block_size
+    }
+
+    /// The KV layout the scheduler keeps, with `block_size`-token blocks:
+    /// the layers split into groups of equal kind and size (one group when
+    /// every layer attends alike), and each layer's group and place in a
+    /// block (see [`kiln_scheduler::KvCacheSpec::for_layers`]).
+    pub fn kv_layout(
+        &self,
+        block_size: usize,
+    ) -> (kiln_scheduler::KvCacheSpec, Vec<kiln_scheduler::LayerSlot>) {
+        kiln_scheduler::KvCacheSpec::for_layers(&self.layer_kinds, block_size)
     }
 }
 

@@ -32,17 +32,26 @@ pub trait CausalLm: Send + Sync {
     fn backend(&self) -> &Arc<dyn Backend>;
 
     /// A paged KV cache of `num_blocks` blocks of `block_size` tokens (by
-    /// default one pool of every layer's keys and values, shaped by the
-    /// config).
+    /// default laid out as [`ModelConfig::kv_layout`] says: a block holds
+    /// one group's layers).
     fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
         let cfg = self.config();
+        let (spec, _) = cfg.kv_layout(block_size);
         Ok(self.backend().alloc_kv_cache(kiln_tensor::KvPoolShape {
-            num_layers: cfg.num_layers,
+            num_layers: spec.layers_per_block(),
+            num_groups: spec.groups.len(),
             num_blocks,
             block_size,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
         })?)
+    }
+
+    /// A KV cache for one sequence of up to `max_tokens` tokens run with
+    /// [`ForwardBatch::single`] batches.
+    fn kv_cache_for_tokens(&self, max_tokens: usize, block_size: usize) -> Result<KvCache> {
+        let (spec, _) = self.config().kv_layout(block_size);
+        self.new_kv_cache(spec.groups.len() * max_tokens.div_ceil(block_size), block_size)
     }
 
     /// Run one step: every sequence's new tokens, writing their keys and

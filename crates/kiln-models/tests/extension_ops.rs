@@ -110,11 +110,11 @@ fn a_backend_of_basic_ops_runs_a_model_like_the_cpu_bit_for_bit() {
     let tokens: Vec<u32> = (0..11).map(|i| (i * 37 % cfg.vocab_size) as u32).collect();
     let logits = |b: Arc<dyn Backend>| -> Vec<f32> {
         let m = load_model(b.clone(), &weights, cfg.clone()).unwrap();
-        let mut cache = m.new_kv_cache(4, 16).unwrap();
+        let mut cache = m.kv_cache_for_tokens(11, 16).unwrap();
         // A prefill of ten tokens, then one decode step, every row's logits.
-        let first = ForwardBatch::single(&tokens[..10], 0, 16, 0);
+        let first = ForwardBatch::single(&tokens[..10], 0, &cache.spec, 0);
         let mut out = b.to_host(&m.forward(&first, &mut cache).unwrap()).unwrap();
-        let next = ForwardBatch::single(&tokens[10..], 10, 16, 0);
+        let next = ForwardBatch::single(&tokens[10..], 10, &cache.spec, 0);
         out.extend(b.to_host(&m.forward(&next, &mut cache).unwrap()).unwrap());
         out
     };
@@ -144,6 +144,29 @@ fn a_layer_whose_extension_op_the_backend_lacks_fails_at_load() {
         "{message}"
     );
     assert!(SoftCapping::load(&CpuBackend::new(), 30.0).is_ok());
+}
+
+#[test]
+fn a_bidirectional_model_on_a_causal_only_backend_fails_at_load() {
+    let mut config = serde_json::json!({
+        "model_type": "gemma3_text", "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "vocab_size": 50, "sliding_window": 4, "query_pre_attn_scalar": 16,
+        "use_bidirectional_attention": true});
+    let cfg = ModelConfig::from_hf(&config).unwrap();
+    let w = RandomWeights::new(&cfg, 3).unwrap();
+    let err = load_model(Arc::new(Basics(CpuBackend::new())), &w, cfg.clone())
+        .err()
+        .expect("the basics backend attends causally only");
+    let message = err.to_string();
+    assert!(message.contains("use_bidirectional_attention"), "{message}");
+    assert!(message.contains("basics backend"), "{message}");
+    assert!(load_model(Arc::new(CpuBackend::new()), &w, cfg).is_ok());
+    // The causal model loads on it.
+    config["use_bidirectional_attention"] = serde_json::json!(false);
+    let cfg = ModelConfig::from_hf(&config).unwrap();
+    let w = RandomWeights::new(&cfg, 3).unwrap();
+    assert!(load_model(Arc::new(Basics(CpuBackend::new())), &w, cfg).is_ok());
 }
 
 #[test]

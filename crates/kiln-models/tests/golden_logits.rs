@@ -19,8 +19,8 @@ fn check_logits_of(model_dir: &str, cases_file: &str, file: &str) {
     for case in cases["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let prompt = ids(&case["ids"]);
-        let mut cache = model.new_kv_cache(prompt.len().div_ceil(16), 16).unwrap();
-        let batch = kiln_tensor::ForwardBatch::single(&prompt, 0, 16, prompt.len() - 1);
+        let mut cache = model.kv_cache_for_tokens(prompt.len(), 16).unwrap();
+        let batch = kiln_tensor::ForwardBatch::single(&prompt, 0, &cache.spec, prompt.len() - 1);
         let logits = model.forward(&batch, &mut cache).unwrap();
         let logits = model.backend().to_host(&logits).unwrap();
         let got = log_softmax(&logits);

@@ -38,6 +38,7 @@ impl fmt::Debug for BlockHash {
 /// Domain tags keep a root hash from ever equalling the hash of a block.
 const TAG_ROOT: u64 = 0x726f_6f74_6b69_6c6e;
 const TAG_BLOCK: u64 = 0x626c_6f63_6b69_6c6e;
+const TAG_GROUP: u64 = 0x6772_6f75_706b_6c6e;
 
 impl BlockHash {
     /// The root of a request's chain: covers the adapter id and the cache salt.
@@ -61,6 +62,21 @@ impl BlockHash {
             }
             None => h.write(0),
         }
+        h.finish()
+    }
+
+    /// The root of layer group `group`'s chain under this root: the root itself for
+    /// group 0, an unrelated root for each other group, so the blocks of different
+    /// groups (which hold different layers) never hit each other.
+    pub fn group_root(self, group: usize) -> BlockHash {
+        if group == 0 {
+            return self;
+        }
+        let mut h = Lanes::new();
+        h.write(TAG_GROUP);
+        h.write((self.0 >> 64) as u64);
+        h.write(self.0 as u64);
+        h.write(group as u64);
         h.finish()
     }
 

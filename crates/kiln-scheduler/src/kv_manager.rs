@@ -1,12 +1,20 @@
-//! Per-request block tables over the block pool: admission with a prefix lookup,
-//! allocation as a request grows, registration of blocks as they fill, and freeing.
+//! Per-request block tables over the block pool, one per layer group: admission
+//! with a prefix lookup, allocation as a request grows, registration of blocks as
+//! they fill, freeing of blocks that left a sliding window, and freeing.
 //!
-//! A request's block table is append-only while it holds blocks: entry `i` holds
-//! tokens `i * block_size .. (i + 1) * block_size`. Blocks found in the prefix cache
-//! at admission come first and are shared (reference counted); every later block is
-//! the request's own. A block is registered in the prefix cache once all its tokens
-//! are computed, whether they came from the prompt or were generated, so a request
-//! that continues a finished conversation hits the generated part too.
+//! Entry `i` of a block table holds tokens `i * block_size .. (i + 1) * block_size`
+//! of the group's layers. A table grows at its end; a sliding-window group also
+//! drops entries at its front once no later query can read them (the front index is
+//! [`BlockTable::first`]). Blocks found in the prefix cache at admission come first
+//! and are shared (reference counted); every later block is the request's own. A
+//! block is registered in the prefix cache once all its tokens are computed, whether
+//! they came from the prompt or were generated, so a request that continues a
+//! finished conversation hits the generated part too.
+//!
+//! Each group chains its blocks from its own root ([`BlockHash::group_root`]). A
+//! prefix hits when every group's chain matches from the first block, so a sliding
+//! group's blocks that left the window still count for hits while they stay cached
+//! (freed, not yet reused); a sliding group takes only the hits inside the window.
 
 use std::collections::BTreeMap;
 
@@ -45,17 +53,52 @@ pub(crate) struct Admission {
     pub(crate) num_new_tokens: usize,
 }
 
-/// The blocks of one request.
+/// One layer group's block table of a request: entry `i` holds the group's keys and
+/// values of tokens `i * block_size .. (i + 1) * block_size`. Entries before
+/// [`BlockTable::first`] left a sliding window and were freed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BlockTable {
+    /// The first entry still held.
+    pub first: usize,
+    /// The held entries, `first..`.
+    pub blocks: Vec<BlockId>,
+}
+
+impl BlockTable {
+    /// Entries, freed ones included: the table covers `len() * block_size` tokens.
+    pub fn len(&self) -> usize {
+        self.first + self.blocks.len()
+    }
+
+    /// Whether the table has no entries.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The block of entry `idx`, if it is held.
+    pub fn get(&self, idx: usize) -> Option<BlockId> {
+        idx.checked_sub(self.first)
+            .and_then(|i| self.blocks.get(i).copied())
+    }
+}
+
+/// The prefix-cache chain of one group's table.
 #[derive(Debug, Clone)]
-struct SeqBlocks {
+struct Chain {
     root_hash: BlockHash,
-    block_table: Vec<BlockId>,
-    /// Hashes of the first blocks of the table, those full and computed (hit at
-    /// admission or registered since).
+    /// Hashes of the first entries of the table, those full and computed (hit at
+    /// admission or registered since), freed ones included.
     block_hashes: Vec<BlockHash>,
-    /// For each of those blocks, the identity its successor names as parent: the
+    /// For each of those entries, the identity its successor names as parent: the
     /// block itself, or the registered block it duplicates.
     links: Vec<ChainLink>,
+}
+
+/// The blocks of one request, one table and chain per layer group.
+#[derive(Debug, Clone)]
+struct SeqBlocks {
+    tables: Vec<BlockTable>,
+    chains: Vec<Chain>,
 }
 
 /// The KV bookkeeping of every request that holds blocks: block tables over one
@@ -112,17 +155,50 @@ impl KvManager {
         self.stats
     }
 
-    /// The block table of a request that holds blocks (running), head first.
-    pub fn block_table(&self, id: RequestId) -> Option<&[BlockId]> {
-        self.seqs.get(&id).map(|s| s.block_table.as_slice())
+    /// The block tables of a request that holds blocks (running), one per group.
+    pub fn block_tables(&self, id: RequestId) -> Option<&[BlockTable]> {
+        self.seqs.get(&id).map(|s| s.tables.as_slice())
+    }
+
+    /// Walks group `group`'s chain of `token_ids` from `root_hash` through the
+    /// prefix cache, at most `max_blocks` blocks: the hits with their hashes and
+    /// links, and whether the walk stopped at a collision.
+    fn walk(
+        &self,
+        root_hash: BlockHash,
+        token_ids: &[TokenId],
+        max_blocks: usize,
+    ) -> (Vec<BlockId>, Chain, bool) {
+        let mut hits = Vec::new();
+        let mut chain = Chain {
+            root_hash,
+            block_hashes: Vec::new(),
+            links: Vec::new(),
+        };
+        let (mut parent_hash, mut parent_link) = (root_hash, ChainLink::Root(root_hash));
+        for block_tokens in token_ids.chunks_exact(self.spec.block_size).take(max_blocks) {
+            let hash = (self.chain_hash)(parent_hash, block_tokens);
+            match self.pool.lookup(hash, parent_link, block_tokens) {
+                Lookup::Hit(block_id) => {
+                    hits.push(block_id);
+                    chain.block_hashes.push(hash);
+                    parent_hash = hash;
+                    parent_link = self.pool.link(block_id);
+                    chain.links.push(parent_link);
+                }
+                Lookup::Collision(_) => return (hits, chain, true),
+                Lookup::Miss => break,
+            }
+        }
+        (hits, chain, false)
     }
 
     /// Admits a request that holds no blocks, whose known tokens are `token_ids`
     /// (prompt, then any tokens generated before a preemption): looks up the
-    /// longest cached prefix of full blocks, never the last token (it is always
-    /// recomputed so there are logits), then allocates blocks for up to
-    /// `max_new_tokens` more tokens. All or nothing: on `Err` nothing changed and no
-    /// counter moved.
+    /// longest cached prefix of full blocks that every group has, never the last
+    /// token (it is always recomputed so there are logits), then allocates blocks
+    /// for up to `max_new_tokens` more tokens. All or nothing: on `Err` nothing
+    /// changed and no counter moved.
     pub(crate) fn admit(
         &mut self,
         id: RequestId,
@@ -135,37 +211,30 @@ impl KvManager {
             "request {id} admitted twice; this is a bug"
         );
         let bs = self.spec.block_size;
-        let max_hit_blocks = token_ids.len().saturating_sub(1) / bs;
-        let mut hits = Vec::new();
-        let mut block_hashes = Vec::new();
-        let mut links = Vec::new();
+        let mut num_hit = token_ids.len().saturating_sub(1) / bs;
         let mut collided = false;
-        let (mut parent_hash, mut parent_link) = (root_hash, ChainLink::Root(root_hash));
-        for block_tokens in token_ids.chunks_exact(bs).take(max_hit_blocks) {
-            let hash = (self.chain_hash)(parent_hash, block_tokens);
-            match self.pool.lookup(hash, parent_link, block_tokens) {
-                Lookup::Hit(block_id) => {
-                    hits.push(block_id);
-                    block_hashes.push(hash);
-                    parent_hash = hash;
-                    parent_link = self.pool.link(block_id);
-                    links.push(parent_link);
-                }
-                Lookup::Collision(_) => {
-                    collided = true;
-                    break;
-                }
-                Lookup::Miss => break,
-            }
+        let mut walks = Vec::with_capacity(self.spec.groups.len());
+        for g in 0..self.spec.groups.len() {
+            let walk = self.walk(root_hash.group_root(g), token_ids, num_hit);
+            num_hit = num_hit.min(walk.0.len());
+            collided |= walk.2;
+            walks.push(walk);
         }
-        let num_cached_tokens = hits.len() * bs;
+        let num_cached_tokens = num_hit * bs;
         let num_new_tokens = (token_ids.len() - num_cached_tokens).min(max_new_tokens);
-        let num_new_blocks = self
+        let end = self.spec.blocks_for_tokens(num_cached_tokens + num_new_tokens);
+        // Each group takes its hits from the first block a query can read.
+        let firsts: Vec<usize> = self
             .spec
-            .blocks_for_tokens(num_cached_tokens + num_new_tokens)
-            - hits.len();
-        let num_free_hits = hits
+            .groups
             .iter()
+            .map(|g| g.kind.first_needed_block_idx(bs, num_cached_tokens).min(num_hit))
+            .collect();
+        let num_new_blocks = self.spec.groups.len() * (end - num_hit);
+        let num_free_hits = walks
+            .iter()
+            .zip(&firsts)
+            .flat_map(|((hits, _, _), &first)| &hits[first..num_hit])
             .filter(|&&b| self.pool.ref_count(b) == 0)
             .count();
         let needed = num_new_blocks + num_free_hits;
@@ -176,36 +245,38 @@ impl KvManager {
             });
         }
         // Take the hits first so that allocating new blocks cannot evict them.
-        for &block_id in &hits {
-            self.pool.touch(block_id);
+        for ((hits, _, _), &first) in walks.iter().zip(&firsts) {
+            for &block_id in &hits[first..num_hit] {
+                self.pool.touch(block_id);
+            }
         }
-        let new_blocks = self
-            .pool
-            .allocate(num_new_blocks)
-            .expect("free blocks were counted above; this is a bug");
+        let mut tables = Vec::with_capacity(walks.len());
+        let mut chains = Vec::with_capacity(walks.len());
+        for ((hits, mut chain, _), first) in walks.into_iter().zip(firsts) {
+            let mut blocks = hits[first..num_hit].to_vec();
+            blocks.extend(
+                self.pool
+                    .allocate(end - num_hit)
+                    .expect("free blocks were counted above; this is a bug"),
+            );
+            chain.block_hashes.truncate(num_hit);
+            chain.links.truncate(num_hit);
+            tables.push(BlockTable { first, blocks });
+            chains.push(chain);
+        }
         self.stats.num_lookups += 1;
         self.stats.num_queried_tokens += token_ids.len() as u64;
-        self.stats.num_hit_blocks += hits.len() as u64;
+        self.stats.num_hit_blocks += num_hit as u64;
         self.stats.num_hit_tokens += num_cached_tokens as u64;
         self.stats.num_collisions += u64::from(collided);
-        let mut block_table = hits;
-        block_table.extend(new_blocks);
-        self.seqs.insert(
-            id,
-            SeqBlocks {
-                root_hash,
-                block_table,
-                block_hashes,
-                links,
-            },
-        );
+        self.seqs.insert(id, SeqBlocks { tables, chains });
         Ok(Admission {
             num_cached_tokens,
             num_new_tokens,
         })
     }
 
-    /// Grows the block table of admitted request `id`, which has
+    /// Grows the block tables of admitted request `id`, which has
     /// `num_computed_tokens` computed tokens, to hold `num_new_tokens` more. Appends
     /// only; all or nothing.
     pub(crate) fn allocate_for(
@@ -219,20 +290,28 @@ impl KvManager {
             .get_mut(&id)
             .expect("allocate_for is called for admitted requests only; this is a bug");
         let target = (num_computed_tokens + num_new_tokens).div_ceil(self.spec.block_size);
-        let needed = target.saturating_sub(seq.block_table.len());
+        let needed: usize = seq
+            .tables
+            .iter()
+            .map(|t| target.saturating_sub(t.len()))
+            .sum();
         let free = self.pool.num_free_blocks();
-        let blocks = self
+        let mut blocks = self
             .pool
             .allocate(needed)
-            .ok_or(OutOfBlocks { needed, free })?;
-        seq.block_table.extend(blocks);
+            .ok_or(OutOfBlocks { needed, free })?
+            .into_iter();
+        for table in &mut seq.tables {
+            let n = target.saturating_sub(table.len());
+            table.blocks.extend(blocks.by_ref().take(n));
+        }
         Ok(())
     }
 
     /// Registers in the prefix cache every block of request `id` that the first
-    /// `num_computed_tokens` of `token_ids` fill. A block whose content is already
-    /// cached in another block stays private to the request, and its successors
-    /// chain on the cached one.
+    /// `num_computed_tokens` of `token_ids` fill, in every group. A block whose
+    /// content is already cached in another block stays private to the request, and
+    /// its successors chain on the cached one.
     pub(crate) fn register_full_blocks(
         &mut self,
         id: RequestId,
@@ -243,21 +322,57 @@ impl KvManager {
             return;
         };
         let bs = self.spec.block_size;
-        let num_full = (num_computed_tokens.min(token_ids.len()) / bs).min(seq.block_table.len());
-        while seq.block_hashes.len() < num_full {
-            let idx = seq.block_hashes.len();
-            let (parent_hash, parent_link) = match idx.checked_sub(1) {
-                Some(prev) => (seq.block_hashes[prev], seq.links[prev]),
-                None => (seq.root_hash, ChainLink::Root(seq.root_hash)),
-            };
-            let block_tokens = &token_ids[idx * bs..(idx + 1) * bs];
-            let hash = (self.chain_hash)(parent_hash, block_tokens);
-            let link = self
-                .pool
-                .register(seq.block_table[idx], hash, parent_link, block_tokens);
-            seq.block_hashes.push(hash);
-            seq.links.push(link);
+        for (table, chain) in seq.tables.iter().zip(&mut seq.chains) {
+            let num_full = (num_computed_tokens.min(token_ids.len()) / bs).min(table.len());
+            while chain.block_hashes.len() < num_full {
+                let idx = chain.block_hashes.len();
+                let Some(block_id) = table.get(idx) else {
+                    // Freed before it filled (cannot happen: a block leaves the
+                    // window only after its tokens are computed and registered).
+                    debug_assert!(false, "entry {idx} freed before it was registered");
+                    break;
+                };
+                let (parent_hash, parent_link) = match idx.checked_sub(1) {
+                    Some(prev) => (chain.block_hashes[prev], chain.links[prev]),
+                    None => (chain.root_hash, ChainLink::Root(chain.root_hash)),
+                };
+                let block_tokens = &token_ids[idx * bs..(idx + 1) * bs];
+                let hash = (self.chain_hash)(parent_hash, block_tokens);
+                let link = self
+                    .pool
+                    .register(block_id, hash, parent_link, block_tokens);
+                chain.block_hashes.push(hash);
+                chain.links.push(link);
+            }
         }
+    }
+
+    /// Frees the blocks of request `id` that no query at position
+    /// `num_computed_tokens` or later reads: the front of each sliding-window
+    /// group's table. Call it after the step's blocks are registered.
+    pub(crate) fn free_out_of_window(&mut self, id: RequestId, num_computed_tokens: usize) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let bs = self.spec.block_size;
+        for (table, group) in seq.tables.iter_mut().zip(&self.spec.groups) {
+            let first = group
+                .kind
+                .first_needed_block_idx(bs, num_computed_tokens)
+                .min(table.len());
+            if first > table.first {
+                let gone: Vec<BlockId> = table.blocks.drain(..first - table.first).collect();
+                table.first = first;
+                self.pool.free(&gone);
+            }
+        }
+    }
+
+    /// Blocks request `id` holds over all groups (0 if it holds none).
+    pub fn num_held_blocks(&self, id: RequestId) -> usize {
+        self.seqs
+            .get(&id)
+            .map_or(0, |s| s.tables.iter().map(|t| t.blocks.len()).sum())
     }
 
     /// Releases every block of request `id` (tail first, so the tail is evicted
@@ -265,7 +380,9 @@ impl KvManager {
     pub(crate) fn free(&mut self, id: RequestId) -> bool {
         match self.seqs.remove(&id) {
             Some(seq) => {
-                self.pool.free(&seq.block_table);
+                for table in &seq.tables {
+                    self.pool.free(&table.blocks);
+                }
                 true
             }
             None => false,
@@ -280,14 +397,19 @@ impl KvManager {
         let mut refs = vec![0u32; self.pool.num_blocks()];
         for (id, seq) in &self.seqs {
             let mut seen = std::collections::BTreeSet::new();
-            for block_id in &seq.block_table {
-                if !seen.insert(*block_id) {
-                    return Err(format!("request {id} names block {} twice", block_id.0));
+            for (table, chain) in seq.tables.iter().zip(&seq.chains) {
+                for block_id in &table.blocks {
+                    if !seen.insert(*block_id) {
+                        return Err(format!("request {id} names block {} twice", block_id.0));
+                    }
+                    refs[block_id.index()] += 1;
                 }
-                refs[block_id.index()] += 1;
-            }
-            if seq.block_hashes.len() > seq.block_table.len() {
-                return Err(format!("request {id} has more hashes than blocks"));
+                if chain.block_hashes.len() > table.len() {
+                    return Err(format!("request {id} has more hashes than blocks"));
+                }
+                if chain.block_hashes.len() < table.first {
+                    return Err(format!("request {id} freed an unregistered block"));
+                }
             }
         }
         for (idx, &expected) in refs.iter().enumerate() {

@@ -2,12 +2,15 @@
 //! attend alike, and the block arithmetic of each kind.
 //!
 //! Models whose layers differ (Gemma's alternating sliding-window and global layers,
-//! hybrids with recurrent layers) are described as several [`LayerGroup`]s. Today every
-//! group shares one block table per request, which is exact for full attention and
-//! correct but not minimal for sliding windows (blocks that left the window are kept
-//! until the request ends). The per-kind arithmetic below is what a manager with one
-//! block table per group will use to free them; recurrent layers are refused when a
-//! [`crate::KvManager`] is built.
+//! hybrids with recurrent layers) are described as several [`LayerGroup`]s, each with
+//! its own block table per request over one shared pool. A block holds the keys and
+//! values of one group's layers for `block_size` tokens, so groups have equal sizes:
+//! [`KvCacheSpec::for_layers`] splits each kind's layers into groups of the smallest
+//! kind's count (Gemma 3's 15 sliding and 3 global layers become five sliding groups
+//! and one global group of three layers; a uniform model is one group). A sliding
+//! group frees the blocks that left its window as the request advances, so a long
+//! request holds its window's blocks in those layers, not its whole length.
+//! Recurrent layers are refused when a [`crate::KvManager`] is built.
 
 use crate::error::ConfigError;
 
@@ -101,13 +104,24 @@ pub struct LayerGroup {
     pub num_layers: usize,
 }
 
-/// The KV cache layout of a model: the block size and its layer groups.
+/// The KV cache layout of a model: the block size and its layer groups, one block
+/// table per group and request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvCacheSpec {
     /// Tokens per block (see [`DEFAULT_BLOCK_SIZE`]).
     pub block_size: usize,
     /// The layer groups; a uniform model has one.
     pub groups: Vec<LayerGroup>,
+}
+
+/// Where one layer's keys and values live: the block table of its group, and its
+/// layer within a block (each block holds [`KvCacheSpec::layers_per_block`] layers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSlot {
+    /// The layer's group in [`KvCacheSpec::groups`].
+    pub group: usize,
+    /// The layer's place among its group's layers.
+    pub slot: usize,
 }
 
 impl KvCacheSpec {
@@ -121,6 +135,70 @@ impl KvCacheSpec {
                 num_layers,
             }],
         }
+    }
+
+    /// The layout of a model whose layer `i` keeps its past as `kinds[i]`: the
+    /// layers of each kind (kinds in the order they first appear) split in order
+    /// into groups of the smallest kind's count, the last group of a kind possibly
+    /// smaller; and each layer's place. One kind gives one group.
+    pub fn for_layers(kinds: &[LayerKind], block_size: usize) -> (KvCacheSpec, Vec<LayerSlot>) {
+        let mut distinct: Vec<(LayerKind, usize)> = Vec::new();
+        for &kind in kinds {
+            match distinct.iter_mut().find(|(k, _)| *k == kind) {
+                Some((_, n)) => *n += 1,
+                None => distinct.push((kind, 1)),
+            }
+        }
+        let per_group = distinct.iter().map(|&(_, n)| n).min().unwrap_or(1);
+        let mut groups = Vec::new();
+        // The group each kind's layers are filling, and how many it has so far.
+        let mut filling: Vec<Option<usize>> = vec![None; distinct.len()];
+        let mut slots = Vec::with_capacity(kinds.len());
+        for &kind in kinds {
+            let k = distinct
+                .iter()
+                .position(|(d, _)| *d == kind)
+                .expect("every kind was counted");
+            let group = match filling[k] {
+                Some(g) if groups[g] < per_group => g,
+                _ => {
+                    groups.push(0);
+                    filling[k] = Some(groups.len() - 1);
+                    groups.len() - 1
+                }
+            };
+            slots.push(LayerSlot {
+                group,
+                slot: groups[group],
+            });
+            groups[group] += 1;
+        }
+        let groups = groups
+            .iter()
+            .enumerate()
+            .map(|(g, &num_layers)| LayerGroup {
+                kind: kinds[slots.iter().position(|s| s.group == g).expect("groups have layers")],
+                num_layers,
+            })
+            .collect();
+        (KvCacheSpec { block_size, groups }, slots)
+    }
+
+    /// Layers each block holds: the largest group's.
+    pub fn layers_per_block(&self) -> usize {
+        self.groups.iter().map(|g| g.num_layers).max().unwrap_or(0)
+    }
+
+    /// The most blocks one request of up to `max_num_tokens` tokens, computed in
+    /// chunks of at most `max_chunk_tokens`, holds at once over all groups.
+    pub fn max_blocks_for(&self, max_num_tokens: usize, max_chunk_tokens: usize) -> usize {
+        self.groups
+            .iter()
+            .map(|g| {
+                g.kind
+                    .max_needed_blocks(self.block_size, max_num_tokens, max_chunk_tokens)
+            })
+            .sum()
     }
 
     /// Checks that the spec can be served: a positive block size, at least one group,
@@ -153,7 +231,7 @@ impl KvCacheSpec {
         Ok(())
     }
 
-    /// Blocks in a block table covering `num_tokens` tokens (every group shares it).
+    /// Entries of a block table covering `num_tokens` tokens.
     pub fn blocks_for_tokens(&self, num_tokens: usize) -> usize {
         num_tokens.div_ceil(self.block_size)
     }
@@ -223,6 +301,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn layers_split_into_groups_of_the_smallest_kinds_count() {
+        // Gemma 3 270M: every 6th of 18 layers global.
+        let kinds: Vec<LayerKind> = (0..18)
+            .map(|i| if i % 6 == 5 { FULL } else { sw(512) })
+            .collect();
+        let (spec, slots) = KvCacheSpec::for_layers(&kinds, 16);
+        assert_eq!(spec.block_size, 16);
+        let group_kinds: Vec<LayerKind> = spec.groups.iter().map(|g| g.kind).collect();
+        assert_eq!(group_kinds, [sw(512), sw(512), FULL, sw(512), sw(512), sw(512)]);
+        assert!(spec.groups.iter().all(|g| g.num_layers == 3));
+        assert_eq!(spec.layers_per_block(), 3);
+        // Layers 0-4 fill groups 0 and 1; layer 5 starts the global group.
+        let at = |i: usize| (slots[i].group, slots[i].slot);
+        assert_eq!([at(0), at(2), at(3), at(4), at(5)], [(0, 0), (0, 2), (1, 0), (1, 1), (2, 0)]);
+        assert_eq!([at(11), at(17), at(16)], [(2, 1), (2, 2), (5, 2)]);
+        // Every (group, slot) is one layer's.
+        let mut seen: Vec<(usize, usize)> = (0..18).map(at).collect();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), 18);
+        // 22 sliding and 4 global layers (Gemma 3 1B): groups of 4, the last sliding
+        // group of 2.
+        let kinds: Vec<LayerKind> = (0..26)
+            .map(|i| if i % 6 == 5 { FULL } else { sw(512) })
+            .collect();
+        let (spec, _) = KvCacheSpec::for_layers(&kinds, 16);
+        let sizes: Vec<usize> = spec.groups.iter().map(|g| g.num_layers).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), 26);
+        assert_eq!(spec.layers_per_block(), 4);
+        assert_eq!(spec.groups.iter().filter(|g| g.kind == FULL).count(), 1);
+        assert_eq!(sizes.iter().filter(|&&n| n < 4).count(), 1);
+        // A uniform model is one group of every layer.
+        let (spec, slots) = KvCacheSpec::for_layers(&[FULL; 5], 16);
+        assert_eq!(spec, KvCacheSpec { block_size: 16, ..KvCacheSpec::uniform(5) });
+        assert_eq!(slots[4], LayerSlot { group: 0, slot: 4 });
+    }
+
+    #[test]
+    fn a_long_context_needs_the_window_in_sliding_groups() {
+        let kinds: Vec<LayerKind> = (0..18)
+            .map(|i| if i % 6 == 5 { FULL } else { sw(512) })
+            .collect();
+        let (spec, _) = KvCacheSpec::for_layers(&kinds, 16);
+        // 32k tokens decoded one at a time: the global group 2048 blocks, each
+        // sliding group 33 (512 keys span at most 33 blocks of 16).
+        assert_eq!(spec.max_blocks_for(32768, 1), 2048 + 5 * 33);
+        // Chunks of 512 tokens: a chunk's queries read 1023 keys.
+        assert_eq!(spec.max_blocks_for(32768, 512), 2048 + 5 * 65);
+        // Short requests hold every block in every group.
+        assert_eq!(spec.max_blocks_for(100, 512), 6 * 7);
     }
 
     #[test]

@@ -20,13 +20,15 @@
 //! * [`Scheduler`], configured by [`SchedulerConfig`]; [`Request`] in,
 //!   [`SchedulerOutput`] of [`ScheduledRequest`]s out, [`UpdateOutput`] and
 //!   [`FinishedRequest`] back, [`SchedulerStats`] for metrics.
-//! * [`KvManager`]: per-request append-only block tables, prefix lookup at
-//!   admission, registration of blocks as they fill.
+//! * [`KvManager`]: per-request block tables (one per layer group; sliding-window
+//!   groups free the blocks that leave the window), prefix lookup at admission,
+//!   registration of blocks as they fill.
 //! * [`BlockPool`]: reference-counted blocks, the LRU queue of free blocks that keep
 //!   their hash until reused, and the hash map of cached blocks with its collision
 //!   check; [`BlockId`], [`BlockHash`].
 //! * [`KvCacheSpec`]: the model's layer groups ([`LayerKind`]: full attention,
-//!   sliding window, recurrent) and their block arithmetic.
+//!   sliding window, recurrent), where each layer lives ([`LayerSlot`]) and the
+//!   block arithmetic of each kind.
 //! * Errors: [`ConfigError`], [`SubmitError`] (admission, with the numbers),
 //!   [`SchedulerError`] (protocol misuse by the engine).
 
@@ -53,8 +55,8 @@ pub use config::{
 pub use error::{ConfigError, SchedulerError, SubmitError};
 pub use hash::{AdapterId, BlockHash};
 pub use kiln_sampling::TokenId;
-pub use kv_manager::{KvManager, PrefixCacheStats};
-pub use kv_spec::{KvCacheSpec, LayerGroup, LayerKind, DEFAULT_BLOCK_SIZE};
+pub use kv_manager::{BlockTable, KvManager, PrefixCacheStats};
+pub use kv_spec::{KvCacheSpec, LayerGroup, LayerKind, LayerSlot, DEFAULT_BLOCK_SIZE};
 pub use output::{
     FinishedRequest, ScheduledRequest, SchedulerOutput, SchedulerStats, UpdateOutput,
 };

@@ -5,8 +5,7 @@ use std::ops::Range;
 
 use kiln_sampling::TokenId;
 
-use crate::block_pool::BlockId;
-use crate::kv_manager::PrefixCacheStats;
+use crate::kv_manager::{BlockTable, PrefixCacheStats};
 use crate::request::RequestId;
 
 /// One request's part of a step: compute KV (and, if `wants_logits`, logits) for
@@ -25,10 +24,11 @@ pub struct ScheduledRequest {
     pub num_new_tokens: usize,
     /// The ids of those tokens, `num_new_tokens` of them.
     pub new_token_ids: Vec<TokenId>,
-    /// The request's whole block table, head first: block `i` holds the KV of
-    /// positions `i * block_size .. (i + 1) * block_size`. It covers every position
-    /// up to `num_computed_tokens + num_new_tokens`.
-    pub block_table: Vec<BlockId>,
+    /// The request's block tables, one per layer group: entry `i` holds the
+    /// group's KV of positions `i * block_size .. (i + 1) * block_size`. Each covers
+    /// every position up to `num_computed_tokens + num_new_tokens`; a sliding-window
+    /// group's entries before its window are freed (see [`BlockTable::first`]).
+    pub block_tables: Vec<BlockTable>,
     /// True when this step computes the request's last known token: the engine
     /// samples one token from the last row's logits and passes it to
     /// [`crate::Scheduler::update`]. False for a prompt chunk that is not the last
@@ -42,11 +42,17 @@ impl ScheduledRequest {
         self.num_computed_tokens..self.num_computed_tokens + self.num_new_tokens
     }
 
-    /// The KV slot of each new token, `block_id * block_size + position % block_size`,
-    /// where the backend writes its key and value.
-    pub fn slot_mapping(&self, block_size: usize) -> Vec<usize> {
+    /// The KV slot of each new token in group `group`, `block_id * block_size +
+    /// position % block_size`, where the backend writes its key and value.
+    pub fn slot_mapping(&self, group: usize, block_size: usize) -> Vec<usize> {
+        let table = &self.block_tables[group];
         self.positions()
-            .map(|pos| self.block_table[pos / block_size].index() * block_size + pos % block_size)
+            .map(|pos| {
+                let block = table
+                    .get(pos / block_size)
+                    .expect("a new token's block is held; this is a bug");
+                block.index() * block_size + pos % block_size
+            })
             .collect()
     }
 }

@@ -150,10 +150,10 @@ impl Scheduler {
             });
         }
         // The last generated token is sampled but never computed, so it needs no KV.
-        let blocks_needed = self
-            .config
-            .kv_cache
-            .blocks_for_tokens(num_prompt_tokens + max_tokens - 1);
+        let blocks_needed = self.config.kv_cache.max_blocks_for(
+            num_prompt_tokens + max_tokens - 1,
+            self.config.max_num_batched_tokens,
+        );
         if blocks_needed > self.config.num_blocks {
             return Err(SubmitError::ExceedsPool {
                 blocks_needed,
@@ -325,7 +325,7 @@ impl Scheduler {
                 num_computed_tokens: start,
                 num_new_tokens,
                 new_token_ids: req.token_ids[start..end].to_vec(),
-                block_table: self.kv.block_table(id).unwrap_or_default().to_vec(),
+                block_tables: self.kv.block_tables(id).unwrap_or_default().to_vec(),
                 wants_logits,
             });
             req.num_computed_tokens = end;
@@ -406,6 +406,7 @@ impl Scheduler {
                 .expect("running requests are known; this is a bug");
             self.kv
                 .register_full_blocks(id, &req.token_ids, req.num_computed_tokens);
+            self.kv.free_out_of_window(id, req.num_computed_tokens);
             if let Some(token_ids) = sampled.get(&id) {
                 req.token_ids.extend_from_slice(token_ids);
                 self.counters.num_generated_tokens += token_ids.len() as u64;
@@ -534,17 +535,26 @@ impl Scheduler {
         }
         let bs = self.kv.block_size();
         for (id, req) in &self.requests {
-            let table = self.kv.block_table(*id);
+            let tables = self.kv.block_tables(*id);
             match req.status {
                 RequestStatus::Waiting => {
-                    if !self.waiting.contains(&req.order) || table.is_some() {
+                    if !self.waiting.contains(&req.order) || tables.is_some() {
                         return Err(format!("waiting request {id} is misfiled or holds blocks"));
                     }
                 }
                 RequestStatus::Running => {
                     let expected = req.num_computed_tokens.div_ceil(bs);
-                    if !self.running.contains(&req.order) || table.map(<[_]>::len) != Some(expected)
-                    {
+                    // Every table covers the computed tokens and holds every block
+                    // a later query can read.
+                    let sized = tables.is_some_and(|tables| {
+                        tables.len() == self.kv.spec().groups.len()
+                            && tables.iter().zip(&self.kv.spec().groups).all(|(t, g)| {
+                                t.len() == expected
+                                    && t.first
+                                        <= g.kind.first_needed_block_idx(bs, req.num_computed_tokens)
+                            })
+                    });
+                    if !self.running.contains(&req.order) || !sized {
                         return Err(format!("running request {id} is misfiled or mis-sized"));
                     }
                 }

@@ -55,7 +55,7 @@ impl CausalLm for ReplayModel {
         let mut logits = Vec::new();
         for seq in &batch.seqs {
             let end = seq.num_computed + seq.num_tokens;
-            let key = seq.block_table[0];
+            let key = seq.block_tables[0][0];
             if seq.num_tokens > 1 || seq.num_computed == 0 {
                 starts.insert(key, end);
             }

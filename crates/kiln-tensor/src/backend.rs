@@ -43,6 +43,14 @@ pub struct AttentionParams {
     pub sliding_window: Option<usize>,
     /// `tanh` soft-capping of attention scores, if the model uses it.
     pub softcap: Option<f32>,
+    /// The layer's group of block tables in the batch ([`SeqSlice::block_tables`],
+    /// [`ForwardBatch::slot_mapping`]); 0 for a model whose layers are alike.
+    pub kv_group: usize,
+    /// Causal: a token attends to keys up to its own position. Bidirectional
+    /// (`false`, encoders such as EmbeddingGemma): to every key of its sequence
+    /// after this step, and a sliding window keeps keys closer than `window` on
+    /// both sides (`|query - key| < window`).
+    pub causal: bool,
 }
 
 /// Device memory as a backend sees it (as the reference's
@@ -126,10 +134,16 @@ pub struct QkNorm<'a> {
 }
 
 /// Shape of a paged KV cache to allocate: `num_blocks` blocks of
-/// `block_size` token slots, for every layer.
+/// `block_size` token slots of `num_layers` layers each. A model whose layers
+/// differ (sliding-window and global) splits them into `num_groups` groups,
+/// each with its own block table per sequence over the one pool; a block then
+/// holds the layers of one group and `num_layers` is the largest group's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvPoolShape {
+    /// Layers a block holds (see the type's docs).
     pub num_layers: usize,
+    /// Block tables a sequence has: 1 for a model whose layers are alike.
+    pub num_groups: usize,
     pub num_blocks: usize,
     pub block_size: usize,
     pub num_kv_heads: usize,
@@ -144,14 +158,19 @@ impl KvPoolShape {
 
 /// One sequence's part of a step: its new tokens are rows
 /// `token_start..token_start + num_tokens` of the batch, at positions
-/// `num_computed..`; its keys and values live in the blocks of `block_table`.
+/// `num_computed..`; its keys and values live in the blocks of its block
+/// tables, one per KV group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SeqSlice {
     pub token_start: usize,
     pub num_tokens: usize,
     /// Tokens already in the cache before this step.
     pub num_computed: usize,
-    pub block_table: Vec<u32>,
+    /// One table per KV group: entry `i` is the block holding the group's
+    /// keys and values of tokens `i * block_size..`. Entries a sliding window
+    /// no longer reads may name any block of the sequence's table (the
+    /// kernels never use those keys).
+    pub block_tables: Vec<Vec<u32>>,
 }
 
 /// Everything one forward step needs, as plain host data: the new tokens of
@@ -162,8 +181,9 @@ pub struct ForwardBatch {
     pub token_ids: Vec<u32>,
     pub positions: Vec<u32>,
     pub seqs: Vec<SeqSlice>,
-    /// Cache slot (`block * block_size + offset`) of each new token.
-    pub slot_mapping: Vec<u32>,
+    /// Per KV group, the cache slot (`block * block_size + offset`) of each
+    /// new token.
+    pub slot_mapping: Vec<Vec<u32>>,
     pub block_size: usize,
     /// Rows of the batch whose logits the step returns, in order.
     pub logits_rows: Vec<u32>,
@@ -171,7 +191,8 @@ pub struct ForwardBatch {
 
 impl ForwardBatch {
     /// Append a sequence's `tokens`, computed after `num_computed` cached
-    /// tokens, with its block table; `want_logits` asks for its last row.
+    /// tokens, with its one block table (a model with one KV group);
+    /// `want_logits` asks for its last row.
     pub fn push_seq(
         &mut self,
         tokens: &[u32],
@@ -179,14 +200,30 @@ impl ForwardBatch {
         block_table: Vec<u32>,
         want_logits: bool,
     ) {
+        self.push_seq_groups(tokens, num_computed, vec![block_table], want_logits);
+    }
+
+    /// [`ForwardBatch::push_seq`] with one block table per KV group (every
+    /// sequence of a batch has the same number).
+    pub fn push_seq_groups(
+        &mut self,
+        tokens: &[u32],
+        num_computed: usize,
+        block_tables: Vec<Vec<u32>>,
+        want_logits: bool,
+    ) {
         let start = self.token_ids.len();
         let bs = self.block_size;
+        if self.slot_mapping.len() < block_tables.len() {
+            self.slot_mapping.resize(block_tables.len(), Vec::new());
+        }
         for (i, &t) in tokens.iter().enumerate() {
             let pos = num_computed + i;
             self.token_ids.push(t);
             self.positions.push(pos as u32);
-            self.slot_mapping
-                .push(block_table[pos / bs] * bs as u32 + (pos % bs) as u32);
+            for (slots, table) in self.slot_mapping.iter_mut().zip(&block_tables) {
+                slots.push(table[pos / bs] * bs as u32 + (pos % bs) as u32);
+            }
         }
         if want_logits && !tokens.is_empty() {
             self.logits_rows.push((start + tokens.len() - 1) as u32);
@@ -195,25 +232,32 @@ impl ForwardBatch {
             token_start: start,
             num_tokens: tokens.len(),
             num_computed,
-            block_table,
+            block_tables,
         });
     }
 
-    /// A batch of one sequence whose blocks are `0..` in order, returning
-    /// logits for rows `logits_from..`.
+    /// A batch of one sequence over a cache shaped `pool`, returning logits
+    /// for rows `logits_from..`. Entry `i` of group `g`'s table is block
+    /// `i * num_groups + g`, so the tables grow with the sequence and the
+    /// cache needs `num_groups * ceil(tokens / block_size)` blocks.
     pub fn single(
         tokens: &[u32],
         num_computed: usize,
-        block_size: usize,
+        pool: &KvPoolShape,
         logits_from: usize,
     ) -> Self {
+        let bs = pool.block_size.max(1);
+        let groups = pool.num_groups.max(1);
         let total = num_computed + tokens.len();
-        let blocks = total.div_ceil(block_size.max(1)) as u32;
+        let blocks = total.div_ceil(bs) as u32;
         let mut b = ForwardBatch {
-            block_size,
+            block_size: pool.block_size,
             ..ForwardBatch::default()
         };
-        b.push_seq(tokens, num_computed, (0..blocks).collect(), false);
+        let tables = (0..groups as u32)
+            .map(|g| (0..blocks).map(|i| i * groups as u32 + g).collect())
+            .collect();
+        b.push_seq_groups(tokens, num_computed, tables, false);
         b.logits_rows = (logits_from.min(tokens.len()) as u32..tokens.len() as u32).collect();
         b
     }
@@ -373,9 +417,11 @@ pub trait Ops {
     fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>>;
 
     /// Write `k`, `v` (`[n, num_kv_heads * head_dim]`) of the batch's `n` new
-    /// tokens into their slots of `layer`, then return causal attention
+    /// tokens into their slots (group `p.kv_group`'s) of pool layer `layer`
+    /// (the layer's place in its group's blocks), then return attention
     /// `[n, num_heads * head_dim]` of each new token over its own sequence's
-    /// keys up to and including its position.
+    /// keys: up to and including its position when `p.causal`, all of them
+    /// otherwise, within `p.sliding_window`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -387,6 +433,13 @@ pub trait Ops {
         batch: &ForwardBatch,
         p: &AttentionParams,
     ) -> Result<Tensor>;
+
+    /// Whether [`Ops::attention`] runs attention shaped `p` (by default
+    /// causal only); models check every layer's at load, so an unsupported
+    /// mask is refused before any request.
+    fn supports_attention(&self, p: &AttentionParams) -> bool {
+        p.causal
+    }
 
     /// Attention from packed projections `qkv [n, (heads + 2 * kv_heads) *
     /// head_dim]` (q, then k, then v): optional per-head q/k RMSNorm, RoPE
@@ -568,25 +621,28 @@ pub fn check_attention_shapes(
         op: "attention",
         detail,
     };
+    let group = p.kv_group;
     if qw != p.num_heads * p.head_dim
         || k != [n, kv_row]
         || v != [n, kv_row]
         || p.num_kv_heads == 0
         || !p.num_heads.is_multiple_of(p.num_kv_heads)
         || layer >= spec.num_layers
+        || group >= spec.num_groups
         || kv_row != spec.num_kv_heads * spec.head_dim
         || batch.num_tokens() != n
-        || batch.slot_mapping.len() != n
+        || batch.slot_mapping.len() != spec.num_groups
+        || batch.slot_mapping.iter().any(|s| s.len() != n)
         || batch.positions.len() != n
         || batch.block_size != spec.block_size
     {
         return Err(bad(format!(
-            "q [{n}, {qw}], k {k:?}, v {v:?}, layer {layer}, {n} batch rows, params {p:?}, cache {spec:?}"
+            "q [{n}, {qw}], k {k:?}, v {v:?}, layer {layer}, {n} batch rows, {} slot groups, params {p:?}, cache {spec:?}",
+            batch.slot_mapping.len()
         )));
     }
     let num_slots = spec.num_slots();
-    if let Some(&s) = batch
-        .slot_mapping
+    if let Some(&s) = batch.slot_mapping[group]
         .iter()
         .find(|&&s| s as usize >= num_slots)
     {
@@ -597,18 +653,19 @@ pub fn check_attention_shapes(
     }
     for seq in &batch.seqs {
         let end = seq.num_computed + seq.num_tokens;
+        let table = seq.block_tables.get(group);
         if seq.token_start + seq.num_tokens > n
-            || seq.block_table.len() * spec.block_size < end
-            || seq
-                .block_table
-                .iter()
-                .any(|&b| b as usize >= spec.num_blocks)
+            || seq.block_tables.len() != spec.num_groups
+            || table.is_none_or(|t| {
+                t.len() * spec.block_size < end || t.iter().any(|&b| b as usize >= spec.num_blocks)
+            })
         {
             return Err(bad(format!(
-                "sequence of {} tokens after {} cached with {} blocks of {} (pool {})",
+                "sequence of {} tokens after {} cached with {} block tables ({} blocks of {} in group {group}; pool {})",
                 seq.num_tokens,
                 seq.num_computed,
-                seq.block_table.len(),
+                seq.block_tables.len(),
+                table.map_or(0, Vec::len),
                 spec.block_size,
                 spec.num_blocks
             )));

@@ -209,6 +209,10 @@ impl Ops for ProfilingBackend {
         })
     }
 
+    fn supports_attention(&self, p: &AttentionParams) -> bool {
+        self.inner.supports_attention(p)
+    }
+
     fn has_extension(&self, name: &str) -> bool {
         self.inner.has_extension(name)
     }

@@ -167,16 +167,16 @@ fn random_checkpoint(a: RandomArgs) -> Result<()> {
 fn logits(a: LogitsArgs) -> Result<()> {
     anyhow::ensure!(!a.ids.is_empty(), "--ids is empty");
     let m = a.model.load()?;
-    let mut cache = m.model.new_kv_cache(a.ids.len().div_ceil(16), 16)?;
+    let mut cache = m.model.kv_cache_for_tokens(a.ids.len(), 16)?;
     let first = a.prefill.unwrap_or(a.ids.len()).clamp(1, a.ids.len());
     let t = m.model.forward(
-        &kiln_tensor::ForwardBatch::single(&a.ids[..first], 0, 16, 0),
+        &kiln_tensor::ForwardBatch::single(&a.ids[..first], 0, &cache.spec, 0),
         &mut cache,
     )?;
     let mut data = m.model.backend().to_host(&t)?;
     for pos in first..a.ids.len() {
         let t = m.model.forward(
-            &kiln_tensor::ForwardBatch::single(&a.ids[pos..pos + 1], pos, 16, 0),
+            &kiln_tensor::ForwardBatch::single(&a.ids[pos..pos + 1], pos, &cache.spec, 0),
             &mut cache,
         )?;
         data.extend(m.model.backend().to_host(&t)?);

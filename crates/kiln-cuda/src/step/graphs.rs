@@ -94,7 +94,7 @@ pub(crate) fn run_step(
     if batch
         .seqs
         .iter()
-        .any(|s| s.block_table.iter().any(|&blk| blk >= scratch))
+        .any(|s| s.block_tables.iter().flatten().any(|&blk| blk >= scratch))
     {
         return Err(TensorError::Shape {
             op: "run_step",

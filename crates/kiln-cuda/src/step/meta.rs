@@ -1,7 +1,8 @@
 //! A step's metadata as the kernels read it: one `u32` array uploaded once
-//! per step (token ids, positions, cache slots, each row's sequence, block
-//! tables padded to a fixed width, prefill query tiles, logits rows), and
-//! the padding of decode batches to the sizes recorded as CUDA graphs.
+//! per step (token ids, positions, cache slots of every KV group, each
+//! row's sequence, every group's block tables padded to a fixed width,
+//! prefill query tiles, logits rows), and the padding of decode batches to
+//! the sizes recorded as CUDA graphs.
 
 use kiln_tensor::{ForwardBatch, SeqSlice};
 
@@ -19,10 +20,14 @@ pub struct StepMeta {
     pub num_seqs: usize,
     /// Block-table entries per sequence (tables are padded to this).
     pub width: usize,
+    /// KV groups: each has its slots and its tables.
+    pub num_groups: usize,
     pub tok: usize,
     pub pos: usize,
+    /// Group 0's slots; group `g`'s at [`StepMeta::slot_of`].
     pub slot: usize,
     pub row_seq: usize,
+    /// Group 0's tables; group `g`'s at [`StepMeta::tables_of`].
     pub tables: usize,
     pub tiles: usize,
     pub num_tiles: usize,
@@ -39,7 +44,7 @@ pub fn table_width(batch: &ForwardBatch) -> usize {
     let longest = batch
         .seqs
         .iter()
-        .map(|s| s.block_table.len())
+        .flat_map(|s| s.block_tables.iter().map(Vec::len))
         .max()
         .unwrap_or(0);
     longest.max(8).next_power_of_two()
@@ -51,17 +56,36 @@ pub fn bucket_for(n: usize) -> Option<usize> {
 }
 
 impl StepMeta {
+    /// Where group `g`'s cache slots start.
+    pub fn slot_of(&self, g: usize) -> usize {
+        self.slot + g * self.num_rows
+    }
+
+    /// Where group `g`'s block tables start (`num_seqs` tables of `width`).
+    pub fn tables_of(&self, g: usize) -> usize {
+        self.tables + g * self.num_seqs * self.width
+    }
+
     /// Lay out `batch` with block tables padded to `width` entries.
     pub fn build(batch: &ForwardBatch, width: usize) -> StepMeta {
         let n = batch.num_tokens();
         let s = batch.seqs.len();
-        let mut words = Vec::with_capacity(4 * n + s * width + 2 * n + batch.logits_rows.len());
+        let groups = batch.slot_mapping.len().max(1);
+        let mut words = Vec::with_capacity(
+            (2 + groups) * n + groups * s * width + 2 * n + batch.logits_rows.len(),
+        );
         let tok = words.len();
         words.extend_from_slice(&batch.token_ids);
         let pos = words.len();
         words.extend_from_slice(&batch.positions);
         let slot = words.len();
-        words.extend_from_slice(&batch.slot_mapping);
+        for g in 0..groups {
+            let start = words.len();
+            if let Some(slots) = batch.slot_mapping.get(g) {
+                words.extend(slots.iter().take(n));
+            }
+            words.resize(start + n, 0);
+        }
         let row_seq = words.len();
         words.resize(row_seq + n, 0);
         for (i, seq) in batch.seqs.iter().enumerate() {
@@ -69,10 +93,14 @@ impl StepMeta {
             words[row_seq + seq.token_start.min(end)..row_seq + end].fill(i as u32);
         }
         let tables = words.len();
-        for seq in &batch.seqs {
-            let start = words.len();
-            words.extend(seq.block_table.iter().take(width));
-            words.resize(start + width, 0);
+        for g in 0..groups {
+            for seq in &batch.seqs {
+                let start = words.len();
+                if let Some(table) = seq.block_tables.get(g) {
+                    words.extend(table.iter().take(width));
+                }
+                words.resize(start + width, 0);
+            }
         }
         let tiles = words.len();
         // (keys attended by the tile's last row, first row, rows): the
@@ -98,6 +126,7 @@ impl StepMeta {
             num_rows: n,
             num_seqs: s,
             width,
+            num_groups: groups,
             tok,
             pos,
             slot,
@@ -127,7 +156,12 @@ pub fn is_graphable(batch: &ForwardBatch) -> bool {
             .seqs
             .iter()
             .enumerate()
-            .all(|(i, s)| s.num_tokens == 1 && s.token_start == i && !s.block_table.is_empty())
+            .all(|(i, s)| {
+                s.num_tokens == 1
+                    && s.token_start == i
+                    && !s.block_tables.is_empty()
+                    && s.block_tables.iter().all(|t| !t.is_empty())
+            })
         && batch.logits_rows.len() == batch.seqs.len()
         && batch
             .logits_rows
@@ -141,17 +175,20 @@ pub fn is_graphable(batch: &ForwardBatch) -> bool {
 /// a cache block no real sequence owns.
 pub fn pad_decode(batch: &ForwardBatch, bucket: usize, scratch_block: u32) -> ForwardBatch {
     let mut out = batch.clone();
+    let groups = batch.slot_mapping.len().max(1);
+    out.slot_mapping.resize(groups, Vec::new());
     for i in batch.seqs.len()..bucket {
         out.token_ids.push(0);
         out.positions.push(0);
-        out.slot_mapping
-            .push(scratch_block * batch.block_size as u32);
+        for slots in &mut out.slot_mapping {
+            slots.push(scratch_block * batch.block_size as u32);
+        }
         out.logits_rows.push(i as u32);
         out.seqs.push(SeqSlice {
             token_start: i,
             num_tokens: 1,
             num_computed: 0,
-            block_table: vec![scratch_block],
+            block_tables: vec![vec![scratch_block]; groups],
         });
     }
     out
@@ -219,7 +256,7 @@ mod tests {
         let p = pad_decode(&b, 4, 7);
         assert!(is_graphable(&p));
         assert_eq!(p.seqs.len(), 4);
-        assert_eq!(p.slot_mapping[3], 28);
+        assert_eq!(p.slot_mapping[0][3], 28);
         assert_eq!(p.logits_rows, vec![0, 1, 2, 3]);
         let m = StepMeta::build(&p, table_width(&p));
         assert!(m.decode_only);
@@ -230,6 +267,36 @@ mod tests {
         let m2 = StepMeta::build(&pad_decode(&q, 4, 7), table_width(&p));
         assert_eq!(m.words.len(), m2.words.len());
         assert_eq!((m.tables, m.logits), (m2.tables, m2.logits));
+    }
+
+    #[test]
+    fn each_kv_group_has_its_slots_and_tables() {
+        let mut b = ForwardBatch {
+            block_size: 4,
+            ..ForwardBatch::default()
+        };
+        b.push_seq_groups(&[5, 6], 3, vec![vec![0, 1], vec![2, 3]], true);
+        b.push_seq_groups(&[7], 0, vec![vec![4], vec![5]], true);
+        let m = StepMeta::build(&b, 8);
+        let w = &m.words;
+        assert_eq!(m.num_groups, 2);
+        assert_eq!(&w[m.slot_of(0)..m.slot_of(0) + 3], &[3, 4, 16]);
+        assert_eq!(&w[m.slot_of(1)..m.slot_of(1) + 3], &[11, 12, 20]);
+        assert_eq!(&w[m.tables_of(0)..m.tables_of(0) + 2], &[0, 1]);
+        assert_eq!(w[m.tables_of(0) + 8], 4);
+        assert_eq!(&w[m.tables_of(1)..m.tables_of(1) + 2], &[2, 3]);
+        assert_eq!(w[m.tables_of(1) + 8], 5);
+        assert_eq!(&w[m.row_seq..m.row_seq + 3], &[0, 0, 1]);
+        // Padding keeps every group.
+        let mut d = ForwardBatch {
+            block_size: 4,
+            ..ForwardBatch::default()
+        };
+        d.push_seq_groups(&[1], 5, vec![vec![0, 2], vec![1, 3]], true);
+        let p = pad_decode(&d, 2, 9);
+        assert!(is_graphable(&p));
+        assert_eq!(p.slot_mapping, vec![vec![9, 36], vec![13, 36]]);
+        assert_eq!(p.seqs[1].block_tables, vec![vec![9], vec![9]]);
     }
 
     #[test]

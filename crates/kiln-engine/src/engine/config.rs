@@ -25,7 +25,7 @@ impl EngineConfig {
     pub fn for_memory(model: &LoadedModel, kv_bytes: usize) -> Self {
         let block_size = 16;
         let elem = model.model.backend().kv_bytes_per_element();
-        let per_block = model.model.config().kv_bytes_per_token(elem) * block_size;
+        let per_block = model.model.config().kv_bytes_per_block(block_size, elem);
         // A device runs large prefill chunks near its GEMM peak; on the CPU
         // smaller chunks keep decode steps of other requests responsive.
         let on_device = model.model.backend().device_memory().is_some();
@@ -50,7 +50,8 @@ pub struct KvPlan {
     pub weights_bytes: Option<u64>,
     /// Bytes kept back for activations and workspace.
     pub reserve_bytes: usize,
-    /// Tokens the pool holds in all.
+    /// Tokens the pool holds in all, when every layer group keeps them
+    /// (sliding-window groups free theirs, so more fit in practice).
     pub max_tokens: usize,
 }
 
@@ -92,9 +93,14 @@ impl EngineConfig {
         let cfg = model.model.config();
         let backend = model.model.backend();
         let probe = EngineConfig::for_memory(model, 0);
-        let per_token = cfg
-            .kv_bytes_per_token(backend.kv_bytes_per_element())
-            .max(1);
+        let elem = backend.kv_bytes_per_element();
+        let one_seq = crate::memory::kv_bytes_for(
+            cfg,
+            context,
+            1,
+            probe.max_num_batched_tokens,
+            elem,
+        ) as usize;
         let mem = backend.device_memory();
         let reserve = crate::memory::step_reserve_bytes(
             cfg,
@@ -107,8 +113,10 @@ impl EngineConfig {
             (None, None) => 1 << 30,
         };
         let config = EngineConfig::for_memory(model, kv_bytes);
-        let max_tokens = config.num_blocks * config.block_size;
-        if kv_bytes / per_token < context {
+        // Each token takes a block slot in every layer group.
+        let groups = cfg.kv_layout(config.block_size).0.groups.len().max(1);
+        let max_tokens = config.num_blocks * config.block_size / groups;
+        if kv_bytes < one_seq {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             let device = mem.map_or(String::new(), |m| {
                 format!(
@@ -119,10 +127,9 @@ impl EngineConfig {
                 )
             });
             return Err(EngineError::Config(format!(
-                "not enough memory for one sequence of {context} tokens:\n  KV cache needed {:.1} MiB ({per_token} B/token x {context} tokens)\n  KV pool {:.1} MiB holds {} tokens{device}\nuse a shorter --context, --kv-mib, or a smaller model",
-                mib((per_token * context) as u64),
+                "not enough memory for one sequence of {context} tokens:\n  KV cache needed {:.1} MiB ({context} tokens)\n  KV pool {:.1} MiB{device}\nuse a shorter --context, --kv-mib, or a smaller model",
+                mib(one_seq as u64),
                 mib(kv_bytes as u64),
-                kv_bytes / per_token,
             )));
         }
         Ok(KvPlan {

@@ -22,8 +22,13 @@
 //! - `attn_logit_softcapping` and `final_logit_softcapping` (Gemma 2):
 //!   `tanh(x / cap) * cap` on attention scores and on the logits, when set.
 //! - `use_bidirectional_attention` (EmbeddingGemma) turns the causal mask
-//!   off; Kiln's backends attend causally only, so such a config loads for
-//!   its weights and tokenizer but refuses to run a forward step.
+//!   off: full layers attend to the whole sequence, sliding layers to keys
+//!   less than `sliding_window / 2 + 1` away on either side (transformers
+//!   halves the window when it reads such a config). Its layers keep every
+//!   block (a window that looks ahead frees nothing as the sequence grows).
+//! - Each layer's keys and values live where the KV layout puts them
+//!   ([`ModelConfig::kv_layout`]): sliding and full layers in separate
+//!   groups, so the sliding groups free the blocks behind their window.
 
 use std::sync::Arc;
 
@@ -64,8 +69,12 @@ pub struct Gemma3Config {
     pub rope_scaling: RopeScaling,
     /// The sliding layers' RoPE base (never scaled).
     pub rope_local_base_freq: f32,
-    /// Keys a sliding layer's query reads, itself included.
+    /// Keys a sliding layer's query reads, itself included (as in
+    /// `config.json`; a bidirectional model reads `sliding_window / 2 + 1`
+    /// on each side).
     pub sliding_window: usize,
+    /// Which layers are `sliding_attention`.
+    pub sliding_layers: Vec<bool>,
     /// Attention scores are multiplied by `query_pre_attn_scalar^-0.5`.
     pub query_pre_attn_scalar: f32,
     pub attn_logit_softcapping: Option<f32>,
@@ -105,15 +114,12 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<(FamilyConfig,
     if sliding_window == 0 {
         return Err(err("sliding_window", "must be positive"));
     }
-    let sliding = LayerKind::SlidingWindow {
-        window: sliding_window,
-    };
-    let layer_kinds = match c.get("layer_types").and_then(Value::as_array) {
+    let sliding_layers = match c.get("layer_types").and_then(Value::as_array) {
         Some(types) => types
             .iter()
             .map(|t| match t.as_str() {
-                Some("sliding_attention") => Ok(sliding),
-                Some("full_attention") => Ok(LayerKind::FullAttention),
+                Some("sliding_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
                 _ => Err(err(
                     "layer_types",
                     format!("{t} is not a layer type Kiln knows"),
@@ -128,29 +134,35 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<(FamilyConfig,
             if pattern == 0 {
                 return Err(err("sliding_window_pattern", "must be positive"));
             }
-            (0..num_layers)
-                .map(|i| {
-                    if (i + 1) % pattern == 0 {
-                        LayerKind::FullAttention
-                    } else {
-                        sliding
-                    }
-                })
-                .collect()
+            (0..num_layers).map(|i| (i + 1) % pattern != 0).collect()
         }
     };
+    let bidirectional = c
+        .get("use_bidirectional_attention")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let layer_kinds = sliding_layers
+        .iter()
+        .map(|&sliding| {
+            if sliding && !bidirectional {
+                LayerKind::SlidingWindow {
+                    window: sliding_window,
+                }
+            } else {
+                LayerKind::FullAttention
+            }
+        })
+        .collect();
     let cfg = Gemma3Config {
         rope_theta,
         rope_scaling,
         rope_local_base_freq,
         sliding_window,
+        sliding_layers,
         query_pre_attn_scalar: opt_f32(c, "query_pre_attn_scalar")?.unwrap_or(head_dim as f32),
         attn_logit_softcapping: softcap(c, "attn_logit_softcapping")?,
         final_logit_softcapping: softcap(c, "final_logit_softcapping")?,
-        bidirectional: c
-            .get("use_bidirectional_attention")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
+        bidirectional,
     };
     if !matches!(
         c.get("hidden_activation")
@@ -229,8 +241,10 @@ struct Block {
     /// GeGLU: gelu-tanh of the gate rows times the up rows, then down.
     mlp: GatedMlp,
     post_ff_norm: RmsNorm,
-    /// The layer's attention: its window and soft-capping.
+    /// The layer's attention: its window, soft-capping, mask and KV group.
     params: AttentionParams,
+    /// The layer's place in its KV group's blocks.
+    kv_slot: usize,
     /// Whether the layer rotates with the local (sliding) RoPE.
     local_rope: bool,
 }
@@ -266,18 +280,22 @@ impl Gemma3 {
         let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
         let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
         let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-        let blocks = cfg
-            .layer_kinds
+        let (_, kv_slots) = cfg.kv_layout(kiln_scheduler::DEFAULT_BLOCK_SIZE);
+        let window = if g.bidirectional {
+            g.sliding_window / 2 + 1
+        } else {
+            g.sliding_window
+        };
+        let blocks = g
+            .sliding_layers
             .iter()
+            .zip(&kv_slots)
             .enumerate()
-            .map(|(i, kind)| {
+            .map(|(i, (&sliding, slot))| {
                 let p = format!("model.layers.{i}");
                 let a = format!("{p}.self_attn");
                 let m = format!("{p}.mlp");
-                let sliding_window = match *kind {
-                    LayerKind::SlidingWindow { window } => Some(window),
-                    _ => None,
-                };
+                let sliding_window = sliding.then_some(window);
                 Ok(Block {
                     input_norm: norm(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
                     qkv: Linear::load_packed(
@@ -320,11 +338,28 @@ impl Gemma3 {
                         scale: g.query_pre_attn_scalar.powf(-0.5),
                         sliding_window,
                         softcap: g.attn_logit_softcapping,
+                        kv_group: slot.group,
+                        causal: !g.bidirectional,
                     },
-                    local_rope: sliding_window.is_some(),
+                    kv_slot: slot.slot,
+                    local_rope: sliding,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        if let Some(blk) = blocks
+            .iter()
+            .find(|blk| !backend.supports_attention(&blk.params))
+        {
+            return Err(ModelError::Config {
+                key: "use_bidirectional_attention".into(),
+                what: format!(
+                    "the {} backend does not run this attention ({}; window {:?})",
+                    backend.name(),
+                    if blk.params.causal { "causal" } else { "bidirectional" },
+                    blk.params.sliding_window
+                ),
+            });
+        }
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
         let lm_head = Linear {
             weight: l.supported(Weight::Dense(
@@ -351,19 +386,11 @@ impl Gemma3 {
 
     /// One forward step as backend ops; [`Backend::run_step`] may record it.
     fn step(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        if gemma3_config(&self.cfg)?.bidirectional {
-            return Err(ModelError::Config {
-                key: "use_bidirectional_attention".into(),
-                what: "bidirectional attention is not supported by Kiln's backends yet; \
-                       this model loads but cannot run"
-                    .into(),
-            });
-        }
         let b = self.backend.as_ref();
         let x = b.embedding(&self.embed, &batch.token_ids)?;
         let mut x = b.scale(&x, self.embed_scale)?;
         let (nh, hd) = (self.cfg.num_heads, self.cfg.head_dim);
-        for (i, blk) in self.blocks.iter().enumerate() {
+        for blk in &self.blocks {
             let rope = if blk.local_rope {
                 &self.local_rope
             } else {
@@ -379,7 +406,7 @@ impl Gemma3 {
             let attn = b.qkv_attention(
                 &qkv,
                 cache,
-                i,
+                blk.kv_slot,
                 batch,
                 &blk.params,
                 &rope.params(nh, hd),
@@ -475,10 +502,46 @@ mod tests {
         let cfg = ModelConfig::from_hf(config).unwrap();
         let w = RandomWeights::new(&cfg, 7).unwrap();
         let m = crate::load_model(Arc::new(CpuBackend::new()), &w, cfg).unwrap();
-        let mut cache = m.new_kv_cache(tokens.len().div_ceil(4), 4).unwrap();
-        let batch = ForwardBatch::single(tokens, 0, 4, 0);
+        let mut cache = m.kv_cache_for_tokens(tokens.len(), 4).unwrap();
+        let batch = ForwardBatch::single(tokens, 0, &cache.spec, 0);
         let out = m.forward(&batch, &mut cache).unwrap();
         m.backend().to_host(&out).unwrap()
+    }
+
+    #[test]
+    fn sliding_and_global_layers_get_their_own_kv_groups() {
+        let c = ModelConfig::from_hf(&tiny()).unwrap();
+        let (spec, slots) = c.kv_layout(4);
+        // Layers sw, full, sw, full: a sliding group and a global group.
+        assert_eq!(spec.groups.len(), 2);
+        assert_eq!(slots[0].group, slots[2].group);
+        assert_eq!(slots[1].group, slots[3].group);
+        assert_ne!(slots[0].group, slots[1].group);
+        assert_eq!((slots[2].slot, slots[3].slot), (1, 1));
+    }
+
+    #[test]
+    fn bidirectional_attention_sees_later_tokens_and_keeps_every_block() {
+        let mut v = tiny();
+        let causal_a = logits(&v, &[2, 7, 11, 3, 9, 30]);
+        let causal_b = logits(&v, &[2, 7, 11, 3, 9, 31]);
+        let vocab = 50;
+        // Causal: rows before the changed token are unchanged.
+        assert_eq!(causal_a[..5 * vocab], causal_b[..5 * vocab]);
+        v["use_bidirectional_attention"] = json!(true);
+        let c = ModelConfig::from_hf(&v).unwrap();
+        assert!(c.layer_kinds.iter().all(|k| *k == LayerKind::FullAttention));
+        let bi_a = logits(&v, &[2, 7, 11, 3, 9, 30]);
+        let bi_b = logits(&v, &[2, 7, 11, 3, 9, 31]);
+        // Bidirectional: the first row depends on the last token.
+        assert!(bi_a[..vocab]
+            .iter()
+            .zip(&bi_b[..vocab])
+            .any(|(a, b)| (a - b).abs() > 1e-5));
+        assert!(bi_a[..vocab]
+            .iter()
+            .zip(&causal_a[..vocab])
+            .any(|(a, b)| (a - b).abs() > 1e-5));
     }
 
     #[test]

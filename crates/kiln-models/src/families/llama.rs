@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use kiln_formats::{StoredTensor, WeightSource};
+use kiln_scheduler::LayerSlot;
 use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, Tensor, Weight};
 use serde_json::Value;
 
@@ -126,6 +127,8 @@ pub struct Llama {
     norm: RmsNorm,
     lm_head: Linear,
     rope: Rope,
+    /// Where each layer's keys and values live in the cache.
+    kv_slots: Vec<LayerSlot>,
 }
 
 impl Llama {
@@ -183,7 +186,9 @@ impl Llama {
             bias: None,
         };
         let rope = Rope::new(cfg.head_dim, f.rope_theta, &f.rope_scaling);
+        let (_, kv_slots) = cfg.kv_layout(kiln_scheduler::DEFAULT_BLOCK_SIZE);
         Ok(Llama {
+            kv_slots,
             cfg,
             backend,
             embed,
@@ -342,7 +347,7 @@ impl Llama {
             // consumes it, each residual add into the projection that ends
             // the sub-layer.
             let attn = Fuse::norm(&blk.input_norm).with_residual(&x);
-            x = blk.attn.forward(b, &x, attn, &self.rope, batch, cache, i)?;
+            x = blk.attn.forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
             let mlp = Fuse::norm(&blk.post_attn_norm).with_residual(&x);
             x = blk.mlp.forward(b, &x, mlp)?;
         }

@@ -1,6 +1,7 @@
 //! Self-attention with GQA, optional q/k/v/o biases, optional per-head q/k
 //! RMSNorm (Qwen3, Gemma 3), RoPE, and the backend's cached attention.
 
+use kiln_scheduler::LayerSlot;
 use kiln_tensor::{AttentionParams, Backend, ForwardBatch, KvCache, QkNorm, Tensor};
 
 use super::{Fuse, Linear, RmsNorm, Rope, WeightLoader};
@@ -82,7 +83,8 @@ impl Attention {
     }
 
     /// `fuse.residual +` attention of `fuse.norm(x)` for the batch's new
-    /// tokens `x [n, hidden]` over the cache of `layer`: the norm runs
+    /// tokens `x [n, hidden]` over the cache where the layer's keys and
+    /// values live (`slot`, from the model's KV layout): the norm runs
     /// inside the packed qkv product, the residual add inside the output
     /// projection.
     #[allow(clippy::too_many_arguments)]
@@ -94,7 +96,7 @@ impl Attention {
         rope: &Rope,
         batch: &ForwardBatch,
         cache: &mut KvCache,
-        layer: usize,
+        slot: LayerSlot,
     ) -> Result<Tensor> {
         let (first, last) = fuse.split();
         let qkv = self.qkv.forward(b, x, first)?;
@@ -106,6 +108,8 @@ impl Attention {
             scale: c.scale,
             sliding_window: c.sliding_window,
             softcap: None,
+            kv_group: slot.group,
+            causal: true,
         };
         let qk_norm = match (&self.q_norm, &self.k_norm) {
             (Some(q), Some(k)) => Some(QkNorm {
@@ -119,7 +123,7 @@ impl Attention {
         let out = b.qkv_attention(
             &qkv,
             cache,
-            layer,
+            slot.slot,
             batch,
             &params,
             &rope.params(c.num_heads, c.head_dim),

@@ -254,7 +254,7 @@ fn run_command(sched: &mut Scheduler, line: &str) -> String {
         }
         "table" => {
             let id = parse_id(words.next());
-            match (sched.kv_manager().block_table(id), sched.request(id)) {
+            match (sched.kv_manager().block_tables(id), sched.request(id)) {
                 (Some(table), Some(info)) => {
                     format!(
                         "{} computed={}",
@@ -295,9 +295,18 @@ fn auto_results(output: &SchedulerOutput) -> Vec<(RequestId, Vec<TokenId>)> {
         .collect()
 }
 
-fn render_blocks(table: &[crate::BlockId]) -> String {
-    let ids: Vec<String> = table.iter().map(|b| b.0.to_string()).collect();
-    format!("[{}]", ids.join(" "))
+/// Each group's table as `[ids]`, entries freed from a window as `-`.
+fn render_blocks(tables: &[crate::BlockTable]) -> String {
+    let rendered: Vec<String> = tables
+        .iter()
+        .map(|t| {
+            let ids: Vec<String> = (0..t.len())
+                .map(|i| t.get(i).map_or("-".to_string(), |b| b.0.to_string()))
+                .collect();
+            format!("[{}]", ids.join(" "))
+        })
+        .collect();
+    rendered.join(" ")
 }
 
 fn render_plan(output: &SchedulerOutput) -> String {
@@ -311,7 +320,7 @@ fn render_plan(output: &SchedulerOutput) -> String {
                 s.id,
                 s.num_computed_tokens,
                 s.num_new_tokens,
-                render_blocks(&s.block_table)
+                render_blocks(&s.block_tables)
             )
         })
         .collect();

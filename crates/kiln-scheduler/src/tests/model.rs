@@ -70,7 +70,8 @@ impl SimRequest {
 #[derive(Debug, Default)]
 pub(crate) struct SimEngine {
     pub(crate) requests: BTreeMap<RequestId, SimRequest>,
-    slots: HashMap<usize, u64>,
+    /// The fingerprint in each (group, slot).
+    slots: HashMap<(usize, usize), u64>,
     /// Outputs of requests finished by length, checked against the oracle.
     pub(crate) completed: BTreeMap<RequestId, Vec<TokenId>>,
 }
@@ -112,24 +113,46 @@ impl SimEngine {
                 s.id
             );
             assert_eq!(s.new_token_ids.len(), s.num_new_tokens);
-            assert_eq!(s.slot_mapping(bs).len(), s.num_new_tokens);
-            let slot = |pos: usize| s.block_table[pos / bs].index() * bs + pos % bs;
+            let groups = &sched.kv_manager().spec().groups;
+            assert_eq!(s.block_tables.len(), groups.len());
+            let end = s.num_computed_tokens + s.num_new_tokens;
             let mut fingerprint = req.root;
-            for pos in 0..s.num_computed_tokens + s.num_new_tokens {
+            let mut fingerprints = Vec::with_capacity(end);
+            for pos in 0..end {
                 fingerprint = mix(fingerprint, req.token(pos));
-                if pos < s.num_computed_tokens {
-                    assert_eq!(
-                        self.slots.get(&slot(pos)),
-                        Some(&fingerprint),
-                        "request {} reads wrong KV at position {pos}",
-                        s.id
-                    );
-                } else {
-                    let block_id = s.block_table[pos / bs];
-                    assert_eq!(pool.ref_count(block_id), 1, "write to a shared block");
-                    assert_eq!(pool.block_hash(block_id), None, "write to a cached block");
-                    assert_eq!(req.token(pos), s.new_token_ids[pos - s.num_computed_tokens]);
-                    self.slots.insert(slot(pos), fingerprint);
+                fingerprints.push(fingerprint);
+            }
+            for (g, (table, group)) in s.block_tables.iter().zip(groups).enumerate() {
+                assert_eq!(s.slot_mapping(g, bs).len(), s.num_new_tokens);
+                assert!(table.len() * bs >= end, "table {g} of {} too short", s.id);
+                // The first key the chunk's first query reads in this group.
+                let first_key = match group.kind {
+                    crate::LayerKind::SlidingWindow { window } => {
+                        (s.num_computed_tokens + 1).saturating_sub(window)
+                    }
+                    _ => 0,
+                };
+                let slot = |pos: usize| {
+                    let block = table.get(pos / bs).unwrap_or_else(|| {
+                        panic!("request {} reads freed block at {pos} (group {g})", s.id)
+                    });
+                    (g, block.index() * bs + pos % bs)
+                };
+                for pos in first_key..end {
+                    if pos < s.num_computed_tokens {
+                        assert_eq!(
+                            self.slots.get(&slot(pos)),
+                            Some(&fingerprints[pos]),
+                            "request {} reads wrong KV at position {pos} (group {g})",
+                            s.id
+                        );
+                    } else {
+                        let block_id = table.get(pos / bs).expect("new tokens' blocks are held");
+                        assert_eq!(pool.ref_count(block_id), 1, "write to a shared block");
+                        assert_eq!(pool.block_hash(block_id), None, "write to a cached block");
+                        assert_eq!(req.token(pos), s.new_token_ids[pos - s.num_computed_tokens]);
+                        self.slots.insert(slot(pos), fingerprints[pos]);
+                    }
                 }
             }
             if s.wants_logits {

@@ -9,8 +9,8 @@ use kiln_sampling::TokenId;
 use super::model::SimEngine;
 use super::rng::Rng;
 use crate::{
-    AdapterId, BlockHash, BlockId, KvCacheSpec, Priority, Request, RequestId, Scheduler,
-    SchedulerConfig, SchedulerOutput,
+    AdapterId, BlockHash, BlockTable, KvCacheSpec, LayerKind, Priority, Request, RequestId,
+    Scheduler, SchedulerConfig, SchedulerOutput,
 };
 
 fn weak_chain_hash(parent: BlockHash, _token_ids: &[TokenId]) -> BlockHash {
@@ -23,10 +23,24 @@ fn random_tokens(rng: &mut Rng, len: usize, vocab: usize) -> Vec<TokenId> {
 
 fn random_config(rng: &mut Rng) -> SchedulerConfig {
     let block_size = [1, 2, 3, 4, 16][rng.below(5)];
-    let mut kv_cache = KvCacheSpec::uniform(2);
-    kv_cache.block_size = block_size;
+    // Some models mix sliding-window layers (of a random window) with global ones.
+    let kinds: Vec<LayerKind> = if rng.chance(40) {
+        let window = [1, 2, 5, 8, 17][rng.below(5)];
+        (0..rng.range(2, 7))
+            .map(|i| {
+                if i == 0 || rng.chance(30) {
+                    LayerKind::FullAttention
+                } else {
+                    LayerKind::SlidingWindow { window }
+                }
+            })
+            .collect()
+    } else {
+        vec![LayerKind::FullAttention; 2]
+    };
+    let (kv_cache, _) = KvCacheSpec::for_layers(&kinds, block_size);
     // Requests need up to 60 tokens of KV; some pools are too small for the longest.
-    let max_blocks = 60usize.div_ceil(block_size);
+    let max_blocks = 60usize.div_ceil(block_size) * kv_cache.groups.len();
     let mut config =
         SchedulerConfig::new(kv_cache, rng.range(max_blocks / 2 + 1, max_blocks * 3), 64);
     config.max_num_batched_tokens = rng.range(1, 48);
@@ -49,9 +63,10 @@ fn random_request(rng: &mut Rng, id: u64, bases: &[Vec<TokenId>]) -> Request {
     request
 }
 
-/// Block tables seen so far, to check that each only ever grows.
+/// Block tables seen so far, to check that each only ever grows at its end and
+/// drops entries only at its front.
 #[derive(Default)]
-struct TableLog(BTreeMap<RequestId, Vec<BlockId>>);
+struct TableLog(BTreeMap<RequestId, Vec<BlockTable>>);
 
 impl TableLog {
     fn observe(&mut self, output: &SchedulerOutput) {
@@ -60,13 +75,19 @@ impl TableLog {
         }
         for s in &output.scheduled {
             if let Some(old) = self.0.get(&s.id) {
-                assert!(
-                    s.block_table.starts_with(old),
-                    "block table of {} shrank",
-                    s.id
-                );
+                for (old, new) in old.iter().zip(&s.block_tables) {
+                    assert!(new.first >= old.first && new.len() >= old.len());
+                    for idx in new.first..old.len() {
+                        assert_eq!(
+                            new.get(idx),
+                            old.get(idx),
+                            "block table of {} changed at {idx}",
+                            s.id
+                        );
+                    }
+                }
             }
-            self.0.insert(s.id, s.block_table.clone());
+            self.0.insert(s.id, s.block_tables.clone());
         }
     }
 }

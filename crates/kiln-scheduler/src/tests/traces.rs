@@ -419,18 +419,42 @@ fn running_requests_are_capped() {
 }
 
 #[test]
-fn sliding_window_layers_share_the_block_table() {
-    // A sliding-window group is served with the full block table (correct, not
-    // minimal); its block arithmetic is tested in `kv_spec.rs`.
+fn sliding_window_groups_free_blocks_that_leave_the_window_and_still_hit() {
+    // A global group (two layers) and a sliding group of window 4 (one layer), blocks
+    // of 4: each step, the sliding group frees the blocks before the next query's
+    // window (`-`); a freed block stays cached, so the same prompt hits again (the
+    // sliding group takes only the hit inside the window).
     check(
         "
         config block_size=4 window=4
-        submit 1 prompt=0..10 max=2
-        run
+        submit 1 prompt=0..10 max=6
+        step
+        table 1
+        step
+        table 1
+        step
+        step
+        table 1
+        step
+        step
+        stats
+        submit 2 prompt=0..10 max=1
+        step
         ",
         "
         submit r1: ok
-        run: 2 steps; finished r1 prompt=10 cached=0 output=2
+        step: r1 0+10 [0 1 2] [3 4 5] logits | batched 10
+        table r1: [0 1 2] [- 4 5] computed=10
+        step: r1 10+1 [0 1 2] [- 4 5] logits | batched 1
+        table r1: [0 1 2] [- - 5] computed=11
+        step: r1 11+1 [0 1 2] [- - 5] logits | batched 1
+        step: r1 12+1 [0 1 2 6] [- - 5 7] logits | batched 1
+        table r1: [0 1 2 6] [- - 5 7] computed=13
+        step: r1 13+1 [0 1 2 6] [- - 5 7] logits | batched 1
+        step: r1 14+1 [0 1 2 6] [- - 5 7] logits | batched 1 | finished r1 prompt=10 cached=0 output=6
+        stats: waiting=0 running=0 used=0/16 cached=6 lookups=1 queried=10 hit_blocks=0 hit_tokens=0 collisions=0 evictions=0 preemptions=0 prompt=10 generated=6 finished=1 cancelled=0
+        submit r2: ok
+        step: r2 8+2 [0 1 7] [- 4 6] logits | batched 2 | finished r2 prompt=10 cached=8 output=1
         ",
     );
 }

@@ -1,4 +1,5 @@
-//! Causal attention over the paged KV cache, one query row at a time.
+//! Attention over the paged KV cache (causal or bidirectional), one query
+//! row at a time.
 //!
 //! Each (query row, head) is computed on its own in a fixed order — scores
 //! by the backend's dot product, softmax summed in ascending key order, the
@@ -18,12 +19,19 @@ pub struct CpuKv {
     pub v: Vec<Vec<f32>>,
 }
 
-/// First key position query position `pos` may attend to.
-fn first_key(pos: usize, window: Option<usize>) -> usize {
-    match window {
-        Some(w) if pos + 1 > w => pos + 1 - w,
-        _ => 0,
-    }
+/// The keys query position `pos` of a sequence whose cache holds `seq_len`
+/// tokens attends to, `first..=last`: causal up to itself, bidirectional up
+/// to the sequence's end; a sliding window keeps keys less than `window`
+/// away (behind only, when causal).
+pub(crate) fn key_range(pos: usize, seq_len: usize, p: &AttentionParams) -> (usize, usize) {
+    let back = p.sliding_window.map_or(pos, |w| pos.min(w.saturating_sub(1)));
+    let last = if p.causal {
+        pos
+    } else {
+        let ahead = p.sliding_window.map_or(usize::MAX, |w| w.saturating_sub(1));
+        seq_len.saturating_sub(1).min(pos.saturating_add(ahead))
+    };
+    (pos - back, last.max(pos))
 }
 
 /// Attention output `[num_tokens, num_heads * head_dim]` for every new token
@@ -53,11 +61,12 @@ pub fn attend(
             let seq = &batch.seqs[seq_of[row]];
             let pos = seq.num_computed + (row - seq.token_start);
             let qv = &q[row * q_row + h * hd..row * q_row + (h + 1) * hd];
+            let keys = key_range(pos, seq.num_computed + seq.num_tokens, p);
             row_head(
                 qv,
-                seq.block_table.as_slice(),
+                seq.block_tables[p.kv_group].as_slice(),
                 batch.block_size,
-                pos,
+                keys,
                 h,
                 k_cache,
                 v_cache,
@@ -77,7 +86,7 @@ fn row_head(
     qv: &[f32],
     block_table: &[u32],
     block_size: usize,
-    pos: usize,
+    (first, last): (usize, usize),
     h: usize,
     k_cache: &[f32],
     v_cache: &[f32],
@@ -89,11 +98,10 @@ fn row_head(
     let hd = p.head_dim;
     let kv_row = p.num_kv_heads * hd;
     let kvh = h / (p.num_heads / p.num_kv_heads);
-    let first = first_key(pos, p.sliding_window);
     let slot = |t: usize| block_table[t / block_size] as usize * block_size + t % block_size;
     scores.clear();
     let mut max = f32::NEG_INFINITY;
-    for t in first..=pos {
+    for t in first..=last {
         let base = slot(t) * kv_row + kvh * hd;
         let mut s = dot(qv, &k_cache[base..base + hd]) * p.scale;
         if let Some(c) = p.softcap {
@@ -109,7 +117,7 @@ fn row_head(
     }
     let inv = 1.0 / sum;
     o.fill(0.0);
-    for (j, t) in (first..=pos).enumerate() {
+    for (j, t) in (first..=last).enumerate() {
         let wgt = scores[j] * inv;
         let base = slot(t) * kv_row + kvh * hd;
         axpy(wgt, &v_cache[base..base + hd], o);
@@ -138,6 +146,8 @@ mod tests {
             scale: 1.0,
             sliding_window: None,
             softcap: None,
+            kv_group: 0,
+            causal: true,
         }
     }
 
@@ -154,9 +164,9 @@ mod tests {
                 token_start: 0,
                 num_tokens: n,
                 num_computed,
-                block_table,
+                block_tables: vec![block_table],
             }],
-            slot_mapping: Vec::new(),
+            slot_mapping: vec![Vec::new()],
             block_size,
             logits_rows: Vec::new(),
         }
@@ -191,5 +201,26 @@ mod tests {
         };
         let outw = attend(&q, &batch, &k, &v, &pw);
         assert!((outw[1] - 1.0).abs() < 1e-6);
+        // Bidirectional: the first token sees the second too.
+        let pb = AttentionParams { causal: false, ..p };
+        let outb = attend(&q, &batch, &k, &v, &pb);
+        assert!((outb[0] - e / (1.0 + e)).abs() < 1e-6);
+        assert!((outb[1] - e / (1.0 + e)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn key_ranges_of_causal_and_bidirectional_windows() {
+        let p = params(1, 1, 1);
+        let at = |pos, len, window, causal| {
+            key_range(pos, len, &AttentionParams { sliding_window: window, causal, ..p })
+        };
+        assert_eq!(at(5, 10, None, true), (0, 5));
+        assert_eq!(at(5, 10, Some(3), true), (3, 5));
+        assert_eq!(at(1, 10, Some(3), true), (0, 1));
+        assert_eq!(at(5, 10, None, false), (0, 9));
+        // |5 - key| < 3: keys 3..=7.
+        assert_eq!(at(5, 10, Some(3), false), (3, 7));
+        assert_eq!(at(8, 10, Some(3), false), (6, 9));
+        assert_eq!(at(0, 1, Some(1), false), (0, 0));
     }
 }

@@ -262,13 +262,18 @@ impl Ops for CpuBackend {
         );
         let kv = Self::kv(cache)?;
         let (kc, vc) = (&mut kv.k[layer], &mut kv.v[layer]);
-        for (i, &s) in batch.slot_mapping.iter().enumerate() {
+        for (i, &s) in batch.slot_mapping[p.kv_group].iter().enumerate() {
             let s = s as usize;
             kc[s * kv_row..(s + 1) * kv_row].copy_from_slice(&kd[i * kv_row..(i + 1) * kv_row]);
             vc[s * kv_row..(s + 1) * kv_row].copy_from_slice(&vd[i * kv_row..(i + 1) * kv_row]);
         }
         let out = attention::attend(qd, batch, kc, vc, p);
         Ok(Self::wrap(vec![n, qw], out))
+    }
+
+    /// Causal and bidirectional, with or without a window.
+    fn supports_attention(&self, _p: &AttentionParams) -> bool {
+        true
     }
 
     /// Every extension op: the CPU runs each op's reference.

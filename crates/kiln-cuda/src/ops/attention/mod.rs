@@ -65,13 +65,20 @@ impl CudaBackend {
         block_size: usize,
         p: &AttentionParams,
     ) -> Result<Tensor> {
+        if !p.causal {
+            return Err(TensorError::Unsupported {
+                backend: crate::driver::device::NAME,
+                what: "bidirectional attention (no CUDA kernel yet)".into(),
+            });
+        }
         let n = step.meta.num_rows;
         let qw = p.num_heads * p.head_dim;
         let out = self.alloc(n * qw, "attention output")?;
         let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
         let m = &step.meta;
         let word = |off: usize| step.base + 4 * off as u64;
-        let (pos, row_seq, tables) = (word(m.pos), word(m.row_seq), word(m.tables));
+        let tables = word(m.tables_of(p.kv_group));
+        let (pos, row_seq) = (word(m.pos), word(m.row_seq));
         let (qs, os) = (q_stride as i64, qw as i64);
         let (width, bs) = (m.width as i32, block_size as i32);
         let (h, kvh) = (p.num_heads as i32, p.num_kv_heads as i32);

@@ -83,7 +83,7 @@ pub(crate) fn write_kv(
     step: &ActiveStep,
     p: &AttentionParams,
 ) -> Result<()> {
-    let slots = step.base + 4 * step.meta.slot as u64;
+    let slots = step.base + 4 * step.meta.slot_of(p.kv_group) as u64;
     let kvi = (p.num_kv_heads * p.head_dim) as i32;
     let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
     // SAFETY: k, v [n, kv_row]; slots < num_slots (checked).
@@ -120,7 +120,10 @@ pub(crate) fn qkv_rope_write(
     let hd = p.head_dim;
     let freq = rope_table(cuda, rope.inv_freq)?;
     let m = &step.meta;
-    let (pos, slots) = (step.base + 4 * m.pos as u64, step.base + 4 * m.slot as u64);
+    let (pos, slots) = (
+        step.base + 4 * m.pos as u64,
+        step.base + 4 * m.slot_of(p.kv_group) as u64,
+    );
     let (stride, half) = (width as i64, rope.inv_freq.len() as i32);
     let (h, kvh, hdi) = (p.num_heads as i32, p.num_kv_heads as i32, hd as i32);
     let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
