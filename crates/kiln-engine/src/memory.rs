@@ -53,7 +53,7 @@ pub const CPU_PROCESS_BYTES: u64 = 80 * MIB;
 /// elements, when a step computes at most `max_chunk` prompt tokens: each
 /// sequence's blocks in every layer group (a sliding-window group only
 /// those its window reads), plus the blocks a step's chunk spans in the
-/// sliding groups beyond the window.
+/// sliding groups beyond the window (none when `max_chunk` is 0).
 pub fn kv_bytes_for(
     cfg: &ModelConfig,
     context: usize,
@@ -71,7 +71,11 @@ pub fn kv_bytes_for(
         // A step's chunks together span at most `max_chunk` tokens (and one
         // partial block per sequence) past the windows.
         let chunk = max_chunk.min(context.saturating_mul(batch));
-        let extra = (chunk.div_ceil(bs) + batch).min((full - steady) * batch);
+        let extra = if chunk == 0 {
+            0
+        } else {
+            (chunk.div_ceil(bs) + batch).min((full - steady) * batch)
+        };
         blocks += (steady * batch + extra) as u64;
     }
     blocks * per_block
@@ -215,6 +219,9 @@ pub struct FitReport {
     /// What they would hold if every layer kept every token: more than
     /// `kv_bytes` when sliding-window layers keep only their window.
     pub kv_full_attention_bytes: u64,
+    /// The part of `kv_bytes` a prefill chunk adds to the sliding layers
+    /// while it passes (0 without them).
+    pub kv_chunk_bytes: u64,
     pub activation_bytes: u64,
     /// Fixed costs by name.
     pub overheads: Vec<(&'static str, u64)>,
@@ -373,7 +380,9 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
     let avail = input.available_bytes;
     let needed = kv;
     let per_seq = kv_of(input, context, 1).max(1);
-    let max_batch = largest((pool / per_seq) as usize + 1, |b| kv_of(input, context, b) <= pool);
+    let max_batch = largest((pool / per_seq) as usize + 1, |b| {
+        kv_of(input, context, b) <= pool
+    });
     Ok(FitReport {
         context,
         context_source,
@@ -386,6 +395,13 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
         kv_bytes_per_token: per_token,
         kv_bytes: kv,
         kv_full_attention_bytes: per_token * context as u64 * input.batch as u64,
+        kv_chunk_bytes: kv.saturating_sub(kv_bytes_for(
+            input.config,
+            context,
+            input.batch,
+            0,
+            input.target.kv_bytes_per_element,
+        )),
         activation_bytes: act,
         max_context,
         max_batch,
@@ -406,14 +422,17 @@ impl std::fmt::Display for FitReport {
             mib(self.weights_bytes)
         )?;
         if self.kv_bytes < self.kv_full_attention_bytes {
+            let full = self.kv_full_attention_bytes.max(1) as f64;
+            let steady = self.kv_bytes - self.kv_chunk_bytes;
             writeln!(
                 f,
-                "  KV cache                    {}  ({} tokens x {} seqs; sliding-window layers keep only their window: {:.1} % of the {:.1} MiB full attention needs)",
+                "  KV cache                    {}  ({} tokens x {} seqs; sliding-window layers keep only their window: {:.1} % of the {:.1} MiB full attention needs, plus {:.1} MiB while a prefill chunk passes)",
                 mib(self.kv_bytes),
                 self.context,
                 self.batch,
-                100.0 * self.kv_bytes as f64 / self.kv_full_attention_bytes.max(1) as f64,
-                self.kv_full_attention_bytes as f64 / MIB as f64
+                100.0 * steady as f64 / full,
+                full / MIB as f64,
+                self.kv_chunk_bytes as f64 / MIB as f64
             )?;
         } else {
             writeln!(
@@ -467,5 +486,67 @@ impl std::fmt::Display for FitReport {
             self.context,
             self.max_batch
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Gemma-3-shaped config: 18 layers, every 6th global, a 512-token
+    /// window, a 32k trained context.
+    fn gemma3_shape() -> ModelConfig {
+        ModelConfig::from_hf(&serde_json::json!({
+            "model_type": "gemma3_text", "hidden_size": 640, "intermediate_size": 2048,
+            "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "head_dim": 256, "vocab_size": 262144, "sliding_window": 512,
+            "max_position_embeddings": 32768, "query_pre_attn_scalar": 256}))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_32k_gemma3_context_needs_a_sixth_plus_the_sliding_windows() {
+        let cfg = gemma3_shape();
+        let full = (cfg.kv_bytes_per_token(2) * 32768) as f64;
+        let steady = kv_bytes_for(&cfg, 32768, 1, 0, 2) as f64;
+        let want = 1.0 / 6.0 + 5.0 / 6.0 * 512.0 / 32768.0;
+        // Whole blocks: a 512-key window spans 33 blocks of 16, not 32.
+        assert!(
+            (steady / full - want).abs() < 0.002,
+            "{} vs {want}",
+            steady / full
+        );
+        // A prefill chunk of 2048 tokens adds its blocks to the five
+        // sliding groups while it passes.
+        let with_chunk = kv_bytes_for(&cfg, 32768, 1, 2048, 2) as f64;
+        let block = cfg.kv_bytes_per_block(16, 2) as f64;
+        assert_eq!(with_chunk - steady, 5.0 * (128.0 + 1.0) * block);
+        // A short context keeps every block: no saving below the window.
+        assert_eq!(
+            kv_bytes_for(&cfg, 400, 2, 2048, 2),
+            (cfg.kv_bytes_per_token(2) * 400 * 2) as u64
+        );
+    }
+
+    #[test]
+    fn the_plan_reports_the_saving() {
+        let cfg = gemma3_shape();
+        let input = FitInput {
+            config: &cfg,
+            target: MemoryTarget::cuda(true),
+            context: Some(32768),
+            batch: 1,
+            kv_pool_bytes: None,
+            available_bytes: 16 << 30,
+            file_bytes: 0,
+        };
+        let r = fit(&input).unwrap();
+        assert!(r.fits);
+        assert!(r.kv_bytes < r.kv_full_attention_bytes / 2, "{r:?}");
+        let text = r.to_string();
+        assert!(
+            text.contains("sliding-window layers keep only their window: 18.0 %"),
+            "{text}"
+        );
     }
 }

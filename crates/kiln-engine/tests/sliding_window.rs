@@ -96,7 +96,10 @@ fn gemma3_long_prompt_decodes_like_transformers_holding_only_the_window() {
     .unwrap();
     let handle = engine.handle();
     // Two chunks of prefill, then 24 decode steps past the window.
-    let (got, _) = collect(handle.submit(greedy(prompt.clone(), want.len())).unwrap(), || {});
+    let (got, _) = collect(
+        handle.submit(greedy(prompt.clone(), want.len())).unwrap(),
+        || {},
+    );
     assert_eq!(got, want, "greedy tokens against transformers");
 
     // The same prompt again, decoding longer: its prefix is cached (the
@@ -108,7 +111,10 @@ fn gemma3_long_prompt_decodes_like_transformers_holding_only_the_window() {
         used = Some(handle.stats().unwrap().num_blocks_used);
     });
     assert_eq!(&again[..want.len()], &want[..]);
-    assert_eq!(cached, 960, "every full block of the prompt but the last token's");
+    assert_eq!(
+        cached, 960,
+        "every full block of the prompt but the last token's"
+    );
     let used = used.unwrap();
     let (lo, hi) = (
         prompt.len().div_ceil(16) + sliding * 32,

@@ -51,7 +51,10 @@ pub trait CausalLm: Send + Sync {
     /// [`ForwardBatch::single`] batches.
     fn kv_cache_for_tokens(&self, max_tokens: usize, block_size: usize) -> Result<KvCache> {
         let (spec, _) = self.config().kv_layout(block_size);
-        self.new_kv_cache(spec.groups.len() * max_tokens.div_ceil(block_size), block_size)
+        self.new_kv_cache(
+            spec.groups.len() * max_tokens.div_ceil(block_size),
+            block_size,
+        )
     }
 
     /// Run one step: every sequence's new tokens, writing their keys and

@@ -176,7 +176,10 @@ impl KvManager {
             links: Vec::new(),
         };
         let (mut parent_hash, mut parent_link) = (root_hash, ChainLink::Root(root_hash));
-        for block_tokens in token_ids.chunks_exact(self.spec.block_size).take(max_blocks) {
+        for block_tokens in token_ids
+            .chunks_exact(self.spec.block_size)
+            .take(max_blocks)
+        {
             let hash = (self.chain_hash)(parent_hash, block_tokens);
             match self.pool.lookup(hash, parent_link, block_tokens) {
                 Lookup::Hit(block_id) => {
@@ -222,13 +225,19 @@ impl KvManager {
         }
         let num_cached_tokens = num_hit * bs;
         let num_new_tokens = (token_ids.len() - num_cached_tokens).min(max_new_tokens);
-        let end = self.spec.blocks_for_tokens(num_cached_tokens + num_new_tokens);
+        let end = self
+            .spec
+            .blocks_for_tokens(num_cached_tokens + num_new_tokens);
         // Each group takes its hits from the first block a query can read.
         let firsts: Vec<usize> = self
             .spec
             .groups
             .iter()
-            .map(|g| g.kind.first_needed_block_idx(bs, num_cached_tokens).min(num_hit))
+            .map(|g| {
+                g.kind
+                    .first_needed_block_idx(bs, num_cached_tokens)
+                    .min(num_hit)
+            })
             .collect();
         let num_new_blocks = self.spec.groups.len() * (end - num_hit);
         let num_free_hits = walks

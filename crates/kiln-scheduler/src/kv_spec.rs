@@ -177,7 +177,10 @@ impl KvCacheSpec {
             .iter()
             .enumerate()
             .map(|(g, &num_layers)| LayerGroup {
-                kind: kinds[slots.iter().position(|s| s.group == g).expect("groups have layers")],
+                kind: kinds[slots
+                    .iter()
+                    .position(|s| s.group == g)
+                    .expect("groups have layers")],
                 num_layers,
             })
             .collect();
@@ -312,12 +315,18 @@ mod tests {
         let (spec, slots) = KvCacheSpec::for_layers(&kinds, 16);
         assert_eq!(spec.block_size, 16);
         let group_kinds: Vec<LayerKind> = spec.groups.iter().map(|g| g.kind).collect();
-        assert_eq!(group_kinds, [sw(512), sw(512), FULL, sw(512), sw(512), sw(512)]);
+        assert_eq!(
+            group_kinds,
+            [sw(512), sw(512), FULL, sw(512), sw(512), sw(512)]
+        );
         assert!(spec.groups.iter().all(|g| g.num_layers == 3));
         assert_eq!(spec.layers_per_block(), 3);
         // Layers 0-4 fill groups 0 and 1; layer 5 starts the global group.
         let at = |i: usize| (slots[i].group, slots[i].slot);
-        assert_eq!([at(0), at(2), at(3), at(4), at(5)], [(0, 0), (0, 2), (1, 0), (1, 1), (2, 0)]);
+        assert_eq!(
+            [at(0), at(2), at(3), at(4), at(5)],
+            [(0, 0), (0, 2), (1, 0), (1, 1), (2, 0)]
+        );
         assert_eq!([at(11), at(17), at(16)], [(2, 1), (2, 2), (5, 2)]);
         // Every (group, slot) is one layer's.
         let mut seen: Vec<(usize, usize)> = (0..18).map(at).collect();
@@ -337,7 +346,13 @@ mod tests {
         assert_eq!(sizes.iter().filter(|&&n| n < 4).count(), 1);
         // A uniform model is one group of every layer.
         let (spec, slots) = KvCacheSpec::for_layers(&[FULL; 5], 16);
-        assert_eq!(spec, KvCacheSpec { block_size: 16, ..KvCacheSpec::uniform(5) });
+        assert_eq!(
+            spec,
+            KvCacheSpec {
+                block_size: 16,
+                ..KvCacheSpec::uniform(5)
+            }
+        );
         assert_eq!(slots[4], LayerSlot { group: 0, slot: 4 });
     }
 

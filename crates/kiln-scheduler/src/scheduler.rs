@@ -551,7 +551,8 @@ impl Scheduler {
                             && tables.iter().zip(&self.kv.spec().groups).all(|(t, g)| {
                                 t.len() == expected
                                     && t.first
-                                        <= g.kind.first_needed_block_idx(bs, req.num_computed_tokens)
+                                        <= g.kind
+                                            .first_needed_block_idx(bs, req.num_computed_tokens)
                             })
                     });
                     if !self.running.contains(&req.order) || !sized {

@@ -153,6 +153,7 @@ pub fn report_json(path: &Path, r: &FitReport) -> serde_json::Value {
         "kv_bytes_per_token": r.kv_bytes_per_token,
         "kv_bytes": r.kv_bytes,
         "kv_full_attention_bytes": r.kv_full_attention_bytes,
+        "kv_chunk_bytes": r.kv_chunk_bytes,
         "activation_bytes": r.activation_bytes,
         "loading_bytes": r.loading_bytes,
         "overheads": overheads,

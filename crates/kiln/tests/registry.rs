@@ -391,7 +391,8 @@ fn fit_and_serve_agree_on_the_default_context() {
         home.path(),
         &["--kv-mib", "100", "--memory-bytes", "8000000000"],
     );
-    assert_eq!(plan["context"], 100 * 1024 * 1024 / 46_080);
+    // Whole 16-token blocks of 46,080 B a token.
+    assert_eq!(plan["context"], 100 * 1024 * 1024 / (46_080 * 16) * 16);
     assert_eq!(plan["context_source"], "memory");
     let served = serve_context(
         home.path(),

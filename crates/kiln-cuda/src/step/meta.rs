@@ -152,16 +152,12 @@ impl StepMeta {
 /// per sequence, every one wanting logits, in order.
 pub fn is_graphable(batch: &ForwardBatch) -> bool {
     !batch.seqs.is_empty()
-        && batch
-            .seqs
-            .iter()
-            .enumerate()
-            .all(|(i, s)| {
-                s.num_tokens == 1
-                    && s.token_start == i
-                    && !s.block_tables.is_empty()
-                    && s.block_tables.iter().all(|t| !t.is_empty())
-            })
+        && batch.seqs.iter().enumerate().all(|(i, s)| {
+            s.num_tokens == 1
+                && s.token_start == i
+                && !s.block_tables.is_empty()
+                && s.block_tables.iter().all(|t| !t.is_empty())
+        })
         && batch.logits_rows.len() == batch.seqs.len()
         && batch
             .logits_rows

@@ -94,13 +94,9 @@ impl EngineConfig {
         let backend = model.model.backend();
         let probe = EngineConfig::for_memory(model, 0);
         let elem = backend.kv_bytes_per_element();
-        let one_seq = crate::memory::kv_bytes_for(
-            cfg,
-            context,
-            1,
-            probe.max_num_batched_tokens,
-            elem,
-        ) as usize;
+        let one_seq =
+            crate::memory::kv_bytes_for(cfg, context, 1, probe.max_num_batched_tokens, elem)
+                as usize;
         let mem = backend.device_memory();
         let reserve = crate::memory::step_reserve_bytes(
             cfg,

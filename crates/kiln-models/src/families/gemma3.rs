@@ -355,7 +355,11 @@ impl Gemma3 {
                 what: format!(
                     "the {} backend does not run this attention ({}; window {:?})",
                     backend.name(),
-                    if blk.params.causal { "causal" } else { "bidirectional" },
+                    if blk.params.causal {
+                        "causal"
+                    } else {
+                        "bidirectional"
+                    },
                     blk.params.sliding_window
                 ),
             });

@@ -347,7 +347,9 @@ impl Llama {
             // consumes it, each residual add into the projection that ends
             // the sub-layer.
             let attn = Fuse::norm(&blk.input_norm).with_residual(&x);
-            x = blk.attn.forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
+            x = blk
+                .attn
+                .forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
             let mlp = Fuse::norm(&blk.post_attn_norm).with_residual(&x);
             x = blk.mlp.forward(b, &x, mlp)?;
         }

@@ -24,7 +24,9 @@ pub struct CpuKv {
 /// to the sequence's end; a sliding window keeps keys less than `window`
 /// away (behind only, when causal).
 pub(crate) fn key_range(pos: usize, seq_len: usize, p: &AttentionParams) -> (usize, usize) {
-    let back = p.sliding_window.map_or(pos, |w| pos.min(w.saturating_sub(1)));
+    let back = p
+        .sliding_window
+        .map_or(pos, |w| pos.min(w.saturating_sub(1)));
     let last = if p.causal {
         pos
     } else {
@@ -212,7 +214,15 @@ mod tests {
     fn key_ranges_of_causal_and_bidirectional_windows() {
         let p = params(1, 1, 1);
         let at = |pos, len, window, causal| {
-            key_range(pos, len, &AttentionParams { sliding_window: window, causal, ..p })
+            key_range(
+                pos,
+                len,
+                &AttentionParams {
+                    sliding_window: window,
+                    causal,
+                    ..p
+                },
+            )
         };
         assert_eq!(at(5, 10, None, true), (0, 5));
         assert_eq!(at(5, 10, Some(3), true), (3, 5));
