@@ -88,7 +88,6 @@ pub const ENTRY_POINTS: &[&str] = &[
     "argmax_logprob_masked_bf16",
     "sample_bf16",
     "qkv_rope_write_bf16",
-    "rms_norm_rows_bf16",
     "gated_act_packed_bf16",
     "decode_attention_hd64",
     "decode_attention_hd128",

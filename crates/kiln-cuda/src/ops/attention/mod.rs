@@ -301,7 +301,6 @@ pub(crate) fn qkv_attention(
 ) -> Result<Tensor> {
     let hd = p.head_dim;
     let fused = cuda.dev.has("qkv_rope_write_bf16")
-        && (qk_norm.is_none() || cuda.dev.has("rms_norm_rows_bf16"))
         && cuda.dev.has(&format!("flash_prefill_hd{hd}"))
         && cuda.dev.has(&format!("decode_attention_hd{hd}"));
     if !fused {
@@ -338,36 +337,18 @@ pub(crate) fn qkv_attention(
             .dtod(private.ptr, ptr(qkv, "qkv_attention")?, n * width * 2)?;
         private.ptr
     };
-    if let (Some(nm), true) = (&qk_norm, n > 0) {
-        // QK-norm: every q and k head normalized in place before RoPE.
-        let norm = crate::ops::norm::rms_norm_heads_in_place;
-        norm(
-            cuda,
-            qkv_ptr,
-            width,
-            n,
-            p.num_heads,
-            nm.q_weight,
-            hd,
-            nm.eps,
-            nm.weight_offset,
-        )?;
-        let k_ptr = qkv_ptr + 2 * qw as u64;
-        norm(
-            cuda,
-            k_ptr,
-            width,
-            n,
-            p.num_kv_heads,
-            nm.k_weight,
-            hd,
-            nm.eps,
-            nm.weight_offset,
-        )?;
-    }
     if n > 0 {
         crate::ops::rope_kv_write::qkv_rope_write(
-            cuda, n, qkv_ptr, width, kv, layer, &step, p, rope,
+            cuda,
+            n,
+            qkv_ptr,
+            width,
+            kv,
+            layer,
+            &step,
+            p,
+            rope,
+            qk_norm.as_ref(),
         )?;
     }
     cuda.attend(qkv_ptr, width, kv, layer, &step, block_size, p)

@@ -44,55 +44,6 @@ pub(crate) fn rms_norm(
 
 /// Threads per row of the RMSNorm kernel: about four elements each (a
 /// decode step normalizes one row, so one block's latency is the cost).
-/// RMSNorm in place of the `heads` consecutive rows of `d` that start at
-/// `x` in each of `n` rows of stride `stride` (elements): the QK-norm of
-/// the q or k heads of packed qkv rows. `w` is `[d]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rms_norm_heads_in_place(
-    cuda: &CudaBackend,
-    x: u64,
-    stride: usize,
-    n: usize,
-    heads: usize,
-    w: &Tensor,
-    d: usize,
-    eps: f32,
-    weight_offset: f32,
-) -> Result<()> {
-    if w.num_elements() != d || d == 0 {
-        return Err(TensorError::Shape {
-            op: "qk_norm",
-            detail: format!("norm weight {:?} for heads of {d}", w.shape()),
-        });
-    }
-    if n == 0 || heads == 0 {
-        return Ok(());
-    }
-    let (xs, wp, di) = (stride as i64, ptr(w, "qk_norm")?, d as i32);
-    let cfg = cudarc::driver::LaunchConfig {
-        grid_dim: (n as u32, heads as u32, 1),
-        block_dim: (norm_threads(d), 1, 1),
-        shared_mem_bytes: 0,
-    };
-    // SAFETY: x holds n rows of `stride` elements, each with `heads * d`
-    // elements from x on; w [d]; the kernel may run in place.
-    unsafe {
-        cuda.dev
-            .launch(cuda.dev.func("rms_norm_rows_bf16")?)
-            .arg(&x)
-            .arg(&xs)
-            .arg(&x)
-            .arg(&xs)
-            .arg(&wp)
-            .arg(&di)
-            .arg(&eps)
-            .arg(&weight_offset)
-            .launch(cfg)
-            .map_err(dev_err)?;
-    }
-    Ok(())
-}
-
 pub(crate) fn norm_threads(d: usize) -> u32 {
     (d.div_ceil(4).next_multiple_of(32)).clamp(128, 1024) as u32
 }

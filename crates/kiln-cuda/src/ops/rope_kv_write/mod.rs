@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::LaunchConfig;
-use kiln_tensor::{AttentionParams, Result, RopeParams, Tensor};
+use kiln_tensor::{AttentionParams, QkNorm, Result, RopeParams, Tensor};
 
 use crate::backend::CudaBackend;
 use crate::driver::device::{dev_err, ptr, rows_cfg, wrap};
@@ -102,9 +102,10 @@ pub(crate) fn write_kv(
     Ok(())
 }
 
-/// Rotates q and k of the `n` packed qkv rows at `qkv_ptr` (`[n, width]`) in
-/// place and writes the rotated keys and the values into `layer`'s cache at
-/// the step's slots: one block per row and head.
+/// Normalizes (with `qk_norm`) and rotates q and k of the `n` packed qkv
+/// rows at `qkv_ptr` (`[n, width]`) in place and writes the rotated keys and
+/// the values into `layer`'s cache at the step's slots: one block per row
+/// and head.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn qkv_rope_write(
     cuda: &CudaBackend,
@@ -116,9 +117,29 @@ pub(crate) fn qkv_rope_write(
     step: &ActiveStep,
     p: &AttentionParams,
     rope: &RopeParams<'_>,
+    qk_norm: Option<&QkNorm<'_>>,
 ) -> Result<()> {
     let hd = p.head_dim;
     let freq = rope_table(cuda, rope.inv_freq)?;
+    let (qn, kn, eps, offset) = match qk_norm {
+        Some(nm) => {
+            for w in [nm.q_weight, nm.k_weight] {
+                if w.num_elements() != hd {
+                    return Err(kiln_tensor::TensorError::Shape {
+                        op: "qk_norm",
+                        detail: format!("norm weight {:?} for heads of {hd}", w.shape()),
+                    });
+                }
+            }
+            (
+                ptr(nm.q_weight, "qk_norm")?,
+                ptr(nm.k_weight, "qk_norm")?,
+                nm.eps,
+                nm.weight_offset,
+            )
+        }
+        None => (0u64, 0u64, 0f32, 0f32),
+    };
     let m = &step.meta;
     let (pos, slots) = (
         step.base + 4 * m.pos as u64,
@@ -127,7 +148,8 @@ pub(crate) fn qkv_rope_write(
     let (stride, half) = (width as i64, rope.inv_freq.len() as i32);
     let (h, kvh, hdi) = (p.num_heads as i32, p.num_kv_heads as i32, hd as i32);
     let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
-    // SAFETY: qkv [n, width]; caches [slots, kv_row]; slots checked.
+    // SAFETY: qkv [n, width]; caches [slots, kv_row]; slots checked; the
+    // norm weights (or null) hold head_dim elements.
     unsafe {
         cuda.dev
             .launch(cuda.dev.func("qkv_rope_write_bf16")?)
@@ -143,6 +165,10 @@ pub(crate) fn qkv_rope_write(
             .arg(&h)
             .arg(&kvh)
             .arg(&hdi)
+            .arg(&qn)
+            .arg(&kn)
+            .arg(&eps)
+            .arg(&offset)
             .launch(LaunchConfig {
                 grid_dim: (n as u32, (p.num_heads + p.num_kv_heads) as u32, 1),
                 block_dim: ((hd / 2).next_multiple_of(32).clamp(32, 128) as u32, 1, 1),

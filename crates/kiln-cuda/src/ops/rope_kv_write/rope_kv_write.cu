@@ -34,23 +34,34 @@ extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16*
     }
 }
 
-// RoPE on a packed QKV projection, with the KV-cache write fused in.
+// Per-head RMSNorm (optional), RoPE on a packed QKV projection, and the KV-cache write, fused.
 // qkv [n, stride] rows: [q: heads * head_dim | k: kv_heads * head_dim | v: kv_heads * head_dim].
 // For token t = blockIdx.x at position pos[t], slot s = slots[t], and head blockIdx.y:
+//   * with q_norm (and k_norm) set, the head is first RMS-normalized over its head_dim values
+//     (Qwen3, Gemma 3): x * rsqrt(mean(x^2) + eps) * (weight_offset + w) in f32, rounded to bf16
+//     before RoPE reads it, as the CPU reference computes it;
 //   * y < heads: q head y is rotated in place in qkv (rotate-half, pairs (i, i + half), i < half);
 //   * y = heads + h: k head h is rotated, written back in place into qkv AND to
 //     k_cache[s * kv_heads * head_dim + h * head_dim + i], and v head h is copied to v_cache at
 //     the same offsets;
-//   * dims >= 2 * half pass through unchanged (left in qkv, copied to the cache for k).
+//   * dims >= 2 * half pass through unrotated (normalized when a norm is set; left in qkv,
+//     copied to the cache for k).
 // Same math as rope_bf16: sincosf(inv_freq[i] * (float)pos) times attn_scaling, f32 from the
 // bf16 inputs, one rounding.
-// Launch: grid (n tokens, heads + kv_heads), block 64 or 128 (any size <= 1024), no shared memory.
-// One block per head keeps a decode step's single token from running on one multiprocessor.
+// Launch: grid (n tokens, heads + kv_heads), block a multiple of 32 (64 or 128; <= 1024), no
+// dynamic shared memory. One block per head keeps a decode step's single token from running
+// on one multiprocessor.
+__device__ __forceinline__ float qk_normed(const bf16* x, int d, float inv, const bf16* w, float off) {
+    return w ? to_f32(to_bf16(to_f32(x[d]) * inv * (off + to_f32(w[d])))) : to_f32(x[d]);
+}
+
 extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long stride, bf16* __restrict__ k_cache,
                                                bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,
                                                const unsigned int* __restrict__ slots,
                                                const float* __restrict__ inv_freq, int half, float attn_scaling,
-                                               int heads, int kv_heads, int head_dim) {
+                                               int heads, int kv_heads, int head_dim,
+                                               const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
+                                               float eps, float weight_offset) {
     kiln_pdl_enter();
     bf16* row = qkv + (long long)blockIdx.x * stride;
     const float p = (float)pos[blockIdx.x];
@@ -60,12 +71,22 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
     const long long koff = (long long)heads * head_dim, voff = koff + (long long)kv_heads * head_dim;
     const long long cbase = is_k ? (long long)slots[blockIdx.x] * kv_heads * head_dim + hoff : 0;
     bf16* x = row + (is_k ? koff : 0) + hoff;
+    const bf16* w = is_k ? k_norm : q_norm;
+    float inv = 1.0f;
+    if (w) {  // uniform over the block: every thread reaches block_sum
+        float ss = 0.0f;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            const float v = to_f32(x[d]);
+            ss += v * v;
+        }
+        inv = rsqrtf(block_sum(ss) / head_dim + eps);
+    }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float sn, c;
         sincosf(inv_freq[i] * p, &sn, &c);
         sn *= attn_scaling;
         c *= attn_scaling;
-        const float a = to_f32(x[i]), b = to_f32(x[i + half]);
+        const float a = qk_normed(x, i, inv, w, weight_offset), b = qk_normed(x, i + half, inv, w, weight_offset);
         const bf16 ra = to_bf16(rope_first(a, b, c, sn)), rb = to_bf16(rope_second(a, b, c, sn));
         x[i] = ra;
         x[i + half] = rb;
@@ -74,9 +95,13 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
             k_cache[cbase + i + half] = rb;
         }
     }
+    // The unrotated tail (partial rotary), normalized when a norm is set.
+    for (int d = 2 * half + threadIdx.x; d < head_dim; d += blockDim.x) {
+        const bf16 t = to_bf16(qk_normed(x, d, inv, w, weight_offset));
+        x[d] = t;
+        if (is_k) k_cache[cbase + d] = t;
+    }
     if (!is_k) return;
-    // Unrotated tail of the k head (partial rotary), and the v head.
-    for (int d = 2 * half + threadIdx.x; d < head_dim; d += blockDim.x) k_cache[cbase + d] = x[d];
     const bf16* v = row + voff + hoff;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) v_cache[cbase + d] = v[d];
 }
