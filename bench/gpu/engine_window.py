@@ -59,7 +59,9 @@ def main():
             except Exception:
                 pass
             time.sleep(0.5)
-        body = lambda p: {"model": "m", "prompt": p, "max_tokens": args.max_tokens, "temperature": 0}
+        with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/v1/models", timeout=10) as r:
+            name = json.load(r)["data"][0]["id"]
+        body = lambda p: {"model": name, "prompt": p, "max_tokens": args.max_tokens, "temperature": 0}
         served = [post(args.port, body(p)) for p in prompts]
         with ThreadPoolExecutor(4) as pool:
             batched = list(pool.map(lambda p: post(args.port, body(p)), prompts))
