@@ -299,6 +299,17 @@ impl Ops for CudaBackend {
         crate::ops::norm::rms_norm(self, x, w, eps, weight_offset)
     }
 
+    fn rms_norm_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        crate::ops::norm::rms_norm_add(self, x, w, eps, weight_offset, residual)
+    }
+
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         crate::ops::elementwise::add(self, a, b)
     }

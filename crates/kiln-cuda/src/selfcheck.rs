@@ -187,6 +187,9 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let g = p.gpu.rms_norm(&xg, &wg, 1e-6, 1.0).map_err(e)?;
     let c = p.cpu.rms_norm(&xc, &wc, 1e-6, 1.0).map_err(e)?;
     p.compare("rms_norm".into(), &g, &c, TOL)?;
+    let g = p.gpu.rms_norm_add(&xg, &wg, 1e-6, 1.0, &yg).map_err(e)?;
+    let c = p.cpu.rms_norm_add(&xc, &wc, 1e-6, 1.0, &yc).map_err(e)?;
+    p.compare("rms_norm_add".into(), &g, &c, TOL)?;
     let g = p.gpu.add(&xg, &yg).map_err(e)?;
     let c = p.cpu.add(&xc, &yc).map_err(e)?;
     p.compare("add".into(), &g, &c, TOL)?;

@@ -398,6 +398,21 @@ pub trait Ops {
     /// RMSNorm over the last dimension: `x / rms(x) * (weight_offset + w)`.
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor>;
 
+    /// `residual + rms_norm(x)`: a post-norm block's sub-layer output
+    /// joining the residual stream (Gemma). By default the two ops; a
+    /// backend may fuse them (same rounding: the norm's output, then the sum).
+    fn rms_norm_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        let n = self.rms_norm(x, w, eps, weight_offset)?;
+        self.add(residual, &n)
+    }
+
     /// Elementwise `a + b` (same shape).
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor>;
 

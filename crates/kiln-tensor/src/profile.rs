@@ -152,6 +152,19 @@ impl Ops for ProfilingBackend {
         self.timed("rms_norm", || self.inner.rms_norm(x, w, eps, weight_offset))
     }
 
+    fn rms_norm_add(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        weight_offset: f32,
+        residual: &Tensor,
+    ) -> Result<Tensor> {
+        self.timed("rms_norm_add", || {
+            self.inner.rms_norm_add(x, w, eps, weight_offset, residual)
+        })
+    }
+
     fn add(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         self.timed("add", || self.inner.add(a, b))
     }

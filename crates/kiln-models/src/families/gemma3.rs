@@ -419,9 +419,9 @@ impl Gemma3 {
             // Post-norms: each sub-layer's output is normalised before
             // the residual add, so no residual is fused into the products.
             let attn = blk.o.forward(b, &attn, Fuse::NONE)?;
-            x = b.add(&x, &blk.post_attn_norm.forward(b, &attn)?)?;
+            x = blk.post_attn_norm.forward_add(b, &attn, &x)?;
             let h = blk.mlp.forward(b, &x, Fuse::norm(&blk.pre_ff_norm))?;
-            x = b.add(&x, &blk.post_ff_norm.forward(b, &h)?)?;
+            x = blk.post_ff_norm.forward_add(b, &h, &x)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;

@@ -25,6 +25,12 @@ impl RmsNorm {
         Ok(b.rms_norm(x, &self.weight, self.eps, self.weight_offset)?)
     }
 
+    /// `residual + self(x)`: a post-norm sub-layer joining the residual
+    /// stream (one kernel where the backend fuses it).
+    pub fn forward_add(&self, b: &dyn Backend, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        Ok(b.rms_norm_add(x, &self.weight, self.eps, self.weight_offset, residual)?)
+    }
+
     /// This norm as the prologue of a product that consumes its output.
     pub fn prologue(&self) -> NormPrologue<'_> {
         NormPrologue {

@@ -13,6 +13,35 @@ pub(crate) fn rms_norm(
     eps: f32,
     weight_offset: f32,
 ) -> Result<Tensor> {
+    norm_rows(cuda, x, w, eps, weight_offset, None)
+}
+
+/// `residual + rms_norm(x)` in one kernel (post-norm blocks).
+pub(crate) fn rms_norm_add(
+    cuda: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    weight_offset: f32,
+    residual: &Tensor,
+) -> Result<Tensor> {
+    if residual.shape() != x.shape() {
+        return Err(TensorError::Shape {
+            op: "rms_norm_add",
+            detail: format!("x {:?}, residual {:?}", x.shape(), residual.shape()),
+        });
+    }
+    norm_rows(cuda, x, w, eps, weight_offset, Some(residual))
+}
+
+fn norm_rows(
+    cuda: &CudaBackend,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f32,
+    weight_offset: f32,
+    after: Option<&Tensor>,
+) -> Result<Tensor> {
     let d = *x.shape().last().unwrap_or(&0);
     if w.num_elements() != d || d == 0 {
         return Err(TensorError::Shape {
@@ -23,8 +52,14 @@ pub(crate) fn rms_norm(
     let rows = x.num_elements() / d;
     let out = cuda.alloc(rows * d, "a norm")?;
     let (xp, wp, null, di) = (ptr(x, "rms_norm")?, ptr(w, "rms_norm")?, 0u64, d as i32);
+    let ap = match after {
+        Some(a) => ptr(a, "rms_norm_add")?,
+        None => 0u64,
+    };
     if rows > 0 {
-        // SAFETY: x and out [rows, d], w [d]; a null residual skips the add.
+        // SAFETY: x, out and `after` (when set) [rows, d], w [d]; a null
+        // residual skips the add before the norm, a null `after` the one
+        // after it.
         unsafe {
             cuda.dev
                 .launch(cuda.dev.func("add_rms_norm_bf16")?)
@@ -35,6 +70,7 @@ pub(crate) fn rms_norm(
                 .arg(&di)
                 .arg(&eps)
                 .arg(&weight_offset)
+                .arg(&ap)
                 .launch(rows_cfg(rows, norm_threads(d), 0))
                 .map_err(dev_err)?;
         }

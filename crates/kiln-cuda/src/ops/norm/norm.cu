@@ -4,11 +4,13 @@
 
 // Fused residual add + RMSNorm, one block per row:
 //   sum = x + residual (written back to residual when residual is non-null),
-//   out = sum / sqrt(mean(sum^2) + eps) * (weight_offset + w).
+//   out = sum / sqrt(mean(sum^2) + eps) * (weight_offset + w),
+//   and with `after` non-null (post-norm blocks; residual null): out = after + bf16(out), one
+//   more rounding, as the norm and then the sum round.
 // rms_prologue.cuh reproduces this kernel's summation order and rounding (keep them in step).
 extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* __restrict__ residual,
                                              const bf16* __restrict__ w, bf16* __restrict__ out, int d, float eps,
-                                             float weight_offset) {
+                                             float weight_offset, const bf16* __restrict__ after) {
     kiln_pdl_enter();
     const long long base = (long long)blockIdx.x * d;
     float ss = 0.0f;
@@ -24,6 +26,7 @@ extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* _
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         // Re-read the (rounded) sum, as the next layer will see it.
         const float v = residual ? to_f32(residual[base + i]) : to_f32(x[base + i]);
-        out[base + i] = to_bf16(v * inv * (weight_offset + to_f32(w[i])));
+        const bf16 y = to_bf16(v * inv * (weight_offset + to_f32(w[i])));
+        out[base + i] = after ? to_bf16(to_f32(after[base + i]) + to_f32(y)) : y;
     }
 }
