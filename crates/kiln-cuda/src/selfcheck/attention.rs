@@ -1,0 +1,216 @@
+//! Attention checks: every path of `attention` and `qkv_attention` (prefill,
+//! chunked, mixed, split-KV decode; two KV groups, a window's freed entries)
+//! against the CPU.
+
+use super::*;
+
+struct Caches {
+    gpu: KvCache,
+    cpu: KvCache,
+}
+
+/// QK-norm weights (q, k) on the GPU and on the CPU, and the weight offset.
+type QkNorms<'a> = ([(&'a Tensor, &'a Tensor); 2], f32);
+
+#[allow(clippy::too_many_arguments)]
+fn attention_step(
+    p: &mut Pair,
+    rng: &mut Rng,
+    caches: &mut Caches,
+    batch: &ForwardBatch,
+    ap: &AttentionParams,
+    rotary: (&[f32], f32),
+    qk: Option<QkNorms>,
+    label: &str,
+    fused: bool,
+) -> R<()> {
+    let n = batch.num_tokens();
+    let (qw, kw) = (ap.num_heads * ap.head_dim, ap.num_kv_heads * ap.head_dim);
+    let rope = RopeParams {
+        num_heads: ap.num_heads,
+        head_dim: ap.head_dim,
+        inv_freq: rotary.0,
+        attention_scaling: rotary.1,
+    };
+    let norm = |side: usize| {
+        qk.map(|(w, weight_offset)| QkNorm {
+            q_weight: w[side].0,
+            k_weight: w[side].1,
+            eps: 1e-6,
+            weight_offset,
+        })
+    };
+    let (g, c) = if fused {
+        let (xg, xc) = p.up(&[n, qw + 2 * kw], &rng.vec(n * (qw + 2 * kw), 1.0))?;
+        (
+            p.gpu
+                .qkv_attention(&xg, &mut caches.gpu, 0, batch, ap, &rope, norm(0))
+                .map_err(e)?,
+            p.cpu
+                .qkv_attention(&xc, &mut caches.cpu, 0, batch, ap, &rope, norm(1))
+                .map_err(e)?,
+        )
+    } else {
+        let (qg, qc) = p.up(&[n, qw], &rng.vec(n * qw, 1.0))?;
+        let (kg, kc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
+        let (vg, vc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
+        (
+            p.gpu
+                .attention(&qg, &kg, &vg, &mut caches.gpu, 0, batch, ap)
+                .map_err(e)?,
+            p.cpu
+                .attention(&qc, &kc, &vc, &mut caches.cpu, 0, batch, ap)
+                .map_err(e)?,
+        )
+    };
+    let kind = match (fused, qk.is_some()) {
+        (true, true) => "qkv_attention (QK-norm)",
+        (true, false) => "qkv_attention",
+        _ => "attention",
+    };
+    p.compare(
+        format!(
+            "{kind} {label} heads={}/{} hd={} window={:?}",
+            ap.num_heads, ap.num_kv_heads, ap.head_dim, ap.sliding_window
+        ),
+        &g,
+        &c,
+        TOL_ATTN,
+    )
+}
+
+/// Blocks for sequences, handed out in a shuffled order.
+struct Blocks(Vec<u32>);
+
+impl Blocks {
+    fn new(rng: &mut Rng, n: usize) -> Self {
+        let mut v: Vec<u32> = (0..n as u32).collect();
+        for i in (1..n).rev() {
+            v.swap(i, rng.below(i + 1));
+        }
+        Blocks(v)
+    }
+
+    fn take(&mut self, n: usize) -> Vec<u32> {
+        let at = self.0.len() - n;
+        self.0.split_off(at)
+    }
+}
+
+pub(super) fn attention_ops(
+    p: &mut Pair,
+    rng: &mut Rng,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    window: Option<usize>,
+    (half, scaling): (usize, f32),
+) -> R<()> {
+    let bs = 16;
+    // Two KV groups (as Gemma's global and sliding layers): a windowed
+    // layer reads group 1's tables and slots, the others group 0's.
+    let spec = KvPoolShape {
+        num_layers: 1,
+        num_groups: 2,
+        num_blocks: 400,
+        block_size: bs,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+    };
+    let group = usize::from(window.is_some());
+    let ap = AttentionParams {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        scale: (hd as f32).powf(-0.5),
+        sliding_window: window,
+        softcap: None,
+        kv_group: group,
+        causal: true,
+    };
+    // A decode step's tables as the engine passes them: a windowed group's
+    // entries before the window (freed) name its first held block.
+    let held = |t: &Vec<Vec<u32>>, pos: usize| -> Vec<Vec<u32>> {
+        let mut t = t.clone();
+        if let Some(w) = window {
+            let first = (pos + 1).saturating_sub(w) / bs;
+            let keep = t[1][first];
+            t[1][..first].fill(keep);
+        }
+        t
+    };
+    // `half` rotated pairs (hd / 2: the whole head).
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1e4f32.powf(-((2 * i) as f32) / (2 * half) as f32))
+        .collect();
+    let rotary = (inv_freq.as_slice(), scaling);
+    // Unfused ops and qkv_attention; split decode steps with values loaded
+    // with keys (the default) and apart.
+    // QK-norm (Qwen3, Gemma 3: weight offset 1 at head dim 256) through the
+    // fused path too.
+    let offset = if hd == 256 { 1.0 } else { 0.0 };
+    let (qn, kn) = (rng.vec(hd, 0.5), rng.vec(hd, 0.5));
+    let (qng, qnc) = p.up(&[hd], &qn)?;
+    let (kng, knc) = p.up(&[hd], &kn)?;
+    let norms = [(&qng, &kng), (&qnc, &knc)];
+    for (fused, vpre, qk) in [
+        (false, true, false),
+        (true, true, false),
+        (true, false, false),
+        (true, true, true),
+    ] {
+        let qk = qk.then_some((norms, offset));
+        p.gpu.set_decode_vpre(vpre);
+        let mut caches = Caches {
+            gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
+            cpu: p.cpu.alloc_kv_cache(spec).map_err(e)?,
+        };
+        let mut blocks = Blocks::new(rng, spec.num_blocks);
+        // A: 150-token prompt from scratch; B: 100 tokens, then 37 more
+        // (chunked prefill); then a mixed step (A decodes, C prefills 20);
+        // then decode steps of A, B, C and two long sequences (split KV).
+        let mut two = |n: usize| vec![blocks.take(n), blocks.take(n)];
+        let ta = two(12);
+        let tb = two(10);
+        let tc = two(4);
+        let td = two(80);
+        let te = two(40);
+        let toks = |n: usize| vec![0u32; n];
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        b.push_seq_groups(&toks(150), 0, ta.clone(), true);
+        b.push_seq_groups(&toks(100), 0, tb.clone(), true);
+        b.push_seq_groups(&toks(1200), 0, td.clone(), true);
+        b.push_seq_groups(&toks(600), 0, te.clone(), true);
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "prefill", fused)?;
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        b.push_seq_groups(&toks(37), 100, tb.clone(), true);
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "chunked", fused)?;
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        b.push_seq_groups(&toks(1), 150, held(&ta, 150), true);
+        b.push_seq_groups(&toks(20), 0, tc.clone(), true);
+        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "mixed", fused)?;
+        let apart = if vpre { "" } else { " (values apart)" };
+        for (step, label) in [(0, "decode"), (1, "decode 2")] {
+            let mut b = ForwardBatch {
+                block_size: bs,
+                ..ForwardBatch::default()
+            };
+            for (at, t) in [(151, &ta), (137, &tb), (20, &tc), (1200, &td), (600, &te)] {
+                b.push_seq_groups(&toks(1), at + step, held(t, at + step), true);
+            }
+            let label = format!("{label}{apart}");
+            attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
+        }
+    }
+    p.gpu.set_decode_vpre(true);
+    Ok(())
+}

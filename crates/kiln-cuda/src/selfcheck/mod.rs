@@ -1,0 +1,380 @@
+//! Cross-backend op checks: every op of [`CudaBackend`] against the CPU
+//! reference backend on the same (bf16-rounded) inputs, at odd sizes, GQA
+//! ratios, head dims 64/128/256, prefill, chunked prefill, mixed and
+//! split-KV decode batches, sliding windows, recorded (graph) decode
+//! steps replayed against fresh metadata, and the device sampler against
+//! its host reference (`ops/sample/check.rs`); `qkv_attention` with and
+//! without QK-norm (`attention.rs`; recorded steps and the sampler in
+//! `steps.rs`). `kiln dev cuda-check` runs it on a GPU machine and writes
+//! the report.
+
+use half::bf16;
+use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::prelude::*;
+use kiln_tensor::{
+    Activation, AttentionParams, Epilogue, ForwardBatch, KvCache, KvPoolShape, NormPrologue,
+    QkNorm, RopeParams, Tensor, Weight,
+};
+
+use crate::CudaBackend;
+
+/// One comparison: relative L2 error ‖gpu − cpu‖ / ‖cpu‖ and max abs error.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub op: String,
+    pub rel_err: f64,
+    pub max_abs_err: f64,
+    pub tolerance: f64,
+    pub pass: bool,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    }
+
+    /// Values exactly representable in bf16, so both backends see the same.
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| bf16::from_f32(self.next() * scale).to_f32())
+            .collect()
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next() * 0.5 + 0.5) * n as f32) as usize % n.max(1)
+    }
+}
+
+struct Pair<'a> {
+    gpu: &'a CudaBackend,
+    cpu: CpuBackend,
+    checks: Vec<Check>,
+}
+
+type R<T> = std::result::Result<T, String>;
+
+fn e(x: impl std::fmt::Display) -> String {
+    x.to_string()
+}
+
+impl Pair<'_> {
+    fn up(&self, shape: &[usize], data: &[f32]) -> R<(Tensor, Tensor)> {
+        Ok((
+            self.gpu.upload(shape, data).map_err(e)?,
+            self.cpu.upload(shape, data).map_err(e)?,
+        ))
+    }
+
+    fn compare(&mut self, op: String, gpu: &Tensor, cpu: &Tensor, tolerance: f64) -> R<()> {
+        let g = self.gpu.to_host(gpu).map_err(e)?;
+        let c = self.cpu.to_host(cpu).map_err(e)?;
+        if g.len() != c.len() || gpu.shape() != cpu.shape() {
+            return Err(format!(
+                "{op}: shapes {:?} vs {:?}",
+                gpu.shape(),
+                cpu.shape()
+            ));
+        }
+        self.push(op, &g, &c, tolerance);
+        Ok(())
+    }
+
+    /// Two GPU results (a fused op against its unfused ops).
+    fn compare_gpu(&mut self, op: String, a: &Tensor, b: &Tensor, tolerance: f64) -> R<()> {
+        if a.shape() != b.shape() {
+            return Err(format!("{op}: shapes {:?} vs {:?}", a.shape(), b.shape()));
+        }
+        let (g, c) = (
+            self.gpu.to_host(a).map_err(e)?,
+            self.gpu.to_host(b).map_err(e)?,
+        );
+        self.push(op, &g, &c, tolerance);
+        Ok(())
+    }
+
+    fn push(&mut self, op: String, g: &[f32], c: &[f32], tolerance: f64) {
+        let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+        let mut finite = true;
+        for (a, b) in g.iter().zip(c) {
+            finite &= a.is_finite();
+            let d = (*a as f64 - *b as f64).abs();
+            max_abs = max_abs.max(d);
+            num += d * d;
+            den += (*b as f64) * (*b as f64);
+        }
+        let rel = if finite {
+            (num / den.max(1e-30)).sqrt()
+        } else {
+            f64::INFINITY
+        };
+        self.checks.push(Check {
+            op,
+            rel_err: rel,
+            max_abs_err: max_abs,
+            tolerance,
+            pass: rel <= tolerance,
+        });
+    }
+}
+
+/// bf16 storage of results: about 3 significant digits.
+const TOL: f64 = 1e-2;
+const TOL_ATTN: f64 = 2e-2;
+/// A fused op against the same GPU's unfused ops: equal by construction up
+/// to the compiler's float contractions (a few bf16 ulps at most).
+const TOL_SAME: f64 = 1e-3;
+
+/// Run every check; an `Err` means a check could not run at all.
+pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
+    let mut p = Pair {
+        gpu,
+        cpu: CpuBackend::new(),
+        checks: Vec::new(),
+    };
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    dense_ops(&mut p, &mut rng)?;
+    for &(heads, kv_heads, hd) in &[(9, 3, 64), (32, 8, 128), (4, 1, 256), (14, 2, 64)] {
+        attention_ops(&mut p, &mut rng, heads, kv_heads, hd, None, (hd / 2, 1.0))?;
+    }
+    attention_ops(&mut p, &mut rng, 8, 2, 64, Some(48), (32, 1.0))?;
+    // Partial rotary (a quarter of the head's dims rotate) with an attention scaling.
+    attention_ops(&mut p, &mut rng, 12, 4, 128, None, (32, 0.9))?;
+    recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
+    norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
+    recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
+    p.checks.extend(crate::ops::sample::check::checks(p.gpu)?);
+    Ok(p.checks)
+}
+
+fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    for &(k, m) in &[(576usize, 1536usize), (896, 1000), (4096, 512)] {
+        let (wg, wc) = p.up(&[m, k], &rng.vec(m * k, 0.05))?;
+        let (bg, bc) = p.up(&[m], &rng.vec(m, 0.5))?;
+        for &n in &[1usize, 2, 3, 8, 9, 37] {
+            let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
+            let (rg, rc) = p.up(&[n, m], &rng.vec(n * m, 1.0))?;
+            let g = linear(p.gpu, &xg, &wg, None).map_err(e)?;
+            let c = linear(&p.cpu, &xc, &wc, None).map_err(e)?;
+            p.compare(format!("linear n={n} k={k} m={m}"), &g, &c, TOL)?;
+            let g = linear(p.gpu, &xg, &wg, Some(&bg)).map_err(e)?;
+            let c = linear(&p.cpu, &xc, &wc, Some(&bc)).map_err(e)?;
+            p.compare(format!("linear+bias n={n} k={k} m={m}"), &g, &c, TOL)?;
+            let g = linear_add(p.gpu, &xg, &wg, None, &rg).map_err(e)?;
+            let c = linear_add(&p.cpu, &xc, &wc, None, &rc).map_err(e)?;
+            p.compare(format!("linear_add n={n} k={k} m={m}"), &g, &c, TOL)?;
+            if m % 2 == 0 {
+                for act in [Activation::Silu, Activation::GeluTanh] {
+                    let g = gated_linear(p.gpu, &xg, &wg, act).map_err(e)?;
+                    let c = gated_linear(&p.cpu, &xc, &wc, act).map_err(e)?;
+                    p.compare(
+                        format!("gated_linear {act:?} n={n} k={k} 2i={m}"),
+                        &g,
+                        &c,
+                        TOL,
+                    )?;
+                }
+            }
+        }
+    }
+    let (n, d) = (37usize, 896usize);
+    let (xg, xc) = p.up(&[n, d], &rng.vec(n * d, 2.0))?;
+    let (yg, yc) = p.up(&[n, d], &rng.vec(n * d, 2.0))?;
+    let (wg, wc) = p.up(&[d], &rng.vec(d, 1.0))?;
+    let g = p.gpu.rms_norm(&xg, &wg, 1e-6, 1.0).map_err(e)?;
+    let c = p.cpu.rms_norm(&xc, &wc, 1e-6, 1.0).map_err(e)?;
+    p.compare("rms_norm".into(), &g, &c, TOL)?;
+    let g = p.gpu.rms_norm_add(&xg, &wg, 1e-6, 1.0, &yg).map_err(e)?;
+    let c = p.cpu.rms_norm_add(&xc, &wc, 1e-6, 1.0, &yc).map_err(e)?;
+    p.compare("rms_norm_add".into(), &g, &c, TOL)?;
+    let g = p.gpu.add(&xg, &yg).map_err(e)?;
+    let c = p.cpu.add(&xc, &yc).map_err(e)?;
+    p.compare("add".into(), &g, &c, TOL)?;
+    let g = p.gpu.scale(&xg, 0.37).map_err(e)?;
+    let c = p.cpu.scale(&xc, 0.37).map_err(e)?;
+    p.compare("scale".into(), &g, &c, TOL)?;
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let g = p.gpu.gated_activation(&xg, &yg, act).map_err(e)?;
+        let c = p.cpu.gated_activation(&xc, &yc, act).map_err(e)?;
+        p.compare(format!("gated_activation {act:?}"), &g, &c, TOL)?;
+    }
+    let ids: Vec<u32> = (0..n as u32).map(|i| i * 7919 % 1000).collect();
+    let (tg, tc) = p.up(&[1000, 64], &rng.vec(64_000, 1.0))?;
+    let g = p.gpu.embedding(&tg, &ids).map_err(e)?;
+    let c = p.cpu.embedding(&tc, &ids).map_err(e)?;
+    p.compare("embedding".into(), &g, &c, 0.0)?;
+    let rows = [36u32, 0, 5, 5];
+    let g = p.gpu.gather_rows(&xg, &rows).map_err(e)?;
+    let c = p.cpu.gather_rows(&xc, &rows).map_err(e)?;
+    p.compare("gather_rows".into(), &g, &c, 0.0)?;
+    // Rows of an odd width (element by element), and every row in order.
+    let (tg, tc) = p.up(&[300, 61], &rng.vec(300 * 61, 1.0))?;
+    let ids: Vec<u32> = (0..n as u32).map(|i| i * 31 % 300).collect();
+    let g = p.gpu.embedding(&tg, &ids).map_err(e)?;
+    let c = p.cpu.embedding(&tc, &ids).map_err(e)?;
+    p.compare("embedding (odd width)".into(), &g, &c, 0.0)?;
+    let rows = [7u32, 299, 0];
+    let g = p.gpu.gather_rows(&tg, &rows).map_err(e)?;
+    let c = p.cpu.gather_rows(&tc, &rows).map_err(e)?;
+    p.compare("gather_rows (odd width)".into(), &g, &c, 0.0)?;
+    // Argmax rows of an odd vocabulary (element by element) with ties (values on a coarse grid:
+    // the lowest index wins), and of the 8B shape's vocabulary.
+    for (it, (rows, vocab, grid)) in [(3usize, 1001usize, 4.0f32), (2, 49_152, 64.0)]
+        .into_iter()
+        .enumerate()
+    {
+        let vals: Vec<f32> = rng
+            .vec(rows * vocab, 3.0)
+            .iter()
+            .map(|v| (v * grid).round() / grid)
+            .collect();
+        let (lg, _) = p.up(&[rows, vocab], &vals)?;
+        argmax_check(p, &lg, 100 + it)?;
+    }
+    let all: Vec<u32> = (0..xg.shape()[0] as u32).collect();
+    let g = p.gpu.gather_rows(&xg, &all).map_err(e)?;
+    let c = p.cpu.gather_rows(&xc, &all).map_err(e)?;
+    p.compare("gather_rows (all, in order)".into(), &g, &c, 0.0)?;
+    let g = p.gpu.split_cols(&xg, &[100, 700, 96]).map_err(e)?;
+    let c = p.cpu.split_cols(&xc, &[100, 700, 96]).map_err(e)?;
+    for i in 0..3 {
+        p.compare(format!("split_cols part {i}"), &g[i], &c[i], 0.0)?;
+    }
+    let (heads, hd) = (14usize, 64usize);
+    let inv_freq: Vec<f32> = (0..24)
+        .map(|i| 1e4f32.powf(-(2 * i) as f32 / 48.0))
+        .collect();
+    let positions: Vec<u32> = (0..n as u32).map(|i| i * 97 % 4099).collect();
+    let (qg, qc) = p.up(&[n, heads * hd], &rng.vec(n * heads * hd, 1.0))?;
+    let rp = RopeParams {
+        num_heads: heads,
+        head_dim: hd,
+        inv_freq: &inv_freq,
+        attention_scaling: 1.0,
+    };
+    let g = p.gpu.rope(&qg, &positions, &rp).map_err(e)?;
+    let c = p.cpu.rope(&qc, &positions, &rp).map_err(e)?;
+    p.compare("rope partial rotary".into(), &g, &c, TOL)?;
+    Ok(())
+}
+
+/// The RMSNorm-fused projections against the CPU (norm then product) and
+/// against the GPU's own unfused ops, which they reproduce (same summation
+/// order and bf16 rounding; the report's errors show how exactly). Row
+/// counts 1–8 take the fused GEMV kernels, 9 the unfused path (norm, then
+/// cuBLAS); k = 900 (not a multiple of 8) the unfused path (cuBLAS)
+/// at every row count, k = 8192 the unfused path of `rms_norm_linear` from 6
+/// rows (shared memory).
+fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    for &(k, m) in &[
+        (576usize, 1536usize),
+        (896, 1001),
+        (1000, 1002),
+        (4096, 514),
+        (900, 300),
+        (8192, 66),
+    ] {
+        let (wg, wc) = p.up(&[m, k], &rng.vec(m * k, 0.05))?;
+        let (bg, bc) = p.up(&[m], &rng.vec(m, 0.5))?;
+        for &offset in &[0.0f32, 1.0] {
+            let (ng, nc) = p.up(&[k], &rng.vec(k, 1.0))?;
+            for &n in &[1usize, 2, 3, 7, 8, 9] {
+                let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 2.0))?;
+                let label = format!("n={n} k={k} offset={offset}");
+                let hg = p.gpu.rms_norm(&xg, &ng, 1e-6, offset).map_err(e)?;
+                for bias in [None, Some((&bg, &bc))] {
+                    let g = rms_norm_linear(p.gpu, &xg, &ng, 1e-6, offset, &wg, bias.map(|b| b.0))
+                        .map_err(e)?;
+                    let c = rms_norm_linear(&p.cpu, &xc, &nc, 1e-6, offset, &wc, bias.map(|b| b.1))
+                        .map_err(e)?;
+                    let what = if bias.is_some() { "+bias" } else { "" };
+                    p.compare(format!("rms_norm_linear{what} {label} m={m}"), &g, &c, TOL)?;
+                    let u = linear(p.gpu, &hg, &wg, bias.map(|b| b.0)).map_err(e)?;
+                    p.compare_gpu(
+                        format!("rms_norm_linear{what} vs unfused gpu {label} m={m}"),
+                        &g,
+                        &u,
+                        TOL_SAME,
+                    )?;
+                }
+                if m % 2 == 0 {
+                    for act in [Activation::Silu, Activation::GeluTanh] {
+                        let g = rms_norm_gated_linear(p.gpu, &xg, &ng, 1e-6, offset, &wg, act)
+                            .map_err(e)?;
+                        let c = rms_norm_gated_linear(&p.cpu, &xc, &nc, 1e-6, offset, &wc, act)
+                            .map_err(e)?;
+                        let what = format!("rms_norm_gated_linear {act:?} {label} 2i={m}");
+                        p.compare(what.clone(), &g, &c, TOL)?;
+                        let u = gated_linear(p.gpu, &hg, &wg, act).map_err(e)?;
+                        p.compare_gpu(format!("{what} vs unfused gpu"), &g, &u, TOL_SAME)?;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A sequence of steps over one shared KV history on both backends.
+mod attention;
+mod steps;
+
+use attention::attention_ops;
+use steps::{argmax_check, recorded_steps, Toy};
+
+/// The products the checks compare, each one form of [`Ops::matmul`] on
+/// a dense weight.
+type R2 = kiln_tensor::Result<Tensor>;
+
+fn dense(w: &Tensor) -> Weight {
+    Weight::Dense(w.clone())
+}
+
+fn linear(b: &dyn Backend, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> R2 {
+    b.matmul(x, &dense(w), None, Epilogue::bias(bias))
+}
+
+fn linear_add(b: &dyn Backend, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, r: &Tensor) -> R2 {
+    b.matmul(x, &dense(w), None, Epilogue::bias(bias).with_residual(r))
+}
+
+fn gated_linear(b: &dyn Backend, x: &Tensor, w: &Tensor, act: Activation) -> R2 {
+    b.matmul(x, &dense(w), None, Epilogue::gated(act))
+}
+
+fn prologue(weight: &Tensor, eps: f32, offset: f32) -> Option<NormPrologue<'_>> {
+    Some(NormPrologue {
+        weight,
+        eps,
+        offset,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_linear(
+    b: &dyn Backend,
+    x: &Tensor,
+    n: &Tensor,
+    eps: f32,
+    offset: f32,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> R2 {
+    b.matmul(x, &dense(w), prologue(n, eps, offset), Epilogue::bias(bias))
+}
+
+fn rms_norm_gated_linear(
+    b: &dyn Backend,
+    x: &Tensor,
+    n: &Tensor,
+    eps: f32,
+    offset: f32,
+    w: &Tensor,
+    act: Activation,
+) -> R2 {
+    b.matmul(x, &dense(w), prologue(n, eps, offset), Epilogue::gated(act))
+}
