@@ -98,7 +98,10 @@ impl CudaBackend {
             // counts its padded rows, so below a bucket size it may split a
             // row into fewer partitions than an eager step: the same sum in
             // another order.)
-            let max_keys = (m.width * block_size).max(1);
+            // A windowed layer's rows read at most `window` keys, whatever
+            // the table width: no partitions that could only be empty.
+            let table_keys = m.width * block_size;
+            let max_keys = p.sliding_window.map_or(table_keys, |w| table_keys.min(w)).max(1);
             let want = (DECODE_TARGET_CTAS / (n * p.num_kv_heads)).max(1);
             let parts = want.min(max_keys.div_ceil(DECODE_MIN_PARTITION));
             let part = DECODE_MIN_PARTITION as i32;
