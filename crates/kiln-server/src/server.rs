@@ -300,17 +300,20 @@ async fn serve_until(
 }
 
 /// Starts a runtime, binds, calls `on_listening` with the bound address,
-/// runs `load` on a blocking thread while answering 503, and serves its
-/// engine until SIGINT or SIGTERM. A load that fails ends this with
-/// [`ServerError::Load`] (`/health` says `failed` until the process
-/// exits). For the `kiln serve` command.
-pub fn run<L>(
+/// runs `load` on a blocking thread while answering 503, calls `on_ready`
+/// with what the load returned beside its engine once requests reach the
+/// engine, and serves it until SIGINT or SIGTERM. A load that fails ends
+/// this with [`ServerError::Load`] (`/health` says `failed` until the
+/// process exits). For the `kiln serve` command.
+pub fn run<L, T>(
     config: ServerConfig,
     load: L,
     on_listening: impl FnOnce(SocketAddr),
+    on_ready: impl FnOnce(T),
 ) -> Result<(), ServerError>
 where
-    L: FnOnce() -> Result<Engine, String> + Send + 'static,
+    L: FnOnce() -> Result<(Engine, T), String> + Send + 'static,
+    T: Send + 'static,
 {
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -346,7 +349,7 @@ where
         let engine = tokio::select! {
             r = &mut serving => return (r, None),
             loaded = loading => match loaded {
-                Ok(Ok(engine)) => engine,
+                Ok(Ok(loaded)) => loaded,
                 Ok(Err(message)) => {
                     readiness.failed(message.clone());
                     return (Err(ServerError::Load(message)), None);
@@ -358,7 +361,9 @@ where
                 }
             },
         };
+        let (engine, note) = engine;
         readiness.ready(engine.handle());
+        on_ready(note);
         (serving.await, Some(engine))
     });
     // Tasks still blocked on a request end when the engine stops; don't wait.

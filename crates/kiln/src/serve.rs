@@ -284,34 +284,41 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let load_path = path.clone();
     let load = move || {
         load_engine(&model_args, &load_path, backend, kv_bytes, context)
-            .map(|engine| {
+            .map(|(engine, loaded)| {
                 let defaults = server_config.sampling_defaults(engine.handle().model());
                 eprintln!(
                     "kiln serve: context {context} tokens ({context_note}); sampling defaults: {defaults}"
                 );
-                engine
+                (engine, loaded)
             })
             .map_err(|e| format!("{e:#}"))
     };
-    kiln_server::run(config, load, |addr| {
-        eprintln!(
-            "kiln serve: `{model_name}` on http://{addr} (Ctrl-C to stop); loading {}",
-            path.display()
-        );
-    })?;
+    kiln_server::run(
+        config,
+        load,
+        |addr| {
+            eprintln!(
+                "kiln serve: `{model_name}` on http://{addr} (Ctrl-C to stop); loading {}",
+                path.display()
+            );
+        },
+        // Printed once requests reach the engine (not when the load
+        // returns, which is a moment earlier).
+        |loaded: String| eprintln!("kiln serve: {loaded}; ready"),
+    )?;
     eprintln!("kiln serve: stopped");
     Ok(())
 }
 
 /// Loads the model and starts its engine (on a background thread while the
-/// server already answers).
+/// server already answers); the engine and what to say of the load.
 fn load_engine(
     model_args: &ModelArgs,
     path: &std::path::Path,
     backend: Arc<dyn kiln_tensor::Backend>,
     kv_bytes: Option<usize>,
     context: usize,
-) -> Result<Engine> {
+) -> Result<(Engine, String)> {
     let model = model_args.load_on(backend)?;
     let plan = EngineConfig::plan(&model, kv_bytes, context)?;
     let engine_config = EngineConfig {
@@ -320,9 +327,8 @@ fn load_engine(
     };
     let load_seconds = model.load_seconds;
     let engine = Engine::start(model, engine_config).context("starting the engine")?;
-    eprintln!(
-        "kiln serve: {} loaded in {load_seconds:.1}s; {plan}; ready",
-        path.display(),
-    );
-    Ok(engine)
+    Ok((
+        engine,
+        format!("{} loaded in {load_seconds:.1}s; {plan}", path.display()),
+    ))
 }

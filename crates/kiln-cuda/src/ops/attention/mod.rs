@@ -101,7 +101,10 @@ impl CudaBackend {
             // A windowed layer's rows read at most `window` keys, whatever
             // the table width: no partitions that could only be empty.
             let table_keys = m.width * block_size;
-            let max_keys = p.sliding_window.map_or(table_keys, |w| table_keys.min(w)).max(1);
+            let max_keys = p
+                .sliding_window
+                .map_or(table_keys, |w| table_keys.min(w))
+                .max(1);
             let want = (DECODE_TARGET_CTAS / (n * p.num_kv_heads)).max(1);
             let parts = want.min(max_keys.div_ceil(DECODE_MIN_PARTITION));
             let part = DECODE_MIN_PARTITION as i32;
