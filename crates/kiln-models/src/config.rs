@@ -218,6 +218,12 @@ impl ModelConfig {
     ) -> (kiln_scheduler::KvCacheSpec, Vec<kiln_scheduler::LayerSlot>) {
         kiln_scheduler::KvCacheSpec::for_layers(&self.layer_kinds, block_size)
     }
+
+    /// Where each layer's keys and values live (its group and place in a
+    /// block; the same for every block size).
+    pub fn kv_slots(&self) -> Vec<kiln_scheduler::LayerSlot> {
+        self.kv_layout(kiln_scheduler::DEFAULT_BLOCK_SIZE).1
+    }
 }
 
 /// Parse a rotary scaling object (`rope_scaling`, or one entry of

@@ -150,8 +150,8 @@ impl KvCacheSpec {
             }
         }
         let per_group = distinct.iter().map(|&(_, n)| n).min().unwrap_or(1);
-        let mut groups = Vec::new();
-        // The group each kind's layers are filling, and how many it has so far.
+        let mut groups: Vec<LayerGroup> = Vec::new();
+        // The group each kind's layers are filling.
         let mut filling: Vec<Option<usize>> = vec![None; distinct.len()];
         let mut slots = Vec::with_capacity(kinds.len());
         for &kind in kinds {
@@ -160,30 +160,22 @@ impl KvCacheSpec {
                 .position(|(d, _)| *d == kind)
                 .expect("every kind was counted");
             let group = match filling[k] {
-                Some(g) if groups[g] < per_group => g,
+                Some(g) if groups[g].num_layers < per_group => g,
                 _ => {
-                    groups.push(0);
+                    groups.push(LayerGroup {
+                        kind,
+                        num_layers: 0,
+                    });
                     filling[k] = Some(groups.len() - 1);
                     groups.len() - 1
                 }
             };
             slots.push(LayerSlot {
                 group,
-                slot: groups[group],
+                slot: groups[group].num_layers,
             });
-            groups[group] += 1;
+            groups[group].num_layers += 1;
         }
-        let groups = groups
-            .iter()
-            .enumerate()
-            .map(|(g, &num_layers)| LayerGroup {
-                kind: kinds[slots
-                    .iter()
-                    .position(|s| s.group == g)
-                    .expect("groups have layers")],
-                num_layers,
-            })
-            .collect();
         (KvCacheSpec { block_size, groups }, slots)
     }
 

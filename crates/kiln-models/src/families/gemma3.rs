@@ -280,7 +280,7 @@ impl Gemma3 {
         let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
         let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
         let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-        let (_, kv_slots) = cfg.kv_layout(kiln_scheduler::DEFAULT_BLOCK_SIZE);
+        let kv_slots = cfg.kv_slots();
         let window = if g.bidirectional {
             g.sliding_window / 2 + 1
         } else {

@@ -186,7 +186,7 @@ impl Llama {
             bias: None,
         };
         let rope = Rope::new(cfg.head_dim, f.rope_theta, &f.rope_scaling);
-        let (_, kv_slots) = cfg.kv_layout(kiln_scheduler::DEFAULT_BLOCK_SIZE);
+        let kv_slots = cfg.kv_slots();
         Ok(Llama {
             kv_slots,
             cfg,
