@@ -347,6 +347,17 @@ impl Ops for CudaBackend {
         crate::ops::attention::attention(self, q, k, v, cache, layer, batch, p)
     }
 
+    fn attention_shared(
+        &self,
+        q: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        crate::ops::attention::attention_shared(self, q, cache, layer, batch, p)
+    }
+
     fn qkv_attention(
         &self,
         qkv: &Tensor,

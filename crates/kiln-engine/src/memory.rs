@@ -88,8 +88,16 @@ pub fn kv_bytes_for(
 /// attention output) and the MLP stage (packed gate/up, its two halves,
 /// the activated product); per sequence its logits row and a host copy.
 pub fn activation_bytes(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize) -> u64 {
-    let q = cfg.num_heads * cfg.head_dim;
-    let kv = cfg.num_kv_heads * cfg.head_dim;
+    // The widest layer's (Gemma 4's full-attention heads are twice its
+    // sliding ones).
+    let head_dim = cfg
+        .layer_kv
+        .iter()
+        .map(|l| l.head_dim)
+        .max()
+        .unwrap_or(cfg.head_dim);
+    let q = cfg.num_heads * head_dim;
+    let kv = cfg.kv_row();
     let attention = 2 * (q + 2 * kv) + (q + kv) + q;
     let mlp = 5 * cfg.intermediate_size;
     let per_token = 2 * cfg.hidden_size + attention.max(mlp);

@@ -199,6 +199,17 @@ impl Ops for DeviceSampling {
         self.0.attention(q, k, v, cache, layer, batch, p)
     }
 
+    fn attention_shared(
+        &self,
+        q: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        self.0.attention_shared(q, cache, layer, batch, p)
+    }
+
     fn gather_rows(&self, x: &Tensor, rows: &[u32]) -> Result<Tensor> {
         self.0.gather_rows(x, rows)
     }

@@ -53,8 +53,39 @@ pub struct ModelConfig {
     /// How each layer keeps its past, one entry a layer: the KV layout the
     /// engine's scheduler and memory plan follow.
     pub layer_kinds: Vec<LayerKind>,
+    /// Each layer's keys and values: their shape, and whether the layer
+    /// reads another layer's instead of keeping its own.
+    pub layer_kv: Vec<LayerKv>,
     /// The keys only the model's family reads.
     pub family: FamilyConfig,
+}
+
+/// One layer's keys and values: `num_kv_heads` heads of `head_dim` a token,
+/// kept by the layer itself or read from an earlier layer's cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerKv {
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// `Some(j)`: the layer attends over layer `j`'s keys and values (same
+    /// kind and shape) and keeps none of its own (Gemma 4's KV sharing).
+    pub shared_from: Option<usize>,
+}
+
+impl LayerKv {
+    /// Elements of keys (and of values) a token has in this layer.
+    pub fn row(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// What a family's `parse` reads from `config.json`: its own keys, how each
+/// layer keeps its past, and (when its layers differ in shape or share
+/// caches) each layer's keys and values; `None` is every layer alike, with
+/// the config's `num_key_value_heads` and `head_dim`.
+pub struct FamilyLayers {
+    pub family: FamilyConfig,
+    pub layer_kinds: Vec<LayerKind>,
+    pub layer_kv: Option<Vec<LayerKv>>,
 }
 
 pub(crate) fn err(key: &str, what: impl Into<String>) -> ModelError {
@@ -166,13 +197,28 @@ impl ModelConfig {
             ));
         }
         let num_layers = req_usize(c, "num_hidden_layers")?;
-        let (family, layer_kinds) = (descriptor.parse)(c, num_layers, head_dim)?;
+        let FamilyLayers {
+            family,
+            layer_kinds,
+            layer_kv,
+        } = (descriptor.parse)(c, num_layers, head_dim)?;
         if layer_kinds.len() != num_layers {
             return Err(err(
                 "layer_types",
                 format!("{} layer kinds for {num_layers} layers", layer_kinds.len()),
             ));
         }
+        let layer_kv = layer_kv.unwrap_or_else(|| {
+            vec![
+                LayerKv {
+                    num_kv_heads,
+                    head_dim,
+                    shared_from: None,
+                };
+                num_layers
+            ]
+        });
+        check_layer_kv(&layer_kv, &layer_kinds, num_heads)?;
         Ok(ModelConfig {
             model_type,
             hidden_size,
@@ -191,32 +237,67 @@ impl ModelConfig {
             bos_token_id: ids(c, "bos_token_id").first().copied(),
             eos_token_ids: ids(c, "eos_token_id"),
             layer_kinds,
+            layer_kv,
             family,
         })
     }
 
     /// Bytes of KV cache per token over all layers at `dtype_bytes` per
-    /// element, when every layer holds every token (full attention).
+    /// element, when every layer holds every token (full attention); layers
+    /// that read another layer's cache add nothing.
     pub fn kv_bytes_per_token(&self, dtype_bytes: usize) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        self.layer_kv
+            .iter()
+            .filter(|l| l.shared_from.is_none())
+            .map(|l| 2 * l.row() * dtype_bytes)
+            .sum()
+    }
+
+    /// Elements of keys (and of values) a token has in one layer of a KV
+    /// block: the widest layer's (a block of a narrower group uses the
+    /// front of each row).
+    pub fn kv_row(&self) -> usize {
+        self.layer_kv
+            .iter()
+            .filter(|l| l.shared_from.is_none())
+            .map(LayerKv::row)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Bytes of one KV block of `block_size` tokens at `dtype_bytes` per
-    /// element: the layers of one group ([`ModelConfig::kv_layout`]).
+    /// element: the layers of one group ([`ModelConfig::kv_layout`]), each
+    /// [`ModelConfig::kv_row`] wide.
     pub fn kv_bytes_per_block(&self, block_size: usize, dtype_bytes: usize) -> usize {
         let (spec, _) = self.kv_layout(block_size);
-        2 * spec.layers_per_block() * self.num_kv_heads * self.head_dim * dtype_bytes * block_size
+        2 * spec.layers_per_block() * self.kv_row() * dtype_bytes * block_size
     }
 
     /// The KV layout the scheduler keeps, with `block_size`-token blocks:
-    /// the layers split into groups of equal kind and size (one group when
-    /// every layer attends alike), and each layer's group and place in a
-    /// block (see [`kiln_scheduler::KvCacheSpec::for_layers`]).
+    /// the layers that keep a cache split into groups of equal kind and size
+    /// (one group when every layer attends alike), and each layer's group
+    /// and place in a block (see [`kiln_scheduler::KvCacheSpec::for_layers`]);
+    /// a layer that reads another layer's cache gets that layer's place.
     pub fn kv_layout(
         &self,
         block_size: usize,
     ) -> (kiln_scheduler::KvCacheSpec, Vec<kiln_scheduler::LayerSlot>) {
-        kiln_scheduler::KvCacheSpec::for_layers(&self.layer_kinds, block_size)
+        let owners: Vec<usize> = (0..self.num_layers)
+            .filter(|&i| self.layer_kv[i].shared_from.is_none())
+            .collect();
+        let kinds: Vec<LayerKind> = owners.iter().map(|&i| self.layer_kinds[i]).collect();
+        let (spec, owner_slots) = kiln_scheduler::KvCacheSpec::for_layers(&kinds, block_size);
+        let mut slots = vec![None; self.num_layers];
+        for (&i, slot) in owners.iter().zip(owner_slots) {
+            slots[i] = Some(slot);
+        }
+        let slots = (0..self.num_layers)
+            .map(|i| {
+                let from = self.layer_kv[i].shared_from.unwrap_or(i);
+                slots[from].expect("a shared cache's layer keeps its own (checked at parse)")
+            })
+            .collect();
+        (spec, slots)
     }
 
     /// Where each layer's keys and values live (its group and place in a
@@ -224,6 +305,52 @@ impl ModelConfig {
     pub fn kv_slots(&self) -> Vec<kiln_scheduler::LayerSlot> {
         self.kv_layout(kiln_scheduler::DEFAULT_BLOCK_SIZE).1
     }
+}
+
+/// A family's per-layer KV shapes must fit the attention heads, and a layer
+/// may only read the cache of an earlier layer of its kind and shape that
+/// keeps its own.
+fn check_layer_kv(layers: &[LayerKv], kinds: &[LayerKind], num_heads: usize) -> Result<()> {
+    if layers.len() != kinds.len() {
+        return Err(err(
+            "num_hidden_layers",
+            format!(
+                "{} layer KV shapes for {} layers",
+                layers.len(),
+                kinds.len()
+            ),
+        ));
+    }
+    for (i, l) in layers.iter().enumerate() {
+        if l.num_kv_heads == 0 || num_heads % l.num_kv_heads != 0 {
+            return Err(err(
+                "num_key_value_heads",
+                format!(
+                    "layer {i}: {} KV heads do not divide {num_heads} attention heads",
+                    l.num_kv_heads
+                ),
+            ));
+        }
+        if l.head_dim == 0 || l.head_dim % 2 != 0 {
+            return Err(err(
+                "head_dim",
+                format!("layer {i}: {} must be even and positive", l.head_dim),
+            ));
+        }
+        if let Some(j) = l.shared_from {
+            let ok = j < i
+                && layers[j].shared_from.is_none()
+                && kinds[j] == kinds[i]
+                && (layers[j].num_kv_heads, layers[j].head_dim) == (l.num_kv_heads, l.head_dim);
+            if !ok {
+                return Err(err(
+                    "num_kv_shared_layers",
+                    format!("layer {i} cannot read layer {j}'s keys and values"),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Parse a rotary scaling object (`rope_scaling`, or one entry of

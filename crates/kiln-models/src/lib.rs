@@ -42,8 +42,7 @@ pub trait CausalLm: Send + Sync {
             num_groups: spec.groups.len(),
             num_blocks,
             block_size,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
+            kv_row: cfg.kv_row(),
         })?)
     }
 

@@ -122,11 +122,13 @@ impl WeightSource for RandomWeights {
                 tensor: name.to_string(),
             })?;
         let n: usize = shape.iter().product();
-        // Norm weights scale by 1 + N(0, 0.1): close to the usual init, but
-        // not all equal, so a checkpoint exercises how each norm's weight is
-        // applied.
+        // Norm weights (and Gemma 4's layer scalars) scale by 1 + N(0, 0.1):
+        // close to the usual init, but not all equal, so a checkpoint
+        // exercises how each is applied.
         let (mean, std) = if name.ends_with("norm.weight") {
             (self.norm_mean, 0.1)
+        } else if name.ends_with("layer_scalar") {
+            (1.0, 0.1)
         } else {
             (0.0, 0.02)
         };

@@ -12,7 +12,11 @@ use crate::layers::LoadProgress;
 use crate::CausalLm;
 
 /// Every family Kiln serves.
-pub static FAMILIES: &[&Family] = &[&families::llama::FAMILY, &families::gemma3::FAMILY];
+pub static FAMILIES: &[&Family] = &[
+    &families::llama::FAMILY,
+    &families::gemma3::FAMILY,
+    &families::gemma4::FAMILY,
+];
 
 /// The family descriptor that serves `model_type`.
 pub fn find(model_type: &str) -> Option<&'static Family> {

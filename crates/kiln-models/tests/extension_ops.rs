@@ -88,6 +88,17 @@ impl Ops for Basics {
     ) -> Result<Tensor> {
         self.0.attention(q, k, v, cache, layer, batch, p)
     }
+
+    fn attention_shared(
+        &self,
+        q: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        self.0.attention_shared(q, cache, layer, batch, p)
+    }
 }
 
 impl Sampling for Basics {}

@@ -124,11 +124,14 @@ pub struct SampledRow {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Per-head RMSNorm of q and k applied before RoPE (Qwen3, Gemma 3).
+/// Per-head RMSNorm of q and k applied before RoPE (Qwen3, Gemma 3), and
+/// optionally of v (Gemma 4, whose value norm has no weight of its own: a
+/// weight of ones).
 #[derive(Clone, Copy)]
 pub struct QkNorm<'a> {
     pub q_weight: &'a Tensor,
     pub k_weight: &'a Tensor,
+    pub v_weight: Option<&'a Tensor>,
     pub eps: f32,
     pub weight_offset: f32,
 }
@@ -138,6 +141,9 @@ pub struct QkNorm<'a> {
 /// differ (sliding-window and global) splits them into `num_groups` groups,
 /// each with its own block table per sequence over the one pool; a block then
 /// holds the layers of one group and `num_layers` is the largest group's.
+/// Every layer of a block holds `kv_row` elements of keys and `kv_row` of
+/// values a token; a layer whose keys are narrower (a model whose layers
+/// differ in head size) uses the front of each row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvPoolShape {
     /// Layers a block holds (see the type's docs).
@@ -146,8 +152,9 @@ pub struct KvPoolShape {
     pub num_groups: usize,
     pub num_blocks: usize,
     pub block_size: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
+    /// Elements of keys (and of values) a token has in one layer: the widest
+    /// layer's `num_kv_heads * head_dim`.
+    pub kv_row: usize,
 }
 
 impl KvPoolShape {
@@ -449,6 +456,19 @@ pub trait Ops {
         p: &AttentionParams,
     ) -> Result<Tensor>;
 
+    /// Attention `[n, num_heads * head_dim]` of the batch's `n` query rows
+    /// over the keys and values pool layer `layer` already holds, as
+    /// [`Ops::attention`] attends, writing nothing: a layer that reads the
+    /// cache an earlier layer of the step wrote (Gemma 4's KV sharing).
+    fn attention_shared(
+        &self,
+        q: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+    ) -> Result<Tensor>;
+
     /// Whether [`Ops::attention`] runs attention shaped `p` (by default
     /// causal only); models check every layer's at load, so an unsupported
     /// mask is refused before any request.
@@ -572,8 +592,18 @@ pub fn qkv_attention_unfused<B: Ops + ?Sized>(
     let (n, _) = qkv.dims2("qkv_attention")?;
     let (qw, kw) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
     let parts = b.split_cols(qkv, &[qw, kw, kw])?;
-    let (mut q, mut k) = (parts[0].clone(), parts[1].clone());
+    let (mut q, mut k, mut v) = (parts[0].clone(), parts[1].clone(), parts[2].clone());
     if let Some(nm) = qk_norm {
+        if let Some(vw) = nm.v_weight {
+            v = b
+                .rms_norm(
+                    &v.reshape(&[n * p.num_kv_heads, p.head_dim])?,
+                    vw,
+                    nm.eps,
+                    nm.weight_offset,
+                )?
+                .reshape(&[n, kw])?;
+        }
         q = b
             .rms_norm(
                 &q.reshape(&[n * p.num_heads, p.head_dim])?,
@@ -597,7 +627,7 @@ pub fn qkv_attention_unfused<B: Ops + ?Sized>(
         ..rope.clone()
     };
     let k = b.rope(&k, &batch.positions, &krope)?;
-    b.attention(&q, &k, &parts[2], cache, layer, batch, p)
+    b.attention(&q, &k, &v, cache, layer, batch, p)
 }
 
 /// Check the arguments of [`Ops::attention`] against each other, the
@@ -644,7 +674,7 @@ pub fn check_attention_shapes(
         || !p.num_heads.is_multiple_of(p.num_kv_heads)
         || layer >= spec.num_layers
         || group >= spec.num_groups
-        || kv_row != spec.num_kv_heads * spec.head_dim
+        || kv_row > spec.kv_row
         || batch.num_tokens() != n
         || batch.slot_mapping.len() != spec.num_groups
         || batch.slot_mapping.iter().any(|s| s.len() != n)
@@ -687,6 +717,20 @@ pub fn check_attention_shapes(
         }
     }
     Ok(())
+}
+
+/// Check the arguments of [`Ops::attention_shared`] (as
+/// [`check_attention_args`], with no new keys and values).
+pub fn check_shared_attention_args(
+    q: &Tensor,
+    spec: &KvPoolShape,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+) -> crate::Result<()> {
+    let (n, qw) = q.dims2("attention_shared")?;
+    let kv = [n, p.num_kv_heads * p.head_dim];
+    check_attention_shapes(n, qw, &kv, &kv, spec, layer, batch, p)
 }
 
 /// Check the arguments of [`Ops::rope`]; every backend calls this.

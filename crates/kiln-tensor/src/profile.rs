@@ -206,6 +206,19 @@ impl Ops for ProfilingBackend {
         })
     }
 
+    fn attention_shared(
+        &self,
+        q: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        self.timed("attention", || {
+            self.inner.attention_shared(q, cache, layer, batch, p)
+        })
+    }
+
     fn qkv_attention(
         &self,
         qkv: &Tensor,

@@ -1,6 +1,7 @@
 //! Attention checks: every path of `attention` and `qkv_attention` (prefill,
-//! chunked, mixed, split-KV decode; two KV groups, a window's freed entries)
-//! against the CPU.
+//! chunked, mixed, split-KV decode; two KV groups, a window's freed entries;
+//! a pool wider than the layer, a value norm and `attention_shared`, as
+//! Gemma 4 runs them) against the CPU.
 
 use super::*;
 
@@ -9,8 +10,9 @@ struct Caches {
     cpu: KvCache,
 }
 
-/// QK-norm weights (q, k) on the GPU and on the CPU, and the weight offset.
-type QkNorms<'a> = ([(&'a Tensor, &'a Tensor); 2], f32);
+/// QK-norm weights (q, k, and v if normed) on the GPU and on the CPU, and
+/// the weight offset.
+type QkNorms<'a> = ([(&'a Tensor, &'a Tensor, Option<&'a Tensor>); 2], f32);
 
 #[allow(clippy::too_many_arguments)]
 fn attention_step(
@@ -34,6 +36,7 @@ fn attention_step(
     };
     let norm = |side: usize| {
         qk.map(|(w, weight_offset)| QkNorm {
+            v_weight: w[side].2,
             q_weight: w[side].0,
             k_weight: w[side].1,
             eps: 1e-6,
@@ -63,15 +66,16 @@ fn attention_step(
                 .map_err(e)?,
         )
     };
-    let kind = match (fused, qk.is_some()) {
-        (true, true) => "qkv_attention (QK-norm)",
-        (true, false) => "qkv_attention",
+    let kind = match (fused, qk) {
+        (true, Some(([(_, _, Some(_)), _], _))) => "qkv_attention (QKV-norm)",
+        (true, Some(_)) => "qkv_attention (QK-norm)",
+        (true, None) => "qkv_attention",
         _ => "attention",
     };
     p.compare(
         format!(
-            "{kind} {label} heads={}/{} hd={} window={:?}",
-            ap.num_heads, ap.num_kv_heads, ap.head_dim, ap.sliding_window
+            "{kind} {label} heads={}/{} hd={} window={:?} pool row {}",
+            ap.num_heads, ap.num_kv_heads, ap.head_dim, ap.sliding_window, caches.gpu.spec.kv_row
         ),
         &g,
         &c,
@@ -114,8 +118,7 @@ pub(super) fn attention_ops(
         num_groups: 2,
         num_blocks: 400,
         block_size: bs,
-        num_kv_heads: kv_heads,
-        head_dim: hd,
+        kv_row: kv_heads * hd,
     };
     let group = usize::from(window.is_some());
     let ap = AttentionParams {
@@ -152,14 +155,24 @@ pub(super) fn attention_ops(
     let (qn, kn) = (rng.vec(hd, 0.5), rng.vec(hd, 0.5));
     let (qng, qnc) = p.up(&[hd], &qn)?;
     let (kng, knc) = p.up(&[hd], &kn)?;
-    let norms = [(&qng, &kng), (&qnc, &knc)];
-    for (fused, vpre, qk) in [
-        (false, true, false),
-        (true, true, false),
-        (true, false, false),
-        (true, true, true),
+    let (vng, vnc) = p.up(&[hd], &rng.vec(hd, 0.5))?;
+    let norms = [(&qng, &kng, None), (&qnc, &knc, None)];
+    let qkv_norms = [(&qng, &kng, Some(&vng)), (&qnc, &knc, Some(&vnc))];
+    // The last pass is Gemma 4's: a value norm, a pool twice the layer's
+    // width (a wider layer elsewhere in the model), and a layer that
+    // attends over this one's cache.
+    for (fused, vpre, qk, gemma4) in [
+        (false, true, false, false),
+        (true, true, false, false),
+        (true, false, false, false),
+        (true, true, true, false),
+        (true, true, true, true),
     ] {
-        let qk = qk.then_some((norms, offset));
+        let qk = qk.then_some((if gemma4 { qkv_norms } else { norms }, offset));
+        let spec = KvPoolShape {
+            kv_row: if gemma4 { 2 } else { 1 } * spec.kv_row,
+            ..spec
+        };
         p.gpu.set_decode_vpre(vpre);
         let mut caches = Caches {
             gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
@@ -209,6 +222,32 @@ pub(super) fn attention_ops(
             }
             let label = format!("{label}{apart}");
             attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
+        }
+        // A layer sharing the cache: new queries over what is there, one
+        // a sequence (decode) and two (prefill).
+        for per in [1, 2].into_iter().filter(|_| gemma4) {
+            let mut b = ForwardBatch {
+                block_size: bs,
+                ..ForwardBatch::default()
+            };
+            for (at, t) in [(150, &ta), (136, &tb), (1200, &td)] {
+                b.push_seq_groups(&toks(per), at, held(t, at + per - 1), true);
+            }
+            let (qw, n) = (heads * hd, 3 * per);
+            let (qg, qc) = p.up(&[n, qw], &rng.vec(n * qw, 1.0))?;
+            let g = p
+                .gpu
+                .attention_shared(&qg, &mut caches.gpu, 0, &b, &ap)
+                .map_err(e)?;
+            let c = p
+                .cpu
+                .attention_shared(&qc, &mut caches.cpu, 0, &b, &ap)
+                .map_err(e)?;
+            let label = format!(
+                "attention_shared {per} a row heads={heads}/{kv_heads} hd={hd} window={window:?} pool row {}",
+                spec.kv_row
+            );
+            p.compare(label, &g, &c, TOL_ATTN)?;
         }
     }
     p.gpu.set_decode_vpre(true);

@@ -131,8 +131,7 @@ pub(super) fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
         num_groups: 1,
         num_blocks: 64.max(4 * toy.seqs),
         block_size: 16,
-        num_kv_heads: kv_heads,
-        head_dim: hd,
+        kv_row: kv_heads * hd,
     };
     let ap = AttentionParams {
         num_heads: heads,

@@ -40,7 +40,7 @@ use serde_json::Value;
 
 use super::{Family, FamilyConfig};
 use crate::config::{
-    err, opt_f32, opt_usize, parse_rope_scaling, LayerKind, ModelConfig, RopeScaling,
+    err, opt_f32, opt_usize, parse_rope_scaling, FamilyLayers, LayerKind, ModelConfig, RopeScaling,
 };
 use crate::error::{ModelError, Result};
 use crate::layers::{
@@ -89,7 +89,7 @@ fn softcap(c: &Value, key: &str) -> Result<Option<f32>> {
 }
 
 /// The family's keys of `c` and its layers' KV layout.
-fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<(FamilyConfig, Vec<LayerKind>)> {
+fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> {
     // transformers 5 keeps RoPE per layer type under `rope_parameters`.
     let params = |kind: &str| {
         c.get("rope_parameters")
@@ -172,7 +172,11 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<(FamilyConfig,
     ) {
         return Err(err("hidden_activation", "Gemma 3 uses gelu_pytorch_tanh"));
     }
-    Ok((FamilyConfig::Gemma3(cfg), layer_kinds))
+    Ok(FamilyLayers {
+        family: FamilyConfig::Gemma3(cfg),
+        layer_kinds,
+        layer_kv: None,
+    })
 }
 
 /// The Gemma 3 part of `cfg`.
@@ -402,6 +406,7 @@ impl Gemma3 {
             };
             let qkv = blk.qkv.forward(b, &x, Fuse::norm(&blk.input_norm))?;
             let qk_norm = QkNorm {
+                v_weight: None,
                 q_weight: &blk.q_norm.weight,
                 k_weight: &blk.k_norm.weight,
                 eps: blk.q_norm.eps,

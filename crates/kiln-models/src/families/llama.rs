@@ -16,7 +16,8 @@ use serde_json::Value;
 
 use super::{Family, FamilyConfig};
 use crate::config::{
-    opt_f32, opt_usize, parse_activation, parse_rope_scaling, LayerKind, ModelConfig, RopeScaling,
+    opt_f32, opt_usize, parse_activation, parse_rope_scaling, FamilyLayers, LayerKind, ModelConfig,
+    RopeScaling,
 };
 use crate::error::Result;
 use crate::layers::{
@@ -55,7 +56,7 @@ pub struct LlamaConfig {
 
 /// The family's keys of `c` and its layers' KV layout: every layer full
 /// attention, or every layer the same sliding window (Mistral).
-fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<(FamilyConfig, Vec<LayerKind>)> {
+fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
     let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
     // transformers 5 moved rope settings into `rope_parameters`.
     let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
@@ -101,7 +102,11 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<(FamilyConfig
         activation: parse_activation(c, "silu")?,
         sliding_window,
     };
-    Ok((FamilyConfig::Llama(cfg), vec![kind; num_layers]))
+    Ok(FamilyLayers {
+        family: FamilyConfig::Llama(cfg),
+        layer_kinds: vec![kind; num_layers],
+        layer_kv: None,
+    })
 }
 
 /// The Llama part of `cfg`.

@@ -9,12 +9,13 @@ use kiln_formats::{StoredTensor, WeightSource};
 use kiln_tensor::Backend;
 use serde_json::Value;
 
-use crate::config::{LayerKind, ModelConfig};
+use crate::config::{FamilyLayers, ModelConfig};
 use crate::error::Result;
 use crate::layers::LoadProgress;
 use crate::CausalLm;
 
 pub mod gemma3;
+pub mod gemma4;
 pub mod llama;
 
 /// The keys only one family reads, parsed by that family's file.
@@ -22,6 +23,7 @@ pub mod llama;
 pub enum FamilyConfig {
     Llama(llama::LlamaConfig),
     Gemma3(gemma3::Gemma3Config),
+    Gemma4(gemma4::Gemma4Config),
 }
 
 /// A family as the registry sees it: its name, the `model_type`s it
@@ -35,8 +37,9 @@ pub struct Family {
     /// transformers config class's default).
     pub tied_by_default: bool,
     /// Parse its own keys of `config.json` given the layer count and
-    /// head dimension: its [`FamilyConfig`] and one [`LayerKind`] a layer.
-    pub parse: fn(&Value, usize, usize) -> Result<(FamilyConfig, Vec<LayerKind>)>,
+    /// head dimension: its [`FamilyConfig`], one [`LayerKind`] a layer, and
+    /// each layer's KV shape where they differ.
+    pub parse: fn(&Value, usize, usize) -> Result<FamilyLayers>,
     /// Every weight a checkpoint of the config holds: name and shape.
     pub tensor_shapes: fn(&ModelConfig) -> Result<Vec<(String, Vec<usize>)>>,
     /// Check the config against a checkpoint's tensor table before loading.

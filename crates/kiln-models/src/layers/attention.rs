@@ -113,6 +113,7 @@ impl Attention {
         };
         let qk_norm = match (&self.q_norm, &self.k_norm) {
             (Some(q), Some(k)) => Some(QkNorm {
+                v_weight: None,
                 q_weight: &q.weight,
                 k_weight: &k.weight,
                 eps: q.eps,

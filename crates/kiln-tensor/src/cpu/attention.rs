@@ -12,8 +12,9 @@ use rayon::prelude::*;
 
 use crate::backend::{AttentionParams, ForwardBatch};
 
-/// Host KV storage: per layer, `[num_blocks * block_size, num_kv_heads * head_dim]`
-/// for K and for V; slot `s` is row `s`.
+/// Host KV storage: per layer, `[num_blocks * block_size, kv_row]` for K and
+/// for V; slot `s` is row `s` (a layer narrower than the pool's `kv_row` uses
+/// the front of each row).
 pub struct CpuKv {
     pub k: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
@@ -38,12 +39,13 @@ pub(crate) fn key_range(pos: usize, seq_len: usize, p: &AttentionParams) -> (usi
 
 /// Attention output `[num_tokens, num_heads * head_dim]` for every new token
 /// of every sequence in `batch`, over keys/values already written to
-/// `k_cache`/`v_cache` (including this step's).
+/// `k_cache`/`v_cache` (including this step's), rows `kv_row` apart.
 pub fn attend(
     q: &[f32],
     batch: &ForwardBatch,
     k_cache: &[f32],
     v_cache: &[f32],
+    kv_row: usize,
     p: &AttentionParams,
 ) -> Vec<f32> {
     let hd = p.head_dim;
@@ -70,8 +72,7 @@ pub fn attend(
                 batch.block_size,
                 keys,
                 h,
-                k_cache,
-                v_cache,
+                (k_cache, v_cache, kv_row),
                 p,
                 dot,
                 scores,
@@ -90,15 +91,13 @@ fn row_head(
     block_size: usize,
     (first, last): (usize, usize),
     h: usize,
-    k_cache: &[f32],
-    v_cache: &[f32],
+    (k_cache, v_cache, kv_row): (&[f32], &[f32], usize),
     p: &AttentionParams,
     dot: fn(&[f32], &[f32]) -> f32,
     scores: &mut Vec<f32>,
     o: &mut [f32],
 ) {
     let hd = p.head_dim;
-    let kv_row = p.num_kv_heads * hd;
     let kvh = h / (p.num_heads / p.num_kv_heads);
     let slot = |t: usize| block_table[t / block_size] as usize * block_size + t % block_size;
     scores.clear();
@@ -179,7 +178,14 @@ mod tests {
         let p = params(2, 1, 2);
         let q = [1.0, 0.0, 0.0, 1.0];
         let (k, v) = ([0.3, 0.7], [5.0, -1.0]);
-        let out = attend(&q, &one_seq(1, 0, vec![0], 1), &k, &v, &p);
+        let out = attend(
+            &q,
+            &one_seq(1, 0, vec![0], 1),
+            &k,
+            &v,
+            p.num_kv_heads * p.head_dim,
+            &p,
+        );
         assert_eq!(out, vec![5.0, -1.0, 5.0, -1.0]);
     }
 
@@ -193,7 +199,7 @@ mod tests {
         (k[3], v[3]) = (0.0, 0.0);
         (k[1], v[1]) = (1.0, 1.0);
         let batch = one_seq(2, 0, vec![3, 1], 1);
-        let out = attend(&q, &batch, &k, &v, &p);
+        let out = attend(&q, &batch, &k, &v, p.num_kv_heads * p.head_dim, &p);
         assert_eq!(out[0], 0.0);
         let e = 1f32.exp();
         assert!((out[1] - e / (1.0 + e)).abs() < 1e-6);
@@ -201,11 +207,11 @@ mod tests {
             sliding_window: Some(1),
             ..p
         };
-        let outw = attend(&q, &batch, &k, &v, &pw);
+        let outw = attend(&q, &batch, &k, &v, pw.num_kv_heads * pw.head_dim, &pw);
         assert!((outw[1] - 1.0).abs() < 1e-6);
         // Bidirectional: the first token sees the second too.
         let pb = AttentionParams { causal: false, ..p };
-        let outb = attend(&q, &batch, &k, &v, &pb);
+        let outb = attend(&q, &batch, &k, &v, pb.num_kv_heads * pb.head_dim, &pb);
         assert!((outb[0] - e / (1.0 + e)).abs() < 1e-6);
         assert!((outb[1] - e / (1.0 + e)).abs() < 1e-6);
     }

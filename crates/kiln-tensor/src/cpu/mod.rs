@@ -84,7 +84,7 @@ impl Memory for CpuBackend {
     }
 
     fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
-        let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim;
+        let per_layer = spec.num_slots() * spec.kv_row;
         let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
             (0..spec.num_layers)
                 .map(|_| {
@@ -255,6 +255,7 @@ impl Ops for CpuBackend {
         crate::backend::check_attention_args(q, k, v, &cache.spec, layer, batch, p)?;
         let (n, qw) = q.dims2("attention")?;
         let kv_row = p.num_kv_heads * p.head_dim;
+        let stride = cache.spec.kv_row;
         let (qd, kd, vd) = (
             self.data(q, "attention")?,
             self.data(k, "attention")?,
@@ -264,10 +265,28 @@ impl Ops for CpuBackend {
         let (kc, vc) = (&mut kv.k[layer], &mut kv.v[layer]);
         for (i, &s) in batch.slot_mapping[p.kv_group].iter().enumerate() {
             let s = s as usize;
-            kc[s * kv_row..(s + 1) * kv_row].copy_from_slice(&kd[i * kv_row..(i + 1) * kv_row]);
-            vc[s * kv_row..(s + 1) * kv_row].copy_from_slice(&vd[i * kv_row..(i + 1) * kv_row]);
+            let row = s * stride..s * stride + kv_row;
+            kc[row.clone()].copy_from_slice(&kd[i * kv_row..(i + 1) * kv_row]);
+            vc[row].copy_from_slice(&vd[i * kv_row..(i + 1) * kv_row]);
         }
-        let out = attention::attend(qd, batch, kc, vc, p);
+        let out = attention::attend(qd, batch, kc, vc, stride, p);
+        Ok(Self::wrap(vec![n, qw], out))
+    }
+
+    fn attention_shared(
+        &self,
+        q: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+    ) -> Result<Tensor> {
+        crate::backend::check_shared_attention_args(q, &cache.spec, layer, batch, p)?;
+        let (n, qw) = q.dims2("attention_shared")?;
+        let qd = self.data(q, "attention_shared")?;
+        let stride = cache.spec.kv_row;
+        let kv = Self::kv(cache)?;
+        let out = attention::attend(qd, batch, &kv.k[layer], &kv.v[layer], stride, p);
         Ok(Self::wrap(vec![n, qw], out))
     }
 

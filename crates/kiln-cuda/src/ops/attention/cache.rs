@@ -13,6 +13,9 @@ use crate::driver::pool::DevBuf;
 pub(crate) struct CudaKv {
     pub(crate) k: Vec<DevBuf>,
     pub(crate) v: Vec<DevBuf>,
+    /// Elements from one slot's keys (values) to the next: the pool's
+    /// `kv_row`, which a narrower layer's rows do not fill.
+    pub(crate) row: usize,
     /// Recordings over this cache hold a weak reference: they are dropped
     /// once the cache is.
     pub alive: Arc<()>,
@@ -25,7 +28,7 @@ pub(crate) fn alloc_kv_cache(cuda: &CudaBackend, spec: KvPoolShape) -> Result<Kv
         num_blocks: spec.num_blocks + 1,
         ..spec
     };
-    let per_layer = spec.num_slots() * spec.num_kv_heads * spec.head_dim * 2;
+    let per_layer = spec.num_slots() * spec.kv_row * 2;
     let mut k = Vec::with_capacity(spec.num_layers);
     let mut v = Vec::with_capacity(spec.num_layers);
     for layer in 0..spec.num_layers {
@@ -52,6 +55,7 @@ pub(crate) fn alloc_kv_cache(cuda: &CudaBackend, spec: KvPoolShape) -> Result<Kv
         Box::new(CudaKv {
             k,
             v,
+            row: spec.kv_row,
             alive: Arc::new(()),
         }),
     ))

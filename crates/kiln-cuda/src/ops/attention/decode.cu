@@ -18,7 +18,7 @@
 // Entry points (each for HEAD_DIM 64, 128, 256: suffixes _hd64, _hd128, _hd256):
 //
 //   decode_attention_hdN(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width,
-//                        block_size, heads, kv_heads, scale, window, softcap, partition_size,
+//                        block_size, heads, kv_heads, kv_stride, scale, window, softcap, partition_size,
 //                        part_out, part_ml, counters, out, out_stride)
 //     grid (rows, kv_heads, num_parts), block 128 threads, no dynamic shared memory
 //     (static shared memory: (GB * 128 + KPI * GB * HD + 3 * GB + 128) * 4 bytes, GB = 4: < 19 KB).
@@ -149,8 +149,8 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                                             const unsigned int* __restrict__ pos,
                                             const unsigned int* __restrict__ row_seq,
                                             const unsigned int* __restrict__ tables, int table_width,
-                                            int block_size, int heads, int kv_heads, float scale, int window,
-                                            float softcap, int partition_size, float* __restrict__ part_out,
+                                            int block_size, int heads, int kv_heads, int kv_stride, float scale,
+                                            int window, float softcap, int partition_size, float* __restrict__ part_out,
                                             float* __restrict__ part_ml, unsigned int* __restrict__ counters,
                                             bf16* __restrict__ out, long long out_stride) {
     constexpr int LPK = HD / 8;
@@ -183,7 +183,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
         lo += z * per;
         hi = min(hi, lo + per);
     }
-    const long long kv_row = (long long)kv_heads * HD;
+    const long long kv_row = kv_stride;  // a slot's row: the pool's, maybe wider than kv_heads * HD
 
     // Before waiting for the previous kernel (programmatic dependent launch): the first chunk's
     // slots (positions and block tables come from host copies, never from a kernel) and an L2
@@ -452,12 +452,14 @@ __device__ __forceinline__ void decode_reduce_impl(const float* __restrict__ par
         const bf16* __restrict__ q, long long q_stride, const bf16* __restrict__ k_cache,                        \
         const bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                  \
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
-        int block_size, int heads, int kv_heads, float scale, int window, float softcap, int partition_size,     \
+        int block_size, int heads, int kv_heads, int kv_stride, float scale, int window, float softcap,          \
+        int partition_size,                                                                                      \
         float* __restrict__ part_out, float* __restrict__ part_ml, unsigned int* __restrict__ counters,          \
         bf16* __restrict__ out, long long out_stride) {                                                          \
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
         decode_impl<HD, VPRE>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,      \
-                              heads, kv_heads, scale, window, softcap, partition_size, part_out, part_ml,        \
+                              heads, kv_heads, kv_stride, scale, window, softcap, partition_size, part_out,      \
+                              part_ml,                                                                           \
                               counters, out, out_stride);                                                        \
     }
 

@@ -82,6 +82,8 @@ impl CudaBackend {
         let (qs, os) = (q_stride as i64, qw as i64);
         let (width, bs) = (m.width as i32, block_size as i32);
         let (h, kvh) = (p.num_heads as i32, p.num_kv_heads as i32);
+        // A slot's row in the pool (a narrower layer leaves its tail unused).
+        let kv_stride = kv.row as i32;
         let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
         let softcap = p.softcap.unwrap_or(0.0);
         let hd = p.head_dim;
@@ -156,6 +158,7 @@ impl CudaBackend {
                 .arg(&bs)
                 .arg(&h)
                 .arg(&kvh)
+                .arg(&kv_stride)
                 .arg(&p.scale)
                 .arg(&window)
                 .arg(&softcap)
@@ -215,6 +218,7 @@ impl CudaBackend {
                     .arg(&tiles)
                     .arg(&h)
                     .arg(&kvh)
+                    .arg(&kv_stride)
                     .arg(&p.scale)
                     .arg(&window)
                     .arg(&softcap)
@@ -250,6 +254,7 @@ impl CudaBackend {
                 .arg(&width)
                 .arg(&h)
                 .arg(&kvh)
+                .arg(&kv_stride)
                 .arg(&hdi)
                 .arg(&bs)
                 .arg(&p.scale)
@@ -283,6 +288,32 @@ pub(crate) fn attention(
         crate::ops::rope_kv_write::write_kv(cuda, n, kp, vp, kv, layer, &step, p)?;
     }
     let qp = ptr(q, "attention")?;
+    cuda.attend(
+        qp,
+        p.num_heads * p.head_dim,
+        kv,
+        layer,
+        &step,
+        block_size,
+        p,
+    )
+}
+
+/// Attention of `q` over what `layer`'s cache already holds (a layer that
+/// shares an earlier layer's keys and values): the same kernels, no write.
+pub(crate) fn attention_shared(
+    cuda: &CudaBackend,
+    q: &Tensor,
+    cache: &mut KvCache,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+) -> Result<Tensor> {
+    kiln_tensor::backend::check_shared_attention_args(q, &cache.spec, layer, batch, p)?;
+    let step = cuda.step_meta(batch)?;
+    let block_size = cache.spec.block_size;
+    let kv = cache::kv(cache)?;
+    let qp = ptr(q, "attention_shared")?;
     cuda.attend(
         qp,
         p.num_heads * p.head_dim,

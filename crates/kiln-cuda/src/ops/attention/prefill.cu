@@ -18,7 +18,7 @@
 // Entry points (each for HEAD_DIM 64, 128, 256: suffixes _hd64, _hd128, _hd256):
 //
 //   flash_prefill_hdN(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width,
-//                     block_size, tiles, heads, kv_heads, scale, window, softcap, out, out_stride)
+//                     block_size, tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride)
 //     LAUNCH RULE (changed): grid (num_tiles, heads) (gridDim.y must equal heads), block 128 threads (4 warps),
 //     tiles of at most KILN_FA_TILE_ROWS = 128 rows (any count 1..128 works; 128 is fastest),
 //     dynamic shared memory SMEM_BYTES(HD) = 768 * (HD + 8) + 512 bytes:
@@ -119,8 +119,8 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
                                                    const unsigned int* __restrict__ row_seq,
                                                    const unsigned int* __restrict__ tables, int table_width,
                                                    int block_size, const unsigned int* __restrict__ tiles,
-                                                   int heads, int kv_heads, float scale, int window, float softcap,
-                                                   bf16* __restrict__ out, long long out_stride) {
+                                                   int heads, int kv_heads, int kv_stride, float scale, int window,
+                                                   float softcap, bf16* __restrict__ out, long long out_stride) {
     constexpr int LD = HD + 8;
     constexpr int NT = HD / 8;             // n-tiles of the output accumulator
     constexpr int MT = HD <= 128 ? 2 : 1;  // m16 tiles per warp
@@ -142,7 +142,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
     const int tile = lin / gridDim.y, h = lin % gridDim.y;
     const int first = (int)tiles[2 * tile], n = (int)tiles[2 * tile + 1];
     const int kvh = h / (heads / kv_heads);
-    const long long kv_row = (long long)kv_heads * HD;
+    const long long kv_row = kv_stride;  // a slot's row: the pool's, maybe wider than kv_heads * HD
     const unsigned int* table = tables + (long long)row_seq[first] * table_width;
     const int pos_first = (int)pos[first];
     const bf16* k_src = k_cache + (long long)kvh * HD;
@@ -391,11 +391,12 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         const bf16* __restrict__ q, long long q_stride, const bf16* __restrict__ k_cache,                        \
         const bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                  \
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
-        int block_size, const unsigned int* __restrict__ tiles, int heads, int kv_heads, float scale,            \
+        int block_size, const unsigned int* __restrict__ tiles, int heads, int kv_heads, int kv_stride,          \
+        float scale,                                                                                             \
         int window, float softcap, bf16* __restrict__ out, long long out_stride) {                               \
         kiln_pdl_enter();                                                                                        \
         flash_prefill_impl<HD>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,    \
-                               tiles, heads, kv_heads, scale, window, softcap, out, out_stride);                 \
+                               tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride);      \
     }
 
 

@@ -24,7 +24,7 @@ __device__ __forceinline__ float block_max(float v) {
     return v;
 }
 
-// q [tokens, heads * head_dim]; caches [slots, kv_heads * head_dim];
+// q [tokens, heads * head_dim]; caches [slots, kv_stride] (kv_stride >= kv_heads * head_dim);
 // row_pos[t]: the token's position; row_seq[t]: its sequence, whose block
 // table is tables[row_seq[t] * table_width ..]. Dynamic shared memory:
 // (blockDim.x + head_dim) floats.
@@ -33,7 +33,7 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
                                                 const unsigned int* __restrict__ row_pos,
                                                 const unsigned int* __restrict__ row_seq,
                                                 const unsigned int* __restrict__ tables, int table_width, int heads,
-                                                int kv_heads,
+                                                int kv_heads, int kv_stride,
                                                 int head_dim, int block_size, float scale, int window,
                                                 float softcap) {
     kiln_pdl_enter();
@@ -42,7 +42,7 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
     float* acc = smem + blockDim.x;     // head_dim
     const int t = blockIdx.x, h = blockIdx.y;
     const int kvh = h / (heads / kv_heads);
-    const int kv_row = kv_heads * head_dim;
+    const int kv_row = kv_stride;
     const int pos = (int)row_pos[t];
     const int first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
     const unsigned int* table = tables + (long long)row_seq[t] * table_width;

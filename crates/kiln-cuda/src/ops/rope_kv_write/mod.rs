@@ -84,9 +84,10 @@ pub(crate) fn write_kv(
     p: &AttentionParams,
 ) -> Result<()> {
     let slots = step.base + 4 * step.meta.slot_of(p.kv_group) as u64;
-    let kvi = (p.num_kv_heads * p.head_dim) as i32;
+    let (kvi, kv_stride) = ((p.num_kv_heads * p.head_dim) as i32, kv.row as i32);
     let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
-    // SAFETY: k, v [n, kv_row]; slots < num_slots (checked).
+    // SAFETY: k, v [n, kv_row]; caches [slots, kv_stride >= kv_row]; slots
+    // < num_slots (checked).
     unsafe {
         cuda.dev
             .launch(cuda.dev.func("write_kv_bf16")?)
@@ -96,6 +97,7 @@ pub(crate) fn write_kv(
             .arg(&vc)
             .arg(&slots)
             .arg(&kvi)
+            .arg(&kv_stride)
             .launch(rows_cfg(n, 128, 0))
             .map_err(dev_err)?;
     }
@@ -121,9 +123,12 @@ pub(crate) fn qkv_rope_write(
 ) -> Result<()> {
     let hd = p.head_dim;
     let freq = rope_table(cuda, rope.inv_freq)?;
-    let (qn, kn, eps, offset) = match qk_norm {
+    let (qn, kn, vn, eps, offset) = match qk_norm {
         Some(nm) => {
-            for w in [nm.q_weight, nm.k_weight] {
+            for w in [Some(nm.q_weight), Some(nm.k_weight), nm.v_weight]
+                .into_iter()
+                .flatten()
+            {
                 if w.num_elements() != hd {
                     return Err(kiln_tensor::TensorError::Shape {
                         op: "qk_norm",
@@ -134,11 +139,15 @@ pub(crate) fn qkv_rope_write(
             (
                 ptr(nm.q_weight, "qk_norm")?,
                 ptr(nm.k_weight, "qk_norm")?,
+                nm.v_weight
+                    .map(|v| ptr(v, "qk_norm"))
+                    .transpose()?
+                    .unwrap_or(0),
                 nm.eps,
                 nm.weight_offset,
             )
         }
-        None => (0u64, 0u64, 0f32, 0f32),
+        None => (0u64, 0u64, 0u64, 0f32, 0f32),
     };
     let m = &step.meta;
     let (pos, slots) = (
@@ -147,9 +156,10 @@ pub(crate) fn qkv_rope_write(
     );
     let (stride, half) = (width as i64, rope.inv_freq.len() as i32);
     let (h, kvh, hdi) = (p.num_heads as i32, p.num_kv_heads as i32, hd as i32);
+    let kv_stride = kv.row as i32;
     let (kc, vc) = (kv.k[layer].ptr, kv.v[layer].ptr);
-    // SAFETY: qkv [n, width]; caches [slots, kv_row]; slots checked; the
-    // norm weights (or null) hold head_dim elements.
+    // SAFETY: qkv [n, width]; caches [slots, kv_stride >= kv_row]; slots
+    // checked; the norm weights (or null) hold head_dim elements.
     unsafe {
         cuda.dev
             .launch(cuda.dev.func("qkv_rope_write_bf16")?)
@@ -165,8 +175,10 @@ pub(crate) fn qkv_rope_write(
             .arg(&h)
             .arg(&kvh)
             .arg(&hdi)
+            .arg(&kv_stride)
             .arg(&qn)
             .arg(&kn)
+            .arg(&vn)
             .arg(&eps)
             .arg(&offset)
             .launch(LaunchConfig {

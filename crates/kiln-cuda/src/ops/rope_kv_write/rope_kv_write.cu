@@ -21,13 +21,15 @@ extern "C" __global__ void rope_bf16(bf16* __restrict__ x, const unsigned int* _
     }
 }
 
-// Write new keys and values [tokens, kv_row] into their cache slots [slots, kv_row].
+// Write new keys and values [tokens, kv_row] into their cache slots [slots, kv_stride]
+// (kv_stride >= kv_row: the pool's row, wider for a narrower layer).
 extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v,
                                          bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                         const unsigned int* __restrict__ slot_mapping, int kv_row) {
+                                         const unsigned int* __restrict__ slot_mapping, int kv_row,
+                                         int kv_stride) {
     kiln_pdl_enter();
     const long long src = (long long)blockIdx.x * kv_row;
-    const long long dst = (long long)slot_mapping[blockIdx.x] * kv_row;
+    const long long dst = (long long)slot_mapping[blockIdx.x] * kv_stride;
     for (int i = threadIdx.x; i < kv_row; i += blockDim.x) {
         k_cache[dst + i] = k[src + i];
         v_cache[dst + i] = v[src + i];
@@ -42,8 +44,8 @@ extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16*
 //     before RoPE reads it, as the CPU reference computes it;
 //   * y < heads: q head y is rotated in place in qkv (rotate-half, pairs (i, i + half), i < half);
 //   * y = heads + h: k head h is rotated, written back in place into qkv AND to
-//     k_cache[s * kv_heads * head_dim + h * head_dim + i], and v head h is copied to v_cache at
-//     the same offsets;
+//     k_cache[s * kv_stride + h * head_dim + i], and v head h is copied to v_cache at the same
+//     offsets (RMS-normalized first when v_norm is set: Gemma 4);
 //   * dims >= 2 * half pass through unrotated (normalized when a norm is set; left in qkv,
 //     copied to the cache for k).
 // Same math as rope_bf16: sincosf(inv_freq[i] * (float)pos) times attn_scaling, f32 from the
@@ -59,9 +61,9 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
                                                bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,
                                                const unsigned int* __restrict__ slots,
                                                const float* __restrict__ inv_freq, int half, float attn_scaling,
-                                               int heads, int kv_heads, int head_dim,
+                                               int heads, int kv_heads, int head_dim, int kv_stride,
                                                const bf16* __restrict__ q_norm, const bf16* __restrict__ k_norm,
-                                               float eps, float weight_offset) {
+                                               const bf16* __restrict__ v_norm, float eps, float weight_offset) {
     kiln_pdl_enter();
     bf16* row = qkv + (long long)blockIdx.x * stride;
     const float p = (float)pos[blockIdx.x];
@@ -69,7 +71,7 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
     const int h = is_k ? (int)blockIdx.y - heads : (int)blockIdx.y;
     const long long hoff = (long long)h * head_dim;
     const long long koff = (long long)heads * head_dim, voff = koff + (long long)kv_heads * head_dim;
-    const long long cbase = is_k ? (long long)slots[blockIdx.x] * kv_heads * head_dim + hoff : 0;
+    const long long cbase = is_k ? (long long)slots[blockIdx.x] * kv_stride + hoff : 0;
     bf16* x = row + (is_k ? koff : 0) + hoff;
     const bf16* w = is_k ? k_norm : q_norm;
     float inv = 1.0f;
@@ -103,5 +105,15 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
     }
     if (!is_k) return;
     const bf16* v = row + voff + hoff;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) v_cache[cbase + d] = v[d];
+    float vinv = 1.0f;
+    if (v_norm) {  // uniform over the block, as for q and k
+        float ss = 0.0f;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            const float t = to_f32(v[d]);
+            ss += t * t;
+        }
+        vinv = rsqrtf(block_sum(ss) / head_dim + eps);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+        v_cache[cbase + d] = v_norm ? to_bf16(qk_normed(v, d, vinv, v_norm, weight_offset)) : v[d];
 }
