@@ -78,6 +78,20 @@ def randomise(model, gen):
                 b.copy_(0.5 + torch.rand(b.shape, generator=gen))
 
 
+def write_tokenizer(out, vocab_size):
+    """A word-level tokenizer of `vocab_size` words `t0`, `t1`, ...: enough for
+    the engine and server to run the checkpoint (token ids are what tests use)."""
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": None, "decoder": None,
+        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)},
+                  "unk_token": "t0"},
+    }
+    with open(os.path.join(out, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+
+
 def main(out_root):
     torch.set_num_threads(2)
     for case, over in CONFIGS.items():
@@ -87,6 +101,7 @@ def main(out_root):
         randomise(model, gen)
         out = os.path.join(out_root, case)
         model.save_pretrained(out, safe_serialization=True)
+        write_tokenizer(out, cfg.vocab_size)
         model = model.to(torch.float64)
         with torch.no_grad():
             ids = torch.tensor([PROMPT])
