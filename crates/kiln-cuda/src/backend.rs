@@ -347,6 +347,21 @@ impl Ops for CudaBackend {
         crate::ops::attention::attention(self, q, k, v, cache, layer, batch, p)
     }
 
+    /// Soft-capping has a kernel.
+    fn has_extension(&self, name: &str) -> bool {
+        name == kiln_tensor::SoftCap::NAME && self.dev.has("softcap_bf16")
+    }
+
+    fn extension(&self, op: &dyn kiln_tensor::ExtensionOp, x: &Tensor) -> Result<Tensor> {
+        match op.as_any().downcast_ref::<kiln_tensor::SoftCap>() {
+            Some(s) => crate::ops::elementwise::softcap(self, x, s.cap),
+            None => Err(kiln_tensor::TensorError::Unsupported {
+                backend: NAME,
+                what: format!("the extension op `{}`", op.name()),
+            }),
+        }
+    }
+
     fn attention_shared(
         &self,
         q: &Tensor,

@@ -64,6 +64,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "rope_bf16",
     "write_kv_bf16",
     "add_scale_bf16",
+    "softcap_bf16",
     "add_bias_bf16",
     "gather_rows_bf16",
     "copy_cols_bf16",

@@ -58,6 +58,11 @@ pub struct RandomWeights {
     /// norm scales by about 1 and deep random checkpoints stay well
     /// conditioned enough for a bf16 oracle.
     norm_mean: f64,
+    /// Per-head q and k norm weights about `head_dim^-1/4` (Gemma 4, whose
+    /// attention has scale 1): scores of about unit spread, as trained
+    /// models keep them. At 1 they would spread by `sqrt(head_dim)`, and a
+    /// softmax that sharp turns bf16 rounding into different winners.
+    unit_scale_attention: bool,
 }
 
 impl RandomWeights {
@@ -71,6 +76,7 @@ impl RandomWeights {
                 crate::families::FamilyConfig::Gemma3(_) => 0.0,
                 _ => 1.0,
             },
+            unit_scale_attention: matches!(config.family, crate::families::FamilyConfig::Gemma4(_)),
         })
     }
 }
@@ -125,7 +131,11 @@ impl WeightSource for RandomWeights {
         // Norm weights (and Gemma 4's layer scalars) scale by 1 + N(0, 0.1):
         // close to the usual init, but not all equal, so a checkpoint
         // exercises how each is applied.
-        let (mean, std) = if name.ends_with("norm.weight") {
+        let qk_norm = name.ends_with("q_norm.weight") || name.ends_with("k_norm.weight");
+        let (mean, std) = if qk_norm && self.unit_scale_attention {
+            let m = (n as f64).powf(-0.25);
+            (m, 0.1 * m)
+        } else if name.ends_with("norm.weight") {
             (self.norm_mean, 0.1)
         } else if name.ends_with("layer_scalar") {
             (1.0, 0.1)

@@ -197,6 +197,10 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let g = p.gpu.scale(&xg, 0.37).map_err(e)?;
     let c = p.cpu.scale(&xc, 0.37).map_err(e)?;
     p.compare("scale".into(), &g, &c, TOL)?;
+    let cap = kiln_tensor::SoftCap { cap: 1.3 };
+    let g = p.gpu.extension(&cap, &xg).map_err(e)?;
+    let c = p.cpu.extension(&cap, &xc).map_err(e)?;
+    p.compare("extension softcap".into(), &g, &c, TOL)?;
     for act in [Activation::Silu, Activation::GeluTanh] {
         let g = p.gpu.gated_activation(&xg, &yg, act).map_err(e)?;
         let c = p.cpu.gated_activation(&xc, &yc, act).map_err(e)?;

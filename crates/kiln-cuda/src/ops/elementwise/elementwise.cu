@@ -13,6 +13,16 @@ extern "C" __global__ void add_scale_bf16(const bf16* __restrict__ a, const bf16
     }
 }
 
+// Soft-capping out = tanh(x / cap) * cap (Gemma's final logits), f32 math.
+extern "C" __global__ void softcap_bf16(const bf16* __restrict__ x, bf16* __restrict__ out, long long n,
+                                        float cap) {
+    kiln_pdl_enter();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = to_bf16(tanhf(to_f32(x[i]) / cap) * cap);
+    }
+}
+
 // Add a bias [m] to every row of x [n, m] in place.
 extern "C" __global__ void add_bias_bf16(bf16* __restrict__ x, const bf16* __restrict__ bias, long long n, int m) {
     kiln_pdl_enter();

@@ -1,4 +1,4 @@
-//! Elementwise sums, scaling and bias adds (`elementwise.cu`).
+//! Elementwise sums, scaling, bias adds and soft-capping (`elementwise.cu`).
 
 use kiln_tensor::{Result, Tensor, TensorError};
 
@@ -43,6 +43,31 @@ pub(crate) fn scale(cuda: &CudaBackend, x: &Tensor, s: f32) -> Result<Tensor> {
             .arg(&out.ptr)
             .arg(&nl)
             .arg(&s)
+            .launch(elems_cfg(n))
+            .map_err(dev_err)?;
+    }
+    Ok(wrap(x.shape().to_vec(), out))
+}
+
+/// The soft-capping extension op ([`kiln_tensor::SoftCap`]).
+pub(crate) fn softcap(cuda: &CudaBackend, x: &Tensor, cap: f32) -> Result<Tensor> {
+    if !(cap > 0.0 && cap.is_finite()) {
+        return Err(TensorError::Shape {
+            op: "softcap",
+            detail: format!("cap {cap} (must be positive and finite)"),
+        });
+    }
+    let n = x.num_elements();
+    let out = cuda.alloc(n, "soft-capped logits")?;
+    let (xp, nl) = (ptr(x, "softcap")?, n as i64);
+    // SAFETY: x and out hold n elements.
+    unsafe {
+        cuda.dev
+            .launch(cuda.dev.func("softcap_bf16")?)
+            .arg(&xp)
+            .arg(&out.ptr)
+            .arg(&nl)
+            .arg(&cap)
             .launch(elems_cfg(n))
             .map_err(dev_err)?;
     }
