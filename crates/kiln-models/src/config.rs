@@ -322,7 +322,7 @@ fn check_layer_kv(layers: &[LayerKv], kinds: &[LayerKind], num_heads: usize) -> 
         ));
     }
     for (i, l) in layers.iter().enumerate() {
-        if l.num_kv_heads == 0 || num_heads % l.num_kv_heads != 0 {
+        if l.num_kv_heads == 0 || !num_heads.is_multiple_of(l.num_kv_heads) {
             return Err(err(
                 "num_key_value_heads",
                 format!(

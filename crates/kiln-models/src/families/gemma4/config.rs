@@ -370,7 +370,8 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Result<Vec<(String, Vec<usize>)>> {
         if kv.shared_from.is_none() {
             add("self_attn.k_proj.weight", vec![kv.row(), h]);
             add("self_attn.k_norm.weight", vec![hd]);
-            if !(g.k_eq_v && !g.sliding_layers[l]) {
+            // K = V full layers have no value projection.
+            if !g.k_eq_v || g.sliding_layers[l] {
                 add("self_attn.v_proj.weight", vec![kv.row(), h]);
             }
         }
