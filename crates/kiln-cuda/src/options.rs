@@ -31,6 +31,12 @@ pub struct CudaOptions {
     /// lets the host rule pick 8 or 16 columns by how full the last wave of
     /// blocks is; `Some(8)` or `Some(16)` forces one.
     pub direct_cols: Option<usize>,
+    /// Split decode attention: the fewest keys a partition takes (default
+    /// 32) and the blocks it aims for over a step's rows and KV heads
+    /// (default 256); a step splits each row's keys into at most
+    /// `target / (rows * kv_heads)` partitions of at least this many keys.
+    pub decode_partition_keys: usize,
+    pub decode_target_blocks: usize,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -48,6 +54,8 @@ impl Default for CudaOptions {
             decode_combine_in_kernel: true,
             decode_vpre_split: true,
             direct_cols: None,
+            decode_partition_keys: 32,
+            decode_target_blocks: 256,
             kernel_defines: String::new(),
         }
     }

@@ -80,6 +80,24 @@ pub const KNOBS: &[Knob] = &[
         }),
     },
     Knob {
+        var: "KILN_DECODE_PARTITION_KEYS",
+        default: "32",
+        help: "fewest keys a split decode attention partition takes",
+        set: Set::Parse(|o, v| {
+            o.decode_partition_keys = positive("KILN_DECODE_PARTITION_KEYS", v)?;
+            Ok(())
+        }),
+    },
+    Knob {
+        var: "KILN_DECODE_TARGET_BLOCKS",
+        default: "256",
+        help: "blocks split decode attention aims for over a step's rows and KV heads",
+        set: Set::Parse(|o, v| {
+            o.decode_target_blocks = positive("KILN_DECODE_TARGET_BLOCKS", v)?;
+            Ok(())
+        }),
+    },
+    Knob {
         var: "KILN_KERNEL_DEFINES",
         default: "",
         help: "NAME=VALUE overrides of kernels' #ifndef tuning macros, separated by blanks or +, for timing experiments",
@@ -89,6 +107,14 @@ pub const KNOBS: &[Knob] = &[
         }),
     },
 ];
+
+/// A positive count's value (at most 2^20).
+fn positive(var: &str, v: &str) -> Result<usize> {
+    match v.parse::<usize>() {
+        Ok(n) if (1..=1 << 20).contains(&n) => Ok(n),
+        _ => bail!("{var}={v:?}: expected a positive count"),
+    }
+}
 
 /// An on/off switch's value.
 fn switch(var: &str, v: &str) -> Result<bool> {
@@ -227,6 +253,8 @@ mod tests {
             ("KILN_DECODE_FUSED", "0"),
             ("KILN_DECODE_VPRE_SPLIT", "0"),
             ("KILN_DIRECT_COLS", "16"),
+            ("KILN_DECODE_PARTITION_KEYS", "128"),
+            ("KILN_DECODE_TARGET_BLOCKS", "64"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -240,11 +268,14 @@ mod tests {
                 decode_combine_in_kernel: false,
                 decode_vpre_split: false,
                 direct_cols: Some(16),
+                decode_partition_keys: 128,
+                decode_target_blocks: 64,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 8);
+        assert_eq!(KNOBS.len(), 10);
+        assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 
     #[test]

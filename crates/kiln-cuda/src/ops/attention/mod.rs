@@ -43,13 +43,9 @@ pub(crate) fn configure(dev: &mut Device) -> std::result::Result<(), crate::Cuda
     Ok(())
 }
 
-/// Blocks the decode attention kernel aims for when splitting keys.
-const DECODE_TARGET_CTAS: usize = 256;
 /// Completion counters of the decode kernel's partitions, one per (row,
 /// kv head) of a split step (`parts > 1` means rows × kv heads ≤ 128).
 pub(crate) const DECODE_COUNTERS: usize = 256;
-/// Fewest keys per split.
-const DECODE_MIN_PARTITION: usize = 32;
 
 impl CudaBackend {
     /// Attention of `n` query rows (row stride `q_stride`) over the cache
@@ -107,9 +103,15 @@ impl CudaBackend {
                 .sliding_window
                 .map_or(table_keys, |w| table_keys.min(w))
                 .max(1);
-            let want = (DECODE_TARGET_CTAS / (n * p.num_kv_heads)).max(1);
-            let parts = want.min(max_keys.div_ceil(DECODE_MIN_PARTITION));
-            let part = DECODE_MIN_PARTITION as i32;
+            // Blocks to aim for and fewest keys a partition
+            // (`CudaOptions::decode_target_blocks`, `decode_partition_keys`).
+            let (target, min_keys) = (
+                self.options.decode_target_blocks.max(1),
+                self.options.decode_partition_keys.max(1),
+            );
+            let want = (target / (n * p.num_kv_heads)).max(1);
+            let parts = want.min(max_keys.div_ceil(min_keys));
+            let part = min_keys as i32;
             let (part_out, part_ml) = if parts > 1 {
                 (
                     Some(self.dev.alloc(n * qw * parts, 4, "attention partials")?),
