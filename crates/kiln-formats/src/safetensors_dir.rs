@@ -9,6 +9,15 @@
 //! [`SafetensorsDir::load_f32`](WeightSource::load_f32) can slice without
 //! further checks.
 //!
+//! A multimodal checkpoint (a `config.json` with a `text_config`, such as
+//! `Gemma3ForConditionalGeneration` or `Gemma4ForConditionalGeneration`) is
+//! read as its text decoder: [`SafetensorsDir::config`] is the text config
+//! (with the wrapper's token ids and tying where it has none of its own) and
+//! the tensors are the language model's, named as the causal-LM class names
+//! them (`model.language_model.X` and `language_model.model.X` as `model.X`,
+//! `language_model.lm_head.X` as `lm_head.X`); the vision and audio towers
+//! are left out.
+//!
 //! The safetensors layout: an 8-byte little-endian header length `n`, `n`
 //! bytes of JSON mapping each tensor name to `{dtype, shape, data_offsets}`
 //! (offsets relative to the end of the header), an optional `__metadata__`
@@ -113,6 +122,10 @@ impl SafetensorsDir {
         // A base-model checkpoint (`Gemma3TextModel`, as EmbeddingGemma
         // ships) names its tensors without the `model.` prefix the
         // causal-LM classes add; Kiln addresses weights by the latter.
+        let (config, tensors) = match text_decoder(&config) {
+            Some(text) => (text, language_model_tensors(tensors)),
+            None => (config, tensors),
+        };
         let tensors = if tensors.contains_key("embed_tokens.weight")
             && !tensors.keys().any(|k| k.starts_with("model."))
         {
@@ -164,6 +177,46 @@ fn map_file(path: &Path) -> std::io::Result<Mmap> {
     let file = File::open(path)?;
     // SAFETY: the map is read-only; Kiln never writes model files it has open.
     unsafe { Mmap::map(&file) }
+}
+
+/// The text decoder's config of a multimodal wrapper (`text_config`),
+/// completed from the wrapper's keys it lacks (token ids, tying).
+fn text_decoder(config: &Value) -> Option<Value> {
+    let mut text = config.get("text_config")?.as_object()?.clone();
+    text.get("model_type")?.as_str()?;
+    for key in [
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ] {
+        if let Some(v) = config.get(key) {
+            text.entry(key).or_insert_with(|| v.clone());
+        }
+    }
+    Some(Value::Object(text))
+}
+
+/// A multimodal checkpoint's language-model tensors under the causal-LM
+/// names; every other tensor (vision and audio towers, projectors) dropped.
+fn language_model_tensors(tensors: BTreeMap<String, Entry>) -> BTreeMap<String, Entry> {
+    tensors
+        .into_iter()
+        .filter_map(|(k, e)| {
+            let name = if let Some(rest) = k.strip_prefix("model.language_model.") {
+                format!("model.{rest}")
+            } else if let Some(rest) = k.strip_prefix("language_model.model.") {
+                format!("model.{rest}")
+            } else if let Some(rest) = k.strip_prefix("language_model.lm_head.") {
+                format!("lm_head.{rest}")
+            } else if k.starts_with("lm_head.") {
+                k
+            } else {
+                return None;
+            };
+            Some((name, e))
+        })
+        .collect()
 }
 
 type Opened = (Vec<Shard>, BTreeMap<String, Entry>);

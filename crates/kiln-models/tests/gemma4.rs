@@ -180,3 +180,49 @@ fn random_checkpoints_of_every_shape_load_and_run() {
         assert!(out.iter().any(|&x| x.abs() > 1e-3));
     }
 }
+
+#[test]
+fn a_multimodal_wrapper_loads_as_its_text_decoder() {
+    use kiln_formats::{write_safetensors, SafetensorsDtype, WeightSource};
+    // Gemma4ForConditionalGeneration's layout: the text config under
+    // `text_config`, the decoder's tensors under `model.language_model.`,
+    // towers beside it.
+    let plain = SafetensorsDir::open(case_dir("shared_kv")).unwrap();
+    let dir = std::env::temp_dir().join(format!("kiln-gemma4-wrapper-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+        "text_config": plain.config(), "vision_config": null, "audio_config": null,
+        "tie_word_embeddings": true});
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut tensors: Vec<(String, kiln_formats::HostTensor)> = plain
+        .tensors()
+        .iter()
+        .map(|t| {
+            let name = t.name.replacen("model.", "model.language_model.", 1);
+            (name, plain.load_f32(&t.name).unwrap())
+        })
+        .collect();
+    tensors.push((
+        "model.vision_tower.patch_embed.weight".into(),
+        kiln_formats::HostTensor::new(vec![2, 3], vec![0.5; 6]),
+    ));
+    let refs: Vec<(String, &kiln_formats::HostTensor)> =
+        tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
+    write_safetensors(dir.join("model.safetensors"), &refs, SafetensorsDtype::F32).unwrap();
+
+    let wrapped = SafetensorsDir::open(&dir).unwrap();
+    assert_eq!(wrapped.config()["model_type"], "gemma4_text");
+    assert_eq!(wrapped.tensors().len(), plain.tensors().len());
+    let run = |d: &SafetensorsDir| {
+        let cfg = ModelConfig::from_hf(d.config()).unwrap();
+        let m = load_model(Arc::new(CpuBackend::new()), d, cfg).unwrap();
+        let mut cache = m.kv_cache_for_tokens(6, 4).unwrap();
+        let batch = ForwardBatch::single(&[2, 17, 93, 5, 64, 101], 0, &cache.spec, 0);
+        m.backend()
+            .to_host(&m.forward(&batch, &mut cache).unwrap())
+            .unwrap()
+    };
+    assert_eq!(run(&wrapped), run(&plain));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
