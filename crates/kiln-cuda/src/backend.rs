@@ -347,6 +347,12 @@ impl Ops for CudaBackend {
         crate::ops::attention::attention(self, q, k, v, cache, layer, batch, p)
     }
 
+    /// Causal and bidirectional (the reference kernel), with or without a
+    /// window.
+    fn supports_attention(&self, _p: &AttentionParams) -> bool {
+        true
+    }
+
     /// Soft-capping has a kernel.
     fn has_extension(&self, name: &str) -> bool {
         name == kiln_tensor::SoftCap::NAME && self.dev.has("softcap_bf16")

@@ -253,3 +253,74 @@ pub(super) fn attention_ops(
     p.gpu.set_decode_vpre(true);
     Ok(())
 }
+
+/// Bidirectional attention (encoders: EmbeddingGemma), with and without a
+/// window: a prompt step of three sequences, one of them a single token
+/// (a decode-shaped step), by `attention` and `qkv_attention`.
+pub(super) fn bidirectional_ops(
+    p: &mut Pair,
+    rng: &mut Rng,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    window: Option<usize>,
+) -> R<()> {
+    let bs = 16;
+    let spec = KvPoolShape {
+        num_layers: 1,
+        num_groups: 1,
+        num_blocks: 64,
+        block_size: bs,
+        kv_row: kv_heads * hd,
+    };
+    let ap = AttentionParams {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        scale: (hd as f32).powf(-0.5),
+        sliding_window: window,
+        softcap: None,
+        kv_group: 0,
+        causal: false,
+    };
+    let inv_freq: Vec<f32> = (0..hd / 2)
+        .map(|i| 1e4f32.powf(-((2 * i) as f32) / hd as f32))
+        .collect();
+    for fused in [false, true] {
+        let mut caches = Caches {
+            gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
+            cpu: p.cpu.alloc_kv_cache(spec).map_err(e)?,
+        };
+        let mut blocks = Blocks::new(rng, spec.num_blocks);
+        for (label, lens) in [
+            ("prompts", vec![300usize, 37, 1]),
+            ("single tokens", vec![1, 1]),
+        ] {
+            let mut b = ForwardBatch {
+                block_size: bs,
+                ..ForwardBatch::default()
+            };
+            for &len in &lens {
+                b.push_seq_groups(
+                    &vec![0u32; len],
+                    0,
+                    vec![blocks.take(len.div_ceil(bs))],
+                    true,
+                );
+            }
+            let label = format!("bidirectional {label}");
+            attention_step(
+                p,
+                rng,
+                &mut caches,
+                &b,
+                &ap,
+                (&inv_freq, 1.0),
+                None,
+                &label,
+                fused,
+            )?;
+        }
+    }
+    Ok(())
+}

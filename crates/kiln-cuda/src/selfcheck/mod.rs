@@ -144,6 +144,10 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     attention_ops(&mut p, &mut rng, 8, 2, 64, Some(48), (32, 1.0))?;
     // Partial rotary (a quarter of the head's dims rotate) with an attention scaling.
     attention_ops(&mut p, &mut rng, 12, 4, 128, None, (32, 0.9))?;
+    // Bidirectional (EmbeddingGemma: one KV head of 256, a window of 257 each way).
+    bidirectional_ops(&mut p, &mut rng, 8, 2, 64, None)?;
+    bidirectional_ops(&mut p, &mut rng, 4, 1, 256, Some(257))?;
+    bidirectional_ops(&mut p, &mut rng, 8, 2, 64, Some(48))?;
     recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
     recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
@@ -327,7 +331,7 @@ fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
 mod attention;
 mod steps;
 
-use attention::attention_ops;
+use attention::{attention_ops, bidirectional_ops};
 use steps::{argmax_check, recorded_steps, Toy};
 
 /// The products the checks compare, each one form of [`Ops::matmul`] on

@@ -27,6 +27,9 @@ pub struct StepMeta {
     /// Group 0's slots; group `g`'s at [`StepMeta::slot_of`].
     pub slot: usize,
     pub row_seq: usize,
+    /// Each row's sequence's last key this step (bidirectional attention
+    /// reads up to it).
+    pub row_end: usize,
     /// Group 0's tables; group `g`'s at [`StepMeta::tables_of`].
     pub tables: usize,
     pub tiles: usize,
@@ -72,7 +75,7 @@ impl StepMeta {
         let s = batch.seqs.len();
         let groups = batch.slot_mapping.len().max(1);
         let mut words = Vec::with_capacity(
-            (2 + groups) * n + groups * s * width + 2 * n + batch.logits_rows.len(),
+            (3 + groups) * n + groups * s * width + 2 * n + batch.logits_rows.len(),
         );
         let tok = words.len();
         words.extend_from_slice(&batch.token_ids);
@@ -91,6 +94,13 @@ impl StepMeta {
         for (i, seq) in batch.seqs.iter().enumerate() {
             let end = (seq.token_start + seq.num_tokens).min(n);
             words[row_seq + seq.token_start.min(end)..row_seq + end].fill(i as u32);
+        }
+        let row_end = words.len();
+        words.resize(row_end + n, 0);
+        for seq in &batch.seqs {
+            let end = (seq.token_start + seq.num_tokens).min(n);
+            let last = (seq.num_computed + seq.num_tokens).saturating_sub(1) as u32;
+            words[row_end + seq.token_start.min(end)..row_end + end].fill(last);
         }
         let tables = words.len();
         for g in 0..groups {
@@ -131,6 +141,7 @@ impl StepMeta {
             pos,
             slot,
             row_seq,
+            row_end,
             tables,
             tiles,
             num_tiles,
@@ -213,6 +224,8 @@ mod tests {
         assert_eq!(&w[m.pos..m.pos + 4], &[2, 3, 4, 6]);
         assert_eq!(&w[m.slot..m.slot + 4], &[14, 15, 36, 10]);
         assert_eq!(&w[m.row_seq..m.row_seq + 4], &[0, 0, 0, 1]);
+        // Each row's sequence's last key: 2 cached + 3 new, 6 cached + 1 new.
+        assert_eq!(&w[m.row_end..m.row_end + 4], &[4, 4, 4, 6]);
         assert_eq!(&w[m.tables..m.tables + 8], &[3, 9, 0, 0, 0, 0, 0, 0]);
         assert_eq!(&w[m.tables + 8..m.tables + 10], &[1, 2]);
         assert_eq!(m.num_tiles, 2);

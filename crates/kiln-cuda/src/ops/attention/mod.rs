@@ -61,12 +61,6 @@ impl CudaBackend {
         block_size: usize,
         p: &AttentionParams,
     ) -> Result<Tensor> {
-        if !p.causal {
-            return Err(TensorError::Unsupported {
-                backend: crate::driver::device::NAME,
-                what: "bidirectional attention (no CUDA kernel yet)".into(),
-            });
-        }
         let n = step.meta.num_rows;
         let qw = p.num_heads * p.head_dim;
         let out = self.alloc(n * qw, "attention output")?;
@@ -88,7 +82,8 @@ impl CudaBackend {
         if n == 0 {
             return Ok(wrap(vec![0, qw], out));
         }
-        if m.decode_only && self.dev.has(&decode) {
+        // Bidirectional attention (encoders) runs the reference kernel.
+        if p.causal && m.decode_only && self.dev.has(&decode) {
             // Split the keys until there are enough blocks to fill the GPU
             // (few rows × kv heads). The kernel spreads each row's own keys
             // over the partitions, so a recorded step's grid (sized for the
@@ -197,7 +192,7 @@ impl CudaBackend {
             }
             return Ok(wrap(vec![n, qw], out));
         }
-        if self.dev.has(&flash) {
+        if p.causal && self.dev.has(&flash) {
             let tiles = word(m.tiles);
             let cfg = LaunchConfig {
                 grid_dim: (m.num_tiles as u32, p.num_heads as u32, 1),
@@ -242,7 +237,9 @@ impl CudaBackend {
             shared_mem_bytes: (128 + hd) as u32 * 4,
         };
         let hdi = hd as i32;
-        // SAFETY: q [n, heads * hd]; metadata of the step.
+        let row_end = if p.causal { 0 } else { word(m.row_end) };
+        // SAFETY: q [n, heads * hd]; metadata of the step (row_end: one
+        // word a row, or null).
         unsafe {
             self.dev
                 .launch(self.dev.func("paged_attention_bf16")?)
@@ -252,6 +249,7 @@ impl CudaBackend {
                 .arg(&out.ptr)
                 .arg(&pos)
                 .arg(&row_seq)
+                .arg(&row_end)
                 .arg(&tables)
                 .arg(&width)
                 .arg(&h)
@@ -339,7 +337,10 @@ pub(crate) fn qkv_attention(
     qk_norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
     let hd = p.head_dim;
-    let fused = cuda.dev.has("qkv_rope_write_bf16")
+    // Bidirectional attention runs the reference kernel, which reads packed
+    // q rows: the ops one by one.
+    let fused = p.causal
+        && cuda.dev.has("qkv_rope_write_bf16")
         && cuda.dev.has(&format!("flash_prefill_hd{hd}"))
         && cuda.dev.has(&format!("decode_attention_hd{hd}"));
     if !fused {

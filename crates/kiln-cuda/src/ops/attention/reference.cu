@@ -25,6 +25,8 @@ __device__ __forceinline__ float block_max(float v) {
 }
 
 // q [tokens, heads * head_dim]; caches [slots, kv_stride] (kv_stride >= kv_heads * head_dim);
+// row_end: null for causal attention (a row reads keys up to its position), else each row's
+// sequence's last key (bidirectional: keys up to it, a window keeping |query - key| < window);
 // row_pos[t]: the token's position; row_seq[t]: its sequence, whose block
 // table is tables[row_seq[t] * table_width ..]. Dynamic shared memory:
 // (blockDim.x + head_dim) floats.
@@ -32,6 +34,7 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
                                                 const bf16* __restrict__ v_cache, bf16* __restrict__ out,
                                                 const unsigned int* __restrict__ row_pos,
                                                 const unsigned int* __restrict__ row_seq,
+                                                const unsigned int* __restrict__ row_end,
                                                 const unsigned int* __restrict__ tables, int table_width, int heads,
                                                 int kv_heads, int kv_stride,
                                                 int head_dim, int block_size, float scale, int window,
@@ -45,15 +48,19 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
     const int kv_row = kv_stride;
     const int pos = (int)row_pos[t];
     const int first = (window > 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    // Causal: up to the row itself; bidirectional: to the sequence's end, within the window ahead.
+    const int last = row_end == nullptr ? pos
+                     : window > 0       ? min((int)row_end[t], pos + window - 1)
+                                        : (int)row_end[t];
     const unsigned int* table = tables + (long long)row_seq[t] * table_width;
     const bf16* qv = q + ((long long)t * heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) acc[d] = 0.0f;
     float m = NEG_INF, l = 0.0f;
     __syncthreads();
-    for (int c0 = first; c0 <= pos; c0 += blockDim.x) {
+    for (int c0 = first; c0 <= last; c0 += blockDim.x) {
         const int key = c0 + threadIdx.x;
         float s = NEG_INF;
-        if (key <= pos) {
+        if (key <= last) {
             const long long slot = (long long)table[key / block_size] * block_size + key % block_size;
             const bf16* kv = k_cache + slot * kv_row + (long long)kvh * head_dim;
             float dot = 0.0f;
@@ -62,13 +69,13 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
             if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
         }
         const float m_new = fmaxf(m, block_max(s));
-        const float p = (key <= pos) ? __expf(s - m_new) : 0.0f;
+        const float p = (key <= last) ? __expf(s - m_new) : 0.0f;
         scores[threadIdx.x] = p;
         const float correction = __expf(m - m_new);
         l = l * correction + block_sum(p);
         m = m_new;
         __syncthreads();
-        const int n_keys = min((int)blockDim.x, pos - c0 + 1);
+        const int n_keys = min((int)blockDim.x, last - c0 + 1);
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
             float a = acc[d] * correction;
             for (int j = 0; j < n_keys; ++j) {
