@@ -2,10 +2,11 @@
 //! temperature, top-k, top-p, min-p and the draw with the host's uniform
 //! number, so only ids and the requested log-probabilities cross to the
 //! host. The semantics are the host sampler's (kiln-sampling's `sampler`
-//! module documentation), drawing in its *device order*; `check.rs`
-//! holds the host reference and the GPU check.
+//! module documentation), drawing in its *device order*; `reference.rs`
+//! holds the host reference and `check.rs` the GPU check.
 
 pub(crate) mod check;
+mod reference;
 
 use kiln_tensor::{DType, Result, SampleRow, SampledRow, Tensor, TensorError};
 
