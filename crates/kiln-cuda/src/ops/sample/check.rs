@@ -6,9 +6,9 @@
 use half::bf16;
 use kiln_tensor::{Memory, SampleRow, Sampling};
 
+use super::reference::reference;
 #[cfg(test)]
-use super::reference::processed;
-use super::reference::{reference, Reference};
+use super::reference::{processed, Reference};
 use crate::selfcheck::Check;
 use crate::CudaBackend;
 
