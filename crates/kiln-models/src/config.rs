@@ -384,6 +384,26 @@ pub(crate) fn parse_rope_scaling(s: Option<&Value>) -> Result<RopeScaling> {
     })
 }
 
+/// `layer_types` as "is this layer `sliding_attention`" (the other kind
+/// being `full_attention`), when the config lists them.
+pub(crate) fn sliding_layer_types(c: &Value) -> Result<Option<Vec<bool>>> {
+    let Some(types) = c.get("layer_types").and_then(Value::as_array) else {
+        return Ok(None);
+    };
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("sliding_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(err(
+                "layer_types",
+                format!("{t} is not a layer type Kiln knows"),
+            )),
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
 /// The gated MLP's activation from `hidden_act` (or Gemma's
 /// `hidden_activation`), `default` when neither is given.
 pub(crate) fn parse_activation(c: &Value, default: &str) -> Result<Activation> {

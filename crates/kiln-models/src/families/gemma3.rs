@@ -40,7 +40,8 @@ use serde_json::Value;
 
 use super::{Family, FamilyConfig};
 use crate::config::{
-    err, opt_f32, opt_usize, parse_rope_scaling, FamilyLayers, LayerKind, ModelConfig, RopeScaling,
+    err, opt_f32, opt_usize, parse_rope_scaling, sliding_layer_types, FamilyLayers, LayerKind,
+    ModelConfig, RopeScaling,
 };
 use crate::error::{ModelError, Result};
 use crate::layers::{
@@ -114,18 +115,8 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> 
     if sliding_window == 0 {
         return Err(err("sliding_window", "must be positive"));
     }
-    let sliding_layers = match c.get("layer_types").and_then(Value::as_array) {
-        Some(types) => types
-            .iter()
-            .map(|t| match t.as_str() {
-                Some("sliding_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                _ => Err(err(
-                    "layer_types",
-                    format!("{t} is not a layer type Kiln knows"),
-                )),
-            })
-            .collect::<Result<Vec<_>>>()?,
+    let sliding_layers = match sliding_layer_types(c)? {
+        Some(types) => types,
         None => {
             let pattern = match opt_usize(c, "sliding_window_pattern")? {
                 Some(p) => p,

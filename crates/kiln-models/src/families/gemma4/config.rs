@@ -4,8 +4,8 @@
 use serde_json::Value;
 
 use crate::config::{
-    err, opt_f32, opt_usize, parse_rope_scaling, FamilyLayers, LayerKind, LayerKv, ModelConfig,
-    RopeScaling,
+    err, opt_f32, opt_usize, parse_rope_scaling, sliding_layer_types, FamilyLayers, LayerKind,
+    LayerKv, ModelConfig, RopeScaling,
 };
 use crate::error::Result;
 use crate::families::FamilyConfig;
@@ -208,18 +208,8 @@ pub(super) fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<Fam
     if sliding_window == 0 {
         return Err(err("sliding_window", "must be positive"));
     }
-    let sliding_layers: Vec<bool> = match c.get("layer_types").and_then(Value::as_array) {
-        Some(types) => types
-            .iter()
-            .map(|t| match t.as_str() {
-                Some("sliding_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                _ => Err(err(
-                    "layer_types",
-                    format!("{t} is not a layer type Kiln knows"),
-                )),
-            })
-            .collect::<Result<_>>()?,
+    let sliding_layers: Vec<bool> = match sliding_layer_types(c)? {
+        Some(types) => types,
         // Every sixth layer full, and the last one always.
         None => (0..num_layers)
             .map(|i| (i + 1) % 6 != 0 && i + 1 != num_layers)
