@@ -18,6 +18,7 @@ pub enum GgmlType {
     Q5K,
     Q6K,
     Q8K,
+    IQ4NL,
     I8,
     I16,
     I32,
@@ -44,6 +45,7 @@ impl GgmlType {
             13 => Q5K,
             14 => Q6K,
             15 => Q8K,
+            20 => IQ4NL,
             24 => I8,
             25 => I16,
             26 => I32,
@@ -71,6 +73,7 @@ impl GgmlType {
             Q5K => 13,
             Q6K => 14,
             Q8K => 15,
+            IQ4NL => 20,
             I8 => 24,
             I16 => 25,
             I32 => 26,
@@ -97,6 +100,7 @@ impl GgmlType {
             Q5K => "Q5_K",
             Q6K => "Q6_K",
             Q8K => "Q8_K",
+            IQ4NL => "IQ4_NL",
             I8 => "I8",
             I16 => "I16",
             I32 => "I32",
@@ -110,7 +114,7 @@ impl GgmlType {
     pub fn block_size(self) -> u64 {
         use GgmlType::*;
         match self {
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 => 32,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4NL => 32,
             Q2K | Q3K | Q4K | Q5K | Q6K | Q8K => 256,
             _ => 1,
         }
@@ -124,7 +128,7 @@ impl GgmlType {
             F16 | BF16 | I16 => 2,
             I8 => 1,
             I64 | F64 => 8,
-            Q4_0 => 18,
+            Q4_0 | IQ4NL => 18,
             Q4_1 => 20,
             Q5_0 => 22,
             Q5_1 => 24,
@@ -136,6 +140,50 @@ impl GgmlType {
             Q5K => 176,
             Q6K => 210,
             Q8K => 292,
+        }
+    }
+
+    /// The block format a weight of this type is stored in, for the types
+    /// a backend can multiply by in place (`None` for F32, integer types
+    /// and Q8_0's activation-only relatives Q8_1 / Q8_K).
+    pub fn quant_format(self) -> Option<kiln_quant::QuantFormat> {
+        use kiln_quant::QuantFormat as Q;
+        use GgmlType::*;
+        Some(match self {
+            F16 => Q::F16,
+            BF16 => Q::BF16,
+            Q4_0 => Q::Q4_0,
+            Q4_1 => Q::Q4_1,
+            Q5_0 => Q::Q5_0,
+            Q5_1 => Q::Q5_1,
+            Q8_0 => Q::Q8_0,
+            Q2K => Q::Q2K,
+            Q3K => Q::Q3K,
+            Q4K => Q::Q4K,
+            Q5K => Q::Q5K,
+            Q6K => Q::Q6K,
+            IQ4NL => Q::IQ4NL,
+            _ => return None,
+        })
+    }
+
+    /// The GGUF type a block format is stored as.
+    pub fn from_quant_format(f: kiln_quant::QuantFormat) -> Self {
+        use kiln_quant::QuantFormat as Q;
+        match f {
+            Q::F16 => GgmlType::F16,
+            Q::BF16 => GgmlType::BF16,
+            Q::Q4_0 => GgmlType::Q4_0,
+            Q::Q4_1 => GgmlType::Q4_1,
+            Q::Q5_0 => GgmlType::Q5_0,
+            Q::Q5_1 => GgmlType::Q5_1,
+            Q::Q8_0 => GgmlType::Q8_0,
+            Q::Q2K => GgmlType::Q2K,
+            Q::Q3K => GgmlType::Q3K,
+            Q::Q4K => GgmlType::Q4K,
+            Q::Q5K => GgmlType::Q5K,
+            Q::Q6K => GgmlType::Q6K,
+            Q::IQ4NL => GgmlType::IQ4NL,
         }
     }
 

@@ -149,9 +149,10 @@ fn real_blocks_are_found_in_place_by_the_reader() {
 
 #[test]
 fn unsupported_and_mis_sized_inputs_are_errors() {
-    // Q2_K is a known type this crate does not dequantize.
-    let err = dequantize(GgmlType::Q2K, &[0u8; 84], 256).unwrap_err();
-    assert!(err.contains("Q2_K"), "{err}");
+    // Q8_K is a known type (llama.cpp's activation format) that weights
+    // are never stored in.
+    let err = dequantize(GgmlType::Q8K, &[0u8; 292], 256).unwrap_err();
+    assert!(err.contains("Q8_K"), "{err}");
     // A byte count that does not match the element count.
     let err = dequantize(GgmlType::Q8_0, &[0u8; 33], 32).unwrap_err();
     assert!(

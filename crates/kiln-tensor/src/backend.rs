@@ -7,7 +7,8 @@ use crate::error::{Result, TensorError};
 use crate::extension::ExtensionOp;
 use crate::matmul::{matmul_unfused, Epilogue, NormPrologue};
 use crate::tensor::Tensor;
-use crate::weight::{Weight, WeightKind};
+use crate::weight::{BlockPart, BlockWeight, Weight, WeightKind};
+use kiln_quant::QuantMatrix;
 
 /// Gated activation applied as `act(gate) * up`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -370,6 +371,17 @@ pub trait Memory {
         self.upload(shape, &data)
     }
 
+    /// Store a block-format matrix as this backend multiplies by it (in
+    /// place where it can: the CPU keeps the mapped file's bytes), for a
+    /// [`crate::BlockWeight`]. Default: not supported; the loader asks
+    /// [`Memory::supports_weight`] first and dequantizes otherwise.
+    fn upload_blocks(&self, m: QuantMatrix) -> Result<BlockPart> {
+        Err(crate::weight::unsupported_weight(
+            "this backend",
+            WeightKind::Blocks(m.format()),
+        ))
+    }
+
     /// Copy a tensor back to the host as f32.
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>>;
 
@@ -381,12 +393,24 @@ pub trait Memory {
 /// ones; [`Ops::matmul`] and [`Ops::qkv_attention`] have unfused defaults
 /// built from them, which backends replace with fused kernels.
 pub trait Ops {
-    /// Rows `ids` of `table` `[vocab, d]` → `[ids.len(), d]`.
-    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor>;
+    /// Rows `ids` of `table` `[vocab, d]` → `[ids.len(), d]` (a block
+    /// table's rows are dequantized as they are looked up).
+    fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor>;
 
     /// The basic product of a dense weight: `x [n, k] · w[m, k]ᵀ (+ bias
     /// [m])` → `[n, m]`. Models call [`Ops::matmul`].
     fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor>;
+
+    /// The basic product of a block weight, as [`Ops::matmul_dense`].
+    /// Default: not supported (such a backend never gets block weights:
+    /// its [`Memory::supports_weight`] says so).
+    fn matmul_blocks(&self, x: &Tensor, w: &BlockWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+        let _ = (x, bias);
+        Err(crate::weight::unsupported_weight(
+            "this backend",
+            WeightKind::Blocks(w.parts()[0].format()),
+        ))
+    }
 
     /// `epilogue(prologue(x) · wᵀ)`: every projection of a model, with the
     /// RMSNorm that feeds it and the bias, gated activation and residual

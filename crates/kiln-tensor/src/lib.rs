@@ -31,9 +31,10 @@ pub use backend::{
 };
 pub use error::{Result, TensorError};
 pub use extension::{require_extensions, ExtensionOp, SoftCap};
+pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
 pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
 pub use tensor::{DType, Tensor};
-pub use weight::{Weight, WeightKind};
+pub use weight::{BlockPart, BlockWeight, Weight, WeightKind};
 
 /// The four traits a backend is made of, for code that calls their methods
 /// on a concrete backend type (`dyn Backend` needs no import).

@@ -67,7 +67,7 @@ impl<'a> Epilogue<'a> {
 /// [`crate::Ops::matmul`] from basic ops: the norm
 /// ([`crate::Ops::rms_norm`]), then the backend's own `matmul` of the
 /// normalized rows (which may still fuse the epilogue); without a prologue,
-/// [`crate::Ops::matmul_dense`] with the bias, [`crate::Ops::split_cols`]
+/// [`crate::Ops::matmul_dense`] (or [`crate::Ops::matmul_blocks`]) with the bias, [`crate::Ops::split_cols`]
 /// and [`crate::Ops::gated_activation`] for the gate, [`crate::Ops::add`]
 /// for the residual. Fused backends fall back to it for what they do not
 /// fuse.
@@ -82,7 +82,10 @@ pub fn matmul_unfused<B: Ops + ?Sized>(
         let h = b.rms_norm(x, n.weight, n.eps, n.offset)?;
         return b.matmul(&h, w, None, epilogue);
     }
-    let mut y = b.matmul_dense(x, w.dense("matmul")?, epilogue.bias)?;
+    let mut y = match w {
+        Weight::Blocks(bw) => b.matmul_blocks(x, bw, epilogue.bias)?,
+        _ => b.matmul_dense(x, w.dense("matmul")?, epilogue.bias)?,
+    };
     if let Some(act) = epilogue.gated {
         let (_, two_i) = y.dims2("matmul")?;
         if two_i % 2 != 0 {

@@ -14,7 +14,8 @@ use crate::error::Result;
 use crate::extension::ExtensionOp;
 use crate::matmul::{Epilogue, NormPrologue};
 use crate::tensor::Tensor;
-use crate::weight::{Weight, WeightKind};
+use crate::weight::{BlockPart, BlockWeight, Weight, WeightKind};
+use kiln_quant::QuantMatrix;
 
 /// Calls and total seconds of one op.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -118,6 +119,10 @@ impl Memory for ProfilingBackend {
         self.timed("upload", || self.inner.upload_bf16(shape, bits))
     }
 
+    fn upload_blocks(&self, m: QuantMatrix) -> Result<BlockPart> {
+        self.timed("upload", || self.inner.upload_blocks(m))
+    }
+
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>> {
         self.timed("to_host", || self.inner.to_host(t))
     }
@@ -128,12 +133,16 @@ impl Memory for ProfilingBackend {
 }
 
 impl Ops for ProfilingBackend {
-    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
         self.timed("embedding", || self.inner.embedding(table, ids))
     }
 
     fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.timed("matmul_dense", || self.inner.matmul_dense(x, w, bias))
+    }
+
+    fn matmul_blocks(&self, x: &Tensor, w: &BlockWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.timed("matmul_blocks", || self.inner.matmul_blocks(x, w, bias))
     }
 
     fn matmul(

@@ -20,16 +20,16 @@ use rayon::prelude::*;
 /// Lanes of one accumulator.
 const LANES: usize = 16;
 /// Output rows (of `w`) per parallel task.
-const W_ROWS_PER_TASK: usize = 64;
+pub(crate) const W_ROWS_PER_TASK: usize = 64;
 /// Input rows (of `x`) kept hot while a task sweeps its weight rows.
 const X_ROWS_PER_BLOCK: usize = 64;
 /// Register tile.
 const TILE: usize = 4;
 
-type TileFn = unsafe fn(&TileArgs);
+pub(crate) type TileFn = unsafe fn(&TileArgs);
 
 /// One register tile: `ri × rj` dots of length `k`.
-struct TileArgs {
+pub(crate) struct TileArgs {
     x: *const f32,
     x_stride: usize,
     w: *const f32,
@@ -47,7 +47,14 @@ pub fn matmul_t(x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> 
 }
 
 /// [`matmul_t`] with a given register tile.
-fn matmul_t_with(tile: TileFn, x: &[f32], n: usize, k: usize, w: &[f32], m: usize) -> Vec<f32> {
+pub(crate) fn matmul_t_with(
+    tile: TileFn,
+    x: &[f32],
+    n: usize,
+    k: usize,
+    w: &[f32],
+    m: usize,
+) -> Vec<f32> {
     assert!(
         x.len() == n * k && w.len() == m * k,
         "matmul_t: operand sizes; this is a bug"
@@ -64,35 +71,67 @@ fn matmul_t_with(tile: TileFn, x: &[f32], n: usize, k: usize, w: &[f32], m: usiz
         .for_each(|task| {
             let j0 = task * W_ROWS_PER_TASK;
             let j1 = (j0 + W_ROWS_PER_TASK).min(m);
-            for i0 in (0..n).step_by(X_ROWS_PER_BLOCK) {
-                let i1 = (i0 + X_ROWS_PER_BLOCK).min(n);
-                for jt in (j0..j1).step_by(TILE) {
-                    for it in (i0..i1).step_by(TILE) {
-                        let args = TileArgs {
-                            // SAFETY (all three pointers): it < n, jt < m, so the
-                            // offsets are inside `x`, `w` and `out`.
-                            x: unsafe { x.as_ptr().add(it * k) },
-                            x_stride: k,
-                            w: unsafe { w.as_ptr().add(jt * k) },
-                            w_stride: k,
-                            k,
-                            out: (out_addr as *mut f32).wrapping_add(it * m + jt),
-                            out_stride: m,
-                            ri: TILE.min(i1 - it),
-                            rj: TILE.min(j1 - jt),
-                        };
-                        // SAFETY: the tile reads ri rows of x and rj rows of w of
-                        // length k, and writes ri × rj elements of `out` in this
-                        // task's own columns [j0, j1).
-                        unsafe { tile(&args) };
-                    }
-                }
-            }
+            // SAFETY: rows j0..j1 of w are inside it, and the task writes
+            // only columns j0..j1 of `out`, which no other task writes.
+            unsafe {
+                panel(
+                    tile,
+                    x,
+                    n,
+                    k,
+                    &w[j0 * k..j1 * k],
+                    (out_addr as *mut f32).wrapping_add(j0),
+                    m,
+                )
+            };
         });
     out
 }
 
-fn tile_fn() -> TileFn {
+/// Every dot of the `n` rows of `x` with the rows of `w` (a contiguous
+/// panel of `w.len() / k` weight rows), written to `out[i * out_stride + j]`
+/// for panel row `j`: the x rows in blocks kept hot, register tiles inside.
+///
+/// # Safety
+/// `out` must be valid for writes at every such index, and no other thread
+/// may write them meanwhile.
+pub(crate) unsafe fn panel(
+    tile: TileFn,
+    x: &[f32],
+    n: usize,
+    k: usize,
+    w: &[f32],
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let rows = w.len() / k.max(1);
+    for i0 in (0..n).step_by(X_ROWS_PER_BLOCK) {
+        let i1 = (i0 + X_ROWS_PER_BLOCK).min(n);
+        for jt in (0..rows).step_by(TILE) {
+            for it in (i0..i1).step_by(TILE) {
+                let args = TileArgs {
+                    // SAFETY (all three pointers): it < n, jt < rows, so the
+                    // offsets are inside `x`, `w` and (by the caller) `out`.
+                    x: unsafe { x.as_ptr().add(it * k) },
+                    x_stride: k,
+                    w: unsafe { w.as_ptr().add(jt * k) },
+                    w_stride: k,
+                    k,
+                    out: out.wrapping_add(it * out_stride + jt),
+                    out_stride,
+                    ri: TILE.min(i1 - it),
+                    rj: TILE.min(rows - jt),
+                };
+                // SAFETY: the tile reads ri rows of x and rj rows of w of
+                // length k, and writes ri × rj elements the caller owns.
+                unsafe { tile(&args) };
+            }
+        }
+    }
+}
+
+/// The register tile this CPU runs.
+pub(crate) fn tile_fn() -> TileFn {
     static TILE_FN: OnceLock<TileFn> = OnceLock::new();
     *TILE_FN.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -410,6 +449,22 @@ impl Clone for TileArgs {
     }
 }
 impl Copy for TileArgs {}
+
+/// Every register tile this CPU can run, by name (for tests).
+#[cfg(test)]
+pub(crate) fn tile_paths() -> Vec<(&'static str, TileFn)> {
+    let mut v: Vec<(&'static str, TileFn)> = vec![("portable", tile_portable)];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx2::detected() {
+            v.push(("avx2", avx2::tile));
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            v.push(("avx512", avx512::tile));
+        }
+    }
+    v
+}
 
 #[cfg(test)]
 mod tests {

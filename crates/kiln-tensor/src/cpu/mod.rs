@@ -4,6 +4,7 @@
 mod attention;
 pub mod matmul;
 mod ops;
+pub mod quant;
 
 use std::sync::Arc;
 
@@ -14,6 +15,8 @@ use crate::backend::{
 use crate::error::{Result, TensorError};
 use crate::extension::ExtensionOp;
 use crate::tensor::{DType, Tensor};
+use crate::weight::{BlockPart, BlockWeight, Weight, WeightKind};
+use kiln_quant::QuantMatrix;
 
 use attention::CpuKv;
 
@@ -50,6 +53,33 @@ impl CpuBackend {
         Ok(())
     }
 
+    fn blocks<'a>(part: &'a BlockPart, op: &'static str) -> Result<&'a QuantMatrix> {
+        part.storage()
+            .downcast_ref::<QuantMatrix>()
+            .ok_or(TensorError::WrongBackend {
+                op,
+                expected: "cpu",
+            })
+    }
+
+    /// `+ bias` on every row of `out` (`m` wide).
+    fn add_bias(&self, out: &mut [f32], m: usize, bias: Option<&Tensor>) -> Result<()> {
+        let Some(b) = bias else { return Ok(()) };
+        let b = self.data(b, "matmul bias")?;
+        if b.len() != m {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                detail: format!("bias of {} for {} outputs", b.len(), m),
+            });
+        }
+        for row in out.chunks_mut(m) {
+            for (o, &bv) in row.iter_mut().zip(b) {
+                *o += bv;
+            }
+        }
+        Ok(())
+    }
+
     fn kv(cache: &mut KvCache) -> Result<&mut CpuKv> {
         cache
             .storage_mut()
@@ -77,6 +107,22 @@ impl Memory for CpuBackend {
             });
         }
         Ok(Self::wrap(shape.to_vec(), data.to_vec()))
+    }
+
+    /// Dense f32 and every block format.
+    fn supports_weight(&self, kind: WeightKind) -> bool {
+        matches!(kind, WeightKind::Dense(_) | WeightKind::Blocks(_))
+    }
+
+    /// The blocks as they are (in place, where they are a mapped file's).
+    fn upload_blocks(&self, m: QuantMatrix) -> Result<BlockPart> {
+        Ok(BlockPart::from_storage(
+            m.format(),
+            m.rows(),
+            m.cols(),
+            m.num_bytes(),
+            Arc::new(m),
+        ))
     }
 
     fn to_host(&self, t: &Tensor) -> Result<Vec<f32>> {
@@ -108,19 +154,35 @@ impl Memory for CpuBackend {
 /// ([`crate::matmul_unfused`]), so the fused forms are the unfused ops bit
 /// for bit.
 impl Ops for CpuBackend {
-    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
         let (vocab, d) = table.dims2("embedding")?;
-        let data = self.data(table, "embedding")?;
+        let outside = |id: u32| TensorError::Shape {
+            op: "embedding",
+            detail: format!("token id {id} outside vocabulary of {vocab}"),
+        };
         let mut out = Vec::with_capacity(ids.len() * d);
-        for &id in ids {
-            let id = id as usize;
-            if id >= vocab {
-                return Err(TensorError::Shape {
-                    op: "embedding",
-                    detail: format!("token id {id} outside vocabulary of {vocab}"),
-                });
+        match table {
+            Weight::Blocks(bw) => {
+                let [part] = bw.parts() else {
+                    return Err(TensorError::Shape {
+                        op: "embedding",
+                        detail: format!("a table of {} parts", bw.parts().len()),
+                    });
+                };
+                if let Some(id) = quant::lookup(Self::blocks(part, "embedding")?, ids, &mut out) {
+                    return Err(outside(id));
+                }
             }
-            out.extend_from_slice(&data[id * d..(id + 1) * d]);
+            _ => {
+                let data = self.data(table.dense("embedding")?, "embedding")?;
+                for &id in ids {
+                    let i = id as usize;
+                    if i >= vocab {
+                        return Err(outside(id));
+                    }
+                    out.extend_from_slice(&data[i * d..(i + 1) * d]);
+                }
+            }
         }
         Ok(Self::wrap(vec![ids.len(), d], out))
     }
@@ -135,20 +197,33 @@ impl Ops for CpuBackend {
             });
         }
         let mut out = matmul::matmul_t(self.data(x, "matmul")?, n, k, self.data(w, "matmul")?, m);
-        if let Some(b) = bias {
-            let b = self.data(b, "matmul bias")?;
-            if b.len() != m {
-                return Err(TensorError::Shape {
-                    op: "matmul",
-                    detail: format!("bias of {} for {} outputs", b.len(), m),
-                });
-            }
-            for row in out.chunks_mut(m) {
-                for (o, &bv) in row.iter_mut().zip(b) {
-                    *o += bv;
-                }
-            }
+        self.add_bias(&mut out, m, bias)?;
+        Ok(Self::wrap(vec![n, m], out))
+    }
+
+    /// Each part into its columns of the output, through
+    /// [`quant::matmul`]: the dense product of the dequantized weight, bit
+    /// for bit.
+    fn matmul_blocks(&self, x: &Tensor, w: &BlockWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (n, k) = x.dims2("matmul")?;
+        let (m, kw) = (w.shape()[0], w.shape()[1]);
+        if k != kw {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                detail: format!("x {:?} · w {:?}ᵀ", x.shape(), w.shape()),
+            });
         }
+        let xd = self.data(x, "matmul")?;
+        let mut out = vec![0f32; n * m];
+        let mut col = 0;
+        for part in w.parts() {
+            let qm = Self::blocks(part, "matmul")?;
+            // SAFETY: the part's columns col..col + rows lie inside each of
+            // the n output rows of m, and nothing else writes `out`.
+            unsafe { quant::matmul(xd, n, qm, out.as_mut_ptr().add(col), m) };
+            col += qm.rows();
+        }
+        self.add_bias(&mut out, m, bias)?;
         Ok(Self::wrap(vec![n, m], out))
     }
 

@@ -1,0 +1,153 @@
+use kiln_quant::{random_blocks, QuantFormat, QuantMatrix, SharedBytes};
+
+use super::*;
+use crate::cpu::matmul::{self as dense, TileFn};
+
+fn matrix(format: QuantFormat, rows: usize, cols: usize, seed: u64) -> QuantMatrix {
+    let blocks = rows * cols / format.block_size();
+    let bytes = SharedBytes::from_vec(random_blocks(format, blocks, seed));
+    QuantMatrix::new(format, rows, cols, bytes).expect("sizes fit")
+}
+
+fn pseudo(len: usize, seed: u32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            (s % 2000) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
+/// Every (tile, row dequantizer) pair this CPU runs for `format`.
+fn paths(format: QuantFormat) -> Vec<(String, TileFn, RowFn)> {
+    let mut v: Vec<(String, TileFn, RowFn)> = Vec::new();
+    for (tname, tile) in dense::tile_paths() {
+        v.push((format!("{tname}+reference"), tile, reference_row));
+        #[cfg(target_arch = "x86_64")]
+        if let Some(row) = avx2::row_fn(format) {
+            v.push((format!("{tname}+avx2"), tile, row));
+        }
+    }
+    v
+}
+
+/// A width that is a whole number of blocks and, where blocks allow it,
+/// not a multiple of 256.
+fn width(format: QuantFormat, blocks: usize) -> usize {
+    format.block_size() * blocks + if format.block_size() == 1 { 3 } else { 0 }
+}
+
+#[test]
+fn vectorized_rows_are_the_reference_values_bit_for_bit() {
+    for format in QuantFormat::ALL {
+        let cols = width(format, 9);
+        let m = matrix(format, 5, cols, 11);
+        let mut want = vec![0f32; cols];
+        let mut got = vec![0f32; cols];
+        for (name, _, row) in paths(format) {
+            for r in 0..5 {
+                m.dequantize_row(r, &mut want);
+                row(&m, r, &mut got);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        g.to_bits() == w.to_bits(),
+                        "{format} {name} row {r} element {i}: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn products_are_the_dense_product_of_the_dequantized_matrix() {
+    for format in QuantFormat::ALL {
+        for &(n, blocks, m) in &[(1, 3, 37), (3, 7, 9), (5, 1, 64), (17, 2, 75), (64, 4, 130)] {
+            let k = width(format, blocks);
+            let w = matrix(format, m, k, (n * 1000 + m) as u64);
+            let wf = w.dequantize();
+            let x = pseudo(n * k, (n + m) as u32);
+            for (name, tile, row) in paths(format) {
+                let want = dense::matmul_t_with(tile, &x, n, k, &wf, m);
+                let mut got = vec![f32::NAN; n * m];
+                // SAFETY: `got` holds n × m outputs, row stride m.
+                unsafe { matmul_with(tile, row, &x, n, &w, got.as_mut_ptr(), m) };
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, e)| g.to_bits() == e.to_bits()),
+                    "{format} {name} {n}x{k}x{m}: not the dense product"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn each_row_is_bit_identical_alone_or_batched() {
+    for format in [
+        QuantFormat::Q4_0,
+        QuantFormat::Q4K,
+        QuantFormat::Q6K,
+        QuantFormat::BF16,
+    ] {
+        let (n, m) = (9, 70);
+        let k = width(format, 5);
+        let w = matrix(format, m, k, 3);
+        let x = pseudo(n * k, 4);
+        let mut batched = vec![0f32; n * m];
+        // SAFETY: n × m outputs, row stride m.
+        unsafe { matmul(&x, n, &w, batched.as_mut_ptr(), m) };
+        for i in 0..n {
+            let mut alone = vec![0f32; m];
+            // SAFETY: one row of m outputs.
+            unsafe { matmul(&x[i * k..(i + 1) * k], 1, &w, alone.as_mut_ptr(), m) };
+            assert!(
+                alone == batched[i * m..(i + 1) * m],
+                "{format}: row {i} differs alone vs batched"
+            );
+        }
+    }
+}
+
+#[test]
+fn products_write_only_their_columns_of_a_wider_output() {
+    // A part of a stacked weight writes its columns of the full row and
+    // leaves the others alone.
+    let (n, k, m, stride, offset) = (3, 64, 10, 25, 7);
+    let w = matrix(QuantFormat::Q8_0, m, k, 9);
+    let x = pseudo(n * k, 1);
+    let mut out = vec![-1f32; n * stride];
+    // SAFETY: columns offset..offset + m of n rows of `stride`.
+    unsafe { matmul(&x, n, &w, out.as_mut_ptr().add(offset), stride) };
+    let want = dense::matmul_t(&x, n, k, &w.dequantize(), m);
+    for i in 0..n {
+        for j in 0..stride {
+            let v = out[i * stride + j];
+            if (offset..offset + m).contains(&j) {
+                assert_eq!(v, want[i * m + j - offset]);
+            } else {
+                assert_eq!(v, -1.0, "column {j} of row {i} was written");
+            }
+        }
+    }
+}
+
+#[test]
+fn lookups_dequantize_the_rows_asked_for() {
+    let w = matrix(QuantFormat::Q5K, 7, 512, 2);
+    let full = w.dequantize();
+    let mut out = vec![42.0];
+    assert_eq!(lookup(&w, &[6, 0, 6], &mut out), None);
+    assert_eq!(out[0], 42.0);
+    for (i, id) in [6usize, 0, 6].into_iter().enumerate() {
+        assert_eq!(
+            &out[1 + i * 512..1 + (i + 1) * 512],
+            &full[id * 512..(id + 1) * 512]
+        );
+    }
+    assert_eq!(lookup(&w, &[1, 7], &mut out), Some(7));
+}
