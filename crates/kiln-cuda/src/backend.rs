@@ -256,8 +256,8 @@ impl Memory for CudaBackend {
 }
 
 impl Ops for CudaBackend {
-    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
-        crate::ops::gather::embedding(self, table, ids)
+    fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
+        crate::ops::gather::embedding(self, table.dense("embedding")?, ids)
     }
 
     fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {

@@ -17,7 +17,7 @@ use kiln_structured::Format;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
     Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, Memory, Ops, Result,
-    RopeParams, SampleRow, SampledRow, Sampling, StepRecording, Tensor,
+    RopeParams, SampleRow, SampledRow, Sampling, StepRecording, Tensor, Weight,
 };
 use serde_json::{json, Value};
 
@@ -158,7 +158,7 @@ impl Memory for DeviceSampling {
 /// The CPU's basic ops; `matmul` and `qkv_attention` are the defaults the
 /// CPU uses too.
 impl Ops for DeviceSampling {
-    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
         self.0.embedding(table, ids)
     }
 

@@ -9,7 +9,9 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use kiln_quant::SharedBytes;
 use memmap2::Mmap;
 
 use crate::dtype::GgmlType;
@@ -240,7 +242,7 @@ pub struct GgufFile {
     pub tensors: Vec<GgufTensorInfo>,
     by_name: BTreeMap<String, usize>,
     data_offset: u64,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -467,7 +469,7 @@ impl GgufFile {
             tensors,
             by_name,
             data_offset,
-            mmap,
+            mmap: Arc::new(mmap),
         })
     }
 
@@ -483,6 +485,16 @@ impl GgufFile {
                 .bytes_for(&info.ne)
                 .expect("tensor sizes were validated at open; this is a bug") as usize;
         &self.mmap[start..start + len]
+    }
+
+    /// The bytes of a tensor, shared with the mapping (bounds were checked
+    /// at open).
+    pub fn tensor_shared(&self, info: &GgufTensorInfo) -> SharedBytes {
+        let start = (self.data_offset + info.offset) as usize;
+        let len = self.tensor_bytes(info).len();
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
+        SharedBytes::new(owner, start..start + len)
+            .expect("tensor spans were validated at open; this is a bug")
     }
 
     /// Dequantize a tensor to f32, in row-major order.

@@ -10,6 +10,7 @@
 
 use std::path::Path;
 
+use kiln_quant::{QuantMatrix, SharedBytes};
 use serde_json::{json, Map, Value};
 
 use crate::error::{FormatError, Result};
@@ -70,11 +71,17 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
 }
 
 /// Undo llama.cpp's Q/K row permutation: GGUF row `2j + s` of a head is
-/// Hugging Face row `s * head_dim/2 + j`.
-pub fn unpermute_qk(data: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+/// Hugging Face row `s * head_dim/2 + j`. A row is `cols` elements of `T`
+/// (f32 values, or a quantized row's bytes).
+pub fn unpermute_qk<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    cols: usize,
+    n_head: usize,
+) -> Vec<T> {
     let head_dim = rows / n_head;
     let half = head_dim / 2;
-    let mut out = vec![0f32; data.len()];
+    let mut out = vec![T::default(); data.len()];
     for h in 0..n_head {
         for j in 0..half {
             for s in 0..2 {
@@ -176,6 +183,33 @@ impl GgufWeights {
     }
 }
 
+impl GgufWeights {
+    /// The heads of a `llama` q/k weight whose rows llama.cpp permuted
+    /// (`None` for every other tensor); an error when its rows do not split
+    /// into them.
+    fn permuted_heads(&self, name: &str, shape: &[usize]) -> Result<Option<usize>> {
+        if self.arch != "llama" || shape.len() != 2 {
+            return Ok(None);
+        }
+        let h = if name.ends_with("self_attn.q_proj.weight") {
+            self.n_head
+        } else if name.ends_with("self_attn.k_proj.weight") {
+            self.n_kv_head
+        } else {
+            return Ok(None);
+        };
+        if !shape[0].is_multiple_of(2 * h) {
+            return Err(FormatError::ShapeMismatch {
+                path: self.file.path.clone(),
+                tensor: name.to_string(),
+                found: shape.to_vec(),
+                expected: vec![h * 2, 0],
+            });
+        }
+        Ok(Some(h))
+    }
+}
+
 impl WeightSource for GgufWeights {
     fn path(&self) -> &Path {
         &self.file.path
@@ -220,25 +254,8 @@ impl WeightSource for GgufWeights {
             },
             other => other,
         })?;
-        if self.arch == "llama" && shape.len() == 2 {
-            let heads = if name.ends_with("self_attn.q_proj.weight") {
-                Some(self.n_head)
-            } else if name.ends_with("self_attn.k_proj.weight") {
-                Some(self.n_kv_head)
-            } else {
-                None
-            };
-            if let Some(h) = heads {
-                if !shape[0].is_multiple_of(2 * h) {
-                    return Err(FormatError::ShapeMismatch {
-                        path: self.file.path.clone(),
-                        tensor: name.to_string(),
-                        found: shape,
-                        expected: vec![h * 2, 0],
-                    });
-                }
-                data = unpermute_qk(&data, shape[0], shape[1], h);
-            }
+        if let Some(h) = self.permuted_heads(name, &shape)? {
+            data = unpermute_qk(&data, shape[0], shape[1], h);
         }
         if self.arch == "gemma3" && name.ends_with("norm.weight") {
             for x in &mut data {
@@ -246,6 +263,31 @@ impl WeightSource for GgufWeights {
             }
         }
         Ok(HostTensor::new(shape, data))
+    }
+
+    /// Every 2-D tensor in a block format, in place; `llama` q/k rows are
+    /// un-permuted into a copy.
+    fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
+        let Some(i) = self.index(name) else {
+            return Ok(None);
+        };
+        let info = &self.file.tensors[i];
+        let (Some(format), &[rows, cols]) = (info.ggml_type.quant_format(), info.shape().as_slice())
+        else {
+            return Ok(None);
+        };
+        let mut bytes = self.file.tensor_shared(info);
+        if let Some(h) = self.permuted_heads(name, &[rows, cols])? {
+            let row_bytes = bytes.len() / rows.max(1);
+            bytes = SharedBytes::from_vec(unpermute_qk(bytes.as_slice(), rows, row_bytes, h));
+        }
+        QuantMatrix::new(format, rows, cols, bytes)
+            .map(Some)
+            .map_err(|what| FormatError::Corrupt {
+                path: self.file.path.clone(),
+                offset: info.offset,
+                what: format!("{name}: {what}"),
+            })
     }
 }
 

@@ -26,8 +26,10 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use half::{bf16, f16};
+use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
 use memmap2::Mmap;
 use rayon::prelude::*;
 use serde_json::Value;
@@ -67,7 +69,7 @@ struct Entry {
 
 struct Shard {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
 }
 
 /// An open Hugging Face model directory.
@@ -224,7 +226,13 @@ type Opened = (Vec<Shard>, BTreeMap<String, Entry>);
 fn open_single(path: PathBuf) -> Result<Opened> {
     let mmap = map_file(&path).map_err(|e| FormatError::io(&path, e))?;
     let tensors = parse_header(&path, &mmap, 0)?.into_iter().collect();
-    Ok((vec![Shard { path, mmap }], tensors))
+    Ok((
+        vec![Shard {
+            path,
+            mmap: Arc::new(mmap),
+        }],
+        tensors,
+    ))
 }
 
 fn open_sharded(dir: &Path, index: &Path) -> Result<Opened> {
@@ -273,7 +281,10 @@ fn open_sharded(dir: &Path, index: &Path) -> Result<Opened> {
                 })?;
             tensors.insert(name.to_string(), entry);
         }
-        shards.push(Shard { path, mmap });
+        shards.push(Shard {
+            path,
+            mmap: Arc::new(mmap),
+        });
     }
     Ok((shards, tensors))
 }
@@ -464,6 +475,33 @@ impl WeightSource for SafetensorsDir {
                 }
             });
         Ok(Some((e.shape.clone(), out)))
+    }
+
+    /// F16 and BF16 matrices, in place.
+    fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
+        let Some(e) = self.tensors.get(name) else {
+            return Ok(None);
+        };
+        let format = match SafetensorsDtype::from_name(&e.dtype) {
+            Some(SafetensorsDtype::BF16) => QuantFormat::BF16,
+            Some(SafetensorsDtype::F16) => QuantFormat::F16,
+            _ => return Ok(None),
+        };
+        let &[rows, cols] = e.shape.as_slice() else {
+            return Ok(None);
+        };
+        let shard = &self.shards[e.shard_idx];
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = shard.mmap.clone();
+        let corrupt = |what: String| FormatError::Corrupt {
+            path: shard.path.clone(),
+            offset: e.start as u64,
+            what: format!("{name}: {what}"),
+        };
+        let bytes = SharedBytes::new(owner, e.start..e.end)
+            .ok_or_else(|| corrupt("span outside the file".into()))?;
+        QuantMatrix::new(format, rows, cols, bytes)
+            .map(Some)
+            .map_err(corrupt)
     }
 }
 

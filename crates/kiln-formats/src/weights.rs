@@ -5,6 +5,8 @@
 
 use std::path::Path;
 
+use kiln_quant::QuantMatrix;
+
 use crate::error::Result;
 
 /// A dense f32 tensor in host memory, row-major.
@@ -49,6 +51,16 @@ pub trait WeightSource: Send + Sync {
     /// The tensor's bf16 bits with its shape, when it is stored as bf16
     /// (so a bf16 backend takes it without converting); `None` otherwise.
     fn load_bf16(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u16>)>> {
+        let _ = name;
+        Ok(None)
+    }
+
+    /// The 2-D tensor `name` as its stored blocks, when the file stores it
+    /// in a block format (GGUF's quantized types, F16, BF16), in the Hugging
+    /// Face layout: read in place from the mapped file where that layout is
+    /// the file's, copied only where rows must be reordered (`llama` GGUF
+    /// q/k). `None` for other tensors.
+    fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
         let _ = name;
         Ok(None)
     }

@@ -12,7 +12,7 @@ use kiln_models::{load_model, ModelConfig, ModelError};
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
     Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, Memory, Ops, Result,
-    RopeParams, Sampling, StepRecording, Tensor, TensorError,
+    RopeParams, Sampling, StepRecording, Tensor, TensorError, Weight,
 };
 
 /// A backend with the basics only: the CPU's required methods, every
@@ -40,7 +40,7 @@ impl Memory for Basics {
 }
 
 impl Ops for Basics {
-    fn embedding(&self, table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
         self.0.embedding(table, ids)
     }
 

@@ -161,7 +161,7 @@ pub(super) fn recorded_steps(p: &mut Pair, rng: &mut Rng, toy: &Toy) -> R<()> {
         rope: &RopeParams,
     ) -> kiln_tensor::Result<Tensor> {
         let [emb, wqkv, wo, head, norm, gu, down] = w;
-        let x = b.embedding(emb, &batch.token_ids)?;
+        let x = b.embedding(&Weight::Dense(emb.clone()), &batch.token_ids)?;
         let qkv = rms_norm_linear(b, &x, norm, 1e-6, 0.0, wqkv, None)?;
         let a = b.qkv_attention(&qkv, cache, 0, batch, ap, rope, None)?;
         let x = linear_add(b, &a, wo, None, &x)?;

@@ -247,7 +247,7 @@ struct Block {
 pub struct Gemma3 {
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
-    embed: Tensor,
+    embed: Weight,
     /// `sqrt(hidden_size)`, as f32.
     embed_scale: f32,
     blocks: Vec<Block>,
@@ -274,7 +274,7 @@ impl Gemma3 {
         let l = WeightLoader::with_progress(&backend, source, progress);
         let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
         let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
-        let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed = l.embedding("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let kv_slots = cfg.kv_slots();
         let window = if g.bidirectional {
             g.sliding_window / 2 + 1
@@ -360,15 +360,7 @@ impl Gemma3 {
             });
         }
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
-        let lm_head = Linear {
-            weight: l.supported(Weight::Dense(
-                match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
-                    Some(w) if !cfg.tie_word_embeddings => w,
-                    _ => embed.clone(),
-                },
-            ))?,
-            bias: None,
-        };
+        let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         Ok(Gemma3 {
             embed_scale: (h as f32).sqrt(),
             backend,

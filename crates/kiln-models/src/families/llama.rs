@@ -127,7 +127,7 @@ struct Block {
 pub struct Llama {
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
-    embed: Tensor,
+    embed: Weight,
     blocks: Vec<Block>,
     norm: RmsNorm,
     lm_head: Linear,
@@ -147,7 +147,7 @@ impl Llama {
         let f = &f;
         let l = WeightLoader::with_progress(&backend, source, progress);
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed = l.embedding("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let attn_cfg = AttentionConfig {
             hidden_size: h,
             num_heads: cfg.num_heads,
@@ -182,14 +182,7 @@ impl Llama {
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&l, "model.norm.weight", h, eps)?;
-        let lm_head = match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
-            Some(w) if !cfg.tie_word_embeddings => w,
-            _ => embed.clone(),
-        };
-        let lm_head = Linear {
-            weight: l.supported(Weight::Dense(lm_head))?,
-            bias: None,
-        };
+        let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         let rope = Rope::new(cfg.head_dim, f.rope_theta, &f.rope_scaling);
         let kv_slots = cfg.kv_slots();
         Ok(Llama {

@@ -64,6 +64,21 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// The output projection: `lm_head.weight` (`[vocab, hidden]`) unless
+    /// the embedding is tied to it (or the file has none), then the
+    /// embedding table itself.
+    pub fn output(l: &WeightLoader, embed: &Weight, tied: bool) -> Result<Self> {
+        let shape = embed.shape().to_vec();
+        let weight = match tied {
+            false => l.optional_weight("lm_head.weight", &shape)?,
+            true => None,
+        };
+        Ok(Linear {
+            weight: l.supported(weight.unwrap_or_else(|| embed.clone()))?,
+            bias: None,
+        })
+    }
+
     /// Load `{prefix}.weight` (`[out, in]`) and, when `bias`, `{prefix}.bias`.
     pub fn load(
         l: &WeightLoader,

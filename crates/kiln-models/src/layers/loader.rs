@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kiln_formats::{FormatError, WeightSource};
-use kiln_tensor::{Backend, Tensor, Weight};
+use kiln_tensor::{Backend, BlockWeight, Tensor, Weight, WeightKind};
 
 use crate::error::Result;
 
@@ -173,15 +173,75 @@ impl<'a> WeightLoader<'a> {
     }
 
     /// Load the projection weight `name`, which must have `shape`, in the
-    /// form the backend multiplies by; a form the backend cannot multiply
-    /// by fails here, at load.
+    /// form the backend multiplies by: the file's blocks where the file
+    /// stores blocks the backend multiplies by (never expanded), else a
+    /// dense tensor; a form the backend cannot multiply by fails here, at
+    /// load.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        let names = [name.to_string()];
+        if let Some(w) = self.blocks(&names, &[shape.to_vec()])? {
+            return Ok(w);
+        }
         self.supported(Weight::Dense(self.tensor(name, shape)?))
     }
 
-    /// The projection weights `names` stacked by rows, as [`Self::stacked`].
+    /// The projection weights `names` stacked by rows, as [`Self::stacked`]:
+    /// the parts' blocks as they are where every part is stored in blocks
+    /// the backend takes (formats may differ by part), else one dense
+    /// tensor.
     pub fn stacked_weight(&self, names: &[String], shapes: &[Vec<usize>]) -> Result<Weight> {
+        if let Some(w) = self.blocks(names, shapes)? {
+            return Ok(w);
+        }
         self.supported(Weight::Dense(self.stacked(names, shapes)?))
+    }
+
+    /// An embedding table (also the tied output projection): a weight, so
+    /// a block table stays in blocks and its rows are dequantized on
+    /// lookup.
+    pub fn embedding(&self, name: &str, shape: &[usize]) -> Result<Weight> {
+        self.weight(name, shape)
+    }
+
+    /// [`Self::weight`] if the source has `name`.
+    pub fn optional_weight(&self, name: &str, shape: &[usize]) -> Result<Option<Weight>> {
+        if self.source.contains(name) {
+            self.weight(name, shape).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// The tensors `names` as stored blocks stacked by rows, when each is
+    /// stored in a block format the backend multiplies by; `None` (load
+    /// them dense) otherwise.
+    fn blocks(&self, names: &[String], shapes: &[Vec<usize>]) -> Result<Option<Weight>> {
+        let mut mats = Vec::with_capacity(names.len());
+        for (name, shape) in names.iter().zip(shapes) {
+            let Some(m) = self.source.load_blocks(name)? else {
+                return Ok(None);
+            };
+            if !self.backend.supports_weight(WeightKind::Blocks(m.format())) {
+                return Ok(None);
+            }
+            let found = vec![m.rows(), m.cols()];
+            if found != *shape || shape[1..] != shapes[0][1..] {
+                return Err(FormatError::ShapeMismatch {
+                    path: self.source.path().to_path_buf(),
+                    tensor: name.clone(),
+                    found,
+                    expected: shape.clone(),
+                }
+                .into());
+            }
+            mats.push(m);
+        }
+        let mut parts = Vec::with_capacity(mats.len());
+        for (name, m) in names.iter().zip(mats) {
+            self.count(name);
+            parts.push(self.backend.upload_blocks(m)?);
+        }
+        Ok(Some(Weight::Blocks(BlockWeight::new(parts)?)))
     }
 
     /// `w` if the backend's `matmul` takes its kind.

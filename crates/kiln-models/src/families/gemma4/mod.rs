@@ -133,7 +133,7 @@ struct Block {
 
 /// The per-layer input embeddings' model-wide weights.
 struct PerLayerInputs {
-    table: Tensor,
+    table: Weight,
     projection: Linear,
     norm: RmsNorm,
     width: usize,
@@ -142,7 +142,7 @@ struct PerLayerInputs {
 pub struct Gemma4 {
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
-    embed: Tensor,
+    embed: Weight,
     blocks: Vec<Block>,
     inputs: Option<PerLayerInputs>,
     norm: RmsNorm,
@@ -165,10 +165,10 @@ impl Gemma4 {
             .transpose()?;
         let l = WeightLoader::with_progress(&backend, source, progress);
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let embed = l.tensor("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let embed = l.embedding("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let inputs = match g.per_layer_input {
             Some(ple) => Some(PerLayerInputs {
-                table: l.tensor(
+                table: l.embedding(
                     "model.embed_tokens_per_layer.weight",
                     &[ple.vocab_size, cfg.num_layers * ple.width],
                 )?,
@@ -300,15 +300,7 @@ impl Gemma4 {
             });
         }
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
-        let lm_head = Linear {
-            weight: l.supported(Weight::Dense(
-                match l.optional("lm_head.weight", &[cfg.vocab_size, h])? {
-                    Some(w) if !cfg.tie_word_embeddings => w,
-                    _ => embed.clone(),
-                },
-            ))?,
-            bias: None,
-        };
+        let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         Ok(Gemma4 {
             backend,
             embed,
