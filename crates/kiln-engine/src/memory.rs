@@ -16,16 +16,21 @@
 //! length.
 //!
 //! Terms: weights as Kiln stores them (every tensor of
-//! `kiln_models::tensor_shapes`, packed or not, at the backend's weight
+//! `kiln_models::tensor_shapes`: a tensor the file stores in a block
+//! format at its stored size where the target keeps blocks — the CPU
+//! does, in place in the mapped file — any other at the backend's weight
 //! element size); the KV cache ([`kv_bytes_for`]: full-attention layers
 //! hold every token of every sequence, sliding-window layers only the
 //! blocks of their window, plus what one step's prefill chunk adds to
 //! them); one prefill chunk's activations; fixed overheads. On
-//! the CPU the peak is the larger of loading (the weight file mapped and
-//! one tensor's host copy on top of the weights) and running (KV and
+//! the CPU the peak is the larger of loading (the parts of the weight file
+//! not kept in place and one tensor's host copy on top of the weights)
+//! and running (KV and
 //! activations on top of the weights).
 //!
 //! [`EngineConfig::plan`]: crate::EngineConfig::plan
+
+use std::collections::HashMap;
 
 use kiln_models::ModelConfig;
 
@@ -45,8 +50,12 @@ pub const GRAPH_RESERVE_BYTES: u64 = 128 * MIB;
 /// trained context needs more.
 pub const CPU_KV_POOL_CAP: u64 = 1 << 30;
 /// The process without weights on the CPU: code, tokenizer, metadata,
-/// allocator slack (measured with `kiln generate --report-peak-rss`).
-pub const CPU_PROCESS_BYTES: u64 = 80 * MIB;
+/// allocator slack (measured with `kiln generate --report-peak-rss` on
+/// SmolLM2-135M Q4_1, whose 92 MiB of blocks stay in the mapped file:
+/// peak RSS 127 MiB for a one-token prompt, 254–259 MiB for 2,000 tokens,
+/// of which KV and activations predict 133 MiB; glibc keeps freed
+/// activation buffers in its heap, so the slack grows with the step).
+pub const CPU_PROCESS_BYTES: u64 = 32 * MIB;
 
 /// KV bytes `batch` sequences of `context` tokens hold at once in
 /// [`kiln_scheduler::DEFAULT_BLOCK_SIZE`]-token blocks of `elem`-byte
@@ -85,9 +94,16 @@ pub fn kv_bytes_for(
 /// sequences, in f32, as the reference (CPU) backend allocates them: per
 /// token the residual stream and its normed copy, plus the wider of the
 /// attention stage (packed q/k/v, its split, rotated q and k, the
-/// attention output) and the MLP stage (packed gate/up, its two halves,
-/// the activated product); per sequence its logits row and a host copy.
+/// attention output) and the MLP stage (packed gate/up and the activated
+/// product, read from its halves in place); per sequence its logits row
+/// and a host copy.
 pub fn activation_bytes(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize) -> u64 {
+    f32_activations(cfg, num_tokens, num_seqs, 3)
+}
+
+/// [`activation_bytes`] with the MLP stage `mlp_widths` intermediate rows
+/// wide.
+fn f32_activations(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize, mlp_widths: usize) -> u64 {
     // The widest layer's (Gemma 4's full-attention heads are twice its
     // sliding ones).
     let head_dim = cfg
@@ -99,13 +115,15 @@ pub fn activation_bytes(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize) -
     let q = cfg.num_heads * head_dim;
     let kv = cfg.kv_row();
     let attention = 2 * (q + 2 * kv) + (q + kv) + q;
-    let mlp = 5 * cfg.intermediate_size;
+    let mlp = mlp_widths * cfg.intermediate_size;
     let per_token = 2 * cfg.hidden_size + attention.max(mlp);
     (4 * num_tokens * per_token + 2 * 4 * num_seqs * cfg.vocab_size) as u64
 }
 
 /// Activations as a backend holds them: on the CPU exactly
-/// [`activation_bytes`]; on a device two fifths of it, plus the sampling
+/// [`activation_bytes`]; on a device two fifths of the f32 figure with
+/// the MLP stage five intermediate rows wide (the figure the measurement
+/// below was taken against), plus the sampling
 /// scratch (a vocabulary row of f32 per sequence) — the CUDA backend
 /// keeps activations in bf16 and fuses intermediates, and an 8,192-token
 /// step of the 8B shape on an H200 used 1,003–1,005 MiB above the weights,
@@ -118,13 +136,12 @@ pub fn step_activation_bytes(
     num_seqs: usize,
     on_device: bool,
 ) -> u64 {
-    let full = activation_bytes(cfg, num_tokens, num_seqs);
     if on_device {
         // Plus the device sampler's f32 scratch: one row of the vocabulary
         // per sequence, beside the bf16 logits.
-        full / 5 * 2 + (4 * num_seqs * cfg.vocab_size) as u64
+        f32_activations(cfg, num_tokens, num_seqs, 5) / 5 * 2 + (4 * num_seqs * cfg.vocab_size) as u64
     } else {
-        full
+        activation_bytes(cfg, num_tokens, num_seqs)
     }
 }
 
@@ -142,7 +159,11 @@ pub fn step_reserve_bytes(
 pub struct MemoryTarget {
     /// A device with memory of its own (else the CPU).
     pub on_device: bool,
+    /// Bytes an element of a weight the target expands costs.
     pub weight_bytes_per_element: usize,
+    /// Weights stored in a block format (quantized, f16, bf16) are kept in
+    /// it — on the CPU, in place in the mapped file — instead of expanded.
+    pub keeps_blocks: bool,
     pub kv_bytes_per_element: usize,
     /// `EngineConfig::max_num_batched_tokens` there (the prefill chunk).
     pub max_num_batched_tokens: usize,
@@ -152,11 +173,13 @@ pub struct MemoryTarget {
 }
 
 impl MemoryTarget {
-    /// The CPU backend: f32 weights and KV, 2048-token chunks.
+    /// The CPU backend: block weights as stored, others and KV in f32,
+    /// 2048-token chunks.
     pub fn cpu() -> Self {
         MemoryTarget {
             on_device: false,
             weight_bytes_per_element: 4,
+            keeps_blocks: true,
             kv_bytes_per_element: 4,
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
@@ -169,6 +192,7 @@ impl MemoryTarget {
         MemoryTarget {
             on_device: true,
             weight_bytes_per_element: 2,
+            keeps_blocks: false,
             kv_bytes_per_element: 2,
             max_num_batched_tokens: 8192,
             max_num_seqs: 256,
@@ -193,6 +217,10 @@ pub struct FitInput<'a> {
     pub available_bytes: u64,
     /// Bytes of the weight files (mapped while loading on the CPU).
     pub file_bytes: u64,
+    /// The stored bytes of the weights the file holds in a block format,
+    /// by name (counted as stored where the target keeps blocks; an empty
+    /// map counts every weight expanded).
+    pub block_bytes: &'a HashMap<String, u64>,
 }
 
 /// Where a plan's context came from.
@@ -218,6 +246,9 @@ pub struct FitReport {
     pub batch: usize,
     pub on_device: bool,
     pub weights_bytes: u64,
+    /// The part of `weights_bytes` held as the file stores it (blocks kept
+    /// in place in the mapped file on the CPU).
+    pub weights_in_place_bytes: u64,
     /// Extra while loading on the CPU: the mapped file and one host copy.
     pub loading_bytes: u64,
     /// Bytes per token of full attention in every layer.
@@ -245,26 +276,52 @@ pub struct FitReport {
 
 struct Terms {
     weights: u64,
+    in_place: u64,
     loading: u64,
     overheads: Vec<(&'static str, u64)>,
 }
 
+/// Every weight of `config` by name with the bytes the target holds it in
+/// and the bytes of the f32 host copy loading it makes (0 for blocks kept
+/// as stored).
+pub fn held_weights(
+    config: &ModelConfig,
+    target: &MemoryTarget,
+    block_bytes: &HashMap<String, u64>,
+) -> Result<Vec<(String, u64, u64)>> {
+    Ok(kiln_models::tensor_shapes(config)?
+        .into_iter()
+        .map(|(name, s)| {
+            let n: u64 = s.iter().map(|&d| d as u64).product();
+            match block_bytes.get(&name).filter(|_| target.keeps_blocks) {
+                Some(&b) => (name, b, 0),
+                None => (name, n * target.weight_bytes_per_element as u64, 4 * n),
+            }
+        })
+        .collect())
+}
+
 fn terms(input: &FitInput<'_>) -> Result<Terms> {
     let t = input.target;
-    let shapes = kiln_models::tensor_shapes(input.config)?;
-    let elems: Vec<u64> = shapes
-        .iter()
-        .map(|(_, s)| s.iter().map(|&d| d as u64).product())
+    let held: Vec<(u64, u64)> = held_weights(input.config, &t, input.block_bytes)?
+        .into_iter()
+        .map(|(_, h, copy)| (h, copy))
         .collect();
-    let weights = elems.iter().sum::<u64>() * t.weight_bytes_per_element as u64;
+    let weights = held.iter().map(|h| h.0).sum::<u64>();
     // Loading uploads one tensor at a time from an f32 host copy: the peak
-    // is the loaded prefix plus the copy in flight (the mapped file too).
+    // is the loaded prefix plus the copy in flight (the mapped file too,
+    // less the blocks kept in place, which are the weights themselves).
     let mut prefix = 0u64;
     let mut in_flight = 0u64;
-    for &n in &elems {
-        prefix += n * t.weight_bytes_per_element as u64;
-        in_flight = in_flight.max((prefix + 4 * n).saturating_sub(weights));
+    for &(h, copy) in &held {
+        prefix += h;
+        in_flight = in_flight.max((prefix + copy).saturating_sub(weights));
     }
+    let in_place: u64 = if t.on_device {
+        0
+    } else {
+        held.iter().filter(|h| h.1 == 0).map(|h| h.0).sum()
+    };
     let overheads = if t.on_device {
         let mut v = Vec::new();
         if !t.context_counted {
@@ -278,10 +335,11 @@ fn terms(input: &FitInput<'_>) -> Result<Terms> {
     };
     Ok(Terms {
         weights,
+        in_place,
         loading: if t.on_device {
             0
         } else {
-            input.file_bytes + in_flight
+            input.file_bytes.saturating_sub(in_place) + in_flight
         },
         overheads,
     })
@@ -399,6 +457,7 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
         batch: input.batch,
         on_device: input.target.on_device,
         weights_bytes: terms.weights,
+        weights_in_place_bytes: terms.in_place,
         loading_bytes: terms.loading,
         kv_bytes_per_token: per_token,
         kv_bytes: kv,
@@ -423,10 +482,18 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
 impl std::fmt::Display for FitReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mib = |b: u64| format!("{:>10.1} MiB", b as f64 / MIB as f64);
-        let w = if self.on_device { "bf16" } else { "f32" };
+        let w = if self.on_device {
+            "bf16"
+        } else if self.weights_in_place_bytes == 0 {
+            "f32"
+        } else {
+            // Blocks as the file stores them; vectors (norms) are f32.
+            "as stored"
+        };
         writeln!(
             f,
-            "  weights ({w})              {}",
+            "  {:<28}{}",
+            format!("weights ({w})"),
             mib(self.weights_bytes)
         )?;
         if self.kv_bytes < self.kv_full_attention_bytes {
@@ -547,6 +614,7 @@ mod tests {
             kv_pool_bytes: None,
             available_bytes: 16 << 30,
             file_bytes: 0,
+            block_bytes: &HashMap::new(),
         };
         let r = fit(&input).unwrap();
         assert!(r.fits);

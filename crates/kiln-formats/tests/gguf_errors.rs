@@ -220,27 +220,28 @@ fn unknown_ggml_type_ids() {
 fn known_but_unsupported_type_fails_on_load_not_open() {
     let dir = tmp();
     let mut b = valid_llama();
+    // Q8_1 is GGML's activation format: a known type no weight file uses.
     b.tensor(
         "blk.0.ffn_down.weight",
         &[256, 1],
-        GgmlType::Q2K,
-        vec![0; 84],
+        GgmlType::Q8_1,
+        vec![0; 8 * 36],
     );
-    let path = b.write(dir.path(), "q2k.gguf");
+    let path = b.write(dir.path(), "q8_1.gguf");
     let w = GgufWeights::open(&path).unwrap();
     let t = w
         .tensors()
         .into_iter()
         .find(|t| t.name == "model.layers.0.mlp.down_proj.weight")
         .unwrap();
-    assert_eq!(t.dtype, "Q2_K");
+    assert_eq!(t.dtype, "Q8_1");
     let err = expect_err(
         w.load_f32("model.layers.0.mlp.down_proj.weight"),
         &[
-            "q2k.gguf",
+            "q8_1.gguf",
             "model.layers.0.mlp.down_proj.weight",
             "blk.0.ffn_down.weight",
-            "unsupported dtype Q2_K",
+            "unsupported dtype Q8_1",
         ],
     );
     assert!(matches!(err, FormatError::UnsupportedDtype { .. }));

@@ -453,6 +453,21 @@ pub trait Ops {
     /// `act(gate) * up` (same shape).
     fn gated_activation(&self, gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor>;
 
+    /// `act(gate) * up` of `y [n, 2 * i]` whose rows are `gate | up`, as
+    /// `[n, i]`: [`Ops::gated_activation`] of the two halves (the default
+    /// splits them; a backend may read them in place).
+    fn gated_packed(&self, y: &Tensor, act: Activation) -> Result<Tensor> {
+        let (_, two_i) = y.dims2("gated_packed")?;
+        if two_i % 2 != 0 {
+            return Err(TensorError::Shape {
+                op: "gated_packed",
+                detail: format!("{two_i} packed gate/up columns"),
+            });
+        }
+        let parts = self.split_cols(y, &[two_i / 2, two_i / 2])?;
+        self.gated_activation(&parts[0], &parts[1], act)
+    }
+
     /// Rotary embedding of `x [n, num_heads * head_dim]` at `positions[n]`.
     fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor>;
 

@@ -5,7 +5,7 @@
 //! composition from basic ops every backend gets by default.
 
 use crate::backend::{Activation, Ops};
-use crate::error::{Result, TensorError};
+use crate::error::Result;
 use crate::tensor::Tensor;
 use crate::weight::Weight;
 
@@ -87,15 +87,7 @@ pub fn matmul_unfused<B: Ops + ?Sized>(
         _ => b.matmul_dense(x, w.dense("matmul")?, epilogue.bias)?,
     };
     if let Some(act) = epilogue.gated {
-        let (_, two_i) = y.dims2("matmul")?;
-        if two_i % 2 != 0 {
-            return Err(TensorError::Shape {
-                op: "matmul",
-                detail: format!("{two_i} packed gate/up rows"),
-            });
-        }
-        let parts = b.split_cols(&y, &[two_i / 2, two_i / 2])?;
-        y = b.gated_activation(&parts[0], &parts[1], act)?;
+        y = b.gated_packed(&y, act)?;
     }
     match epilogue.residual {
         Some(r) => b.add(r, &y),

@@ -10,6 +10,7 @@ use clap::Args;
 use kiln_engine::{GenerationRequest, LoadedModel};
 use kiln_sampling::SamplingParams;
 use kiln_tensor::profile::{OpTime, ProfilingBackend};
+use kiln_tensor::{QuantFormat, WeightKind};
 use serde_json::json;
 
 use crate::cli::ModelArgs;
@@ -76,18 +77,25 @@ fn read_bandwidth_gbs() -> f64 {
 
 /// Weights one decode step reads, in elements: every matrix but the
 /// embedding table (of which one row is gathered), plus the output projection.
+/// Bytes of weights one decode step reads: every weight as the backend
+/// holds it (blocks as stored where it keeps them), less the embedding
+/// table (rows are looked up) unless the output shares it.
 fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
     let cfg = model.model.config();
-    let shapes = kiln_models::tensor_shapes(cfg)?;
-    let mut elems: usize = shapes
-        .iter()
-        .filter(|(n, _)| n != "model.embed_tokens.weight")
-        .map(|(_, s)| s.iter().product::<usize>())
-        .sum();
+    let backend = model.model.backend();
+    let target = kiln_engine::memory::MemoryTarget {
+        weight_bytes_per_element: backend.weight_bytes_per_element(),
+        keeps_blocks: backend.supports_weight(WeightKind::Blocks(QuantFormat::Q8_0)),
+        ..kiln_engine::memory::MemoryTarget::cpu()
+    };
+    let blocks = crate::fit::block_bytes(&model.path)?;
+    let held = kiln_engine::memory::held_weights(cfg, &target, &blocks)?;
+    let embed = "model.embed_tokens.weight";
+    let mut bytes: u64 = held.iter().filter(|w| w.0 != embed).map(|w| w.1).sum();
     if cfg.tie_word_embeddings {
-        elems += cfg.vocab_size * cfg.hidden_size;
+        bytes += held.iter().filter(|w| w.0 == embed).map(|w| w.1).sum::<u64>();
     }
-    Ok(elems as f64)
+    Ok(bytes as f64)
 }
 
 fn stats(mut v: Vec<f64>) -> serde_json::Value {
@@ -200,7 +208,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let backend = model.model.backend();
     let device_bandwidth = backend.measure_copy_bandwidth_gbs();
     let bandwidth = device_bandwidth.unwrap_or_else(read_bandwidth_gbs);
-    let bytes = weight_bytes_per_token(&model)? * backend.weight_bytes_per_element() as f64;
+    let bytes = weight_bytes_per_token(&model)?;
     let decode_median = {
         let mut d = decode.clone();
         d.sort_by(|a, b| a.total_cmp(b));

@@ -3,13 +3,18 @@
 //! breakdown or JSON, with the longest context and the largest batch that
 //! fit. `kiln serve` applies the same check before loading.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
 use kiln_engine::memory::{fit, ContextSource, FitInput, FitReport, MemoryTarget};
+use kiln_formats::gguf_hf::GgufWeights;
+use kiln_formats::safetensors_dir::SafetensorsDir;
+use kiln_formats::weights::WeightSource;
 use kiln_models::ModelConfig;
+use kiln_tensor::{QuantFormat, WeightKind};
 use kiln_tensor::Backend;
 use serde_json::json;
 
@@ -68,6 +73,21 @@ fn file_bytes(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The stored bytes of every 2-D weight the file holds in a block format
+/// (GGUF's quantized types, F16, BF16), by Hugging Face name.
+pub(crate) fn block_bytes(path: &Path) -> Result<HashMap<String, u64>> {
+    let tensors = if path.is_file() {
+        GgufWeights::open(path)?.tensors()
+    } else {
+        SafetensorsDir::open(path)?.tensors()
+    };
+    Ok(tensors
+        .into_iter()
+        .filter(|t| t.shape.len() == 2 && QuantFormat::from_name(&t.dtype).is_some())
+        .map(|t| (t.name, t.num_bytes))
+        .collect())
+}
+
 /// Where memory is counted: the target and what is free there.
 pub fn target_for(
     device: &str,
@@ -93,6 +113,7 @@ pub fn target_for(
         Some(m) => {
             let target = MemoryTarget {
                 weight_bytes_per_element: backend.weight_bytes_per_element(),
+                keeps_blocks: backend.supports_weight(WeightKind::Blocks(QuantFormat::Q8_0)),
                 kv_bytes_per_element: backend.kv_bytes_per_element(),
                 ..MemoryTarget::cuda(memory_bytes.is_none())
             };
@@ -127,6 +148,7 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
         kv_pool_bytes: q.kv_pool_bytes,
         available_bytes: q.available_bytes,
         file_bytes: file_bytes(path),
+        block_bytes: &block_bytes(path)?,
     };
     Ok(fit(&input)?)
 }
@@ -150,6 +172,7 @@ pub fn report_json(path: &Path, r: &FitReport) -> serde_json::Value {
         "kv_pool_bytes": r.kv_pool_bytes,
         "batch": r.batch,
         "weights_bytes": r.weights_bytes,
+        "weights_in_place_bytes": r.weights_in_place_bytes,
         "kv_bytes_per_token": r.kv_bytes_per_token,
         "kv_bytes": r.kv_bytes,
         "kv_full_attention_bytes": r.kv_full_attention_bytes,

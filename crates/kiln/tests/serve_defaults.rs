@@ -59,11 +59,12 @@ fn a_1_5b_model_serves_on_the_cpu_with_default_flags() {
         if let Some(rest) = line.split_once(" on http://") {
             addr = rest.1.split_whitespace().next().map(str::to_string);
         }
-        // The context and defaults line follows the load line.
-        let done = line.contains("kiln serve: context ");
-        if done {
+        // The context and defaults line comes when the load returns; the
+        // server answers for the model once the `ready` line is out.
+        if line.contains("kiln serve: context ") {
             context_line = Some(line.clone());
         }
+        let done = line.ends_with("; ready");
         seen.push(line);
         if done || seen.len() > 50 {
             break;

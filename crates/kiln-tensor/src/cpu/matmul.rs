@@ -136,7 +136,7 @@ pub(crate) fn tile_fn() -> TileFn {
     *TILE_FN.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if runs_avx512() {
                 return avx512::tile;
             }
             if avx2::detected() {
@@ -145,6 +145,19 @@ pub(crate) fn tile_fn() -> TileFn {
         }
         tile_portable
     })
+}
+
+/// Whether [`tile_fn`] is the AVX-512 tile (products that must give its
+/// bits — the fused block products — run only then).
+pub(crate) fn runs_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// The portable tile: the same lane structure with plain multiply-adds.
@@ -459,7 +472,7 @@ pub(crate) fn tile_paths() -> Vec<(&'static str, TileFn)> {
         if avx2::detected() {
             v.push(("avx2", avx2::tile));
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if runs_avx512() {
             v.push(("avx512", avx512::tile));
         }
     }

@@ -271,6 +271,19 @@ impl Ops for CpuBackend {
         Ok(Self::wrap(gate.shape().to_vec(), out))
     }
 
+    /// Both halves read in place: no copy of the gate and up columns.
+    fn gated_packed(&self, y: &Tensor, act: Activation) -> Result<Tensor> {
+        let (n, two_i) = y.dims2("gated_packed")?;
+        if two_i % 2 != 0 {
+            return Err(TensorError::Shape {
+                op: "gated_packed",
+                detail: format!("{two_i} packed gate/up columns"),
+            });
+        }
+        let out = ops::gated_packed(self.data(y, "gated_packed")?, two_i / 2, act);
+        Ok(Self::wrap(vec![n, two_i / 2], out))
+    }
+
     fn rope(&self, x: &Tensor, positions: &[u32], p: &RopeParams<'_>) -> Result<Tensor> {
         crate::backend::check_rope_args(x, positions, p)?;
         let mut out = self.data(x, "rope")?.to_vec();

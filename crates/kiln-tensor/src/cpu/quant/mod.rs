@@ -15,11 +15,13 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 
 use kiln_quant::{QuantFormat, QuantMatrix};
 use rayon::prelude::*;
 
-use super::matmul::{panel, tile_fn, TileFn, W_ROWS_PER_TASK};
+use super::matmul::{panel, runs_avx512, tile_fn, TileFn, W_ROWS_PER_TASK};
 
 /// Dequantizes row `r` of a matrix into `out` (`cols` long).
 pub(crate) type RowFn = fn(&QuantMatrix, usize, &mut [f32]);
@@ -58,8 +60,45 @@ pub(crate) unsafe fn matmul(
     out: *mut f32,
     out_stride: usize,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if n <= avx512::MAX_ROWS && runs_avx512() {
+        if let Some(f) = avx512::fused_fn(w.format()) {
+            // SAFETY: passed through from the caller; the fused products
+            // give the AVX-512 tile's bits, and that tile is the one in use.
+            return unsafe { fused(f, x, n, w, out, out_stride) };
+        }
+    }
     // SAFETY: passed through from the caller.
     unsafe { matmul_with(tile_fn(), row_fn(w.format()), x, n, w, out, out_stride) }
+}
+
+/// [`matmul`] for a few rows of `x` by a product that dequantizes in
+/// registers, in parallel over tasks of weight rows.
+///
+/// # Safety
+/// As [`matmul`], and `n <= avx512::MAX_ROWS`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn fused(
+    f: avx512::FusedFn,
+    x: &[f32],
+    n: usize,
+    w: &QuantMatrix,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let m = w.rows();
+    if n == 0 || m == 0 || w.cols() == 0 {
+        return;
+    }
+    let out_addr = out as usize;
+    (0..m.div_ceil(W_ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|task| {
+            let j0 = task * W_ROWS_PER_TASK;
+            let j1 = (j0 + W_ROWS_PER_TASK).min(m);
+            // SAFETY: this task alone writes columns j0..j1 of `out`.
+            unsafe { f(x, n, w, j0..j1, out_addr as *mut f32, out_stride) };
+        });
 }
 
 /// [`matmul`] with a given register tile and row dequantizer.

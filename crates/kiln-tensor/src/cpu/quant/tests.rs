@@ -151,3 +151,58 @@ fn lookups_dequantize_the_rows_asked_for() {
     }
     assert_eq!(lookup(&w, &[1, 7], &mut out), Some(7));
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn fused_decode_products_are_the_panel_products_bit_for_bit() {
+    let Some((_, tile)) = dense::tile_paths().into_iter().find(|(n, _)| *n == "avx512") else {
+        // No AVX-512 here: no fused product may be offered.
+        assert!(QuantFormat::ALL.iter().all(|&f| avx512::fused_fn(f).is_none()));
+        return;
+    };
+    let mut covered = 0;
+    for format in QuantFormat::ALL {
+        let Some(fused) = avx512::fused_fn(format) else {
+            continue;
+        };
+        covered += 1;
+        for &(blocks, m) in &[(1, 1), (3, 7), (9, 37), (2, 64)] {
+            let k = width(format, blocks);
+            let w = matrix(format, m, k, (blocks * 31 + m) as u64);
+            for n in 1..=avx512::MAX_ROWS {
+                let x = pseudo(n * k, (n * 7 + m) as u32);
+                let mut want = vec![f32::NAN; n * m];
+                let mut got = vec![f32::NAN; n * (m + 3)];
+                // SAFETY: n × m outputs, stride m; and n × (m + 3) with the
+                // product writing columns 2..m + 2.
+                unsafe {
+                    matmul_with(tile, reference_row, &x, n, &w, want.as_mut_ptr(), m);
+                    fused(&x, n, &w, 0..m, got.as_mut_ptr().add(2), m + 3);
+                }
+                for i in 0..n {
+                    let row = &got[i * (m + 3)..(i + 1) * (m + 3)];
+                    assert!(row[0].is_nan() && row[1].is_nan() && row[m + 2].is_nan());
+                    for j in 0..m {
+                        let (g, e) = (row[j + 2], want[i * m + j]);
+                        assert!(
+                            g.to_bits() == e.to_bits(),
+                            "{format} n={n} k={k} m={m} ({i},{j}): {g} vs {e}"
+                        );
+                    }
+                }
+            }
+        }
+        // And through the dispatching product, alone and 4 rows at once.
+        let k = width(format, 4);
+        let w = matrix(format, 70, k, 5);
+        let x = pseudo(4 * k, 9);
+        let mut four = vec![0f32; 4 * 70];
+        unsafe { matmul(&x, 4, &w, four.as_mut_ptr(), 70) };
+        for i in 0..4 {
+            let mut one = vec![0f32; 70];
+            unsafe { matmul(&x[i * k..(i + 1) * k], 1, &w, one.as_mut_ptr(), 70) };
+            assert_eq!(one, four[i * 70..(i + 1) * 70], "{format} row {i}");
+        }
+    }
+    assert!(covered >= 9, "fused products for {covered} formats");
+}
