@@ -2,22 +2,73 @@
 //! row at a time.
 //!
 //! Each (query row, head) is computed on its own in a fixed order — scores
-//! by the backend's dot product, softmax summed in ascending key order, the
-//! value sum in ascending key order — so its result does not depend on
-//! which other rows or sequences share the step, nor on how the prompt was
-//! split into chunks. That is what makes batched, chunked and prefix-cached
-//! outputs bit-identical to a request run alone on CPU.
+//! one dot product per key, the softmax's exponentials summed over the
+//! key range in a fixed lane order, the value sum in ascending key order —
+//! so its result depends only on the query, the keys and the values, not on
+//! which other rows or sequences share the step, where the cache keeps the
+//! keys, nor on how the prompt was split into chunks. That is what makes
+//! batched, chunked and prefix-cached outputs bit-identical to a request
+//! run alone on CPU.
+//!
+//! The cache is head-major within each block: per layer and block,
+//! `[kv_head][slot in block][head_dim]`, so the keys of one head within a
+//! block are contiguous and each (row, head) streams them in order; blocks
+//! stay `block_size * kv_row` apart whatever a layer's head shape, so the
+//! groups of a model whose layers differ share a layer's storage safely. The inner loops run on AVX-512 where the CPU has
+//! it and the head dimension is a multiple of 16, else on portable code.
+
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
 use crate::backend::{AttentionParams, ForwardBatch};
 
-/// Host KV storage: per layer, `[num_blocks * block_size, kv_row]` for K and
-/// for V; slot `s` is row `s` (a layer narrower than the pool's `kv_row` uses
-/// the front of each row).
+/// Host KV storage: per layer, keys and values laid out as
+/// `[block][kv_head][slot in block][head_dim]`, each block `block_size *
+/// kv_row` elements (a layer narrower than the pool's row uses the front).
 pub struct CpuKv {
     pub k: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
+    pub block_size: usize,
+    pub kv_row: usize,
+}
+
+impl CpuKv {
+    /// Where head `h`'s `head_dim` values of slot `s` start in a layer.
+    fn at(&self, s: usize, h: usize, hd: usize) -> usize {
+        head_base(s / self.block_size, h, (self.block_size, self.kv_row), hd)
+            + s % self.block_size * hd
+    }
+}
+
+/// Where head `h` of block `b` starts in a layer (blocks of `block_size`
+/// slots, `kv_row` wide).
+fn head_base(b: usize, h: usize, (block_size, kv_row): (usize, usize), hd: usize) -> usize {
+    b * block_size * kv_row + h * block_size * hd
+}
+
+impl CpuKv {
+    /// Write this step's keys and values (`[n, num_kv_heads * head_dim]`,
+    /// row `i` to slot `slots[i]`) into `layer`.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        slots: &[u32],
+        kd: &[f32],
+        vd: &[f32],
+        (num_kv_heads, hd): (usize, usize),
+    ) {
+        let row = num_kv_heads * hd;
+        for (i, &s) in slots.iter().enumerate() {
+            for h in 0..num_kv_heads {
+                let dst = self.at(s as usize, h, hd);
+                let (kc, vc) = (&mut self.k[layer], &mut self.v[layer]);
+                let src = i * row + h * hd;
+                kc[dst..dst + hd].copy_from_slice(&kd[src..src + hd]);
+                vc[dst..dst + hd].copy_from_slice(&vd[src..src + hd]);
+            }
+        }
+    }
 }
 
 /// The keys query position `pos` of a sequence whose cache holds `seq_len`
@@ -39,7 +90,8 @@ pub(crate) fn key_range(pos: usize, seq_len: usize, p: &AttentionParams) -> (usi
 
 /// Attention output `[num_tokens, num_heads * head_dim]` for every new token
 /// of every sequence in `batch`, over keys/values already written to
-/// `k_cache`/`v_cache` (including this step's), rows `kv_row` apart.
+/// `k_cache`/`v_cache` (including this step's), laid out as [`CpuKv`] with
+/// rows `kv_row` wide.
 pub fn attend(
     q: &[f32],
     batch: &ForwardBatch,
@@ -57,7 +109,7 @@ pub fn attend(
         seq_of[seq.token_start..seq.token_start + seq.num_tokens].fill(s);
     }
     let mut out = vec![0f32; n * q_row];
-    let dot = super::matmul::dot_fn();
+    let kern = kernels(hd);
     out.par_chunks_mut(hd).enumerate().for_each_init(
         Vec::new,
         |scores: &mut Vec<f32>, (idx, o)| {
@@ -66,71 +118,282 @@ pub fn attend(
             let pos = seq.num_computed + (row - seq.token_start);
             let qv = &q[row * q_row + h * hd..row * q_row + (h + 1) * hd];
             let keys = key_range(pos, seq.num_computed + seq.num_tokens, p);
-            row_head(
-                qv,
-                seq.block_tables[p.kv_group].as_slice(),
-                batch.block_size,
-                keys,
-                h,
-                (k_cache, v_cache, kv_row),
-                p,
-                dot,
-                scores,
-                o,
-            );
+            let head = HeadCache {
+                k: k_cache,
+                v: v_cache,
+                block_table: seq.block_tables[p.kv_group].as_slice(),
+                block_size: batch.block_size,
+                kv_row,
+                kvh: h / (p.num_heads / p.num_kv_heads),
+                hd,
+            };
+            row_head(qv, &head, keys, p, kern, scores, o);
         },
     );
     out
 }
 
-#[allow(clippy::too_many_arguments)]
-#[inline]
+/// A layer's keys and values, the KV head read, and where a sequence keeps
+/// its tokens.
+struct HeadCache<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    block_table: &'a [u32],
+    block_size: usize,
+    kv_row: usize,
+    kvh: usize,
+    hd: usize,
+}
+
+impl HeadCache<'_> {
+    /// Visit keys `first..=last` as runs contiguous in the cache: `f(j,
+    /// keys, values)` with `j` the run's first index in the range.
+    fn runs(&self, (first, last): (usize, usize), mut f: impl FnMut(usize, &[f32], &[f32])) {
+        let (bs, hd) = (self.block_size, self.hd);
+        let mut t = first;
+        while t <= last {
+            let off = t % bs;
+            let run = (bs - off).min(last + 1 - t);
+            let b = self.block_table[t / bs] as usize;
+            let s0 = head_base(b, self.kvh, (bs, self.kv_row), hd) + off * hd;
+            let span = s0..s0 + run * hd;
+            f(t - first, &self.k[span.clone()], &self.v[span]);
+            t += run;
+        }
+    }
+}
+
 fn row_head(
     qv: &[f32],
-    block_table: &[u32],
-    block_size: usize,
-    (first, last): (usize, usize),
-    h: usize,
-    (k_cache, v_cache, kv_row): (&[f32], &[f32], usize),
+    head: &HeadCache,
+    keys: (usize, usize),
     p: &AttentionParams,
-    dot: fn(&[f32], &[f32]) -> f32,
+    kern: &Kernels,
     scores: &mut Vec<f32>,
     o: &mut [f32],
 ) {
     let hd = p.head_dim;
-    let kvh = h / (p.num_heads / p.num_kv_heads);
-    let slot = |t: usize| block_table[t / block_size] as usize * block_size + t % block_size;
     scores.clear();
-    let mut max = f32::NEG_INFINITY;
-    for t in first..=last {
-        let base = slot(t) * kv_row + kvh * hd;
-        let mut s = dot(qv, &k_cache[base..base + hd]) * p.scale;
-        if let Some(c) = p.softcap {
-            s = (s / c).tanh() * c;
+    scores.resize(keys.1 + 1 - keys.0, 0.0);
+    head.runs(keys, |j, k, _| {
+        let s = &mut scores[j..j + k.len() / hd];
+        (kern.scores)(qv, k, p.scale, s);
+    });
+    if let Some(c) = p.softcap {
+        for s in scores.iter_mut() {
+            *s = (*s / c).tanh() * c;
         }
-        max = max.max(s);
-        scores.push(s);
     }
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
-    let inv = 1.0 / sum;
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let inv = 1.0 / (kern.exp_sum)(scores, max);
     o.fill(0.0);
-    for (j, t) in (first..=last).enumerate() {
-        let wgt = scores[j] * inv;
-        let base = slot(t) * kv_row + kvh * hd;
-        axpy(wgt, &v_cache[base..base + hd], o);
+    head.runs(keys, |j, _, v| {
+        (kern.weighted_sum)(&scores[j..j + v.len() / hd], inv, v, o);
+    });
+}
+
+/// The inner loops of one (row, head), chosen once per CPU and head size.
+struct Kernels {
+    /// `s[t] = (q · k[t]) * scale` for the rows `k[t]` of `k`.
+    scores: fn(&[f32], &[f32], f32, &mut [f32]),
+    /// `s[t] = exp(s[t] - max)`, returning their sum.
+    exp_sum: fn(&mut [f32], f32) -> f32,
+    /// `o += (w[t] * inv) * v[t]` in ascending `t`.
+    weighted_sum: fn(&[f32], f32, &[f32], &mut [f32]),
+}
+
+fn kernels(hd: usize) -> &'static Kernels {
+    static PORTABLE: OnceLock<Kernels> = OnceLock::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if hd % 16 == 0 && avx512::detected() {
+            return &avx512::KERNELS;
+        }
+    }
+    let _ = hd;
+    PORTABLE.get_or_init(|| Kernels {
+        scores: portable::scores,
+        exp_sum: portable::exp_sum,
+        weighted_sum: portable::weighted_sum,
+    })
+}
+
+mod portable {
+    pub fn scores(q: &[f32], k: &[f32], scale: f32, s: &mut [f32]) {
+        let dot = super::super::matmul::dot_fn();
+        for (s, kr) in s.iter_mut().zip(k.chunks_exact(q.len())) {
+            *s = dot(q, kr) * scale;
+        }
+    }
+
+    pub fn exp_sum(s: &mut [f32], max: f32) -> f32 {
+        let mut sum = 0f32;
+        for s in s.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        sum
+    }
+
+    /// Element by element, no fused multiply-add.
+    pub fn weighted_sum(w: &[f32], inv: f32, v: &[f32], o: &mut [f32]) {
+        for (&w, vr) in w.iter().zip(v.chunks_exact(o.len())) {
+            let a = w * inv;
+            for (o, &x) in o.iter_mut().zip(vr) {
+                *o += a * x;
+            }
+        }
     }
 }
 
-/// `o += a * x`, element by element (no fused multiply-add, so every CPU
-/// path gives the same bits).
-#[inline]
-fn axpy(a: f32, x: &[f32], o: &mut [f32]) {
-    for (o, &x) in o.iter_mut().zip(x) {
-        *o += a * x;
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    pub fn detected() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// Only handed out after [`detected`], for head sizes that are
+    /// multiples of 16.
+    pub static KERNELS: super::Kernels = super::Kernels {
+        scores,
+        exp_sum,
+        weighted_sum,
+    };
+
+    fn scores(q: &[f32], k: &[f32], scale: f32, s: &mut [f32]) {
+        // SAFETY: selected only after detecting avx512f; hd % 16 == 0.
+        unsafe { scores_inner(q, k, scale, s) }
+    }
+
+    /// Four keys at a time (independent accumulators), each dot in 16
+    /// lanes over ascending `d` and reduced by the fixed shuffle order.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_inner(q: &[f32], k: &[f32], scale: f32, s: &mut [f32]) {
+        let hd = q.len();
+        let n = s.len();
+        assert!(k.len() >= n * hd && hd % 16 == 0);
+        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let mut t = 0;
+        while t + 4 <= n {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            let mut d = 0;
+            while d < hd {
+                // SAFETY: d + 16 <= hd; rows t..t+4 are inside k.
+                unsafe {
+                    let qv = _mm512_loadu_ps(qp.add(d));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kp.add((t + r) * hd + d)), *a);
+                    }
+                }
+                d += 16;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                s[t + r] = _mm512_reduce_add_ps(*a) * scale;
+            }
+            t += 4;
+        }
+        while t < n {
+            let mut a = _mm512_setzero_ps();
+            let mut d = 0;
+            while d < hd {
+                // SAFETY: as above, for row t.
+                unsafe {
+                    a = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(qp.add(d)),
+                        _mm512_loadu_ps(kp.add(t * hd + d)),
+                        a,
+                    );
+                }
+                d += 16;
+            }
+            s[t] = _mm512_reduce_add_ps(a) * scale;
+            t += 1;
+        }
+    }
+
+    fn exp_sum(s: &mut [f32], max: f32) -> f32 {
+        // SAFETY: selected only after detecting avx512f.
+        unsafe { exp_sum_inner(s, max) }
+    }
+
+    /// `exp` of 16 lanes: `2^n · p(f)` with `x = n ln 2 + f`, `|f| ≤ ln2/2`,
+    /// `p` the degree-6 Taylor polynomial (relative error ≈ 1e-7). Inputs
+    /// here are `≤ 0`; below −103 the result is 0.
+    #[target_feature(enable = "avx512f")]
+    fn exp16(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-103.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
+        let f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), f);
+        let mut p = _mm512_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        _mm512_scalef_ps(p, n)
+    }
+
+    /// Lane `l` sums the exponentials at `t ≡ l (mod 16)` in ascending `t`
+    /// (the tail masked in), then the lanes by the fixed shuffle order.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp_sum_inner(s: &mut [f32], max: f32) -> f32 {
+        let m = _mm512_set1_ps(max);
+        let mut acc = _mm512_setzero_ps();
+        for c in s.chunks_mut(16) {
+            let mask: __mmask16 = if c.len() == 16 {
+                !0
+            } else {
+                (1u16 << c.len()) - 1
+            };
+            // SAFETY: the mask covers only the chunk's elements.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(mask, c.as_ptr());
+                let e = exp16(_mm512_sub_ps(x, m));
+                let e = _mm512_maskz_mov_ps(mask, e);
+                _mm512_mask_storeu_ps(c.as_mut_ptr(), mask, e);
+                acc = _mm512_add_ps(acc, e);
+            }
+        }
+        _mm512_reduce_add_ps(acc)
+    }
+
+    fn weighted_sum(w: &[f32], inv: f32, v: &[f32], o: &mut [f32]) {
+        // SAFETY: selected only after detecting avx512f; hd % 16 == 0.
+        unsafe { weighted_sum_inner(w, inv, v, o) }
+    }
+
+    /// `o = fma(w[t] * inv, v[t], o)` in ascending `t`, 16 dims at a time.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn weighted_sum_inner(w: &[f32], inv: f32, v: &[f32], o: &mut [f32]) {
+        let hd = o.len();
+        assert!(v.len() >= w.len() * hd && hd % 16 == 0);
+        let (vp, op) = (v.as_ptr(), o.as_mut_ptr());
+        let mut d = 0;
+        while d < hd {
+            // Up to four 16-wide columns of o in registers per sweep.
+            let cols = ((hd - d) / 16).min(4);
+            // SAFETY: d + 16 * cols <= hd; rows of v are inside it.
+            unsafe {
+                let mut acc = [_mm512_setzero_ps(); 4];
+                for (c, a) in acc.iter_mut().enumerate().take(cols) {
+                    *a = _mm512_loadu_ps(op.add(d + 16 * c));
+                }
+                for (t, &wt) in w.iter().enumerate() {
+                    let a = _mm512_set1_ps(wt * inv);
+                    let row = vp.add(t * hd + d);
+                    for (c, acc) in acc.iter_mut().enumerate().take(cols) {
+                        *acc = _mm512_fmadd_ps(a, _mm512_loadu_ps(row.add(16 * c)), *acc);
+                    }
+                }
+                for (c, a) in acc.iter().enumerate().take(cols) {
+                    _mm512_storeu_ps(op.add(d + 16 * c), *a);
+                }
+            }
+            d += 16 * cols;
+        }
     }
 }
 
@@ -178,14 +441,7 @@ mod tests {
         let p = params(2, 1, 2);
         let q = [1.0, 0.0, 0.0, 1.0];
         let (k, v) = ([0.3, 0.7], [5.0, -1.0]);
-        let out = attend(
-            &q,
-            &one_seq(1, 0, vec![0], 1),
-            &k,
-            &v,
-            p.num_kv_heads * p.head_dim,
-            &p,
-        );
+        let out = attend(&q, &one_seq(1, 0, vec![0], 1), &k, &v, 1, &p);
         assert_eq!(out, vec![5.0, -1.0, 5.0, -1.0]);
     }
 
@@ -199,7 +455,7 @@ mod tests {
         (k[3], v[3]) = (0.0, 0.0);
         (k[1], v[1]) = (1.0, 1.0);
         let batch = one_seq(2, 0, vec![3, 1], 1);
-        let out = attend(&q, &batch, &k, &v, p.num_kv_heads * p.head_dim, &p);
+        let out = attend(&q, &batch, &k, &v, 1, &p);
         assert_eq!(out[0], 0.0);
         let e = 1f32.exp();
         assert!((out[1] - e / (1.0 + e)).abs() < 1e-6);
@@ -207,11 +463,11 @@ mod tests {
             sliding_window: Some(1),
             ..p
         };
-        let outw = attend(&q, &batch, &k, &v, pw.num_kv_heads * pw.head_dim, &pw);
+        let outw = attend(&q, &batch, &k, &v, 1, &pw);
         assert!((outw[1] - 1.0).abs() < 1e-6);
         // Bidirectional: the first token sees the second too.
         let pb = AttentionParams { causal: false, ..p };
-        let outb = attend(&q, &batch, &k, &v, pb.num_kv_heads * pb.head_dim, &pb);
+        let outb = attend(&q, &batch, &k, &v, 1, &pb);
         assert!((outb[0] - e / (1.0 + e)).abs() < 1e-6);
         assert!((outb[1] - e / (1.0 + e)).abs() < 1e-6);
     }
@@ -238,5 +494,120 @@ mod tests {
         assert_eq!(at(5, 10, Some(3), false), (3, 7));
         assert_eq!(at(8, 10, Some(3), false), (6, 9));
         assert_eq!(at(0, 1, Some(1), false), (0, 0));
+    }
+
+    /// Deterministic pseudo-random values in [-1, 1).
+    fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// The head sizes the SIMD kernels take (64, 128, 256) against an f64
+    /// softmax; and a row's bits do not depend on where its keys sit in the
+    /// cache nor on what else is in the batch.
+    #[test]
+    fn wide_heads_match_f64_and_do_not_depend_on_placement_or_batch() {
+        for hd in [64usize, 128, 256, 80] {
+            let (heads, kv_heads, bs, len) = (4, 2, 16, 37);
+            let p = AttentionParams {
+                scale: 1.0 / (hd as f32).sqrt(),
+                ..params(heads, kv_heads, hd)
+            };
+            // Rows wider than the layer's (another group's layers are wider).
+            let kv_row = kv_heads * hd + 32;
+            let mut kv = CpuKv {
+                k: vec![vec![0.0; 8 * bs * kv_row]],
+                v: vec![vec![0.0; 8 * bs * kv_row]],
+                block_size: bs,
+                kv_row,
+            };
+            let kd = noise(len * kv_heads * hd, hd as u64);
+            let vd = noise(len * kv_heads * hd, hd as u64 + 1);
+            let q = noise(len * heads * hd, hd as u64 + 2);
+            // The same tokens twice: blocks [5, 0, 3] and blocks [1, 6, 7].
+            let place = |table: &[u32]| -> Vec<u32> {
+                (0..len)
+                    .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
+                    .collect()
+            };
+            let (ta, tb) = (vec![5u32, 0, 3], vec![1u32, 6, 7]);
+            kv.write(0, &place(&ta), &kd, &vd, (kv_heads, hd));
+            kv.write(0, &place(&tb), &kd, &vd, (kv_heads, hd));
+            let alone = attend(
+                &q,
+                &one_seq(len, 0, ta.clone(), bs),
+                &kv.k[0],
+                &kv.v[0],
+                kv_row,
+                &p,
+            );
+            // Batched: the second placement's last 5 rows after a 3-row
+            // sequence on the first placement.
+            let q_row = heads * hd;
+            let mut qb = q[..3 * q_row].to_vec();
+            qb.extend_from_slice(&q[(len - 5) * q_row..]);
+            let batch = ForwardBatch {
+                token_ids: vec![0; 8],
+                positions: Vec::new(),
+                seqs: vec![
+                    SeqSlice {
+                        token_start: 0,
+                        num_tokens: 3,
+                        num_computed: 0,
+                        block_tables: vec![ta.clone()],
+                    },
+                    SeqSlice {
+                        token_start: 3,
+                        num_tokens: 5,
+                        num_computed: len - 5,
+                        block_tables: vec![tb.clone()],
+                    },
+                ],
+                slot_mapping: vec![Vec::new()],
+                block_size: bs,
+                logits_rows: Vec::new(),
+            };
+            let batched = attend(&qb, &batch, &kv.k[0], &kv.v[0], kv_row, &p);
+            assert_eq!(&batched[..3 * q_row], &alone[..3 * q_row], "hd {hd}");
+            assert_eq!(
+                &batched[3 * q_row..],
+                &alone[(len - 5) * q_row..],
+                "hd {hd}"
+            );
+            // Against f64.
+            for row in 0..len {
+                for h in 0..heads {
+                    let kvh = h / (heads / kv_heads);
+                    let qv = &q[row * q_row + h * hd..][..hd];
+                    let at =
+                        |m: &Vec<f32>, t: usize| m[t * kv_heads * hd + kvh * hd..][..hd].to_vec();
+                    let s: Vec<f64> = (0..=row)
+                        .map(|t| {
+                            let k = at(&kd, t);
+                            (0..hd).map(|d| qv[d] as f64 * k[d] as f64).sum::<f64>()
+                                * p.scale as f64
+                        })
+                        .collect();
+                    let mx = s.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for d in 0..hd {
+                        let want: f64 = (0..=row).map(|t| e[t] / z * at(&vd, t)[d] as f64).sum();
+                        let got = alone[row * q_row + h * hd + d] as f64;
+                        assert!(
+                            (got - want).abs() < 2e-6,
+                            "hd {hd} row {row} head {h} dim {d}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -145,6 +145,8 @@ impl Memory for CpuBackend {
         let kv = CpuKv {
             k: alloc("keys")?,
             v: alloc("values")?,
+            block_size: spec.block_size,
+            kv_row: spec.kv_row,
         };
         Ok(KvCache::from_storage(spec, Box::new(kv)))
     }
@@ -342,22 +344,16 @@ impl Ops for CpuBackend {
     ) -> Result<Tensor> {
         crate::backend::check_attention_args(q, k, v, &cache.spec, layer, batch, p)?;
         let (n, qw) = q.dims2("attention")?;
-        let kv_row = p.num_kv_heads * p.head_dim;
-        let stride = cache.spec.kv_row;
         let (qd, kd, vd) = (
             self.data(q, "attention")?,
             self.data(k, "attention")?,
             self.data(v, "attention")?,
         );
         let kv = Self::kv(cache)?;
-        let (kc, vc) = (&mut kv.k[layer], &mut kv.v[layer]);
-        for (i, &s) in batch.slot_mapping[p.kv_group].iter().enumerate() {
-            let s = s as usize;
-            let row = s * stride..s * stride + kv_row;
-            kc[row.clone()].copy_from_slice(&kd[i * kv_row..(i + 1) * kv_row]);
-            vc[row].copy_from_slice(&vd[i * kv_row..(i + 1) * kv_row]);
-        }
-        let out = attention::attend(qd, batch, kc, vc, stride, p);
+        let slots = &batch.slot_mapping[p.kv_group];
+        kv.write(layer, slots, kd, vd, (p.num_kv_heads, p.head_dim));
+        let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
+        let out = attention::attend(qd, batch, kc, vc, kv.kv_row, p);
         Ok(Self::wrap(vec![n, qw], out))
     }
 
@@ -372,9 +368,8 @@ impl Ops for CpuBackend {
         crate::backend::check_shared_attention_args(q, &cache.spec, layer, batch, p)?;
         let (n, qw) = q.dims2("attention_shared")?;
         let qd = self.data(q, "attention_shared")?;
-        let stride = cache.spec.kv_row;
         let kv = Self::kv(cache)?;
-        let out = attention::attend(qd, batch, &kv.k[layer], &kv.v[layer], stride, p);
+        let out = attention::attend(qd, batch, &kv.k[layer], &kv.v[layer], kv.kv_row, p);
         Ok(Self::wrap(vec![n, qw], out))
     }
 

@@ -17,7 +17,6 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 use std::sync::OnceLock;
 
-use half::f16;
 use kiln_quant::dequant::{scale_min_k4, IQ4_NL_VALUES};
 use kiln_quant::{QuantFormat, QuantMatrix};
 
@@ -34,6 +33,7 @@ pub(crate) fn detected() -> bool {
         is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("f16c")
     })
 }
 
@@ -79,18 +79,26 @@ trait Blocks {
 /// `acc[i] += x[i][off..off + 16] * w`, fused, for every row.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn step<const RI: usize>(x: &[*const f32; RI], off: usize, w: __m512, acc: &mut [__m512; RI]) {
+unsafe fn step<const RI: usize>(
+    x: &[*const f32; RI],
+    off: usize,
+    w: __m512,
+    acc: &mut [__m512; RI],
+) {
     for i in 0..RI {
         // SAFETY: the caller's rows hold off..off + 16.
         acc[i] = _mm512_fmadd_ps(unsafe { _mm512_loadu_ps(x[i].add(off)) }, w, acc[i]);
     }
 }
 
-/// The f16 at byte `i` of a block.
-#[inline(always)]
+/// The f16 at byte `i` of a block (the conversion is exact, so the
+/// hardware's equals the reference's).
+#[target_feature(enable = "avx512f,f16c")]
+#[inline]
 unsafe fn f16_at(b: *const u8, i: usize) -> f32 {
     // SAFETY: the caller's block holds bytes i and i + 1.
-    unsafe { f16::from_le_bytes([*b.add(i), *b.add(i + 1)]).to_f32() }
+    let h = unsafe { (b.add(i) as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
 
 /// Sixteen bytes at `p`, zero-extended to sixteen i32 lanes.
@@ -168,7 +176,7 @@ unsafe fn product<F: Blocks>(
     }
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 unsafe fn product_n<F: Blocks, const RI: usize>(
     x: &[f32],
     w: &QuantMatrix,
@@ -191,14 +199,25 @@ unsafe fn product_n<F: Blocks, const RI: usize>(
     // is the caller's.
     while j + 4 <= rows.end {
         let b0 = unsafe { bytes.as_ptr().add((j - rows.start) * row_bytes) };
-        let mut acc = [[_mm512_setzero_ps(); RI]; 4];
+        // Four named accumulator sets (not an array of them indexed in a
+        // loop), so they stay in registers.
+        let (mut a0, mut a1, mut a2, mut a3) = (
+            [_mm512_setzero_ps(); RI],
+            [_mm512_setzero_ps(); RI],
+            [_mm512_setzero_ps(); RI],
+            [_mm512_setzero_ps(); RI],
+        );
         for blk in 0..nb {
             let xb = offset(&xs, blk * F::VALUES);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                unsafe { F::block(&levels, b0.add(r * row_bytes + blk * F::BYTES), &xb, acc) };
+            let p = unsafe { b0.add(blk * F::BYTES) };
+            unsafe {
+                F::block(&levels, p, &xb, &mut a0);
+                F::block(&levels, p.add(row_bytes), &xb, &mut a1);
+                F::block(&levels, p.add(2 * row_bytes), &xb, &mut a2);
+                F::block(&levels, p.add(3 * row_bytes), &xb, &mut a3);
             }
         }
-        for (r, acc) in acc.iter().enumerate() {
+        for (r, acc) in [a0, a1, a2, a3].iter().enumerate() {
             for (i, a) in acc.iter().enumerate() {
                 unsafe { *out.add(i * out_stride + j + r) = _mm512_reduce_add_ps(*a) };
             }
@@ -231,7 +250,7 @@ impl Blocks for Q40 {
     unsafe fn levels() -> [__m512; 2] {
         [ramp(-8.0), ramp(0.0)]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         l: &[__m512; 2],
@@ -257,7 +276,7 @@ impl Blocks for Q41 {
     unsafe fn levels() -> [__m512; 2] {
         [ramp(0.0), ramp(16.0)]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         l: &[__m512; 2],
@@ -287,7 +306,7 @@ impl Blocks for Iq4Nl {
         let v = unsafe { _mm_loadu_si128(IQ4_NL_VALUES.as_ptr() as *const __m128i) };
         [_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), ramp(0.0)]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         l: &[__m512; 2],
@@ -319,7 +338,7 @@ fn five_bit(q: __m512i, qh: u16, high: bool) -> __m512i {
 
 /// A Q5_K sub-block's 16 values: 5-bit indices from the nibbles of `q`
 /// and the bits of `qh` under `m`, looked up in the 32-entry table `t`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
 #[inline]
 fn five_lut(q: __m512i, qh: __m128i, m: __m128i, high: bool, t: [__m512; 2]) -> __m512 {
     _mm512_permutex2var_ps(t[0], five_bit(q, _mm_test_epi8_mask(qh, m), high), t[1])
@@ -333,7 +352,7 @@ impl Blocks for Q50 {
     unsafe fn levels() -> [__m512; 2] {
         [ramp(-16.0), ramp(0.0)]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         l: &[__m512; 2],
@@ -363,7 +382,7 @@ impl Blocks for Q51 {
     unsafe fn levels() -> [__m512; 2] {
         [ramp(0.0), ramp(16.0)]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         l: &[__m512; 2],
@@ -394,7 +413,7 @@ impl Blocks for Q80 {
     unsafe fn levels() -> [__m512; 2] {
         [_mm512_setzero_ps(); 2]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         _: &[__m512; 2],
@@ -415,11 +434,17 @@ impl Blocks for Q80 {
 /// The tables of sub-blocks `2c` and `2c + 1` of a Q4_K/Q5_K block:
 /// `(d · scale) · level - dmin · min` for the levels in `l` (two roundings
 /// after the scalar products, as the reference).
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,f16c")]
 #[inline]
 unsafe fn k_tables(b: *const u8, c: usize, l: &[__m512; 2]) -> [[__m512; 2]; 2] {
     // SAFETY: the caller's block holds the header and its 12 scale bytes.
-    let (d, dmin, scales) = unsafe { (f16_at(b, 0), f16_at(b, 2), std::slice::from_raw_parts(b.add(4), 12)) };
+    let (d, dmin, scales) = unsafe {
+        (
+            f16_at(b, 0),
+            f16_at(b, 2),
+            std::slice::from_raw_parts(b.add(4), 12),
+        )
+    };
     let mut t = [[_mm512_setzero_ps(); 2]; 2];
     for (s, t) in t.iter_mut().enumerate() {
         let (sc, m) = scale_min_k4(2 * c + s, scales);
@@ -441,7 +466,7 @@ impl Blocks for Q4k {
     unsafe fn levels() -> [__m512; 2] {
         [ramp(0.0), ramp(16.0)]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         l: &[__m512; 2],
@@ -456,8 +481,18 @@ impl Blocks for Q4k {
                 let q1 = u8x16(b.add(32 + 32 * c));
                 step(x, 64 * c, lut16(q0, t1[0]), acc);
                 step(x, 64 * c + 16, lut16(q1, t1[0]), acc);
-                step(x, 64 * c + 32, lut16(_mm512_srli_epi32::<4>(q0), t2[0]), acc);
-                step(x, 64 * c + 48, lut16(_mm512_srli_epi32::<4>(q1), t2[0]), acc);
+                step(
+                    x,
+                    64 * c + 32,
+                    lut16(_mm512_srli_epi32::<4>(q0), t2[0]),
+                    acc,
+                );
+                step(
+                    x,
+                    64 * c + 48,
+                    lut16(_mm512_srli_epi32::<4>(q1), t2[0]),
+                    acc,
+                );
             }
         }
     }
@@ -471,7 +506,7 @@ impl Blocks for Q5k {
     unsafe fn levels() -> [__m512; 2] {
         [ramp(0.0), ramp(16.0)]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         l: &[__m512; 2],
@@ -504,7 +539,7 @@ impl Blocks for Q6k {
     unsafe fn levels() -> [__m512; 2] {
         [_mm512_setzero_ps(); 2]
     }
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c")]
     #[inline]
     unsafe fn block<const RI: usize>(
         _: &[__m512; 2],
@@ -528,21 +563,34 @@ impl Blocks for Q6k {
                     let c = u8x16(ql.add(32 + 16 * is));
                     let h = u8x16(qh.add(16 * is));
                     let q = [
-                        _mm512_or_si512(_mm512_and_si512(a, low), _mm512_slli_epi32::<4>(_mm512_and_si512(h, two))),
+                        _mm512_or_si512(
+                            _mm512_and_si512(a, low),
+                            _mm512_slli_epi32::<4>(_mm512_and_si512(h, two)),
+                        ),
                         _mm512_or_si512(
                             _mm512_and_si512(c, low),
-                            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<2>(h), two)),
+                            _mm512_slli_epi32::<4>(_mm512_and_si512(
+                                _mm512_srli_epi32::<2>(h),
+                                two,
+                            )),
                         ),
                         _mm512_or_si512(
                             _mm512_srli_epi32::<4>(a),
-                            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<4>(h), two)),
+                            _mm512_slli_epi32::<4>(_mm512_and_si512(
+                                _mm512_srli_epi32::<4>(h),
+                                two,
+                            )),
                         ),
-                        _mm512_or_si512(_mm512_srli_epi32::<4>(c), _mm512_slli_epi32::<4>(_mm512_srli_epi32::<6>(h))),
+                        _mm512_or_si512(
+                            _mm512_srli_epi32::<4>(c),
+                            _mm512_slli_epi32::<4>(_mm512_srli_epi32::<6>(h)),
+                        ),
                     ];
                     for (t, q) in q.into_iter().enumerate() {
                         // (d · scale) · (q - 32), as the reference associates it.
                         let ds = _mm512_set1_ps(d * (*sc.add(is + 2 * t) as i8) as f32);
-                        parts[t][is] = _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, bias)));
+                        parts[t][is] =
+                            _mm512_mul_ps(ds, _mm512_cvtepi32_ps(_mm512_sub_epi32(q, bias)));
                     }
                 }
                 for (t, p) in parts.iter().enumerate() {
