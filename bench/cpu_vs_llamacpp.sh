@@ -23,21 +23,22 @@ cargo build --release -p kiln >&2
 commit=$(git rev-parse --short HEAD)
 out=bench/results/$(date -u +%Y-%m-%d)_cpu-vs-llamacpp_$(hostname -s)_$commit.json
 tmp=$(mktemp -d)
-for m in SmolLM2-135M-Instruct.Q4_1.gguf qwen2.5-coder-0.5b-instruct-q4_k_m.gguf; do
-  target/release/kiln --threads 2 bench -m "models/$m" --prompt-tokens 512 --gen-tokens 128 \
+models=${MODELS:-"SmolLM2-135M-Instruct.Q4_1.gguf qwen2.5-coder-0.5b-instruct-q4_k_m.gguf qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"}
+for m in $models; do
+  "${CARGO_TARGET_DIR:-target}/release/kiln" --threads 2 bench -m "models/$m" --prompt-tokens 512 --gen-tokens 128 \
     --runs "$reps" --profile > "$tmp/kiln_$m.json"
   NODE_LLAMA_CPP_DIR="$anchor_dir" NODE_LLAMA_CPP_SKIP_DOWNLOAD=true \
     node "$anchor_script" --model "models/$m" --threads 2 --reps "$reps" --pp 512 --tg 128 \
     --chat-prompt "Write a very long and detailed essay about the history of the printing press." \
     > "$tmp/llama_$m.json"
 done
-python3 - "$tmp" "$out" "$commit" <<'PY'
+python3 - "$tmp" "$out" "$commit" "$models" <<'PY'
 import json, os, platform, sys
-tmp, out, commit = sys.argv[1:]
-report = {"what": "Kiln CPU backend (f32 weights dequantized on load) vs llama.cpp (node-llama-cpp 3.22.1 prebuilt CPU), "
+tmp, out, commit, models = sys.argv[1:]
+report = {"what": "Kiln CPU backend (exact path: GGUF blocks in place, f32 activations) vs llama.cpp (node-llama-cpp 3.22.1 prebuilt CPU), "
                   "same GGUF, 512-token prompt, 128 greedy decode steps, 2 threads, engines alternated",
           "commit": commit, "machine": platform.node(), "cpu": None, "models": {}}
-for m in ["SmolLM2-135M-Instruct.Q4_1.gguf", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"]:
+for m in models.split():
     k = json.load(open(os.path.join(tmp, f"kiln_{m}.json")))
     l = json.load(open(os.path.join(tmp, f"llama_{m}.json")))
     report["cpu"] = k["cpu"]
