@@ -1,5 +1,7 @@
 //! The Llama-family decoder against transformers' f32 logits on the real
-//! SmolLM2-135M (llama) and Qwen2.5-Coder-0.5B (qwen2) GGUFs: the last
+//! SmolLM2-135M (llama, Q4_1 with a Q8_0 embedding) and Qwen2.5-Coder-0.5B
+//! and 1.5B (qwen2, Q4_K_M: Q4_K, Q5_K, Q6_K and Q8_0 blocks) GGUFs, the
+//! blocks multiplied in place: the last
 //! position's log-softmax within 1e-3 and the same top-20 ids, for every
 //! case in `logits_cases.json`, and Gemma 3 (gemma3_text) on the real
 //! Gemma-3-270M GGUF the same way, prompts past its 512-token sliding
@@ -59,6 +61,14 @@ fn qwen2_logits_match_transformers() {
     check_logits(
         "qwen2.5-coder-0.5b",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    );
+}
+
+#[test]
+fn qwen2_1_5b_logits_match_transformers() {
+    check_logits(
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     );
 }
 
