@@ -103,7 +103,12 @@ pub fn activation_bytes(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize) -
 
 /// [`activation_bytes`] with the MLP stage `mlp_widths` intermediate rows
 /// wide.
-fn f32_activations(cfg: &ModelConfig, num_tokens: usize, num_seqs: usize, mlp_widths: usize) -> u64 {
+fn f32_activations(
+    cfg: &ModelConfig,
+    num_tokens: usize,
+    num_seqs: usize,
+    mlp_widths: usize,
+) -> u64 {
     // The widest layer's (Gemma 4's full-attention heads are twice its
     // sliding ones).
     let head_dim = cfg
@@ -139,7 +144,8 @@ pub fn step_activation_bytes(
     if on_device {
         // Plus the device sampler's f32 scratch: one row of the vocabulary
         // per sequence, beside the bf16 logits.
-        f32_activations(cfg, num_tokens, num_seqs, 5) / 5 * 2 + (4 * num_seqs * cfg.vocab_size) as u64
+        f32_activations(cfg, num_tokens, num_seqs, 5) / 5 * 2
+            + (4 * num_seqs * cfg.vocab_size) as u64
     } else {
         activation_bytes(cfg, num_tokens, num_seqs)
     }

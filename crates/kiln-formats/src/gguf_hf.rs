@@ -272,7 +272,8 @@ impl WeightSource for GgufWeights {
             return Ok(None);
         };
         let info = &self.file.tensors[i];
-        let (Some(format), &[rows, cols]) = (info.ggml_type.quant_format(), info.shape().as_slice())
+        let (Some(format), &[rows, cols]) =
+            (info.ggml_type.quant_format(), info.shape().as_slice())
         else {
             return Ok(None);
         };

@@ -93,7 +93,11 @@ fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
     let embed = "model.embed_tokens.weight";
     let mut bytes: u64 = held.iter().filter(|w| w.0 != embed).map(|w| w.1).sum();
     if cfg.tie_word_embeddings {
-        bytes += held.iter().filter(|w| w.0 == embed).map(|w| w.1).sum::<u64>();
+        bytes += held
+            .iter()
+            .filter(|w| w.0 == embed)
+            .map(|w| w.1)
+            .sum::<u64>();
     }
     Ok(bytes as f64)
 }

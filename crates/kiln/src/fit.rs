@@ -14,8 +14,8 @@ use kiln_formats::gguf_hf::GgufWeights;
 use kiln_formats::safetensors_dir::SafetensorsDir;
 use kiln_formats::weights::WeightSource;
 use kiln_models::ModelConfig;
-use kiln_tensor::{QuantFormat, WeightKind};
 use kiln_tensor::Backend;
+use kiln_tensor::{QuantFormat, WeightKind};
 use serde_json::json;
 
 use crate::cli::ModelArgs;

@@ -290,9 +290,15 @@ fn fit_verdicts_and_serve_refuses_with_the_breakdown() {
     // The Q4_1/Q8_0 blocks stay in the mapped file; the 61 norm vectors of
     // 576 are f32 copies.
     let in_place = fits["weights_in_place_bytes"].as_u64().unwrap();
-    assert_eq!(fits["weights_bytes"].as_u64().unwrap(), in_place + 61 * 576 * 4);
+    assert_eq!(
+        fits["weights_bytes"].as_u64().unwrap(),
+        in_place + 61 * 576 * 4
+    );
     let file = std::fs::metadata(smollm2()).unwrap().len();
-    assert!(in_place < file && in_place > file / 100 * 95, "{in_place} of {file}");
+    assert!(
+        in_place < file && in_place > file / 100 * 95,
+        "{in_place} of {file}"
+    );
     assert_eq!(fits["kv_bytes_per_token"], 2 * 30 * 3 * 64 * 4);
     assert_eq!(fits["max_context"], 8192);
     assert_eq!(fits["context_source"], "requested");

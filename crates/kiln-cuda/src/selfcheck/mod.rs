@@ -212,8 +212,14 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     }
     let ids: Vec<u32> = (0..n as u32).map(|i| i * 7919 % 1000).collect();
     let (tg, tc) = p.up(&[1000, 64], &rng.vec(64_000, 1.0))?;
-    let g = p.gpu.embedding(&Weight::Dense(tg.clone()), &ids).map_err(e)?;
-    let c = p.cpu.embedding(&Weight::Dense(tc.clone()), &ids).map_err(e)?;
+    let g = p
+        .gpu
+        .embedding(&Weight::Dense(tg.clone()), &ids)
+        .map_err(e)?;
+    let c = p
+        .cpu
+        .embedding(&Weight::Dense(tc.clone()), &ids)
+        .map_err(e)?;
     p.compare("embedding".into(), &g, &c, 0.0)?;
     let rows = [36u32, 0, 5, 5];
     let g = p.gpu.gather_rows(&xg, &rows).map_err(e)?;
@@ -222,8 +228,14 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     // Rows of an odd width (element by element), and every row in order.
     let (tg, tc) = p.up(&[300, 61], &rng.vec(300 * 61, 1.0))?;
     let ids: Vec<u32> = (0..n as u32).map(|i| i * 31 % 300).collect();
-    let g = p.gpu.embedding(&Weight::Dense(tg.clone()), &ids).map_err(e)?;
-    let c = p.cpu.embedding(&Weight::Dense(tc.clone()), &ids).map_err(e)?;
+    let g = p
+        .gpu
+        .embedding(&Weight::Dense(tg.clone()), &ids)
+        .map_err(e)?;
+    let c = p
+        .cpu
+        .embedding(&Weight::Dense(tc.clone()), &ids)
+        .map_err(e)?;
     p.compare("embedding (odd width)".into(), &g, &c, 0.0)?;
     let rows = [7u32, 299, 0];
     let g = p.gpu.gather_rows(&tg, &rows).map_err(e)?;

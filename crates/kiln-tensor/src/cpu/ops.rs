@@ -48,7 +48,9 @@ pub fn gated_packed(y: &[f32], i: usize, act: Activation) -> Vec<f32> {
         }
     };
     if out.len() >= PAR_MIN {
-        out.par_chunks_mut(i).zip(y.par_chunks(2 * i)).for_each(body);
+        out.par_chunks_mut(i)
+            .zip(y.par_chunks(2 * i))
+            .for_each(body);
     } else {
         out.chunks_mut(i).zip(y.chunks(2 * i)).for_each(body);
     }
@@ -171,7 +173,10 @@ mod tests {
             let want = gated(&gate, &up, act);
             let got = gated_packed(&y, i, act);
             assert_eq!(got.len(), n * i);
-            assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(want
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
         }
     }
 }

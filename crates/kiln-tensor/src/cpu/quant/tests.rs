@@ -155,9 +155,14 @@ fn lookups_dequantize_the_rows_asked_for() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn fused_decode_products_are_the_panel_products_bit_for_bit() {
-    let Some((_, tile)) = dense::tile_paths().into_iter().find(|(n, _)| *n == "avx512") else {
+    let Some((_, tile)) = dense::tile_paths()
+        .into_iter()
+        .find(|(n, _)| *n == "avx512")
+    else {
         // No AVX-512 here: no fused product may be offered.
-        assert!(QuantFormat::ALL.iter().all(|&f| avx512::fused_fn(f).is_none()));
+        assert!(QuantFormat::ALL
+            .iter()
+            .all(|&f| avx512::fused_fn(f).is_none()));
         return;
     };
     let mut covered = 0;
