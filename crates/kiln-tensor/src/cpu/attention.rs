@@ -1,7 +1,7 @@
 //! Attention over the paged KV cache (causal or bidirectional), one query
 //! row at a time.
 //!
-//! Each (query row, head) is computed on its own in a fixed order — scores
+//! Each (query row, head) is computed in a fixed order — scores
 //! one dot product per key, the softmax's exponentials summed over the
 //! key range in a fixed lane order, the value sum in ascending key order —
 //! so its result depends only on the query, the keys and the values, not on
@@ -110,13 +110,18 @@ pub fn attend(
     }
     let mut out = vec![0f32; n * q_row];
     let kern = kernels(hd);
-    out.par_chunks_mut(hd).enumerate().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, (idx, o)| {
-            let (row, h) = (idx / p.num_heads, idx % p.num_heads);
+    // One task per (row, KV head): the query heads sharing a KV head are
+    // adjacent in `q` and `out`, and each run of keys and values is read
+    // once for all of them (while it is in L1) instead of once per head.
+    let group = p.num_heads / p.num_kv_heads.max(1);
+    out.par_chunks_mut(group * hd).enumerate().for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(scores, inv): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
+            let (row, kvh) = (idx / p.num_kv_heads, idx % p.num_kv_heads);
             let seq = &batch.seqs[seq_of[row]];
             let pos = seq.num_computed + (row - seq.token_start);
-            let qv = &q[row * q_row + h * hd..row * q_row + (h + 1) * hd];
+            let q0 = row * q_row + kvh * group * hd;
+            let qg = &q[q0..q0 + group * hd];
             let keys = key_range(pos, seq.num_computed + seq.num_tokens, p);
             let head = HeadCache {
                 k: k_cache,
@@ -124,10 +129,10 @@ pub fn attend(
                 block_table: seq.block_tables[p.kv_group].as_slice(),
                 block_size: batch.block_size,
                 kv_row,
-                kvh: h / (p.num_heads / p.num_kv_heads),
+                kvh,
                 hd,
             };
-            row_head(qv, &head, keys, p, kern, scores, o);
+            row_group(qg, &head, keys, p, kern, (scores, inv), o);
         },
     );
     out
@@ -163,32 +168,47 @@ impl HeadCache<'_> {
     }
 }
 
-fn row_head(
-    qv: &[f32],
+/// The query heads `qg` (each `head_dim` wide) that share `head`'s KV head,
+/// for one row, into `o` (as wide). Each head's operations and their order
+/// are those of a head computed alone; only the loops over heads move
+/// inside the loops over runs of keys.
+fn row_group(
+    qg: &[f32],
     head: &HeadCache,
     keys: (usize, usize),
     p: &AttentionParams,
     kern: &Kernels,
-    scores: &mut Vec<f32>,
+    (scores, inv): (&mut Vec<f32>, &mut Vec<f32>),
     o: &mut [f32],
 ) {
     let hd = p.head_dim;
+    let nk = keys.1 + 1 - keys.0;
     scores.clear();
-    scores.resize(keys.1 + 1 - keys.0, 0.0);
+    scores.resize(nk * (qg.len() / hd), 0.0);
     head.runs(keys, |j, k, _| {
-        let s = &mut scores[j..j + k.len() / hd];
-        (kern.scores)(qv, k, p.scale, s);
-    });
-    if let Some(c) = p.softcap {
-        for s in scores.iter_mut() {
-            *s = (*s / c).tanh() * c;
+        for (qv, sh) in qg.chunks_exact(hd).zip(scores.chunks_exact_mut(nk)) {
+            (kern.scores)(qv, k, p.scale, &mut sh[j..j + k.len() / hd]);
         }
+    });
+    inv.clear();
+    for sh in scores.chunks_exact_mut(nk) {
+        if let Some(c) = p.softcap {
+            for s in sh.iter_mut() {
+                *s = (*s / c).tanh() * c;
+            }
+        }
+        let max = sh.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+        inv.push(1.0 / (kern.exp_sum)(sh, max));
     }
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let inv = 1.0 / (kern.exp_sum)(scores, max);
     o.fill(0.0);
     head.runs(keys, |j, _, v| {
-        (kern.weighted_sum)(&scores[j..j + v.len() / hd], inv, v, o);
+        for ((oh, sh), &i) in o
+            .chunks_exact_mut(hd)
+            .zip(scores.chunks_exact(nk))
+            .zip(inv.iter())
+        {
+            (kern.weighted_sum)(&sh[j..j + v.len() / hd], i, v, oh);
+        }
     });
 }
 
