@@ -35,7 +35,7 @@ done
 python3 - "$tmp" "$out" "$commit" "$models" <<'PY'
 import json, os, platform, sys
 tmp, out, commit, models = sys.argv[1:]
-report = {"what": "Kiln CPU backend (exact path: GGUF blocks in place, f32 activations) vs llama.cpp (node-llama-cpp 3.22.1 prebuilt CPU), "
+report = {"what": "Kiln CPU backend (exact path: GGUF blocks repacked at load into 16-row groups, f32 activations) vs llama.cpp (node-llama-cpp 3.22.1 prebuilt CPU), "
                   "same GGUF, 512-token prompt, 128 greedy decode steps, 2 threads, engines alternated",
           "commit": commit, "machine": platform.node(), "cpu": None, "models": {}}
 for m in models.split():

@@ -492,8 +492,7 @@ impl GgufFile {
     pub fn tensor_shared(&self, info: &GgufTensorInfo) -> SharedBytes {
         let start = (self.data_offset + info.offset) as usize;
         let len = self.tensor_bytes(info).len();
-        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = self.mmap.clone();
-        SharedBytes::new(owner, start..start + len)
+        SharedBytes::mapped(self.mmap.clone(), start..start + len)
             .expect("tensor spans were validated at open; this is a bug")
     }
 

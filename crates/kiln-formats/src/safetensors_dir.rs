@@ -491,13 +491,12 @@ impl WeightSource for SafetensorsDir {
             return Ok(None);
         };
         let shard = &self.shards[e.shard_idx];
-        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = shard.mmap.clone();
         let corrupt = |what: String| FormatError::Corrupt {
             path: shard.path.clone(),
             offset: e.start as u64,
             what: format!("{name}: {what}"),
         };
-        let bytes = SharedBytes::new(owner, e.start..e.end)
+        let bytes = SharedBytes::mapped(shard.mmap.clone(), e.start..e.end)
             .ok_or_else(|| corrupt("span outside the file".into()))?;
         QuantMatrix::new(format, rows, cols, bytes)
             .map(Some)

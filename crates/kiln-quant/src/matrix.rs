@@ -13,13 +13,52 @@ use crate::QuantFormat;
 pub struct SharedBytes {
     owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
     range: Range<usize>,
+    /// The read-only file mapping the bytes lie in, when they do.
+    map: Option<Arc<memmap2::Mmap>>,
 }
 
 impl SharedBytes {
     /// `range` of `owner`'s bytes, or `None` when it is out of bounds.
     pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Option<Self> {
         let len = (*owner).as_ref().len();
-        (range.start <= range.end && range.end <= len).then_some(SharedBytes { owner, range })
+        (range.start <= range.end && range.end <= len).then_some(SharedBytes {
+            owner,
+            range,
+            map: None,
+        })
+    }
+
+    /// `range` of a read-only file mapping (whose pages [`Self::release_pages`]
+    /// may drop), or `None` when it is out of bounds.
+    pub fn mapped(map: Arc<memmap2::Mmap>, range: Range<usize>) -> Option<Self> {
+        let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = map.clone();
+        let mut s = Self::new(owner, range)?;
+        s.map = Some(map);
+        Some(s)
+    }
+
+    /// Tells the kernel this process no longer needs the mapped pages that
+    /// lie wholly inside the bytes (after a backend copied them into a form
+    /// of its own), so they leave its resident set; reading them again
+    /// faults them back in from the file. Bytes of their own are kept.
+    pub fn release_pages(&self) {
+        let Some(map) = &self.map else { return };
+        const PAGE: usize = 4096;
+        let base = map.as_ptr() as usize;
+        let start = (base + self.range.start).next_multiple_of(PAGE) - base;
+        let end = (base + self.range.end) / PAGE * PAGE;
+        if end > base + start {
+            // SAFETY: the mapping is read-only and file-backed, so dropping
+            // its pages loses nothing: a later read faults the file's bytes
+            // back in. The range lies inside the mapping.
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    end - base - start,
+                )
+            };
+        }
     }
 
     /// Bytes of their own.
@@ -28,6 +67,7 @@ impl SharedBytes {
         SharedBytes {
             owner: Arc::new(bytes),
             range,
+            map: None,
         }
     }
 
@@ -115,6 +155,11 @@ impl QuantMatrix {
     /// The stored bytes of rows `rows`.
     pub fn rows_bytes(&self, rows: Range<usize>) -> &[u8] {
         &self.bytes.as_slice()[rows.start * self.row_bytes..rows.end * self.row_bytes]
+    }
+
+    /// See [`SharedBytes::release_pages`].
+    pub fn release_pages(&self) {
+        self.bytes.release_pages();
     }
 
     /// Row `r`'s reference values (see [`crate::dequant`]) into `out`

@@ -53,9 +53,9 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn blocks<'a>(part: &'a BlockPart, op: &'static str) -> Result<&'a QuantMatrix> {
+    fn blocks<'a>(part: &'a BlockPart, op: &'static str) -> Result<&'a quant::Stored> {
         part.storage()
-            .downcast_ref::<QuantMatrix>()
+            .downcast_ref::<quant::Stored>()
             .ok_or(TensorError::WrongBackend {
                 op,
                 expected: "cpu",
@@ -116,12 +116,14 @@ impl Memory for CpuBackend {
 
     /// The blocks as they are (in place, where they are a mapped file's).
     fn upload_blocks(&self, m: QuantMatrix) -> Result<BlockPart> {
+        let (format, rows, cols) = (m.format(), m.rows(), m.cols());
+        let stored = quant::Stored::new(m);
         Ok(BlockPart::from_storage(
-            m.format(),
-            m.rows(),
-            m.cols(),
-            m.num_bytes(),
-            Arc::new(m),
+            format,
+            rows,
+            cols,
+            stored.num_bytes(),
+            Arc::new(stored),
         ))
     }
 
@@ -171,7 +173,7 @@ impl Ops for CpuBackend {
                         detail: format!("a table of {} parts", bw.parts().len()),
                     });
                 };
-                if let Some(id) = quant::lookup(Self::blocks(part, "embedding")?, ids, &mut out) {
+                if let Some(id) = Self::blocks(part, "embedding")?.lookup(ids, &mut out) {
                     return Err(outside(id));
                 }
             }
@@ -222,7 +224,7 @@ impl Ops for CpuBackend {
             let qm = Self::blocks(part, "matmul")?;
             // SAFETY: the part's columns col..col + rows lie inside each of
             // the n output rows of m, and nothing else writes `out`.
-            unsafe { quant::matmul(xd, n, qm, out.as_mut_ptr().add(col), m) };
+            unsafe { qm.matmul(xd, n, out.as_mut_ptr().add(col), m) };
             col += qm.rows();
         }
         self.add_bias(&mut out, m, bias)?;

@@ -17,11 +17,239 @@
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub(crate) mod packed;
+#[cfg(target_arch = "x86_64")]
+mod packed_avx2;
+#[cfg(target_arch = "x86_64")]
+mod packed_avx512;
+
+pub use packed::packed_bytes;
+use packed::{Packed, LANES};
 
 use kiln_quant::{QuantFormat, QuantMatrix};
 use rayon::prelude::*;
 
 use super::matmul::{panel, runs_avx512, tile_fn, TileFn, W_ROWS_PER_TASK};
+
+/// A block matrix as the CPU stores it: repacked into 16-row groups
+/// ([`packed`]) for the quantized formats, as the file stores it (in place
+/// in the mapping) for F16 and BF16.
+pub(crate) enum Stored {
+    Packed(Packed),
+    Raw(QuantMatrix),
+}
+
+impl Stored {
+    /// `m` as the CPU keeps it; a repacked matrix lets go of the file's
+    /// pages it was read from.
+    pub(crate) fn new(m: QuantMatrix) -> Stored {
+        match packed::pack(&m) {
+            Some(p) => {
+                m.release_pages();
+                Stored::Packed(p)
+            }
+            None => Stored::Raw(m),
+        }
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        match self {
+            Stored::Packed(p) => p.rows,
+            Stored::Raw(m) => m.rows(),
+        }
+    }
+
+    pub(crate) fn num_bytes(&self) -> usize {
+        match self {
+            Stored::Packed(p) => p.num_bytes(),
+            Stored::Raw(m) => m.num_bytes(),
+        }
+    }
+
+    /// `out[i * out_stride + j] = x[i] · w[j]`, as [`matmul`].
+    ///
+    /// # Safety
+    /// As [`matmul`].
+    pub(crate) unsafe fn matmul(&self, x: &[f32], n: usize, out: *mut f32, out_stride: usize) {
+        // SAFETY: passed through.
+        unsafe {
+            match self {
+                Stored::Packed(p) => packed_matmul(p, x, n, out, out_stride),
+                Stored::Raw(m) => matmul(x, n, m, out, out_stride),
+            }
+        }
+    }
+
+    /// Rows `ids` dequantized and appended to `out`, as [`lookup`].
+    pub(crate) fn lookup(&self, ids: &[u32], out: &mut Vec<f32>) -> Option<u32> {
+        match self {
+            Stored::Raw(m) => lookup(m, ids, out),
+            Stored::Packed(p) => {
+                if let Some(&bad) = ids.iter().find(|&&id| id as usize >= p.rows) {
+                    return Some(bad);
+                }
+                let start = out.len();
+                out.resize(start + ids.len() * p.cols, 0.0);
+                for (&id, dst) in ids.iter().zip(out[start..].chunks_exact_mut(p.cols)) {
+                    p.dequantize_row(id as usize, dst);
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Rows of `x` up to which a packed product runs the decode kernel (codes
+/// converted in registers, per row of `x`); above, the GEMM over panels.
+const GEMV_ROWS: usize = 2;
+/// Groups a task takes at a time (the decode kernel's four, a GEMM panel's).
+const GB: usize = 4;
+
+/// The instruction sets a packed product runs on; each gives the same
+/// bits (the order is [`packed`]'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Portable,
+}
+
+impl Isa {
+    /// The fastest this CPU has.
+    pub(crate) fn best() -> Isa {
+        Isa::available()[0]
+    }
+
+    /// Every one this CPU runs, fastest first.
+    pub(crate) fn available() -> Vec<Isa> {
+        let mut v = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if runs_avx512() {
+                v.push(Isa::Avx512);
+            }
+            if packed_avx2::detected() {
+                v.push(Isa::Avx2);
+            }
+        }
+        v.push(Isa::Portable);
+        v
+    }
+}
+
+/// `out[i * out_stride + j] = x[i] · w[j]` for a packed `w`, in the order
+/// [`packed`] defines (the same bits for every `n`, path and ISA).
+///
+/// # Safety
+/// As [`matmul`].
+pub(crate) unsafe fn packed_matmul(
+    p: &Packed,
+    x: &[f32],
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    // SAFETY: passed through.
+    unsafe { packed_matmul_on(Isa::best(), p, x, n, out, out_stride) }
+}
+
+/// [`packed_matmul`] on a given instruction set.
+///
+/// # Safety
+/// As [`matmul`], and this CPU runs `isa`.
+pub(crate) unsafe fn packed_matmul_on(
+    isa: Isa,
+    p: &Packed,
+    x: &[f32],
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let (m, k) = (p.rows, p.cols);
+    if n == 0 || m == 0 || k == 0 {
+        return;
+    }
+    let s = p.scheme.sub;
+    let mut sx = Vec::new();
+    if p.scheme.offsets {
+        sx = vec![0f32; n * p.subs];
+        let rows_per = (4096 / k).max(1);
+        sx.par_chunks_mut(p.subs * rows_per)
+            .zip(x.par_chunks(k * rows_per))
+            .for_each(|(o, xr)| {
+                for (o, xr) in o.chunks_exact_mut(p.subs).zip(xr.chunks_exact(k)) {
+                    #[cfg(target_arch = "x86_64")]
+                    if isa == Isa::Avx512 {
+                        // SAFETY: the caller checked the CPU runs AVX-512F.
+                        unsafe { packed_avx512::sub_sums(xr, s, o) };
+                        continue;
+                    }
+                    packed::sub_sums(xr, s, o);
+                }
+            });
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let quads = p.groups.div_ceil(GB);
+    let out_addr = out as usize;
+    let (xa, sxa) = (x.as_ptr() as usize, sx.as_ptr() as usize);
+    let groups_of = |q0: usize, q1: usize| (q0 * GB)..(q1 * GB).min(p.groups);
+    if n <= GEMV_ROWS || isa == Isa::Portable {
+        let tasks = quads.min(2 * threads);
+        (0..tasks).into_par_iter().for_each(|task| {
+            let g = groups_of(quads * task / tasks, quads * (task + 1) / tasks);
+            for t in 0..n {
+                let o = (out_addr as *mut f32).wrapping_add(t * out_stride + g.start * LANES);
+                let xr = (xa as *const f32).wrapping_add(t * k);
+                let sr = (sxa as *const f32).wrapping_add(t * p.subs);
+                // SAFETY: the CPU runs `isa`; row t of x and sx exist; this
+                // task alone writes these columns of row t.
+                unsafe {
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx512 => packed_avx512::gemv_groups(p, g.clone(), xr, sr, o),
+                        #[cfg(target_arch = "x86_64")]
+                        Isa::Avx2 => packed_avx2::gemv_groups(p, g.clone(), xr, sr, o),
+                        Isa::Portable => {
+                            let len = (g.end * LANES).min(m) - g.start * LANES;
+                            p.gemv_portable(
+                                g.clone(),
+                                std::slice::from_raw_parts(xr, k),
+                                if p.scheme.offsets {
+                                    std::slice::from_raw_parts(sr, p.subs)
+                                } else {
+                                    &[]
+                                },
+                                std::slice::from_raw_parts_mut(o, len),
+                            )
+                        }
+                    }
+                }
+            }
+        });
+        return;
+    }
+    let splits = (4 * threads).div_ceil(quads).clamp(1, n.div_ceil(8));
+    (0..quads * splits).into_par_iter().for_each(|task| {
+        let (q, i) = (task / splits, task % splits);
+        let g = groups_of(q, q + 1);
+        let rows = (n * i / splits)..(n * (i + 1) / splits);
+        let o = (out_addr as *mut f32).wrapping_add(g.start * LANES);
+        let (xp, sp) = (xa as *const f32, sxa as *const f32);
+        // SAFETY: the CPU runs `isa`; this task alone writes rows `rows`
+        // of the group's columns.
+        unsafe {
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => packed_avx512::gemm_block(p, g.clone(), rows, xp, sp, o, out_stride),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => packed_avx2::gemm_block(p, g.clone(), rows, xp, sp, o, out_stride),
+                Isa::Portable => unreachable!("the portable product is row by row"),
+            }
+        };
+    });
+}
 
 /// Dequantizes row `r` of a matrix into `out` (`cols` long).
 pub(crate) type RowFn = fn(&QuantMatrix, usize, &mut [f32]);

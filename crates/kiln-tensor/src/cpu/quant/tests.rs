@@ -211,3 +211,165 @@ fn fused_decode_products_are_the_panel_products_bit_for_bit() {
     }
     assert!(covered >= 9, "fused products for {covered} formats");
 }
+
+/// The formats [`packed`] repacks.
+fn packed_formats() -> Vec<QuantFormat> {
+    QuantFormat::ALL
+        .into_iter()
+        .filter(|&f| packed::Scheme::of(f).is_some())
+        .collect()
+}
+
+#[test]
+fn packed_rows_are_the_reference_values_bit_for_bit() {
+    let formats = packed_formats();
+    assert_eq!(formats.len(), 11);
+    for format in formats {
+        let k = width(format, 9);
+        let m = matrix(format, 37, k, 21);
+        let p = packed::pack(&m).expect("a packed format");
+        assert_eq!(p.num_bytes(), packed_bytes(format, 37, k).unwrap());
+        let (mut want, mut got) = (vec![0f32; k], vec![0f32; k]);
+        for r in 0..37 {
+            m.dequantize_row(r, &mut want);
+            p.dequantize_row(r, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.to_bits() == w.to_bits(),
+                    "{format} row {r} element {i}: {g} vs {w}"
+                );
+            }
+        }
+        // Lookups read the same rows, and name an id past the table.
+        let stored = Stored::Packed(p);
+        let mut out = vec![7.0];
+        assert_eq!(stored.lookup(&[36, 0], &mut out), None);
+        m.dequantize_row(36, &mut want);
+        assert_eq!(&out[1..1 + k], &want[..]);
+        assert_eq!(stored.lookup(&[2, 37], &mut out), Some(37));
+    }
+}
+
+/// `x · wᵀ` of the dequantized matrix in f64, and for each output a
+/// bound on an f32 evaluation's rounding: `4·k·ε` times the sum of the
+/// magnitudes of the products, plus the same for the offsets' share
+/// (`max|w|·Σ|x|`), which the factored order sums separately.
+fn f64_product(x: &[f32], n: usize, w: &[f32], m: usize, k: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut want, mut tol) = (vec![0f64; n * m], vec![0f64; n * m]);
+    let eps = 4.0 * k as f64 * f32::EPSILON as f64;
+    for i in 0..n {
+        let xr = &x[i * k..(i + 1) * k];
+        let sx: f64 = xr.iter().map(|v| v.abs() as f64).sum();
+        for j in 0..m {
+            let wr = &w[j * k..(j + 1) * k];
+            let wmax = wr.iter().fold(0f64, |a, v| a.max(v.abs() as f64));
+            want[i * m + j] = xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mag: f64 = xr
+                .iter()
+                .zip(wr)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
+            tol[i * m + j] = eps * (mag + wmax * sx) + 1e-30;
+        }
+    }
+    (want, tol)
+}
+
+#[test]
+fn packed_products_are_within_rounding_of_the_exact_product() {
+    for format in packed_formats() {
+        for &(n, blocks, m) in &[(1, 3, 37), (2, 9, 16), (3, 7, 9), (9, 1, 64), (17, 2, 75)] {
+            let k = width(format, blocks);
+            let w = matrix(format, m, k, (n * 1000 + m) as u64);
+            let p = packed::pack(&w).unwrap();
+            let x = pseudo(n * k, (n + m) as u32);
+            let (want, tol) = f64_product(&x, n, &w.dequantize(), m, k);
+            let mut got = vec![f32::NAN; n * m];
+            // SAFETY: n × m outputs, row stride m.
+            unsafe { packed_matmul(&p, &x, n, got.as_mut_ptr(), m) };
+            for (i, ((g, e), t)) in got.iter().zip(&want).zip(&tol).enumerate() {
+                assert!(
+                    (*g as f64 - e).abs() <= *t,
+                    "{format} {n}x{k}x{m} output {i}: {g} vs {e} (bound {t})"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_rows_are_bit_identical_alone_batched_and_portable() {
+    for format in packed_formats() {
+        let (n, m) = (21, 53);
+        let k = width(format, 10);
+        let w = matrix(format, m, k, 5);
+        let p = packed::pack(&w).unwrap();
+        let x = pseudo(n * k, 8);
+        let run_on = |isa: Isa, rows: std::ops::Range<usize>| {
+            let mut out = vec![f32::NAN; rows.len() * m];
+            let x = &x[rows.start * k..rows.end * k];
+            // SAFETY: rows.len() × m outputs, row stride m; `isa` runs here.
+            unsafe { packed_matmul_on(isa, &p, x, rows.len(), out.as_mut_ptr(), m) };
+            out
+        };
+        let run = |rows| run_on(Isa::best(), rows);
+        let all = run(0..n);
+        for isa in Isa::available() {
+            assert!(
+                run_on(isa, 0..n)
+                    .iter()
+                    .zip(&all)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{format}: the batch on {isa:?} differs from {:?}",
+                Isa::best()
+            );
+        }
+        let mut sx = vec![0f32; p.subs];
+        for i in 0..n {
+            let xr = &x[i * k..(i + 1) * k];
+            packed::sub_sums(xr, p.scheme.sub, &mut sx);
+            let mut portable = vec![f32::NAN; m];
+            p.gemv_portable(0..p.groups, xr, &sx, &mut portable);
+            let want = &all[i * m..(i + 1) * m];
+            let mut pairs = vec![("alone", run(i..i + 1)), ("portable", portable)];
+            for isa in Isa::available() {
+                pairs.push(("alone on another ISA", run_on(isa, i..i + 1)));
+            }
+            for (how, len) in [("in a pair", 2), ("in three", 3)] {
+                if i + len <= n {
+                    pairs.push((how, run(i..i + len)[..m].to_vec()));
+                }
+            }
+            for (how, got) in pairs {
+                for j in 0..m {
+                    assert!(
+                        got[j].to_bits() == want[j].to_bits(),
+                        "{format} row {i} output {j} {how}: {} vs {} batched",
+                        got[j],
+                        want[j]
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_sub_sums_are_the_vector_tree() {
+    let x = pseudo(32 * 7, 3);
+    for s in [16, 32] {
+        let mut a = vec![0f32; x.len() / s];
+        packed::sub_sums(&x, s, &mut a);
+        for (j, v) in a.iter().enumerate() {
+            let exact: f64 = x[j * s..(j + 1) * s].iter().map(|&v| v as f64).sum();
+            assert!((*v as f64 - exact).abs() < 1e-5, "sub {j}: {v} vs {exact}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if runs_avx512() {
+            let mut b = vec![0f32; x.len() / s];
+            // SAFETY: AVX-512F was detected.
+            unsafe { packed_avx512::sub_sums(&x, s, &mut b) };
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! AVX-512 products with [`Packed`] weights, in the order its module docs
+//! define: a decode product that converts codes in registers, and a GEMM
+//! that converts a panel of codes to f32 once and reuses it for every row
+//! of `x`. Both give the portable code's bits lane for lane.
+
+use std::arch::x86_64::*;
+
+use super::packed::{Packed, ScaleKind, LANES};
+
+/// Elements of `k` a GEMM panel covers (a whole number of sub-blocks).
+pub(crate) const KC: usize = 256;
+/// Rows of `x` per GEMM register tile.
+const MAX_T: usize = 8;
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn factor(p: &Packed, d: &[u16], m: &[i8], g: usize, j: usize) -> __m512 {
+    // SAFETY: d_index/m_index name 16 entries inside the buffers.
+    unsafe {
+        let dv = _mm512_cvtph_ps(_mm256_loadu_si256(
+            d.as_ptr().add(p.d_index(g, j)) as *const __m256i
+        ));
+        match p.scheme.scales {
+            ScaleKind::F16 => dv,
+            ScaleKind::Super { .. } => {
+                let mv = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                    m.as_ptr().add(p.m_index(g, j)) as *const __m128i
+                ));
+                _mm512_mul_ps(dv, _mm512_cvtepi32_ps(mv))
+            }
+        }
+    }
+}
+
+/// The values of the codes of elements `k` (even) and `k + 1` of a group
+/// whose codes start at `base`.
+#[inline(always)]
+unsafe fn pair<const NIB: bool>(base: *const u8, k: usize, table: __m512) -> (__m512, __m512) {
+    // SAFETY: the caller's k lies inside the group's codes.
+    unsafe {
+        if NIB {
+            let c =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(base.add(k / 2 * LANES) as *const __m128i));
+            (
+                _mm512_permutexvar_ps(c, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table),
+            )
+        } else {
+            let e = _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add(k * LANES) as *const __m128i));
+            let o =
+                _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add((k + 1) * LANES) as *const __m128i));
+            (_mm512_cvtepi32_ps(e), _mm512_cvtepi32_ps(o))
+        }
+    }
+}
+
+/// Lanes of group `g` that are rows of the matrix.
+fn lane_mask(p: &Packed, g: usize) -> __mmask16 {
+    let valid = (p.rows - g * LANES).min(LANES);
+    ((1u32 << valid) - 1) as __mmask16
+}
+
+/// `G` groups from `g0` times one row `x` (with its sub-block sums `sx`),
+/// written to `out` (row `g0 · 16` first).
+///
+/// # Safety
+/// AVX-512F; groups `g0..g0 + G` exist; `x` holds `p.cols`, `sx`
+/// `p.subs` (when the format has offsets); `out` is writable for the
+/// groups' matrix rows.
+#[target_feature(enable = "avx512f")]
+unsafe fn gemv<const G: usize, const NIB: bool>(
+    p: &Packed,
+    g0: usize,
+    x: *const f32,
+    sx: *const f32,
+    out: *mut f32,
+) {
+    // SAFETY: as the function's contract; every index stays inside the
+    // groups' codes and scales.
+    unsafe {
+        let gcb = p.group_code_bytes();
+        let codes = p.codes.as_ptr().add(g0 * gcb);
+        let table = _mm512_loadu_ps(p.scheme.table.as_ptr());
+        let s = p.scheme.sub;
+        let mut acc = [_mm512_setzero_ps(); G];
+        for j in 0..p.subs {
+            let mut e = [_mm512_setzero_ps(); G];
+            let mut o = [_mm512_setzero_ps(); G];
+            for pp in 0..s / 2 {
+                let k = j * s + 2 * pp;
+                let xe = _mm512_set1_ps(*x.add(k));
+                let xo = _mm512_set1_ps(*x.add(k + 1));
+                for gi in 0..G {
+                    let (lo, hi) = pair::<NIB>(codes.add(gi * gcb), k, table);
+                    e[gi] = _mm512_fmadd_ps(lo, xe, e[gi]);
+                    o[gi] = _mm512_fmadd_ps(hi, xo, o[gi]);
+                }
+            }
+            for gi in 0..G {
+                let sc = factor(p, &p.scale_d, &p.scale_m, g0 + gi, j);
+                acc[gi] = _mm512_fmadd_ps(sc, _mm512_add_ps(e[gi], o[gi]), acc[gi]);
+                if p.scheme.offsets {
+                    let of = factor(p, &p.offs_d, &p.offs_m, g0 + gi, j);
+                    acc[gi] = _mm512_fmadd_ps(of, _mm512_set1_ps(*sx.add(j)), acc[gi]);
+                }
+            }
+        }
+        for (gi, a) in acc.iter().enumerate() {
+            let g = g0 + gi;
+            _mm512_mask_storeu_ps(out.add(gi * LANES), lane_mask(p, g), *a);
+        }
+    }
+}
+
+/// Groups `groups` times one row of `x`, four groups at a time.
+///
+/// # Safety
+/// As [`gemv`] for every group of the range.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn gemv_groups(
+    p: &Packed,
+    groups: std::ops::Range<usize>,
+    x: *const f32,
+    sx: *const f32,
+    out: *mut f32,
+) {
+    // SAFETY: passed through; each call covers groups inside the range.
+    unsafe {
+        let mut g = groups.start;
+        while g < groups.end {
+            let o = out.add((g - groups.start) * LANES);
+            let left = groups.end - g;
+            match (left, p.scheme.nibble) {
+                (4.., true) => gemv::<4, true>(p, g, x, sx, o),
+                (4.., false) => gemv::<4, false>(p, g, x, sx, o),
+                (3, true) => gemv::<3, true>(p, g, x, sx, o),
+                (3, false) => gemv::<3, false>(p, g, x, sx, o),
+                (2, true) => gemv::<2, true>(p, g, x, sx, o),
+                (2, false) => gemv::<2, false>(p, g, x, sx, o),
+                (_, true) => gemv::<1, true>(p, g, x, sx, o),
+                (_, false) => gemv::<1, false>(p, g, x, sx, o),
+            }
+            g += left.min(4);
+        }
+    }
+}
+
+/// One register tile: `T` rows of `x` against one group's panel of
+/// `nj` sub-blocks, accumulated into `out` (loaded first unless `first`).
+///
+/// # Safety
+/// AVX-512F; the panel holds `nj · s · 16` values, `sc` (and `of` when not
+/// null) `nj · 16`; `x` row `t` at `x + t·xs` holds the panel's elements,
+/// `sx` row `t` at `sx + t·sxs` its sub-blocks; `out` row `t` at
+/// `out + t·os` is writable for the lanes in `mask`.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile<const T: usize>(
+    panel: *const f32,
+    sc: *const f32,
+    of: *const f32,
+    nj: usize,
+    s: usize,
+    (x, xs): (*const f32, usize),
+    (sx, sxs): (*const f32, usize),
+    (out, os): (*mut f32, usize),
+    first: bool,
+    mask: __mmask16,
+) {
+    // SAFETY: as the function's contract.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); T];
+        if !first {
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_maskz_loadu_ps(mask, out.add(t * os));
+            }
+        }
+        for jj in 0..nj {
+            let mut e = [_mm512_setzero_ps(); T];
+            let mut o = [_mm512_setzero_ps(); T];
+            for pp in 0..s / 2 {
+                let kk = jj * s + 2 * pp;
+                let we = _mm512_loadu_ps(panel.add(kk * LANES));
+                let wo = _mm512_loadu_ps(panel.add((kk + 1) * LANES));
+                for t in 0..T {
+                    let xr = x.add(t * xs + kk);
+                    e[t] = _mm512_fmadd_ps(we, _mm512_set1_ps(*xr), e[t]);
+                    o[t] = _mm512_fmadd_ps(wo, _mm512_set1_ps(*xr.add(1)), o[t]);
+                }
+            }
+            let scv = _mm512_loadu_ps(sc.add(jj * LANES));
+            for t in 0..T {
+                acc[t] = _mm512_fmadd_ps(scv, _mm512_add_ps(e[t], o[t]), acc[t]);
+            }
+            if !of.is_null() {
+                let ofv = _mm512_loadu_ps(of.add(jj * LANES));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(ofv, _mm512_set1_ps(*sx.add(t * sxs + jj)), *a);
+                }
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(t * os), mask, *a);
+        }
+    }
+}
+
+/// Groups `groups` (at most [`GB`]) times rows `rows` of `x` (`n × cols`,
+/// with sub-block sums `sx`, `n × subs`), into `out` (`out_stride` apart,
+/// column 0 = the first row of `groups.start`).
+///
+/// # Safety
+/// AVX-512F; `x`, `sx` hold those rows; `out` is writable at rows `rows`
+/// for the groups' matrix rows and nobody else writes there meanwhile.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn gemm_block(
+    p: &Packed,
+    groups: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
+    x: *const f32,
+    sx: *const f32,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let ng = groups.len();
+    let s = p.scheme.sub;
+    let kc = KC.min(p.cols);
+    let mut panel = vec![0f32; ng * kc * LANES];
+    let mut scales = vec![0f32; ng * (kc / s) * LANES];
+    let mut offs = vec![0f32; if p.scheme.offsets { scales.len() } else { 0 }];
+    // SAFETY: as the function's contract; the panel, scales and offsets
+    // are filled for exactly the elements the tiles read.
+    unsafe {
+        let table = _mm512_loadu_ps(p.scheme.table.as_ptr());
+        let gcb = p.group_code_bytes();
+        for k0 in (0..p.cols).step_by(kc) {
+            let k1 = (k0 + kc).min(p.cols);
+            let (j0, nj) = (k0 / s, (k1 - k0) / s);
+            for (gi, g) in groups.clone().enumerate() {
+                let base = p.codes.as_ptr().add(g * gcb);
+                let dst = panel.as_mut_ptr().add(gi * kc * LANES);
+                for k in (k0..k1).step_by(2) {
+                    let (lo, hi) = if p.scheme.nibble {
+                        pair::<true>(base, k, table)
+                    } else {
+                        pair::<false>(base, k, table)
+                    };
+                    _mm512_storeu_ps(dst.add((k - k0) * LANES), lo);
+                    _mm512_storeu_ps(dst.add((k - k0 + 1) * LANES), hi);
+                }
+                for jj in 0..nj {
+                    let at = (gi * (kc / s) + jj) * LANES;
+                    let v = factor(p, &p.scale_d, &p.scale_m, g, j0 + jj);
+                    _mm512_storeu_ps(scales.as_mut_ptr().add(at), v);
+                    if p.scheme.offsets {
+                        let v = factor(p, &p.offs_d, &p.offs_m, g, j0 + jj);
+                        _mm512_storeu_ps(offs.as_mut_ptr().add(at), v);
+                    }
+                }
+            }
+            for t0 in rows.clone().step_by(MAX_T) {
+                let nt = (rows.end - t0).min(MAX_T);
+                for (gi, g) in groups.clone().enumerate() {
+                    let at = gi * (kc / s) * LANES;
+                    let of = if p.scheme.offsets {
+                        offs.as_ptr().add(at)
+                    } else {
+                        std::ptr::null()
+                    };
+                    let args = (
+                        panel.as_ptr().add(gi * kc * LANES),
+                        scales.as_ptr().add(at),
+                        of,
+                        nj,
+                        s,
+                        (x.add(t0 * p.cols + k0), p.cols),
+                        (sx.wrapping_add(t0 * p.subs + j0), p.subs),
+                        (
+                            out.add(t0 * out_stride + (g - groups.start) * LANES),
+                            out_stride,
+                        ),
+                        k0 == 0,
+                        lane_mask(p, g),
+                    );
+                    macro_rules! run {
+                        ($t:literal) => {
+                            tile::<$t>(
+                                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
+                                args.8, args.9,
+                            )
+                        };
+                    }
+                    match nt {
+                        8 => run!(8),
+                        7 => run!(7),
+                        6 => run!(6),
+                        5 => run!(5),
+                        4 => run!(4),
+                        3 => run!(3),
+                        2 => run!(2),
+                        _ => run!(1),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`super::packed::sub_sums`] with vectors, in the same tree.
+///
+/// # Safety
+/// AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn sub_sums(x: &[f32], s: usize, out: &mut [f32]) {
+    // SAFETY: each sub-block of `s` (16 or 32) elements lies inside `x`.
+    unsafe {
+        for (j, o) in out.iter_mut().enumerate() {
+            let c = x.as_ptr().add(j * s);
+            let v = if s == 32 {
+                _mm512_add_ps(_mm512_loadu_ps(c), _mm512_loadu_ps(c.add(16)))
+            } else {
+                _mm512_loadu_ps(c)
+            };
+            let h8 = _mm256_add_ps(
+                _mm512_castps512_ps256(v),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+            );
+            let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+            let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+            let h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
+            *o = _mm_cvtss_f32(h1);
+        }
+    }
+}
