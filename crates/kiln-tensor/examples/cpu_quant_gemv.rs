@@ -27,13 +27,25 @@ fn main() {
     // Enough distinct matrices to leave the caches (~64 MiB of blocks).
     let one = format.row_bytes(cols).unwrap() * rows;
     let copies = (64 << 20) / one + 1;
-    let ws: Vec<Weight> = (0..copies)
+    let ms: Vec<QuantMatrix> = (0..copies)
         .map(|s| {
             let blocks = kiln_quant::random_blocks(format, one / format.block_bytes(), s as u64);
-            let m = QuantMatrix::new(format, rows, cols, SharedBytes::from_vec(blocks)).unwrap();
-            Weight::Blocks(BlockWeight::new(vec![be.upload_blocks(m).unwrap()]).unwrap())
+            QuantMatrix::new(format, rows, cols, SharedBytes::from_vec(blocks)).unwrap()
         })
         .collect();
+    // Storing them as the backend multiplies by them (the load-time cost).
+    let t = Instant::now();
+    let ws: Vec<Weight> = ms
+        .into_iter()
+        .map(|m| Weight::Blocks(BlockWeight::new(vec![be.upload_blocks(m).unwrap()]).unwrap()))
+        .collect();
+    let secs = t.elapsed().as_secs_f64();
+    println!(
+        "stored {} MB of blocks in {:.3} s ({:.0} MB/s)",
+        (copies * one) >> 20,
+        secs,
+        (copies * one) as f64 / secs / 1e6
+    );
     // The same bytes read plainly (summed as u64s, in parallel by matrix
     // rows split like the product), the ceiling for the product.
     let raw: Vec<Vec<u8>> = (0..copies)

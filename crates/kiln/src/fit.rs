@@ -73,8 +73,10 @@ fn file_bytes(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// The stored bytes of every 2-D weight the file holds in a block format
-/// (GGUF's quantized types, F16, BF16), by Hugging Face name.
+/// The bytes the CPU backend holds for every 2-D weight the file stores in
+/// a block format (GGUF's quantized types, F16, BF16), by Hugging Face
+/// name: the quantized ones as it repacks them at load (16-row groups),
+/// F16 and BF16 as stored.
 pub(crate) fn block_bytes(path: &Path) -> Result<HashMap<String, u64>> {
     let tensors = if path.is_file() {
         GgufWeights::open(path)?.tensors()
@@ -83,8 +85,16 @@ pub(crate) fn block_bytes(path: &Path) -> Result<HashMap<String, u64>> {
     };
     Ok(tensors
         .into_iter()
-        .filter(|t| t.shape.len() == 2 && QuantFormat::from_name(&t.dtype).is_some())
-        .map(|t| (t.name, t.num_bytes))
+        .filter_map(|t| {
+            let format = QuantFormat::from_name(&t.dtype)?;
+            let &[rows, cols] = t.shape.as_slice() else {
+                return None;
+            };
+            let held = kiln_tensor::cpu::quant::packed_bytes(format, rows, cols)
+                .map(|b| b as u64)
+                .unwrap_or(t.num_bytes);
+            Some((t.name, held))
+        })
         .collect())
 }
 

@@ -287,8 +287,8 @@ fn fit_verdicts_and_serve_refuses_with_the_breakdown() {
         &["--context", "4096", "--memory-bytes", "4000000000"],
     );
     assert_eq!(fits["fits"], true);
-    // The Q4_1/Q8_0 blocks stay in the mapped file; the 61 norm vectors of
-    // 576 are f32 copies.
+    // The Q4_1/Q8_0 blocks are held repacked (as many bytes as the file's,
+    // its pages let go); the 61 norm vectors of 576 are f32 copies.
     let in_place = fits["weights_in_place_bytes"].as_u64().unwrap();
     assert_eq!(
         fits["weights_bytes"].as_u64().unwrap(),

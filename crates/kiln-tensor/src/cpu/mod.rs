@@ -219,14 +219,14 @@ impl Ops for CpuBackend {
         }
         let xd = self.data(x, "matmul")?;
         let mut out = vec![0f32; n * m];
-        let mut col = 0;
-        for part in w.parts() {
-            let qm = Self::blocks(part, "matmul")?;
-            // SAFETY: the part's columns col..col + rows lie inside each of
-            // the n output rows of m, and nothing else writes `out`.
-            unsafe { qm.matmul(xd, n, out.as_mut_ptr().add(col), m) };
-            col += qm.rows();
-        }
+        let parts = w
+            .parts()
+            .iter()
+            .map(|p| Self::blocks(p, "matmul"))
+            .collect::<Result<Vec<_>>>()?;
+        // SAFETY: the parts stack to m columns in each of the n output rows
+        // of m, and nothing else writes `out`.
+        unsafe { quant::matmul_stacked(&parts, xd, n, out.as_mut_ptr(), m) };
         self.add_bias(&mut out, m, bias)?;
         Ok(Self::wrap(vec![n, m], out))
     }

@@ -66,20 +66,6 @@ impl Stored {
         }
     }
 
-    /// `out[i * out_stride + j] = x[i] · w[j]`, as [`matmul`].
-    ///
-    /// # Safety
-    /// As [`matmul`].
-    pub(crate) unsafe fn matmul(&self, x: &[f32], n: usize, out: *mut f32, out_stride: usize) {
-        // SAFETY: passed through.
-        unsafe {
-            match self {
-                Stored::Packed(p) => packed_matmul(p, x, n, out, out_stride),
-                Stored::Raw(m) => matmul(x, n, m, out, out_stride),
-            }
-        }
-    }
-
     /// Rows `ids` dequantized and appended to `out`, as [`lookup`].
     pub(crate) fn lookup(&self, ids: &[u32], out: &mut Vec<f32>) -> Option<u32> {
         match self {
@@ -99,11 +85,38 @@ impl Stored {
     }
 }
 
+/// `x · wᵀ` for a weight stacked from `parts` by rows, into `out` (`n`
+/// rows, `out_stride` apart): the packed parts in one parallel region, the
+/// others each in turn.
+///
+/// # Safety
+/// `out` is valid for writes at the `n` rows of the stacked width, and
+/// nobody else writes there meanwhile; every part is `x`'s width.
+pub(crate) unsafe fn matmul_stacked(
+    parts: &[&Stored],
+    x: &[f32],
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let mut packed = Vec::new();
+    let mut col = 0;
+    for part in parts {
+        match part {
+            Stored::Packed(p) => packed.push((p, col)),
+            // SAFETY: columns col..col + rows of each output row are the
+            // part's, inside the stacked width.
+            Stored::Raw(m) => unsafe { matmul(x, n, m, out.wrapping_add(col), out_stride) },
+        }
+        col += part.rows();
+    }
+    // SAFETY: as above, for the packed parts at their columns.
+    unsafe { packed_matmul_on(Isa::best(), &packed, x, n, out, out_stride) };
+}
+
 /// Rows of `x` up to which a packed product runs the decode kernel (codes
 /// converted in registers, per row of `x`); above, the GEMM over panels.
 const GEMV_ROWS: usize = 2;
-/// Groups a task takes at a time (the decode kernel's four, a GEMM panel's).
-const GB: usize = 4;
 
 /// The instruction sets a packed product runs on; each gives the same
 /// bits (the order is [`packed`]'s).
@@ -144,6 +157,7 @@ impl Isa {
 ///
 /// # Safety
 /// As [`matmul`].
+#[cfg(test)]
 pub(crate) unsafe fn packed_matmul(
     p: &Packed,
     x: &[f32],
@@ -152,57 +166,76 @@ pub(crate) unsafe fn packed_matmul(
     out_stride: usize,
 ) {
     // SAFETY: passed through.
-    unsafe { packed_matmul_on(Isa::best(), p, x, n, out, out_stride) }
+    unsafe { packed_matmul_on(Isa::best(), &[(p, 0)], x, n, out, out_stride) }
 }
 
-/// [`packed_matmul`] on a given instruction set.
+/// The sub-block sums of the `n` rows of `x` a packed product with
+/// sub-blocks of `s` needs (empty when its format has no offsets).
+fn sums_for(isa: Isa, p: &Packed, x: &[f32], n: usize) -> Vec<f32> {
+    if !p.scheme.offsets {
+        return Vec::new();
+    }
+    let (k, s) = (p.cols, p.scheme.sub);
+    let mut sx = vec![0f32; n * p.subs];
+    let rows_per = (16384 / k).max(1);
+    sx.par_chunks_mut(p.subs * rows_per)
+        .zip(x.par_chunks(k * rows_per))
+        .for_each(|(o, xr)| {
+            for (o, xr) in o.chunks_exact_mut(p.subs).zip(xr.chunks_exact(k)) {
+                #[cfg(target_arch = "x86_64")]
+                if isa == Isa::Avx512 {
+                    // SAFETY: the caller checked the CPU runs AVX-512F.
+                    unsafe { packed_avx512::sub_sums(xr, s, o) };
+                    continue;
+                }
+                packed::sub_sums(xr, s, o);
+            }
+        });
+    sx
+}
+
+/// [`packed_matmul`] of several packed matrices of one width stacked by
+/// rows (`parts`: each with the output column its first row goes to), in
+/// one parallel region, on a given instruction set.
 ///
 /// # Safety
-/// As [`matmul`], and this CPU runs `isa`.
+/// As [`matmul`] for every part at its columns, and this CPU runs `isa`.
 pub(crate) unsafe fn packed_matmul_on(
     isa: Isa,
-    p: &Packed,
+    parts: &[(&Packed, usize)],
     x: &[f32],
     n: usize,
     out: *mut f32,
     out_stride: usize,
 ) {
-    let (m, k) = (p.rows, p.cols);
-    if n == 0 || m == 0 || k == 0 {
+    let k = parts.first().map(|(p, _)| p.cols).unwrap_or(0);
+    if n == 0 || k == 0 {
         return;
     }
-    let s = p.scheme.sub;
-    let mut sx = Vec::new();
-    if p.scheme.offsets {
-        sx = vec![0f32; n * p.subs];
-        let rows_per = (4096 / k).max(1);
-        sx.par_chunks_mut(p.subs * rows_per)
-            .zip(x.par_chunks(k * rows_per))
-            .for_each(|(o, xr)| {
-                for (o, xr) in o.chunks_exact_mut(p.subs).zip(xr.chunks_exact(k)) {
-                    #[cfg(target_arch = "x86_64")]
-                    if isa == Isa::Avx512 {
-                        // SAFETY: the caller checked the CPU runs AVX-512F.
-                        unsafe { packed_avx512::sub_sums(xr, s, o) };
-                        continue;
-                    }
-                    packed::sub_sums(xr, s, o);
-                }
-            });
-    }
+    let sums: Vec<Vec<f32>> = parts.iter().map(|(p, _)| sums_for(isa, p, x, n)).collect();
     let threads = rayon::current_num_threads().max(1);
-    let quads = p.groups.div_ceil(GB);
+    let total_groups: usize = parts.iter().map(|(p, _)| p.groups).sum();
     let out_addr = out as usize;
-    let (xa, sxa) = (x.as_ptr() as usize, sx.as_ptr() as usize);
-    let groups_of = |q0: usize, q1: usize| (q0 * GB)..(q1 * GB).min(p.groups);
+    let xa = x.as_ptr() as usize;
     if n <= GEMV_ROWS || isa == Isa::Portable {
-        let tasks = quads.min(2 * threads);
-        (0..tasks).into_par_iter().for_each(|task| {
-            let g = groups_of(quads * task / tasks, quads * (task + 1) / tasks);
+        // Tasks of whole groups, about four per thread over all parts.
+        let chunk = total_groups.div_ceil(4 * threads).max(1);
+        let tasks: Vec<(usize, std::ops::Range<usize>)> = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (p, _))| {
+                (0..p.groups)
+                    .step_by(chunk)
+                    .map(move |g0| (i, g0..(g0 + chunk).min(p.groups)))
+            })
+            .collect();
+        tasks.into_par_iter().for_each(|(i, g)| {
+            let (p, col) = parts[i];
+            let sx = &sums[i];
             for t in 0..n {
-                let o = (out_addr as *mut f32).wrapping_add(t * out_stride + g.start * LANES);
+                let o = (out_addr as *mut f32).wrapping_add(t * out_stride + col + g.start * LANES);
                 let xr = (xa as *const f32).wrapping_add(t * k);
-                let sr = (sxa as *const f32).wrapping_add(t * p.subs);
+                let sr = sx.as_ptr().wrapping_add(t * p.subs);
                 // SAFETY: the CPU runs `isa`; row t of x and sx exist; this
                 // task alone writes these columns of row t.
                 unsafe {
@@ -212,7 +245,7 @@ pub(crate) unsafe fn packed_matmul_on(
                         #[cfg(target_arch = "x86_64")]
                         Isa::Avx2 => packed_avx2::gemv_groups(p, g.clone(), xr, sr, o),
                         Isa::Portable => {
-                            let len = (g.end * LANES).min(m) - g.start * LANES;
+                            let len = (g.end * LANES).min(p.rows) - g.start * LANES;
                             p.gemv_portable(
                                 g.clone(),
                                 std::slice::from_raw_parts(xr, k),
@@ -230,13 +263,23 @@ pub(crate) unsafe fn packed_matmul_on(
         });
         return;
     }
-    let splits = (4 * threads).div_ceil(quads).clamp(1, n.div_ceil(8));
-    (0..quads * splits).into_par_iter().for_each(|task| {
-        let (q, i) = (task / splits, task % splits);
-        let g = groups_of(q, q + 1);
-        let rows = (n * i / splits)..(n * (i + 1) / splits);
-        let o = (out_addr as *mut f32).wrapping_add(g.start * LANES);
-        let (xp, sp) = (xa as *const f32, sxa as *const f32);
+    // Tasks of a pair of groups, split over rows of x until there are
+    // about four per thread.
+    let pairs: usize = parts.iter().map(|(p, _)| p.groups.div_ceil(2)).sum();
+    let splits = (4 * threads).div_ceil(pairs).clamp(1, n.div_ceil(8));
+    let tasks: Vec<(usize, usize, usize)> = parts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (p, _))| {
+            (0..p.groups.div_ceil(2)).flat_map(move |q| (0..splits).map(move |s| (i, q, s)))
+        })
+        .collect();
+    tasks.into_par_iter().for_each(|(i, q, split)| {
+        let (p, col) = parts[i];
+        let g = (q * 2)..((q + 1) * 2).min(p.groups);
+        let rows = (n * split / splits)..(n * (split + 1) / splits);
+        let o = (out_addr as *mut f32).wrapping_add(col + g.start * LANES);
+        let (xp, sp) = (xa as *const f32, sums[i].as_ptr());
         // SAFETY: the CPU runs `isa`; this task alone writes rows `rows`
         // of the group's columns.
         unsafe {

@@ -45,6 +45,28 @@ use rayon::prelude::*;
 /// Rows in a group: the lanes of an AVX-512 f32 vector.
 pub(crate) const LANES: usize = 16;
 
+/// A buffer of 16-float vectors aligned to cache lines (a vector load from
+/// an unaligned buffer splits across two lines: half the L1 bandwidth).
+pub(crate) struct Lines(Vec<Line>);
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; LANES]);
+
+impl Lines {
+    pub fn new(lines: usize) -> Lines {
+        Lines(vec![Line([0.0; LANES]); lines])
+    }
+
+    pub fn as_ptr(&self) -> *const f32 {
+        self.0.as_ptr() as *const f32
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut f32 {
+        self.0.as_mut_ptr() as *mut f32
+    }
+}
+
 /// How a sub-block's scale (or offset) is stored per lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum ScaleKind {
@@ -488,24 +510,29 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
                 std::slice::from_raw_parts_mut(out.4.add(g * opg_m), opg_m),
             )
         };
-        let mut c = vec![0u8; bs];
-        let mut sc = vec![Factor::default(); subs_per_block];
-        let mut of = vec![Factor::default(); subs_per_block];
-        for l in 0..LANES {
-            let r = g * LANES + l;
-            if r >= rows {
-                break;
-            }
-            let row = m.rows_bytes(r..r + 1);
-            for (bi, blk) in row.chunks_exact(bb).enumerate() {
-                decompose(format, blk, &mut c, &mut sc, &mut of);
-                let k0 = bi * bs;
-                for (i, &code) in c.iter().enumerate() {
-                    let k = k0 + i;
-                    if scheme.nibble {
-                        codes[(k / 2) * LANES + l] |= code << (4 * (k % 2));
-                    } else {
-                        codes[k * LANES + l] = code;
+        let mut c = [0u8; 256];
+        let mut sc = [Factor::default(); 16];
+        let mut of = [Factor::default(); 16];
+        let lanes = (rows - g * LANES).min(LANES);
+        let row: Vec<&[u8]> = (0..lanes)
+            .map(|l| m.rows_bytes(g * LANES + l..g * LANES + l + 1))
+            .collect();
+        // Block column by block column, so the 16 rows' writes of one
+        // column land in one small span of the group's codes.
+        for bi in 0..cols / bs {
+            let k0 = bi * bs;
+            for (l, row) in row.iter().enumerate() {
+                let c = &mut c[..bs];
+                decompose(format, &row[bi * bb..bi * bb + bb], c, &mut sc, &mut of);
+                if scheme.nibble {
+                    let dst = &mut codes[(k0 / 2) * LANES..(k0 + bs) / 2 * LANES];
+                    for (d, two) in dst.chunks_exact_mut(LANES).zip(c.chunks_exact(2)) {
+                        d[l] = two[0] | (two[1] << 4);
+                    }
+                } else {
+                    let dst = &mut codes[k0 * LANES..(k0 + bs) * LANES];
+                    for (d, &code) in dst.chunks_exact_mut(LANES).zip(c.iter()) {
+                        d[l] = code;
                     }
                 }
                 for s in 0..subs_per_block {

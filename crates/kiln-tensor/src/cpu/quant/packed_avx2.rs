@@ -252,9 +252,9 @@ pub(crate) unsafe fn gemm_block(
     let ng = groups.len();
     let s = p.scheme.sub;
     let kc = KC.min(p.cols);
-    let mut panel = vec![0f32; ng * kc * LANES];
-    let mut scales = vec![0f32; ng * (kc / s) * LANES];
-    let mut offs = vec![0f32; if p.scheme.offsets { scales.len() } else { 0 }];
+    let mut panel = super::packed::Lines::new(ng * kc);
+    let mut scales = super::packed::Lines::new(ng * (kc / s));
+    let mut offs = super::packed::Lines::new(if p.scheme.offsets { ng * (kc / s) } else { 0 });
     // SAFETY: as the function's contract; the panel, scales and offsets
     // are filled for exactly the elements the tiles read.
     unsafe {

@@ -5,12 +5,15 @@
 
 use std::arch::x86_64::*;
 
-use super::packed::{Packed, ScaleKind, LANES};
+use super::packed::{Lines, Packed, ScaleKind, LANES};
 
-/// Elements of `k` a GEMM panel covers (a whole number of sub-blocks).
-pub(crate) const KC: usize = 256;
+/// Elements of `k` a GEMM tile covers at a time (a whole number of
+/// sub-blocks).
+const KC: usize = 128;
+/// Rows of `x` whose accumulators stay in L1 while they sweep `k`.
+const RB: usize = 32;
 /// Rows of `x` per GEMM register tile.
-const MAX_T: usize = 8;
+const MAX_T: usize = 4;
 
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -145,69 +148,90 @@ pub(crate) unsafe fn gemv_groups(
     }
 }
 
-/// One register tile: `T` rows of `x` against one group's panel of
-/// `nj` sub-blocks, accumulated into `out` (loaded first unless `first`).
+/// One register tile: `T` rows of `x` against `G` adjacent groups' panels
+/// (`ps` floats apart, their scales and offsets `ss` apart) of `nj`
+/// sub-blocks, accumulated into `out` (loaded first unless `first`).
 ///
 /// # Safety
-/// AVX-512F; the panel holds `nj · s · 16` values, `sc` (and `of` when not
-/// null) `nj · 16`; `x` row `t` at `x + t·xs` holds the panel's elements,
-/// `sx` row `t` at `sx + t·sxs` its sub-blocks; `out` row `t` at
-/// `out + t·os` is writable for the lanes in `mask`.
+/// AVX-512F; each panel holds `nj · s · 16` values, its `sc` (and `of`
+/// when not null) `nj · 16`; `x` row `t` at `x + t·xs` holds the panel's
+/// elements, `sx` row `t` at `sx + t·sxs` its sub-blocks; `out` row `t`
+/// at `out + t·os` is writable for group `gi`'s lanes in `masks[gi]`
+/// from `gi · 16`.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
-unsafe fn tile<const T: usize>(
-    panel: *const f32,
-    sc: *const f32,
-    of: *const f32,
+unsafe fn tile<const G: usize, const T: usize>(
+    (panel, ps): (*const f32, usize),
+    (sc, of, ss): (*const f32, *const f32, usize),
     nj: usize,
     s: usize,
     (x, xs): (*const f32, usize),
     (sx, sxs): (*const f32, usize),
     (out, os): (*mut f32, usize),
     first: bool,
-    mask: __mmask16,
+    masks: [__mmask16; G],
 ) {
     // SAFETY: as the function's contract.
     unsafe {
-        let mut acc = [_mm512_setzero_ps(); T];
+        let mut acc = [[_mm512_setzero_ps(); T]; G];
         if !first {
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_maskz_loadu_ps(mask, out.add(t * os));
+            for (gi, a) in acc.iter_mut().enumerate() {
+                for (t, a) in a.iter_mut().enumerate() {
+                    *a = _mm512_maskz_loadu_ps(masks[gi], out.add(t * os + gi * LANES));
+                }
             }
         }
         for jj in 0..nj {
-            let mut e = [_mm512_setzero_ps(); T];
-            let mut o = [_mm512_setzero_ps(); T];
+            let mut e = [[_mm512_setzero_ps(); T]; G];
+            let mut o = [[_mm512_setzero_ps(); T]; G];
             for pp in 0..s / 2 {
                 let kk = jj * s + 2 * pp;
-                let we = _mm512_loadu_ps(panel.add(kk * LANES));
-                let wo = _mm512_loadu_ps(panel.add((kk + 1) * LANES));
+                let mut we = [_mm512_setzero_ps(); G];
+                let mut wo = [_mm512_setzero_ps(); G];
+                for gi in 0..G {
+                    we[gi] = _mm512_loadu_ps(panel.add(gi * ps + kk * LANES));
+                    wo[gi] = _mm512_loadu_ps(panel.add(gi * ps + (kk + 1) * LANES));
+                }
                 for t in 0..T {
                     let xr = x.add(t * xs + kk);
-                    e[t] = _mm512_fmadd_ps(we, _mm512_set1_ps(*xr), e[t]);
-                    o[t] = _mm512_fmadd_ps(wo, _mm512_set1_ps(*xr.add(1)), o[t]);
+                    let (xe, xo) = (_mm512_set1_ps(*xr), _mm512_set1_ps(*xr.add(1)));
+                    for gi in 0..G {
+                        e[gi][t] = _mm512_fmadd_ps(we[gi], xe, e[gi][t]);
+                        o[gi][t] = _mm512_fmadd_ps(wo[gi], xo, o[gi][t]);
+                    }
                 }
             }
-            let scv = _mm512_loadu_ps(sc.add(jj * LANES));
-            for t in 0..T {
-                acc[t] = _mm512_fmadd_ps(scv, _mm512_add_ps(e[t], o[t]), acc[t]);
-            }
-            if !of.is_null() {
-                let ofv = _mm512_loadu_ps(of.add(jj * LANES));
-                for (t, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(ofv, _mm512_set1_ps(*sx.add(t * sxs + jj)), *a);
+            for gi in 0..G {
+                let scv = _mm512_loadu_ps(sc.add(gi * ss + jj * LANES));
+                for t in 0..T {
+                    acc[gi][t] =
+                        _mm512_fmadd_ps(scv, _mm512_add_ps(e[gi][t], o[gi][t]), acc[gi][t]);
+                }
+                if !of.is_null() {
+                    let ofv = _mm512_loadu_ps(of.add(gi * ss + jj * LANES));
+                    for (t, a) in acc[gi].iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(ofv, _mm512_set1_ps(*sx.add(t * sxs + jj)), *a);
+                    }
                 }
             }
         }
-        for (t, a) in acc.iter().enumerate() {
-            _mm512_mask_storeu_ps(out.add(t * os), mask, *a);
+        for (gi, a) in acc.iter().enumerate() {
+            for (t, a) in a.iter().enumerate() {
+                _mm512_mask_storeu_ps(out.add(t * os + gi * LANES), masks[gi], *a);
+            }
         }
     }
 }
 
-/// Groups `groups` (at most [`GB`]) times rows `rows` of `x` (`n × cols`,
+/// Groups `groups` (at most two) times rows `rows` of `x` (`n × cols`,
 /// with sub-block sums `sx`, `n × subs`), into `out` (`out_stride` apart,
 /// column 0 = the first row of `groups.start`).
+///
+/// The groups' codes are converted to f32 once, for all of `k` (a pair's
+/// panel stays in L2); then blocks of [`RB`] rows of `x` run over it
+/// [`KC`] elements at a time, accumulating in a buffer that stays in L1
+/// (storing partial sums to `out` itself, whose lines are not cached, ran
+/// at half the speed), and the buffer is copied out once per block.
 ///
 /// # Safety
 /// AVX-512F; `x`, `sx` hold those rows; `out` is writable at rows `rows`
@@ -223,83 +247,102 @@ pub(crate) unsafe fn gemm_block(
     out_stride: usize,
 ) {
     let ng = groups.len();
+    debug_assert!((1..=2).contains(&ng));
     let s = p.scheme.sub;
-    let kc = KC.min(p.cols);
-    let mut panel = vec![0f32; ng * kc * LANES];
-    let mut scales = vec![0f32; ng * (kc / s) * LANES];
-    let mut offs = vec![0f32; if p.scheme.offsets { scales.len() } else { 0 }];
+    let k = p.cols;
+    let ss = p.subs * LANES;
+    let mut panel = Lines::new(ng * k);
+    let mut scales = Lines::new(ng * p.subs);
+    let mut offs = Lines::new(if p.scheme.offsets { ng * p.subs } else { 0 });
+    let mut acc = Lines::new(RB * ng);
     // SAFETY: as the function's contract; the panel, scales and offsets
-    // are filled for exactly the elements the tiles read.
+    // are filled for exactly the elements the tiles read, and the tiles
+    // write only the accumulator buffer.
     unsafe {
         let table = _mm512_loadu_ps(p.scheme.table.as_ptr());
         let gcb = p.group_code_bytes();
-        for k0 in (0..p.cols).step_by(kc) {
-            let k1 = (k0 + kc).min(p.cols);
-            let (j0, nj) = (k0 / s, (k1 - k0) / s);
-            for (gi, g) in groups.clone().enumerate() {
-                let base = p.codes.as_ptr().add(g * gcb);
-                let dst = panel.as_mut_ptr().add(gi * kc * LANES);
-                for k in (k0..k1).step_by(2) {
-                    let (lo, hi) = if p.scheme.nibble {
-                        pair::<true>(base, k, table)
-                    } else {
-                        pair::<false>(base, k, table)
-                    };
-                    _mm512_storeu_ps(dst.add((k - k0) * LANES), lo);
-                    _mm512_storeu_ps(dst.add((k - k0 + 1) * LANES), hi);
-                }
-                for jj in 0..nj {
-                    let at = (gi * (kc / s) + jj) * LANES;
-                    let v = factor(p, &p.scale_d, &p.scale_m, g, j0 + jj);
-                    _mm512_storeu_ps(scales.as_mut_ptr().add(at), v);
-                    if p.scheme.offsets {
-                        let v = factor(p, &p.offs_d, &p.offs_m, g, j0 + jj);
-                        _mm512_storeu_ps(offs.as_mut_ptr().add(at), v);
-                    }
+        for (gi, g) in groups.clone().enumerate() {
+            let base = p.codes.as_ptr().add(g * gcb);
+            let dst = panel.as_mut_ptr().add(gi * k * LANES);
+            for kk in (0..k).step_by(2) {
+                let (lo, hi) = if p.scheme.nibble {
+                    pair::<true>(base, kk, table)
+                } else {
+                    pair::<false>(base, kk, table)
+                };
+                _mm512_storeu_ps(dst.add(kk * LANES), lo);
+                _mm512_storeu_ps(dst.add((kk + 1) * LANES), hi);
+            }
+            for j in 0..p.subs {
+                let at = gi * ss + j * LANES;
+                let v = factor(p, &p.scale_d, &p.scale_m, g, j);
+                _mm512_storeu_ps(scales.as_mut_ptr().add(at), v);
+                if p.scheme.offsets {
+                    let v = factor(p, &p.offs_d, &p.offs_m, g, j);
+                    _mm512_storeu_ps(offs.as_mut_ptr().add(at), v);
                 }
             }
-            for t0 in rows.clone().step_by(MAX_T) {
-                let nt = (rows.end - t0).min(MAX_T);
-                for (gi, g) in groups.clone().enumerate() {
-                    let at = gi * (kc / s) * LANES;
+        }
+        let masks: [__mmask16; 2] = std::array::from_fn(|i| {
+            if i < ng {
+                lane_mask(p, groups.start + i)
+            } else {
+                0
+            }
+        });
+        let all = [0xFFFFu16; 2];
+        for r0 in rows.clone().step_by(RB) {
+            let r1 = (r0 + RB).min(rows.end);
+            for k0 in (0..k).step_by(KC) {
+                let (j0, nj) = (k0 / s, (KC.min(k - k0)) / s);
+                for t0 in (r0..r1).step_by(MAX_T) {
+                    let nt = (r1 - t0).min(MAX_T);
                     let of = if p.scheme.offsets {
-                        offs.as_ptr().add(at)
+                        offs.as_ptr().add(j0 * LANES)
                     } else {
                         std::ptr::null()
                     };
                     let args = (
-                        panel.as_ptr().add(gi * kc * LANES),
-                        scales.as_ptr().add(at),
-                        of,
+                        (panel.as_ptr().add(k0 * LANES), k * LANES),
+                        (scales.as_ptr().add(j0 * LANES), of, ss),
                         nj,
                         s,
-                        (x.add(t0 * p.cols + k0), p.cols),
+                        (x.add(t0 * k + k0), k),
                         (sx.wrapping_add(t0 * p.subs + j0), p.subs),
-                        (
-                            out.add(t0 * out_stride + (g - groups.start) * LANES),
-                            out_stride,
-                        ),
+                        (acc.as_mut_ptr().add((t0 - r0) * ng * LANES), ng * LANES),
                         k0 == 0,
-                        lane_mask(p, g),
                     );
                     macro_rules! run {
-                        ($t:literal) => {
-                            tile::<$t>(
-                                args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
-                                args.8, args.9,
+                        ($g:literal, $t:literal) => {
+                            tile::<$g, $t>(
+                                args.0,
+                                args.1,
+                                args.2,
+                                args.3,
+                                args.4,
+                                args.5,
+                                args.6,
+                                args.7,
+                                [all[0]; $g],
                             )
                         };
                     }
-                    match nt {
-                        8 => run!(8),
-                        7 => run!(7),
-                        6 => run!(6),
-                        5 => run!(5),
-                        4 => run!(4),
-                        3 => run!(3),
-                        2 => run!(2),
-                        _ => run!(1),
+                    match (ng, nt) {
+                        (2, 4..) => run!(2, 4),
+                        (2, 3) => run!(2, 3),
+                        (2, 2) => run!(2, 2),
+                        (2, _) => run!(2, 1),
+                        (_, 4..) => run!(1, 4),
+                        (_, 3) => run!(1, 3),
+                        (_, 2) => run!(1, 2),
+                        (_, _) => run!(1, 1),
                     }
+                }
+            }
+            for t in r0..r1 {
+                for (gi, &mask) in masks.iter().enumerate().take(ng) {
+                    let v = _mm512_loadu_ps(acc.as_ptr().add(((t - r0) * ng + gi) * LANES));
+                    _mm512_mask_storeu_ps(out.add(t * out_stride + gi * LANES), mask, v);
                 }
             }
         }

@@ -309,7 +309,7 @@ fn packed_rows_are_bit_identical_alone_batched_and_portable() {
             let mut out = vec![f32::NAN; rows.len() * m];
             let x = &x[rows.start * k..rows.end * k];
             // SAFETY: rows.len() × m outputs, row stride m; `isa` runs here.
-            unsafe { packed_matmul_on(isa, &p, x, rows.len(), out.as_mut_ptr(), m) };
+            unsafe { packed_matmul_on(isa, &[(&p, 0)], x, rows.len(), out.as_mut_ptr(), m) };
             out
         };
         let run = |rows| run_on(Isa::best(), rows);
@@ -370,6 +370,48 @@ fn packed_sub_sums_are_the_vector_tree() {
             // SAFETY: AVX-512F was detected.
             unsafe { packed_avx512::sub_sums(&x, s, &mut b) };
             assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        }
+    }
+}
+
+#[test]
+fn stacked_parts_write_their_own_columns_each_as_alone() {
+    // q/k/v-like parts in different formats (two packed, one kept raw),
+    // into columns 3.. of a wider output, for decode and batch sizes.
+    let k = 512;
+    let parts: Vec<Stored> = [
+        (QuantFormat::Q4K, 40),
+        (QuantFormat::Q6K, 17),
+        (QuantFormat::BF16, 9),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (f, rows))| Stored::new(matrix(f, rows, k, 40 + i as u64)))
+    .collect();
+    let refs: Vec<&Stored> = parts.iter().collect();
+    let width = 3 + 40 + 17 + 9 + 2;
+    for n in [1, 2, 5] {
+        let x = pseudo(n * k, n as u32);
+        let mut out = vec![-1f32; n * width];
+        // SAFETY: n rows of `width`, the parts' 66 columns from column 3.
+        unsafe { matmul_stacked(&refs, &x, n, out.as_mut_ptr().add(3), width) };
+        let mut col = 3;
+        for part in &parts {
+            let rows = part.rows();
+            let mut alone = vec![0f32; n * rows];
+            // SAFETY: n × rows outputs, row stride rows.
+            unsafe { matmul_stacked(&[part], &x, n, alone.as_mut_ptr(), rows) };
+            for i in 0..n {
+                assert_eq!(
+                    &out[i * width + col..i * width + col + rows],
+                    &alone[i * rows..(i + 1) * rows]
+                );
+            }
+            col += rows;
+        }
+        for i in 0..n {
+            let row = &out[i * width..(i + 1) * width];
+            assert!(row[..3].iter().chain(&row[width - 2..]).all(|&v| v == -1.0));
         }
     }
 }
