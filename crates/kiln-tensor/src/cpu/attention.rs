@@ -113,28 +113,45 @@ pub fn attend(
     // One task per (row, KV head): the query heads sharing a KV head are
     // adjacent in `q` and `out`, and each run of keys and values is read
     // once for all of them (while it is in L1) instead of once per head.
+    // With too few such tasks to keep the threads busy (decode: a few rows
+    // times a few KV heads), one task per (row, query head) instead; each
+    // head's arithmetic is the same either way, so the choice changes no
+    // bits.
     let group = p.num_heads / p.num_kv_heads.max(1);
-    out.par_chunks_mut(group * hd).enumerate().for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(scores, inv): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
-            let (row, kvh) = (idx / p.num_kv_heads, idx % p.num_kv_heads);
-            let seq = &batch.seqs[seq_of[row]];
-            let pos = seq.num_computed + (row - seq.token_start);
-            let q0 = row * q_row + kvh * group * hd;
-            let qg = &q[q0..q0 + group * hd];
-            let keys = key_range(pos, seq.num_computed + seq.num_tokens, p);
-            let head = HeadCache {
-                k: k_cache,
-                v: v_cache,
-                block_table: seq.block_tables[p.kv_group].as_slice(),
-                block_size: batch.block_size,
-                kv_row,
-                kvh,
-                hd,
-            };
-            row_group(qg, &head, keys, p, kern, (scores, inv), o);
-        },
-    );
+    let per_head = n * p.num_kv_heads < 4 * rayon::current_num_threads() && group > 1;
+    let (task_heads, tasks_per_row) = if per_head {
+        (1, p.num_heads)
+    } else {
+        (group, p.num_kv_heads)
+    };
+    out.par_chunks_mut(task_heads * hd)
+        .enumerate()
+        .for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(scores, inv): &mut (Vec<f32>, Vec<f32>), (idx, o)| {
+                let (row, t) = (idx / tasks_per_row, idx % tasks_per_row);
+                let (kvh, first_head) = if per_head {
+                    (t / group, t)
+                } else {
+                    (t, t * group)
+                };
+                let seq = &batch.seqs[seq_of[row]];
+                let pos = seq.num_computed + (row - seq.token_start);
+                let q0 = row * q_row + first_head * hd;
+                let qg = &q[q0..q0 + task_heads * hd];
+                let keys = key_range(pos, seq.num_computed + seq.num_tokens, p);
+                let head = HeadCache {
+                    k: k_cache,
+                    v: v_cache,
+                    block_table: seq.block_tables[p.kv_group].as_slice(),
+                    block_size: batch.block_size,
+                    kv_row,
+                    kvh,
+                    hd,
+                };
+                row_group(qg, &head, keys, p, kern, (scores, inv), o);
+            },
+        );
     out
 }
 

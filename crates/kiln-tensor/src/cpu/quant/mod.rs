@@ -1,22 +1,23 @@
 //! Products with block-format weights on the CPU, and the row lookups of
 //! block embedding tables.
 //!
-//! The blocks stay as the file stores them (in place in the mapped file).
-//! A product dequantizes a panel of weight rows into a small f32 buffer —
-//! four rows for decode-sized batches, so they stay in L1; up to 64 rows
-//! for larger ones, dequantized once and reused by every row of `x` — and
-//! runs the dense product's register tiles over it
-//! ([`super::matmul::panel`]). The dequantized values are the reference
-//! values of [`kiln_quant::dequant`] bit for bit (the vectorized
-//! dequantizers do the same f32 operations in the same order), and every
-//! dot is the dense product's, so a block weight's product is exactly the
-//! dense product of its dequantized matrix: bit-identical whatever the
-//! batch, and every golden the dequantized model meets still holds.
+//! The quantized formats are repacked once at load into 16-row groups
+//! ([`packed`]: measured 1.5–2× the decode throughput of reading the
+//! file's rows in place, and the same layout feeds the batched GEMM), and
+//! the file's pages are let go. Every output is summed in the one order
+//! [`packed`] defines — whatever the batch, the path (decode kernel or
+//! GEMM) or the instruction set — so a row's bits do not depend on what
+//! it is batched with.
+//!
+//! F16 and BF16 stay as the file stores them (in place in the mapped
+//! file): a product converts a panel of rows into a small f32 buffer —
+//! four rows for decode-sized batches, up to 64 for larger ones, reused by
+//! every row of `x` — and runs the dense product's register tiles over it
+//! ([`super::matmul::panel`]), so it is exactly the dense product of the
+//! widened matrix.
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
 pub(crate) mod packed;
 #[cfg(target_arch = "x86_64")]
 mod packed_avx2;
@@ -218,8 +219,15 @@ pub(crate) unsafe fn packed_matmul_on(
     let out_addr = out as usize;
     let xa = x.as_ptr() as usize;
     if n <= GEMV_ROWS || isa == Isa::Portable {
-        // Tasks of whole groups, about four per thread over all parts.
+        // Tasks of whole groups, about four per thread over all parts, in
+        // fours where there are enough (the decode kernel takes four groups
+        // at a time; a lone group's two FMA chains wait on latency).
         let chunk = total_groups.div_ceil(4 * threads).max(1);
+        let chunk = if chunk >= 4 {
+            chunk.next_multiple_of(4)
+        } else {
+            chunk
+        };
         let tasks: Vec<(usize, std::ops::Range<usize>)> = parts
             .iter()
             .enumerate()
@@ -331,45 +339,8 @@ pub(crate) unsafe fn matmul(
     out: *mut f32,
     out_stride: usize,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if n <= avx512::MAX_ROWS && runs_avx512() {
-        if let Some(f) = avx512::fused_fn(w.format()) {
-            // SAFETY: passed through from the caller; the fused products
-            // give the AVX-512 tile's bits, and that tile is the one in use.
-            return unsafe { fused(f, x, n, w, out, out_stride) };
-        }
-    }
     // SAFETY: passed through from the caller.
     unsafe { matmul_with(tile_fn(), row_fn(w.format()), x, n, w, out, out_stride) }
-}
-
-/// [`matmul`] for a few rows of `x` by a product that dequantizes in
-/// registers, in parallel over tasks of weight rows.
-///
-/// # Safety
-/// As [`matmul`], and `n <= avx512::MAX_ROWS`.
-#[cfg(target_arch = "x86_64")]
-unsafe fn fused(
-    f: avx512::FusedFn,
-    x: &[f32],
-    n: usize,
-    w: &QuantMatrix,
-    out: *mut f32,
-    out_stride: usize,
-) {
-    let m = w.rows();
-    if n == 0 || m == 0 || w.cols() == 0 {
-        return;
-    }
-    let out_addr = out as usize;
-    (0..m.div_ceil(W_ROWS_PER_TASK))
-        .into_par_iter()
-        .for_each(|task| {
-            let j0 = task * W_ROWS_PER_TASK;
-            let j1 = (j0 + W_ROWS_PER_TASK).min(m);
-            // SAFETY: this task alone writes columns j0..j1 of `out`.
-            unsafe { f(x, n, w, j0..j1, out_addr as *mut f32, out_stride) };
-        });
 }
 
 /// [`matmul`] with a given register tile and row dequantizer.
@@ -438,20 +409,6 @@ pub(crate) fn lookup(table: &QuantMatrix, ids: &[u32], out: &mut Vec<f32>) -> Op
         row(table, id as usize, dst);
     }
     None
-}
-
-/// Whether this CPU has a vectorized dequantizer for `format` (else the
-/// reference one runs), for reports.
-pub fn vectorized(format: QuantFormat) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        avx2::row_fn(format).is_some()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = format;
-        false
-    }
 }
 
 #[cfg(test)]

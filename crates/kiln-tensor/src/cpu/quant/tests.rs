@@ -40,9 +40,12 @@ fn width(format: QuantFormat, blocks: usize) -> usize {
     format.block_size() * blocks + if format.block_size() == 1 { 3 } else { 0 }
 }
 
+/// The formats kept as stored (the raw path).
+const RAW: [QuantFormat; 2] = [QuantFormat::F16, QuantFormat::BF16];
+
 #[test]
 fn vectorized_rows_are_the_reference_values_bit_for_bit() {
-    for format in QuantFormat::ALL {
+    for format in RAW {
         let cols = width(format, 9);
         let m = matrix(format, 5, cols, 11);
         let mut want = vec![0f32; cols];
@@ -64,7 +67,7 @@ fn vectorized_rows_are_the_reference_values_bit_for_bit() {
 
 #[test]
 fn products_are_the_dense_product_of_the_dequantized_matrix() {
-    for format in QuantFormat::ALL {
+    for format in RAW {
         for &(n, blocks, m) in &[(1, 3, 37), (3, 7, 9), (5, 1, 64), (17, 2, 75), (64, 4, 130)] {
             let k = width(format, blocks);
             let w = matrix(format, m, k, (n * 1000 + m) as u64);
@@ -88,12 +91,7 @@ fn products_are_the_dense_product_of_the_dequantized_matrix() {
 
 #[test]
 fn each_row_is_bit_identical_alone_or_batched() {
-    for format in [
-        QuantFormat::Q4_0,
-        QuantFormat::Q4K,
-        QuantFormat::Q6K,
-        QuantFormat::BF16,
-    ] {
+    for format in RAW {
         let (n, m) = (9, 70);
         let k = width(format, 5);
         let w = matrix(format, m, k, 3);
@@ -118,7 +116,7 @@ fn products_write_only_their_columns_of_a_wider_output() {
     // A part of a stacked weight writes its columns of the full row and
     // leaves the others alone.
     let (n, k, m, stride, offset) = (3, 64, 10, 25, 7);
-    let w = matrix(QuantFormat::Q8_0, m, k, 9);
+    let w = matrix(QuantFormat::F16, m, k, 9);
     let x = pseudo(n * k, 1);
     let mut out = vec![-1f32; n * stride];
     // SAFETY: columns offset..offset + m of n rows of `stride`.
@@ -138,7 +136,7 @@ fn products_write_only_their_columns_of_a_wider_output() {
 
 #[test]
 fn lookups_dequantize_the_rows_asked_for() {
-    let w = matrix(QuantFormat::Q5K, 7, 512, 2);
+    let w = matrix(QuantFormat::BF16, 7, 512, 2);
     let full = w.dequantize();
     let mut out = vec![42.0];
     assert_eq!(lookup(&w, &[6, 0, 6], &mut out), None);
@@ -150,66 +148,6 @@ fn lookups_dequantize_the_rows_asked_for() {
         );
     }
     assert_eq!(lookup(&w, &[1, 7], &mut out), Some(7));
-}
-
-#[cfg(target_arch = "x86_64")]
-#[test]
-fn fused_decode_products_are_the_panel_products_bit_for_bit() {
-    let Some((_, tile)) = dense::tile_paths()
-        .into_iter()
-        .find(|(n, _)| *n == "avx512")
-    else {
-        // No AVX-512 here: no fused product may be offered.
-        assert!(QuantFormat::ALL
-            .iter()
-            .all(|&f| avx512::fused_fn(f).is_none()));
-        return;
-    };
-    let mut covered = 0;
-    for format in QuantFormat::ALL {
-        let Some(fused) = avx512::fused_fn(format) else {
-            continue;
-        };
-        covered += 1;
-        for &(blocks, m) in &[(1, 1), (3, 7), (9, 37), (2, 64)] {
-            let k = width(format, blocks);
-            let w = matrix(format, m, k, (blocks * 31 + m) as u64);
-            for n in 1..=avx512::MAX_ROWS {
-                let x = pseudo(n * k, (n * 7 + m) as u32);
-                let mut want = vec![f32::NAN; n * m];
-                let mut got = vec![f32::NAN; n * (m + 3)];
-                // SAFETY: n × m outputs, stride m; and n × (m + 3) with the
-                // product writing columns 2..m + 2.
-                unsafe {
-                    matmul_with(tile, reference_row, &x, n, &w, want.as_mut_ptr(), m);
-                    fused(&x, n, &w, 0..m, got.as_mut_ptr().add(2), m + 3);
-                }
-                for i in 0..n {
-                    let row = &got[i * (m + 3)..(i + 1) * (m + 3)];
-                    assert!(row[0].is_nan() && row[1].is_nan() && row[m + 2].is_nan());
-                    for j in 0..m {
-                        let (g, e) = (row[j + 2], want[i * m + j]);
-                        assert!(
-                            g.to_bits() == e.to_bits(),
-                            "{format} n={n} k={k} m={m} ({i},{j}): {g} vs {e}"
-                        );
-                    }
-                }
-            }
-        }
-        // And through the dispatching product, alone and 4 rows at once.
-        let k = width(format, 4);
-        let w = matrix(format, 70, k, 5);
-        let x = pseudo(4 * k, 9);
-        let mut four = vec![0f32; 4 * 70];
-        unsafe { matmul(&x, 4, &w, four.as_mut_ptr(), 70) };
-        for i in 0..4 {
-            let mut one = vec![0f32; 70];
-            unsafe { matmul(&x[i * k..(i + 1) * k], 1, &w, one.as_mut_ptr(), 70) };
-            assert_eq!(one, four[i * 70..(i + 1) * 70], "{format} row {i}");
-        }
-    }
-    assert!(covered >= 9, "fused products for {covered} formats");
 }
 
 /// The formats [`packed`] repacks.
