@@ -33,7 +33,11 @@ impl EngineConfig {
             block_size,
             num_blocks: (kv_bytes / per_block.max(1)).max(1),
             max_num_seqs: 256,
-            max_num_batched_tokens: if on_device { 8192 } else { 2048 },
+            max_num_batched_tokens: if on_device {
+                8192
+            } else {
+                crate::memory::CPU_PREFILL_CHUNK
+            },
             max_waiting: 1024,
             context_length: None,
         }
