@@ -151,8 +151,23 @@ impl LoadedModel {
         let mut cache = self
             .model
             .kv_cache_for_tokens(req.prompt.len() + max_new, BLOCK_SIZE)?;
-        let prefill = ForwardBatch::single(&req.prompt, 0, &cache.spec, req.prompt.len() - 1);
-        let mut logits = self.model.forward(&prefill, &mut cache)?;
+        // The prompt in chunks of the size the engine takes (and `kiln fit`
+        // prices), so one request's activations stay bounded; each chunk's
+        // last row's logits are computed, the last chunk's kept (on the
+        // CPU a chunked prefill gives the same bits as one pass).
+        let chunk = if self.model.backend().device_memory().is_some() {
+            8192
+        } else {
+            crate::memory::CPU_PREFILL_CHUNK
+        };
+        let n = req.prompt.len();
+        let mut logits = None;
+        for s in (0..n).step_by(chunk) {
+            let e = (s + chunk).min(n);
+            let part = ForwardBatch::single(&req.prompt[s..e], s, &cache.spec, e - s - 1);
+            logits = Some(self.model.forward(&part, &mut cache)?);
+        }
+        let mut logits = logits.expect("a prompt has at least one token");
         let mut decode_start = None;
         let finish_reason = loop {
             let backend = self.model.backend();

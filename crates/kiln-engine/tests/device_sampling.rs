@@ -16,8 +16,9 @@ use kiln_sampling::{Sampled, SamplingParams, TokenId};
 use kiln_structured::Format;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, KvCache, KvPoolShape, Memory, Ops, Result,
-    RopeParams, SampleRow, SampledRow, Sampling, StepRecording, Tensor, Weight,
+    Activation, AttentionParams, Backend, BlockPart, BlockWeight, ForwardBatch, KvCache,
+    KvPoolShape, Memory, Ops, QuantMatrix, Result, RopeParams, SampleRow, SampledRow, Sampling,
+    StepRecording, Tensor, Weight, WeightKind,
 };
 use serde_json::{json, Value};
 
@@ -153,6 +154,15 @@ impl Memory for DeviceSampling {
     fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         self.0.alloc_kv_cache(spec)
     }
+
+    // The CPU's block weights, so both runs multiply the same stored form.
+    fn supports_weight(&self, kind: WeightKind) -> bool {
+        self.0.supports_weight(kind)
+    }
+
+    fn upload_blocks(&self, m: QuantMatrix) -> Result<BlockPart> {
+        self.0.upload_blocks(m)
+    }
 }
 
 /// The CPU's basic ops; `matmul` and `qkv_attention` are the defaults the
@@ -164,6 +174,10 @@ impl Ops for DeviceSampling {
 
     fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         self.0.matmul_dense(x, w, bias)
+    }
+
+    fn matmul_blocks(&self, x: &Tensor, w: &BlockWeight, bias: Option<&Tensor>) -> Result<Tensor> {
+        self.0.matmul_blocks(x, w, bias)
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, weight_offset: f32) -> Result<Tensor> {

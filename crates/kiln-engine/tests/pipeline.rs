@@ -157,7 +157,12 @@ fn qwen2_chat_greedy_matches_transformers_end_to_end() {
 }
 
 #[test]
-fn gguf_and_its_converted_safetensors_give_identical_logits() {
+/// The GGUF's blocks (repacked, summed per sub-block with the scales
+/// factored out) and its f32 conversion (the dequantized values, summed as
+/// a dense product) are the same weights in two summation orders: the
+/// logits agree to rounding — within the goldens' 1e-3 — and the next token
+/// is the same wherever the top two are further apart than that.
+fn gguf_and_its_converted_safetensors_agree_within_rounding() {
     let gguf = load(SMOLLM2);
     let dir = tempfile::tempdir().unwrap();
     kiln_engine::convert::gguf_to_hf_dir(&model_path(SMOLLM2), dir.path(), SafetensorsDtype::F32)
@@ -184,7 +189,28 @@ fn gguf_and_its_converted_safetensors_give_identical_logits() {
         st.model.backend().to_host(&lb).unwrap(),
     );
     assert_eq!(la.len(), a.len() * 49152);
-    assert!(la == lb, "logits at every position are bit-identical");
+    let worst = la
+        .iter()
+        .zip(&lb)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-3, "logits differ by up to {worst}");
+    assert!(la != lb, "two summation orders, not one computation twice");
+    let mut compared = 0;
+    for (ra, rb) in la.chunks_exact(49152).zip(lb.chunks_exact(49152)) {
+        let mut sorted = ra.to_vec();
+        sorted.sort_by(|x, y| y.total_cmp(x));
+        if sorted[0] - sorted[1] > 2e-3 {
+            let arg = |r: &[f32]| (0..r.len()).max_by(|&i, &j| r[i].total_cmp(&r[j])).unwrap();
+            assert_eq!(arg(ra), arg(rb));
+            compared += 1;
+        }
+    }
+    assert!(
+        compared > a.len() / 2,
+        "{compared} of {} positions compared",
+        a.len()
+    );
 }
 
 #[test]

@@ -114,7 +114,8 @@ impl Memory for CpuBackend {
         matches!(kind, WeightKind::Dense(_) | WeightKind::Blocks(_))
     }
 
-    /// The blocks as they are (in place, where they are a mapped file's).
+    /// Quantized blocks repacked (the mapped pages let go), F16/BF16 as
+    /// they are (in place, where they are a mapped file's).
     fn upload_blocks(&self, m: QuantMatrix) -> Result<BlockPart> {
         let (format, rows, cols) = (m.format(), m.rows(), m.cols());
         let stored = quant::Stored::new(m);
