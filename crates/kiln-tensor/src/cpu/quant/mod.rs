@@ -216,6 +216,9 @@ pub(crate) unsafe fn packed_matmul_on(
     let sums: Vec<Vec<f32>> = parts.iter().map(|(p, _)| sums_for(isa, p, x, n)).collect();
     let threads = rayon::current_num_threads().max(1);
     let total_groups: usize = parts.iter().map(|(p, _)| p.groups).sum();
+    if total_groups == 0 {
+        return;
+    }
     let out_addr = out as usize;
     let xa = x.as_ptr() as usize;
     if n <= GEMV_ROWS || isa == Isa::Portable {

@@ -353,3 +353,15 @@ fn stacked_parts_write_their_own_columns_each_as_alone() {
         }
     }
 }
+
+#[test]
+fn a_matrix_of_no_rows_writes_nothing() {
+    let w = Stored::new(matrix(QuantFormat::Q4K, 0, 256, 1));
+    for n in [1, 5] {
+        let x = pseudo(n * 256, 2);
+        let mut out = vec![-1f32; n];
+        // SAFETY: no columns are written; `out` is n rows of one.
+        unsafe { matmul_stacked(&[&w], &x, n, out.as_mut_ptr(), 1) };
+        assert!(out.iter().all(|&v| v == -1.0));
+    }
+}
