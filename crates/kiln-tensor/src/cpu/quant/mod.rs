@@ -71,17 +71,9 @@ impl Stored {
     pub(crate) fn lookup(&self, ids: &[u32], out: &mut Vec<f32>) -> Option<u32> {
         match self {
             Stored::Raw(m) => lookup(m, ids, out),
-            Stored::Packed(p) => {
-                if let Some(&bad) = ids.iter().find(|&&id| id as usize >= p.rows) {
-                    return Some(bad);
-                }
-                let start = out.len();
-                out.resize(start + ids.len() * p.cols, 0.0);
-                for (&id, dst) in ids.iter().zip(out[start..].chunks_exact_mut(p.cols)) {
-                    p.dequantize_row(id as usize, dst);
-                }
-                None
-            }
+            Stored::Packed(p) => lookup_rows((p.rows, p.cols), ids, out, |r, dst| {
+                p.dequantize_row(r, dst)
+            }),
         }
     }
 }
@@ -131,9 +123,10 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
-    /// The fastest this CPU has.
+    /// The fastest this CPU has (detected once).
     pub(crate) fn best() -> Isa {
-        Isa::available()[0]
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Isa::available()[0])
     }
 
     /// Every one this CPU runs, fastest first.
@@ -170,26 +163,33 @@ pub(crate) unsafe fn packed_matmul(
     unsafe { packed_matmul_on(Isa::best(), &[(p, 0)], x, n, out, out_stride) }
 }
 
-/// The sub-block sums of the `n` rows of `x` a packed product with
-/// sub-blocks of `s` needs (empty when its format has no offsets).
-fn sums_for(isa: Isa, p: &Packed, x: &[f32], n: usize) -> Vec<f32> {
-    if !p.scheme.offsets {
-        return Vec::new();
+/// The sub-block sums (`s` elements each) of the `n` rows of `x`, `k`
+/// wide, that the formats with a min need; in parallel only for batches
+/// (a decode step's few rows are summed in place, no parallel region).
+fn sub_sums_of(isa: Isa, x: &[f32], n: usize, k: usize, s: usize) -> Vec<f32> {
+    let subs = k / s;
+    let mut sx = vec![0f32; n * subs];
+    let one = |o: &mut [f32], xr: &[f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 {
+            // SAFETY: the caller checked the CPU runs AVX-512F.
+            unsafe { packed_avx512::sub_sums(xr, s, o) };
+            return;
+        }
+        packed::sub_sums(xr, s, o);
+    };
+    if n <= GEMV_ROWS {
+        for (o, xr) in sx.chunks_exact_mut(subs).zip(x.chunks_exact(k)) {
+            one(o, xr);
+        }
+        return sx;
     }
-    let (k, s) = (p.cols, p.scheme.sub);
-    let mut sx = vec![0f32; n * p.subs];
     let rows_per = (16384 / k).max(1);
-    sx.par_chunks_mut(p.subs * rows_per)
+    sx.par_chunks_mut(subs * rows_per)
         .zip(x.par_chunks(k * rows_per))
         .for_each(|(o, xr)| {
-            for (o, xr) in o.chunks_exact_mut(p.subs).zip(xr.chunks_exact(k)) {
-                #[cfg(target_arch = "x86_64")]
-                if isa == Isa::Avx512 {
-                    // SAFETY: the caller checked the CPU runs AVX-512F.
-                    unsafe { packed_avx512::sub_sums(xr, s, o) };
-                    continue;
-                }
-                packed::sub_sums(xr, s, o);
+            for (o, xr) in o.chunks_exact_mut(subs).zip(xr.chunks_exact(k)) {
+                one(o, xr);
             }
         });
     sx
@@ -213,7 +213,27 @@ pub(crate) unsafe fn packed_matmul_on(
     if n == 0 || k == 0 {
         return;
     }
-    let sums: Vec<Vec<f32>> = parts.iter().map(|(p, _)| sums_for(isa, p, x, n)).collect();
+    // Sub-block sums of x, once per sub-block size among the parts with a
+    // min (q/k/v or gate/up in one format share them).
+    let mut by_size: Vec<(usize, Vec<f32>)> = Vec::new();
+    for (p, _) in parts.iter().filter(|(p, _)| p.scheme.offsets) {
+        if !by_size.iter().any(|(s, _)| *s == p.scheme.sub) {
+            by_size.push((p.scheme.sub, sub_sums_of(isa, x, n, k, p.scheme.sub)));
+        }
+    }
+    let no_sums: Vec<f32> = Vec::new();
+    let sums: Vec<&Vec<f32>> = parts
+        .iter()
+        .map(|(p, _)| {
+            match by_size
+                .iter()
+                .find(|(s, _)| p.scheme.offsets && *s == p.scheme.sub)
+            {
+                Some((_, v)) => v,
+                None => &no_sums,
+            }
+        })
+        .collect();
     let threads = rayon::current_num_threads().max(1);
     let total_groups: usize = parts.iter().map(|(p, _)| p.groups).sum();
     if total_groups == 0 {
@@ -242,7 +262,7 @@ pub(crate) unsafe fn packed_matmul_on(
             .collect();
         tasks.into_par_iter().for_each(|(i, g)| {
             let (p, col) = parts[i];
-            let sx = &sums[i];
+            let sx = sums[i];
             for t in 0..n {
                 let o = (out_addr as *mut f32).wrapping_add(t * out_stride + col + g.start * LANES);
                 let xr = (xa as *const f32).wrapping_add(t * k);
@@ -401,15 +421,28 @@ pub(crate) unsafe fn matmul_with(
 /// Rows `ids` of `table`, dequantized, appended to `out`; `None` names the
 /// first id outside the table.
 pub(crate) fn lookup(table: &QuantMatrix, ids: &[u32], out: &mut Vec<f32>) -> Option<u32> {
-    let d = table.cols();
     let row = row_fn(table.format());
-    let start = out.len();
-    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= table.rows()) {
+    lookup_rows((table.rows(), table.cols()), ids, out, |r, dst| {
+        row(table, r, dst)
+    })
+}
+
+/// Rows `ids` of a `(rows, cols)` table, each written by `row(r, dst)`,
+/// appended to `out`; `None` names the first id outside the table (and
+/// nothing is appended).
+fn lookup_rows(
+    (rows, cols): (usize, usize),
+    ids: &[u32],
+    out: &mut Vec<f32>,
+    row: impl Fn(usize, &mut [f32]),
+) -> Option<u32> {
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= rows) {
         return Some(bad);
     }
-    out.resize(start + ids.len() * d, 0.0);
-    for (&id, dst) in ids.iter().zip(out[start..].chunks_exact_mut(d)) {
-        row(table, id as usize, dst);
+    let start = out.len();
+    out.resize(start + ids.len() * cols, 0.0);
+    for (&id, dst) in ids.iter().zip(out[start..].chunks_exact_mut(cols)) {
+        row(id as usize, dst);
     }
     None
 }

@@ -155,17 +155,6 @@ fn decompose(
     let one = |d: u16| Factor { d, mult: 1 };
     let neg = |d: u16| d ^ 0x8000;
     match format {
-        Q4_0 | Q4_1 | IQ4NL => {
-            let qs = if format == Q4_1 { &b[4..20] } else { &b[2..18] };
-            for j in 0..16 {
-                codes[j] = qs[j] & 0xF;
-                codes[j + 16] = qs[j] >> 4;
-            }
-            sc[0] = one(h(0));
-            if format == Q4_1 {
-                of[0] = one(h(2));
-            }
-        }
         Q5_0 | Q5_1 => {
             let (qh, qs) = if format == Q5_1 {
                 (u32::from_le_bytes([b[4], b[5], b[6], b[7]]), &b[8..24])
@@ -277,6 +266,7 @@ fn decompose(
                 *c = lo + 4 * high;
             }
         }
+        Q4_0 | Q4_1 | IQ4NL => unreachable!("packed by direct_nibbles"),
         F16 | BF16 => unreachable!("F16 and BF16 are not packed"),
     }
 }
