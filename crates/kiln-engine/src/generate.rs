@@ -155,11 +155,7 @@ impl LoadedModel {
         // prices), so one request's activations stay bounded; each chunk's
         // last row's logits are computed, the last chunk's kept (on the
         // CPU a chunked prefill gives the same bits as one pass).
-        let chunk = if self.model.backend().device_memory().is_some() {
-            8192
-        } else {
-            crate::memory::CPU_PREFILL_CHUNK
-        };
+        let chunk = crate::memory::prefill_chunk(self.model.backend().device_memory().is_some());
         let n = req.prompt.len();
         let mut logits = None;
         for s in (0..n).step_by(chunk) {

@@ -95,6 +95,18 @@ pub fn kv_bytes_for(
 /// wide) at no cost in throughput (the CPU GEMM is as fast at 512 rows as
 /// at 2048).
 pub const CPU_PREFILL_CHUNK: usize = 1024;
+/// Tokens a device prefill step takes at most (near the GEMM peak).
+pub const DEVICE_PREFILL_CHUNK: usize = 8192;
+
+/// The prefill chunk of a backend with (`on_device`) or without device
+/// memory: what the engine schedules, `generate` feeds and `fit` prices.
+pub fn prefill_chunk(on_device: bool) -> usize {
+    if on_device {
+        DEVICE_PREFILL_CHUNK
+    } else {
+        CPU_PREFILL_CHUNK
+    }
+}
 
 /// Peak activations of one step of `num_tokens` tokens over `num_seqs`
 /// sequences, in f32, as the reference (CPU) backend allocates them: per
@@ -206,7 +218,7 @@ impl MemoryTarget {
             weight_bytes_per_element: 2,
             keeps_blocks: false,
             kv_bytes_per_element: 2,
-            max_num_batched_tokens: 8192,
+            max_num_batched_tokens: DEVICE_PREFILL_CHUNK,
             max_num_seqs: 256,
             context_counted,
         }

@@ -33,11 +33,7 @@ impl EngineConfig {
             block_size,
             num_blocks: (kv_bytes / per_block.max(1)).max(1),
             max_num_seqs: 256,
-            max_num_batched_tokens: if on_device {
-                8192
-            } else {
-                crate::memory::CPU_PREFILL_CHUNK
-            },
+            max_num_batched_tokens: crate::memory::prefill_chunk(on_device),
             max_waiting: 1024,
             context_length: None,
         }
