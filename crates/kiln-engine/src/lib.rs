@@ -21,6 +21,7 @@ mod generate;
 mod load;
 pub mod memory;
 mod process;
+pub mod quantize;
 mod session;
 
 #[cfg(feature = "fault-injection")]

@@ -4,8 +4,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use kiln_formats::{GgufWeights, SafetensorsDir};
+use kiln_formats::{GgufWeights, Quantizing, SafetensorsDir};
 use kiln_models::{load_model_with_progress, CausalLm, LoadProgress, ModelConfig};
+use kiln_quant::QuantFormat;
 use kiln_sampling::TokenId;
 use kiln_structured::{Constraint, Format, StructuredError, StructuredVocab};
 use kiln_tensor::Backend;
@@ -25,6 +26,9 @@ pub struct LoadedModel {
     pub eos_token_ids: Vec<TokenId>,
     /// Wall time of [`LoadedModel::load`].
     pub load_seconds: f64,
+    /// The format float matrices were quantized to as they loaded
+    /// (`--quantize`), if any.
+    pub quantized: Option<QuantFormat>,
     /// The sampling defaults the model declares (`generation_config.json`,
     /// or `general.sampling.*` in a GGUF file).
     pub sampling_defaults: kiln_sampling::PartialSampling,
@@ -46,11 +50,24 @@ impl LoadedModel {
         backend: Arc<dyn Backend>,
         progress: Option<LoadProgress<'_>>,
     ) -> Result<Self> {
+        Self::load_with(path, backend, progress, None)
+    }
+
+    /// [`LoadedModel::load_with_progress`], with every float matrix
+    /// quantized to `quantize` as it loads (`--quantize`; the rule is
+    /// [`kiln_formats::quantizing::target_format`]: matrices already in
+    /// blocks keep theirs).
+    pub fn load_with(
+        path: &Path,
+        backend: Arc<dyn Backend>,
+        progress: Option<LoadProgress<'_>>,
+        quantize: Option<QuantFormat>,
+    ) -> Result<Self> {
         let start = Instant::now();
         let mut loaded = if path.is_dir() {
-            Self::load_hf_dir(path, backend, progress)?
+            Self::load_hf_dir(path, backend, progress, quantize)?
         } else if path.is_file() {
-            Self::load_gguf(path, backend, progress)?
+            Self::load_gguf(path, backend, progress, quantize)?
         } else {
             return Err(EngineError::BadModelPath {
                 path: path.display().to_string(),
@@ -58,6 +75,7 @@ impl LoadedModel {
             });
         };
         loaded.load_seconds = start.elapsed().as_secs_f64();
+        loaded.quantized = quantize;
         Ok(loaded)
     }
 
@@ -65,13 +83,20 @@ impl LoadedModel {
         path: &Path,
         backend: Arc<dyn Backend>,
         progress: Option<LoadProgress<'_>>,
+        quantize: Option<QuantFormat>,
     ) -> Result<Self> {
         let weights = GgufWeights::open(path)?;
         let config = ModelConfig::from_hf(&weights.hf_config()?)?;
         let tokenizer = Tokenizer::from_gguf(weights.metadata())?;
         let eos = config.eos_token_ids.clone();
         let defaults = crate::gen_defaults::from_gguf(weights.metadata());
-        let model = load_model_with_progress(backend, &weights, config, progress)?;
+        let model = match quantize {
+            None => load_model_with_progress(backend, &weights, config, progress)?,
+            Some(f) => {
+                let q = Quantizing::new(weights, f)?;
+                load_model_with_progress(backend, &q, config, progress)?
+            }
+        };
         let mut loaded = Self::assemble(path, model, tokenizer, eos)?;
         loaded.sampling_defaults = defaults;
         Ok(loaded)
@@ -81,6 +106,7 @@ impl LoadedModel {
         dir: &Path,
         backend: Arc<dyn Backend>,
         progress: Option<LoadProgress<'_>>,
+        quantize: Option<QuantFormat>,
     ) -> Result<Self> {
         let weights = SafetensorsDir::open(dir)?;
         let config = ModelConfig::from_hf(weights.config())?;
@@ -99,7 +125,13 @@ impl LoadedModel {
             .map(crate::gen_defaults::from_generation_config)
             .unwrap_or_default();
         let tokenizer = Tokenizer::from_hf_dir(dir)?;
-        let model = load_model_with_progress(backend, &weights, config, progress)?;
+        let model = match quantize {
+            None => load_model_with_progress(backend, &weights, config, progress)?,
+            Some(f) => {
+                let q = Quantizing::new(weights, f)?;
+                load_model_with_progress(backend, &q, config, progress)?
+            }
+        };
         let mut loaded = Self::assemble(dir, model, tokenizer, eos)?;
         loaded.sampling_defaults = defaults;
         Ok(loaded)
@@ -127,6 +159,7 @@ impl LoadedModel {
             chat_template,
             eos_token_ids: eos.into_iter().map(TokenId).collect(),
             load_seconds: 0.0,
+            quantized: None,
             sampling_defaults: kiln_sampling::PartialSampling::default(),
             structured: OnceLock::new(),
         })

@@ -70,6 +70,64 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
 }
 
+/// The GGUF tensor bases [`hf_name`] maps, for its inverse.
+const GGUF_BASES: &[&str] = &[
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "attn_q_norm",
+    "attn_k_norm",
+    "ffn_norm",
+    "post_attention_norm",
+    "post_ffw_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+];
+
+/// The GGUF name of the Hugging Face tensor `hf` for `arch`: the inverse
+/// of [`hf_name`] (found through it, so the two cannot disagree).
+pub fn gguf_name(arch: &str, hf: &str) -> Option<String> {
+    for top in ["token_embd.weight", "output_norm.weight", "output.weight"] {
+        if hf_name(arch, top).as_deref() == Some(hf) {
+            return Some(top.to_string());
+        }
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let suffix = rest.rsplit_once('.')?.1;
+    GGUF_BASES
+        .iter()
+        .map(|base| format!("blk.{layer}.{base}.{suffix}"))
+        .find(|g| hf_name(arch, g).as_deref() == Some(hf))
+}
+
+/// llama.cpp's Q/K row permutation for `llama` files (the inverse of
+/// [`unpermute_qk`]): Hugging Face row `s * head_dim/2 + j` of a head is
+/// GGUF row `2j + s`.
+pub fn permute_qk<T: Copy + Default>(
+    data: &[T],
+    rows: usize,
+    cols: usize,
+    n_head: usize,
+) -> Vec<T> {
+    let hd = rows / n_head;
+    let half = hd / 2;
+    let mut out = vec![T::default(); data.len()];
+    for h in 0..n_head {
+        for j in 0..half {
+            for s in 0..2 {
+                let src = (h * hd + s * half + j) * cols;
+                let dst = (h * hd + 2 * j + s) * cols;
+                out[dst..dst + cols].copy_from_slice(&data[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
 /// Undo llama.cpp's Q/K row permutation: GGUF row `2j + s` of a head is
 /// Hugging Face row `s * head_dim/2 + j`. A row is `cols` elements of `T`
 /// (f32 values, or a quantized row's bytes).
@@ -476,6 +534,37 @@ mod tests {
         let gguf = [0., 3., 1., 4., 2., 5., 6., 9., 7., 10., 8., 11.];
         let hf: Vec<f32> = (0..12).map(|i| i as f32).collect();
         assert_eq!(unpermute_qk(&gguf, 12, 1, 2), hf);
+    }
+
+    #[test]
+    fn permute_inverts_unpermute_and_gguf_name_inverts_hf_name() {
+        for (n_head, head_dim, cols) in [(1, 2, 1), (2, 6, 3), (9, 64, 2)] {
+            let rows = n_head * head_dim;
+            let hf: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+            let g = permute_qk(&hf, rows, cols, n_head);
+            assert_eq!(g, llama_cpp_permute(&hf, rows, cols, n_head));
+            assert_eq!(unpermute_qk(&g, rows, cols, n_head), hf);
+        }
+        for arch in ["llama", "qwen2", "qwen3", "gemma3"] {
+            for g in [
+                "token_embd.weight",
+                "output.weight",
+                "output_norm.weight",
+                "blk.7.attn_q.weight",
+                "blk.0.attn_k.bias",
+                "blk.3.ffn_norm.weight",
+                "blk.11.ffn_down.weight",
+                "blk.2.attn_q_norm.weight",
+            ] {
+                let hf = hf_name(arch, g).unwrap();
+                assert_eq!(gguf_name(arch, &hf).as_deref(), Some(g), "{arch} {hf}");
+            }
+        }
+        assert_eq!(
+            gguf_name("llama", "model.layers.0.mlp.experts.weight"),
+            None
+        );
+        assert_eq!(gguf_name("llama", "vision_tower.x.weight"), None);
     }
 
     #[test]

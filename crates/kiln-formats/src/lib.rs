@@ -17,6 +17,8 @@ pub mod dtype;
 pub mod error;
 pub mod gguf;
 pub mod gguf_hf;
+pub mod gguf_write;
+pub mod quantizing;
 pub mod safetensors_dir;
 pub mod safetensors_write;
 pub mod weights;
@@ -25,6 +27,8 @@ pub use dtype::GgmlType;
 pub use error::{FormatError, Result};
 pub use gguf::{GgufFile, GgufMetadata, GgufTensorInfo, MetaValue};
 pub use gguf_hf::GgufWeights;
+pub use gguf_write::{write_gguf, GgufTensorPlan};
+pub use quantizing::Quantizing;
 pub use safetensors_dir::SafetensorsDir;
 pub use safetensors_write::{
     write_hf_dir, write_hf_dir_with, write_safetensors, HfDirOptions, SafetensorsDtype,

@@ -11,8 +11,10 @@
 pub mod dequant;
 mod format;
 mod matrix;
+pub mod quantize;
 mod random;
 
 pub use format::QuantFormat;
 pub use matrix::{QuantMatrix, SharedBytes};
+pub use quantize::{quantize, QUANTIZE_FORMATS};
 pub use random::random_blocks;

@@ -55,6 +55,9 @@ pub enum TextError {
         /// What is wrong with it.
         what: String,
     },
+    /// The tokenizer has no GGUF form (a vocabulary kind or split GGUF cannot name).
+    #[error("cannot write the tokenizer to GGUF: {0}")]
+    GgufWrite(String),
     /// The `tokenizers` library rejected a tokenizer file or the parts built from metadata.
     #[error("{path}: cannot build tokenizer: {message}")]
     Build {

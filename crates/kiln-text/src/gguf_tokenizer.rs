@@ -236,25 +236,30 @@ fn byte_level_bpe(meta: &GgufMetadata, vocab: &GgufVocab) -> Result<tokenizers::
         .map_err(|e| TextError::build(vocab.path, e))?;
 
     let pre = meta.str("tokenizer.ggml.pre")?.unwrap_or("default");
+    let pre_tokenizer =
+        byte_level_pre_tokenizer(pre).map_err(|e| TextError::build(vocab.path, e))?;
+
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
+    tokenizer.with_decoder(Some(ByteLevel::new(true, true, true)));
+    Ok(tokenizer)
+}
+
+/// The split a byte-level vocabulary with `tokenizer.ggml.pre` = `pre` gets.
+pub(crate) fn byte_level_pre_tokenizer(pre: &str) -> tokenizers::Result<PreTokenizerWrapper> {
     let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
-    let pre_tokenizer: PreTokenizerWrapper = if pre == "smollm" {
+    Ok(if pre == "smollm" {
         PreSequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into()
     } else if let Some(regex) = split_regex(pre) {
         let split = Split::new(
             SplitPattern::Regex(regex.to_string()),
             SplitDelimiterBehavior::Isolated,
             false,
-        )
-        .map_err(|e| TextError::build(vocab.path, e))?;
+        )?;
         PreSequence::new(vec![split.into(), byte_level(false).into()]).into()
     } else {
         byte_level(true).into()
-    };
-
-    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
-    tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
-    tokenizer.with_decoder(Some(ByteLevel::new(true, true, true)));
-    Ok(tokenizer)
+    })
 }
 
 /// transformers' `sentencepiece_tokenizer` with `GemmaTokenizer`, `LlamaTokenizer` or

@@ -20,6 +20,7 @@
 pub mod detokenizer;
 pub mod error;
 mod gguf_tokenizer;
+mod gguf_tokenizer_write;
 mod hf_dir;
 mod merges;
 mod pyjson;

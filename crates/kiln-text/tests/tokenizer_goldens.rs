@@ -240,3 +240,75 @@ fn llama_style_sentencepiece_keeps_the_first_space_with_context() {
     assert_eq!(a, "Paris");
     assert_eq!(c, " Paris");
 }
+
+/// The tokenizer written as GGUF metadata (`kiln quantize`) reads back as
+/// the same tokenizer (every golden case), and what is written is what
+/// llama.cpp's converter wrote into the original file: tokens, types,
+/// merges, split name and special ids.
+#[test]
+fn gguf_metadata_round_trip_matches_the_original_file() {
+    use kiln_formats::{GgufFile, GgufMetadata};
+    for model in [Model::SmolLm2, Model::Qwen] {
+        let original = GgufFile::open(common::model_path(model)).unwrap().metadata;
+        let tok = gguf_tokenizer(model);
+        let vocab = original
+            .str_array("tokenizer.ggml.tokens")
+            .unwrap()
+            .unwrap()
+            .len();
+        let written = GgufMetadata {
+            path: "written.gguf".into(),
+            entries: tok.gguf_metadata(vocab).unwrap().into_iter().collect(),
+        };
+        for key in [
+            "tokenizer.ggml.model",
+            "tokenizer.ggml.pre",
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.padding_token_id",
+            "tokenizer.chat_template",
+        ] {
+            assert_eq!(
+                written.get(key),
+                original.get(key),
+                "{model:?}: {key} differs from the original file"
+            );
+        }
+        let (w, o) = (
+            written
+                .i64_array("tokenizer.ggml.token_type")
+                .unwrap()
+                .unwrap(),
+            original
+                .i64_array("tokenizer.ggml.token_type")
+                .unwrap()
+                .unwrap(),
+        );
+        let differ: Vec<(usize, i64, i64)> = (0..w.len().max(o.len()))
+            .filter(|&i| w.get(i) != o.get(i))
+            .map(|i| {
+                (
+                    i,
+                    w.get(i).copied().unwrap_or(-1),
+                    o.get(i).copied().unwrap_or(-1),
+                )
+            })
+            .take(20)
+            .collect();
+        assert!(
+            differ.is_empty(),
+            "{model:?}: token types (id, written, original): {differ:?}"
+        );
+        let back = Tokenizer::from_gguf(&written).unwrap();
+        check_cases(model, &back);
+        check_special_ids(model, &back);
+        assert_eq!(back.add_bos(), tok.add_bos());
+    }
+    // A SentencePiece vocabulary (Gemma) is refused by name.
+    let e = gguf_tokenizer(Model::Gemma)
+        .gguf_metadata(262144)
+        .unwrap_err();
+    assert!(e.to_string().contains("SentencePiece"), "{e}");
+}

@@ -88,7 +88,7 @@ fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
         keeps_blocks: backend.supports_weight(WeightKind::Blocks(QuantFormat::Q8_0)),
         ..kiln_engine::memory::MemoryTarget::cpu()
     };
-    let blocks = crate::fit::block_bytes(&model.path)?;
+    let blocks = crate::fit::block_bytes(&model.path, model.quantized)?;
     let held = kiln_engine::memory::held_weights(cfg, &target, &blocks)?;
     let embed = "model.embed_tokens.weight";
     let mut bytes: u64 = held.iter().filter(|w| w.0 != embed).map(|w| w.1).sum();

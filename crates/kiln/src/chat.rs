@@ -62,6 +62,7 @@ fn start_engine(a: &ChatArgs) -> Result<Engine> {
         context: None,
         batch: 1,
         kv_pool_bytes: None,
+        quantize: a.model.quantize,
     };
     let fit = crate::fit::check(&path, &query)?;
     if !fit.fits {

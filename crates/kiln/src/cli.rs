@@ -43,6 +43,8 @@ pub enum Command {
     Serve(crate::serve::ServeArgs),
     /// Convert a GGUF file to a Hugging Face safetensors directory.
     Convert(crate::convert::ConvertArgs),
+    /// Write a Hugging Face checkpoint (or a float GGUF) as a quantized GGUF.
+    Quantize(crate::quantize::QuantizeArgs),
     /// Download a model from the Hugging Face hub into its cache (ORG/NAME[@REVISION]).
     Get(crate::get::GetArgs),
     /// Register the models in the hub cache, ./models and the given paths.
@@ -70,6 +72,10 @@ pub struct ModelArgs {
     /// Where to run: cpu, cuda, cuda:N, or auto (a usable GPU, else the CPU).
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Quantize the model's float matrices as it loads: q8_0, q4_k, q5_k,
+    /// q6_k (matrices already quantized keep their blocks).
+    #[arg(long, value_parser = crate::quantize::parse_quant_type)]
+    pub quantize: Option<kiln_quant::QuantFormat>,
 }
 
 /// Include directories for NVRTC: $KILN_CUDA_HOME's wheel layout, then
@@ -166,7 +172,7 @@ impl ModelArgs {
         let path = self.path()?;
         let bar = LoadBar::new();
         let progress = |done: u64, total: u64| bar.update(done, total);
-        let loaded = LoadedModel::load_with_progress(&path, backend, Some(&progress))
+        let loaded = LoadedModel::load_with(&path, backend, Some(&progress), self.quantize)
             .with_context(|| format!("loading {}", path.display()));
         bar.finish();
         loaded

@@ -42,6 +42,9 @@ pub struct FitArgs {
     /// planning another machine, and for tests).
     #[arg(long)]
     pub memory_bytes: Option<u64>,
+    /// Plan for `--quantize` at load: q8_0, q4_k, q5_k, q6_k.
+    #[arg(long, value_parser = crate::quantize::parse_quant_type)]
+    pub quantize: Option<QuantFormat>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -77,7 +80,10 @@ fn file_bytes(path: &Path) -> u64 {
 /// a block format (GGUF's quantized types, F16, BF16), by Hugging Face
 /// name: the quantized ones as it repacks them at load (16-row groups),
 /// F16 and BF16 as stored.
-pub(crate) fn block_bytes(path: &Path) -> Result<HashMap<String, u64>> {
+pub(crate) fn block_bytes(
+    path: &Path,
+    quantize: Option<QuantFormat>,
+) -> Result<HashMap<String, u64>> {
     let tensors = if path.is_file() {
         GgufWeights::open(path)?.tensors()
     } else {
@@ -85,7 +91,11 @@ pub(crate) fn block_bytes(path: &Path) -> Result<HashMap<String, u64>> {
     };
     Ok(tensors
         .into_iter()
-        .filter_map(|t| {
+        .filter_map(|mut t| {
+            // `--quantize` holds the matrices it applies to in its format.
+            if let Some(f) = quantize.and_then(|f| kiln_formats::quantizing::target_format(f, &t)) {
+                t.dtype = f.name().to_string();
+            }
             let format = QuantFormat::from_name(&t.dtype)?;
             let &[rows, cols] = t.shape.as_slice() else {
                 return None;
@@ -142,6 +152,8 @@ pub struct FitQuery {
     pub batch: usize,
     /// `--kv-mib` in bytes.
     pub kv_pool_bytes: Option<u64>,
+    /// `--quantize`: float matrices counted in this format.
+    pub quantize: Option<QuantFormat>,
 }
 
 /// The memory plan for the model at `path` (`kiln fit` prints it, `kiln
@@ -158,7 +170,7 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
         kv_pool_bytes: q.kv_pool_bytes,
         available_bytes: q.available_bytes,
         file_bytes: file_bytes(path),
-        block_bytes: &block_bytes(path)?,
+        block_bytes: &block_bytes(path, q.quantize)?,
     };
     Ok(fit(&input)?)
 }
@@ -202,6 +214,7 @@ pub fn run(a: FitArgs) -> Result<()> {
     let path = ModelArgs {
         model: a.model.clone(),
         device: a.device.clone(),
+        quantize: a.quantize,
     }
     .path()?;
     let (target, available_bytes) = target_for(&a.device, None, a.memory_bytes)?;
@@ -211,6 +224,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         context: a.context,
         batch: a.batch,
         kv_pool_bytes: a.kv_mib.map(|m| m << 20),
+        quantize: a.quantize,
     };
     let report = check(&path, &query)?;
     if a.json {

@@ -16,6 +16,7 @@ mod fit;
 mod generate;
 mod get;
 mod logging;
+mod quantize;
 mod registry;
 mod run;
 mod serve;
@@ -52,6 +53,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::BenchEngine(a) => bench_engine::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::Quantize(a) => quantize::run(a),
         Command::Get(a) => get::run(a),
         Command::Scan(a) => registry::scan(a),
         Command::Ls(a) => registry::ls(a),

@@ -34,6 +34,10 @@ pub struct ServeArgs {
     /// Where to run: cpu, cuda, cuda:N, or auto (a usable GPU, else the CPU).
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Quantize the model's float matrices as it loads: q8_0, q4_k, q5_k,
+    /// q6_k (matrices already quantized keep their blocks).
+    #[arg(long, value_parser = crate::quantize::parse_quant_type)]
+    pub quantize: Option<kiln_quant::QuantFormat>,
     /// Address to listen on; loopback by default.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -216,6 +220,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let model_args = ModelArgs {
         model: a.model.clone(),
         device: a.device.clone(),
+        quantize: a.quantize,
     };
     let mut model_args = model_args;
     let path = model_args.path()?;
@@ -232,6 +237,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         context: a.context,
         batch: 1,
         kv_pool_bytes: a.kv_mib.map(|m| (m as u64) << 20),
+        quantize: a.quantize,
     };
     let fit = crate::fit::check(&path, &query)?;
     if !fit.fits {

@@ -117,6 +117,79 @@ fn random_checkpoint_then_generate_with_logprobs() {
     assert_eq!(lp[0]["top"][0]["token_id"], lp[0]["token_id"]);
 }
 
+/// `kiln quantize` writes a GGUF that generates the same tokens as
+/// `--quantize` at load (the same blocks), and refuses an unknown type.
+#[test]
+fn quantize_then_generate_equals_quantize_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("tiny");
+    let out = kiln()
+        .args([
+            "dev",
+            "random-checkpoint",
+            "--preset",
+            "tiny",
+            "--dtype",
+            "bf16",
+            "--tokenizer",
+        ])
+        .arg(smollm2())
+        .arg("-o")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let gguf = dir.path().join("tiny-q8_0.gguf");
+    let out = kiln()
+        .arg("quantize")
+        .arg(&ckpt)
+        .arg(&gguf)
+        .args(["--type", "q8_0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("Q8_0") && err.contains("llama GGUF"), "{err}");
+    let generate = |model: &std::path::Path, extra: &[&str]| {
+        let out = kiln()
+            .args([
+                "generate",
+                "-p",
+                "Hello",
+                "--max-tokens",
+                "6",
+                "--ignore-eos",
+                "--json",
+                "-m",
+            ])
+            .arg(model)
+            .args(extra)
+            .output()
+            .unwrap();
+        json_of(&out)["token_ids"].clone()
+    };
+    let from_file = generate(&gguf, &[]);
+    assert_eq!(from_file.as_array().unwrap().len(), 6);
+    assert_eq!(from_file, generate(&ckpt, &["--quantize", "q8_0"]));
+    let out = kiln()
+        .arg("quantize")
+        .arg(&ckpt)
+        .arg(dir.path().join("x.gguf"))
+        .args(["--type", "q3_k"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("unknown quantization type") && err.contains("q4_k"),
+        "{err}"
+    );
+}
+
 #[test]
 fn errors_are_clear_and_exit_non_zero() {
     let out = kiln()

@@ -1,0 +1,174 @@
+//! `kiln quantize` and `--quantize` on a real model: SmolLM2 exported to a
+//! bf16 Hugging Face directory (`convert`), then quantized to a GGUF and at
+//! load. The written file reads back as the same configuration, tokenizer
+//! and blocks (so its logits equal the in-memory quantization's bit for
+//! bit, which also proves llama's q/k rows were permuted the way the
+//! reader undoes), and the quantized model stays close to the bf16 one.
+//! (That llama.cpp reads the file the same way is measured by
+//! `bench/quantize_vs_llamacpp.sh`, against the llama.cpp anchor.)
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kiln_engine::LoadedModel;
+use kiln_formats::{GgufFile, SafetensorsDtype};
+use kiln_quant::QuantFormat;
+use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::ForwardBatch;
+
+fn model_path(file: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/fetch-models.sh first",
+        p.display()
+    );
+    p
+}
+
+const SMOLLM2: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const VOCAB: usize = 49152;
+
+/// Logits of every position of `prompt`.
+fn logits(m: &LoadedModel, prompt: &[u32]) -> Vec<f32> {
+    let mut cache = m.model.kv_cache_for_tokens(prompt.len(), 16).unwrap();
+    let out = m
+        .model
+        .forward(&ForwardBatch::single(prompt, 0, &cache.spec, 0), &mut cache)
+        .unwrap();
+    m.model.backend().to_host(&out).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+fn mean_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32
+}
+
+fn argmaxes(l: &[f32]) -> Vec<usize> {
+    l.chunks_exact(VOCAB)
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0
+        })
+        .collect()
+}
+
+#[test]
+fn quantized_gguf_reads_back_as_the_quantized_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("smollm2-bf16");
+    kiln_engine::convert::gguf_to_hf_dir(&model_path(SMOLLM2), &hf, SafetensorsDtype::BF16)
+        .unwrap();
+    let cpu = || Arc::new(CpuBackend::new());
+    let bf16 = LoadedModel::load(&hf, cpu()).unwrap();
+    let messages = serde_json::json!([{"role": "user", "content": "Name three colors of the rainbow, 1 2 3."}]);
+    let rendered = bf16.render_chat(&messages, true).unwrap();
+    let prompt = bf16.tokenizer.encode(&rendered, false).unwrap();
+    // The weights the bf16 directory rounds: the original file's.
+    let original = logits(
+        &LoadedModel::load(&model_path(SMOLLM2), cpu()).unwrap(),
+        &prompt,
+    );
+    let bf16_error = mean_abs_diff(&logits(&bf16, &prompt), &original);
+    assert!(
+        bf16_error > 0.0 && bf16_error < 0.05,
+        "bf16 rounding moves logits by {bf16_error} on average"
+    );
+
+    // Q8_0 everywhere; Q4_K where rows are whole 256-blocks (the MLP's down
+    // projection, 1536 wide), Q8_0 for the 576-wide rest. Bounds on the
+    // mean and largest logit change against the original weights (measured
+    // 0.238 / 1.64 and 0.346 / 2.32; bf16 rounding alone 0.034 / 0.28).
+    let mut previous = bf16_error;
+    for (format, mean_bound, max_bound, types) in [
+        (
+            QuantFormat::Q8_0,
+            0.3f32,
+            2.0f32,
+            vec![("F32", 61), ("Q8_0", 211)],
+        ),
+        (
+            QuantFormat::Q4K,
+            0.45,
+            3.0,
+            vec![("F32", 61), ("Q4_K", 30), ("Q8_0", 181)],
+        ),
+    ] {
+        let out = tmp.path().join(format!("smollm2-{format}.gguf"));
+        let report = kiln_engine::quantize::quantize_to_gguf(&hf, &out, format).unwrap();
+        assert_eq!(report.arch, "llama");
+        let want: std::collections::BTreeMap<String, usize> =
+            types.iter().map(|(t, n)| (t.to_string(), *n)).collect();
+        assert_eq!(report.tensors_by_type, want, "{format}");
+
+        // The file: llama.cpp's keys, the tokenizer as GGUF spells it.
+        let file = GgufFile::open(&out).unwrap();
+        let md = &file.metadata;
+        assert_eq!(md.str("tokenizer.ggml.pre").unwrap(), Some("smollm"));
+        assert_eq!(md.u64("llama.block_count").unwrap(), Some(30));
+        assert_eq!(md.u64("llama.attention.head_count_kv").unwrap(), Some(3));
+        assert!(
+            file.tensor_info("output.weight").is_none(),
+            "tied output is not written"
+        );
+        drop(file);
+
+        let from_file = LoadedModel::load(&out, cpu()).unwrap();
+        let at_load = LoadedModel::load_with(&hf, cpu(), None, Some(format)).unwrap();
+        assert_eq!(at_load.quantized, Some(format));
+        // Same tokenizer, template and stop tokens.
+        assert_eq!(from_file.render_chat(&messages, true).unwrap(), rendered);
+        for text in [
+            rendered.as_str(),
+            "12345 hello  world\n\ttabs <|im_end|> ünïcödé 🙂",
+        ] {
+            assert_eq!(
+                from_file.tokenizer.encode(text, false).unwrap(),
+                bf16.tokenizer.encode(text, false).unwrap(),
+                "{text:?}"
+            );
+        }
+        assert_eq!(from_file.eos_token_ids, bf16.eos_token_ids);
+        assert_eq!(from_file.model.config().vocab_size, VOCAB);
+
+        let lf = logits(&from_file, &prompt);
+        let la = logits(&at_load, &prompt);
+        assert_eq!(
+            lf, la,
+            "{format}: the file holds the blocks --quantize makes"
+        );
+        let (mean, worst) = (mean_abs_diff(&lf, &original), max_abs_diff(&lf, &original));
+        assert!(
+            mean > previous && mean < mean_bound && worst < max_bound,
+            "{format}: logits move by {mean} on average (fewer bits before: {previous}), at most {worst}"
+        );
+        previous = mean;
+        // The last position's next token is the original's (a clear margin there).
+        assert_eq!(argmaxes(&lf).last(), argmaxes(&original).last(), "{format}");
+    }
+}
+
+#[test]
+fn refusals_name_the_problem() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("x.gguf");
+    let e =
+        kiln_engine::quantize::quantize_to_gguf(&tmp.path().join("nope"), &out, QuantFormat::Q8_0)
+            .unwrap_err();
+    assert!(e.to_string().contains("no such file"), "{e}");
+    let e = kiln_engine::quantize::quantize_to_gguf(&model_path(SMOLLM2), &out, QuantFormat::Q2K)
+        .unwrap_err();
+    assert!(e.to_string().contains("Q4_K"), "{e}");
+    assert!(!out.exists());
+}

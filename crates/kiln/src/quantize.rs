@@ -1,0 +1,52 @@
+//! `kiln quantize`: a Hugging Face checkpoint or a float GGUF written as a
+//! GGUF in a block format that Kiln and llama.cpp both load.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use kiln_quant::QuantFormat;
+
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    /// A Hugging Face model directory (llama, mistral, qwen2, qwen3) or a
+    /// GGUF file whose float matrices are re-stored.
+    pub input: PathBuf,
+    /// The GGUF file to write.
+    pub output: PathBuf,
+    /// The block format of the matrices: q8_0, q4_k, q5_k, q6_k (or f16, bf16).
+    #[arg(long = "type", value_parser = parse_quant_type)]
+    pub quant_type: QuantFormat,
+}
+
+/// A format `kiln quantize` and `--quantize` write, by its GGML name.
+pub fn parse_quant_type(s: &str) -> Result<QuantFormat, String> {
+    let names = || {
+        kiln_quant::QUANTIZE_FORMATS
+            .map(|f| f.name().to_lowercase())
+            .join(", ")
+    };
+    QuantFormat::from_name(s)
+        .filter(|f| kiln_quant::QUANTIZE_FORMATS.contains(f))
+        .ok_or_else(|| format!("unknown quantization type {s:?} (one of {})", names()))
+}
+
+pub fn run(a: QuantizeArgs) -> Result<()> {
+    let start = std::time::Instant::now();
+    let r = kiln_engine::quantize::quantize_to_gguf(&a.input, &a.output, a.quant_type)?;
+    let counts: Vec<String> = r
+        .tensors_by_type
+        .iter()
+        .map(|(t, n)| format!("{n} {t}"))
+        .collect();
+    eprintln!(
+        "wrote {} ({} GGUF, {} tensors: {}; {:.1} MB of tensor data) in {:.1} s",
+        a.output.display(),
+        r.arch,
+        r.tensors_by_type.values().sum::<usize>(),
+        counts.join(", "),
+        r.tensor_bytes as f64 / 1e6,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
