@@ -31,12 +31,14 @@ for m in $models; do
     node "$anchor_script" --model "models/$m" --threads 2 --reps "$reps" --pp 512 --tg 128 \
     --chat-prompt "Write a very long and detailed essay about the history of the printing press." \
     > "$tmp/llama_$m.json"
+  "${CARGO_TARGET_DIR:-target}/release/kiln" --threads 2 --cpu-matmul fast bench -m "models/$m" --prompt-tokens 512 \
+    --gen-tokens 128 --runs "$reps" --profile > "$tmp/kilnfast_$m.json"
 done
 python3 - "$tmp" "$out" "$commit" "$models" <<'PY'
 import json, os, platform, sys
 tmp, out, commit, models = sys.argv[1:]
 report = {"what": "Kiln CPU backend (exact path: GGUF blocks repacked at load into 16-row groups, f32 activations) vs llama.cpp (node-llama-cpp 3.22.1 prebuilt CPU), "
-                  "same GGUF, 512-token prompt, 128 greedy decode steps, 2 threads, engines alternated",
+                  "same GGUF, 512-token prompt, 128 greedy decode steps, 2 threads, engines alternated (Kiln exact, llama.cpp, Kiln --cpu-matmul fast: bf16 activations through AVX512-BF16 in prefill)",
           "commit": commit, "machine": platform.node(), "cpu": None, "models": {}}
 for m in models.split():
     k = json.load(open(os.path.join(tmp, f"kiln_{m}.json")))
@@ -44,9 +46,12 @@ for m in models.split():
     report["cpu"] = k["cpu"]
     kp, kd = k["prefill_tokens_per_second"]["median"], k["decode_tokens_per_second"]["median"]
     lp, ld = l["prefill_tok_s_median"], l["decode_tok_s_median"]
+    f = json.load(open(os.path.join(tmp, f"kilnfast_{m}.json")))
+    fp, fd = f["prefill_tokens_per_second"]["median"], f["decode_tokens_per_second"]["median"]
     report["models"][m] = {
-        "kiln": k, "llamacpp": l,
+        "kiln": k, "llamacpp": l, "kiln_cpu_matmul_fast": f,
         "ratio_prefill_kiln_over_llamacpp": kp / lp, "ratio_decode_kiln_over_llamacpp": kd / ld,
+        "ratio_prefill_kiln_fast_over_llamacpp": fp / lp, "ratio_decode_kiln_fast_over_llamacpp": fd / ld,
         # Both engines read the same weight bytes per decode step (same file).
         "decode_gbs": {"kiln": k["decode_achieved_gbs"],
                        "llamacpp": ld * k["decode_weight_bytes_per_token"] / 1e9,
@@ -54,7 +59,8 @@ for m in models.split():
     }
     print(f"{m}: kiln prefill {kp:.0f} / decode {kd:.1f} tok/s; llama.cpp {lp:.0f} / {ld:.1f}; "
           f"ratio {kp/lp:.2f} / {kd/ld:.2f}; kiln decode {k['decode_achieved_gbs']:.1f} GB/s of "
-          f"{k['bandwidth_gbs']:.1f} measured, llama.cpp {ld * k['decode_weight_bytes_per_token'] / 1e9:.1f}")
+          f"{k['bandwidth_gbs']:.1f} measured, llama.cpp {ld * k['decode_weight_bytes_per_token'] / 1e9:.1f}; "
+          f"--cpu-matmul fast prefill {fp:.0f} ({fp/lp:.2f}x) decode {fd:.1f}")
 json.dump(report, open(out, "w"), indent=1)
 print("wrote", out)
 PY

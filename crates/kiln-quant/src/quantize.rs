@@ -158,27 +158,27 @@ fn fit_min(x: &[f32], nmax: i32) -> (f32, f32) {
         return (0.0, -lo);
     }
     let n = x.len() as f64;
-    let sse = |s: f64, b: f64, qs: &[f64]| -> f64 {
-        x.iter()
-            .zip(qs)
-            .map(|(&v, &q)| (s * q + b - v as f64).powi(2))
-            .sum()
+    let (sx, sxx) = x.iter().fold((0f64, 0f64), |(a, b), &v| {
+        (a + v as f64, b + v as f64 * v as f64)
+    });
+    // Σ(s·q + b − x)² from the sums (one pass per candidate).
+    let sse = |s: f64, b: f64, sq: f64, sqq: f64, sxq: f64| {
+        sxx + s * s * sqq + n * b * b + 2.0 * s * b * sq - 2.0 * s * sxq - 2.0 * b * sx
     };
-    let mut qs = vec![0f64; x.len()];
-    let s0 = (hi - lo) as f64 / nmax as f64;
-    for (q, &v) in qs.iter_mut().zip(x) {
-        *q = ((v - lo) as f64 / s0).round().clamp(0.0, nmax as f64);
-    }
-    let mut best = (sse(s0, lo as f64, &qs), s0, lo as f64);
-    for step in SEARCH {
+    let mut best = (f64::INFINITY, (hi - lo) as f64 / nmax as f64, lo as f64);
+    for step in std::iter::once(0).chain(SEARCH) {
         let iscale = (nmax as f64 + 0.1 * step as f64) / (hi - lo) as f64;
-        let (mut sq, mut sqq, mut sx, mut sxq) = (0f64, 0f64, 0f64, 0f64);
-        for (q, &v) in qs.iter_mut().zip(x) {
-            *q = (iscale * (v - lo) as f64).round().clamp(0.0, nmax as f64);
-            sq += *q;
-            sqq += *q * *q;
-            sx += v as f64;
-            sxq += v as f64 * *q;
+        let (mut sq, mut sqq, mut sxq) = (0f64, 0f64, 0f64);
+        for &v in x {
+            let q = (iscale * (v - lo) as f64).round().clamp(0.0, nmax as f64);
+            sq += q;
+            sqq += q * q;
+            sxq += v as f64 * q;
+        }
+        if step == 0 {
+            // The plain min/max rounding, as it stands.
+            let (s0, b0) = (1.0 / iscale, lo as f64);
+            best = (sse(s0, b0, sq, sqq, sxq), s0, b0);
         }
         // Least squares for x ≈ s·q + b, then b ≤ 0 (the min is subtracted).
         let det = n * sqq - sq * sq;
@@ -194,7 +194,7 @@ fn fit_min(x: &[f32], nmax: i32) -> (f32, f32) {
         if s <= 0.0 {
             continue;
         }
-        let e = sse(s, b, &qs);
+        let e = sse(s, b, sq, sqq, sxq);
         if e < best.0 {
             best = (e, s, b);
         }

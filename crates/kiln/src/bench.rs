@@ -224,6 +224,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "model": model.path.display().to_string(),
         "backend": model.model.backend().name(),
         "threads": rayon::current_num_threads(),
+        "cpu_matmul": format!("{:?}", crate::cli::CPU_MATMUL.get().copied().unwrap_or_default()).to_lowercase(),
         "cpu": cpu,
         "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens,

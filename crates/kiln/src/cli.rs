@@ -7,6 +7,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kiln_engine::LoadedModel;
 use kiln_sampling::{NgramRepeat, SamplingParams, TokenId};
+use kiln_tensor::cpu::quant::CpuMatmul;
 use kiln_tensor::cpu::CpuBackend;
 
 /// The file the default model is fetched to by `scripts/fetch-models.sh`.
@@ -22,6 +23,12 @@ pub struct Cli {
     /// cuda-options` lists them; wins over the environment variable).
     #[arg(long = "cuda-option", global = true, value_name = "NAME=VALUE")]
     pub cuda_options: Vec<String>,
+    /// How the CPU multiplies by quantized weights: `exact` (f32
+    /// activations, batch-invariant, the default) or `fast` (prefill and
+    /// batched products with bf16 activations through AVX512-BF16, where
+    /// the CPU has it; decode rows stay exact; not batch-invariant).
+    #[arg(long, global = true, default_value = "exact", value_parser = parse_cpu_matmul)]
+    pub cpu_matmul: CpuMatmul,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -116,13 +123,33 @@ pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
     Ok(b)
 }
 
+fn parse_cpu_matmul(s: &str) -> Result<CpuMatmul, String> {
+    match s {
+        "exact" => Ok(CpuMatmul::Exact),
+        "fast" => Ok(CpuMatmul::Fast),
+        other => Err(format!("unknown --cpu-matmul {other:?} (exact, fast)")),
+    }
+}
+
+/// `--cpu-matmul`, set once by `main` before any backend is made.
+pub static CPU_MATMUL: std::sync::OnceLock<CpuMatmul> = std::sync::OnceLock::new();
+
+/// The CPU backend `--cpu-matmul` asks for (saying so when `fast` cannot run here).
+fn cpu_backend() -> CpuBackend {
+    let mode = CPU_MATMUL.get().copied().unwrap_or_default();
+    if mode == CpuMatmul::Fast && !CpuMatmul::fast_available() {
+        eprintln!("kiln: --cpu-matmul fast needs AVX512-BF16, which this CPU lacks; running exact");
+    }
+    CpuBackend::with_matmul(mode)
+}
+
 /// The backend `--device` names.
 pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
     let cuda = |ordinal: usize| -> Result<Arc<dyn kiln_tensor::Backend>> {
         Ok(Arc::new(cuda_backend(ordinal)?))
     };
     match device {
-        "cpu" => Ok(Arc::new(CpuBackend::new())),
+        "cpu" => Ok(Arc::new(cpu_backend())),
         "cuda" => cuda(0),
         "auto" => {
             if kiln_cuda::driver_available() {
@@ -131,7 +158,7 @@ pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
                     Err(e) => eprintln!("kiln: no usable GPU ({e:#}); running on the CPU"),
                 }
             }
-            Ok(Arc::new(CpuBackend::new()))
+            Ok(Arc::new(cpu_backend()))
         }
         other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
             Some(n) => cuda(n),

@@ -40,6 +40,7 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     cuda_env::set_flags(&cli.cuda_options)?;
+    let _ = cli::CPU_MATMUL.set(cli.cpu_matmul);
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

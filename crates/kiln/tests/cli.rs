@@ -175,6 +175,30 @@ fn quantize_then_generate_equals_quantize_at_load() {
     let from_file = generate(&gguf, &[]);
     assert_eq!(from_file.as_array().unwrap().len(), 6);
     assert_eq!(from_file, generate(&ckpt, &["--quantize", "q8_0"]));
+    // The fast CPU product runs through the same file (its tokens may
+    // differ: it is a different rounding), and a bad mode is refused.
+    let out = kiln()
+        .args([
+            "--cpu-matmul",
+            "fast",
+            "generate",
+            "-p",
+            "Hello there, how are you",
+            "--max-tokens",
+            "3",
+            "--json",
+            "-m",
+        ])
+        .arg(&gguf)
+        .output()
+        .unwrap();
+    assert_eq!(json_of(&out)["token_ids"].as_array().unwrap().len(), 3);
+    let out = kiln()
+        .args(["--cpu-matmul", "turbo", "generate", "-p", "x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exact, fast"));
     let out = kiln()
         .arg("quantize")
         .arg(&ckpt)

@@ -22,11 +22,24 @@ use attention::CpuKv;
 
 /// The CPU backend. Threads come from the rayon pool the caller set up.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    matmul: quant::CpuMatmul,
+}
 
 impl CpuBackend {
+    /// The exact backend (f32 activations, batch-invariant).
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+
+    /// A backend whose packed products run in `mode` (`--cpu-matmul`).
+    pub fn with_matmul(mode: quant::CpuMatmul) -> Self {
+        CpuBackend { matmul: mode }
+    }
+
+    /// The mode its packed products run in.
+    pub fn matmul_mode(&self) -> quant::CpuMatmul {
+        self.matmul
     }
 
     fn data<'a>(&self, t: &'a Tensor, op: &'static str) -> Result<&'a [f32]> {
@@ -227,7 +240,7 @@ impl Ops for CpuBackend {
             .collect::<Result<Vec<_>>>()?;
         // SAFETY: the parts stack to m columns in each of the n output rows
         // of m, and nothing else writes `out`.
-        unsafe { quant::matmul_stacked(&parts, xd, n, out.as_mut_ptr(), m) };
+        unsafe { quant::matmul_stacked(&parts, xd, n, out.as_mut_ptr(), m, self.matmul) };
         self.add_bias(&mut out, m, bias)?;
         Ok(Self::wrap(vec![n, m], out))
     }

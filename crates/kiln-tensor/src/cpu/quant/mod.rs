@@ -17,6 +17,8 @@
 //! widened matrix.
 
 #[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx2;
 pub(crate) mod packed;
 #[cfg(target_arch = "x86_64")]
@@ -91,6 +93,7 @@ pub(crate) unsafe fn matmul_stacked(
     n: usize,
     out: *mut f32,
     out_stride: usize,
+    mode: CpuMatmul,
 ) {
     let mut packed = Vec::new();
     let mut col = 0;
@@ -104,7 +107,35 @@ pub(crate) unsafe fn matmul_stacked(
         col += part.rows();
     }
     // SAFETY: as above, for the packed parts at their columns.
-    unsafe { packed_matmul_on(Isa::best(), &packed, x, n, out, out_stride) };
+    unsafe { packed_matmul_on(Isa::best(), &packed, x, n, out, out_stride, mode) };
+}
+
+/// How the CPU multiplies activations by packed weights (`--cpu-matmul`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuMatmul {
+    /// f32 activations, every output summed in the one defined order
+    /// (batch-invariant, the goldens' numerics).
+    #[default]
+    Exact,
+    /// Products of more than [`GEMV_ROWS`] rows (prefill, large batches)
+    /// on AMX: weights dequantized to bf16 and activations rounded to bf16,
+    /// products summed in f32 by the tiles (`amx.rs`); decode rows stay
+    /// exact. A row's result then depends on how many rows share its
+    /// product, so it is not batch-invariant. Where the CPU (or the kernel)
+    /// gives no AMX-BF16 this is [`CpuMatmul::Exact`].
+    Fast,
+}
+
+impl CpuMatmul {
+    /// Whether the fast path runs here (AMX-BF16 detected and granted).
+    pub fn fast_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            amx::available()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
 }
 
 /// Rows of `x` up to which a packed product runs the decode kernel (codes
@@ -160,7 +191,17 @@ pub(crate) unsafe fn packed_matmul(
     out_stride: usize,
 ) {
     // SAFETY: passed through.
-    unsafe { packed_matmul_on(Isa::best(), &[(p, 0)], x, n, out, out_stride) }
+    unsafe {
+        packed_matmul_on(
+            Isa::best(),
+            &[(p, 0)],
+            x,
+            n,
+            out,
+            out_stride,
+            CpuMatmul::Exact,
+        )
+    }
 }
 
 /// The sub-block sums (`s` elements each) of the `n` rows of `x`, `k`
@@ -208,11 +249,20 @@ pub(crate) unsafe fn packed_matmul_on(
     n: usize,
     out: *mut f32,
     out_stride: usize,
+    mode: CpuMatmul,
 ) {
     let k = parts.first().map(|(p, _)| p.cols).unwrap_or(0);
     if n == 0 || k == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if mode == CpuMatmul::Fast && n > GEMV_ROWS && isa == Isa::Avx512 && amx::available() {
+        // SAFETY: passed through; AMX is granted to this process.
+        unsafe { amx_matmul(parts, x, n, out, out_stride) };
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = mode;
     // Sub-block sums of x, once per sub-block size among the parts with a
     // min (q/k/v or gate/up in one format share them).
     let mut by_size: Vec<(usize, Vec<f32>)> = Vec::new();
@@ -322,6 +372,48 @@ pub(crate) unsafe fn packed_matmul_on(
                 Isa::Portable => unreachable!("the portable product is row by row"),
             }
         };
+    });
+}
+
+/// [`packed_matmul_on`] for `--cpu-matmul fast` on AMX: x rounded to bf16
+/// once (padded with zero rows to whole tile blocks), then tasks of a pair
+/// of groups over blocks of rows, about four per thread.
+///
+/// # Safety
+/// As [`packed_matmul_on`]; [`amx::available`] returned true.
+#[cfg(target_arch = "x86_64")]
+unsafe fn amx_matmul(
+    parts: &[(&Packed, usize)],
+    x: &[f32],
+    n: usize,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    let k = parts[0].0.cols;
+    let blocks = n.div_ceil(amx::ROW_BLOCK);
+    let mut xb = vec![0u16; blocks * amx::ROW_BLOCK * k];
+    for (d, &v) in xb.iter_mut().zip(&x[..n * k]) {
+        *d = half::bf16::from_f32(v).to_bits();
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let pairs: usize = parts.iter().map(|(p, _)| p.groups.div_ceil(2)).sum();
+    let splits = (4 * threads).div_ceil(pairs.max(1)).clamp(1, blocks);
+    let tasks: Vec<(usize, usize, usize)> = parts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (p, _))| {
+            (0..p.groups.div_ceil(2)).flat_map(move |q| (0..splits).map(move |s| (i, q, s)))
+        })
+        .collect();
+    let (out_addr, xba) = (out as usize, xb.as_ptr() as usize);
+    tasks.into_par_iter().for_each(|(i, q, split)| {
+        let (p, col) = parts[i];
+        let g = (q * 2)..((q + 1) * 2).min(p.groups);
+        let bl = (blocks * split / splits)..(blocks * (split + 1) / splits);
+        let o = (out_addr as *mut f32).wrapping_add(col + g.start * LANES);
+        // SAFETY: AMX is granted; this task alone writes the rows of its
+        // blocks in the group's columns.
+        unsafe { amx::gemm_block(p, g, bl, n, xba as *const u16, o, out_stride) };
     });
 }
 

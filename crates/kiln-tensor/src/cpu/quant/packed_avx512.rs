@@ -17,7 +17,7 @@ const MAX_T: usize = 4;
 
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn factor(p: &Packed, d: &[u16], m: &[i8], g: usize, j: usize) -> __m512 {
+pub(crate) unsafe fn factor(p: &Packed, d: &[u16], m: &[i8], g: usize, j: usize) -> __m512 {
     // SAFETY: d_index/m_index name 16 entries inside the buffers.
     unsafe {
         let dv = _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -38,7 +38,11 @@ unsafe fn factor(p: &Packed, d: &[u16], m: &[i8], g: usize, j: usize) -> __m512 
 /// The values of the codes of elements `k` (even) and `k + 1` of a group
 /// whose codes start at `base`.
 #[inline(always)]
-unsafe fn pair<const NIB: bool>(base: *const u8, k: usize, table: __m512) -> (__m512, __m512) {
+pub(crate) unsafe fn pair<const NIB: bool>(
+    base: *const u8,
+    k: usize,
+    table: __m512,
+) -> (__m512, __m512) {
     // SAFETY: the caller's k lies inside the group's codes.
     unsafe {
         if NIB {
@@ -58,7 +62,7 @@ unsafe fn pair<const NIB: bool>(base: *const u8, k: usize, table: __m512) -> (__
 }
 
 /// Lanes of group `g` that are rows of the matrix.
-fn lane_mask(p: &Packed, g: usize) -> __mmask16 {
+pub(crate) fn lane_mask(p: &Packed, g: usize) -> __mmask16 {
     let valid = (p.rows - g * LANES).min(LANES);
     ((1u32 << valid) - 1) as __mmask16
 }

@@ -247,7 +247,17 @@ fn packed_rows_are_bit_identical_alone_batched_and_portable() {
             let mut out = vec![f32::NAN; rows.len() * m];
             let x = &x[rows.start * k..rows.end * k];
             // SAFETY: rows.len() × m outputs, row stride m; `isa` runs here.
-            unsafe { packed_matmul_on(isa, &[(&p, 0)], x, rows.len(), out.as_mut_ptr(), m) };
+            unsafe {
+                packed_matmul_on(
+                    isa,
+                    &[(&p, 0)],
+                    x,
+                    rows.len(),
+                    out.as_mut_ptr(),
+                    m,
+                    CpuMatmul::Exact,
+                )
+            };
             out
         };
         let run = |rows| run_on(Isa::best(), rows);
@@ -332,13 +342,22 @@ fn stacked_parts_write_their_own_columns_each_as_alone() {
         let x = pseudo(n * k, n as u32);
         let mut out = vec![-1f32; n * width];
         // SAFETY: n rows of `width`, the parts' 66 columns from column 3.
-        unsafe { matmul_stacked(&refs, &x, n, out.as_mut_ptr().add(3), width) };
+        unsafe {
+            matmul_stacked(
+                &refs,
+                &x,
+                n,
+                out.as_mut_ptr().add(3),
+                width,
+                CpuMatmul::Exact,
+            )
+        };
         let mut col = 3;
         for part in &parts {
             let rows = part.rows();
             let mut alone = vec![0f32; n * rows];
             // SAFETY: n × rows outputs, row stride rows.
-            unsafe { matmul_stacked(&[part], &x, n, alone.as_mut_ptr(), rows) };
+            unsafe { matmul_stacked(&[part], &x, n, alone.as_mut_ptr(), rows, CpuMatmul::Exact) };
             for i in 0..n {
                 assert_eq!(
                     &out[i * width + col..i * width + col + rows],
@@ -361,7 +380,75 @@ fn a_matrix_of_no_rows_writes_nothing() {
         let x = pseudo(n * 256, 2);
         let mut out = vec![-1f32; n];
         // SAFETY: no columns are written; `out` is n rows of one.
-        unsafe { matmul_stacked(&[&w], &x, n, out.as_mut_ptr(), 1) };
+        unsafe { matmul_stacked(&[&w], &x, n, out.as_mut_ptr(), 1, CpuMatmul::Exact) };
         assert!(out.iter().all(|&v| v == -1.0));
+    }
+}
+
+/// `--cpu-matmul fast` (AMX): a batched product is the f32-summed product
+/// of the bf16-rounded weights and activations (to f32 rounding, and one
+/// bf16 step on a weight where its two roundings can tie differently), so
+/// within 2 · 2⁻⁹ of Σ|w·x| of the exact product; decode rows are the exact
+/// path's bits. Where the CPU has no AMX the fast mode is the exact one,
+/// bit for bit.
+#[test]
+fn fast_products_are_the_product_in_bf16() {
+    let to_bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
+    for format in packed_formats() {
+        for &(n, blocks, m) in &[(3, 7, 9), (9, 2, 64), (17, 3, 75), (40, 1, 33), (70, 1, 20)] {
+            let k = width(format, blocks);
+            let w = matrix(format, m, k, (n * 77 + m) as u64);
+            let p = packed::pack(&w).unwrap();
+            let x = pseudo(n * k, (n + 3 * m) as u32);
+            let run = |mode, rows: usize| {
+                let mut out = vec![f32::NAN; rows * m];
+                // SAFETY: rows × m outputs, row stride m; the best ISA runs here.
+                unsafe {
+                    packed_matmul_on(
+                        Isa::best(),
+                        &[(&p, 0)],
+                        &x[..rows * k],
+                        rows,
+                        out.as_mut_ptr(),
+                        m,
+                        mode,
+                    )
+                };
+                out
+            };
+            let (fast, exact) = (run(CpuMatmul::Fast, n), run(CpuMatmul::Exact, n));
+            if !CpuMatmul::fast_available() {
+                assert!(fast
+                    .iter()
+                    .zip(&exact)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()));
+                continue;
+            }
+            let wd = w.dequantize();
+            let wb: Vec<f32> = wd.iter().map(|&v| to_bf16(v)).collect();
+            let xb: Vec<f32> = x[..n * k].iter().map(|&v| to_bf16(v)).collect();
+            let (want_b, tol_b) = f64_product(&xb, n, &wb, m, k);
+            let (want, _) = f64_product(&x[..n * k], n, &wd, m, k);
+            for i in 0..n * m {
+                let (r, j) = (i / m, i % m);
+                let terms = (0..k).map(|e| (x[r * k + e] as f64 * wd[j * k + e] as f64).abs());
+                let (mag, big) = terms.fold((0f64, 0f64), |(s, b), t| (s + t, b.max(t)));
+                let g = fast[i] as f64;
+                assert!(
+                    (g - want_b[i]).abs() <= tol_b[i] + big * 2f64.powi(-8),
+                    "{format} {n}x{k}x{m} output {i}: {g} vs the bf16 product {}",
+                    want_b[i]
+                );
+                assert!(
+                    (g - want[i]).abs() <= mag * 2f64.powi(-8) + tol_b[i],
+                    "{format} {n}x{k}x{m} output {i}: {g} vs the exact {}",
+                    want[i]
+                );
+            }
+            assert!(fast != exact, "{format}: the fast path ran");
+            // Decode rows (at most GEMV_ROWS) keep the exact path's bits.
+            let (f2, e2) = (run(CpuMatmul::Fast, 2), run(CpuMatmul::Exact, 2));
+            assert!(f2.iter().zip(&e2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
     }
 }
