@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `kiln quantize` round trip, checked by llama.cpp: each model's GGUF is
 # exported to a bf16 Hugging Face directory (`kiln convert`), quantized back
-# to GGUF by `kiln quantize --type q8_0|q4_k`, and the written file is run by
+# to GGUF by `kiln quantize --type q8_0|q4_k`, read by gguf-py
+# (bench/gguf_py_check.py: every tensor dequantized, compared with its bf16
+# source), and run by
 # Kiln (`kiln dev logits`, exact path) and by the llama.cpp anchor
 # (node-llama-cpp's prebuilt CPU build, bench/llamacpp_logits.mjs) on the
 # same tokens (llama.cpp's tokenization of one text, teacher-forced). Writes
@@ -20,6 +22,9 @@ if [ ! -d "$anchor_dir/node_modules/node-llama-cpp" ]; then
    NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm install --ignore-scripts --omit=optional \
      node-llama-cpp@3.22.1 @node-llama-cpp/linux-x64@3.22.1 >&2)
 fi
+# gguf-py (llama.cpp's Python reader), for an independent read of each file.
+pygguf=${PYGGUF_DIR:-$HOME/.cache/kiln/pygguf}
+[ -d "$pygguf/gguf" ] || python3 -m pip install --quiet --target "$pygguf" gguf==0.19.0 >&2
 cargo build --release -p kiln >&2
 kiln=${CARGO_TARGET_DIR:-target}/release/kiln
 commit=$(git rev-parse --short HEAD)
@@ -45,6 +50,7 @@ for m in $models; do
     end=$(date +%s.%N)
     echo "$end - $start" | bc > "$tmp/$name-$t.seconds"
     cat "$tmp/$name-$t.quantize.log" >&2
+    PYTHONPATH="$pygguf" python3 bench/gguf_py_check.py "$tmp/$name-$t.gguf" "$tmp/$name-bf16" > "$tmp/$name-$t.ggufpy.json"
     NODE_LLAMA_CPP_DIR="$anchor_dir" NODE_LLAMA_CPP_SKIP_DOWNLOAD=true node bench/llamacpp_logits.mjs \
       --model "$tmp/$name-$t.gguf" --text-file "$tmp/text.txt" --out "$tmp/$name-$t.llama.f32" \
       > "$tmp/$name-$t.llama.json"
@@ -98,6 +104,7 @@ for m in models.split():
             "file_bytes": int(open(os.path.join(tmp, f"{name}-{t}.bytes")).read()),
             "quantize_seconds": float(open(os.path.join(tmp, f"{name}-{t}.seconds")).read()),
             "quantize_log": open(os.path.join(tmp, f"{name}-{t}.quantize.log")).read().strip(),
+            "gguf_py_read": json.load(open(os.path.join(tmp, f"{name}-{t}.ggufpy.json"))),
             "kiln_vs_llamacpp": k,
             "quantized_vs_bf16_kiln": {
                 "mean_kl_bf16_to_quantized": float(kl_bf16.mean()),

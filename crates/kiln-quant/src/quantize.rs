@@ -166,7 +166,9 @@ fn fit_min(x: &[f32], nmax: i32) -> (f32, f32) {
         sxx + s * s * sqq + n * b * b + 2.0 * s * b * sq - 2.0 * s * sxq - 2.0 * b * sx
     };
     let mut best = (f64::INFINITY, (hi - lo) as f64 / nmax as f64, lo as f64);
-    for step in std::iter::once(0).chain(SEARCH) {
+    // The first pass is the plain min/max rounding, kept as it stands
+    // unless a refit beats it.
+    for (pass, step) in std::iter::once(0).chain(SEARCH).enumerate() {
         let iscale = (nmax as f64 + 0.1 * step as f64) / (hi - lo) as f64;
         let (mut sq, mut sqq, mut sxq) = (0f64, 0f64, 0f64);
         for &v in x {
@@ -175,8 +177,7 @@ fn fit_min(x: &[f32], nmax: i32) -> (f32, f32) {
             sqq += q * q;
             sxq += v as f64 * q;
         }
-        if step == 0 {
-            // The plain min/max rounding, as it stands.
+        if pass == 0 {
             let (s0, b0) = (1.0 / iscale, lo as f64);
             best = (sse(s0, b0, sq, sqq, sxq), s0, b0);
         }
@@ -343,9 +344,11 @@ mod tests {
     /// Each format's error on trained-weight-like values (a normal bulk, an
     /// outlier 12× the spread in one block of three) stays inside its bound:
     /// measured 2.2e-4 / 1.7e-3 / 0.0102 / 0.0286 / 0.0473 / 0.0955 for F16 /
-    /// BF16 / Q8_0 / Q6_K / Q5_K / Q4_K, bounds 1.2–2.3× that (Q4_K's 0.095
-    /// is what 16 levels over a 32-value range give a normal bulk: step/√12
-    /// ≈ 0.08σ, plus the outlier blocks).
+    /// BF16 / Q8_0 / Q6_K / Q5_K / Q4_K, bounds 1.2–2.3× that, and within 1 %
+    /// for Q5_K / Q4_K, whose least-squares search this pins (a search that
+    /// lost its refits measured 0.0482 / 0.0967). Q4_K's 0.095 is what 16
+    /// levels over a 32-value range give a normal bulk: step/√12 ≈ 0.08σ,
+    /// plus the outlier blocks.
     #[test]
     fn round_trip_error_within_format_bounds() {
         let x = weights(256 * 64, 1);
@@ -354,8 +357,8 @@ mod tests {
             (QuantFormat::BF16, 4e-3),
             (QuantFormat::Q8_0, 0.0125),
             (QuantFormat::Q6K, 0.035),
-            (QuantFormat::Q5K, 0.058),
-            (QuantFormat::Q4K, 0.115),
+            (QuantFormat::Q5K, 0.0478),
+            (QuantFormat::Q4K, 0.0965),
         ] {
             let q = quantize(format, &x).unwrap();
             assert_eq!(

@@ -175,6 +175,23 @@ fn quantize_then_generate_equals_quantize_at_load() {
     let from_file = generate(&gguf, &[]);
     assert_eq!(from_file.as_array().unwrap().len(), 6);
     assert_eq!(from_file, generate(&ckpt, &["--quantize", "q8_0"]));
+    // `kiln fit --quantize` plans the quantized bytes: Q8_0 is 8.5 bits a
+    // weight against bf16's 16 (norms stay f32).
+    let fit = |extra: &[&str]| {
+        let out = kiln()
+            .arg("fit")
+            .arg(&ckpt)
+            .args(["--device", "cpu", "--memory-bytes", "2000000000", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        json_of(&out)["weights_bytes"].as_f64().unwrap()
+    };
+    let ratio = fit(&["--quantize", "q8_0"]) / fit(&[]);
+    assert!(
+        (0.5..0.6).contains(&ratio),
+        "Q8_0 over bf16 weight bytes: {ratio}"
+    );
     // The fast CPU product runs through the same file (its tokens may
     // differ: it is a different rounding), and a bad mode is refused.
     let out = kiln()
