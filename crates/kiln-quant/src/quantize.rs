@@ -170,13 +170,7 @@ fn fit_min(x: &[f32], nmax: i32) -> (f32, f32) {
     // unless a refit beats it.
     for (pass, step) in std::iter::once(0).chain(SEARCH).enumerate() {
         let iscale = (nmax as f64 + 0.1 * step as f64) / (hi - lo) as f64;
-        let (mut sq, mut sqq, mut sxq) = (0f64, 0f64, 0f64);
-        for &v in x {
-            let q = (iscale * (v - lo) as f64).round().clamp(0.0, nmax as f64);
-            sq += q;
-            sqq += q * q;
-            sxq += v as f64 * q;
-        }
+        let (sq, sqq, sxq) = candidate_sums(x, lo, iscale as f32, nmax);
         if pass == 0 {
             let (s0, b0) = (1.0 / iscale, lo as f64);
             best = (sse(s0, b0, sq, sqq, sxq), s0, b0);
@@ -201,6 +195,32 @@ fn fit_min(x: &[f32], nmax: i32) -> (f32, f32) {
         }
     }
     (best.1 as f32, (-best.2) as f32)
+}
+
+/// For `q = round(iscale · (x − lo))` clamped to `0..=nmax`: Σq, Σq², Σx·q.
+/// In f32 over eight lanes (the q sums are small integers, exact), with
+/// rounding by truncating `y + 0.5` (`y ≥ 0`), so the loop vectorizes.
+fn candidate_sums(x: &[f32], lo: f32, iscale: f32, nmax: i32) -> (f64, f64, f64) {
+    let q_of = |v: f32| ((iscale * (v - lo) + 0.5) as i32).min(nmax) as f32;
+    let mut acc = [[0f32; 8]; 3];
+    let chunks = x.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..8 {
+            let q = q_of(c[i]);
+            acc[0][i] += q;
+            acc[1][i] += q * q;
+            acc[2][i] += c[i] * q;
+        }
+    }
+    for &v in rest {
+        let q = q_of(v);
+        acc[0][0] += q;
+        acc[1][0] += q * q;
+        acc[2][0] += v * q;
+    }
+    let sum = |a: &[f32; 8]| a.iter().map(|&v| v as f64).sum::<f64>();
+    (sum(&acc[0]), sum(&acc[1]), sum(&acc[2]))
 }
 
 /// The 6-bit `(scale, min)` pairs of a K-quant's 8 sub-blocks into its
@@ -242,7 +262,7 @@ fn block_k_min(x: &[f32], b: &mut [u8], nmax: i32) -> bool {
         let m = dmin * mn[j] as f32;
         let is = if s > 0.0 { 1.0 / s } else { 0.0 };
         for (qv, &v) in q[j * 32..j * 32 + 32].iter_mut().zip(&x[j * 32..]) {
-            *qv = ((v + m) * is).round().clamp(0.0, nmax as f32) as u8;
+            *qv = (((v + m) * is + 0.5) as i32).clamp(0, nmax) as u8;
         }
     }
     // Element c·64 + l in the low nibble of byte c·32 + l, c·64 + 32 + l in
