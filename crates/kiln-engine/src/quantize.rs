@@ -130,57 +130,45 @@ fn model_metadata(path: &Path, config: &ModelConfig) -> Result<(String, Vec<(Str
         ));
     }
     let k = |s: &str| format!("{arch}.{s}");
-    let mut m = vec![
+    let counts = [
         (
-            k("context_length"),
-            u32_of(
-                path,
-                "max_position_embeddings",
-                config.max_position_embeddings,
-            )?,
+            "context_length",
+            "max_position_embeddings",
+            config.max_position_embeddings,
+        ),
+        ("embedding_length", "hidden_size", config.hidden_size),
+        ("block_count", "num_hidden_layers", config.num_layers),
+        (
+            "feed_forward_length",
+            "intermediate_size",
+            config.intermediate_size,
         ),
         (
-            k("embedding_length"),
-            u32_of(path, "hidden_size", config.hidden_size)?,
+            "attention.head_count",
+            "num_attention_heads",
+            config.num_heads,
         ),
         (
-            k("block_count"),
-            u32_of(path, "num_hidden_layers", config.num_layers)?,
+            "attention.head_count_kv",
+            "num_key_value_heads",
+            config.num_kv_heads,
         ),
-        (
-            k("feed_forward_length"),
-            u32_of(path, "intermediate_size", config.intermediate_size)?,
-        ),
-        (
-            k("attention.head_count"),
-            u32_of(path, "num_attention_heads", config.num_heads)?,
-        ),
-        (
-            k("attention.head_count_kv"),
-            u32_of(path, "num_key_value_heads", config.num_kv_heads)?,
-        ),
-        (
-            k("attention.key_length"),
-            u32_of(path, "head_dim", config.head_dim)?,
-        ),
-        (
-            k("attention.value_length"),
-            u32_of(path, "head_dim", config.head_dim)?,
-        ),
-        (
-            k("rope.dimension_count"),
-            u32_of(path, "head_dim", config.head_dim)?,
-        ),
+        ("attention.key_length", "head_dim", config.head_dim),
+        ("attention.value_length", "head_dim", config.head_dim),
+        ("rope.dimension_count", "head_dim", config.head_dim),
+        ("vocab_size", "vocab_size", config.vocab_size),
+    ];
+    let mut m = counts
+        .into_iter()
+        .map(|(key, hf, v)| Ok((k(key), u32_of(path, hf, v)?)))
+        .collect::<Result<Vec<_>>>()?;
+    m.extend([
         (k("rope.freq_base"), MetaValue::F32(lc.rope_theta)),
         (
             k("attention.layer_norm_rms_epsilon"),
             MetaValue::F32(config.rms_norm_eps),
         ),
-        (
-            k("vocab_size"),
-            u32_of(path, "vocab_size", config.vocab_size)?,
-        ),
-    ];
+    ]);
     match lc.rope_scaling {
         RopeScaling::None => {}
         RopeScaling::Linear { factor } => {

@@ -2,6 +2,7 @@
 //! a chosen format, quantized when they are loaded (`--quantize`), and the
 //! rule for which format a matrix gets, shared with `kiln quantize`.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
@@ -34,7 +35,8 @@ pub fn target_format(format: QuantFormat, stored: &StoredTensor) -> Option<Quant
 /// weights).
 pub struct Quantizing<S> {
     inner: S,
-    format: QuantFormat,
+    /// The target format of each tensor this source quantizes, by name.
+    targets: HashMap<String, QuantFormat>,
 }
 
 impl<S: WeightSource> Quantizing<S> {
@@ -49,21 +51,21 @@ impl<S: WeightSource> Quantizing<S> {
                 ),
             });
         }
-        Ok(Quantizing { inner, format })
+        let targets = inner
+            .tensors()
+            .iter()
+            .filter_map(|t| target_format(format, t).map(|f| (t.name.clone(), f)))
+            .collect();
+        Ok(Quantizing { inner, targets })
     }
 
     pub fn inner(&self) -> &S {
         &self.inner
     }
 
-    fn stored(&self, name: &str) -> Option<StoredTensor> {
-        self.inner.tensors().into_iter().find(|t| t.name == name)
-    }
-
     /// `name`'s target format, if it is one this source quantizes.
-    fn target(&self, name: &str) -> Option<(QuantFormat, StoredTensor)> {
-        let stored = self.stored(name)?;
-        target_format(self.format, &stored).map(|f| (f, stored))
+    fn target(&self, name: &str) -> Option<QuantFormat> {
+        self.targets.get(name).copied()
     }
 
     fn quantized(&self, name: &str, format: QuantFormat) -> Result<QuantMatrix> {
@@ -95,7 +97,7 @@ impl<S: WeightSource> WeightSource for Quantizing<S> {
             .tensors()
             .into_iter()
             .map(|mut t| {
-                if let Some(f) = target_format(self.format, &t) {
+                if let Some(&f) = self.targets.get(&t.name) {
                     let rows = t.shape[0];
                     t.num_bytes = f.row_bytes(t.shape[1]).map_or(0, |b| (b * rows) as u64);
                     t.dtype = f.name().to_string();
@@ -110,7 +112,7 @@ impl<S: WeightSource> WeightSource for Quantizing<S> {
     }
 
     fn load_f32(&self, name: &str) -> Result<HostTensor> {
-        let Some((format, _)) = self.target(name) else {
+        let Some(format) = self.target(name) else {
             return self.inner.load_f32(name);
         };
         let m = self.quantized(name, format)?;
@@ -126,7 +128,7 @@ impl<S: WeightSource> WeightSource for Quantizing<S> {
 
     fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
         match self.target(name) {
-            Some((format, _)) => self.quantized(name, format).map(Some),
+            Some(format) => self.quantized(name, format).map(Some),
             None => self.inner.load_blocks(name),
         }
     }

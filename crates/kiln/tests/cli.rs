@@ -21,6 +21,32 @@ fn smollm2() -> PathBuf {
     p
 }
 
+/// A tiny random checkpoint in `dtype` with SmolLM2's tokenizer, under `dir`.
+fn random_checkpoint(dir: &std::path::Path, dtype: &str) -> PathBuf {
+    let ckpt = dir.join("tiny");
+    let out = kiln()
+        .args([
+            "dev",
+            "random-checkpoint",
+            "--preset",
+            "tiny",
+            "--dtype",
+            dtype,
+            "--tokenizer",
+        ])
+        .arg(smollm2())
+        .arg("-o")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ckpt
+}
+
 fn json_of(out: &std::process::Output) -> serde_json::Value {
     assert!(
         out.status.success(),
@@ -61,27 +87,7 @@ fn generate_chat_json_carries_ids_text_finish_and_timings() {
 #[test]
 fn random_checkpoint_then_generate_with_logprobs() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
-    let out = kiln()
-        .args([
-            "dev",
-            "random-checkpoint",
-            "--preset",
-            "tiny",
-            "--dtype",
-            "f32",
-            "--tokenizer",
-        ])
-        .arg(smollm2())
-        .arg("-o")
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let ckpt = random_checkpoint(dir.path(), "f32");
     for f in [
         "config.json",
         "model.safetensors",
@@ -122,27 +128,7 @@ fn random_checkpoint_then_generate_with_logprobs() {
 #[test]
 fn quantize_then_generate_equals_quantize_at_load() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("tiny");
-    let out = kiln()
-        .args([
-            "dev",
-            "random-checkpoint",
-            "--preset",
-            "tiny",
-            "--dtype",
-            "bf16",
-            "--tokenizer",
-        ])
-        .arg(smollm2())
-        .arg("-o")
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let ckpt = random_checkpoint(dir.path(), "bf16");
     let gguf = dir.path().join("tiny-q8_0.gguf");
     let out = kiln()
         .arg("quantize")

@@ -348,13 +348,7 @@ pub(crate) unsafe fn packed_matmul_on(
     // about four per thread.
     let pairs: usize = parts.iter().map(|(p, _)| p.groups.div_ceil(2)).sum();
     let splits = (4 * threads).div_ceil(pairs).clamp(1, n.div_ceil(8));
-    let tasks: Vec<(usize, usize, usize)> = parts
-        .iter()
-        .enumerate()
-        .flat_map(|(i, (p, _))| {
-            (0..p.groups.div_ceil(2)).flat_map(move |q| (0..splits).map(move |s| (i, q, s)))
-        })
-        .collect();
+    let tasks = pair_tasks(parts, splits);
     tasks.into_par_iter().for_each(|(i, q, split)| {
         let (p, col) = parts[i];
         let g = (q * 2)..((q + 1) * 2).min(p.groups);
@@ -373,6 +367,18 @@ pub(crate) unsafe fn packed_matmul_on(
             }
         };
     });
+}
+
+/// GEMM tasks `(part, pair of groups, split)`: every pair of groups of
+/// every part, each in `splits` slices of the rows.
+fn pair_tasks(parts: &[(&Packed, usize)], splits: usize) -> Vec<(usize, usize, usize)> {
+    parts
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (p, _))| {
+            (0..p.groups.div_ceil(2)).flat_map(move |q| (0..splits).map(move |s| (i, q, s)))
+        })
+        .collect()
 }
 
 /// [`packed_matmul_on`] for `--cpu-matmul fast` on AMX: x rounded to bf16
@@ -398,13 +404,7 @@ unsafe fn amx_matmul(
     let threads = rayon::current_num_threads().max(1);
     let pairs: usize = parts.iter().map(|(p, _)| p.groups.div_ceil(2)).sum();
     let splits = (4 * threads).div_ceil(pairs.max(1)).clamp(1, blocks);
-    let tasks: Vec<(usize, usize, usize)> = parts
-        .iter()
-        .enumerate()
-        .flat_map(|(i, (p, _))| {
-            (0..p.groups.div_ceil(2)).flat_map(move |q| (0..splits).map(move |s| (i, q, s)))
-        })
-        .collect();
+    let tasks = pair_tasks(parts, splits);
     let (out_addr, xba) = (out as usize, xb.as_ptr() as usize);
     tasks.into_par_iter().for_each(|(i, q, split)| {
         let (p, col) = parts[i];
