@@ -225,6 +225,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "backend": model.model.backend().name(),
         "threads": rayon::current_num_threads(),
         "cpu_matmul": format!("{:?}", crate::cli::CPU_MATMUL.get().copied().unwrap_or_default()).to_lowercase(),
+        "cpu_matmul_fast_kernel": kiln_tensor::cpu::quant::CpuMatmul::fast_kernel_name(),
         "cpu": cpu,
         "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens,

@@ -25,8 +25,8 @@ pub struct Cli {
     pub cuda_options: Vec<String>,
     /// How the CPU multiplies by quantized weights: `exact` (f32
     /// activations, batch-invariant, the default) or `fast` (prefill and
-    /// batched products with bf16 activations through AVX512-BF16, where
-    /// the CPU has it; decode rows stay exact; not batch-invariant).
+    /// batched products in bf16 on AMX or AVX512-BF16, where the CPU has
+    /// one; decode rows stay exact; not batch-invariant).
     #[arg(long, global = true, default_value = "exact", value_parser = parse_cpu_matmul)]
     pub cpu_matmul: CpuMatmul,
     #[command(subcommand)]
@@ -138,7 +138,9 @@ pub static CPU_MATMUL: std::sync::OnceLock<CpuMatmul> = std::sync::OnceLock::new
 fn cpu_backend() -> CpuBackend {
     let mode = CPU_MATMUL.get().copied().unwrap_or_default();
     if mode == CpuMatmul::Fast && !CpuMatmul::fast_available() {
-        eprintln!("kiln: --cpu-matmul fast needs AVX512-BF16, which this CPU lacks; running exact");
+        eprintln!(
+            "kiln: --cpu-matmul fast needs AMX-BF16 or AVX512-BF16, which this CPU lacks; running exact"
+        );
     }
     CpuBackend::with_matmul(mode)
 }

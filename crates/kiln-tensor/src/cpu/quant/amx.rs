@@ -2,10 +2,10 @@
 //! as bf16 tile products (`tdpbf16ps`, 16 × 16 outputs × 32 products per
 //! instruction).
 //!
-//! A pair of groups' weights are dequantized once into bf16 (each value
-//! `scale · code + offset` rounded to nearest even) in the tiles' B layout:
-//! per pair of elements `2i, 2i + 1` one 64-byte row of 16 lanes × two
-//! bf16, so 16 such rows (32 elements of `k`) are one B tile. The rows of
+//! A pair of groups' weights are dequantized once into bf16 panels
+//! ([`super::bf16`]: per pair of elements `2i, 2i + 1` one 64-byte row of
+//! 16 lanes × two bf16), so 16 such rows (32 elements of `k`) are one B
+//! tile. The rows of
 //! `x`, rounded to bf16 once per product, are A tiles of 16 rows × 32
 //! elements. Four C tiles (32 rows of `x` × 32 weight rows) accumulate in
 //! f32 over all of `k` and are stored once. The result is the f32-summed
@@ -24,8 +24,9 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
+use super::bf16::bf16_panel;
 use super::packed::{Lines, Packed, LANES};
-use super::packed_avx512::{factor, lane_mask, pair};
+use super::packed_avx512::lane_mask;
 
 /// Whether this process may run AMX-BF16 tiles (detected and requested once).
 pub(crate) fn available() -> bool {
@@ -87,51 +88,6 @@ impl TileConfig {
             c[48 + t] = 16;
         }
         TileConfig(c)
-    }
-}
-
-/// bf16 bits of `v` (round to nearest even; the values are finite).
-#[inline(always)]
-unsafe fn bf16_bits(v: __m512) -> __m512i {
-    // SAFETY: AVX-512F, which the caller has.
-    unsafe {
-        let b = _mm512_castps_si512(v);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-        let r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-        _mm512_srli_epi32(r, 16)
-    }
-}
-
-/// Group `g`'s weights as bf16 pairs in the B layout, `cols / 2` rows of
-/// 16 × u32, into `dst`.
-///
-/// # Safety
-/// AVX-512F; `dst` holds `cols / 2 · 16` u32.
-#[target_feature(enable = "avx512f")]
-unsafe fn bf16_panel(p: &Packed, g: usize, dst: *mut u32) {
-    let s = p.scheme.sub;
-    // SAFETY: as the function's contract; k runs over the group's codes.
-    unsafe {
-        let table = _mm512_loadu_ps(p.scheme.table.as_ptr());
-        let base = p.codes.as_ptr().add(g * p.group_code_bytes());
-        for j in 0..p.subs {
-            let sc = factor(p, &p.scale_d, &p.scale_m, g, j);
-            let of = if p.scheme.offsets {
-                factor(p, &p.offs_d, &p.offs_m, g, j)
-            } else {
-                _mm512_setzero_ps()
-            };
-            for kk in (j * s..(j + 1) * s).step_by(2) {
-                let (lo, hi) = if p.scheme.nibble {
-                    pair::<true>(base, kk, table)
-                } else {
-                    pair::<false>(base, kk, table)
-                };
-                let (lo, hi) = (_mm512_fmadd_ps(lo, sc, of), _mm512_fmadd_ps(hi, sc, of));
-                let v = _mm512_or_si512(_mm512_slli_epi32(bf16_bits(hi), 16), bf16_bits(lo));
-                _mm512_storeu_si512(dst.add(kk / 2 * LANES) as *mut __m512i, v);
-            }
-        }
     }
 }
 

@@ -20,6 +20,8 @@
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod bf16;
 pub(crate) mod packed;
 #[cfg(target_arch = "x86_64")]
 mod packed_avx2;
@@ -118,23 +120,67 @@ pub enum CpuMatmul {
     #[default]
     Exact,
     /// Products of more than [`GEMV_ROWS`] rows (prefill, large batches)
-    /// on AMX: weights dequantized to bf16 and activations rounded to bf16,
-    /// products summed in f32 by the tiles (`amx.rs`); decode rows stay
-    /// exact. A row's result then depends on how many rows share its
-    /// product, so it is not batch-invariant. Where the CPU (or the kernel)
-    /// gives no AMX-BF16 this is [`CpuMatmul::Exact`].
+    /// in bf16 ([`FastKernel`]): weights dequantized to bf16 and
+    /// activations rounded to bf16, products summed in f32; decode rows
+    /// stay exact. A row's result then depends on how many rows share its
+    /// product, so it is not batch-invariant. Where the CPU has neither
+    /// AMX-BF16 (granted) nor AVX512-BF16 this is [`CpuMatmul::Exact`].
     Fast,
 }
 
 impl CpuMatmul {
-    /// Whether the fast path runs here (AMX-BF16 detected and granted).
+    /// Whether the fast path runs here (AMX-BF16 detected and granted, or
+    /// AVX512-BF16).
     pub fn fast_available() -> bool {
+        FastKernel::best().is_some()
+    }
+
+    /// The kernel `fast` runs on here, by name (`None`: it runs exact).
+    pub fn fast_kernel_name() -> Option<&'static str> {
+        FastKernel::best().map(|k| match k {
+            #[cfg(target_arch = "x86_64")]
+            FastKernel::Amx => "AMX-BF16",
+            #[cfg(target_arch = "x86_64")]
+            FastKernel::Avx512Bf16 => "AVX512-BF16",
+        })
+    }
+}
+
+/// The kernels of [`CpuMatmul::Fast`]; both multiply the same bf16 panels
+/// ([`bf16`]) and sum in f32, in different orders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FastKernel {
+    /// AMX tiles (`amx.rs`): Intel Sapphire Rapids and later.
+    #[cfg(target_arch = "x86_64")]
+    Amx,
+    /// `vdpbf16ps` register tiles (`bf16.rs`): AMD Zen 4 and later, and
+    /// Intel CPUs with AVX512-BF16 but no AMX.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
+}
+
+impl FastKernel {
+    /// Every one this CPU runs, fastest first (AMX only once Linux granted
+    /// its tile state). A kernel needs the AVX-512 packed path too.
+    pub(crate) fn available() -> Vec<FastKernel> {
+        #[allow(unused_mut)]
+        let mut v = Vec::new();
         #[cfg(target_arch = "x86_64")]
-        {
-            amx::available()
+        if Isa::best() == Isa::Avx512 {
+            if amx::available() {
+                v.push(FastKernel::Amx);
+            }
+            if bf16::available() {
+                v.push(FastKernel::Avx512Bf16);
+            }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        false
+        v
+    }
+
+    /// The fastest (detected once).
+    pub(crate) fn best() -> Option<FastKernel> {
+        static BEST: std::sync::OnceLock<Option<FastKernel>> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| FastKernel::available().first().copied())
     }
 }
 
@@ -255,14 +301,13 @@ pub(crate) unsafe fn packed_matmul_on(
     if n == 0 || k == 0 {
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if mode == CpuMatmul::Fast && n > GEMV_ROWS && isa == Isa::Avx512 && amx::available() {
-        // SAFETY: passed through; AMX is granted to this process.
-        unsafe { amx_matmul(parts, x, n, out, out_stride) };
-        return;
+    if mode == CpuMatmul::Fast && n > GEMV_ROWS && isa == Isa::Avx512 {
+        if let Some(kernel) = FastKernel::best() {
+            // SAFETY: passed through; the kernel runs here.
+            unsafe { fast_matmul(kernel, parts, x, n, out, out_stride) };
+            return;
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = mode;
     // Sub-block sums of x, once per sub-block size among the parts with a
     // min (q/k/v or gate/up in one format share them).
     let mut by_size: Vec<(usize, Vec<f32>)> = Vec::new();
@@ -381,40 +426,63 @@ fn pair_tasks(parts: &[(&Packed, usize)], splits: usize) -> Vec<(usize, usize, u
         .collect()
 }
 
-/// [`packed_matmul_on`] for `--cpu-matmul fast` on AMX: x rounded to bf16
-/// once (padded with zero rows to whole tile blocks), then tasks of a pair
-/// of groups over blocks of rows, about four per thread.
+/// [`packed_matmul_on`] for `--cpu-matmul fast` on `kernel`: x rounded
+/// to bf16 once (padded with zero rows to whole AMX tile blocks), then
+/// tasks of a pair of groups over slices of the rows, about four per
+/// thread.
 ///
 /// # Safety
-/// As [`packed_matmul_on`]; [`amx::available`] returned true.
-#[cfg(target_arch = "x86_64")]
-unsafe fn amx_matmul(
+/// As [`packed_matmul_on`]; `kernel` is one of [`FastKernel::available`].
+pub(crate) unsafe fn fast_matmul(
+    kernel: FastKernel,
     parts: &[(&Packed, usize)],
     x: &[f32],
     n: usize,
     out: *mut f32,
     out_stride: usize,
 ) {
-    let k = parts[0].0.cols;
-    let blocks = n.div_ceil(amx::ROW_BLOCK);
-    let mut xb = vec![0u16; blocks * amx::ROW_BLOCK * k];
-    for (d, &v) in xb.iter_mut().zip(&x[..n * k]) {
-        *d = half::bf16::from_f32(v).to_bits();
+    #[cfg(target_arch = "x86_64")]
+    {
+        let k = parts[0].0.cols;
+        let blocks = n.div_ceil(amx::ROW_BLOCK);
+        let mut xb = vec![0u16; blocks * amx::ROW_BLOCK * k];
+        // SAFETY: every kernel runs on AVX-512F CPUs.
+        unsafe { bf16::round_to_bf16(&x[..n * k], &mut xb) };
+        let threads = rayon::current_num_threads().max(1);
+        let pairs: usize = parts.iter().map(|(p, _)| p.groups.div_ceil(2)).sum();
+        let units = match kernel {
+            FastKernel::Amx => blocks,
+            FastKernel::Avx512Bf16 => n.div_ceil(8),
+        };
+        let splits = (4 * threads).div_ceil(pairs.max(1)).clamp(1, units);
+        let tasks = pair_tasks(parts, splits);
+        let (out_addr, xba) = (out as usize, xb.as_ptr() as usize);
+        tasks.into_par_iter().for_each(|(i, q, split)| {
+            let (p, col) = parts[i];
+            let g = (q * 2)..((q + 1) * 2).min(p.groups);
+            let o = (out_addr as *mut f32).wrapping_add(col + g.start * LANES);
+            let xb = xba as *const u16;
+            // SAFETY: the kernel runs here; this task alone writes its
+            // rows in the group's columns.
+            unsafe {
+                match kernel {
+                    FastKernel::Amx => {
+                        let bl = (blocks * split / splits)..(blocks * (split + 1) / splits);
+                        amx::gemm_block(p, g, bl, n, xb, o, out_stride)
+                    }
+                    FastKernel::Avx512Bf16 => {
+                        let rows = (n * split / splits)..(n * (split + 1) / splits);
+                        bf16::gemm_block(p, g, rows, xb, o, out_stride)
+                    }
+                }
+            };
+        });
     }
-    let threads = rayon::current_num_threads().max(1);
-    let pairs: usize = parts.iter().map(|(p, _)| p.groups.div_ceil(2)).sum();
-    let splits = (4 * threads).div_ceil(pairs.max(1)).clamp(1, blocks);
-    let tasks = pair_tasks(parts, splits);
-    let (out_addr, xba) = (out as usize, xb.as_ptr() as usize);
-    tasks.into_par_iter().for_each(|(i, q, split)| {
-        let (p, col) = parts[i];
-        let g = (q * 2)..((q + 1) * 2).min(p.groups);
-        let bl = (blocks * split / splits)..(blocks * (split + 1) / splits);
-        let o = (out_addr as *mut f32).wrapping_add(col + g.start * LANES);
-        // SAFETY: AMX is granted; this task alone writes the rows of its
-        // blocks in the group's columns.
-        unsafe { amx::gemm_block(p, g, bl, n, xba as *const u16, o, out_stride) };
-    });
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (kernel, parts, x, n, out, out_stride);
+        unreachable!("no fast kernel off x86_64");
+    }
 }
 
 /// Dequantizes row `r` of a matrix into `out` (`cols` long).

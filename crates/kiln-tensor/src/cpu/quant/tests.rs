@@ -385,12 +385,13 @@ fn a_matrix_of_no_rows_writes_nothing() {
     }
 }
 
-/// `--cpu-matmul fast` (AMX): a batched product is the f32-summed product
-/// of the bf16-rounded weights and activations (to f32 rounding, and one
-/// bf16 step on a weight where its two roundings can tie differently), so
-/// within 2 · 2⁻⁹ of Σ|w·x| of the exact product; decode rows are the exact
-/// path's bits. Where the CPU has no AMX the fast mode is the exact one,
-/// bit for bit.
+/// `--cpu-matmul fast` (each kernel this CPU has: AMX, AVX512-BF16): a
+/// batched product is the f32-summed product of the bf16-rounded weights
+/// and activations (to f32 rounding, and one bf16 step on a weight where
+/// its two roundings can tie differently), so within 2 · 2⁻⁹ of Σ|w·x| of
+/// the exact product; the mode runs the best kernel; decode rows are the
+/// exact path's bits. Where the CPU has no such kernel the fast mode is the
+/// exact one, bit for bit.
 #[test]
 fn fast_products_are_the_product_in_bf16() {
     let to_bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
@@ -424,28 +425,44 @@ fn fast_products_are_the_product_in_bf16() {
                     .all(|(a, b)| a.to_bits() == b.to_bits()));
                 continue;
             }
-            let wd = w.dequantize();
-            let wb: Vec<f32> = wd.iter().map(|&v| to_bf16(v)).collect();
-            let xb: Vec<f32> = x[..n * k].iter().map(|&v| to_bf16(v)).collect();
-            let (want_b, tol_b) = f64_product(&xb, n, &wb, m, k);
-            let (want, _) = f64_product(&x[..n * k], n, &wd, m, k);
-            for i in 0..n * m {
-                let (r, j) = (i / m, i % m);
-                let terms = (0..k).map(|e| (x[r * k + e] as f64 * wd[j * k + e] as f64).abs());
-                let (mag, big) = terms.fold((0f64, 0f64), |(s, b), t| (s + t, b.max(t)));
-                let g = fast[i] as f64;
-                assert!(
-                    (g - want_b[i]).abs() <= tol_b[i] + big * 2f64.powi(-8),
-                    "{format} {n}x{k}x{m} output {i}: {g} vs the bf16 product {}",
-                    want_b[i]
-                );
-                assert!(
-                    (g - want[i]).abs() <= mag * 2f64.powi(-8) + tol_b[i],
-                    "{format} {n}x{k}x{m} output {i}: {g} vs the exact {}",
-                    want[i]
-                );
+            let on = |kernel| {
+                let mut out = vec![f32::NAN; n * m];
+                // SAFETY: n × m outputs, row stride m; the kernel runs here.
+                unsafe { fast_matmul(kernel, &[(&p, 0)], &x[..n * k], n, out.as_mut_ptr(), m) };
+                out
+            };
+            let best = on(FastKernel::best().unwrap());
+            assert!(
+                fast.iter()
+                    .zip(&best)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{format}: the mode runs the best kernel"
+            );
+            for kernel in FastKernel::available() {
+                let fast = on(kernel);
+                let wd = w.dequantize();
+                let wb: Vec<f32> = wd.iter().map(|&v| to_bf16(v)).collect();
+                let xb: Vec<f32> = x[..n * k].iter().map(|&v| to_bf16(v)).collect();
+                let (want_b, tol_b) = f64_product(&xb, n, &wb, m, k);
+                let (want, _) = f64_product(&x[..n * k], n, &wd, m, k);
+                for i in 0..n * m {
+                    let (r, j) = (i / m, i % m);
+                    let terms = (0..k).map(|e| (x[r * k + e] as f64 * wd[j * k + e] as f64).abs());
+                    let (mag, big) = terms.fold((0f64, 0f64), |(s, b), t| (s + t, b.max(t)));
+                    let g = fast[i] as f64;
+                    assert!(
+                        (g - want_b[i]).abs() <= tol_b[i] + big * 2f64.powi(-8),
+                        "{format} {n}x{k}x{m} output {i}: {g} vs the bf16 product {}",
+                        want_b[i]
+                    );
+                    assert!(
+                        (g - want[i]).abs() <= mag * 2f64.powi(-8) + tol_b[i],
+                        "{format} {n}x{k}x{m} output {i}: {g} vs the exact {}",
+                        want[i]
+                    );
+                }
+                assert!(fast != exact, "{format} {kernel:?}: the fast path ran");
             }
-            assert!(fast != exact, "{format}: the fast path ran");
             // Decode rows (at most GEMV_ROWS) keep the exact path's bits.
             let (f2, e2) = (run(CpuMatmul::Fast, 2), run(CpuMatmul::Exact, 2));
             assert!(f2.iter().zip(&e2).all(|(a, b)| a.to_bits() == b.to_bits()));
