@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use half::bf16;
 use kiln_tensor::{
     Activation, AttentionParams, Backend, DType, Epilogue, ForwardBatch, KvCache, KvPoolShape,
-    Memory, NormPrologue, Ops, QkNorm, Result, RopeParams, Sampling, StepRecording, Tensor,
+    Memory, NormPrologue, Ops, QkNorm, Result, RopeParams, Sampling, StepFn, StepRecording, Tensor,
     TensorError, Weight,
 };
 
@@ -423,7 +423,7 @@ impl StepRecording for CudaBackend {
         &self,
         batch: &ForwardBatch,
         cache: &mut KvCache,
-        forward: &mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>,
+        forward: &mut StepFn<'_>,
     ) -> Result<Tensor> {
         crate::step::graphs::run_step(self, batch, cache, forward)
     }

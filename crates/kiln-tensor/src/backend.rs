@@ -600,16 +600,22 @@ pub trait Sampling: Memory {
     }
 }
 
+/// A whole forward step as [`StepRecording::run_step`] is handed it: it
+/// may run on another thread (the CPU's compute pool) while the caller
+/// waits.
+pub type StepFn<'a> = dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor> + Send + 'a;
+
 /// Running a whole forward step, which a backend may record and replay.
 pub trait StepRecording {
     /// Run one forward step: `forward(batch)` returns the logits of
     /// `batch.logits_rows`. Backends may pad the batch and replay a
-    /// recorded version of the step (CUDA graphs); the result is the same.
+    /// recorded version of the step (CUDA graphs), or run it on their own
+    /// threads (the CPU); the result is the same.
     fn run_step(
         &self,
         batch: &ForwardBatch,
         cache: &mut KvCache,
-        forward: &mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>,
+        forward: &mut StepFn<'_>,
     ) -> Result<Tensor> {
         forward(batch, cache)
     }

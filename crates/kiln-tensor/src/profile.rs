@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use crate::backend::{
     Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, Memory,
-    Ops, QkNorm, RopeParams, Sampling, StepRecording,
+    Ops, QkNorm, RopeParams, Sampling, StepFn, StepRecording,
 };
 use crate::error::Result;
 use crate::extension::ExtensionOp;
@@ -286,7 +286,7 @@ impl StepRecording for ProfilingBackend {
         &self,
         batch: &ForwardBatch,
         cache: &mut KvCache,
-        forward: &mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>,
+        forward: &mut StepFn<'_>,
     ) -> Result<Tensor> {
         self.inner.run_step(batch, cache, forward)
     }

@@ -73,9 +73,10 @@ pub(crate) fn run_step(
     batch: &kiln_tensor::ForwardBatch,
     cache: &mut kiln_tensor::KvCache,
     step: impl Fn(
-        &kiln_tensor::ForwardBatch,
-        &mut kiln_tensor::KvCache,
-    ) -> crate::Result<kiln_tensor::Tensor>,
+            &kiln_tensor::ForwardBatch,
+            &mut kiln_tensor::KvCache,
+        ) -> crate::Result<kiln_tensor::Tensor>
+        + Sync,
 ) -> crate::Result<kiln_tensor::Tensor> {
     let mut step = |batch: &kiln_tensor::ForwardBatch,
                     cache: &mut kiln_tensor::KvCache|
