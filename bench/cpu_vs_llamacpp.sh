@@ -38,7 +38,7 @@ python3 - "$tmp" "$out" "$commit" "$models" <<'PY'
 import json, os, platform, sys
 tmp, out, commit, models = sys.argv[1:]
 report = {"what": "Kiln CPU backend (exact path: GGUF blocks repacked at load into 16-row groups, f32 activations) vs llama.cpp (node-llama-cpp 3.22.1 prebuilt CPU), "
-                  "same GGUF, 512-token prompt, 128 greedy decode steps, 2 threads, engines alternated (Kiln exact, llama.cpp, Kiln --cpu-matmul fast: prefill products on AMX-BF16 tiles, weights and activations in bf16)",
+                  "same GGUF, 512-token prompt, 128 greedy decode steps, 2 threads, engines alternated (Kiln exact, llama.cpp, Kiln --cpu-matmul fast: prefill products in bf16 on AMX tiles or AVX512-BF16 vdpbf16ps, the kernel named in kiln_cpu_matmul_fast.cpu_matmul_fast_kernel, weights and activations in bf16)",
           "commit": commit, "machine": platform.node(), "cpu": None, "models": {}}
 for m in models.split():
     k = json.load(open(os.path.join(tmp, f"kiln_{m}.json")))
