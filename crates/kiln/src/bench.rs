@@ -226,6 +226,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "threads": rayon::current_num_threads(),
         "cpu_matmul": format!("{:?}", crate::cli::CPU_MATMUL.get().copied().unwrap_or_default()).to_lowercase(),
         "cpu_matmul_fast_kernel": kiln_tensor::cpu::quant::CpuMatmul::fast_kernel_name(),
+        "kv_cache_dtype": crate::cli::KV_CACHE_DTYPE
+            .get()
+            .copied()
+            .flatten()
+            .map_or("auto".to_string(), |d| format!("{d:?}").to_lowercase()),
         "cpu": cpu,
         "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens,

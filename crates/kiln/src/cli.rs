@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use kiln_engine::LoadedModel;
 use kiln_sampling::{NgramRepeat, SamplingParams, TokenId};
 use kiln_tensor::cpu::quant::CpuMatmul;
-use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::cpu::{CpuBackend, CpuKvDtype};
 
 /// The file the default model is fetched to by `scripts/fetch-models.sh`.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -29,6 +29,12 @@ pub struct Cli {
     /// one; decode rows stay exact; not batch-invariant).
     #[arg(long, global = true, default_value = "exact", value_parser = parse_cpu_matmul)]
     pub cpu_matmul: CpuMatmul,
+    /// How the KV cache stores keys and values: `auto` (the backend's own:
+    /// f32 on the CPU, bf16 on CUDA) or `f16` (CPU: half the bytes, each
+    /// value rounded to f16 when written; still batch-invariant, not the
+    /// goldens' bits).
+    #[arg(long, global = true, default_value = "auto", value_parser = parse_kv_cache_dtype)]
+    pub kv_cache_dtype: KvCacheDtype,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -131,6 +137,25 @@ fn parse_cpu_matmul(s: &str) -> Result<CpuMatmul, String> {
     }
 }
 
+/// `--kv-cache-dtype`: the backend's own, or a CPU cache element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvCacheDtype(pub Option<CpuKvDtype>);
+
+fn parse_kv_cache_dtype(s: &str) -> Result<KvCacheDtype, String> {
+    match s {
+        "auto" => Ok(KvCacheDtype(None)),
+        "f32" => Ok(KvCacheDtype(Some(CpuKvDtype::F32))),
+        "f16" => Ok(KvCacheDtype(Some(CpuKvDtype::F16))),
+        other => Err(format!(
+            "unknown --kv-cache-dtype {other:?} (auto, f32, f16)"
+        )),
+    }
+}
+
+/// `--kv-cache-dtype`, set once by `main` before any backend is made
+/// (`None`: the backend's own).
+pub static KV_CACHE_DTYPE: std::sync::OnceLock<Option<CpuKvDtype>> = std::sync::OnceLock::new();
+
 /// `--cpu-matmul`, set once by `main` before any backend is made.
 pub static CPU_MATMUL: std::sync::OnceLock<CpuMatmul> = std::sync::OnceLock::new();
 
@@ -142,12 +167,19 @@ fn cpu_backend() -> CpuBackend {
             "kiln: --cpu-matmul fast needs AMX-BF16 or AVX512-BF16, which this CPU lacks; running exact"
         );
     }
-    CpuBackend::with_matmul(mode)
+    let kv = KV_CACHE_DTYPE.get().copied().flatten().unwrap_or_default();
+    CpuBackend::with_matmul(mode).with_kv_dtype(kv)
 }
 
 /// The backend `--device` names.
 pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
     let cuda = |ordinal: usize| -> Result<Arc<dyn kiln_tensor::Backend>> {
+        if let Some(d) = KV_CACHE_DTYPE.get().copied().flatten() {
+            anyhow::bail!(
+                "--kv-cache-dtype {} is a CPU option: the CUDA backend keeps its KV cache in bf16",
+                format!("{d:?}").to_lowercase()
+            );
+        }
         Ok(Arc::new(cuda_backend(ordinal)?))
     };
     match device {

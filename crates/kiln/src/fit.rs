@@ -119,7 +119,16 @@ pub fn target_for(
             Some(b) => b,
             None => mem_available()?,
         };
-        return Ok((MemoryTarget::cpu(), avail));
+        // The CPU cache's element (`--kv-cache-dtype`).
+        let kv_bytes_per_element = match backend {
+            Some(b) if b.device_memory().is_none() => b.kv_bytes_per_element(),
+            _ => crate::cli::backend_for("cpu")?.kv_bytes_per_element(),
+        };
+        let target = MemoryTarget {
+            kv_bytes_per_element,
+            ..MemoryTarget::cpu()
+        };
+        return Ok((target, avail));
     }
     let opened;
     let backend = match backend {

@@ -31,6 +31,7 @@ pub static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::O
 
 fn main() {
     PROCESS_START.get_or_init(std::time::Instant::now);
+    one_malloc_arena();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
@@ -38,9 +39,31 @@ fn main() {
     }
 }
 
+/// One malloc arena for the process (glibc), set before any thread
+/// starts. CPU steps run on the compute pool's threads
+/// (`StepRecording::run_step`), and with glibc's arena per thread the
+/// activations one step frees on one thread are not reused by the next
+/// step on another: measured SmolLM2 at a 2,000-token prompt peaking 10 %
+/// above what `kiln fit` plans, and at the plan with one arena.
+fn one_malloc_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        const M_ARENA_MAX: std::ffi::c_int = -8;
+        extern "C" {
+            fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
+        }
+        // SAFETY: mallopt only sets an allocator parameter; no other
+        // thread exists yet.
+        unsafe {
+            mallopt(M_ARENA_MAX, 1);
+        }
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     cuda_env::set_flags(&cli.cuda_options)?;
     let _ = cli::CPU_MATMUL.set(cli.cpu_matmul);
+    let _ = cli::KV_CACHE_DTYPE.set(cli.kv_cache_dtype.0);
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

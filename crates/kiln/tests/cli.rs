@@ -56,6 +56,62 @@ fn json_of(out: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// `--kv-cache-dtype f16` on the CPU: `kiln fit` plans half the KV bytes a
+/// token, a short greedy answer is the f32 cache's (the rounding moves
+/// logits by ~1e-3, far inside these tokens' margins), and CUDA or an
+/// unknown element is refused by name.
+#[test]
+fn kv_cache_dtype_f16_halves_the_cache_and_keeps_a_greedy_answer() {
+    let fit = |extra: &[&str]| {
+        let out = kiln()
+            .args(extra)
+            .arg("fit")
+            .arg(smollm2())
+            .args(["--device", "cpu", "--memory-bytes", "2000000000", "--json"])
+            .args(["--context", "4096"])
+            .output()
+            .unwrap();
+        json_of(&out)["kv_bytes_per_token"].as_f64().unwrap()
+    };
+    assert_eq!(fit(&["--kv-cache-dtype", "f16"]) * 2.0, fit(&[]));
+    let generate = |extra: &[&str]| {
+        let out = kiln()
+            .args(extra)
+            .args(["generate", "--chat", "--max-tokens", "8", "--json", "-m"])
+            .arg(smollm2())
+            .args([
+                "-p",
+                "What is the capital of France? Answer in one sentence.",
+            ])
+            .output()
+            .unwrap();
+        json_of(&out)["token_ids"].clone()
+    };
+    assert_eq!(generate(&["--kv-cache-dtype", "f16"]), generate(&[]));
+    let refused = |args: &[&str], says: &str| {
+        let out = kiln().args(args).output().unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{err}");
+    };
+    refused(
+        &[
+            "--kv-cache-dtype",
+            "f16",
+            "generate",
+            "--device",
+            "cuda",
+            "-p",
+            "x",
+        ],
+        "CPU option",
+    );
+    refused(
+        &["--kv-cache-dtype", "fp4", "generate", "-p", "x"],
+        "auto, f32, f16",
+    );
+}
+
 #[test]
 fn generate_chat_json_carries_ids_text_finish_and_timings() {
     let out = kiln()

@@ -18,12 +18,27 @@ use crate::tensor::{DType, Tensor};
 use crate::weight::{BlockPart, BlockWeight, Weight, WeightKind};
 use kiln_quant::QuantMatrix;
 
-use attention::CpuKv;
+use attention::{CpuKv, KvElem};
+use half::f16;
+
+/// How the CPU keeps its KV cache (`--kv-cache-dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpuKvDtype {
+    /// Keys and values as computed (the goldens' numerics).
+    #[default]
+    F32,
+    /// Each key and value rounded to the nearest f16 when written: half
+    /// the bytes (twice the tokens in a pool, half the attention reads);
+    /// the attention's arithmetic is the f32 cache's, on the rounded
+    /// values, so still batch-invariant but not the goldens' bits.
+    F16,
+}
 
 /// The CPU backend. Threads come from the rayon pool the caller set up.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend {
     matmul: quant::CpuMatmul,
+    kv: CpuKvDtype,
 }
 
 impl CpuBackend {
@@ -34,7 +49,20 @@ impl CpuBackend {
 
     /// A backend whose packed products run in `mode` (`--cpu-matmul`).
     pub fn with_matmul(mode: quant::CpuMatmul) -> Self {
-        CpuBackend { matmul: mode }
+        CpuBackend {
+            matmul: mode,
+            ..CpuBackend::default()
+        }
+    }
+
+    /// This backend with its KV cache kept as `dtype`.
+    pub fn with_kv_dtype(self, dtype: CpuKvDtype) -> Self {
+        CpuBackend { kv: dtype, ..self }
+    }
+
+    /// How it keeps its KV cache.
+    pub fn kv_dtype(&self) -> CpuKvDtype {
+        self.kv
     }
 
     /// The mode its packed products run in.
@@ -93,15 +121,44 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn kv(cache: &mut KvCache) -> Result<&mut CpuKv> {
-        cache
-            .storage_mut()
-            .downcast_mut::<CpuKv>()
-            .ok_or(TensorError::WrongBackend {
+    /// The cache's layers, f32 or f16.
+    fn kv(cache: &mut KvCache) -> Result<Kv<'_>> {
+        let storage = cache.storage_mut();
+        if storage.is::<CpuKv<f32>>() {
+            return Ok(Kv::F32(storage.downcast_mut::<CpuKv<f32>>().unwrap()));
+        }
+        match storage.downcast_mut::<CpuKv<f16>>() {
+            Some(kv) => Ok(Kv::F16(kv)),
+            None => Err(TensorError::WrongBackend {
                 op: "attention",
                 expected: "cpu",
-            })
+            }),
+        }
     }
+}
+
+/// A CPU KV cache of either element.
+enum Kv<'a> {
+    F32(&'a mut CpuKv<f32>),
+    F16(&'a mut CpuKv<f16>),
+}
+
+/// Writes this step's keys and values (when given) into `layer`, then
+/// attends over the layer.
+#[allow(clippy::too_many_arguments)]
+fn attend_in<E: KvElem>(
+    kv: &mut CpuKv<E>,
+    layer: usize,
+    new: Option<(&[f32], &[f32])>,
+    qd: &[f32],
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+) -> Vec<f32> {
+    if let Some((kd, vd)) = new {
+        let slots = &batch.slot_mapping[p.kv_group];
+        kv.write(layer, slots, kd, vd, (p.num_kv_heads, p.head_dim));
+    }
+    attention::attend(qd, batch, &kv.k[layer], &kv.v[layer], kv.kv_row, p)
 }
 
 impl Backend for CpuBackend {
@@ -145,26 +202,39 @@ impl Memory for CpuBackend {
         Ok(self.data(t, "to_host")?.to_vec())
     }
 
+    fn kv_bytes_per_element(&self) -> usize {
+        match self.kv {
+            CpuKvDtype::F32 => 4,
+            CpuKvDtype::F16 => 2,
+        }
+    }
+
     fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
-        let per_layer = spec.num_slots() * spec.kv_row;
-        let alloc = |what: &str| -> Result<Vec<Vec<f32>>> {
-            (0..spec.num_layers)
-                .map(|_| {
-                    zeroed_f32(per_layer).ok_or_else(|| TensorError::OutOfMemory {
-                        backend: "cpu",
-                        bytes: (per_layer * 4) as u64,
-                        what: format!("KV cache {what}"),
+        fn alloc<E: KvElem>(spec: &KvPoolShape) -> Result<CpuKv<E>> {
+            let per_layer = spec.num_slots() * spec.kv_row;
+            let layers = |what: &str| -> Result<Vec<Vec<E>>> {
+                (0..spec.num_layers)
+                    .map(|_| {
+                        zeroed::<E>(per_layer).ok_or_else(|| TensorError::OutOfMemory {
+                            backend: "cpu",
+                            bytes: (per_layer * std::mem::size_of::<E>()) as u64,
+                            what: format!("KV cache {what}"),
+                        })
                     })
-                })
-                .collect()
+                    .collect()
+            };
+            Ok(CpuKv {
+                k: layers("keys")?,
+                v: layers("values")?,
+                block_size: spec.block_size,
+                kv_row: spec.kv_row,
+            })
+        }
+        let storage: Box<dyn std::any::Any + Send> = match self.kv {
+            CpuKvDtype::F32 => Box::new(alloc::<f32>(&spec)?),
+            CpuKvDtype::F16 => Box::new(alloc::<f16>(&spec)?),
         };
-        let kv = CpuKv {
-            k: alloc("keys")?,
-            v: alloc("values")?,
-            block_size: spec.block_size,
-            kv_row: spec.kv_row,
-        };
-        Ok(KvCache::from_storage(spec, Box::new(kv)))
+        Ok(KvCache::from_storage(spec, storage))
     }
 }
 
@@ -365,11 +435,10 @@ impl Ops for CpuBackend {
             self.data(k, "attention")?,
             self.data(v, "attention")?,
         );
-        let kv = Self::kv(cache)?;
-        let slots = &batch.slot_mapping[p.kv_group];
-        kv.write(layer, slots, kd, vd, (p.num_kv_heads, p.head_dim));
-        let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
-        let out = attention::attend(qd, batch, kc, vc, kv.kv_row, p);
+        let out = match Self::kv(cache)? {
+            Kv::F32(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p),
+            Kv::F16(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p),
+        };
         Ok(Self::wrap(vec![n, qw], out))
     }
 
@@ -384,8 +453,10 @@ impl Ops for CpuBackend {
         crate::backend::check_shared_attention_args(q, &cache.spec, layer, batch, p)?;
         let (n, qw) = q.dims2("attention_shared")?;
         let qd = self.data(q, "attention_shared")?;
-        let kv = Self::kv(cache)?;
-        let out = attention::attend(qd, batch, &kv.k[layer], &kv.v[layer], kv.kv_row, p);
+        let out = match Self::kv(cache)? {
+            Kv::F32(kv) => attend_in(kv, layer, None, qd, batch, p),
+            Kv::F16(kv) => attend_in(kv, layer, None, qd, batch, p),
+        };
         Ok(Self::wrap(vec![n, qw], out))
     }
 
@@ -436,16 +507,17 @@ impl StepRecording for CpuBackend {
 /// `n` zeros from the allocator's zeroed memory (`calloc`): large pools
 /// come from the kernel's zero pages, so a KV pool costs resident memory
 /// only as its blocks are written. `None` when the allocation fails.
-fn zeroed_f32(n: usize) -> Option<Vec<f32>> {
+fn zeroed<E: KvElem>(n: usize) -> Option<Vec<E>> {
     if n == 0 {
         return Some(Vec::new());
     }
-    let layout = std::alloc::Layout::array::<f32>(n).ok()?;
+    let layout = std::alloc::Layout::array::<E>(n).ok()?;
     // SAFETY: the layout has a non-zero size; a non-null result is an
-    // allocation of `n` f32s from the global allocator, all bits zero (a
-    // valid 0.0), which `Vec` may own and free with the same layout.
+    // allocation of `n` elements from the global allocator, all bits zero
+    // (a valid 0.0 for f32 and f16, the only elements), which `Vec` may own
+    // and free with the same layout.
     unsafe {
-        let ptr = std::alloc::alloc_zeroed(layout) as *mut f32;
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut E;
         if ptr.is_null() {
             return None;
         }
