@@ -52,14 +52,13 @@ impl KvElem for f32 {
     fn kernels(hd: usize) -> &'static Kernels<f32> {
         static PORTABLE: OnceLock<Kernels<f32>> = OnceLock::new();
         #[cfg(target_arch = "x86_64")]
-        {
-            static AVX512: Kernels<f32> = avx512::kernels();
-            if hd % 16 == 0 && avx512::detected() {
-                return &AVX512;
-            }
-        }
-        let _ = hd;
-        PORTABLE.get_or_init(portable::kernels)
+        static AVX512: Kernels<f32> = avx512::kernels();
+        choose(
+            hd,
+            &PORTABLE,
+            #[cfg(target_arch = "x86_64")]
+            &AVX512,
+        )
     }
 }
 
@@ -74,15 +73,29 @@ impl KvElem for f16 {
     fn kernels(hd: usize) -> &'static Kernels<f16> {
         static PORTABLE: OnceLock<Kernels<f16>> = OnceLock::new();
         #[cfg(target_arch = "x86_64")]
-        {
-            static AVX512: Kernels<f16> = avx512::kernels();
-            if hd % 16 == 0 && avx512::detected() {
-                return &AVX512;
-            }
-        }
-        let _ = hd;
-        PORTABLE.get_or_init(portable::kernels)
+        static AVX512: Kernels<f16> = avx512::kernels();
+        choose(
+            hd,
+            &PORTABLE,
+            #[cfg(target_arch = "x86_64")]
+            &AVX512,
+        )
     }
+}
+
+/// The AVX-512 kernels where they run (head sizes that are multiples of
+/// 16), else the portable ones.
+fn choose<E: KvElem>(
+    hd: usize,
+    fallback: &'static OnceLock<Kernels<E>>,
+    #[cfg(target_arch = "x86_64")] avx512: &'static Kernels<E>,
+) -> &'static Kernels<E> {
+    #[cfg(target_arch = "x86_64")]
+    if hd % 16 == 0 && avx512::detected() {
+        return avx512;
+    }
+    let _ = hd;
+    fallback.get_or_init(portable::kernels)
 }
 
 /// Host KV storage: per layer, keys and values laid out as
