@@ -330,10 +330,17 @@ mod portable {
         }
     }
 
-    /// f32 keys by the dense product's dot; f16 keys widened, summed in
-    /// ascending `d`.
+    /// By the dense product's dot (f16 keys widened into a row first).
     pub fn scores<E: KvElem>(q: &[f32], k: &[E], scale: f32, s: &mut [f32]) {
         let dot = super::super::matmul::dot_fn();
+        if std::any::TypeId::of::<E>() == std::any::TypeId::of::<f32>() {
+            // SAFETY: E is f32, so the slice is one of f32s.
+            let k = unsafe { std::slice::from_raw_parts(k.as_ptr() as *const f32, k.len()) };
+            for (s, kr) in s.iter_mut().zip(k.chunks_exact(q.len())) {
+                *s = dot(q, kr) * scale;
+            }
+            return;
+        }
         let mut row = vec![0f32; q.len()];
         for (s, kr) in s.iter_mut().zip(k.chunks_exact(q.len())) {
             for (r, &x) in row.iter_mut().zip(kr) {
