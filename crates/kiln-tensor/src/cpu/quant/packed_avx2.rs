@@ -73,11 +73,10 @@ unsafe fn pair<const NIB: bool>(
     // SAFETY: the caller's k lies inside the group's codes.
     unsafe {
         if NIB {
-            let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                base.add(k / 2 * LANES + h * HALF) as *const __m128i
-            ));
-            let lo = _mm256_and_si256(c, _mm256_set1_epi32(0xF));
-            (lut(lo, t), lut(_mm256_srli_epi32(c, 4), t))
+            // Lanes h·8.. of the run's words (see `packed`'s layout).
+            let v = _mm256_loadu_si256(base.add((k / 8) * 64 + h * HALF * 4) as *const __m256i);
+            let c = _mm256_srl_epi32(v, _mm_cvtsi32_si128((4 * (k % 8)) as i32));
+            (lut(c, t), lut(_mm256_srli_epi32(c, 4), t))
         } else {
             let at = |k: usize| {
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(

@@ -46,8 +46,9 @@ pub(crate) unsafe fn pair<const NIB: bool>(
     // SAFETY: the caller's k lies inside the group's codes.
     unsafe {
         if NIB {
-            let c =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(base.add(k / 2 * LANES) as *const __m128i));
+            // The run's 16 words (see `packed`'s layout), shifted to k.
+            let v = _mm512_loadu_si512(base.add((k / 8) * 64) as *const __m512i);
+            let c = _mm512_srl_epi32(v, _mm_cvtsi32_si128((4 * (k % 8)) as i32));
             (
                 _mm512_permutexvar_ps(c, table),
                 _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table),
@@ -93,14 +94,47 @@ unsafe fn gemv<const G: usize, const NIB: bool>(
         for j in 0..p.subs {
             let mut e = [_mm512_setzero_ps(); G];
             let mut o = [_mm512_setzero_ps(); G];
-            for pp in 0..s / 2 {
-                let k = j * s + 2 * pp;
-                let xe = _mm512_set1_ps(*x.add(k));
-                let xo = _mm512_set1_ps(*x.add(k + 1));
-                for gi in 0..G {
-                    let (lo, hi) = pair::<NIB>(codes.add(gi * gcb), k, table);
-                    e[gi] = _mm512_fmadd_ps(lo, xe, e[gi]);
-                    o[gi] = _mm512_fmadd_ps(hi, xo, o[gi]);
+            if NIB {
+                // A run of 8 elements a load: element 8m + t is the words
+                // shifted by 4t; the even ones feed `e`, the odd `o`, in
+                // ascending k as below.
+                for m in 0..s / 8 {
+                    let k0 = j * s + 8 * m;
+                    let xs: [__m512; 8] = std::array::from_fn(|t| _mm512_set1_ps(*x.add(k0 + t)));
+                    for gi in 0..G {
+                        let v = _mm512_loadu_si512(codes.add(gi * gcb + k0 * 8) as *const __m512i);
+                        macro_rules! step {
+                            ($t:literal, $acc:ident) => {
+                                $acc[gi] = _mm512_fmadd_ps(
+                                    _mm512_permutexvar_ps(
+                                        _mm512_srli_epi32::<{ 4 * $t }>(v),
+                                        table,
+                                    ),
+                                    xs[$t],
+                                    $acc[gi],
+                                );
+                            };
+                        }
+                        e[gi] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, table), xs[0], e[gi]);
+                        step!(1, o);
+                        step!(2, e);
+                        step!(3, o);
+                        step!(4, e);
+                        step!(5, o);
+                        step!(6, e);
+                        step!(7, o);
+                    }
+                }
+            } else {
+                for pp in 0..s / 2 {
+                    let k = j * s + 2 * pp;
+                    let xe = _mm512_set1_ps(*x.add(k));
+                    let xo = _mm512_set1_ps(*x.add(k + 1));
+                    for gi in 0..G {
+                        let (lo, hi) = pair::<NIB>(codes.add(gi * gcb), k, table);
+                        e[gi] = _mm512_fmadd_ps(lo, xe, e[gi]);
+                        o[gi] = _mm512_fmadd_ps(hi, xo, o[gi]);
+                    }
                 }
             }
             for gi in 0..G {
