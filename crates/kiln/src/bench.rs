@@ -230,7 +230,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             .get()
             .copied()
             .flatten()
-            .map_or("auto".to_string(), |d| format!("{d:?}").to_lowercase()),
+            .map_or("auto", |d| d.name()),
         "cpu": cpu,
         "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens,

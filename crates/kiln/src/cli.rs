@@ -177,7 +177,7 @@ pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
         if let Some(d) = KV_CACHE_DTYPE.get().copied().flatten() {
             anyhow::bail!(
                 "--kv-cache-dtype {} is a CPU option: the CUDA backend keeps its KV cache in bf16",
-                format!("{d:?}").to_lowercase()
+                d.name()
             );
         }
         Ok(Arc::new(cuda_backend(ordinal)?))

@@ -34,6 +34,16 @@ pub enum CpuKvDtype {
     F16,
 }
 
+impl CpuKvDtype {
+    /// Its `--kv-cache-dtype` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuKvDtype::F32 => "f32",
+            CpuKvDtype::F16 => "f16",
+        }
+    }
+}
+
 /// The CPU backend. Threads come from the rayon pool the caller set up.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend {
@@ -58,11 +68,6 @@ impl CpuBackend {
     /// This backend with its KV cache kept as `dtype`.
     pub fn with_kv_dtype(self, dtype: CpuKvDtype) -> Self {
         CpuBackend { kv: dtype, ..self }
-    }
-
-    /// How it keeps its KV cache.
-    pub fn kv_dtype(&self) -> CpuKvDtype {
-        self.kv
     }
 
     /// The mode its packed products run in.
@@ -145,7 +150,6 @@ enum Kv<'a> {
 
 /// Writes this step's keys and values (when given) into `layer`, then
 /// attends over the layer.
-#[allow(clippy::too_many_arguments)]
 fn attend_in<E: KvElem>(
     kv: &mut CpuKv<E>,
     layer: usize,

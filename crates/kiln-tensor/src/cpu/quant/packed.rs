@@ -37,8 +37,8 @@
 //! feeds 8 elements × 16 lanes; a lane's code for element `8m + t` is that
 //! word shifted right by `4t`, which `vpermps` on the value table reads
 //! by its low 4 bits (measured on Zen 4 in a replica of the decode loop:
-//! +6–17 % against 16 bytes per pair widened by `vpmovzxbd`). 5-, 6- and 8-bit codes are stored as signed bytes
-//! (so Q5_* and Q6_K take 8 bits a weight here against 5.5–6.6 in the
+//! +6–17 % against 16 bytes per pair widened by `vpmovzxbd`). 5-, 6- and
+//! 8-bit codes are stored as signed bytes (so Q5_* and Q6_K take 8 bits a weight here against 5.5–6.6 in the
 //! file; Q2_K and Q3_K take 4). Scales stay f16, K-quant sub-scales bytes.
 
 use half::f16;
@@ -49,11 +49,18 @@ use rayon::prelude::*;
 /// Rows in a group: the lanes of an AVX-512 f32 vector.
 pub(crate) const LANES: usize = 16;
 
+/// Where the 64-byte line of a group's nibble codes holding element `k`
+/// (of every lane) starts.
+#[inline(always)]
+pub(crate) const fn nibble_line(k: usize) -> usize {
+    (k / 8) * 64
+}
+
 /// The byte of a group's nibble codes holding elements `k` and `k ^ 1` of
 /// lane `l` (the even one in the low nibble).
 #[inline(always)]
 pub(crate) const fn nibble_byte(k: usize, l: usize) -> usize {
-    (k / 8) * 64 + 4 * l + (k % 8) / 2
+    nibble_line(k) + 4 * l + (k % 8) / 2
 }
 
 /// A buffer of 16-float vectors aligned to cache lines (a vector load from
@@ -557,7 +564,7 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
                 let c = &mut c[..bs];
                 let blk = &row[bi * bb..bi * bb + bb];
                 if scheme.nibble {
-                    let dst = &mut codes[(k0 / 2) * LANES..(k0 + bs) / 2 * LANES];
+                    let dst = &mut codes[nibble_line(k0)..nibble_line(k0 + bs)];
                     if direct_nibbles(format, blk, dst, l, &mut sc, &mut of) {
                         for s in 0..subs_per_block {
                             let j = bi * subs_per_block + s;
@@ -571,7 +578,7 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
                 }
                 decompose(format, blk, c, &mut sc, &mut of);
                 if scheme.nibble {
-                    let dst = &mut codes[(k0 / 2) * LANES..(k0 + bs) / 2 * LANES];
+                    let dst = &mut codes[nibble_line(k0)..nibble_line(k0 + bs)];
                     for (i, two) in c.chunks_exact(2).enumerate() {
                         dst[nibble_byte(2 * i, l)] = two[0] | (two[1] << 4);
                     }

@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::packed::{Packed, ScaleKind, LANES};
+use super::packed::{nibble_line, Packed, ScaleKind, LANES};
 
 const HALF: usize = 8;
 /// Elements of `k` a GEMM panel covers.
@@ -74,7 +74,7 @@ unsafe fn pair<const NIB: bool>(
     unsafe {
         if NIB {
             // Lanes h·8.. of the run's words (see `packed`'s layout).
-            let v = _mm256_loadu_si256(base.add((k / 8) * 64 + h * HALF * 4) as *const __m256i);
+            let v = _mm256_loadu_si256(base.add(nibble_line(k) + h * HALF * 4) as *const __m256i);
             let c = _mm256_srl_epi32(v, _mm_cvtsi32_si128((4 * (k % 8)) as i32));
             (lut(c, t), lut(_mm256_srli_epi32(c, 4), t))
         } else {

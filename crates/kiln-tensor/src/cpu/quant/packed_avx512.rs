@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::packed::{Lines, Packed, ScaleKind, LANES};
+use super::packed::{nibble_line, Lines, Packed, ScaleKind, LANES};
 
 /// Elements of `k` a GEMM tile covers at a time (a whole number of
 /// sub-blocks).
@@ -47,7 +47,7 @@ pub(crate) unsafe fn pair<const NIB: bool>(
     unsafe {
         if NIB {
             // The run's 16 words (see `packed`'s layout), shifted to k.
-            let v = _mm512_loadu_si512(base.add((k / 8) * 64) as *const __m512i);
+            let v = _mm512_loadu_si512(base.add(nibble_line(k)) as *const __m512i);
             let c = _mm512_srl_epi32(v, _mm_cvtsi32_si128((4 * (k % 8)) as i32));
             (
                 _mm512_permutexvar_ps(c, table),
@@ -102,7 +102,8 @@ unsafe fn gemv<const G: usize, const NIB: bool>(
                     let k0 = j * s + 8 * m;
                     let xs: [__m512; 8] = std::array::from_fn(|t| _mm512_set1_ps(*x.add(k0 + t)));
                     for gi in 0..G {
-                        let v = _mm512_loadu_si512(codes.add(gi * gcb + k0 * 8) as *const __m512i);
+                        let line = codes.add(gi * gcb + nibble_line(k0));
+                        let v = _mm512_loadu_si512(line as *const __m512i);
                         macro_rules! step {
                             ($t:literal, $acc:ident) => {
                                 $acc[gi] = _mm512_fmadd_ps(
