@@ -85,9 +85,9 @@ pub(crate) unsafe fn bf16_panel(p: &Packed, g: usize, dst: *mut u32) {
             };
             for kk in (j * s..(j + 1) * s).step_by(2) {
                 let (lo, hi) = if p.scheme.nibble {
-                    pair::<true>(base, kk, table)
+                    pair::<true>(base, kk, table, p.scheme.bias)
                 } else {
-                    pair::<false>(base, kk, table)
+                    pair::<false>(base, kk, table, p.scheme.bias)
                 };
                 let (lo, hi) = (_mm512_fmadd_ps(lo, sc, of), _mm512_fmadd_ps(hi, sc, of));
                 let v = _mm512_or_si512(_mm512_slli_epi32(bf16_bits(hi), 16), bf16_bits(lo));

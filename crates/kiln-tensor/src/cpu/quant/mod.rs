@@ -22,6 +22,7 @@ mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod bf16;
+pub(crate) mod limbs;
 pub(crate) mod packed;
 #[cfg(target_arch = "x86_64")]
 mod packed_avx2;
@@ -29,12 +30,13 @@ mod packed_avx2;
 mod packed_avx512;
 
 pub use packed::packed_bytes;
+use limbs::Limbs;
 use packed::{Packed, LANES};
 
 use kiln_quant::{QuantFormat, QuantMatrix};
 use rayon::prelude::*;
 
-use super::matmul::{panel, runs_avx512, tile_fn, TileFn, W_ROWS_PER_TASK};
+use super::matmul::{panel, tile_fn, TileFn, W_ROWS_PER_TASK};
 
 /// A block matrix as the CPU stores it: repacked into 16-row groups
 /// ([`packed`]) for the quantized formats, as the file stores it (in place
@@ -211,7 +213,7 @@ impl Isa {
         let mut v = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
-            if runs_avx512() {
+            if packed_avx512::detected() {
                 v.push(Isa::Avx512);
             }
             if packed_avx2::detected() {
@@ -250,38 +252,6 @@ pub(crate) unsafe fn packed_matmul(
     }
 }
 
-/// The sub-block sums (`s` elements each) of the `n` rows of `x`, `k`
-/// wide, that the formats with a min need; in parallel only for batches
-/// (a decode step's few rows are summed in place, no parallel region).
-fn sub_sums_of(isa: Isa, x: &[f32], n: usize, k: usize, s: usize) -> Vec<f32> {
-    let subs = k / s;
-    let mut sx = vec![0f32; n * subs];
-    let one = |o: &mut [f32], xr: &[f32]| {
-        #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx512 {
-            // SAFETY: the caller checked the CPU runs AVX-512F.
-            unsafe { packed_avx512::sub_sums(xr, s, o) };
-            return;
-        }
-        packed::sub_sums(xr, s, o);
-    };
-    if n <= GEMV_ROWS {
-        for (o, xr) in sx.chunks_exact_mut(subs).zip(x.chunks_exact(k)) {
-            one(o, xr);
-        }
-        return sx;
-    }
-    let rows_per = (16384 / k).max(1);
-    sx.par_chunks_mut(subs * rows_per)
-        .zip(x.par_chunks(k * rows_per))
-        .for_each(|(o, xr)| {
-            for (o, xr) in o.chunks_exact_mut(subs).zip(xr.chunks_exact(k)) {
-                one(o, xr);
-            }
-        });
-    sx
-}
-
 /// [`packed_matmul`] of several packed matrices of one width stacked by
 /// rows (`parts`: each with the output column its first row goes to), in
 /// one parallel region, on a given instruction set.
@@ -308,25 +278,21 @@ pub(crate) unsafe fn packed_matmul_on(
             return;
         }
     }
-    // Sub-block sums of x, once per sub-block size among the parts with a
-    // min (q/k/v or gate/up in one format share them).
-    let mut by_size: Vec<(usize, Vec<f32>)> = Vec::new();
-    for (p, _) in parts.iter().filter(|(p, _)| p.scheme.offsets) {
-        if !by_size.iter().any(|(s, _)| *s == p.scheme.sub) {
-            by_size.push((p.scheme.sub, sub_sums_of(isa, x, n, k, p.scheme.sub)));
+    // x split into limbs once per sub-block size among the parts (q/k/v
+    // or gate/up in one format share them).
+    let mut by_size: Vec<Limbs> = Vec::new();
+    for (p, _) in parts {
+        if !by_size.iter().any(|l| l.sub == p.scheme.sub) {
+            by_size.push(Limbs::new(x, n, k, p.scheme.sub));
         }
     }
-    let no_sums: Vec<f32> = Vec::new();
-    let sums: Vec<&Vec<f32>> = parts
+    let limbs: Vec<&Limbs> = parts
         .iter()
         .map(|(p, _)| {
-            match by_size
+            by_size
                 .iter()
-                .find(|(s, _)| p.scheme.offsets && *s == p.scheme.sub)
-            {
-                Some((_, v)) => v,
-                None => &no_sums,
-            }
+                .find(|l| l.sub == p.scheme.sub)
+                .expect("split for every sub-block size above; this is a bug")
         })
         .collect();
     let threads = rayon::current_num_threads().max(1);
@@ -335,7 +301,6 @@ pub(crate) unsafe fn packed_matmul_on(
         return;
     }
     let out_addr = out as usize;
-    let xa = x.as_ptr() as usize;
     if n <= GEMV_ROWS || isa == Isa::Portable {
         // Tasks of whole groups, about four per thread over all parts, in
         // fours where there are enough (the decode kernel takes four groups
@@ -357,29 +322,23 @@ pub(crate) unsafe fn packed_matmul_on(
             .collect();
         tasks.into_par_iter().for_each(|(i, g)| {
             let (p, col) = parts[i];
-            let sx = sums[i];
+            let xl = limbs[i];
             for t in 0..n {
                 let o = (out_addr as *mut f32).wrapping_add(t * out_stride + col + g.start * LANES);
-                let xr = (xa as *const f32).wrapping_add(t * k);
-                let sr = sx.as_ptr().wrapping_add(t * p.subs);
-                // SAFETY: the CPU runs `isa`; row t of x and sx exist; this
-                // task alone writes these columns of row t.
+                // SAFETY: the CPU runs `isa`; row t of x exists; this task
+                // alone writes these columns of row t.
                 unsafe {
                     match isa {
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx512 => packed_avx512::gemv_groups(p, g.clone(), xr, sr, o),
+                        Isa::Avx512 => packed_avx512::gemv_groups(p, g.clone(), xl, t, o),
                         #[cfg(target_arch = "x86_64")]
-                        Isa::Avx2 => packed_avx2::gemv_groups(p, g.clone(), xr, sr, o),
+                        Isa::Avx2 => packed_avx2::gemv_groups(p, g.clone(), xl, t, o),
                         Isa::Portable => {
                             let len = (g.end * LANES).min(p.rows) - g.start * LANES;
                             p.gemv_portable(
                                 g.clone(),
-                                std::slice::from_raw_parts(xr, k),
-                                if p.scheme.offsets {
-                                    std::slice::from_raw_parts(sr, p.subs)
-                                } else {
-                                    &[]
-                                },
+                                xl,
+                                t,
                                 std::slice::from_raw_parts_mut(o, len),
                             )
                         }
@@ -399,15 +358,14 @@ pub(crate) unsafe fn packed_matmul_on(
         let g = (q * 2)..((q + 1) * 2).min(p.groups);
         let rows = (n * split / splits)..(n * (split + 1) / splits);
         let o = (out_addr as *mut f32).wrapping_add(col + g.start * LANES);
-        let (xp, sp) = (xa as *const f32, sums[i].as_ptr());
         // SAFETY: the CPU runs `isa`; this task alone writes rows `rows`
         // of the group's columns.
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => packed_avx512::gemm_block(p, g.clone(), rows, xp, sp, o, out_stride),
+                Isa::Avx512 => packed_avx512::gemm_block(p, g.clone(), rows, limbs[i], o, out_stride),
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 => packed_avx2::gemm_block(p, g.clone(), rows, xp, sp, o, out_stride),
+                Isa::Avx2 => packed_avx2::gemm_block(p, g.clone(), rows, limbs[i], o, out_stride),
                 Isa::Portable => unreachable!("the portable product is row by row"),
             }
         };

@@ -2,49 +2,51 @@
 //! product's vectors run along output rows.
 //!
 //! A GGML block format stores each row as blocks of small integer codes
-//! with per-block (or per-sub-block) scales. Multiplying row by row means
-//! dequantizing every block header per row and summing 16-lane partial
-//! dots horizontally at the end; on this hardware that made the decode
-//! product compute-bound at ~40 % of the read bandwidth. Here the 16 rows
-//! of a group sit in the 16 lanes of a vector: each element of `x` is
-//! broadcast once and multiplies one vector of 16 codes, the scales of a
-//! sub-block are one vector load for all 16 rows, and nothing is reduced
-//! horizontally.
+//! with per-block (or per-sub-block) scales. Here the 16 rows of a group
+//! sit in the 16 lanes of a vector, the scales of a sub-block are one
+//! vector load for all 16 rows, and nothing is reduced horizontally.
 //!
-//! **The order of every output's sum** (the same in every path — AVX-512
-//! decode, AVX-512 GEMM over a panel, the portable code — so a row's bits
-//! do not depend on the batch, the path or the ISA): for each sub-block
-//! `j` of `S` elements (16 or 32), in order,
+//! **Codes.** Each weight is stored as an unsigned code `u` whose value is
+//! `u − bias` (a constant of the format: 8 for Q4_0, 128 for Q8_0, 0 for
+//! the formats with a min), or for IQ4_NL `lut[u] − 128`. Codes are laid
+//! out so that one 32-bit word of a lane holds four consecutive elements,
+//! the shape `vpdpbusd` multiplies: 4-bit and smaller codes as nibbles —
+//! per run of 8 elements of a group 64 bytes, lane `l`'s word at `4l`,
+//! byte `i` holding element `8m + i` in its low nibble and `8m + 4 + i` in
+//! its high one ([`nibble_at`]) — and 5-, 6- and 8-bit codes as bytes, per
+//! run of 4 elements 64 bytes, lane `l`'s word at `4l` ([`byte_at`]). So
+//! Q5_* and Q6_K take 8 bits a weight here against 5.5–6.6 in the file;
+//! Q2_K and Q3_K take 4. Scales stay f16, K-quant sub-scales bytes.
+//!
+//! **The product.** A row of `x` is split, per sub-block of `S` elements
+//! (16 or 32, the format's), into exact integers ([`super::limbs`]):
+//! `x_i ≈ X_i · 2^e` with `X_i = 65536·a_i + 256·b_i + c_i` and bytes
+//! `a, b, c` — 23 significant bits for the sub-block's largest element,
+//! the same absolute step for the others. Then for each output, for each
+//! sub-block `j` in order,
 //!
 //! ```text
-//! e = fma chain over the even k of the sub-block of value(k)·x[k], from 0
-//! o = the same over the odd k
-//! acc = fma(scale_j, e + o, acc)            (acc starts at 0)
-//! acc = fma(offset_j, Σx_j, acc)            (formats with a min/offset)
+//! T = 256·Σ v_i·a_i + Σ v_i·b_i,  C = Σ v_i·c_i     (exact integers)
+//! s = fma(f32(T), 256, f32(C))                      (≈ Σ v_i·X_i)
+//! acc = fma(scale_j · 2^e, s, acc)                  (acc starts at 0)
+//! acc = fma(offset_j, f32(Σ X_i) · 2^e, acc)         (formats with a min)
 //! ```
 //!
-//! where `value(k)` is the code's exact small value (a table entry for
-//! 4-bit codes, the signed byte for wider ones), `scale_j` is the f16
-//! scale or, for K-quants, `d · sub_scale` (exact in f32), and `Σx_j` is
-//! [`sub_sums`]' fixed tree over the sub-block of `x`. This is the
-//! factored form `Σ_j d_j Σ q·x + m_j Σ x` of the block formula, so it
-//! differs from a dot of the dequantized row by rounding only (checked
-//! against an f64 dot in the tests).
-//!
-//! 4-bit and smaller codes are stored as nibbles: per run of 8 elements
-//! of a group, 64 bytes, lane `l`'s 32-bit word at `4l` holding elements
-//! `8m + t` in bits `4t..4t + 4` ([`nibble_byte`]). One 64-byte load then
-//! feeds 8 elements × 16 lanes; a lane's code for element `8m + t` is that
-//! word shifted right by `4t`, which `vpermps` on the value table reads
-//! by its low 4 bits (measured on Zen 4 in a replica of the decode loop:
-//! +6–17 % against 16 bytes per pair widened by `vpmovzxbd`). 5-, 6- and
-//! 8-bit codes are stored as signed bytes (so Q5_* and Q6_K take 8 bits a weight here against 5.5–6.6 in the
-//! file; Q2_K and Q3_K take 4). Scales stay f16, K-quant sub-scales bytes.
+//! where `v_i` is the code's value, `scale_j` the f16 scale or, for
+//! K-quants, `d · sub_scale` (exact in f32). The integer sums are exact,
+//! so every path — AVX-512 VNNI (`vpdpbusd`: 64 byte products an
+//! instruction), AVX2, the portable code — and every batch gives the same
+//! bits; the only roundings are the ones written above. Against an f64
+//! dot of the dequantized row the result differs by f32 rounding of the
+//! `S`-term partial sums and by the activations' representation (at most
+//! `2^(e−1)` an element, `e` ≤ the sub-block's largest exponent − 21).
 
 use half::f16;
 use kiln_quant::dequant::{q3_k_scale, scale_min_k4, IQ4_NL_VALUES};
 use kiln_quant::{QuantFormat, QuantMatrix};
 use rayon::prelude::*;
+
+use super::limbs::Limbs;
 
 /// Rows in a group: the lanes of an AVX-512 f32 vector.
 pub(crate) const LANES: usize = 16;
@@ -56,11 +58,24 @@ pub(crate) const fn nibble_line(k: usize) -> usize {
     (k / 8) * 64
 }
 
-/// The byte of a group's nibble codes holding elements `k` and `k ^ 1` of
-/// lane `l` (the even one in the low nibble).
+/// The byte of a group's nibble codes holding element `k` of lane `l`,
+/// and the shift of its nibble (0 or 4).
 #[inline(always)]
-pub(crate) const fn nibble_byte(k: usize, l: usize) -> usize {
-    nibble_line(k) + 4 * l + (k % 8) / 2
+pub(crate) const fn nibble_at(k: usize, l: usize) -> (usize, u32) {
+    (nibble_line(k) + 4 * l + k % 4, 4 * ((k % 8) / 4) as u32)
+}
+
+/// Where the 64-byte line of a group's byte codes holding element `k`
+/// (of every lane) starts.
+#[inline(always)]
+pub(crate) const fn byte_line(k: usize) -> usize {
+    (k / 4) * 64
+}
+
+/// The byte of a group's byte codes holding element `k` of lane `l`.
+#[inline(always)]
+pub(crate) const fn byte_at(k: usize, l: usize) -> usize {
+    byte_line(k) + 4 * l + k % 4
 }
 
 /// A buffer of 16-float vectors aligned to cache lines (a vector load from
@@ -95,25 +110,21 @@ pub(crate) enum ScaleKind {
     Super { subs_per_super: usize },
 }
 
-/// A format's packing: code width, sub-block size, scale layout.
+/// A format's packing: code width, sub-block size, scale layout, and how
+/// a code maps to its value.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Scheme {
     pub nibble: bool,
     pub sub: usize,
     pub scales: ScaleKind,
     pub offsets: bool,
-    /// The values of the 16 nibble codes (unused for byte codes).
+    /// A code's value is `u − bias` (`lut[u] − bias` with a table).
+    pub bias: i32,
+    /// The unsigned byte each nibble code stands for (IQ4_NL's values
+    /// plus 128); `None`: the code itself.
+    pub lut: Option<[u8; 16]>,
+    /// The values of the 16 nibble codes as f32 (unused for byte codes).
     pub table: [f32; 16],
-}
-
-const fn ramp(start: f32) -> [f32; 16] {
-    let mut t = [0f32; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = start + i as f32;
-        i += 1;
-    }
-    t
 }
 
 impl Scheme {
@@ -122,32 +133,60 @@ impl Scheme {
     pub(crate) fn of(format: QuantFormat) -> Option<Scheme> {
         use QuantFormat::*;
         let k = |n| ScaleKind::Super { subs_per_super: n };
-        let (nibble, sub, scales, offsets, table) = match format {
+        let f = ScaleKind::F16;
+        let (nibble, sub, scales, offsets, bias) = match format {
             F16 | BF16 => return None,
-            Q4_0 => (true, 32, ScaleKind::F16, false, ramp(-8.0)),
-            Q4_1 => (true, 32, ScaleKind::F16, true, ramp(0.0)),
-            IQ4NL => (
-                true,
-                32,
-                ScaleKind::F16,
-                false,
-                IQ4_NL_VALUES.map(|v| v as f32),
-            ),
-            Q5_0 | Q8_0 => (false, 32, ScaleKind::F16, false, [0.0; 16]),
-            Q5_1 => (false, 32, ScaleKind::F16, true, [0.0; 16]),
-            Q2K => (true, 16, k(16), true, ramp(0.0)),
-            Q3K => (true, 16, k(16), false, ramp(-4.0)),
-            Q4K => (true, 32, k(8), true, ramp(0.0)),
-            Q5K => (false, 32, k(8), true, [0.0; 16]),
-            Q6K => (false, 16, k(16), false, [0.0; 16]),
+            Q4_0 => (true, 32, f, false, 8),
+            Q4_1 => (true, 32, f, true, 0),
+            IQ4NL => (true, 32, f, false, 128),
+            Q5_0 => (false, 32, f, false, 16),
+            Q8_0 => (false, 32, f, false, 128),
+            Q5_1 => (false, 32, f, true, 0),
+            Q2K => (true, 16, k(16), true, 0),
+            Q3K => (true, 16, k(16), false, 4),
+            Q4K => (true, 32, k(8), true, 0),
+            Q5K => (false, 32, k(8), true, 0),
+            Q6K => (false, 16, k(16), false, 32),
         };
+        let lut = (format == IQ4NL).then(|| IQ4_NL_VALUES.map(|v| (v as i16 + 128) as u8));
+        let table = std::array::from_fn(|u| match lut {
+            Some(t) => (t[u] as i32 - bias) as f32,
+            None => (u as i32 - bias) as f32,
+        });
         Some(Scheme {
             nibble,
             sub,
             scales,
             offsets,
+            bias,
+            lut,
             table,
         })
+    }
+
+    /// The value of a stored code.
+    #[inline]
+    pub(crate) fn value(&self, u: u8) -> i32 {
+        match self.lut {
+            Some(t) => t[u as usize & 15] as i32 - self.bias,
+            None => u as i32 - self.bias,
+        }
+    }
+
+    /// Whether operands pass 127 (Q8_0's codes, IQ4_NL's table), which
+    /// AVX2's `vpmaddubsw` cannot pair without overflowing i16.
+    pub(crate) fn wide(&self) -> bool {
+        self.bias >= 128
+    }
+
+    /// The unsigned byte a product multiplies for a stored code (the code,
+    /// or its table entry).
+    #[inline]
+    pub(crate) fn operand(&self, u: u8) -> u8 {
+        match self.lut {
+            Some(t) => t[u as usize & 15],
+            None => u,
+        }
     }
 }
 
@@ -159,8 +198,8 @@ struct Factor {
     mult: i8,
 }
 
-/// A block of `format` split into its codes (nibble indices or signed
-/// byte values, one per element) and per-sub-block scale and offset.
+/// A block of `format` split into its stored codes (one unsigned byte per
+/// element, see [`Scheme::value`]) and per-sub-block scale and offset.
 fn decompose(
     format: QuantFormat,
     b: &[u8],
@@ -179,12 +218,11 @@ fn decompose(
             } else {
                 (u32::from_le_bytes([b[2], b[3], b[4], b[5]]), &b[6..22])
             };
-            let bias = if format == Q5_0 { 16 } else { 0 };
             for j in 0..16 {
                 let h0 = ((qh >> j) << 4) & 0x10;
                 let h1 = (qh >> (j + 12)) & 0x10;
-                codes[j] = ((((qs[j] & 0xF) as u32 | h0) as i32 - bias) as i8) as u8;
-                codes[j + 16] = ((((qs[j] >> 4) as u32 | h1) as i32 - bias) as i8) as u8;
+                codes[j] = ((qs[j] & 0xF) as u32 | h0) as u8;
+                codes[j + 16] = ((qs[j] >> 4) as u32 | h1) as u8;
             }
             sc[0] = one(h(0));
             if format == Q5_1 {
@@ -192,7 +230,9 @@ fn decompose(
             }
         }
         Q8_0 => {
-            codes[..32].copy_from_slice(&b[2..34]);
+            for (c, &q) in codes[..32].iter_mut().zip(&b[2..34]) {
+                *c = q ^ 0x80;
+            }
             sc[0] = one(h(0));
         }
         Q4K | Q5K => {
@@ -239,14 +279,10 @@ fn decompose(
                 let qh = &b[128 + half * 32..];
                 let y = &mut codes[half * 128..];
                 for l in 0..32 {
-                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                    y[l] = (q1 as i8) as u8;
-                    y[l + 32] = (q2 as i8) as u8;
-                    y[l + 64] = (q3 as i8) as u8;
-                    y[l + 96] = (q4 as i8) as u8;
+                    y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                    y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
                 }
             }
         }
@@ -280,7 +316,7 @@ fn decompose(
             for (e, c) in codes.iter_mut().enumerate().take(256) {
                 let lo = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e / 32) % 4))) & 3;
                 let high = (hmask[e % 32] >> (e / 32)) & 1;
-                // Nibble index into ramp(-4): value lo - 4 (high clear) or lo.
+                // Value lo - 4 (high clear) or lo: the code less the bias 4.
                 *c = lo + 4 * high;
             }
         }
@@ -290,10 +326,11 @@ fn decompose(
 }
 
 /// The 32-element nibble formats (Q4_0, Q4_1, IQ4_NL) written straight
-/// from the block into lane `l` of a group's pairs `dst` (the file's byte
-/// `j` holds element `j` low and `j + 16` high), with the block's scale
-/// (and min); `false` for other formats. The same codes as [`decompose`]
-/// then pairing, without the per-element detour (it dominated load time).
+/// from the block into lane `l` of a group's nibble lines `dst` (the
+/// file's byte `j` holds element `j` low and `j + 16` high), with the
+/// block's scale (and min); `false` for other formats. The same codes as
+/// [`decompose`] then placing, without the per-element detour (it
+/// dominated load time).
 fn direct_nibbles(
     format: QuantFormat,
     b: &[u8],
@@ -309,9 +346,14 @@ fn direct_nibbles(
         Q4_1 => b[4..20].try_into().expect("a 20-byte block"),
         _ => return false,
     };
-    for p in 0..8 {
-        dst[nibble_byte(2 * p, l)] = (qs[2 * p] & 0xF) | (qs[2 * p + 1] << 4);
-        dst[nibble_byte(2 * (p + 8), l)] = (qs[2 * p] >> 4) | (qs[2 * p + 1] & 0xF0);
+    // Element e of the block: byte e's low nibble (e < 16) or byte
+    // e − 16's high one.
+    let nib = |e: usize| if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 };
+    for m in 0..4 {
+        for i in 0..4 {
+            let (at, _) = nibble_at(8 * m + i, l);
+            dst[at] = nib(8 * m + i) | (nib(8 * m + 4 + i) << 4);
+        }
     }
     sc[0] = Factor { d: h(0), mult: 1 };
     if format == Q4_1 {
@@ -329,8 +371,8 @@ pub(crate) struct Packed {
     pub groups: usize,
     /// Sub-blocks per row.
     pub subs: usize,
-    /// Per group: `cols / 2` pairs × 16 bytes (nibbles) or `cols` × 16
-    /// signed bytes.
+    /// Per group: `cols / 8` nibble lines or `cols / 4` byte lines of 64
+    /// bytes (see the module docs).
     pub codes: Vec<u8>,
     /// Per group: per sub-block (F16) or super-block (Super) × 16 f16.
     pub scale_d: Vec<u16>,
@@ -365,7 +407,8 @@ impl Packed {
     pub fn d_index(&self, g: usize, j: usize) -> usize {
         let per = match self.scheme.scales {
             ScaleKind::F16 => j,
-            ScaleKind::Super { subs_per_super } => j / subs_per_super,
+            // A power of two (8 or 16): no division in the kernels' loops.
+            ScaleKind::Super { subs_per_super } => j >> subs_per_super.trailing_zeros(),
         };
         (g * self.d_per_group() + per) * LANES
     }
@@ -394,15 +437,15 @@ impl Packed {
         (s, o)
     }
 
-    /// The exact value of the code of element `k` in lane `l` of group `g`.
+    /// The stored code of element `k` in lane `l` of group `g`.
     #[inline]
-    fn value(&self, g: usize, k: usize, l: usize) -> f32 {
+    pub fn code(&self, g: usize, k: usize, l: usize) -> u8 {
         let base = g * self.group_code_bytes();
         if self.scheme.nibble {
-            let b = self.codes[base + nibble_byte(k, l)];
-            self.scheme.table[((b >> (4 * (k % 2))) & 0xF) as usize]
+            let (at, shift) = nibble_at(k, l);
+            (self.codes[base + at] >> shift) & 0xF
         } else {
-            self.codes[base + k * LANES + l] as i8 as f32
+            self.codes[base + byte_at(k, l)]
         }
     }
 
@@ -414,7 +457,7 @@ impl Packed {
         for (j, o) in out.chunks_exact_mut(s).enumerate() {
             let (sc, of) = self.factors(g, j, l);
             for (i, v) in o.iter_mut().enumerate() {
-                let q = self.value(g, j * s + i, l);
+                let q = self.scheme.value(self.code(g, j * s + i, l)) as f32;
                 *v = if self.scheme.offsets {
                     sc.mul_add(q, of)
                 } else {
@@ -424,18 +467,19 @@ impl Packed {
         }
     }
 
-    /// The portable product of rows `g0 * 16 ..` of groups `groups` with
-    /// one row of `x` (and its [`sub_sums`] `sx`), written to `out` from
-    /// the first row of group `groups.start`: the defining order of the
+    /// The portable product of groups `groups` with row `t` of `x` (as
+    /// [`Limbs`] of this format's sub-block), written to `out` from the
+    /// first row of group `groups.start`: the defining arithmetic of the
     /// module docs, lane by lane.
     pub fn gemv_portable(
         &self,
         groups: std::ops::Range<usize>,
-        x: &[f32],
-        sx: &[f32],
+        x: &Limbs,
+        t: usize,
         out: &mut [f32],
     ) {
         let s = self.scheme.sub;
+        debug_assert_eq!(x.sub, s);
         for g in groups.clone() {
             for l in 0..LANES {
                 let r = g * LANES + l;
@@ -444,16 +488,23 @@ impl Packed {
                 }
                 let mut acc = 0f32;
                 for j in 0..self.subs {
-                    let (mut e, mut o) = (0f32, 0f32);
-                    for p in 0..s / 2 {
-                        let k = j * s + 2 * p;
-                        e = self.value(g, k, l).mul_add(x[k], e);
-                        o = self.value(g, k + 1, l).mul_add(x[k + 1], o);
+                    let info = x.info(t, j);
+                    let (a, b, c) = x.limbs(t, j);
+                    let (mut ta, mut tb, mut tc) = (0i32, 0i32, 0i32);
+                    for i in 0..s {
+                        let u = self.scheme.operand(self.code(g, j * s + i, l)) as i32;
+                        ta += u * a[i] as i32;
+                        tb += u * b[i] as i32;
+                        tc += u * c[i] as i32;
                     }
+                    let bias = self.scheme.bias;
+                    let big = (ta << 8) + tb - bias * info.t;
+                    let small = tc - bias * info.c;
+                    let sum = (big as f32).mul_add(256.0, small as f32);
                     let (sc, of) = self.factors(g, j, l);
-                    acc = sc.mul_add(e + o, acc);
+                    acc = (sc * info.scale).mul_add(sum, acc);
                     if self.scheme.offsets {
-                        acc = of.mul_add(sx[j], acc);
+                        acc = of.mul_add(info.sum, acc);
                     }
                 }
                 out[r - groups.start * LANES] = acc;
@@ -461,7 +512,6 @@ impl Packed {
         }
     }
 }
-
 fn group_code_bytes(s: &Scheme, cols: usize) -> usize {
     if s.nibble {
         cols / 2 * LANES
@@ -579,13 +629,14 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
                 decompose(format, blk, c, &mut sc, &mut of);
                 if scheme.nibble {
                     let dst = &mut codes[nibble_line(k0)..nibble_line(k0 + bs)];
-                    for (i, two) in c.chunks_exact(2).enumerate() {
-                        dst[nibble_byte(2 * i, l)] = two[0] | (two[1] << 4);
+                    for (i, &code) in c.iter().enumerate() {
+                        let (at, shift) = nibble_at(i, l);
+                        dst[at] |= code << shift;
                     }
                 } else {
-                    let dst = &mut codes[k0 * LANES..(k0 + bs) * LANES];
-                    for (d, &code) in dst.chunks_exact_mut(LANES).zip(c.iter()) {
-                        d[l] = code;
+                    let dst = &mut codes[byte_line(k0)..byte_line(k0 + bs)];
+                    for (i, &code) in c.iter().enumerate() {
+                        dst[byte_at(i, l)] = code;
                     }
                 }
                 for s in 0..subs_per_block {
@@ -605,25 +656,4 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
         }
     });
     Some(p)
-}
-
-/// The sum of each sub-block of `s` elements of `x` (a whole number of
-/// them), in a fixed tree: lanes `v[i] = x[i] + x[i + 16]` (`v = x` for
-/// 16), then halves added (`v[i] + v[i + 8]`, `+ 4`, `+ 2`, `+ 1`) — the
-/// order the vector code takes.
-pub(crate) fn sub_sums(x: &[f32], s: usize, out: &mut [f32]) {
-    for (o, c) in out.iter_mut().zip(x.chunks_exact(s)) {
-        let mut v = [0f32; 16];
-        for i in 0..16 {
-            v[i] = if s == 32 { c[i] + c[i + 16] } else { c[i] };
-        }
-        let mut w = 8;
-        while w >= 1 {
-            for i in 0..w {
-                v[i] += v[i + w];
-            }
-            w /= 2;
-        }
-        *o = v[0];
-    }
 }

@@ -1,16 +1,17 @@
-//! AVX2 + FMA (+ F16C) products with [`Packed`] weights: each 16-row
-//! group as two 8-lane halves, in the order [`super::packed`] defines, so
-//! a row's bits are those of the AVX-512 and portable code.
+//! AVX2 + FMA (+ F16C) products with [`Packed`] weights and [`Limbs`]
+//! activations: each 16-row group as two 8-lane halves, the byte products
+//! by `vpmaddubsw` + `vpmaddwd` (exact: a pair of products stays inside
+//! i16 for operands up to 127, and the wider Q8_0 / IQ4_NL operands are
+//! split into their low 7 bits and their top bit), then the sub-block's
+//! f32 steps of [`super::packed`] — so a row's bits are those of the
+//! AVX-512 and portable code.
 
 use std::arch::x86_64::*;
 
-use super::packed::{nibble_line, Packed, ScaleKind, LANES};
+use super::limbs::{Limbs, SubInfo};
+use super::packed::{byte_line, nibble_line, Packed, ScaleKind, LANES};
 
 const HALF: usize = 8;
-/// Elements of `k` a GEMM panel covers.
-const KC: usize = 256;
-/// Rows of `x` per GEMM register tile.
-const MAX_T: usize = 4;
 
 /// Whether this CPU runs these kernels.
 pub(crate) fn detected() -> bool {
@@ -39,53 +40,106 @@ unsafe fn factor(p: &Packed, d: &[u16], m: &[i8], g: usize, j: usize, h: usize) 
     }
 }
 
-/// The 16-entry nibble table as two halves.
-#[target_feature(enable = "avx2")]
-unsafe fn tables(p: &Packed) -> (__m256, __m256) {
-    // SAFETY: the table has 16 entries.
-    unsafe {
-        (
-            _mm256_loadu_ps(p.scheme.table.as_ptr()),
-            _mm256_loadu_ps(p.scheme.table.as_ptr().add(HALF)),
-        )
-    }
+/// The i32 word of four limb bytes at `p` in every lane.
+#[inline(always)]
+unsafe fn word(p: *const i8) -> __m256i {
+    // SAFETY: the caller's four bytes are readable.
+    unsafe { _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
 }
 
-#[inline(always)]
-unsafe fn lut(idx: __m256i, t: (__m256, __m256)) -> __m256 {
-    // SAFETY: plain register ops (AVX2, enabled by every caller).
-    unsafe {
-        let lo = _mm256_permutevar8x32_ps(t.0, idx);
-        let hi = _mm256_permutevar8x32_ps(t.1, idx);
-        _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)))
-    }
+/// The exact limb sums of one sub-block on 8 lanes, bias folded in.
+struct Sums {
+    a: __m256i,
+    b: __m256i,
+    c: __m256i,
 }
 
-/// The values of elements `k` (even) and `k + 1` in half `h` of a group
-/// whose codes start at `base`.
-#[inline(always)]
-unsafe fn pair<const NIB: bool>(
-    base: *const u8,
-    k: usize,
-    h: usize,
-    t: (__m256, __m256),
-) -> (__m256, __m256) {
-    // SAFETY: the caller's k lies inside the group's codes.
-    unsafe {
-        if NIB {
-            // Lanes h·8.. of the run's words (see `packed`'s layout).
-            let v = _mm256_loadu_si256(base.add(nibble_line(k) + h * HALF * 4) as *const __m256i);
-            let c = _mm256_srl_epi32(v, _mm_cvtsi32_si128((4 * (k % 8)) as i32));
-            (lut(c, t), lut(_mm256_srli_epi32(c, 4), t))
-        } else {
-            let at = |k: usize| {
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                    base.add(k * LANES + h * HALF) as *const __m128i,
-                )))
-            };
-            (at(k), at(k + 1))
+impl Sums {
+    #[inline(always)]
+    unsafe fn start(bias: i32, info: &SubInfo) -> Sums {
+        // SAFETY: plain register ops.
+        unsafe {
+            Sums {
+                a: _mm256_setzero_si256(),
+                b: _mm256_set1_epi32(-bias * info.t),
+                c: _mm256_set1_epi32(-bias * info.c),
+            }
         }
     }
+
+    /// Σ of four products a lane of unsigned `u` and signed `w`, exactly:
+    /// `u` ≤ 127 unless `WIDE`, where it is split as `lo7 + 128·top`.
+    #[inline(always)]
+    unsafe fn dot<const WIDE: bool>(u: __m256i, w: __m256i) -> __m256i {
+        // SAFETY: AVX2, enabled by every caller.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            if WIDE {
+                let lo = _mm256_and_si256(u, _mm256_set1_epi8(0x7F));
+                let top = _mm256_and_si256(_mm256_srli_epi16(u, 7), _mm256_set1_epi8(1));
+                let l = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, w), ones);
+                let t = _mm256_madd_epi16(_mm256_maddubs_epi16(top, w), ones);
+                _mm256_add_epi32(l, _mm256_slli_epi32(t, 7))
+            } else {
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u, w), ones)
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn add<const WIDE: bool>(&mut self, u: __m256i, a: __m256i, b: __m256i, c: __m256i) {
+        // SAFETY: AVX2, enabled by every caller.
+        unsafe {
+            self.a = _mm256_add_epi32(self.a, Self::dot::<WIDE>(u, a));
+            self.b = _mm256_add_epi32(self.b, Self::dot::<WIDE>(u, b));
+            self.c = _mm256_add_epi32(self.c, Self::dot::<WIDE>(u, c));
+        }
+    }
+
+    /// As the AVX-512 `Sums::finish`, on 8 lanes.
+    #[inline(always)]
+    unsafe fn finish(&self, acc: __m256, sc: __m256, info: &SubInfo, of: Option<__m256>) -> __m256 {
+        // SAFETY: AVX2 and FMA, enabled by every caller.
+        unsafe {
+            let big = _mm256_add_epi32(_mm256_slli_epi32(self.a, 8), self.b);
+            let sum = _mm256_fmadd_ps(
+                _mm256_cvtepi32_ps(big),
+                _mm256_set1_ps(256.0),
+                _mm256_cvtepi32_ps(self.c),
+            );
+            let w = _mm256_mul_ps(sc, _mm256_set1_ps(info.scale));
+            let acc = _mm256_fmadd_ps(w, sum, acc);
+            match of {
+                Some(of) => _mm256_fmadd_ps(of, _mm256_set1_ps(info.sum), acc),
+                None => acc,
+            }
+        }
+    }
+}
+
+/// Half `h` of a nibble line as operand bytes (low and high nibbles,
+/// through the table if any).
+#[inline(always)]
+unsafe fn nibbles(line: *const u8, h: usize, lut: Option<__m256i>) -> (__m256i, __m256i) {
+    // SAFETY: the line's 64 bytes are readable; AVX2.
+    unsafe {
+        let v = _mm256_loadu_si256(line.add(h * HALF * 4) as *const __m256i);
+        let m = _mm256_set1_epi8(0x0F);
+        let lo = _mm256_and_si256(v, m);
+        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+        match lut {
+            Some(t) => (_mm256_shuffle_epi8(t, lo), _mm256_shuffle_epi8(t, hi)),
+            None => (lo, hi),
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn lut(p: &Packed) -> Option<__m256i> {
+    // SAFETY: the table has 16 bytes.
+    p.scheme
+        .lut
+        .map(|t| unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i)) })
 }
 
 /// The lanes of half `h` of group `g` that are matrix rows, as a mask.
@@ -99,57 +153,66 @@ fn half_mask(p: &Packed, g: usize, h: usize) -> __m256i {
     )
 }
 
-/// `G` groups from `g0` times one row of `x`, into `out`.
+/// Group `g` times one row of `x` (its limbs `xl`, its sub-blocks'
+/// `info`), into `out`.
 ///
 /// # Safety
 /// AVX2, FMA, F16C; as [`super::packed_avx512`]'s decode product.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv<const G: usize, const NIB: bool>(
+unsafe fn gemv<const NIB: bool, const WIDE: bool>(
     p: &Packed,
-    g0: usize,
-    x: *const f32,
-    sx: *const f32,
+    g: usize,
+    xl: *const i8,
+    info: *const SubInfo,
     out: *mut f32,
 ) {
     // SAFETY: as the function's contract.
     unsafe {
-        let gcb = p.group_code_bytes();
-        let t = tables(p);
+        let codes = p.codes.as_ptr().add(g * p.group_code_bytes());
         let s = p.scheme.sub;
+        let bias = p.scheme.bias;
+        let table = lut(p);
         for h in 0..2 {
-            let mut acc = [_mm256_setzero_ps(); G];
+            let mut acc = _mm256_setzero_ps();
             for j in 0..p.subs {
-                let mut e = [_mm256_setzero_ps(); G];
-                let mut o = [_mm256_setzero_ps(); G];
-                for pp in 0..s / 2 {
-                    let k = j * s + 2 * pp;
-                    let xe = _mm256_set1_ps(*x.add(k));
-                    let xo = _mm256_set1_ps(*x.add(k + 1));
-                    for gi in 0..G {
-                        let base = p.codes.as_ptr().add((g0 + gi) * gcb);
-                        let (lo, hi) = pair::<NIB>(base, k, h, t);
-                        e[gi] = _mm256_fmadd_ps(lo, xe, e[gi]);
-                        o[gi] = _mm256_fmadd_ps(hi, xo, o[gi]);
+                let inf = &*info.add(j);
+                let xb = xl.add(j * 3 * s);
+                let limb = |q: usize| {
+                    (
+                        word(xb.add(4 * q)),
+                        word(xb.add(s + 4 * q)),
+                        word(xb.add(2 * s + 4 * q)),
+                    )
+                };
+                let mut sums = Sums::start(bias, inf);
+                if NIB {
+                    for m in 0..s / 8 {
+                        let (lo, hi) = nibbles(codes.add(nibble_line(j * s + 8 * m)), h, table);
+                        let (a, b, c) = limb(2 * m);
+                        sums.add::<WIDE>(lo, a, b, c);
+                        let (a, b, c) = limb(2 * m + 1);
+                        sums.add::<WIDE>(hi, a, b, c);
+                    }
+                } else {
+                    for q in 0..s / 4 {
+                        let at = codes.add(byte_line(j * s + 4 * q) + h * HALF * 4);
+                        let (a, b, c) = limb(q);
+                        sums.add::<WIDE>(_mm256_loadu_si256(at as *const __m256i), a, b, c);
                     }
                 }
-                for gi in 0..G {
-                    let sc = factor(p, &p.scale_d, &p.scale_m, g0 + gi, j, h);
-                    acc[gi] = _mm256_fmadd_ps(sc, _mm256_add_ps(e[gi], o[gi]), acc[gi]);
-                    if p.scheme.offsets {
-                        let of = factor(p, &p.offs_d, &p.offs_m, g0 + gi, j, h);
-                        acc[gi] = _mm256_fmadd_ps(of, _mm256_set1_ps(*sx.add(j)), acc[gi]);
-                    }
-                }
+                let sc = factor(p, &p.scale_d, &p.scale_m, g, j, h);
+                let of = p
+                    .scheme
+                    .offsets
+                    .then(|| factor(p, &p.offs_d, &p.offs_m, g, j, h));
+                acc = sums.finish(acc, sc, inf, of);
             }
-            for (gi, a) in acc.iter().enumerate() {
-                let mask = half_mask(p, g0 + gi, h);
-                _mm256_maskstore_ps(out.add(gi * LANES + h * HALF), mask, *a);
-            }
+            _mm256_maskstore_ps(out.add(h * HALF), half_mask(p, g, h), acc);
         }
     }
 }
 
-/// Groups `groups` times one row of `x`, two groups at a time.
+/// Groups `groups` times row `t` of `x`, into `out`.
 ///
 /// # Safety
 /// AVX2, FMA, F16C; as [`super::packed_avx512::gemv_groups`].
@@ -157,84 +220,29 @@ unsafe fn gemv<const G: usize, const NIB: bool>(
 pub(crate) unsafe fn gemv_groups(
     p: &Packed,
     groups: std::ops::Range<usize>,
-    x: *const f32,
-    sx: *const f32,
+    x: &Limbs,
+    t: usize,
     out: *mut f32,
 ) {
     // SAFETY: passed through.
     unsafe {
-        let mut g = groups.start;
-        while g < groups.end {
+        let (xl, info) = (x.row(t), x.infos(t));
+        for g in groups.clone() {
             let o = out.add((g - groups.start) * LANES);
-            let two = groups.end - g >= 2;
-            match (two, p.scheme.nibble) {
-                (true, true) => gemv::<2, true>(p, g, x, sx, o),
-                (true, false) => gemv::<2, false>(p, g, x, sx, o),
-                (false, true) => gemv::<1, true>(p, g, x, sx, o),
-                (false, false) => gemv::<1, false>(p, g, x, sx, o),
+            match (p.scheme.nibble, p.scheme.wide()) {
+                (true, true) => gemv::<true, true>(p, g, xl, info, o),
+                (true, false) => gemv::<true, false>(p, g, xl, info, o),
+                (false, true) => gemv::<false, true>(p, g, xl, info, o),
+                (false, false) => gemv::<false, false>(p, g, xl, info, o),
             }
-            g += if two { 2 } else { 1 };
         }
     }
 }
 
-/// One register tile of `T` rows of `x` on one half of a group's panel.
-///
-/// # Safety
-/// AVX2, FMA; as [`super::packed_avx512`]'s tile, for 8 lanes.
-#[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile<const T: usize>(
-    panel: *const f32,
-    sc: *const f32,
-    of: *const f32,
-    nj: usize,
-    s: usize,
-    (x, xs): (*const f32, usize),
-    (sx, sxs): (*const f32, usize),
-    (out, os): (*mut f32, usize),
-    first: bool,
-    mask: __m256i,
-) {
-    // SAFETY: as the function's contract.
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); T];
-        if !first {
-            for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_maskload_ps(out.add(t * os), mask);
-            }
-        }
-        for jj in 0..nj {
-            let mut e = [_mm256_setzero_ps(); T];
-            let mut o = [_mm256_setzero_ps(); T];
-            for pp in 0..s / 2 {
-                let kk = jj * s + 2 * pp;
-                let we = _mm256_loadu_ps(panel.add(kk * LANES));
-                let wo = _mm256_loadu_ps(panel.add((kk + 1) * LANES));
-                for t in 0..T {
-                    let xr = x.add(t * xs + kk);
-                    e[t] = _mm256_fmadd_ps(we, _mm256_set1_ps(*xr), e[t]);
-                    o[t] = _mm256_fmadd_ps(wo, _mm256_set1_ps(*xr.add(1)), o[t]);
-                }
-            }
-            let scv = _mm256_loadu_ps(sc.add(jj * LANES));
-            for t in 0..T {
-                acc[t] = _mm256_fmadd_ps(scv, _mm256_add_ps(e[t], o[t]), acc[t]);
-            }
-            if !of.is_null() {
-                let ofv = _mm256_loadu_ps(of.add(jj * LANES));
-                for (t, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(ofv, _mm256_set1_ps(*sx.add(t * sxs + jj)), *a);
-                }
-            }
-        }
-        for (t, a) in acc.iter().enumerate() {
-            _mm256_maskstore_ps(out.add(t * os), mask, *a);
-        }
-    }
-}
-
-/// As [`super::packed_avx512::gemm_block`], with 8-lane tiles.
+/// Groups `groups` times rows `rows` of `x`, into `out` (`out_stride`
+/// apart, column 0 = the first row of `groups.start`): each group's
+/// codes unpacked once into operand bytes, then `T` = 4 rows of `x` at a
+/// time over them.
 ///
 /// # Safety
 /// AVX2, FMA, F16C; as [`super::packed_avx512::gemm_block`].
@@ -243,88 +251,81 @@ pub(crate) unsafe fn gemm_block(
     p: &Packed,
     groups: std::ops::Range<usize>,
     rows: std::ops::Range<usize>,
-    x: *const f32,
-    sx: *const f32,
+    x: &Limbs,
     out: *mut f32,
     out_stride: usize,
 ) {
-    let ng = groups.len();
-    let s = p.scheme.sub;
-    let kc = KC.min(p.cols);
-    let mut panel = super::packed::Lines::new(ng * kc);
-    let mut scales = super::packed::Lines::new(ng * (kc / s));
-    let mut offs = super::packed::Lines::new(if p.scheme.offsets { ng * (kc / s) } else { 0 });
-    // SAFETY: as the function's contract; the panel, scales and offsets
-    // are filled for exactly the elements the tiles read.
+    // SAFETY: as the function's contract.
     unsafe {
-        let t = tables(p);
-        let gcb = p.group_code_bytes();
-        for k0 in (0..p.cols).step_by(kc) {
-            let k1 = (k0 + kc).min(p.cols);
-            let (j0, nj) = (k0 / s, (k1 - k0) / s);
-            for (gi, g) in groups.clone().enumerate() {
-                let base = p.codes.as_ptr().add(g * gcb);
-                let dst = panel.as_mut_ptr().add(gi * kc * LANES);
-                for h in 0..2 {
-                    for k in (k0..k1).step_by(2) {
-                        let (lo, hi) = if p.scheme.nibble {
-                            pair::<true>(base, k, h, t)
-                        } else {
-                            pair::<false>(base, k, h, t)
-                        };
-                        _mm256_storeu_ps(dst.add((k - k0) * LANES + h * HALF), lo);
-                        _mm256_storeu_ps(dst.add((k - k0 + 1) * LANES + h * HALF), hi);
-                    }
-                    for jj in 0..nj {
-                        let at = (gi * (kc / s) + jj) * LANES + h * HALF;
-                        let v = factor(p, &p.scale_d, &p.scale_m, g, j0 + jj, h);
-                        _mm256_storeu_ps(scales.as_mut_ptr().add(at), v);
-                        if p.scheme.offsets {
-                            let v = factor(p, &p.offs_d, &p.offs_m, g, j0 + jj, h);
-                            _mm256_storeu_ps(offs.as_mut_ptr().add(at), v);
-                        }
+        if p.scheme.wide() {
+            gemm::<true>(p, groups, rows, x, out, out_stride)
+        } else {
+            gemm::<false>(p, groups, rows, x, out, out_stride)
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gemm<const WIDE: bool>(
+    p: &Packed,
+    groups: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
+    x: &Limbs,
+    out: *mut f32,
+    out_stride: usize,
+) {
+    const T: usize = 4;
+    let k = p.cols;
+    let s = p.scheme.sub;
+    let mut panel = vec![0u8; k * LANES];
+    // SAFETY: as the function's contract; the panel holds the group's
+    // operand bytes for all of k.
+    unsafe {
+        let table = lut(p);
+        let bias = p.scheme.bias;
+        for g in groups.clone() {
+            let codes = p.codes.as_ptr().add(g * p.group_code_bytes());
+            if p.scheme.nibble {
+                for kk in (0..k).step_by(8) {
+                    for h in 0..2 {
+                        let (lo, hi) = nibbles(codes.add(nibble_line(kk)), h, table);
+                        let d = panel.as_mut_ptr().add(kk * LANES + h * HALF * 4);
+                        _mm256_storeu_si256(d as *mut __m256i, lo);
+                        _mm256_storeu_si256(d.add(4 * LANES) as *mut __m256i, hi);
                     }
                 }
+            } else {
+                panel.copy_from_slice(std::slice::from_raw_parts(codes, k * LANES));
             }
-            for t0 in rows.clone().step_by(MAX_T) {
-                let nt = (rows.end - t0).min(MAX_T);
-                for (gi, g) in groups.clone().enumerate() {
-                    for h in 0..2 {
-                        let at = gi * (kc / s) * LANES + h * HALF;
-                        let of = if p.scheme.offsets {
-                            offs.as_ptr().add(at)
-                        } else {
-                            std::ptr::null()
-                        };
-                        let args = (
-                            panel.as_ptr().add(gi * kc * LANES + h * HALF),
-                            scales.as_ptr().add(at),
-                            of,
-                            nj,
-                            s,
-                            (x.add(t0 * p.cols + k0), p.cols),
-                            (sx.wrapping_add(t0 * p.subs + j0), p.subs),
-                            (
-                                out.add(t0 * out_stride + (g - groups.start) * LANES + h * HALF),
-                                out_stride,
-                            ),
-                            k0 == 0,
-                            half_mask(p, g, h),
-                        );
-                        macro_rules! run {
-                            ($t:literal) => {
-                                tile::<$t>(
-                                    args.0, args.1, args.2, args.3, args.4, args.5, args.6, args.7,
-                                    args.8, args.9,
-                                )
-                            };
+            let col = (g - groups.start) * LANES;
+            for h in 0..2 {
+                let mask = half_mask(p, g, h);
+                for t0 in rows.clone().step_by(T) {
+                    let nt = (rows.end - t0).min(T);
+                    let mut acc = [_mm256_setzero_ps(); T];
+                    for j in 0..p.subs {
+                        let infos: [SubInfo; T] = std::array::from_fn(|t| x.info(t0 + t.min(nt - 1), j));
+                        let mut sums: [Sums; T] = std::array::from_fn(|t| Sums::start(bias, &infos[t]));
+                        for q in 0..s / 4 {
+                            let at = panel.as_ptr().add((j * s + 4 * q) * LANES + h * HALF * 4);
+                            let u = _mm256_loadu_si256(at as *const __m256i);
+                            for (t, sums) in sums.iter_mut().enumerate().take(nt) {
+                                let xb = x.row(t0 + t).add(j * 3 * s + 4 * q);
+                                sums.add::<WIDE>(u, word(xb), word(xb.add(s)), word(xb.add(2 * s)));
+                            }
                         }
-                        match nt {
-                            4 => run!(4),
-                            3 => run!(3),
-                            2 => run!(2),
-                            _ => run!(1),
+                        let sc = factor(p, &p.scale_d, &p.scale_m, g, j, h);
+                        let of = p
+                            .scheme
+                            .offsets
+                            .then(|| factor(p, &p.offs_d, &p.offs_m, g, j, h));
+                        for t in 0..nt {
+                            acc[t] = sums[t].finish(acc[t], sc, &infos[t], of);
                         }
+                    }
+                    for (t, a) in acc.iter().enumerate().take(nt) {
+                        let o = out.add((t0 + t) * out_stride + col + h * HALF);
+                        _mm256_maskstore_ps(o, mask, *a);
                     }
                 }
             }

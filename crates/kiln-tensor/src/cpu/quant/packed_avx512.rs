@@ -1,19 +1,31 @@
-//! AVX-512 products with [`Packed`] weights, in the order its module docs
-//! define: a decode product that converts codes in registers, and a GEMM
-//! that converts a panel of codes to f32 once and reuses it for every row
-//! of `x`. Both give the portable code's bits lane for lane.
+//! AVX-512 (F, BW, VNNI) products with [`Packed`] weights and [`Limbs`]
+//! activations, in the arithmetic [`super::packed`] defines: byte
+//! products by `vpdpbusd` (four a lane, 64 an instruction) summed exactly
+//! in i32, then the sub-block's f32 steps. A decode product unpacks codes
+//! in registers; a GEMM unpacks a pair of groups' codes once into a byte
+//! panel and reuses it for every row of `x`. Both give the portable
+//! code's bits lane for lane.
 
 use std::arch::x86_64::*;
 
-use super::packed::{nibble_line, Lines, Packed, ScaleKind, LANES};
+use super::limbs::{Limbs, SubInfo};
+use super::packed::{byte_line, nibble_line, Lines, Packed, ScaleKind, LANES};
 
 /// Elements of `k` a GEMM tile covers at a time (a whole number of
 /// sub-blocks).
-const KC: usize = 128;
+const KC: usize = 256;
 /// Rows of `x` whose accumulators stay in L1 while they sweep `k`.
 const RB: usize = 32;
-/// Rows of `x` per GEMM register tile.
-const MAX_T: usize = 4;
+/// Rows of `x` per GEMM register tile (2 groups × 3 rows × 3 limbs of
+/// i32 accumulators and 6 of f32 fill the 32 registers).
+const MAX_T: usize = 3;
+
+/// Whether this CPU runs these kernels.
+pub(crate) fn detected() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vnni")
+}
 
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -36,28 +48,35 @@ pub(crate) unsafe fn factor(p: &Packed, d: &[u16], m: &[i8], g: usize, j: usize)
 }
 
 /// The values of the codes of elements `k` (even) and `k + 1` of a group
-/// whose codes start at `base`.
+/// whose codes start at `base`, as f32 (for the bf16 panels of
+/// `--cpu-matmul fast`).
 #[inline(always)]
 pub(crate) unsafe fn pair<const NIB: bool>(
     base: *const u8,
     k: usize,
     table: __m512,
+    bias: i32,
 ) -> (__m512, __m512) {
     // SAFETY: the caller's k lies inside the group's codes.
     unsafe {
         if NIB {
-            // The run's 16 words (see `packed`'s layout), shifted to k.
+            // Element 8m + t sits at bit 8·(t % 4) + 4·(t / 4) of its
+            // lane's word; k + 1 one byte above k.
             let v = _mm512_loadu_si512(base.add(nibble_line(k)) as *const __m512i);
-            let c = _mm512_srl_epi32(v, _mm_cvtsi32_si128((4 * (k % 8)) as i32));
+            let t = k % 8;
+            let shift = (8 * (t % 4) + 4 * (t / 4)) as i32;
+            let c = _mm512_srl_epi32(v, _mm_cvtsi32_si128(shift));
             (
                 _mm512_permutexvar_ps(c, table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32(c, 8), table),
             )
         } else {
-            let e = _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add(k * LANES) as *const __m128i));
-            let o =
-                _mm512_cvtepi8_epi32(_mm_loadu_si128(base.add((k + 1) * LANES) as *const __m128i));
-            (_mm512_cvtepi32_ps(e), _mm512_cvtepi32_ps(o))
+            let v = _mm512_loadu_si512(base.add(byte_line(k)) as *const __m512i);
+            let c = _mm512_srl_epi32(v, _mm_cvtsi32_si128((8 * (k % 4)) as i32));
+            let ff = _mm512_set1_epi32(0xFF);
+            let b = _mm512_set1_epi32(bias);
+            let at = |c: __m512i| _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, ff), b));
+            (at(c), at(_mm512_srli_epi32(c, 8)))
         }
     }
 }
@@ -68,220 +87,286 @@ pub(crate) fn lane_mask(p: &Packed, g: usize) -> __mmask16 {
     ((1u32 << valid) - 1) as __mmask16
 }
 
-/// `G` groups from `g0` times one row `x` (with its sub-block sums `sx`),
-/// written to `out` (row `g0 · 16` first).
-///
-/// # Safety
-/// AVX-512F; groups `g0..g0 + G` exist; `x` holds `p.cols`, `sx`
-/// `p.subs` (when the format has offsets); `out` is writable for the
-/// groups' matrix rows.
-#[target_feature(enable = "avx512f")]
-unsafe fn gemv<const G: usize, const NIB: bool>(
-    p: &Packed,
-    g0: usize,
-    x: *const f32,
-    sx: *const f32,
-    out: *mut f32,
-) {
-    // SAFETY: as the function's contract; every index stays inside the
-    // groups' codes and scales.
+/// The i32 word of four limb bytes at `p` broadcast to every lane.
+#[inline(always)]
+unsafe fn word(p: *const i8) -> __m512i {
+    // SAFETY: the caller's four bytes are readable.
+    unsafe { _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)) }
+}
+
+/// The 16-entry operand table of a nibble format, in every 128-bit lane
+/// (for `vpshufb`), if it has one.
+#[inline(always)]
+unsafe fn lut(p: &Packed) -> Option<__m512i> {
+    // SAFETY: the table has 16 bytes.
+    p.scheme
+        .lut
+        .map(|t| unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr() as *const __m128i)) })
+}
+
+/// A nibble line's low and high codes as operand bytes: elements
+/// `8m..8m + 4` and `8m + 4..8m + 8` of each lane.
+#[inline(always)]
+unsafe fn nibbles(v: __m512i, lut: Option<__m512i>) -> (__m512i, __m512i) {
+    // SAFETY: plain register ops (AVX-512BW, enabled by every caller).
     unsafe {
-        let gcb = p.group_code_bytes();
-        let codes = p.codes.as_ptr().add(g0 * gcb);
-        let table = _mm512_loadu_ps(p.scheme.table.as_ptr());
-        let s = p.scheme.sub;
-        let mut acc = [_mm512_setzero_ps(); G];
-        for j in 0..p.subs {
-            let mut e = [_mm512_setzero_ps(); G];
-            let mut o = [_mm512_setzero_ps(); G];
-            if NIB {
-                // A run of 8 elements a load: element 8m + t is the words
-                // shifted by 4t; the even ones feed `e`, the odd `o`, in
-                // ascending k as below.
-                for m in 0..s / 8 {
-                    let k0 = j * s + 8 * m;
-                    let xs: [__m512; 8] = std::array::from_fn(|t| _mm512_set1_ps(*x.add(k0 + t)));
-                    for gi in 0..G {
-                        let line = codes.add(gi * gcb + nibble_line(k0));
-                        let v = _mm512_loadu_si512(line as *const __m512i);
-                        macro_rules! step {
-                            ($t:literal, $acc:ident) => {
-                                $acc[gi] = _mm512_fmadd_ps(
-                                    _mm512_permutexvar_ps(
-                                        _mm512_srli_epi32::<{ 4 * $t }>(v),
-                                        table,
-                                    ),
-                                    xs[$t],
-                                    $acc[gi],
-                                );
-                            };
-                        }
-                        e[gi] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, table), xs[0], e[gi]);
-                        step!(1, o);
-                        step!(2, e);
-                        step!(3, o);
-                        step!(4, e);
-                        step!(5, o);
-                        step!(6, e);
-                        step!(7, o);
-                    }
-                }
-            } else {
-                for pp in 0..s / 2 {
-                    let k = j * s + 2 * pp;
-                    let xe = _mm512_set1_ps(*x.add(k));
-                    let xo = _mm512_set1_ps(*x.add(k + 1));
-                    for gi in 0..G {
-                        let (lo, hi) = pair::<NIB>(codes.add(gi * gcb), k, table);
-                        e[gi] = _mm512_fmadd_ps(lo, xe, e[gi]);
-                        o[gi] = _mm512_fmadd_ps(hi, xo, o[gi]);
-                    }
-                }
-            }
-            for gi in 0..G {
-                let sc = factor(p, &p.scale_d, &p.scale_m, g0 + gi, j);
-                acc[gi] = _mm512_fmadd_ps(sc, _mm512_add_ps(e[gi], o[gi]), acc[gi]);
-                if p.scheme.offsets {
-                    let of = factor(p, &p.offs_d, &p.offs_m, g0 + gi, j);
-                    acc[gi] = _mm512_fmadd_ps(of, _mm512_set1_ps(*sx.add(j)), acc[gi]);
-                }
-            }
-        }
-        for (gi, a) in acc.iter().enumerate() {
-            let g = g0 + gi;
-            _mm512_mask_storeu_ps(out.add(gi * LANES), lane_mask(p, g), *a);
+        let m = _mm512_set1_epi8(0x0F);
+        let lo = _mm512_and_si512(v, m);
+        let hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), m);
+        match lut {
+            Some(t) => (_mm512_shuffle_epi8(t, lo), _mm512_shuffle_epi8(t, hi)),
+            None => (lo, hi),
         }
     }
 }
 
-/// Groups `groups` times one row of `x`, four groups at a time.
+/// The exact limb sums of one sub-block, with the bias folded in.
+struct Sums {
+    a: __m512i,
+    b: __m512i,
+    c: __m512i,
+}
+
+impl Sums {
+    /// Starting values: `−bias·T` and `−bias·C` (see the module docs).
+    #[inline(always)]
+    unsafe fn start(bias: i32, info: &SubInfo) -> Sums {
+        // SAFETY: plain register ops.
+        unsafe {
+            Sums {
+                a: _mm512_setzero_si512(),
+                b: _mm512_set1_epi32(-bias * info.t),
+                c: _mm512_set1_epi32(-bias * info.c),
+            }
+        }
+    }
+
+    /// Four elements a lane: operand bytes `u` times the limb words.
+    #[inline(always)]
+    unsafe fn add(&mut self, u: __m512i, a: __m512i, b: __m512i, c: __m512i) {
+        // SAFETY: AVX-512 VNNI, enabled by every caller.
+        unsafe {
+            self.a = _mm512_dpbusd_epi32(self.a, u, a);
+            self.b = _mm512_dpbusd_epi32(self.b, u, b);
+            self.c = _mm512_dpbusd_epi32(self.c, u, c);
+        }
+    }
+
+    /// `fma(scale · 2^e, fma(f32(256·A + B), 256, f32(C)), acc)`, then
+    /// the offset's term when `of` is given.
+    #[inline(always)]
+    unsafe fn finish(&self, acc: __m512, sc: __m512, info: &SubInfo, of: Option<__m512>) -> __m512 {
+        // SAFETY: plain register ops.
+        unsafe {
+            let big = _mm512_add_epi32(_mm512_slli_epi32(self.a, 8), self.b);
+            let sum = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(big),
+                _mm512_set1_ps(256.0),
+                _mm512_cvtepi32_ps(self.c),
+            );
+            let w = _mm512_mul_ps(sc, _mm512_set1_ps(info.scale));
+            let acc = _mm512_fmadd_ps(w, sum, acc);
+            match of {
+                Some(of) => _mm512_fmadd_ps(of, _mm512_set1_ps(info.sum), acc),
+                None => acc,
+            }
+        }
+    }
+}
+
+/// `G` groups from `g0` times one row of `x` (its limbs `xl`, its
+/// sub-blocks' `info`), written to `out` (row `g0 · 16` first).
 ///
 /// # Safety
-/// As [`gemv`] for every group of the range.
-#[target_feature(enable = "avx512f")]
+/// AVX-512 F/BW/VNNI; groups `g0..g0 + G` exist; `xl` and `info` are a
+/// row of [`Limbs`] of `p`'s sub-block; `out` is writable for the groups'
+/// matrix rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn gemv<const G: usize, const NIB: bool>(
+    p: &Packed,
+    g0: usize,
+    xl: *const i8,
+    info: *const SubInfo,
+    out: *mut f32,
+) {
+    // SAFETY: as the function's contract; every index stays inside the
+    // groups' codes and scales and the row's limbs.
+    unsafe {
+        let gcb = p.group_code_bytes();
+        let codes = p.codes.as_ptr().add(g0 * gcb);
+        let s = p.scheme.sub;
+        let bias = p.scheme.bias;
+        let table = lut(p);
+        let mut acc = [_mm512_setzero_ps(); G];
+        for j in 0..p.subs {
+            let inf = &*info.add(j);
+            let xb = xl.add(j * 3 * s);
+            let mut sums: [Sums; G] = std::array::from_fn(|_| Sums::start(bias, inf));
+            let limb = |q: usize| (word(xb.add(4 * q)), word(xb.add(s + 4 * q)), word(xb.add(2 * s + 4 * q)));
+            if NIB {
+                for m in 0..s / 8 {
+                    let (la, lb, lc) = limb(2 * m);
+                    let (ha, hb, hc) = limb(2 * m + 1);
+                    for (gi, sums) in sums.iter_mut().enumerate() {
+                        let line = codes.add(gi * gcb + nibble_line(j * s + 8 * m));
+                        let v = _mm512_loadu_si512(line as *const __m512i);
+                        let (lo, hi) = nibbles(v, table);
+                        sums.add(lo, la, lb, lc);
+                        sums.add(hi, ha, hb, hc);
+                    }
+                }
+            } else {
+                for q in 0..s / 4 {
+                    let (la, lb, lc) = limb(q);
+                    for (gi, sums) in sums.iter_mut().enumerate() {
+                        let line = codes.add(gi * gcb + byte_line(j * s + 4 * q));
+                        sums.add(_mm512_loadu_si512(line as *const __m512i), la, lb, lc);
+                    }
+                }
+            }
+            for (gi, sums) in sums.iter().enumerate() {
+                let sc = factor(p, &p.scale_d, &p.scale_m, g0 + gi, j);
+                let of = p
+                    .scheme
+                    .offsets
+                    .then(|| factor(p, &p.offs_d, &p.offs_m, g0 + gi, j));
+                acc[gi] = sums.finish(acc[gi], sc, inf, of);
+            }
+        }
+        for (gi, a) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(gi * LANES), lane_mask(p, g0 + gi), *a);
+        }
+    }
+}
+
+/// Groups `groups` times row `t` of `x`, four groups at a time.
+///
+/// # Safety
+/// As [`gemv`] for every group of the range; `x` has `p`'s sub-block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(crate) unsafe fn gemv_groups(
     p: &Packed,
     groups: std::ops::Range<usize>,
-    x: *const f32,
-    sx: *const f32,
+    x: &Limbs,
+    t: usize,
     out: *mut f32,
 ) {
     // SAFETY: passed through; each call covers groups inside the range.
     unsafe {
+        let (xl, info) = (x.row(t), x.infos(t));
         let mut g = groups.start;
         while g < groups.end {
             let o = out.add((g - groups.start) * LANES);
             let left = groups.end - g;
             match (left, p.scheme.nibble) {
-                (4.., true) => gemv::<4, true>(p, g, x, sx, o),
-                (4.., false) => gemv::<4, false>(p, g, x, sx, o),
-                (3, true) => gemv::<3, true>(p, g, x, sx, o),
-                (3, false) => gemv::<3, false>(p, g, x, sx, o),
-                (2, true) => gemv::<2, true>(p, g, x, sx, o),
-                (2, false) => gemv::<2, false>(p, g, x, sx, o),
-                (_, true) => gemv::<1, true>(p, g, x, sx, o),
-                (_, false) => gemv::<1, false>(p, g, x, sx, o),
+                (4.., true) => gemv::<4, true>(p, g, xl, info, o),
+                (4.., false) => gemv::<4, false>(p, g, xl, info, o),
+                (3, true) => gemv::<3, true>(p, g, xl, info, o),
+                (3, false) => gemv::<3, false>(p, g, xl, info, o),
+                (2, true) => gemv::<2, true>(p, g, xl, info, o),
+                (2, false) => gemv::<2, false>(p, g, xl, info, o),
+                (_, true) => gemv::<1, true>(p, g, xl, info, o),
+                (_, false) => gemv::<1, false>(p, g, xl, info, o),
             }
             g += left.min(4);
         }
     }
 }
 
-/// One register tile: `T` rows of `x` against `G` adjacent groups' panels
-/// (`ps` floats apart, their scales and offsets `ss` apart) of `nj`
-/// sub-blocks, accumulated into `out` (loaded first unless `first`).
+/// Operand bytes of a pair of groups, `k · 16` a group: per run of 4
+/// elements one 64-byte line, lane `l`'s four bytes at `4l` (the byte
+/// codes' own layout; nibbles unpacked, through the table if any).
+struct Panel(Vec<Chunk>);
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Chunk([u8; 64]);
+
+/// One register tile: `T` rows of `x` against `G` adjacent groups'
+/// operand panels (`ps` bytes apart, their scales and offsets `ss` floats
+/// apart) over sub-blocks `j0..j0 + nj`, accumulated into `out` (loaded
+/// first unless `first`).
 ///
 /// # Safety
-/// AVX-512F; each panel holds `nj · s · 16` values, its `sc` (and `of`
-/// when not null) `nj · 16`; `x` row `t` at `x + t·xs` holds the panel's
-/// elements, `sx` row `t` at `sx + t·sxs` its sub-blocks; `out` row `t`
-/// at `out + t·os` is writable for group `gi`'s lanes in `masks[gi]`
-/// from `gi · 16`.
+/// AVX-512 F/BW/VNNI; each panel holds the sub-blocks' `nj · s · 16`
+/// bytes from `panel`, its `sc` (and `of` when not null) `nj · 16` floats;
+/// `x` holds rows `t0..t0 + T` of its limbs; `out` row `t` at `out + t·os`
+/// is writable for group `gi`'s lanes from `gi · 16`.
 #[allow(clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tile<const G: usize, const T: usize>(
-    (panel, ps): (*const f32, usize),
+    (panel, ps): (*const u8, usize),
     (sc, of, ss): (*const f32, *const f32, usize),
-    nj: usize,
-    s: usize,
-    (x, xs): (*const f32, usize),
-    (sx, sxs): (*const f32, usize),
+    (j0, nj): (usize, usize),
+    bias: i32,
+    (x, t0): (&Limbs, usize),
     (out, os): (*mut f32, usize),
     first: bool,
-    masks: [__mmask16; G],
 ) {
     // SAFETY: as the function's contract.
     unsafe {
+        let s = x.sub;
         let mut acc = [[_mm512_setzero_ps(); T]; G];
         if !first {
             for (gi, a) in acc.iter_mut().enumerate() {
                 for (t, a) in a.iter_mut().enumerate() {
-                    *a = _mm512_maskz_loadu_ps(masks[gi], out.add(t * os + gi * LANES));
+                    *a = _mm512_loadu_ps(out.add(t * os + gi * LANES));
                 }
             }
         }
+        let rows: [*const i8; T] = std::array::from_fn(|t| x.row(t0 + t));
+        let infos: [*const SubInfo; T] = std::array::from_fn(|t| x.infos(t0 + t));
         for jj in 0..nj {
-            let mut e = [[_mm512_setzero_ps(); T]; G];
-            let mut o = [[_mm512_setzero_ps(); T]; G];
-            for pp in 0..s / 2 {
-                let kk = jj * s + 2 * pp;
-                let mut we = [_mm512_setzero_ps(); G];
-                let mut wo = [_mm512_setzero_ps(); G];
-                for gi in 0..G {
-                    we[gi] = _mm512_loadu_ps(panel.add(gi * ps + kk * LANES));
-                    wo[gi] = _mm512_loadu_ps(panel.add(gi * ps + (kk + 1) * LANES));
-                }
+            let j = j0 + jj;
+            let mut sums: [[Sums; T]; G] =
+                std::array::from_fn(|_| std::array::from_fn(|t| Sums::start(bias, &*infos[t].add(j))));
+            for q in 0..s / 4 {
+                let u: [__m512i; G] = std::array::from_fn(|gi| {
+                    _mm512_load_si512(panel.add(gi * ps + (jj * s + 4 * q) * LANES) as *const __m512i)
+                });
                 for t in 0..T {
-                    let xr = x.add(t * xs + kk);
-                    let (xe, xo) = (_mm512_set1_ps(*xr), _mm512_set1_ps(*xr.add(1)));
+                    let xb = rows[t].add(j * 3 * s + 4 * q);
+                    let (a, b, c) = (word(xb), word(xb.add(s)), word(xb.add(2 * s)));
                     for gi in 0..G {
-                        e[gi][t] = _mm512_fmadd_ps(we[gi], xe, e[gi][t]);
-                        o[gi][t] = _mm512_fmadd_ps(wo[gi], xo, o[gi][t]);
+                        sums[gi][t].add(u[gi], a, b, c);
                     }
                 }
             }
             for gi in 0..G {
                 let scv = _mm512_loadu_ps(sc.add(gi * ss + jj * LANES));
+                let ofv = (!of.is_null()).then(|| _mm512_loadu_ps(of.add(gi * ss + jj * LANES)));
                 for t in 0..T {
-                    acc[gi][t] =
-                        _mm512_fmadd_ps(scv, _mm512_add_ps(e[gi][t], o[gi][t]), acc[gi][t]);
-                }
-                if !of.is_null() {
-                    let ofv = _mm512_loadu_ps(of.add(gi * ss + jj * LANES));
-                    for (t, a) in acc[gi].iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(ofv, _mm512_set1_ps(*sx.add(t * sxs + jj)), *a);
-                    }
+                    acc[gi][t] = sums[gi][t].finish(acc[gi][t], scv, &*infos[t].add(j), ofv);
                 }
             }
         }
         for (gi, a) in acc.iter().enumerate() {
             for (t, a) in a.iter().enumerate() {
-                _mm512_mask_storeu_ps(out.add(t * os + gi * LANES), masks[gi], *a);
+                _mm512_storeu_ps(out.add(t * os + gi * LANES), *a);
             }
         }
     }
 }
 
-/// Groups `groups` (at most two) times rows `rows` of `x` (`n × cols`,
-/// with sub-block sums `sx`, `n × subs`), into `out` (`out_stride` apart,
-/// column 0 = the first row of `groups.start`).
+/// Groups `groups` (at most two) times rows `rows` of `x`, into `out`
+/// (`out_stride` apart, column 0 = the first row of `groups.start`).
 ///
-/// The groups' codes are converted to f32 once, for all of `k` (a pair's
-/// panel stays in L2); then blocks of [`RB`] rows of `x` run over it
-/// [`KC`] elements at a time, accumulating in a buffer that stays in L1
+/// The groups' codes are unpacked to operand bytes once, for all of `k`
+/// (a pair's panel stays in L2); then blocks of [`RB`] rows of `x` run over
+/// it [`KC`] elements at a time, accumulating in a buffer that stays in L1
 /// (storing partial sums to `out` itself, whose lines are not cached, ran
 /// at half the speed), and the buffer is copied out once per block.
 ///
 /// # Safety
-/// AVX-512F; `x`, `sx` hold those rows; `out` is writable at rows `rows`
-/// for the groups' matrix rows and nobody else writes there meanwhile.
-#[target_feature(enable = "avx512f")]
+/// AVX-512 F/BW/VNNI; `x` has `p`'s sub-block and holds those rows; `out`
+/// is writable at rows `rows` for the groups' matrix rows and nobody else
+/// writes there meanwhile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(crate) unsafe fn gemm_block(
     p: &Packed,
     groups: std::ops::Range<usize>,
     rows: std::ops::Range<usize>,
-    x: *const f32,
-    sx: *const f32,
+    x: &Limbs,
     out: *mut f32,
     out_stride: usize,
 ) {
@@ -290,7 +375,8 @@ pub(crate) unsafe fn gemm_block(
     let s = p.scheme.sub;
     let k = p.cols;
     let ss = p.subs * LANES;
-    let mut panel = Lines::new(ng * k);
+    let ps = k * LANES;
+    let mut panel = Panel(vec![Chunk([0; 64]); ng * k / 4]);
     let mut scales = Lines::new(ng * p.subs);
     let mut offs = Lines::new(if p.scheme.offsets { ng * p.subs } else { 0 });
     let mut acc = Lines::new(RB * ng);
@@ -298,19 +384,21 @@ pub(crate) unsafe fn gemm_block(
     // are filled for exactly the elements the tiles read, and the tiles
     // write only the accumulator buffer.
     unsafe {
-        let table = _mm512_loadu_ps(p.scheme.table.as_ptr());
+        let table = lut(p);
         let gcb = p.group_code_bytes();
+        let pp = panel.0.as_mut_ptr() as *mut u8;
         for (gi, g) in groups.clone().enumerate() {
             let base = p.codes.as_ptr().add(g * gcb);
-            let dst = panel.as_mut_ptr().add(gi * k * LANES);
-            for kk in (0..k).step_by(2) {
-                let (lo, hi) = if p.scheme.nibble {
-                    pair::<true>(base, kk, table)
-                } else {
-                    pair::<false>(base, kk, table)
-                };
-                _mm512_storeu_ps(dst.add(kk * LANES), lo);
-                _mm512_storeu_ps(dst.add((kk + 1) * LANES), hi);
+            let dst = pp.add(gi * ps);
+            if p.scheme.nibble {
+                for kk in (0..k).step_by(8) {
+                    let v = _mm512_loadu_si512(base.add(nibble_line(kk)) as *const __m512i);
+                    let (lo, hi) = nibbles(v, table);
+                    _mm512_store_si512(dst.add(kk * LANES) as *mut __m512i, lo);
+                    _mm512_store_si512(dst.add((kk + 4) * LANES) as *mut __m512i, hi);
+                }
+            } else {
+                std::ptr::copy_nonoverlapping(base, dst, ps);
             }
             for j in 0..p.subs {
                 let at = gi * ss + j * LANES;
@@ -329,7 +417,7 @@ pub(crate) unsafe fn gemm_block(
                 0
             }
         });
-        let all = [0xFFFFu16; 2];
+        let bias = p.scheme.bias;
         for r0 in rows.clone().step_by(RB) {
             let r1 = (r0 + RB).min(rows.end);
             for k0 in (0..k).step_by(KC) {
@@ -342,37 +430,26 @@ pub(crate) unsafe fn gemm_block(
                         std::ptr::null()
                     };
                     let args = (
-                        (panel.as_ptr().add(k0 * LANES), k * LANES),
+                        (pp.add(k0 * LANES) as *const u8, ps),
                         (scales.as_ptr().add(j0 * LANES), of, ss),
-                        nj,
-                        s,
-                        (x.add(t0 * k + k0), k),
-                        (sx.wrapping_add(t0 * p.subs + j0), p.subs),
+                        (j0, nj),
+                        bias,
+                        (x, t0),
                         (acc.as_mut_ptr().add((t0 - r0) * ng * LANES), ng * LANES),
                         k0 == 0,
                     );
                     macro_rules! run {
                         ($g:literal, $t:literal) => {
                             tile::<$g, $t>(
-                                args.0,
-                                args.1,
-                                args.2,
-                                args.3,
-                                args.4,
-                                args.5,
-                                args.6,
-                                args.7,
-                                [all[0]; $g],
+                                args.0, args.1, args.2, args.3, args.4, args.5, args.6,
                             )
                         };
                     }
                     match (ng, nt) {
-                        (2, 4..) => run!(2, 4),
-                        (2, 3) => run!(2, 3),
+                        (2, 3..) => run!(2, 3),
                         (2, 2) => run!(2, 2),
                         (2, _) => run!(2, 1),
-                        (_, 4..) => run!(1, 4),
-                        (_, 3) => run!(1, 3),
+                        (_, 3..) => run!(1, 3),
                         (_, 2) => run!(1, 2),
                         (_, _) => run!(1, 1),
                     }
@@ -384,33 +461,6 @@ pub(crate) unsafe fn gemm_block(
                     _mm512_mask_storeu_ps(out.add(t * out_stride + gi * LANES), mask, v);
                 }
             }
-        }
-    }
-}
-
-/// [`super::packed::sub_sums`] with vectors, in the same tree.
-///
-/// # Safety
-/// AVX-512F.
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn sub_sums(x: &[f32], s: usize, out: &mut [f32]) {
-    // SAFETY: each sub-block of `s` (16 or 32) elements lies inside `x`.
-    unsafe {
-        for (j, o) in out.iter_mut().enumerate() {
-            let c = x.as_ptr().add(j * s);
-            let v = if s == 32 {
-                _mm512_add_ps(_mm512_loadu_ps(c), _mm512_loadu_ps(c.add(16)))
-            } else {
-                _mm512_loadu_ps(c)
-            };
-            let h8 = _mm256_add_ps(
-                _mm512_castps512_ps256(v),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
-            );
-            let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-            let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-            let h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
-            *o = _mm_cvtss_f32(h1);
         }
     }
 }

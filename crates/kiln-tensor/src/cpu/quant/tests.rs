@@ -213,6 +213,29 @@ fn f64_product(x: &[f32], n: usize, w: &[f32], m: usize, k: usize) -> (Vec<f64>,
     (want, tol)
 }
 
+/// [`f64_product`]'s bound widened by the activations' representation in
+/// the packed products ([`limbs`]): each element within half a step of at
+/// most `2^-21` of its sub-block's largest magnitude, so an output moves
+/// by at most `Σ |w_i| · amax_j · 2^-22` (the offsets' share likewise).
+fn packed_bound(x: &[f32], n: usize, w: &[f32], m: usize, k: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
+    let (want, mut tol) = f64_product(x, n, w, m, k);
+    for i in 0..n {
+        let xr = &x[i * k..(i + 1) * k];
+        for r in 0..m {
+            let wr = &w[r * k..(r + 1) * k];
+            let wmax = wr.iter().fold(0f64, |a, v| a.max(v.abs() as f64));
+            let mut extra = 0f64;
+            for (xs, ws) in xr.chunks_exact(s).zip(wr.chunks_exact(s)) {
+                let amax = xs.iter().fold(0f64, |a, v| a.max(v.abs() as f64));
+                let wsum: f64 = ws.iter().map(|v| v.abs() as f64).sum();
+                extra += (wsum + wmax * s as f64) * amax * 2f64.powi(-22);
+            }
+            tol[i * m + r] += extra;
+        }
+    }
+    (want, tol)
+}
+
 #[test]
 fn packed_products_are_within_rounding_of_the_exact_product() {
     for format in packed_formats() {
@@ -221,7 +244,7 @@ fn packed_products_are_within_rounding_of_the_exact_product() {
             let w = matrix(format, m, k, (n * 1000 + m) as u64);
             let p = packed::pack(&w).unwrap();
             let x = pseudo(n * k, (n + m) as u32);
-            let (want, tol) = f64_product(&x, n, &w.dequantize(), m, k);
+            let (want, tol) = packed_bound(&x, n, &w.dequantize(), m, k, p.scheme.sub);
             let mut got = vec![f32::NAN; n * m];
             // SAFETY: n × m outputs, row stride m.
             unsafe { packed_matmul(&p, &x, n, got.as_mut_ptr(), m) };
@@ -242,7 +265,20 @@ fn packed_rows_are_bit_identical_alone_batched_and_portable() {
         let k = width(format, 10);
         let w = matrix(format, m, k, 5);
         let p = packed::pack(&w).unwrap();
-        let x = pseudo(n * k, 8);
+        let mut x = pseudo(n * k, 8);
+        // Rows at the edges of the activations' representation: one large
+        // element among small ones, a largest element just under a power
+        // of two (the exponent's bump), tiny values, and every limb at its
+        // extremes (±8355711 steps).
+        x[3 * k + 5] = 1.0e4;
+        x[5 * k + 2] = -1.999_999_9;
+        for v in &mut x[7 * k..8 * k] {
+            *v *= 1e-30;
+        }
+        for (i, v) in x[9 * k..10 * k].iter_mut().enumerate() {
+            let top = 8_355_711.0 / 4_194_304.0;
+            *v = if i % 3 == 0 { -top } else { top };
+        }
         let run_on = |isa: Isa, rows: std::ops::Range<usize>| {
             let mut out = vec![f32::NAN; rows.len() * m];
             let x = &x[rows.start * k..rows.end * k];
@@ -272,12 +308,10 @@ fn packed_rows_are_bit_identical_alone_batched_and_portable() {
                 Isa::best()
             );
         }
-        let mut sx = vec![0f32; p.subs];
         for i in 0..n {
             let xr = &x[i * k..(i + 1) * k];
-            packed::sub_sums(xr, p.scheme.sub, &mut sx);
             let mut portable = vec![f32::NAN; m];
-            p.gemv_portable(0..p.groups, xr, &sx, &mut portable);
+            p.gemv_portable(0..p.groups, &Limbs::new(xr, 1, k, p.scheme.sub), 0, &mut portable);
             let want = &all[i * m..(i + 1) * m];
             let mut pairs = vec![("alone", run(i..i + 1)), ("portable", portable)];
             for isa in Isa::available() {
@@ -298,26 +332,6 @@ fn packed_rows_are_bit_identical_alone_batched_and_portable() {
                     );
                 }
             }
-        }
-    }
-}
-
-#[test]
-fn packed_sub_sums_are_the_vector_tree() {
-    let x = pseudo(32 * 7, 3);
-    for s in [16, 32] {
-        let mut a = vec![0f32; x.len() / s];
-        packed::sub_sums(&x, s, &mut a);
-        for (j, v) in a.iter().enumerate() {
-            let exact: f64 = x[j * s..(j + 1) * s].iter().map(|&v| v as f64).sum();
-            assert!((*v as f64 - exact).abs() < 1e-5, "sub {j}: {v} vs {exact}");
-        }
-        #[cfg(target_arch = "x86_64")]
-        if runs_avx512() {
-            let mut b = vec![0f32; x.len() / s];
-            // SAFETY: AVX-512F was detected.
-            unsafe { packed_avx512::sub_sums(&x, s, &mut b) };
-            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
         }
     }
 }
@@ -466,6 +480,43 @@ fn fast_products_are_the_product_in_bf16() {
             // Decode rows (at most GEMV_ROWS) keep the exact path's bits.
             let (f2, e2) = (run(CpuMatmul::Fast, 2), run(CpuMatmul::Exact, 2));
             assert!(f2.iter().zip(&e2).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+}
+
+#[test]
+fn packed_products_of_activations_that_are_not_finite_are_nan() {
+    // As an f32 product: a NaN or an infinity in x makes every output it
+    // reaches NaN (an infinity times codes of both signs has no sum), on
+    // every path, alone and batched.
+    for format in packed_formats() {
+        let (n, m) = (4, 19);
+        let k = width(format, 2);
+        let w = matrix(format, m, k, 12);
+        let p = packed::pack(&w).unwrap();
+        let mut x = pseudo(n * k, 6);
+        x[k + 3] = f32::NAN;
+        x[2 * k + k - 1] = f32::INFINITY;
+        for isa in Isa::available() {
+            for rows in [1, n] {
+                let mut out = vec![0f32; rows * m];
+                // SAFETY: rows × m outputs, row stride m; `isa` runs here.
+                unsafe {
+                    packed_matmul_on(
+                        isa,
+                        &[(&p, 0)],
+                        &x[..rows * k],
+                        rows,
+                        out.as_mut_ptr(),
+                        m,
+                        CpuMatmul::Exact,
+                    )
+                };
+                for (i, v) in out.iter().enumerate() {
+                    let bad_row = matches!(i / m, 1 | 2);
+                    assert_eq!(v.is_nan(), bad_row, "{format} {isa:?} output {i}: {v}");
+                }
+            }
         }
     }
 }
