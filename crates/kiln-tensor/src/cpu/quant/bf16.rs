@@ -75,7 +75,6 @@ pub(crate) unsafe fn bf16_panel(p: &Packed, g: usize, dst: *mut u32) {
     // SAFETY: as the function's contract; k runs over the group's codes.
     unsafe {
         let table = _mm512_loadu_ps(p.scheme.table.as_ptr());
-        let base = p.codes.as_ptr().add(g * p.group_code_bytes());
         for j in 0..p.subs {
             let sc = factor(p, &p.scale_d, &p.scale_m, g, j);
             let of = if p.scheme.offsets {
@@ -84,11 +83,7 @@ pub(crate) unsafe fn bf16_panel(p: &Packed, g: usize, dst: *mut u32) {
                 _mm512_setzero_ps()
             };
             for kk in (j * s..(j + 1) * s).step_by(2) {
-                let (lo, hi) = if p.scheme.nibble {
-                    pair::<true>(base, kk, table, p.scheme.bias)
-                } else {
-                    pair::<false>(base, kk, table, p.scheme.bias)
-                };
+                let (lo, hi) = pair(p, g, kk, table);
                 let (lo, hi) = (_mm512_fmadd_ps(lo, sc, of), _mm512_fmadd_ps(hi, sc, of));
                 let v = _mm512_or_si512(_mm512_slli_epi32(bf16_bits(hi), 16), bf16_bits(lo));
                 _mm512_storeu_si512(dst.add(kk / 2 * LANES) as *mut __m512i, v);

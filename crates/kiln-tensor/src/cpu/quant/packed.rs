@@ -10,13 +10,16 @@
 //! `u − bias` (a constant of the format: 8 for Q4_0, 128 for Q8_0, 0 for
 //! the formats with a min), or for IQ4_NL `lut[u] − 128`. Codes are laid
 //! out so that one 32-bit word of a lane holds four consecutive elements,
-//! the shape `vpdpbusd` multiplies: 4-bit and smaller codes as nibbles —
-//! per run of 8 elements of a group 64 bytes, lane `l`'s word at `4l`,
-//! byte `i` holding element `8m + i` in its low nibble and `8m + 4 + i` in
-//! its high one ([`nibble_at`]) — and 5-, 6- and 8-bit codes as bytes, per
-//! run of 4 elements 64 bytes, lane `l`'s word at `4l` ([`byte_at`]). So
-//! Q5_* and Q6_K take 8 bits a weight here against 5.5–6.6 in the file;
-//! Q2_K and Q3_K take 4. Scales stay f16, K-quant sub-scales bytes.
+//! the shape `vpdpbusd` multiplies. The low 4 bits of a code sit in nibble
+//! lines — per run of 8 elements of a group 64 bytes, lane `l`'s word at
+//! `4l`, byte `i` holding element `8m + i` in its low nibble and `8m + 4 +
+//! i` in its high one ([`nibble_at`]) — and the 5- and 6-bit formats keep
+//! the bits above in a plane after them ([`plane_at`]: per run of `32 /
+//! high` elements 64 bytes, byte `i` of a lane's word holding the high bits
+//! of elements `4r + i` at bit `high · r`), so they take 5.5–6.6 bits a
+//! weight as in the file. Q8_0's codes are bytes, per run of 4 elements a
+//! 64-byte line ([`byte_at`]); Q2_K and Q3_K take 4 bits. Scales stay f16,
+//! K-quant sub-scales bytes.
 //!
 //! **The product.** A row of `x` is split, per sub-block of `S` elements
 //! (16 or 32, the format's), into exact integers ([`super::limbs`]):
@@ -63,6 +66,21 @@ pub(crate) const fn nibble_line(k: usize) -> usize {
 #[inline(always)]
 pub(crate) const fn nibble_at(k: usize, l: usize) -> (usize, u32) {
     (nibble_line(k) + 4 * l + k % 4, 4 * ((k % 8) / 4) as u32)
+}
+
+/// Where, after a group's nibble lines (`cols / 2 · 16` bytes), the
+/// 64-byte line of its `high`-bit plane holding element `k` starts.
+#[inline(always)]
+pub(crate) const fn plane_line(cols: usize, high: u32, k: usize) -> usize {
+    cols / 2 * LANES + (k / (32 / high as usize)) * 64
+}
+
+/// The byte of a group's `high`-bit plane holding the high bits of element
+/// `k` of lane `l`, and their shift.
+#[inline(always)]
+pub(crate) const fn plane_at(cols: usize, high: u32, k: usize, l: usize) -> (usize, u32) {
+    let r = k % (32 / high as usize);
+    (plane_line(cols, high, k) + 4 * l + r % 4, high * (r / 4) as u32)
 }
 
 /// Where the 64-byte line of a group's byte codes holding element `k`
@@ -114,7 +132,10 @@ pub(crate) enum ScaleKind {
 /// a code maps to its value.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Scheme {
+    /// Low 4 bits in nibble lines (else whole bytes).
     pub nibble: bool,
+    /// Bits above the nibble, in a plane (0, 1 or 2).
+    pub high: u32,
     pub sub: usize,
     pub scales: ScaleKind,
     pub offsets: bool,
@@ -123,7 +144,7 @@ pub(crate) struct Scheme {
     /// The unsigned byte each nibble code stands for (IQ4_NL's values
     /// plus 128); `None`: the code itself.
     pub lut: Option<[u8; 16]>,
-    /// The values of the 16 nibble codes as f32 (unused for byte codes).
+    /// The values of the 16 nibble codes as f32 (for 4-bit formats).
     pub table: [f32; 16],
 }
 
@@ -134,19 +155,19 @@ impl Scheme {
         use QuantFormat::*;
         let k = |n| ScaleKind::Super { subs_per_super: n };
         let f = ScaleKind::F16;
-        let (nibble, sub, scales, offsets, bias) = match format {
+        let (nibble, high, sub, scales, offsets, bias) = match format {
             F16 | BF16 => return None,
-            Q4_0 => (true, 32, f, false, 8),
-            Q4_1 => (true, 32, f, true, 0),
-            IQ4NL => (true, 32, f, false, 128),
-            Q5_0 => (false, 32, f, false, 16),
-            Q8_0 => (false, 32, f, false, 128),
-            Q5_1 => (false, 32, f, true, 0),
-            Q2K => (true, 16, k(16), true, 0),
-            Q3K => (true, 16, k(16), false, 4),
-            Q4K => (true, 32, k(8), true, 0),
-            Q5K => (false, 32, k(8), true, 0),
-            Q6K => (false, 16, k(16), false, 32),
+            Q4_0 => (true, 0, 32, f, false, 8),
+            Q4_1 => (true, 0, 32, f, true, 0),
+            IQ4NL => (true, 0, 32, f, false, 128),
+            Q5_0 => (true, 1, 32, f, false, 16),
+            Q8_0 => (false, 0, 32, f, false, 128),
+            Q5_1 => (true, 1, 32, f, true, 0),
+            Q2K => (true, 0, 16, k(16), true, 0),
+            Q3K => (true, 0, 16, k(16), false, 4),
+            Q4K => (true, 0, 32, k(8), true, 0),
+            Q5K => (true, 1, 32, k(8), true, 0),
+            Q6K => (true, 2, 16, k(16), false, 32),
         };
         let lut = (format == IQ4NL).then(|| IQ4_NL_VALUES.map(|v| (v as i16 + 128) as u8));
         let table = std::array::from_fn(|u| match lut {
@@ -155,6 +176,7 @@ impl Scheme {
         });
         Some(Scheme {
             nibble,
+            high,
             sub,
             scales,
             offsets,
@@ -443,7 +465,13 @@ impl Packed {
         let base = g * self.group_code_bytes();
         if self.scheme.nibble {
             let (at, shift) = nibble_at(k, l);
-            (self.codes[base + at] >> shift) & 0xF
+            let low = (self.codes[base + at] >> shift) & 0xF;
+            let high = self.scheme.high;
+            if high == 0 {
+                return low;
+            }
+            let (at, shift) = plane_at(self.cols, high, k, l);
+            low | (((self.codes[base + at] >> shift) & ((1 << high) - 1)) << 4)
         } else {
             self.codes[base + byte_at(k, l)]
         }
@@ -514,7 +542,7 @@ impl Packed {
 }
 fn group_code_bytes(s: &Scheme, cols: usize) -> usize {
     if s.nibble {
-        cols / 2 * LANES
+        cols / 2 * LANES + cols * s.high as usize / 8 * LANES
     } else {
         cols * LANES
     }
@@ -628,10 +656,13 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
                 }
                 decompose(format, blk, c, &mut sc, &mut of);
                 if scheme.nibble {
-                    let dst = &mut codes[nibble_line(k0)..nibble_line(k0 + bs)];
                     for (i, &code) in c.iter().enumerate() {
-                        let (at, shift) = nibble_at(i, l);
-                        dst[at] |= code << shift;
+                        let (at, shift) = nibble_at(k0 + i, l);
+                        codes[at] |= (code & 0xF) << shift;
+                        if scheme.high > 0 {
+                            let (at, shift) = plane_at(cols, scheme.high, k0 + i, l);
+                            codes[at] |= (code >> 4) << shift;
+                        }
                     }
                 } else {
                     let dst = &mut codes[byte_line(k0)..byte_line(k0 + bs)];

@@ -9,7 +9,7 @@
 use std::arch::x86_64::*;
 
 use super::limbs::{Limbs, SubInfo};
-use super::packed::{byte_line, nibble_line, Packed, ScaleKind, LANES};
+use super::packed::{byte_line, nibble_line, plane_line, Packed, ScaleKind, LANES};
 
 const HALF: usize = 8;
 
@@ -134,6 +134,26 @@ unsafe fn nibbles(line: *const u8, h: usize, lut: Option<__m256i>) -> (__m256i, 
     }
 }
 
+/// Half `h` of a sub-block's high-bit plane line (quad `q`'s bits at
+/// `high · q` in each byte).
+#[inline(always)]
+unsafe fn plane(line: *const u8, h: usize) -> __m256i {
+    // SAFETY: the line's 64 bytes are readable; AVX2.
+    unsafe { _mm256_loadu_si256(line.add(h * HALF * 4) as *const __m256i) }
+}
+
+/// `lo | (hs & mask) << 4` for one quad, and `hs` moved to the next quad.
+#[inline(always)]
+unsafe fn with_high(lo: __m256i, hs: &mut __m256i, high: u32) -> __m256i {
+    // SAFETY: plain register ops (AVX2).
+    unsafe {
+        let mask = _mm256_set1_epi8(((1u32 << high) - 1) as i8);
+        let u = _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(*hs, mask), 4));
+        *hs = _mm256_srl_epi32(*hs, _mm_cvtsi32_si128(high as i32));
+        u
+    }
+}
+
 #[inline(always)]
 unsafe fn lut(p: &Packed) -> Option<__m256i> {
     // SAFETY: the table has 16 bytes.
@@ -186,8 +206,18 @@ unsafe fn gemv<const NIB: bool, const WIDE: bool>(
                 };
                 let mut sums = Sums::start(bias, inf);
                 if NIB {
+                    let high = p.scheme.high;
+                    let mut hs = if high > 0 {
+                        plane(codes.add(plane_line(p.cols, high, j * s)), h)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
                     for m in 0..s / 8 {
-                        let (lo, hi) = nibbles(codes.add(nibble_line(j * s + 8 * m)), h, table);
+                        let (mut lo, mut hi) = nibbles(codes.add(nibble_line(j * s + 8 * m)), h, table);
+                        if high > 0 {
+                            lo = with_high(lo, &mut hs, high);
+                            hi = with_high(hi, &mut hs, high);
+                        }
                         let (a, b, c) = limb(2 * m);
                         sums.add::<WIDE>(lo, a, b, c);
                         let (a, b, c) = limb(2 * m + 1);
@@ -286,9 +316,17 @@ unsafe fn gemm<const WIDE: bool>(
         for g in groups.clone() {
             let codes = p.codes.as_ptr().add(g * p.group_code_bytes());
             if p.scheme.nibble {
+                let high = p.scheme.high;
                 for kk in (0..k).step_by(8) {
                     for h in 0..2 {
-                        let (lo, hi) = nibbles(codes.add(nibble_line(kk)), h, table);
+                        let (mut lo, mut hi) = nibbles(codes.add(nibble_line(kk)), h, table);
+                        if high > 0 {
+                            let run = kk % (32 / high as usize) / 8;
+                            let hs = plane(codes.add(plane_line(k, high, kk)), h);
+                            let mut hs = _mm256_srl_epi32(hs, _mm_cvtsi32_si128((2 * run) as i32 * high as i32));
+                            lo = with_high(lo, &mut hs, high);
+                            hi = with_high(hi, &mut hs, high);
+                        }
                         let d = panel.as_mut_ptr().add(kk * LANES + h * HALF * 4);
                         _mm256_storeu_si256(d as *mut __m256i, lo);
                         _mm256_storeu_si256(d.add(4 * LANES) as *mut __m256i, hi);

@@ -520,3 +520,4 @@ fn packed_products_of_activations_that_are_not_finite_are_nan() {
         }
     }
 }
+
