@@ -5,6 +5,7 @@ mod attention;
 pub mod matmul;
 mod ops;
 pub mod quant;
+mod vmath;
 
 use std::sync::Arc;
 

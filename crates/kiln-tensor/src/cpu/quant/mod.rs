@@ -22,6 +22,7 @@ mod amx;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod bf16;
+mod codes;
 pub(crate) mod limbs;
 pub(crate) mod packed;
 #[cfg(target_arch = "x86_64")]

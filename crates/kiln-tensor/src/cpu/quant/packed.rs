@@ -49,6 +49,7 @@ use kiln_quant::dequant::{q3_k_scale, scale_min_k4, IQ4_NL_VALUES};
 use kiln_quant::{QuantFormat, QuantMatrix};
 use rayon::prelude::*;
 
+use super::codes::Codes;
 use super::limbs::Limbs;
 
 /// Rows in a group: the lanes of an AVX-512 f32 vector.
@@ -395,7 +396,7 @@ pub(crate) struct Packed {
     pub subs: usize,
     /// Per group: `cols / 8` nibble lines or `cols / 4` byte lines of 64
     /// bytes (see the module docs).
-    pub codes: Vec<u8>,
+    pub codes: Codes,
     /// Per group: per sub-block (F16) or super-block (Super) × 16 f16.
     pub scale_d: Vec<u16>,
     /// Per group: per sub-block × 16 multipliers (Super only).
@@ -591,7 +592,7 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
         cols,
         groups,
         subs,
-        codes: vec![0u8; groups * gcb],
+        codes: Codes::zeroed(groups * gcb),
         scale_d: vec![0u16; groups * dpg],
         scale_m: vec![0i8; groups * mpg],
         offs_d: vec![0u16; groups * opg_d],
