@@ -299,7 +299,16 @@ fn row_group<E>(
     }
     o.fill(0.0);
     head.runs(keys, |j, _, v| {
-        (kern.weighted_sum)(Weights { w: scores, nk, j, inv }, v, o);
+        (kern.weighted_sum)(
+            Weights {
+                w: scores,
+                nk,
+                j,
+                inv,
+            },
+            v,
+            o,
+        );
     });
 }
 
@@ -452,7 +461,9 @@ mod avx512 {
             }
             let v = _mm512_mul_ps(reduce16(&acc), _mm512_set1_ps(scale));
             // SAFETY: the mask covers the m scores of this chunk.
-            unsafe { _mm512_mask_storeu_ps(s.as_mut_ptr().add(t0), ((1u32 << m) - 1) as __mmask16, v) };
+            unsafe {
+                _mm512_mask_storeu_ps(s.as_mut_ptr().add(t0), ((1u32 << m) - 1) as __mmask16, v)
+            };
         }
     }
 

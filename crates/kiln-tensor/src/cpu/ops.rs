@@ -82,7 +82,11 @@ unsafe fn gated_avx512(o: &mut [f32], g: &[f32], u: &[f32], act: Activation) {
     use std::arch::x86_64::*;
     let n = o.len().min(g.len()).min(u.len());
     for c in (0..n).step_by(16) {
-        let mask: __mmask16 = if n - c >= 16 { !0 } else { (1u16 << (n - c)) - 1 };
+        let mask: __mmask16 = if n - c >= 16 {
+            !0
+        } else {
+            (1u16 << (n - c)) - 1
+        };
         // SAFETY: the mask covers only elements below n.
         unsafe {
             let gv = _mm512_maskz_loadu_ps(mask, g.as_ptr().add(c));
@@ -202,7 +206,10 @@ mod tests {
                 };
                 let want = a * uu as f64;
                 let tol = 4e-7 * want.abs() + 1e-7 * (x64.abs() * uu as f64).min(1.0) + 1e-38;
-                assert!((o as f64 - want).abs() <= tol, "{act:?}({x}) * {uu}: {o} vs {want}");
+                assert!(
+                    (o as f64 - want).abs() <= tol,
+                    "{act:?}({x}) * {uu}: {o} vs {want}"
+                );
             }
             let nan = gated(&[f32::NAN], &[1.0], act);
             assert!(nan[0].is_nan(), "{act:?}(NaN)");

@@ -29,7 +29,10 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub(crate) fn silu16(x: __m512) -> __m512 {
         let one = _mm512_set1_ps(1.0);
-        _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))))
+        _mm512_div_ps(
+            x,
+            _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))),
+        )
     }
 
     /// `0.5·x·(1 + tanh(y))`, `y = √(2/π)·(x + 0.044715·x³)`, as

@@ -78,7 +78,11 @@ mod tests {
             }
             if len >= 2 * HUGE {
                 assert!(matches!(c, Codes::Mapped { .. }));
-                assert_eq!(c.as_ptr() as usize % HUGE, 0, "the codes start on a huge page");
+                assert_eq!(
+                    c.as_ptr() as usize % HUGE,
+                    0,
+                    "the codes start on a huge page"
+                );
             }
         }
     }

@@ -42,6 +42,20 @@ pub(crate) struct SubInfo {
     pub c: i32,
 }
 
+impl SubInfo {
+    /// A finite sub-block's info from its exponent and the sums of its
+    /// `a`, `b`, `c` and `X`.
+    fn of(e: i32, [sa, sb, sc, sx]: [i32; 4]) -> SubInfo {
+        let scale = pow2(e);
+        SubInfo {
+            scale,
+            sum: sx as f32 * scale,
+            t: 256 * sa + sb,
+            c: sc,
+        }
+    }
+}
+
 /// Rows of `x` split into limbs for one sub-block size: per row, per
 /// sub-block, the `S` bytes of `a`, then of `b`, then of `c`.
 pub(crate) struct Limbs {
@@ -115,7 +129,9 @@ impl Limbs {
     /// Row `t`'s limb bytes (`3 · subs · sub` of them).
     #[inline]
     pub fn row(&self, t: usize) -> *const i8 {
-        self.bytes.as_ptr().wrapping_add(t * 3 * self.subs * self.sub)
+        self.bytes
+            .as_ptr()
+            .wrapping_add(t * 3 * self.subs * self.sub)
     }
 
     /// The `a`, `b` and `c` bytes of sub-block `j` of row `t`.
@@ -130,7 +146,9 @@ impl Limbs {
 /// The fastest splitter this CPU runs (each gives the same limbs).
 fn split_fn() -> fn(&[f32], &mut [i8]) -> SubInfo {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+    if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
         // SAFETY: the features were detected.
         return |x, out| unsafe { split_avx512(x, out) };
     }
@@ -160,7 +178,11 @@ pub(crate) fn exponent(amax_bits: u32) -> i32 {
 /// One sub-block `x` split into `out` (`a` bytes, `b` bytes, `c` bytes).
 pub(crate) fn split(x: &[f32], out: &mut [i8]) -> SubInfo {
     let s = x.len();
-    let amax_bits = x.iter().map(|v| v.to_bits() & 0x7FFF_FFFF).max().unwrap_or(0);
+    let amax_bits = x
+        .iter()
+        .map(|v| v.to_bits() & 0x7FFF_FFFF)
+        .max()
+        .unwrap_or(0);
     if amax_bits >= 0x7F80_0000 {
         out.fill(0);
         return SubInfo {
@@ -187,13 +209,7 @@ pub(crate) fn split(x: &[f32], out: &mut [i8]) -> SubInfo {
         sc += c;
         sx += big;
     }
-    let scale = pow2(e);
-    SubInfo {
-        scale,
-        sum: sx as f32 * scale,
-        t: 256 * sa + sb,
-        c: sc,
-    }
+    SubInfo::of(e, [sa, sb, sc, sx])
 }
 
 /// [`split`] with AVX-512, for sub-blocks of 16 or 32.
@@ -228,7 +244,8 @@ unsafe fn split_avx512(x: &[f32], out: &mut [i8]) -> SubInfo {
         let e = exponent(amax_bits);
         let inv = _mm512_set1_ps(pow2(-e));
         let (c128, c255) = (_mm512_set1_epi32(128), _mm512_set1_epi32(255));
-        let low = |v: __m512i| _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, c128), c255), c128);
+        let low =
+            |v: __m512i| _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, c128), c255), c128);
         let mut sums = [_mm512_setzero_si512(); 4];
         let o = out.as_mut_ptr();
         for (h, &v) in v.iter().enumerate().take(s / 16) {
@@ -238,19 +255,15 @@ unsafe fn split_avx512(x: &[f32], out: &mut [i8]) -> SubInfo {
             let b = low(r);
             let a = _mm512_srai_epi32(_mm512_sub_epi32(r, b), 8);
             for (l, limb) in [a, b, c].into_iter().enumerate() {
-                _mm_storeu_si128(o.add(l * s + h * 16) as *mut __m128i, _mm512_cvtepi32_epi8(limb));
+                _mm_storeu_si128(
+                    o.add(l * s + h * 16) as *mut __m128i,
+                    _mm512_cvtepi32_epi8(limb),
+                );
                 sums[l] = _mm512_add_epi32(sums[l], limb);
             }
             sums[3] = _mm512_add_epi32(sums[3], big);
         }
-        let [sa, sb, sc, sx] = sums.map(|v| _mm512_reduce_add_epi32(v));
-        let scale = pow2(e);
-        SubInfo {
-            scale,
-            sum: sx as f32 * scale,
-            t: 256 * sa + sb,
-            c: sc,
-        }
+        SubInfo::of(e, sums.map(|v| _mm512_reduce_add_epi32(v)))
     }
 }
 
@@ -266,9 +279,13 @@ mod tests {
     fn limbs_represent_each_element_within_half_a_step() {
         let cases: Vec<Vec<f32>> = vec![
             (0..32).map(|i| (i as f32 - 15.5) * 0.37).collect(),
-            (0..32).map(|i| if i == 7 { 1e4 } else { 1e-3 * i as f32 }).collect(),
+            (0..32)
+                .map(|i| if i == 7 { 1e4 } else { 1e-3 * i as f32 })
+                .collect(),
             // The largest element just under a power of two: the bump.
-            (0..16).map(|i| if i == 3 { -1.999_999_9 } else { 0.25 }).collect(),
+            (0..16)
+                .map(|i| if i == 3 { -1.999_999_9 } else { 0.25 })
+                .collect(),
             (0..16).map(|i| 1e-40 * i as f32).collect(),
             vec![0.0; 32],
             (0..16).map(|i| 3e38 - i as f32).collect(),
@@ -284,7 +301,11 @@ mod tests {
                 let big = join(a, b, c, i);
                 assert!(big.abs() <= X_MAX as i64, "{x:?}: X = {big}");
                 let err = (big as f64 * step - v as f64).abs();
-                assert!(err <= step / 2.0, "{x:?}[{i}]: error {err} > {}", step / 2.0);
+                assert!(
+                    err <= step / 2.0,
+                    "{x:?}[{i}]: error {err} > {}",
+                    step / 2.0
+                );
                 sum += big;
             }
             let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -348,7 +369,9 @@ mod tests {
     #[test]
     fn rows_split_alone_or_in_a_batch_alike() {
         let (n, k) = (5, 96);
-        let x: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
+        let x: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
         for sub in [16, 32] {
             let all = Limbs::new(&x, n, k, sub);
             for t in 0..n {

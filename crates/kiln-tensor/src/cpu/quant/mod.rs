@@ -30,8 +30,8 @@ mod packed_avx2;
 #[cfg(target_arch = "x86_64")]
 mod packed_avx512;
 
-pub use packed::packed_bytes;
 use limbs::Limbs;
+pub use packed::packed_bytes;
 use packed::{Packed, LANES};
 
 use kiln_quant::{QuantFormat, QuantMatrix};
@@ -364,7 +364,9 @@ pub(crate) unsafe fn packed_matmul_on(
         unsafe {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx512 => packed_avx512::gemm_block(p, g.clone(), rows, limbs[i], o, out_stride),
+                Isa::Avx512 => {
+                    packed_avx512::gemm_block(p, g.clone(), rows, limbs[i], o, out_stride)
+                }
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => packed_avx2::gemm_block(p, g.clone(), rows, limbs[i], o, out_stride),
                 Isa::Portable => unreachable!("the portable product is row by row"),

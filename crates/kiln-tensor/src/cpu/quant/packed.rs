@@ -81,7 +81,10 @@ pub(crate) const fn plane_line(cols: usize, high: u32, k: usize) -> usize {
 #[inline(always)]
 pub(crate) const fn plane_at(cols: usize, high: u32, k: usize, l: usize) -> (usize, u32) {
     let r = k % (32 / high as usize);
-    (plane_line(cols, high, k) + 4 * l + r % 4, high * (r / 4) as u32)
+    (
+        plane_line(cols, high, k) + 4 * l + r % 4,
+        high * (r / 4) as u32,
+    )
 }
 
 /// Where the 64-byte line of a group's byte codes holding element `k`

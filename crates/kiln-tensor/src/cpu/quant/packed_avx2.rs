@@ -157,9 +157,9 @@ unsafe fn with_high(lo: __m256i, hs: &mut __m256i, high: u32) -> __m256i {
 #[inline(always)]
 unsafe fn lut(p: &Packed) -> Option<__m256i> {
     // SAFETY: the table has 16 bytes.
-    p.scheme
-        .lut
-        .map(|t| unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i)) })
+    p.scheme.lut.map(|t| unsafe {
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(t.as_ptr() as *const __m128i))
+    })
 }
 
 /// The lanes of half `h` of group `g` that are matrix rows, as a mask.
@@ -213,7 +213,8 @@ unsafe fn gemv<const NIB: bool, const WIDE: bool>(
                         _mm256_setzero_si256()
                     };
                     for m in 0..s / 8 {
-                        let (mut lo, mut hi) = nibbles(codes.add(nibble_line(j * s + 8 * m)), h, table);
+                        let (mut lo, mut hi) =
+                            nibbles(codes.add(nibble_line(j * s + 8 * m)), h, table);
                         if high > 0 {
                             lo = with_high(lo, &mut hs, high);
                             hi = with_high(hi, &mut hs, high);
@@ -285,25 +286,28 @@ pub(crate) unsafe fn gemm_block(
     out: *mut f32,
     out_stride: usize,
 ) {
+    let args = (p, groups, rows, x, out, out_stride);
     // SAFETY: as the function's contract.
     unsafe {
         if p.scheme.wide() {
-            gemm::<true>(p, groups, rows, x, out, out_stride)
+            gemm::<true>(args)
         } else {
-            gemm::<false>(p, groups, rows, x, out, out_stride)
+            gemm::<false>(args)
         }
     }
 }
 
+type GemmArgs<'a> = (
+    &'a Packed,
+    std::ops::Range<usize>,
+    std::ops::Range<usize>,
+    &'a Limbs,
+    *mut f32,
+    usize,
+);
+
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemm<const WIDE: bool>(
-    p: &Packed,
-    groups: std::ops::Range<usize>,
-    rows: std::ops::Range<usize>,
-    x: &Limbs,
-    out: *mut f32,
-    out_stride: usize,
-) {
+unsafe fn gemm<const WIDE: bool>((p, groups, rows, x, out, out_stride): GemmArgs) {
     const T: usize = 4;
     let k = p.cols;
     let s = p.scheme.sub;
@@ -323,7 +327,10 @@ unsafe fn gemm<const WIDE: bool>(
                         if high > 0 {
                             let run = kk % (32 / high as usize) / 8;
                             let hs = plane(codes.add(plane_line(k, high, kk)), h);
-                            let mut hs = _mm256_srl_epi32(hs, _mm_cvtsi32_si128((2 * run) as i32 * high as i32));
+                            let mut hs = _mm256_srl_epi32(
+                                hs,
+                                _mm_cvtsi32_si128((2 * run) as i32 * high as i32),
+                            );
                             lo = with_high(lo, &mut hs, high);
                             hi = with_high(hi, &mut hs, high);
                         }
@@ -342,8 +349,10 @@ unsafe fn gemm<const WIDE: bool>(
                     let nt = (rows.end - t0).min(T);
                     let mut acc = [_mm256_setzero_ps(); T];
                     for j in 0..p.subs {
-                        let infos: [SubInfo; T] = std::array::from_fn(|t| x.info(t0 + t.min(nt - 1), j));
-                        let mut sums: [Sums; T] = std::array::from_fn(|t| Sums::start(bias, &infos[t]));
+                        let infos: [SubInfo; T] =
+                            std::array::from_fn(|t| x.info(t0 + t.min(nt - 1), j));
+                        let mut sums: [Sums; T] =
+                            std::array::from_fn(|t| Sums::start(bias, &infos[t]));
                         for q in 0..s / 4 {
                             let at = panel.as_ptr().add((j * s + 4 * q) * LANES + h * HALF * 4);
                             let u = _mm256_loadu_si256(at as *const __m256i);

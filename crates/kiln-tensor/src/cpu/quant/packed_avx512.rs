@@ -92,7 +92,10 @@ pub(crate) unsafe fn pair(p: &Packed, g: usize, k: usize, table: __m512) -> (__m
         let h = _mm512_srl_epi32(w, count(8 * (r % 4) + high as usize * (r / 4)));
         let (lo, hm) = (_mm512_set1_epi32(0xF), _mm512_set1_epi32((1 << high) - 1));
         let code = |c: __m512i, h: __m512i| {
-            _mm512_or_si512(_mm512_and_si512(c, lo), _mm512_slli_epi32(_mm512_and_si512(h, hm), 4))
+            _mm512_or_si512(
+                _mm512_and_si512(c, lo),
+                _mm512_slli_epi32(_mm512_and_si512(h, hm), 4),
+            )
         };
         (
             value(code(c, h)),
@@ -222,7 +225,12 @@ impl Sums {
 /// addresses run into the next group's (which the same task reads next)
 /// or past the buffers, where a prefetch does nothing.
 #[inline(always)]
-unsafe fn prefetch_ahead<const NIB: bool, const H: u32>(p: &Packed, codes: *const u8, g: usize, j: usize) {
+unsafe fn prefetch_ahead<const NIB: bool, const H: u32>(
+    p: &Packed,
+    codes: *const u8,
+    g: usize,
+    j: usize,
+) {
     // SAFETY: prefetches do not fault; the addresses are only computed.
     unsafe {
         let s = p.scheme.sub;
@@ -295,7 +303,13 @@ unsafe fn gemv<const G: usize, const NIB: bool, const H: u32>(
                 }
             }
             let mut sums: [Sums; G] = std::array::from_fn(|_| Sums::start(bias, inf));
-            let limb = |q: usize| (word(xb.add(4 * q)), word(xb.add(s + 4 * q)), word(xb.add(2 * s + 4 * q)));
+            let limb = |q: usize| {
+                (
+                    word(xb.add(4 * q)),
+                    word(xb.add(s + 4 * q)),
+                    word(xb.add(2 * s + 4 * q)),
+                )
+            };
             if NIB {
                 // The sub-block's high-bit plane (one line: a sub-block is
                 // the plane's run of 32 / H elements).
@@ -430,11 +444,14 @@ unsafe fn tile<const G: usize, const T: usize>(
         let infos: [*const SubInfo; T] = std::array::from_fn(|t| x.infos(t0 + t));
         for jj in 0..nj {
             let j = j0 + jj;
-            let mut sums: [[Sums; T]; G] =
-                std::array::from_fn(|_| std::array::from_fn(|t| Sums::start(bias, &*infos[t].add(j))));
+            let mut sums: [[Sums; T]; G] = std::array::from_fn(|_| {
+                std::array::from_fn(|t| Sums::start(bias, &*infos[t].add(j)))
+            });
             for q in 0..s / 4 {
                 let u: [__m512i; G] = std::array::from_fn(|gi| {
-                    _mm512_load_si512(panel.add(gi * ps + (jj * s + 4 * q) * LANES) as *const __m512i)
+                    _mm512_load_si512(
+                        panel.add(gi * ps + (jj * s + 4 * q) * LANES) as *const __m512i
+                    )
                 });
                 for t in 0..T {
                     let xb = rows[t].add(j * 3 * s + 4 * q);
@@ -511,7 +528,10 @@ pub(crate) unsafe fn gemm_block(
                         // This run's place in its plane line: 2 quads a run.
                         let run = kk % (32 / high as usize) / 8;
                         let mut hs = plane(base.add(plane_line(k, high, kk)));
-                        hs = _mm512_rorv_epi32(hs, _mm512_set1_epi32((2 * run) as i32 * high as i32));
+                        hs = _mm512_rorv_epi32(
+                            hs,
+                            _mm512_set1_epi32((2 * run) as i32 * high as i32),
+                        );
                         if high == 1 {
                             lo = with_high::<1>(lo, &mut hs);
                             hi = with_high::<1>(hi, &mut hs);
@@ -566,9 +586,7 @@ pub(crate) unsafe fn gemm_block(
                     );
                     macro_rules! run {
                         ($g:literal, $t:literal) => {
-                            tile::<$g, $t>(
-                                args.0, args.1, args.2, args.3, args.4, args.5, args.6,
-                            )
+                            tile::<$g, $t>(args.0, args.1, args.2, args.3, args.4, args.5, args.6)
                         };
                     }
                     match (ng, nt) {

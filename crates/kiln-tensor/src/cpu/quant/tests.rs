@@ -217,7 +217,14 @@ fn f64_product(x: &[f32], n: usize, w: &[f32], m: usize, k: usize) -> (Vec<f64>,
 /// the packed products ([`limbs`]): each element within half a step of at
 /// most `2^-21` of its sub-block's largest magnitude, so an output moves
 /// by at most `Σ |w_i| · amax_j · 2^-22` (the offsets' share likewise).
-fn packed_bound(x: &[f32], n: usize, w: &[f32], m: usize, k: usize, s: usize) -> (Vec<f64>, Vec<f64>) {
+fn packed_bound(
+    x: &[f32],
+    n: usize,
+    w: &[f32],
+    m: usize,
+    k: usize,
+    s: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let (want, mut tol) = f64_product(x, n, w, m, k);
     for i in 0..n {
         let xr = &x[i * k..(i + 1) * k];
@@ -311,7 +318,12 @@ fn packed_rows_are_bit_identical_alone_batched_and_portable() {
         for i in 0..n {
             let xr = &x[i * k..(i + 1) * k];
             let mut portable = vec![f32::NAN; m];
-            p.gemv_portable(0..p.groups, &Limbs::new(xr, 1, k, p.scheme.sub), 0, &mut portable);
+            p.gemv_portable(
+                0..p.groups,
+                &Limbs::new(xr, 1, k, p.scheme.sub),
+                0,
+                &mut portable,
+            );
             let want = &all[i * m..(i + 1) * m];
             let mut pairs = vec![("alone", run(i..i + 1)), ("portable", portable)];
             for isa in Isa::available() {
@@ -520,4 +532,3 @@ fn packed_products_of_activations_that_are_not_finite_are_nan() {
         }
     }
 }
-
