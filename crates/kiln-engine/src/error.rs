@@ -33,6 +33,11 @@ pub enum EngineError {
     Structured(#[from] kiln_structured::StructuredError),
     #[error("engine configuration: {0}")]
     Config(String),
+    /// A request the model cannot serve as asked (an input past its limit,
+    /// an unknown prompt name, an id outside the vocabulary): the caller's
+    /// to fix.
+    #[error("{0}")]
+    InvalidRequest(String),
     #[error("request failed: {0}")]
     Failed(String),
     #[error("the engine has stopped")]

@@ -13,6 +13,7 @@
 //! [`EngineError`].
 
 pub mod convert;
+pub mod embed;
 mod engine;
 mod error;
 mod events;
@@ -24,6 +25,7 @@ mod process;
 pub mod quantize;
 mod session;
 
+pub use embed::{EmbedInput, Embedder, EmbeddingHead, Pooling};
 #[cfg(feature = "fault-injection")]
 pub use engine::FaultGate;
 pub use engine::{

@@ -59,4 +59,22 @@ pub trait CausalLm: Send + Sync {
     /// Run one step: every sequence's new tokens, writing their keys and
     /// values into `cache`, returning logits `[batch.logits_rows.len(), vocab]`.
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor>;
+
+    /// Run one step as [`CausalLm::forward`] does, returning instead the
+    /// final hidden states of `batch.logits_rows` — the last layer's output
+    /// after the model's final norm, transformers' `last_hidden_state` —
+    /// `[rows, hidden_size]`: what an embedding head pools.
+    fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        let _ = (batch, cache);
+        Err(ModelError::Config {
+            key: "model_type".into(),
+            what: format!("{} does not return hidden states", self.config().model_type),
+        })
+    }
+
+    /// Whether the model has an output head to generate with (an encoder
+    /// such as BERT only embeds).
+    fn generates(&self) -> bool {
+        true
+    }
 }

@@ -16,6 +16,7 @@ pub static FAMILIES: &[&Family] = &[
     &families::llama::FAMILY,
     &families::gemma3::FAMILY,
     &families::gemma4::FAMILY,
+    &families::bert::FAMILY,
 ];
 
 /// The family descriptor that serves `model_type`.

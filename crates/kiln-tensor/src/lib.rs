@@ -30,7 +30,7 @@ pub use backend::{
     SampleRow, SampledRow, Sampling, SeqSlice, StepFn, StepRecording,
 };
 pub use error::{Result, TensorError};
-pub use extension::{require_extensions, ExtensionOp, SoftCap};
+pub use extension::{require_extensions, ExtensionOp, GeluErf, LayerNorm, SoftCap};
 pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
 pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
 pub use tensor::{DType, Tensor};

@@ -138,6 +138,13 @@ pub(crate) fn load(dir: &Path) -> Result<Tokenizer> {
     let bytes = fs::read(&tokenizer_path).map_err(|e| TextError::io(&tokenizer_path, e))?;
     let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
         .map_err(|e| TextError::build(&tokenizer_path, e))?;
+    // Padding and truncation saved in the file (all-MiniLM-L6-v2 pads every
+    // text to 128 ids) are per-call options in transformers, off unless a
+    // call asks; Kiln encodes one text at a time and truncates itself.
+    inner.with_padding(None);
+    inner
+        .with_truncation(None)
+        .map_err(|e| TextError::build(&tokenizer_path, e))?;
 
     let config_path = dir.join("tokenizer_config.json");
     let config = Config::read(&config_path)?;

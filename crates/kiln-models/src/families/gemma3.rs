@@ -38,7 +38,7 @@ use kiln_tensor::{
 };
 use serde_json::Value;
 
-use super::{Family, FamilyConfig};
+use super::{Family, FamilyConfig, StepOutput};
 use crate::config::{
     err, opt_f32, opt_usize, parse_rope_scaling, sliding_layer_types, FamilyLayers, LayerKind,
     ModelConfig, RopeScaling,
@@ -376,7 +376,7 @@ impl Gemma3 {
     }
 
     /// One forward step as backend ops; [`Backend::run_step`] may record it.
-    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
         let x = b.embedding(&self.embed, &batch.token_ids)?;
         let mut x = b.scale(&x, self.embed_scale)?;
@@ -413,6 +413,9 @@ impl Gemma3 {
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
+        if out == StepOutput::Hidden {
+            return self.norm.forward(b, &x);
+        }
         let logits = self.lm_head.forward(b, &x, Fuse::norm(&self.norm))?;
         match &self.final_softcap {
             Some(cap) => cap.forward(b, &logits),
@@ -431,7 +434,13 @@ impl CausalLm for Gemma3 {
     }
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        super::run_step(self.backend.as_ref(), batch, cache, |b, c| self.step(b, c))
+        super::run_step(self.backend.as_ref(), batch, cache, |b, c| {
+            self.step(b, c, StepOutput::Logits)
+        })
+    }
+
+    fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.step(batch, cache, StepOutput::Hidden)
     }
 }
 

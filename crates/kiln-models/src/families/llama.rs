@@ -14,7 +14,7 @@ use kiln_scheduler::LayerSlot;
 use kiln_tensor::{Activation, Backend, ForwardBatch, KvCache, Tensor, Weight};
 use serde_json::Value;
 
-use super::{Family, FamilyConfig};
+use super::{Family, FamilyConfig, StepOutput};
 use crate::config::{
     opt_f32, opt_usize, parse_activation, parse_rope_scaling, FamilyLayers, LayerKind, ModelConfig,
     RopeScaling,
@@ -331,13 +331,19 @@ impl CausalLm for Llama {
     }
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        super::run_step(self.backend.as_ref(), batch, cache, |b, c| self.step(b, c))
+        super::run_step(self.backend.as_ref(), batch, cache, |b, c| {
+            self.step(b, c, StepOutput::Logits)
+        })
+    }
+
+    fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.step(batch, cache, StepOutput::Hidden)
     }
 }
 
 impl Llama {
     /// One forward step as backend ops; `run_step` may record it.
-    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
         let mut x = b.embedding(&self.embed, &batch.token_ids)?;
         for (i, blk) in self.blocks.iter().enumerate() {
@@ -353,6 +359,9 @@ impl Llama {
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        self.lm_head.forward(b, &x, Fuse::norm(&self.norm))
+        match out {
+            StepOutput::Logits => self.lm_head.forward(b, &x, Fuse::norm(&self.norm)),
+            StepOutput::Hidden => self.norm.forward(b, &x),
+        }
     }
 }

@@ -14,6 +14,7 @@ use crate::error::Result;
 use crate::layers::LoadProgress;
 use crate::CausalLm;
 
+pub mod bert;
 pub mod gemma3;
 pub mod gemma4;
 pub mod llama;
@@ -21,6 +22,7 @@ pub mod llama;
 /// The keys only one family reads, parsed by that family's file.
 #[derive(Debug, Clone, PartialEq)]
 pub enum FamilyConfig {
+    Bert(bert::BertConfig),
     Llama(llama::LlamaConfig),
     Gemma3(gemma3::Gemma3Config),
     Gemma4(gemma4::Gemma4Config),
@@ -51,6 +53,15 @@ pub struct Family {
         ModelConfig,
         Option<LoadProgress<'_>>,
     ) -> Result<Box<dyn CausalLm>>,
+}
+
+/// What a family's step returns for the batch's `logits_rows`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StepOutput {
+    /// Through the final norm and the output head.
+    Logits,
+    /// Through the final norm only ([`CausalLm::hidden_states`]).
+    Hidden,
 }
 
 /// The error of a family's entry point handed another family's config:

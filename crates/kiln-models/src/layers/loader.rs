@@ -114,6 +114,23 @@ impl<'a> WeightLoader<'a> {
         Ok(self.backend.upload(&host.shape, &host.data)?)
     }
 
+    /// `name` as host f32 (shape-checked), for ops that keep their
+    /// parameters on the host (extension ops such as LayerNorm).
+    pub fn host(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let host = self.source.load_f32(name)?;
+        if host.shape != shape {
+            return Err(FormatError::ShapeMismatch {
+                path: self.source.path().to_path_buf(),
+                tensor: name.to_string(),
+                found: host.shape,
+                expected: shape.to_vec(),
+            }
+            .into());
+        }
+        self.count(name);
+        Ok(host.data)
+    }
+
     /// Load the tensors `names` (shapes `[rows_i, cols...]`, same trailing
     /// dims) stacked along their first dimension into one tensor: packed
     /// q/k/v and gate/up projections are one product each.

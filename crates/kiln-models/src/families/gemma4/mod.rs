@@ -38,7 +38,7 @@ use kiln_tensor::{
 use config::{gemma4_config, intermediate_size};
 pub use config::{tensor_shapes, Gemma4Config, LayerRope, PerLayerInput};
 
-use super::Family;
+use super::{Family, StepOutput};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::{Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, SoftCapping, WeightLoader};
@@ -332,7 +332,7 @@ impl Gemma4 {
     }
 
     /// One forward step as backend ops; [`Backend::run_step`] may record it.
-    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
         let n = batch.token_ids.len();
         let x = b.embedding(&self.embed, &batch.token_ids)?;
@@ -398,6 +398,9 @@ impl Gemma4 {
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
+        if out == StepOutput::Hidden {
+            return self.norm.forward(b, &x);
+        }
         let logits = self.lm_head.forward(b, &x, Fuse::norm(&self.norm))?;
         match &self.final_softcap {
             Some(cap) => cap.forward(b, &logits),
@@ -416,6 +419,12 @@ impl CausalLm for Gemma4 {
     }
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        super::run_step(self.backend.as_ref(), batch, cache, |b, c| self.step(b, c))
+        super::run_step(self.backend.as_ref(), batch, cache, |b, c| {
+            self.step(b, c, StepOutput::Logits)
+        })
+    }
+
+    fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.step(batch, cache, StepOutput::Hidden)
     }
 }
