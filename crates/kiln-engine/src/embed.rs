@@ -349,6 +349,11 @@ impl<'a> Embedder<'a> {
         })
     }
 
+    /// An embedder with a head already read.
+    pub fn with_head(model: &'a LoadedModel, head: EmbeddingHead) -> Self {
+        Embedder { model, head }
+    }
+
     /// The special tokens the tokenizer puts before and after a text.
     fn specials(&self) -> Result<(Vec<u32>, Vec<u32>)> {
         let tok = &self.model.tokenizer;
@@ -451,54 +456,83 @@ impl<'a> Embedder<'a> {
         if inputs.is_empty() {
             return Ok(Vec::new());
         }
-        let model = &self.model.model;
-        let cfg = model.config();
-        let block_size = kiln_scheduler::DEFAULT_BLOCK_SIZE;
-        let (spec, _) = cfg.kv_layout(block_size);
-        let groups = spec.groups.len().max(1);
-        let mut batch = ForwardBatch {
-            block_size,
-            ..ForwardBatch::default()
-        };
-        let mut next = 0u32;
-        let mut spans = Vec::with_capacity(inputs.len());
-        for input in inputs {
-            let blocks = input.ids.len().div_ceil(block_size) as u32;
-            let tables = (0..groups)
-                .map(|_| {
-                    let t: Vec<u32> = (next..next + blocks).collect();
-                    next += blocks;
-                    t
-                })
-                .collect();
-            let start = batch.token_ids.len();
-            batch.push_seq_groups(&input.ids, 0, tables, false);
-            let rows = self.head.rows(input.ids.len());
-            let first = batch.logits_rows.len();
-            batch
-                .logits_rows
-                .extend(rows.clone().map(|r| (start + r) as u32));
-            spans.push((first, rows.len()));
-        }
-        let mut cache = model.new_kv_cache(next as usize, block_size)?;
-        let hidden = model.hidden_states(&batch, &mut cache)?;
-        let hidden = model.backend().to_host(&hidden)?;
-        let h = cfg.hidden_size;
-        Ok(inputs
-            .iter()
-            .zip(spans)
-            .map(|(input, (first, n))| {
-                let skip = match self.head.pooling {
-                    Pooling::Mean | Pooling::Max | Pooling::MeanSqrtLen
-                        if !self.head.include_prompt =>
-                    {
-                        input.prompt_tokens
-                    }
-                    _ => 0,
-                };
-                self.head
-                    .apply(&hidden[first * h..(first + n) * h], h, skip)
-            })
-            .collect())
+        let n = blocks_needed(self.model, inputs, kiln_scheduler::DEFAULT_BLOCK_SIZE);
+        let mut cache = self
+            .model
+            .model
+            .new_kv_cache(n, kiln_scheduler::DEFAULT_BLOCK_SIZE)?;
+        let blocks: Vec<u32> = (0..n as u32).collect();
+        embed_in(self.model, &self.head, inputs, &mut cache, &blocks)
     }
+}
+
+/// KV blocks of `block_size` tokens the step of [`embed_in`] needs for
+/// `inputs`: every sequence's tokens in every layer group.
+pub fn blocks_needed(model: &LoadedModel, inputs: &[EmbedInput], block_size: usize) -> usize {
+    let (spec, _) = model.model.config().kv_layout(block_size);
+    let groups = spec.groups.len().max(1);
+    inputs
+        .iter()
+        .map(|i| groups * i.ids.len().div_ceil(block_size))
+        .sum()
+}
+
+/// The embeddings of `inputs` in one step over `cache`, whose blocks
+/// `blocks` ([`blocks_needed`] of them, in order: sequence by sequence,
+/// group by group) the step may write.
+pub fn embed_in(
+    model: &LoadedModel,
+    head: &EmbeddingHead,
+    inputs: &[EmbedInput],
+    cache: &mut kiln_tensor::KvCache,
+    blocks: &[u32],
+) -> Result<Vec<Vec<f32>>> {
+    let m = &model.model;
+    let cfg = m.config();
+    let block_size = cache.spec.block_size;
+    if blocks.len() != blocks_needed(model, inputs, block_size) {
+        return Err(EngineError::Failed(format!(
+            "{} blocks for an embedding step that needs {}; this is a bug",
+            blocks.len(),
+            blocks_needed(model, inputs, block_size)
+        )));
+    }
+    let (spec, _) = cfg.kv_layout(block_size);
+    let groups = spec.groups.len().max(1);
+    let mut batch = ForwardBatch {
+        block_size,
+        ..ForwardBatch::default()
+    };
+    let mut next = blocks.iter().copied();
+    let mut spans = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        let per = input.ids.len().div_ceil(block_size);
+        let tables = (0..groups)
+            .map(|_| next.by_ref().take(per).collect())
+            .collect();
+        let start = batch.token_ids.len();
+        batch.push_seq_groups(&input.ids, 0, tables, false);
+        let rows = head.rows(input.ids.len());
+        let first = batch.logits_rows.len();
+        batch
+            .logits_rows
+            .extend(rows.clone().map(|r| (start + r) as u32));
+        spans.push((first, rows.len()));
+    }
+    let hidden = m.hidden_states(&batch, cache)?;
+    let hidden = m.backend().to_host(&hidden)?;
+    let h = cfg.hidden_size;
+    Ok(inputs
+        .iter()
+        .zip(spans)
+        .map(|(input, (first, n))| {
+            let skip = match head.pooling {
+                Pooling::Mean | Pooling::Max | Pooling::MeanSqrtLen if !head.include_prompt => {
+                    input.prompt_tokens
+                }
+                _ => 0,
+            };
+            head.apply(&hidden[first * h..(first + n) * h], h, skip)
+        })
+        .collect())
 }

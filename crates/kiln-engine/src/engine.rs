@@ -5,10 +5,10 @@
 //! [`RequestStream`] of [`Event`]s; dropping the stream cancels the request
 //! and frees its blocks at the next step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,7 @@ use kiln_scheduler::{Priority, Request, RequestId, Scheduler, SchedulerConfig, S
 use kiln_tensor::{ForwardBatch, SampleRow, SampledRow};
 use rayon::prelude::*;
 
+use crate::embed::{self, EmbedInput, Embedder, EmbeddingHead};
 use crate::error::{EngineError, Result};
 use crate::events::{Event, RequestTimings, Usage};
 use crate::generate::{entropy, GenerationRequest};
@@ -45,6 +46,8 @@ enum Command {
     Stats {
         reply: SyncSender<EngineStats>,
     },
+    /// Embed `inputs` in a pass of their own (see [`Loop::run_embeds`]).
+    Embed(EmbedJob),
     Shutdown,
     /// The test hook: the loop panics on receipt and is restarted once
     /// `hold` is released or dropped.
@@ -52,6 +55,13 @@ enum Command {
     InjectPanic {
         hold: Receiver<()>,
     },
+}
+
+/// Inputs to embed and where their embeddings go.
+struct EmbedJob {
+    head: Arc<EmbeddingHead>,
+    inputs: Vec<EmbedInput>,
+    reply: SyncSender<Result<Vec<Vec<f32>>>>,
 }
 
 /// What the engine loop counts: the scheduler's counters plus step times.
@@ -75,6 +85,10 @@ pub struct EngineStats {
     pub masks: u64,
     pub mask_seconds_total: f64,
     pub mask_wait_seconds_total: f64,
+    /// Embedding passes run, the inputs they embedded and their wall time.
+    pub embed_passes: u64,
+    pub embed_inputs: u64,
+    pub embed_seconds_total: f64,
 }
 
 impl std::ops::Deref for EngineStats {
@@ -90,6 +104,8 @@ impl std::ops::Deref for EngineStats {
 pub struct EngineHandle {
     commands: Sender<Command>,
     model: Arc<LoadedModel>,
+    /// The model's embedding head, read on first use.
+    embedding_head: Arc<OnceLock<std::result::Result<Arc<EmbeddingHead>, String>>>,
     /// The served context length.
     context: usize,
     status: Arc<supervise::StatusCell>,
@@ -223,6 +239,64 @@ impl EngineHandle {
         Ok(FaultGate(gate))
     }
 
+    /// The model's embedding head (its sentence-transformers files, or the
+    /// default for its kind), read once.
+    pub fn embedding_head(&self) -> Result<Arc<EmbeddingHead>> {
+        self.embedding_head
+            .get_or_init(|| {
+                EmbeddingHead::of(&self.model)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(EngineError::Config)
+    }
+
+    /// Tokenizes `text` (with the task prompt `prompt_name`) for
+    /// [`EngineHandle::embed`], as [`Embedder::tokenize`] does.
+    pub fn embed_input(
+        &self,
+        text: &str,
+        prompt_name: Option<&str>,
+        truncate: bool,
+    ) -> Result<EmbedInput> {
+        let head = self.embedding_head()?;
+        Embedder::with_head(&self.model, (*head).clone()).tokenize(text, prompt_name, truncate)
+    }
+
+    /// Token ids for [`EngineHandle::embed`], checked as
+    /// [`Embedder::input_ids`] does.
+    pub fn embed_ids(&self, ids: &[u32], truncate: bool) -> Result<EmbedInput> {
+        let head = self.embedding_head()?;
+        Embedder::with_head(&self.model, (*head).clone()).input_ids(ids, truncate)
+    }
+
+    /// The embeddings of `inputs`, computed on the engine loop between
+    /// steps, in a pass of their own whose keys and values use blocks the
+    /// pool lends for that pass only (nothing is cached). Waits while the
+    /// pool has too few free blocks; refuses at once inputs that could never
+    /// fit it.
+    pub fn embed(&self, inputs: Vec<EmbedInput>) -> Result<Vec<Vec<f32>>> {
+        match self.status() {
+            EngineStatus::Running => {}
+            EngineStatus::Restarting => return Err(EngineError::Restarting),
+            EngineStatus::Stopped => return Err(EngineError::EngineStopped),
+        }
+        if inputs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let head = self.embedding_head()?;
+        let (reply, rx) = mpsc::sync_channel(1);
+        self.commands
+            .send(Command::Embed(EmbedJob {
+                head,
+                inputs,
+                reply,
+            }))
+            .map_err(|_| EngineError::EngineStopped)?;
+        rx.recv().map_err(|_| EngineError::EngineStopped)?
+    }
+
     /// Queue, pool, prefix-cache and step counters.
     pub fn stats(&self) -> Result<EngineStats> {
         let (reply, rx) = mpsc::sync_channel(1);
@@ -261,6 +335,7 @@ impl Engine {
             handle: EngineHandle {
                 commands: tx,
                 model: shared,
+                embedding_head: Arc::new(OnceLock::new()),
                 context,
                 status,
             },
@@ -362,6 +437,11 @@ struct Loop<'m> {
     decode_step_seconds_total: f64,
     decode_step_tokens: u64,
     masks: MaskStats,
+    /// Embedding jobs waiting for blocks, oldest first.
+    embeds: VecDeque<EmbedJob>,
+    embed_passes: u64,
+    embed_inputs: u64,
+    embed_seconds: f64,
     /// Whether the backend samples rows where the logits are (until it
     /// first says it cannot).
     device_sampler: bool,
@@ -402,6 +482,10 @@ impl<'m> Loop<'m> {
             decode_step_seconds_total: 0.0,
             decode_step_tokens: 0,
             masks: MaskStats::default(),
+            embeds: VecDeque::new(),
+            embed_passes: 0,
+            embed_inputs: 0,
+            embed_seconds: 0.0,
             device_sampler: true,
             #[cfg(feature = "fault-injection")]
             restart_hold: None,
@@ -412,7 +496,7 @@ impl<'m> Loop<'m> {
         loop {
             // Take every waiting command; block only when there is no work.
             loop {
-                let cmd = if self.scheduler.has_unfinished_requests() {
+                let cmd = if self.scheduler.has_unfinished_requests() || !self.embeds.is_empty() {
                     match commands.try_recv() {
                         Ok(c) => c,
                         Err(TryRecvError::Empty) => break,
@@ -449,8 +533,12 @@ impl<'m> Loop<'m> {
                             masks: self.masks.count,
                             mask_seconds_total: self.masks.seconds,
                             mask_wait_seconds_total: self.masks.wait_seconds,
+                            embed_passes: self.embed_passes,
+                            embed_inputs: self.embed_inputs,
+                            embed_seconds_total: self.embed_seconds,
                         });
                     }
+                    Command::Embed(job) => self.queue_embed(job),
                     Command::Shutdown => return,
                     #[cfg(feature = "fault-injection")]
                     Command::InjectPanic { hold } => {
@@ -459,7 +547,93 @@ impl<'m> Loop<'m> {
                     }
                 }
             }
+            self.run_embeds();
             self.step();
+        }
+    }
+
+    /// Queues an embedding job, or refuses it at once when its inputs could
+    /// never have the blocks they need.
+    fn queue_embed(&mut self, job: EmbedJob) {
+        let need = embed::blocks_needed(self.model, &job.inputs, self.block_size);
+        let total = self.scheduler.kv_manager().pool().num_blocks();
+        if need > total {
+            let _ = job.reply.send(Err(EngineError::InvalidRequest(format!(
+                "the inputs need {need} KV blocks of {} tokens at once, more than the pool's {total}; \
+                 send fewer or shorter inputs",
+                self.block_size
+            ))));
+            return;
+        }
+        self.embeds.push_back(job);
+    }
+
+    /// Embeds queued jobs, oldest first, in passes of up to the step token
+    /// budget, each over blocks the scheduler lends for the pass; stops at
+    /// the first job the pool cannot hold now (it waits for blocks that
+    /// running requests give back).
+    fn run_embeds(&mut self) {
+        let budget = self.scheduler.config().max_num_batched_tokens;
+        while !self.embeds.is_empty() {
+            // Jobs taken together: at least one, then while the budget lasts.
+            let (mut take, mut tokens) = (0, 0);
+            for job in &self.embeds {
+                let t: usize = job.inputs.iter().map(|i| i.ids.len()).sum();
+                if take > 0 && tokens + t > budget {
+                    break;
+                }
+                take += 1;
+                tokens += t;
+            }
+            let jobs: Vec<EmbedJob> = self.embeds.drain(..take).collect();
+            let inputs: Vec<EmbedInput> =
+                jobs.iter().flat_map(|j| j.inputs.iter().cloned()).collect();
+            let need = embed::blocks_needed(self.model, &inputs, self.block_size);
+            let Some(blocks) = self.scheduler.lend_blocks(need) else {
+                // Not now: back to the front, in order.
+                for job in jobs.into_iter().rev() {
+                    self.embeds.push_front(job);
+                }
+                if take > 1 {
+                    // A smaller pass may fit: retry with the first job alone.
+                    let first = self.embeds.pop_front().expect("just pushed; this is a bug");
+                    let need = embed::blocks_needed(self.model, &first.inputs, self.block_size);
+                    if let Some(blocks) = self.scheduler.lend_blocks(need) {
+                        self.embed_pass(vec![first], blocks);
+                        continue;
+                    }
+                    self.embeds.push_front(first);
+                }
+                return;
+            };
+            self.embed_pass(jobs, blocks);
+        }
+    }
+
+    /// One embedding pass over lent `blocks`, which go back after it.
+    fn embed_pass(&mut self, jobs: Vec<EmbedJob>, blocks: Vec<kiln_scheduler::BlockId>) {
+        let started = Instant::now();
+        let inputs: Vec<EmbedInput> = jobs.iter().flat_map(|j| j.inputs.iter().cloned()).collect();
+        let ids: Vec<u32> = blocks.iter().map(|b| b.0).collect();
+        let head = jobs[0].head.clone();
+        let result = embed::embed_in(self.model, &head, &inputs, &mut self.cache, &ids);
+        self.scheduler.take_back_blocks(&blocks);
+        self.embed_passes += 1;
+        self.embed_inputs += inputs.len() as u64;
+        self.embed_seconds += started.elapsed().as_secs_f64();
+        match result {
+            Ok(mut vectors) => {
+                for job in jobs {
+                    let rest = vectors.split_off(job.inputs.len());
+                    let _ = job.reply.send(Ok(std::mem::replace(&mut vectors, rest)));
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                for job in jobs {
+                    let _ = job.reply.send(Err(EngineError::Failed(message.clone())));
+                }
+            }
         }
     }
 

@@ -135,6 +135,18 @@ impl KvManager {
         self.chain_hash = chain_hash;
     }
 
+    /// `n` free blocks outside any request (see
+    /// [`crate::Scheduler::lend_blocks`]).
+    pub(crate) fn lend(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        self.pool.allocate(n)
+    }
+
+    /// Blocks [`KvManager::lend`] gave out, back to the free queue (at its
+    /// front: nothing can hit them).
+    pub(crate) fn take_back(&mut self, blocks: &[BlockId]) {
+        self.pool.free(blocks);
+    }
+
     /// The KV cache layout.
     pub fn spec(&self) -> &KvCacheSpec {
         &self.spec

@@ -29,6 +29,7 @@ use kiln_sampling::TokenId;
 
 use crate::config::SchedulerConfig;
 use crate::error::{ConfigError, SchedulerError, SubmitError};
+use crate::block_pool::BlockId;
 use crate::hash::BlockHash;
 use crate::kv_manager::KvManager;
 use crate::output::{
@@ -116,6 +117,23 @@ impl Scheduler {
     #[cfg(test)]
     pub(crate) fn kv_manager_mut(&mut self) -> &mut KvManager {
         &mut self.kv
+    }
+
+    /// Lends `n` free blocks for work outside the scheduled requests (an
+    /// embedding pass, whose keys and values live only for that pass): all
+    /// or nothing, `None` when fewer are free or a step is in flight. The
+    /// blocks are never registered in the prefix cache; give them back with
+    /// [`Scheduler::take_back_blocks`] before the next [`Scheduler::schedule`].
+    pub fn lend_blocks(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if self.in_flight.is_some() {
+            return None;
+        }
+        self.kv.lend(n)
+    }
+
+    /// Takes back blocks [`Scheduler::lend_blocks`] lent.
+    pub fn take_back_blocks(&mut self, blocks: &[BlockId]) {
+        self.kv.take_back(blocks);
     }
 
     /// Queues a request, or refuses it at once: [`SubmitError::TooLong`] and
