@@ -39,6 +39,11 @@ for sdk in "$pysdk" "$pysdk_newest"; do
   PYTHONPATH="$sdk" python3 tests/sdk/sdk_conformance.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
     models/SmolLM2-135M-Instruct.Q4_1.gguf $only 2>&1 | tee -a "$log" || status=1
 done
+# /v1/embeddings through the OpenAI SDK (both sets) on all-MiniLM-L6-v2 and EmbeddingGemma-300M.
+for sdk in "$pysdk" "$pysdk_newest"; do
+  PYTHONPATH="$sdk" python3 tests/sdk/embeddings_sdk.py "${CARGO_TARGET_DIR:-target}/debug/kiln" models 2>&1 \
+    | tee -a "$log" || status=1
+done
 # Structured output: 30 JSON schemas on SmolLM2 and Qwen2.5-Coder, validated by `jsonschema`.
 PYTHONPATH="$pysdk" python3 tests/structured/schema_suite.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
   models/SmolLM2-135M-Instruct.Q4_1.gguf models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf 2>&1 | tee -a "$log" || status=1

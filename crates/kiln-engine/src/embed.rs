@@ -86,6 +86,10 @@ pub struct EmbeddingHead {
     pub default_prompt_name: Option<String>,
     /// The length of the output vector.
     pub dimension: usize,
+    /// Shorter vectors the model was trained to give by truncation
+    /// (Matryoshka): `config.json`'s `matryoshka_dimensions`, or any length
+    /// (an empty list) where it says `is_matryoshka`; `None`: not declared.
+    pub matryoshka: Option<Vec<usize>>,
 }
 
 fn read_json(path: &Path) -> Result<Option<Value>> {
@@ -125,6 +129,7 @@ impl EmbeddingHead {
             prompts: BTreeMap::new(),
             default_prompt_name: None,
             dimension: hidden,
+            matryoshka: None,
         };
         // sentence-transformers' own defaults where a model names none.
         for name in ["query", "document"] {
@@ -133,6 +138,13 @@ impl EmbeddingHead {
         let dir = &model.path;
         if !dir.is_dir() {
             return Ok(head);
+        }
+        if let Some(c) = read_json(&dir.join("config.json"))? {
+            if let Some(dims) = c.get("matryoshka_dimensions").and_then(Value::as_array) {
+                head.matryoshka = Some(dims.iter().filter_map(Value::as_u64).map(|d| d as usize).collect());
+            } else if c.get("is_matryoshka").and_then(Value::as_bool) == Some(true) {
+                head.matryoshka = Some(Vec::new());
+            }
         }
         if let Some(c) = read_json(&dir.join("sentence_bert_config.json"))? {
             if let Some(n) = c.get("max_seq_length").and_then(Value::as_u64) {

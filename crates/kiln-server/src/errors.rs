@@ -310,6 +310,10 @@ impl From<EngineError> for ApiError {
                     param: None,
                 }
             }
+            EngineError::InvalidRequest(message) => ApiError::InvalidRequest {
+                message,
+                param: None,
+            },
             EngineError::Refused(s) => s.into(),
             // The output format does not compile: the client's schema,
             // regex or grammar.

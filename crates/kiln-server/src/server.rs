@@ -74,6 +74,10 @@ pub struct ServerConfig {
     /// How often the throughput line is logged while the engine has work;
     /// zero turns it off.
     pub throughput_log_interval: Duration,
+    /// The embedding lengths `dimensions` may ask for (Matryoshka), over
+    /// what the model's `config.json` declares: `Some(empty)` any length up
+    /// to the model's, `None` the model's own declaration.
+    pub matryoshka_dimensions: Option<Vec<usize>>,
 }
 
 impl ServerConfig {
@@ -111,6 +115,7 @@ impl Default for ServerConfig {
             idle_timeout: Duration::from_secs(60),
             max_connections: 512,
             throughput_log_interval: Duration::from_secs(10),
+            matryoshka_dimensions: None,
         }
     }
 }
@@ -230,6 +235,7 @@ async fn serve_until(
                     output: config.output,
                     sampling_defaults: Arc::new(config.sampling_defaults(engine.model())),
                     strict_params: config.strict_params,
+                    matryoshka_dimensions: config.matryoshka_dimensions.clone().map(Arc::from),
                     engine,
                 },
                 access.clone(),
@@ -448,6 +454,7 @@ fn router(state: AppState, access: AccessLog) -> Router {
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
         .route("/v1/responses", post(crate::routes::responses::handle))
+        .route("/v1/embeddings", post(crate::routes::embeddings::handle))
         .route("/v1/models", get(ops::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))

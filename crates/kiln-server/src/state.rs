@@ -33,6 +33,8 @@ pub struct AppState {
     pub sampling_defaults: Arc<SamplingDefaults>,
     /// Refuse unknown request fields instead of ignoring them.
     pub strict_params: bool,
+    /// `kiln serve --matryoshka-dimensions`, over the model's declaration.
+    pub matryoshka_dimensions: Option<Arc<[usize]>>,
 }
 
 impl AppState {
@@ -45,6 +47,62 @@ impl AppState {
     /// most the model's trained length).
     pub fn context_length(&self) -> usize {
         self.engine.context_length()
+    }
+
+    /// Refuses generation from a model that only embeds (an encoder).
+    pub fn check_generates(&self) -> Result<(), ApiError> {
+        if self.engine.model().model.generates() {
+            return Ok(());
+        }
+        Err(ApiError::InvalidRequest {
+            message: format!(
+                "the model `{}` is an embedding model: it does not generate text; use POST /v1/embeddings",
+                self.model_name
+            ),
+            param: Some("model".into()),
+        })
+    }
+
+    /// `dimensions` checked against the lengths the model (or
+    /// `--matryoshka-dimensions`) allows.
+    pub fn check_dimensions(
+        &self,
+        head: &kiln_engine::EmbeddingHead,
+        d: usize,
+    ) -> Result<usize, ApiError> {
+        let allowed: Option<Vec<usize>> = match &self.matryoshka_dimensions {
+            Some(dims) => Some(dims.to_vec()),
+            None => head.matryoshka.clone(),
+        };
+        let full = head.dimension;
+        let Some(allowed) = allowed else {
+            if d == full {
+                return Ok(d);
+            }
+            return Err(ApiError::invalid(
+                "dimensions",
+                format!(
+                    "this model gives {full}-long embeddings and does not declare shorter ones \
+                     (Matryoshka); `kiln serve --matryoshka-dimensions` allows them"
+                ),
+            ));
+        };
+        if d == 0 || d > full || !(allowed.is_empty() || allowed.contains(&d) || d == full) {
+            let which = if allowed.is_empty() {
+                format!("1 to {full}")
+            } else {
+                allowed
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            return Err(ApiError::invalid(
+                "dimensions",
+                format!("`dimensions` is {d}; this model gives {which}"),
+            ));
+        }
+        Ok(d)
     }
 
     /// Refuses a request that names a model other than the one served.

@@ -43,6 +43,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate a completion for one prompt.
     Generate(crate::generate::GenerateArgs),
+    /// Sentence embeddings of texts, one JSON array a line.
+    Embed(crate::embed::EmbedArgs),
     /// Chat with a model interactively, streaming its answers.
     Chat(crate::chat::ChatArgs),
     /// Chat with a model by name, fetching ORG/NAME[:QUANT] from the hub

@@ -12,6 +12,7 @@ mod cli;
 mod convert;
 mod cuda_env;
 mod dev;
+mod embed;
 mod fit;
 mod generate;
 mod get;
@@ -71,6 +72,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::Generate(a) => generate::run(a),
+        Command::Embed(a) => embed::run(a),
         Command::Chat(a) => chat::run(a),
         Command::Run(a) => run::run(a),
         Command::Bench(a) => bench::run(a),

@@ -97,6 +97,28 @@ pub struct ServeArgs {
     /// Seconds between throughput lines while requests run (0: none).
     #[arg(long, default_value_t = 10)]
     pub throughput_log_secs: u64,
+    /// Embedding lengths `/v1/embeddings` may cut vectors to (`dimensions`)
+    /// for a model trained to allow it (Matryoshka) whose config does not
+    /// say so: `any`, or a list such as `512,256,128`.
+    #[arg(long, value_parser = parse_matryoshka)]
+    pub matryoshka_dimensions: Option<MatryoshkaDims>,
+}
+
+/// `--matryoshka-dimensions`: an empty list means any length.
+#[derive(Clone, Debug)]
+pub struct MatryoshkaDims(pub Vec<usize>);
+
+fn parse_matryoshka(s: &str) -> Result<MatryoshkaDims, String> {
+    if s == "any" {
+        return Ok(MatryoshkaDims(Vec::new()));
+    }
+    s.split(',')
+        .map(|d| match d.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("{d:?} is not a positive length (or use `any`)")),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(MatryoshkaDims)
 }
 
 /// Server-wide defaults for the sampling fields requests leave out (over
@@ -268,6 +290,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         loop_guard: a.defaults.repetition_guard.0,
         strict_params: a.strict_params,
         throughput_log_interval: Duration::from_secs(a.throughput_log_secs),
+        matryoshka_dimensions: a.matryoshka_dimensions.map(|d| d.0),
         ..ServerConfig::default()
     };
     // A device measures what is free once the weights are there; the CPU
@@ -291,10 +314,19 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let load = move || {
         load_engine(&model_args, &load_path, backend, kv_bytes, context)
             .map(|(engine, loaded)| {
-                let defaults = server_config.sampling_defaults(engine.handle().model());
-                eprintln!(
-                    "kiln serve: context {context} tokens ({context_note}); sampling defaults: {defaults}"
-                );
+                let handle = engine.handle();
+                if handle.model().model.generates() {
+                    let defaults = server_config.sampling_defaults(handle.model());
+                    eprintln!(
+                        "kiln serve: context {context} tokens ({context_note}); sampling defaults: {defaults}"
+                    );
+                } else if let Ok(head) = handle.embedding_head() {
+                    eprintln!(
+                        "kiln serve: an embedding model (POST /v1/embeddings): {:?} pooling, {} values a vector, \
+                         inputs of up to {} tokens",
+                        head.pooling, head.dimension, head.max_seq_length
+                    );
+                }
                 (engine, loaded)
             })
             .map_err(|e| format!("{e:#}"))

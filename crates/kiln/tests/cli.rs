@@ -467,3 +467,50 @@ fn serve_refuses_an_absurd_config_by_key_and_an_empty_api_key() {
         "{stderr}"
     );
 }
+
+#[test]
+fn embed_prints_a_unit_vector_a_line() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/all-MiniLM-L6-v2");
+    let out = kiln()
+        .args(["embed", "--device", "cpu", "-m"])
+        .arg(&dir)
+        .args(["Hello world", "The quick brown fox jumps over the lazy dog."])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../testdata/goldens/embeddings/all-MiniLM-L6-v2.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let lines: Vec<Vec<f64>> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for (v, name) in lines.iter().zip(["hello", "fox"]) {
+        let case = golden["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .unwrap();
+        let want: Vec<f64> = serde_json::from_value(case["embedding"].clone()).unwrap();
+        let dot: f64 = v.iter().zip(&want).map(|(a, b)| a * b).sum();
+        let norm: f64 = v.iter().map(|a| a * a).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5 && dot >= 0.9999, "{name}: {dot} {norm}");
+    }
+    // An unknown task prompt is refused by name.
+    let out = kiln()
+        .args(["embed", "--device", "cpu", "--prompt-name", "nope", "-m"])
+        .arg(&dir)
+        .arg("x")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("nope"));
+}

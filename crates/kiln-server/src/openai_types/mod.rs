@@ -8,6 +8,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod embeddings;
 pub mod responses;
 pub mod tokenize;
 

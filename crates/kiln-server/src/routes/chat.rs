@@ -53,6 +53,7 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
         .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
+    state.check_generates()?;
     let n = generation::choices(req.n)?;
     if req.store == Some(true) {
         return Err(ApiError::unsupported(

@@ -88,6 +88,7 @@ pub async fn handle(
         .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
+    state.check_generates()?;
     if let Some(o) = &req.stream_options {
         reject_unknown(&o.extra, "stream_options.")?;
     }

@@ -45,6 +45,7 @@ struct Conversation {
 fn conversation(state: &AppState, req: &MessagesRequest) -> Result<Conversation, ApiError> {
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
+    state.check_generates()?;
     let choice = match req
         .tool_choice
         .as_ref()

@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod embeddings;
 pub mod messages;
 pub mod ops;
 pub mod responses;

@@ -64,6 +64,7 @@ fn validate(state: &AppState, mut req: ResponsesRequest) -> Result<ValidResponse
         .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
     state.check_model(req.model.as_deref())?;
+    state.check_generates()?;
     if req.store == Some(true) {
         return Err(ApiError::unsupported(
             "store",
