@@ -9,6 +9,8 @@
 
 use std::any::Any;
 
+use rayon::prelude::*;
+
 use crate::backend::Backend;
 use crate::error::{Result, TensorError};
 
@@ -108,14 +110,20 @@ impl ExtensionOp for LayerNorm {
             });
         }
         let mut out = vec![0f32; x.len()];
-        for (o, r) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-            let mean = r.iter().sum::<f32>() / d as f32;
-            let var = r.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
-            let inv = 1.0 / (var + self.eps).sqrt();
-            for (((o, &v), &w), &b) in o.iter_mut().zip(r).zip(&self.weight).zip(&self.bias) {
-                *o = (v - mean) * inv * w + b;
-            }
-        }
+        // Rows in parallel (each row's arithmetic is its own).
+        let rows = (16384 / d).max(1);
+        out.par_chunks_mut(d * rows)
+            .zip(x.par_chunks(d * rows))
+            .for_each(|(out, x)| {
+                for (o, r) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                    let mean = r.iter().sum::<f32>() / d as f32;
+                    let var = r.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+                    let inv = 1.0 / (var + self.eps).sqrt();
+                    for (((o, &v), &w), &b) in o.iter_mut().zip(r).zip(&self.weight).zip(&self.bias) {
+                        *o = (v - mean) * inv * w + b;
+                    }
+                }
+            });
         Ok((shape.to_vec(), out))
     }
 
@@ -140,12 +148,15 @@ impl ExtensionOp for GeluErf {
 
     fn cpu(&self, x: &[f32], shape: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
         let r = std::f32::consts::FRAC_1_SQRT_2;
-        Ok((
-            shape.to_vec(),
-            x.iter()
-                .map(|&v| 0.5 * v * (1.0 + libm::erff(v * r)))
-                .collect(),
-        ))
+        let mut out = vec![0f32; x.len()];
+        out.par_chunks_mut(16384)
+            .zip(x.par_chunks(16384))
+            .for_each(|(o, x)| {
+                for (o, &v) in o.iter_mut().zip(x) {
+                    *o = 0.5 * v * (1.0 + libm::erff(v * r));
+                }
+            });
+        Ok((shape.to_vec(), out))
     }
 
     fn as_any(&self) -> &dyn Any {

@@ -46,8 +46,8 @@ pub fn run(a: EmbedArgs) -> Result<()> {
         .map(|t| e.tokenize(t, a.prompt_name.as_deref(), a.truncate))
         .collect::<kiln_engine::Result<Vec<_>>>()?;
     let mut out = std::io::stdout().lock();
-    // Passes of at most 16 inputs keep the step's memory bounded.
-    for chunk in inputs.chunks(16) {
+    // Passes of at most 64 inputs keep the step's memory bounded.
+    for chunk in inputs.chunks(64) {
         for mut v in e.embed(chunk)? {
             if let Some(d) = a.dimensions {
                 v.truncate(d);

@@ -32,7 +32,7 @@ pub static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::O
 
 fn main() {
     PROCESS_START.get_or_init(std::time::Instant::now);
-    one_malloc_arena();
+    tune_malloc();
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
@@ -40,23 +40,35 @@ fn main() {
     }
 }
 
-/// One malloc arena for the process (glibc), set before any thread
-/// starts. CPU steps run on the compute pool's threads
+/// glibc's allocator tuned for CPU steps, before any thread starts.
+///
+/// One arena for the process: CPU steps run on the compute pool's threads
 /// (`StepRecording::run_step`), and with glibc's arena per thread the
 /// activations one step frees on one thread are not reused by the next
 /// step on another: measured SmolLM2 at a 2,000-token prompt peaking 10 %
 /// above what `kiln fit` plans, and at the plan with one arena.
-fn one_malloc_arena() {
+///
+/// Activations up to 32 MiB from the heap, which keeps up to 512 MiB freed
+/// before giving it back: each op's output was a fresh mapping, faulted in
+/// page by page and unmapped after — measured all-MiniLM-L6-v2 embedding
+/// 512 sentences with 1.5 s of the 4.2 s in the kernel zeroing pages, 0.2
+/// s of 3.1 s without; Qwen2.5-1.5B prefill +3 %. The peak is unchanged
+/// (freed memory is reused, not added to).
+fn tune_malloc() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
+        const M_TRIM_THRESHOLD: std::ffi::c_int = -1;
+        const M_MMAP_THRESHOLD: std::ffi::c_int = -3;
         const M_ARENA_MAX: std::ffi::c_int = -8;
         extern "C" {
             fn mallopt(param: std::ffi::c_int, value: std::ffi::c_int) -> std::ffi::c_int;
         }
-        // SAFETY: mallopt only sets an allocator parameter; no other
-        // thread exists yet.
+        // SAFETY: mallopt only sets allocator parameters; no other thread
+        // exists yet.
         unsafe {
             mallopt(M_ARENA_MAX, 1);
+            mallopt(M_MMAP_THRESHOLD, 32 << 20);
+            mallopt(M_TRIM_THRESHOLD, 512 << 20);
         }
     }
 }
