@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod families;
 pub mod layers;
+pub mod lora;
 pub mod random;
 pub mod registry;
 
@@ -77,4 +78,19 @@ pub trait CausalLm: Send + Sync {
     fn generates(&self) -> bool {
         true
     }
+
+    /// The projections a LoRA adapter may adapt on this model (empty: the
+    /// family runs no adapters).
+    fn lora_targets(&self) -> Vec<LoraTarget> {
+        Vec::new()
+    }
+}
+
+/// A projection a LoRA adapter may adapt: its Hugging Face name (without
+/// `.weight`) and dimensions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraTarget {
+    pub name: String,
+    pub in_dim: usize,
+    pub out_dim: usize,
 }

@@ -195,6 +195,9 @@ pub struct ForwardBatch {
     pub block_size: usize,
     /// Rows of the batch whose logits the step returns, in order.
     pub logits_rows: Vec<u32>,
+    /// Which rows run with which LoRA adapter (none: every row the base
+    /// model's).
+    pub lora: crate::lora::LoraBatch,
 }
 
 impl ForwardBatch {
@@ -534,6 +537,26 @@ pub trait Ops {
 
     /// Whether this backend runs the extension op named `name` (see
     /// [`crate::extension`]); models check their ops with it at load.
+    /// Whether [`Ops::lora_add`] runs here.
+    fn supports_lora(&self) -> bool {
+        false
+    }
+
+    /// `y` with each delta's low-rank product of `x`'s rows added to those
+    /// rows' columns (see [`crate::lora`]); rows in no delta unchanged.
+    fn lora_add(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        deltas: &[crate::lora::LoraDelta<'_>],
+    ) -> Result<Tensor> {
+        let _ = (y, x, deltas);
+        Err(TensorError::Unsupported {
+            backend: "running",
+            what: "LoRA adapters".into(),
+        })
+    }
+
     fn has_extension(&self, name: &str) -> bool {
         let _ = name;
         false

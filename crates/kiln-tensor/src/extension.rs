@@ -119,7 +119,8 @@ impl ExtensionOp for LayerNorm {
                     let mean = r.iter().sum::<f32>() / d as f32;
                     let var = r.iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
                     let inv = 1.0 / (var + self.eps).sqrt();
-                    for (((o, &v), &w), &b) in o.iter_mut().zip(r).zip(&self.weight).zip(&self.bias) {
+                    for (((o, &v), &w), &b) in o.iter_mut().zip(r).zip(&self.weight).zip(&self.bias)
+                    {
                         *o = (v - mean) * inv * w + b;
                     }
                 }

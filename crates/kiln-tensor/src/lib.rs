@@ -19,6 +19,7 @@ pub mod backend;
 pub mod cpu;
 pub mod error;
 pub mod extension;
+pub mod lora;
 pub mod matmul;
 pub mod profile;
 pub mod tensor;
@@ -32,6 +33,7 @@ pub use backend::{
 pub use error::{Result, TensorError};
 pub use extension::{require_extensions, ExtensionOp, GeluErf, LayerNorm, SoftCap};
 pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
+pub use lora::{LoraAdapter, LoraBatch, LoraDelta, LoraGroup, LoraProj};
 pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
 pub use tensor::{DType, Tensor};
 pub use weight::{BlockPart, BlockWeight, Weight, WeightKind};

@@ -339,6 +339,38 @@ impl CausalLm for Llama {
     fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         self.step(batch, cache, StepOutput::Hidden)
     }
+
+    fn lora_targets(&self) -> Vec<crate::LoraTarget> {
+        let h = self.cfg.hidden_size;
+        self.blocks
+            .iter()
+            .flat_map(|blk| {
+                let attn = blk.attn.qkv.parts.iter().map(|(n, c)| (n, h, c.len()));
+                let o = blk
+                    .attn
+                    .o
+                    .parts
+                    .iter()
+                    .map(|(n, c)| (n, self.cfg.num_heads * self.cfg.head_dim, c.len()));
+                let mlp = blk.mlp.gate_up.parts.iter().map(|(n, c)| (n, h, c.len()));
+                let down = blk
+                    .mlp
+                    .down
+                    .parts
+                    .iter()
+                    .map(|(n, c)| (n, self.cfg.intermediate_size, c.len()));
+                attn.chain(o)
+                    .chain(mlp)
+                    .chain(down)
+                    .map(|(name, in_dim, out_dim)| crate::LoraTarget {
+                        name: name.clone(),
+                        in_dim,
+                        out_dim,
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
 }
 
 impl Llama {
@@ -350,11 +382,15 @@ impl Llama {
             // Pre-norm blocks: each norm runs fused into the projection that
             // consumes it, each residual add into the projection that ends
             // the sub-layer.
-            let attn = Fuse::norm(&blk.input_norm).with_residual(&x);
+            let attn = Fuse::norm(&blk.input_norm)
+                .with_residual(&x)
+                .with_lora(&batch.lora);
             x = blk
                 .attn
                 .forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
-            let mlp = Fuse::norm(&blk.post_attn_norm).with_residual(&x);
+            let mlp = Fuse::norm(&blk.post_attn_norm)
+                .with_residual(&x)
+                .with_lora(&batch.lora);
             x = blk.mlp.forward(b, &x, mlp)?;
         }
         // Only the rows that want logits go through the final norm and head.

@@ -2,7 +2,7 @@
 //! `[out, in]`, and [`Fuse`]: the norm and residual a block asks a layer to
 //! fold into its products.
 
-use kiln_tensor::{Backend, Epilogue, Tensor, Weight};
+use kiln_tensor::{Backend, Epilogue, LoraBatch, LoraDelta, Tensor, Weight};
 
 use super::{RmsNorm, WeightLoader};
 use crate::error::Result;
@@ -17,6 +17,10 @@ use crate::error::Result;
 pub struct Fuse<'a> {
     pub norm: Option<&'a RmsNorm>,
     pub residual: Option<&'a Tensor>,
+    /// The step's LoRA adapters: a layer an adapter adapts adds its delta
+    /// to that adapter's rows (and then runs unfused: the delta needs the
+    /// normed input and goes in before any gating).
+    pub lora: Option<&'a LoraBatch>,
 }
 
 impl<'a> Fuse<'a> {
@@ -24,13 +28,14 @@ impl<'a> Fuse<'a> {
     pub const NONE: Fuse<'static> = Fuse {
         norm: None,
         residual: None,
+        lora: None,
     };
 
     /// `norm` applied to the layer's input.
     pub fn norm(norm: &'a RmsNorm) -> Self {
         Fuse {
             norm: Some(norm),
-            residual: None,
+            ..Fuse::NONE
         }
     }
 
@@ -42,17 +47,27 @@ impl<'a> Fuse<'a> {
         }
     }
 
+    /// This, with the step's LoRA adapters (none when the batch has none).
+    pub fn with_lora(self, lora: &'a LoraBatch) -> Self {
+        Fuse {
+            lora: (!lora.is_empty()).then_some(lora),
+            ..self
+        }
+    }
+
     /// The part for a layer's first product (the norm) and the part for
-    /// its last (the residual).
+    /// its last (the residual); both keep the adapters.
     pub fn split(self) -> (Fuse<'a>, Fuse<'a>) {
         (
             Fuse {
                 norm: self.norm,
                 residual: None,
+                lora: self.lora,
             },
             Fuse {
                 norm: None,
                 residual: self.residual,
+                lora: self.lora,
             },
         )
     }
@@ -61,6 +76,9 @@ impl<'a> Fuse<'a> {
 pub struct Linear {
     pub weight: Weight,
     pub bias: Option<Tensor>,
+    /// The modules packed here, by name (`model.layers.0.self_attn.q_proj`)
+    /// with their output columns: what a LoRA adapter addresses.
+    pub parts: Vec<(String, std::ops::Range<usize>)>,
 }
 
 impl Linear {
@@ -76,6 +94,7 @@ impl Linear {
         Ok(Linear {
             weight: l.supported(weight.unwrap_or_else(|| embed.clone()))?,
             bias: None,
+            parts: vec![("lm_head".to_string(), 0..shape[0])],
         })
     }
 
@@ -93,7 +112,11 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            weight,
+            bias,
+            parts: vec![(prefix.to_string(), 0..out_dim)],
+        })
     }
 
     /// Several projections of the same input packed into one: the weights
@@ -123,7 +146,20 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        let mut at = 0;
+        let parts = prefixes
+            .iter()
+            .zip(out_dims)
+            .map(|(p, &o)| {
+                at += o;
+                (p.clone(), at - o..at)
+            })
+            .collect();
+        Ok(Linear {
+            weight,
+            bias,
+            parts,
+        })
     }
 
     /// `fuse.residual + self(fuse.norm(x))`, one `matmul`.
@@ -140,11 +176,61 @@ impl Linear {
         fuse: Fuse<'_>,
         epilogue: Epilogue<'_>,
     ) -> Result<Tensor> {
+        if let Some(lora) = fuse
+            .lora
+            .filter(|l| self.parts.iter().any(|(p, _)| l.touches(p)))
+        {
+            return self.forward_lora(b, x, fuse, epilogue, lora);
+        }
         let epilogue = match fuse.residual {
             Some(r) => epilogue.with_residual(r),
             None => epilogue,
         };
         let prologue = fuse.norm.map(RmsNorm::prologue);
         Ok(b.matmul(x, &self.weight, prologue, epilogue)?)
+    }
+
+    /// The product as `kiln_tensor::matmul_unfused` runs it — norm, product
+    /// and bias, (gating, residual) — with each adapter's delta added to its
+    /// rows after the bias: the rows of no adapter get the bits the fused
+    /// path gives on a backend whose fused path is that one (the CPU).
+    fn forward_lora(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        fuse: Fuse<'_>,
+        epilogue: Epilogue<'_>,
+        lora: &LoraBatch,
+    ) -> Result<Tensor> {
+        let normed;
+        let x = match fuse.norm {
+            Some(n) => {
+                normed = n.forward(b, x)?;
+                &normed
+            }
+            None => x,
+        };
+        let y = b.matmul(x, &self.weight, None, Epilogue::bias(epilogue.bias))?;
+        let deltas: Vec<LoraDelta<'_>> = lora
+            .groups
+            .iter()
+            .flat_map(|g| {
+                self.parts.iter().filter_map(move |(name, cols)| {
+                    g.adapter.projs.get(name).map(|proj| LoraDelta {
+                        rows: &g.rows,
+                        proj,
+                        cols: cols.clone(),
+                    })
+                })
+            })
+            .collect();
+        let mut y = b.lora_add(&y, x, &deltas)?;
+        if let Some(act) = epilogue.gated {
+            y = b.gated_packed(&y, act)?;
+        }
+        match fuse.residual.or(epilogue.residual) {
+            Some(r) => Ok(b.add(r, &y)?),
+            None => Ok(y),
+        }
     }
 }

@@ -675,6 +675,7 @@ mod tests {
             slot_mapping: vec![Vec::new()],
             block_size,
             logits_rows: Vec::new(),
+            lora: Default::default(),
         }
     }
 
@@ -874,6 +875,7 @@ mod tests {
                 slot_mapping: vec![Vec::new()],
                 block_size: bs,
                 logits_rows: Vec::new(),
+                lora: Default::default(),
             };
             let batched = attend(&qb, &batch, &kv.k[0], &kv.v[0], kv_row, &p);
             assert_eq!(&batched[..3 * q_row], &alone[..3 * q_row], "hd {hd}");

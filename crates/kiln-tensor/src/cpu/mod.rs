@@ -471,6 +471,61 @@ impl Ops for CpuBackend {
     }
 
     /// Every extension op: the CPU runs each op's reference.
+    fn supports_lora(&self) -> bool {
+        true
+    }
+
+    /// Each delta: the rows gathered, `(x·Aᵀ)·Bᵀ` by the dense product
+    /// (row-invariant, so a row's delta does not depend on its group),
+    /// scaled, added to its columns.
+    fn lora_add(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        deltas: &[crate::lora::LoraDelta<'_>],
+    ) -> Result<Tensor> {
+        let (n, width) = y.dims2("lora_add")?;
+        let (nx, k) = x.dims2("lora_add")?;
+        let shape_err = |detail: String| TensorError::Shape {
+            op: "lora_add",
+            detail,
+        };
+        if nx != n {
+            return Err(shape_err(format!("{nx} rows of x for {n} of y")));
+        }
+        let mut out = self.data(y, "lora_add")?.to_vec();
+        let xd = self.data(x, "lora_add")?;
+        for d in deltas {
+            let (r, ka) = d.proj.a.dims2("lora_add")?;
+            let (o, rb) = d.proj.b.dims2("lora_add")?;
+            if ka != k || rb != r || o != d.cols.len() || d.cols.end > width {
+                return Err(shape_err(format!(
+                    "A [{r}, {ka}] and B [{o}, {rb}] for x [{n}, {k}] into columns {:?} of {width}",
+                    d.cols
+                )));
+            }
+            let rows: Vec<usize> = d.rows.iter().flat_map(|r| r.clone()).collect();
+            if let Some(&bad) = rows.iter().find(|&&i| i >= n) {
+                return Err(shape_err(format!("row {bad} of {n}")));
+            }
+            let mut xs = Vec::with_capacity(rows.len() * k);
+            for &i in &rows {
+                xs.extend_from_slice(&xd[i * k..(i + 1) * k]);
+            }
+            let a = self.data(&d.proj.a, "lora_add")?;
+            let b = self.data(&d.proj.b, "lora_add")?;
+            let t = matmul::matmul_t(&xs, rows.len(), k, a, r);
+            let delta = matmul::matmul_t(&t, rows.len(), r, b, o);
+            for (j, &i) in rows.iter().enumerate() {
+                let dst = &mut out[i * width + d.cols.start..i * width + d.cols.end];
+                for (y, v) in dst.iter_mut().zip(&delta[j * o..(j + 1) * o]) {
+                    *y += d.proj.scale * v;
+                }
+            }
+        }
+        Ok(Self::wrap(vec![n, width], out))
+    }
+
     fn has_extension(&self, _name: &str) -> bool {
         true
     }

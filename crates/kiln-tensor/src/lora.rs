@@ -1,0 +1,89 @@
+//! LoRA adapters as a backend sees them: per adapted projection two small
+//! matrices and a scale, and per step which rows run with which adapter.
+//!
+//! A projection `y = x · Wᵀ` adapted by `(A, B, s)` gives
+//! `y + s · (x · Aᵀ) · Bᵀ` (`A` is `[r, in]`, `B` `[out, r]`), PEFT's
+//! order: the low-rank product, scaled, then added. A step may mix rows of
+//! several adapters and of none ([`LoraBatch`]); [`crate::Ops::lora_add`]
+//! adds each group's delta to its own rows only, so a row's result is what
+//! it would be in a batch of its adapter alone.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use crate::tensor::Tensor;
+
+/// One adapted projection.
+#[derive(Debug)]
+pub struct LoraProj {
+    /// `[r, in]`.
+    pub a: Tensor,
+    /// `[out, r]`.
+    pub b: Tensor,
+    /// `lora_alpha / r` (or `/ √r` with rsLoRA).
+    pub scale: f32,
+}
+
+/// A loaded adapter: its projections by the module they adapt, named as
+/// the base model's Hugging Face weights name them without `.weight`
+/// (`model.layers.3.self_attn.q_proj`).
+#[derive(Debug)]
+pub struct LoraAdapter {
+    pub name: String,
+    /// Unique to this load: part of every prefix-cache key of its requests,
+    /// so a reloaded adapter never hits blocks its predecessor computed.
+    pub id: u64,
+    pub projs: HashMap<String, LoraProj>,
+    /// Bytes its matrices take on the backend.
+    pub num_bytes: u64,
+}
+
+/// The rows of a step (token rows of the batch) one adapter runs with.
+#[derive(Debug, Clone)]
+pub struct LoraGroup {
+    pub adapter: Arc<LoraAdapter>,
+    pub rows: Vec<Range<usize>>,
+}
+
+/// Which rows of a step run with which adapter; rows in no group run with
+/// the base model.
+#[derive(Debug, Clone, Default)]
+pub struct LoraBatch {
+    pub groups: Vec<LoraGroup>,
+}
+
+impl PartialEq for LoraBatch {
+    fn eq(&self, other: &Self) -> bool {
+        self.groups.len() == other.groups.len()
+            && self
+                .groups
+                .iter()
+                .zip(&other.groups)
+                .all(|(a, b)| a.adapter.id == b.adapter.id && a.rows == b.rows)
+    }
+}
+
+impl Eq for LoraBatch {}
+
+impl LoraBatch {
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// Whether any adapter of the step adapts `module`.
+    pub fn touches(&self, module: &str) -> bool {
+        self.groups
+            .iter()
+            .any(|g| g.adapter.projs.contains_key(module))
+    }
+}
+
+/// One group's delta for [`crate::Ops::lora_add`]: `proj`'s low-rank
+/// product of `x`'s rows `rows`, added to columns `cols` of those rows of
+/// `y` (a packed projection's part).
+pub struct LoraDelta<'a> {
+    pub rows: &'a [Range<usize>],
+    pub proj: &'a LoraProj,
+    pub cols: Range<usize>,
+}
