@@ -141,7 +141,12 @@ impl EmbeddingHead {
         }
         if let Some(c) = read_json(&dir.join("config.json"))? {
             if let Some(dims) = c.get("matryoshka_dimensions").and_then(Value::as_array) {
-                head.matryoshka = Some(dims.iter().filter_map(Value::as_u64).map(|d| d as usize).collect());
+                head.matryoshka = Some(
+                    dims.iter()
+                        .filter_map(Value::as_u64)
+                        .map(|d| d as usize)
+                        .collect(),
+                );
             } else if c.get("is_matryoshka").and_then(Value::as_bool) == Some(true) {
                 head.matryoshka = Some(Vec::new());
             }

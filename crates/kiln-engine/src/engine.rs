@@ -13,7 +13,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kiln_sampling::{DeviceStep, FinishReason, SamplingError, TokenId};
-use kiln_scheduler::{Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats};
+use kiln_scheduler::{
+    AdapterId, Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats,
+};
 use kiln_tensor::{ForwardBatch, SampleRow, SampledRow};
 use rayon::prelude::*;
 
@@ -106,6 +108,8 @@ pub struct EngineHandle {
     model: Arc<LoadedModel>,
     /// The model's embedding head, read on first use.
     embedding_head: Arc<OnceLock<std::result::Result<Arc<EmbeddingHead>, String>>>,
+    /// The LoRA adapters requests may name.
+    adapters: Arc<crate::Adapters>,
     /// The served context length.
     context: usize,
     status: Arc<supervise::StatusCell>,
@@ -239,6 +243,11 @@ impl EngineHandle {
         Ok(FaultGate(gate))
     }
 
+    /// The LoRA adapters requests may name ([`crate::Adapters`]).
+    pub fn adapters(&self) -> &Arc<crate::Adapters> {
+        &self.adapters
+    }
+
     /// The model's embedding head (its sentence-transformers files, or the
     /// default for its kind), read once.
     pub fn embedding_head(&self) -> Result<Arc<EmbeddingHead>> {
@@ -334,8 +343,12 @@ impl Engine {
         Ok(Engine {
             handle: EngineHandle {
                 commands: tx,
-                model: shared,
+                model: shared.clone(),
                 embedding_head: Arc::new(OnceLock::new()),
+                adapters: Arc::new(crate::Adapters::new(
+                    shared,
+                    crate::adapters::DEFAULT_MAX_LOADED,
+                )),
                 context,
                 status,
             },
@@ -414,6 +427,8 @@ enum Logits {
 /// A request the loop is serving.
 struct Active<'m> {
     proc: TokenProcessor<'m>,
+    /// The LoRA adapter its rows run with.
+    adapter: Option<Arc<kiln_tensor::LoraAdapter>>,
     want_logprobs: bool,
     events: Sender<Event>,
     /// The caller dropped its stream.
@@ -652,12 +667,14 @@ impl<'m> Loop<'m> {
         let mut sreq = Request::new(id, prompt, max_tokens);
         sreq.priority = Priority(request.priority);
         sreq.cache_salt = request.cache_salt.clone();
+        sreq.adapter_id = request.adapter.as_ref().map(|a| AdapterId(a.id));
         self.scheduler.submit(sreq)?;
         self.next_id += 1;
         self.active.insert(
             id,
             Active {
                 proc,
+                adapter: request.adapter,
                 want_logprobs: request.params.logprobs.is_some(),
                 events,
                 abandoned,
@@ -723,7 +740,23 @@ impl<'m> Loop<'m> {
             }
             let tokens: Vec<u32> = s.new_token_ids.iter().map(|t| t.0).collect();
             let tables = s.block_tables.iter().map(backend_table).collect();
+            let start = batch.token_ids.len();
             batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, s.wants_logits);
+            if let Some(adapter) = self.active.get(&s.id).and_then(|a| a.adapter.as_ref()) {
+                let rows = start..start + tokens.len();
+                match batch
+                    .lora
+                    .groups
+                    .iter_mut()
+                    .find(|g| g.adapter.id == adapter.id)
+                {
+                    Some(g) => g.rows.push(rows),
+                    None => batch.lora.groups.push(kiln_tensor::LoraGroup {
+                        adapter: adapter.clone(),
+                        rows: vec![rows],
+                    }),
+                }
+            }
         }
         // Rows the device can sample (the (masked) argmax, or any
         // parameters its sampler takes) are sampled there: only ids cross to

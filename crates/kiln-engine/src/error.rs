@@ -38,6 +38,9 @@ pub enum EngineError {
     /// to fix.
     #[error("{0}")]
     InvalidRequest(String),
+    /// Every slot of a bounded resource is taken for now: retry shortly.
+    #[error("{0}")]
+    Busy(String),
     #[error("request failed: {0}")]
     Failed(String),
     #[error("the engine has stopped")]

@@ -34,6 +34,9 @@ pub struct GenerationRequest {
     /// Take tokens the output format forces without a forward pass each
     /// (on in [`GenerationRequest::new`]).
     pub jump_forward: bool,
+    /// The LoRA adapter the request runs with (none: the base model). Its
+    /// id keys the request's prefix-cache blocks.
+    pub adapter: Option<std::sync::Arc<kiln_tensor::LoraAdapter>>,
 }
 
 impl GenerationRequest {
@@ -158,9 +161,24 @@ impl LoadedModel {
         let chunk = crate::memory::prefill_chunk(self.model.backend().device_memory().is_some());
         let n = req.prompt.len();
         let mut logits = None;
+        // Every row of the one sequence runs with the request's adapter.
+        let with_adapter = |mut b: ForwardBatch| {
+            if let Some(adapter) = &req.adapter {
+                b.lora.groups.push(kiln_tensor::LoraGroup {
+                    adapter: adapter.clone(),
+                    rows: vec![0..b.token_ids.len()],
+                });
+            }
+            b
+        };
         for s in (0..n).step_by(chunk) {
             let e = (s + chunk).min(n);
-            let part = ForwardBatch::single(&req.prompt[s..e], s, &cache.spec, e - s - 1);
+            let part = with_adapter(ForwardBatch::single(
+                &req.prompt[s..e],
+                s,
+                &cache.spec,
+                e - s - 1,
+            ));
             logits = Some(self.model.forward(&part, &mut cache)?);
         }
         let mut logits = logits.expect("a prompt has at least one token");
@@ -205,7 +223,7 @@ impl LoadedModel {
             }
             let pos = req.prompt.len() + proc.generated().len() - 1;
             logits = self.model.forward(
-                &ForwardBatch::single(&[token.0], pos, &cache.spec, 0),
+                &with_adapter(ForwardBatch::single(&[token.0], pos, &cache.spec, 0)),
                 &mut cache,
             )?;
         };

@@ -12,6 +12,7 @@
 //! [`RequestStream`], [`Event`], [`GenerationRequest`], [`ChatSession`],
 //! [`EngineError`].
 
+pub mod adapters;
 pub mod convert;
 pub mod embed;
 mod engine;
@@ -25,6 +26,7 @@ mod process;
 pub mod quantize;
 mod session;
 
+pub use adapters::{AdapterInfo, Adapters};
 pub use embed::{EmbedInput, Embedder, EmbeddingHead, Pooling};
 #[cfg(feature = "fault-injection")]
 pub use engine::FaultGate;
@@ -34,6 +36,7 @@ pub use engine::{
 pub use error::{EngineError, Result};
 pub use events::{Event, RequestTimings, Usage};
 pub use generate::{Generation, GenerationRequest, Timings, TokenEvent};
+pub use kiln_tensor::LoraAdapter;
 pub use load::LoadedModel;
 pub use memory::{FitInput, FitReport, MemoryTarget};
 pub use process::ReasoningTags;

@@ -245,6 +245,9 @@ pub struct FitInput<'a> {
     /// by name (counted as stored where the target keeps blocks; an empty
     /// map counts every weight expanded).
     pub block_bytes: &'a HashMap<String, u64>,
+    /// What LoRA adapters may hold (`--lora` and the reserve for adapters
+    /// loaded at run time).
+    pub adapter_bytes: u64,
 }
 
 /// Where a plan's context came from.
@@ -357,6 +360,10 @@ fn terms(input: &FitInput<'_>) -> Result<Terms> {
     } else {
         vec![("process and tokenizer", CPU_PROCESS_BYTES)]
     };
+    let mut overheads = overheads;
+    if input.adapter_bytes > 0 {
+        overheads.push(("LoRA adapters", input.adapter_bytes));
+    }
     Ok(Terms {
         weights,
         in_place,
@@ -639,6 +646,7 @@ mod tests {
             available_bytes: 16 << 30,
             file_bytes: 0,
             block_bytes: &HashMap::new(),
+            adapter_bytes: 0,
         };
         let r = fit(&input).unwrap();
         assert!(r.fits);

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use kiln_tensor::{LoraAdapter, LoraProj};
 use serde_json::Value;
@@ -21,7 +21,7 @@ use crate::error::{ModelError, Result};
 use crate::CausalLm;
 
 /// A distinct id for every adapter loaded in this process.
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+static NEXT_ID: AtomicU32 = AtomicU32::new(1);
 
 fn bad(path: &Path, what: impl Into<String>) -> ModelError {
     ModelError::Config {
@@ -134,6 +134,35 @@ pub fn load_peft(dir: &Path, name: &str, model: &dyn CausalLm) -> Result<LoraAda
         projs,
         num_bytes,
     })
+}
+
+/// Bytes the adapter in PEFT directory `dir` takes once loaded (its
+/// matrices as f32), read from the weights file's header alone.
+pub fn peft_bytes(dir: &Path) -> Result<u64> {
+    let path = dir.join("adapter_model.safetensors");
+    let mut f = std::fs::File::open(&path).map_err(|e| bad(&path, format!("cannot read: {e}")))?;
+    let mut len = [0u8; 8];
+    std::io::Read::read_exact(&mut f, &mut len).map_err(|e| bad(&path, e.to_string()))?;
+    let n = u64::from_le_bytes(len);
+    if n > 64 << 20 {
+        return Err(bad(&path, "not safetensors (header too large)"));
+    }
+    let mut header = vec![0u8; n as usize];
+    std::io::Read::read_exact(&mut f, &mut header).map_err(|e| bad(&path, e.to_string()))?;
+    let v: Value =
+        serde_json::from_slice(&header).map_err(|e| bad(&path, format!("not safetensors: {e}")))?;
+    let elements: u64 = v
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| *k != "__metadata__")
+        .filter_map(|(_, t)| {
+            t.get("shape")?
+                .as_array()
+                .map(|s| s.iter().filter_map(Value::as_u64).product::<u64>())
+        })
+        .sum();
+    Ok(4 * elements)
 }
 
 /// The rank and the scale of every module (`alpha / r`, or `alpha / √r`

@@ -314,6 +314,7 @@ impl From<EngineError> for ApiError {
                 message,
                 param: None,
             },
+            EngineError::Busy(message) => ApiError::Busy(message),
             EngineError::Refused(s) => s.into(),
             // The output format does not compile: the client's schema,
             // regex or grammar.

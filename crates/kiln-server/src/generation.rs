@@ -315,6 +315,8 @@ pub struct Generate {
     pub skip_special_tokens: bool,
     /// The output format the request asked for, if any.
     pub format: Option<kiln_structured::Format>,
+    /// The LoRA adapter the request's `model` names, if any.
+    pub adapter: Option<std::sync::Arc<kiln_engine::LoraAdapter>>,
 }
 
 /// Most choices one request may ask for (`n`).
@@ -441,6 +443,7 @@ where
             skip_special_tokens: generate.skip_special_tokens,
             format: generate.format.clone(),
             reasoning: reasoning.clone(),
+            adapter: generate.adapter.clone(),
             ..GenerationRequest::new(prompt.clone(), params)
         })?);
     }

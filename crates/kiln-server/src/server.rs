@@ -74,6 +74,8 @@ pub struct ServerConfig {
     /// How often the throughput line is logged while the engine has work;
     /// zero turns it off.
     pub throughput_log_interval: Duration,
+    /// Mount `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+    pub enable_lora_runtime: bool,
     /// The embedding lengths `dimensions` may ask for (Matryoshka), over
     /// what the model's `config.json` declares: `Some(empty)` any length up
     /// to the model's, `None` the model's own declaration.
@@ -116,6 +118,7 @@ impl Default for ServerConfig {
             max_connections: 512,
             throughput_log_interval: Duration::from_secs(10),
             matryoshka_dimensions: None,
+            enable_lora_runtime: false,
         }
     }
 }
@@ -236,6 +239,7 @@ async fn serve_until(
                     sampling_defaults: Arc::new(config.sampling_defaults(engine.model())),
                     strict_params: config.strict_params,
                     matryoshka_dimensions: config.matryoshka_dimensions.clone().map(Arc::from),
+                    lora_runtime: config.enable_lora_runtime,
                     engine,
                 },
                 access.clone(),
@@ -450,7 +454,13 @@ impl Drop for AbortOnDrop {
 }
 
 fn router(state: AppState, access: AccessLog) -> Router {
-    let api = Router::new()
+    let mut api = Router::new();
+    if state.lora_runtime {
+        api = api
+            .route("/v1/load_lora_adapter", post(crate::routes::lora::load))
+            .route("/v1/unload_lora_adapter", post(crate::routes::lora::unload));
+    }
+    let api = api
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/completions", post(completions::handle))
         .route("/v1/responses", post(crate::routes::responses::handle))

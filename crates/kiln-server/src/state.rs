@@ -35,6 +35,8 @@ pub struct AppState {
     pub strict_params: bool,
     /// `kiln serve --matryoshka-dimensions`, over the model's declaration.
     pub matryoshka_dimensions: Option<Arc<[usize]>>,
+    /// Adapters may be loaded and unloaded at run time.
+    pub lora_runtime: bool,
 }
 
 impl AppState {
@@ -105,11 +107,36 @@ impl AppState {
         Ok(d)
     }
 
-    /// Refuses a request that names a model other than the one served.
+    /// Refuses a request that names a model other than the one served or
+    /// one of its LoRA adapters.
     pub fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
         match requested {
-            Some(m) if m != &*self.model_name => Err(ApiError::ModelNotFound(m.to_string())),
+            Some(m)
+                if m != &*self.model_name
+                    && !self.engine.adapters().list().iter().any(|a| a.name == m) =>
+            {
+                Err(ApiError::ModelNotFound(m.to_string()))
+            }
             _ => Ok(()),
         }
+    }
+
+    /// The LoRA adapter a request's `model` names (`None`: the base model),
+    /// loaded again first if it was let go; a name that is neither is 404.
+    pub async fn resolve_adapter(
+        &self,
+        requested: Option<&str>,
+    ) -> Result<Option<Arc<kiln_engine::LoraAdapter>>, ApiError> {
+        let Some(name) = requested.filter(|m| *m != &*self.model_name) else {
+            return Ok(None);
+        };
+        let adapters = self.engine.adapters().clone();
+        let owned = name.to_string();
+        let found = tokio::task::spawn_blocking(move || adapters.get(&owned))
+            .await
+            .map_err(|e| ApiError::Internal(format!("adapter task: {e}")))??;
+        found
+            .map(Some)
+            .ok_or_else(|| ApiError::ModelNotFound(name.to_string()))
     }
 }

@@ -33,7 +33,7 @@ pub struct LoraAdapter {
     pub name: String,
     /// Unique to this load: part of every prefix-cache key of its requests,
     /// so a reloaded adapter never hits blocks its predecessor computed.
-    pub id: u64,
+    pub id: u32,
     pub projs: HashMap<String, LoraProj>,
     /// Bytes its matrices take on the backend.
     pub num_bytes: u64,

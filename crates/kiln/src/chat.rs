@@ -63,6 +63,7 @@ fn start_engine(a: &ChatArgs) -> Result<Engine> {
         batch: 1,
         kv_pool_bytes: None,
         quantize: a.model.quantize,
+        adapter_bytes: 0,
     };
     let fit = crate::fit::check(&path, &query)?;
     if !fit.fits {

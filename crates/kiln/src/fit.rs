@@ -45,6 +45,10 @@ pub struct FitArgs {
     /// Plan for `--quantize` at load: q8_0, q4_k, q5_k, q6_k.
     #[arg(long, value_parser = crate::quantize::parse_quant_type)]
     pub quantize: Option<QuantFormat>,
+    /// Count LoRA adapters (PEFT directories) kept in memory beside the
+    /// model (repeatable).
+    #[arg(long)]
+    pub lora: Vec<String>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -163,6 +167,8 @@ pub struct FitQuery {
     pub kv_pool_bytes: Option<u64>,
     /// `--quantize`: float matrices counted in this format.
     pub quantize: Option<QuantFormat>,
+    /// What LoRA adapters may hold.
+    pub adapter_bytes: u64,
 }
 
 /// The memory plan for the model at `path` (`kiln fit` prints it, `kiln
@@ -180,6 +186,7 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
         available_bytes: q.available_bytes,
         file_bytes: file_bytes(path),
         block_bytes: &block_bytes(path, q.quantize)?,
+        adapter_bytes: q.adapter_bytes,
     };
     Ok(fit(&input)?)
 }
@@ -234,6 +241,11 @@ pub fn run(a: FitArgs) -> Result<()> {
         batch: a.batch,
         kv_pool_bytes: a.kv_mib.map(|m| m << 20),
         quantize: a.quantize,
+        adapter_bytes: a
+            .lora
+            .iter()
+            .map(|p| kiln_models::lora::peft_bytes(std::path::Path::new(p)))
+            .sum::<Result<u64, _>>()?,
     };
     let report = check(&path, &query)?;
     if a.json {

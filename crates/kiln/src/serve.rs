@@ -97,11 +97,34 @@ pub struct ServeArgs {
     /// Seconds between throughput lines while requests run (0: none).
     #[arg(long, default_value_t = 10)]
     pub throughput_log_secs: u64,
+    /// A LoRA adapter requests may name by `model`: NAME=PATH of a PEFT
+    /// directory (repeatable).
+    #[arg(long, value_parser = parse_lora)]
+    pub lora: Vec<(String, std::path::PathBuf)>,
+    /// Adapters kept in memory at once (least recently used out first).
+    #[arg(long, default_value_t = kiln_engine::adapters::DEFAULT_MAX_LOADED)]
+    pub max_loras: usize,
+    /// Mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    #[arg(long)]
+    pub enable_lora_runtime: bool,
+    /// MiB of memory planned for adapters loaded at run time (with
+    /// --enable-lora-runtime), beside those of --lora.
+    #[arg(long, default_value_t = 128)]
+    pub lora_reserve_mib: u64,
     /// Embedding lengths `/v1/embeddings` may cut vectors to (`dimensions`)
     /// for a model trained to allow it (Matryoshka) whose config does not
     /// say so: `any`, or a list such as `512,256,128`.
     #[arg(long, value_parser = parse_matryoshka)]
     pub matryoshka_dimensions: Option<MatryoshkaDims>,
+}
+
+fn parse_lora(s: &str) -> Result<(String, std::path::PathBuf), String> {
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), std::path::PathBuf::from(path)))
+        }
+        _ => Err(format!("{s:?}: give NAME=PATH")),
+    }
 }
 
 /// `--matryoshka-dimensions`: an empty list means any length.
@@ -260,6 +283,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         batch: 1,
         kv_pool_bytes: a.kv_mib.map(|m| (m as u64) << 20),
         quantize: a.quantize,
+        adapter_bytes: adapter_budget(&a)?,
     };
     let fit = crate::fit::check(&path, &query)?;
     if !fit.fits {
@@ -291,7 +315,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
         strict_params: a.strict_params,
         throughput_log_interval: Duration::from_secs(a.throughput_log_secs),
         matryoshka_dimensions: a.matryoshka_dimensions.map(|d| d.0),
+        enable_lora_runtime: a.enable_lora_runtime,
         ..ServerConfig::default()
+    };
+    let loras = Loras {
+        startup: a.lora.clone(),
+        max_loaded: a.max_loras,
+        max_bytes: query.adapter_bytes,
     };
     // A device measures what is free once the weights are there; the CPU
     // pool is the plan's.
@@ -312,7 +342,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let server_config = config.clone();
     let load_path = path.clone();
     let load = move || {
-        load_engine(&model_args, &load_path, backend, kv_bytes, context)
+        load_engine(&model_args, &load_path, backend, kv_bytes, context, &loras)
             .map(|(engine, loaded)| {
                 let handle = engine.handle();
                 if handle.model().model.generates() {
@@ -356,6 +386,7 @@ fn load_engine(
     backend: Arc<dyn kiln_tensor::Backend>,
     kv_bytes: Option<usize>,
     context: usize,
+    loras: &Loras,
 ) -> Result<(Engine, String)> {
     let model = model_args.load_on(backend)?;
     let plan = EngineConfig::plan(&model, kv_bytes, context)?;
@@ -365,8 +396,41 @@ fn load_engine(
     };
     let load_seconds = model.load_seconds;
     let engine = Engine::start(model, engine_config).context("starting the engine")?;
+    let adapters = engine.handle().adapters().clone();
+    adapters.set_max_loaded(loras.max_loaded);
+    adapters.set_max_bytes(loras.max_bytes);
+    for (name, dir) in &loras.startup {
+        adapters
+            .add(name, dir)
+            .with_context(|| format!("loading the LoRA adapter {name} ({})", dir.display()))?;
+    }
+    let note = match loras.startup.len() {
+        0 => String::new(),
+        n => format!("; {n} LoRA adapter{}", if n == 1 { "" } else { "s" }),
+    };
     Ok((
         engine,
-        format!("{} loaded in {load_seconds:.1}s; {plan}", path.display()),
+        format!("{} loaded in {load_seconds:.1}s; {plan}{note}", path.display()),
     ))
+}
+
+/// The LoRA adapters `kiln serve` starts with and their bounds.
+struct Loras {
+    startup: Vec<(String, std::path::PathBuf)>,
+    max_loaded: usize,
+    max_bytes: u64,
+}
+
+/// Memory the plan gives adapters: those of --lora, and with
+/// --enable-lora-runtime a reserve for those loaded later.
+fn adapter_budget(a: &ServeArgs) -> Result<u64> {
+    let mut bytes = 0;
+    for (name, dir) in &a.lora {
+        bytes += kiln_models::lora::peft_bytes(dir)
+            .with_context(|| format!("the LoRA adapter {name}"))?;
+    }
+    if a.enable_lora_runtime {
+        bytes += a.lora_reserve_mib << 20;
+    }
+    Ok(bytes)
 }

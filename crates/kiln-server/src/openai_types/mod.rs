@@ -104,6 +104,12 @@ pub struct ModelCard {
     pub max_model_len: usize,
     /// What requests get for the sampling fields they leave out (Kiln's).
     pub sampling_defaults: SamplingDefaultsOut,
+    /// For a LoRA adapter: the model it adapts (vLLM's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// For a LoRA adapter: its directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root: Option<String>,
 }
 
 /// The server's sampling defaults as `/v1/models` and `/stats` show them.

@@ -188,13 +188,16 @@ pub async fn handle(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let requested = req.model.clone();
     let v = validate(&state, req)?;
+    let adapter = state.resolve_adapter(requested.as_deref()).await?;
     let want_logprobs = v.params.logprobs.is_some();
     let parses = !v.render.tool_names.is_empty() || generation::thinks(&state);
     let generate = Generate {
         params: v.params,
         skip_special_tokens: !parses,
         format: v.format,
+        adapter,
     };
     let (messages, render) = (v.messages, v.render);
     let admitted = generation::start_choices(&state, generate, v.n, move |model: &LoadedModel| {

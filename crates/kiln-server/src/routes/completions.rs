@@ -87,7 +87,7 @@ pub async fn handle(
     let format = crate::structured::take_format(&mut req.extra)
         .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
-    state.check_model(req.model.as_deref())?;
+    let adapter = state.resolve_adapter(req.model.as_deref()).await?;
     state.check_generates()?;
     if let Some(o) = &req.stream_options {
         reject_unknown(&o.extra, "stream_options.")?;
@@ -141,6 +141,7 @@ pub async fn handle(
         params,
         skip_special_tokens: true,
         format,
+        adapter,
     };
     let admitted = generation::start_choices(&state, generate, n, move |model: &LoadedModel| {
         let (ids, text) = match prompt {

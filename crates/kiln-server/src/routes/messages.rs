@@ -158,6 +158,7 @@ pub async fn handle(
 ) -> Result<Response, AnthropicError> {
     let ApiJson(req) = req?;
     let conv = conversation(&state, &req)?;
+    let adapter = state.resolve_adapter(req.model.as_deref()).await?;
     let stream = req.stream.unwrap_or(false);
     let (params, stop_sequences) = sampling(&state, req)?;
     let parses = !conv.render.tool_names.is_empty() || generation::thinks(&state);
@@ -166,6 +167,7 @@ pub async fn handle(
         params,
         skip_special_tokens: !parses,
         format: conv.format,
+        adapter,
     };
     let (messages, render) = (conv.messages, conv.render);
     let admitted = generation::start(&state, generate, move |model: &LoadedModel| {

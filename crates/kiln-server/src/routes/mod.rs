@@ -3,6 +3,7 @@
 pub mod chat;
 pub mod completions;
 pub mod embeddings;
+pub mod lora;
 pub mod messages;
 pub mod ops;
 pub mod responses;

@@ -141,16 +141,28 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError
         .into_response())
 }
 
+/// The served model, then its LoRA adapters (each with `parent`).
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
+    let card = |id: String, parent: Option<String>, root: Option<String>| ModelCard {
+        id,
+        object: "model",
+        created: state.started_at,
+        owned_by: "kiln",
+        max_model_len: state.context_length(),
+        sampling_defaults: (&*state.sampling_defaults).into(),
+        parent,
+        root,
+    };
+    let mut data = vec![card(state.model_name.to_string(), None, None)];
+    for a in state.engine.adapters().list() {
+        data.push(card(
+            a.name,
+            Some(state.model_name.to_string()),
+            Some(a.path.display().to_string()),
+        ));
+    }
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: state.model_name.to_string(),
-            object: "model",
-            created: state.started_at,
-            owned_by: "kiln",
-            max_model_len: state.context_length(),
-            sampling_defaults: (&*state.sampling_defaults).into(),
-        }],
+        data,
     })
 }

@@ -150,12 +150,15 @@ pub async fn handle(
     State(state): State<AppState>,
     ApiJson(req): ApiJson<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
+    let requested = req.model.clone();
     let v = validate(&state, req)?;
+    let adapter = state.resolve_adapter(requested.as_deref()).await?;
     let parses = !v.tool_names.is_empty() || generation::thinks(&state);
     let generate = Generate {
         params: v.params,
         skip_special_tokens: !parses,
         format: v.format,
+        adapter,
     };
     let render = ChatRender {
         tools: v.tools,
