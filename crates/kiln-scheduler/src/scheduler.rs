@@ -27,9 +27,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use kiln_sampling::TokenId;
 
+use crate::block_pool::BlockId;
 use crate::config::SchedulerConfig;
 use crate::error::{ConfigError, SchedulerError, SubmitError};
-use crate::block_pool::BlockId;
 use crate::hash::BlockHash;
 use crate::kv_manager::KvManager;
 use crate::output::{

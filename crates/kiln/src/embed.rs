@@ -30,7 +30,10 @@ pub struct EmbedArgs {
 
 pub fn run(a: EmbedArgs) -> Result<()> {
     let texts = if a.texts.is_empty() {
-        std::io::stdin().lock().lines().collect::<std::io::Result<Vec<_>>>()?
+        std::io::stdin()
+            .lock()
+            .lines()
+            .collect::<std::io::Result<Vec<_>>>()?
     } else {
         a.texts
     };
@@ -38,7 +41,10 @@ pub fn run(a: EmbedArgs) -> Result<()> {
     let e = Embedder::new(&model)?;
     if let Some(d) = a.dimensions {
         if d == 0 || d > e.head.dimension {
-            bail!("--dimensions {d}: this model gives vectors of 1 to {} values", e.head.dimension);
+            bail!(
+                "--dimensions {d}: this model gives vectors of 1 to {} values",
+                e.head.dimension
+            );
         }
     }
     let inputs = texts

@@ -410,7 +410,10 @@ fn load_engine(
     };
     Ok((
         engine,
-        format!("{} loaded in {load_seconds:.1}s; {plan}{note}", path.display()),
+        format!(
+            "{} loaded in {load_seconds:.1}s; {plan}{note}",
+            path.display()
+        ),
     ))
 }
 

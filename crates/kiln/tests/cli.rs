@@ -474,10 +474,17 @@ fn embed_prints_a_unit_vector_a_line() {
     let out = kiln()
         .args(["embed", "--device", "cpu", "-m"])
         .arg(&dir)
-        .args(["Hello world", "The quick brown fox jumps over the lazy dog."])
+        .args([
+            "Hello world",
+            "The quick brown fox jumps over the lazy dog.",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let golden: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(
             PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -502,7 +509,10 @@ fn embed_prints_a_unit_vector_a_line() {
         let want: Vec<f64> = serde_json::from_value(case["embedding"].clone()).unwrap();
         let dot: f64 = v.iter().zip(&want).map(|(a, b)| a * b).sum();
         let norm: f64 = v.iter().map(|a| a * a).sum::<f64>().sqrt();
-        assert!((norm - 1.0).abs() < 1e-5 && dot >= 0.9999, "{name}: {dot} {norm}");
+        assert!(
+            (norm - 1.0).abs() < 1e-5 && dot >= 0.9999,
+            "{name}: {dot} {norm}"
+        );
     }
     // An unknown task prompt is refused by name.
     let out = kiln()

@@ -489,7 +489,8 @@ fn lent_blocks_are_outside_every_request_and_come_back_unregistered() {
     let (spec, _) = KvCacheSpec::for_layers(&[LayerKind::FullAttention], 4);
     let mut s = Scheduler::new(SchedulerConfig::new(spec, 6, 64)).unwrap();
     let prompt: Vec<TokenId> = (0..8).map(TokenId).collect();
-    s.submit(Request::new(RequestId(1), prompt.clone(), 2)).unwrap();
+    s.submit(Request::new(RequestId(1), prompt.clone(), 2))
+        .unwrap();
     let out = s.schedule().unwrap();
     let held: Vec<_> = out.scheduled[0].block_tables[0].blocks.clone();
     // While a step is in flight nothing is lent.
@@ -503,7 +504,9 @@ fn lent_blocks_are_outside_every_request_and_come_back_unregistered() {
     assert_eq!(s.kv_manager().pool().num_free_blocks(), 0);
     s.take_back_blocks(&lent);
     assert_eq!(s.kv_manager().pool().num_free_blocks(), 4);
-    assert!(lent.iter().all(|&b| s.kv_manager().pool().block_hash(b).is_none()));
+    assert!(lent
+        .iter()
+        .all(|&b| s.kv_manager().pool().block_hash(b).is_none()));
     // The request goes on as before.
     let out = s.schedule().unwrap();
     assert_eq!(out.scheduled[0].block_tables[0].blocks[..2], held[..2]);
