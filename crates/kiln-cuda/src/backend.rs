@@ -330,6 +330,10 @@ impl Ops for CudaBackend {
         crate::ops::gather::gather_rows(self, x, rows)
     }
 
+    fn gated_packed(&self, y: &Tensor, act: Activation) -> Result<Tensor> {
+        crate::ops::activation::gated_packed(self, y, act)
+    }
+
     fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
         crate::ops::gather::split_cols(self, x, widths)
     }
@@ -353,19 +357,45 @@ impl Ops for CudaBackend {
         true
     }
 
-    /// Soft-capping has a kernel.
+    /// Soft-capping, LayerNorm and erf GELU have kernels.
     fn has_extension(&self, name: &str) -> bool {
-        name == kiln_tensor::SoftCap::NAME && self.dev.has("softcap_bf16")
+        let kernel = match name {
+            kiln_tensor::SoftCap::NAME => "softcap_bf16",
+            kiln_tensor::LayerNorm::NAME => "layer_norm_bf16",
+            kiln_tensor::GeluErf::NAME => "gelu_erf_bf16",
+            _ => return false,
+        };
+        self.dev.has(kernel)
     }
 
     fn extension(&self, op: &dyn kiln_tensor::ExtensionOp, x: &Tensor) -> Result<Tensor> {
-        match op.as_any().downcast_ref::<kiln_tensor::SoftCap>() {
-            Some(s) => crate::ops::elementwise::softcap(self, x, s.cap),
-            None => Err(kiln_tensor::TensorError::Unsupported {
+        let any = op.as_any();
+        if let Some(s) = any.downcast_ref::<kiln_tensor::SoftCap>() {
+            crate::ops::elementwise::softcap(self, x, s.cap)
+        } else if let Some(ln) = any.downcast_ref::<kiln_tensor::LayerNorm>() {
+            crate::ops::norm::layer_norm(self, x, ln)
+        } else if any.is::<kiln_tensor::GeluErf>() {
+            crate::ops::activation::gelu_erf(self, x)
+        } else {
+            Err(kiln_tensor::TensorError::Unsupported {
                 backend: NAME,
                 what: format!("the extension op `{}`", op.name()),
-            }),
+            })
         }
+    }
+
+    /// LoRA deltas by the gathered shrink/expand kernels (`ops::lora`).
+    fn supports_lora(&self) -> bool {
+        self.dev.has("lora_shrink_bf16") && self.dev.has("lora_expand_bf16")
+    }
+
+    fn lora_add(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        deltas: &[kiln_tensor::LoraDelta<'_>],
+    ) -> Result<Tensor> {
+        crate::ops::lora::lora_add(self, y, x, deltas)
     }
 
     fn attention_shared(

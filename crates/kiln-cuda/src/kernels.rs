@@ -53,6 +53,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("matmul_gemv", include_str!("ops/matmul/gemv.cu")),
     ("argmax", include_str!("ops/argmax/argmax.cu")),
     ("sample", include_str!("ops/sample/sample.cu")),
+    ("lora", include_str!("ops/lora/lora.cu")),
 ];
 
 /// Every kernel the backend launches by name (the CI compile test checks
@@ -65,6 +66,10 @@ pub const ENTRY_POINTS: &[&str] = &[
     "write_kv_bf16",
     "add_scale_bf16",
     "softcap_bf16",
+    "layer_norm_bf16",
+    "gelu_erf_bf16",
+    "lora_shrink_bf16",
+    "lora_expand_bf16",
     "add_bias_bf16",
     "gather_rows_bf16",
     "copy_cols_bf16",

@@ -714,7 +714,7 @@ impl<'m> Loop<'m> {
     /// One step; returns the number of sequences when it was a pure decode step.
     fn step_inner(&mut self) -> Option<usize> {
         self.drop_abandoned();
-        let out = match self.scheduler.schedule() {
+        let mut out = match self.scheduler.schedule() {
             Ok(o) => o,
             Err(e) => {
                 self.fail_all(&format!("scheduler: {e}"));
@@ -723,6 +723,19 @@ impl<'m> Loop<'m> {
         };
         if out.scheduled.is_empty() {
             return None;
+        }
+        // The rows of one adapter side by side (base rows first, each
+        // adapter's in scheduling order): one run of rows per adapter, so
+        // the GPU adds each projection's deltas in one segment per adapter.
+        // Results go back by request id, so the order is the engine's to pick.
+        let adapter_of = |a: Option<&Active<'_>>| a.and_then(|a| a.adapter.as_ref()).map(|a| a.id);
+        if out
+            .scheduled
+            .iter()
+            .any(|s| adapter_of(self.active.get(&s.id)).is_some())
+        {
+            out.scheduled
+                .sort_by_key(|s| adapter_of(self.active.get(&s.id)));
         }
         let pure_decode = out
             .scheduled
@@ -743,19 +756,7 @@ impl<'m> Loop<'m> {
             let start = batch.token_ids.len();
             batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, s.wants_logits);
             if let Some(adapter) = self.active.get(&s.id).and_then(|a| a.adapter.as_ref()) {
-                let rows = start..start + tokens.len();
-                match batch
-                    .lora
-                    .groups
-                    .iter_mut()
-                    .find(|g| g.adapter.id == adapter.id)
-                {
-                    Some(g) => g.rows.push(rows),
-                    None => batch.lora.groups.push(kiln_tensor::LoraGroup {
-                        adapter: adapter.clone(),
-                        rows: vec![rows],
-                    }),
-                }
+                batch.lora.push(adapter, start..start + tokens.len());
             }
         }
         // Rows the device can sample (the (masked) argmax, or any

@@ -120,12 +120,14 @@ pub fn load_peft(dir: &Path, name: &str, model: &dyn CausalLm) -> Result<LoraAda
                 ),
             ));
         }
-        num_bytes += 4 * (a.len() + b.len()) as u64;
         let proj = LoraProj {
             a: backend.upload(&sa, &a)?,
             b: backend.upload(&sb, &b)?,
             scale,
         };
+        // As the backend holds them (bf16 on CUDA, f32 on the CPU).
+        num_bytes += (proj.a.num_elements() * proj.a.dtype().size_in_bytes()
+            + proj.b.num_elements() * proj.b.dtype().size_in_bytes()) as u64;
         projs.insert(module, proj);
     }
     Ok(LoraAdapter {

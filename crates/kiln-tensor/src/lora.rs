@@ -71,6 +71,25 @@ impl LoraBatch {
         self.groups.is_empty()
     }
 
+    /// Rows `rows` run with `adapter`: appended to its group (a run that
+    /// continues the group's last one extends it, so rows laid side by side
+    /// make one run), or a new group.
+    pub fn push(&mut self, adapter: &Arc<LoraAdapter>, rows: Range<usize>) {
+        if rows.is_empty() {
+            return;
+        }
+        match self.groups.iter_mut().find(|g| g.adapter.id == adapter.id) {
+            Some(g) => match g.rows.last_mut() {
+                Some(last) if last.end == rows.start => last.end = rows.end,
+                _ => g.rows.push(rows),
+            },
+            None => self.groups.push(LoraGroup {
+                adapter: adapter.clone(),
+                rows: vec![rows],
+            }),
+        }
+    }
+
     /// Whether any adapter of the step adapts `module`.
     pub fn touches(&self, module: &str) -> bool {
         self.groups
@@ -86,4 +105,34 @@ pub struct LoraDelta<'a> {
     pub rows: &'a [Range<usize>],
     pub proj: &'a LoraProj,
     pub cols: Range<usize>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn adapter(id: u32) -> Arc<LoraAdapter> {
+        Arc::new(LoraAdapter {
+            name: format!("a{id}"),
+            id,
+            projs: HashMap::new(),
+            num_bytes: 0,
+        })
+    }
+
+    #[test]
+    fn push_joins_runs_that_continue_and_keeps_the_rest_apart() {
+        let (a, b) = (adapter(1), adapter(2));
+        let mut batch = LoraBatch::default();
+        batch.push(&a, 0..1);
+        batch.push(&a, 1..5); // continues a's run
+        batch.push(&b, 5..6);
+        batch.push(&a, 7..8); // a gap: a second run
+        batch.push(&a, 8..9);
+        batch.push(&b, 6..6); // no rows: nothing
+        assert_eq!(batch.groups.len(), 2);
+        assert_eq!(batch.groups[0].adapter.id, 1);
+        assert_eq!(batch.groups[0].rows, vec![0..5, 7..9]);
+        assert_eq!(batch.groups[1].rows, vec![5..6]);
+    }
 }

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use kiln_engine::{Engine, EngineConfig, EngineHandle, Event, GenerationRequest, RequestStream};
 use kiln_sampling::SamplingParams;
@@ -45,6 +45,10 @@ pub struct BenchEngineArgs {
     /// Top-k of the measured requests (0: off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// LoRA adapters (PEFT directories): request i of each level runs
+    /// with adapter i mod N (all of them resident).
+    #[arg(long)]
+    pub lora: Vec<std::path::PathBuf>,
 }
 
 /// The schema of constrained requests: open strings keep a random model
@@ -129,6 +133,21 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
     let cfg = plan.config;
     let engine = Engine::start(model, cfg)?;
     let h = engine.handle();
+    h.adapters().set_max_loaded(a.lora.len().max(1));
+    let adapters = a
+        .lora
+        .iter()
+        .enumerate()
+        .map(|(i, dir)| {
+            let name = format!("lora{i}");
+            h.adapters()
+                .add(&name, dir)
+                .with_context(|| format!("loading {}", dir.display()))?;
+            h.adapters()
+                .get(&name)?
+                .ok_or_else(|| anyhow::anyhow!("adapter {name} not resident"))
+        })
+        .collect::<Result<Vec<_>>>()?;
     // Warm-up.
     drain(
         h.submit(request(
@@ -161,6 +180,9 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
                 r.params.top_p = a.top_p;
                 r.params.top_k = a.top_k;
                 r.params.seed = Some(i as u64);
+                if !adapters.is_empty() {
+                    r.adapter = Some(adapters[i % adapters.len()].clone());
+                }
                 // Spread the constrained requests evenly over the batch.
                 let f = a.json_fraction.clamp(0.0, 1.0);
                 if ((i + 1) as f64 * f).floor() > (i as f64 * f).floor() {
@@ -224,6 +246,7 @@ pub fn run(a: BenchEngineArgs) -> Result<()> {
             "temperature": a.temperature,
             "top_p": a.top_p,
             "top_k": a.top_k,
+            "lora_adapters": adapters.len(),
             "mask_steps": after.mask_steps - before.mask_steps,
             "masks": after.masks - before.masks,
             "mask_seconds": after.mask_seconds_total - before.mask_seconds_total,

@@ -19,6 +19,9 @@ pub enum DevCommand {
     /// Write the logits of every position of a prompt as a float32 .npy
     /// `[tokens, vocab]` (for comparing against other implementations).
     Logits(LogitsArgs),
+    /// A batch mixing LoRA adapters and the base against each sequence
+    /// alone: the largest logit difference of each row, as JSON.
+    LoraMix(LoraMixArgs),
     /// Check every CUDA op against the CPU backend on GPU `--gpu`; writes
     /// a JSON report and fails if any check does.
     CudaCheck(CudaCheckArgs),
@@ -51,6 +54,26 @@ pub struct LogitsArgs {
     /// steps); by default every position is one prefill step.
     #[arg(long)]
     pub prefill: Option<usize>,
+    /// Run every position with this LoRA adapter (a PEFT directory).
+    #[arg(long)]
+    pub lora: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+pub struct LoraMixArgs {
+    #[command(flatten)]
+    pub model: crate::cli::ModelArgs,
+    /// Comma-separated token ids of the prompts (each sequence of the mix
+    /// takes them rotated by its index).
+    #[arg(long, value_delimiter = ',')]
+    pub ids: Vec<u32>,
+    /// Adapters (PEFT directories); the mix runs base, adapter 1, ...,
+    /// adapter N, then the same again in reverse order.
+    #[arg(long, required = true)]
+    pub lora: Vec<PathBuf>,
+    /// Output JSON file.
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -78,6 +101,7 @@ pub fn run(cmd: DevCommand) -> Result<()> {
     match cmd {
         DevCommand::RandomCheckpoint(a) => random_checkpoint(a),
         DevCommand::Logits(a) => logits(a),
+        DevCommand::LoraMix(a) => lora_mix(a),
         DevCommand::CudaCheck(a) => cuda_check(a),
         DevCommand::CudaOptions => {
             print!("{}", crate::cuda_env::describe()?);
@@ -169,21 +193,143 @@ fn logits(a: LogitsArgs) -> Result<()> {
     let m = a.model.load()?;
     let mut cache = m.model.kv_cache_for_tokens(a.ids.len(), 16)?;
     let first = a.prefill.unwrap_or(a.ids.len()).clamp(1, a.ids.len());
-    let t = m.model.forward(
-        &kiln_tensor::ForwardBatch::single(&a.ids[..first], 0, &cache.spec, 0),
-        &mut cache,
-    )?;
+    let adapter = match &a.lora {
+        Some(dir) => Some(std::sync::Arc::new(kiln_models::lora::load_peft(
+            dir,
+            "lora",
+            m.model.as_ref(),
+        )?)),
+        None => None,
+    };
+    let spec = cache.spec.clone();
+    let batch = |ids: &[u32], pos: usize| {
+        let mut b = kiln_tensor::ForwardBatch::single(ids, pos, &spec, 0);
+        if let Some(ad) = &adapter {
+            b.lora.groups.push(kiln_tensor::LoraGroup {
+                adapter: ad.clone(),
+                rows: vec![0..ids.len()],
+            });
+        }
+        b
+    };
+    let b0 = batch(&a.ids[..first], 0);
+    let t = m.model.forward(&b0, &mut cache)?;
     let mut data = m.model.backend().to_host(&t)?;
     for pos in first..a.ids.len() {
-        let t = m.model.forward(
-            &kiln_tensor::ForwardBatch::single(&a.ids[pos..pos + 1], pos, &cache.spec, 0),
-            &mut cache,
-        )?;
+        let b = batch(&a.ids[pos..pos + 1], pos);
+        let t = m.model.forward(&b, &mut cache)?;
         data.extend(m.model.backend().to_host(&t)?);
     }
     let (rows, cols) = (a.ids.len(), data.len() / a.ids.len());
     write_npy_f32(&a.out, &[rows, cols], &data)?;
     eprintln!("wrote {} [{rows}, {cols}]", a.out.display());
+    Ok(())
+}
+
+type Seq = (Vec<u32>, Option<std::sync::Arc<kiln_tensor::LoraAdapter>>);
+
+/// Logits of the last row of each of `seqs` from one prefill step of them
+/// all, then of one decode step of them all (each sequence's next token
+/// its prompt's first).
+fn mixed_steps(model: &dyn kiln_models::CausalLm, seqs: &[Seq]) -> Result<[Vec<Vec<f32>>; 2]> {
+    const BS: usize = 16;
+    let blocks: usize = seqs.iter().map(|(s, _)| (s.len() + 1).div_ceil(BS)).sum();
+    let mut cache = model.new_kv_cache(blocks, BS)?;
+    let mut tables = Vec::new();
+    let mut next = 0u32;
+    for (ids, _) in seqs {
+        let n = (ids.len() + 1).div_ceil(BS) as u32;
+        tables.push((next..next + n).collect::<Vec<u32>>());
+        next += n;
+    }
+    let mut out: [Vec<Vec<f32>>; 2] = Default::default();
+    for (step, rows) in out.iter_mut().enumerate() {
+        let mut batch = kiln_tensor::ForwardBatch {
+            block_size: BS,
+            ..Default::default()
+        };
+        for ((ids, adapter), table) in seqs.iter().zip(&tables) {
+            let start = batch.token_ids.len();
+            let (tokens, done) = if step == 0 {
+                (ids.clone(), 0)
+            } else {
+                (vec![ids[0]], ids.len())
+            };
+            batch.push_seq(&tokens, done, table.clone(), true);
+            if let Some(a) = adapter {
+                batch.lora.push(a, start..start + tokens.len());
+            }
+        }
+        let t = model.forward(&batch, &mut cache)?;
+        let v = model.backend().to_host(&t)?;
+        let vocab = v.len() / seqs.len();
+        *rows = v.chunks_exact(vocab).map(<[f32]>::to_vec).collect();
+    }
+    Ok(out)
+}
+
+fn lora_mix(a: LoraMixArgs) -> Result<()> {
+    anyhow::ensure!(!a.ids.is_empty(), "--ids is empty");
+    let m = a.model.load()?;
+    let adapters = a
+        .lora
+        .iter()
+        .enumerate()
+        .map(|(i, dir)| {
+            Ok(Some(std::sync::Arc::new(kiln_models::lora::load_peft(
+                dir,
+                &format!("lora{i}"),
+                m.model.as_ref(),
+            )?)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut order = vec![None];
+    order.extend(adapters.iter().cloned());
+    order.extend(adapters.iter().rev().cloned());
+    order.push(None);
+    let seqs: Vec<Seq> = order
+        .into_iter()
+        .enumerate()
+        .map(|(i, ad)| {
+            let mut ids = a.ids.clone();
+            ids.rotate_left(i % a.ids.len());
+            (ids, ad)
+        })
+        .collect();
+    let mixed = mixed_steps(m.model.as_ref(), &seqs)?;
+    let mut rows = Vec::new();
+    for (i, seq) in seqs.iter().enumerate() {
+        let alone = mixed_steps(m.model.as_ref(), std::slice::from_ref(seq))?;
+        let diff = |step: usize| {
+            mixed[step][i]
+                .iter()
+                .zip(&alone[step][0])
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        let same = |step: usize| {
+            mixed[step][i]
+                .iter()
+                .zip(&alone[step][0])
+                .all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        rows.push(serde_json::json!({
+            "row": i,
+            "adapter": seq.1.as_ref().map(|a| a.name.clone()),
+            "prefill_max_abs_logit_diff": diff(0),
+            "prefill_bit_identical": same(0),
+            "decode_max_abs_logit_diff": diff(1),
+            "decode_bit_identical": same(1),
+        }));
+    }
+    let report = serde_json::json!({
+        "backend": m.model.backend().name(),
+        "sequences": seqs.len(),
+        "prompt_tokens": a.ids.len(),
+        "rows": rows,
+    });
+    std::fs::write(&a.out, serde_json::to_string_pretty(&report)?)?;
+    eprintln!("{}", serde_json::to_string_pretty(&report)?);
     Ok(())
 }
 

@@ -24,6 +24,10 @@ pub struct EmbedArgs {
     /// trained for it: Matryoshka).
     #[arg(long)]
     pub dimensions: Option<usize>,
+    /// Each input is comma-separated token ids, embedded as given (no
+    /// special tokens or prompt added), as /v1/embeddings takes them.
+    #[arg(long)]
+    pub ids: bool,
     /// Texts to embed; none: one a line from stdin.
     pub texts: Vec<String>,
 }
@@ -49,8 +53,20 @@ pub fn run(a: EmbedArgs) -> Result<()> {
     }
     let inputs = texts
         .iter()
-        .map(|t| e.tokenize(t, a.prompt_name.as_deref(), a.truncate))
-        .collect::<kiln_engine::Result<Vec<_>>>()?;
+        .map(|t| {
+            if !a.ids {
+                return Ok(e.tokenize(t, a.prompt_name.as_deref(), a.truncate)?);
+            }
+            let ids = t
+                .split(',')
+                .map(|v| v.trim().parse::<u32>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|err| {
+                    anyhow::anyhow!("--ids: {t:?} is not comma-separated token ids ({err})")
+                })?;
+            Ok(e.input_ids(&ids, a.truncate)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
     let mut out = std::io::stdout().lock();
     // Passes of at most 64 inputs keep the step's memory bounded.
     for chunk in inputs.chunks(64) {

@@ -7,6 +7,7 @@ pub(crate) mod argmax;
 pub(crate) mod attention;
 pub(crate) mod elementwise;
 pub(crate) mod gather;
+pub(crate) mod lora;
 pub(crate) mod matmul;
 pub(crate) mod norm;
 pub(crate) mod rope_kv_write;

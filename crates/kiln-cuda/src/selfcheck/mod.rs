@@ -150,6 +150,7 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     bidirectional_ops(&mut p, &mut rng, 8, 2, 64, Some(48))?;
     recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
+    lora_ops(&mut p, &mut rng)?;
     recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
     p.checks.extend(crate::ops::sample::check::checks(p.gpu)?);
     Ok(p.checks)
@@ -205,6 +206,17 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let g = p.gpu.extension(&cap, &xg).map_err(e)?;
     let c = p.cpu.extension(&cap, &xc).map_err(e)?;
     p.compare("extension softcap".into(), &g, &c, TOL)?;
+    let ln = kiln_tensor::LayerNorm {
+        weight: rng.vec(d, 1.0),
+        bias: rng.vec(d, 0.5),
+        eps: 1e-12,
+    };
+    let g = p.gpu.extension(&ln, &xg).map_err(e)?;
+    let c = p.cpu.extension(&ln, &xc).map_err(e)?;
+    p.compare("extension layer_norm".into(), &g, &c, TOL)?;
+    let g = p.gpu.extension(&kiln_tensor::GeluErf, &xg).map_err(e)?;
+    let c = p.cpu.extension(&kiln_tensor::GeluErf, &xc).map_err(e)?;
+    p.compare("extension gelu_erf".into(), &g, &c, TOL)?;
     for act in [Activation::Silu, Activation::GeluTanh] {
         let g = p.gpu.gated_activation(&xg, &yg, act).map_err(e)?;
         let c = p.cpu.gated_activation(&xc, &yc, act).map_err(e)?;
@@ -397,4 +409,97 @@ fn rms_norm_gated_linear(
     act: Activation,
 ) -> R2 {
     b.matmul(x, &dense(w), prologue(n, eps, offset), Epilogue::gated(act))
+}
+
+/// `lora_add` against the CPU: a packed q/k/v output (parts 576/192/192)
+/// with two adapters of ranks 4 and 16 over uneven row runs (tiles of 8 and
+/// 16 rows, chunks of k), the rows of no adapter left alone; the product
+/// taken in place and on a copy; more segments than one launch holds.
+fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    use kiln_tensor::{LoraDelta, LoraProj};
+    let (k, parts) = (576usize, [0usize..576, 576..768, 768..960]);
+    let width = 960;
+    let proj =
+        |p: &Pair, rng: &mut Rng, r: usize, out: usize, scale: f32| -> R<(LoraProj, LoraProj)> {
+            let (ag, ac) = p.up(&[r, k], &rng.vec(r * k, 0.1))?;
+            let (bg, bc) = p.up(&[out, r], &rng.vec(out * r, 0.1))?;
+            Ok((
+                LoraProj {
+                    a: ag,
+                    b: bg,
+                    scale,
+                },
+                LoraProj {
+                    a: ac,
+                    b: bc,
+                    scale,
+                },
+            ))
+        };
+    // Adapter 1 (r 4) adapts q and v; adapter 2 (r 16) q, k and v.
+    let q1 = proj(p, rng, 4, 576, 2.0)?;
+    let v1 = proj(p, rng, 4, 192, 2.0)?;
+    let q2 = proj(p, rng, 16, 576, 0.5)?;
+    let k2 = proj(p, rng, 16, 192, 0.5)?;
+    let v2 = proj(p, rng, 16, 192, 0.5)?;
+    let rows1 = [0usize..5, 10..12];
+    let rows2 = [5usize..10, 20..37];
+    let spec: [(&[std::ops::Range<usize>], &(LoraProj, LoraProj), usize); 5] = [
+        (&rows1, &q1, 0),
+        (&rows1, &v1, 2),
+        (&rows2, &q2, 0),
+        (&rows2, &k2, 1),
+        (&rows2, &v2, 2),
+    ];
+    let deltas = |gpu: bool| -> Vec<LoraDelta<'_>> {
+        spec.iter()
+            .map(|(rows, pr, part)| LoraDelta {
+                rows,
+                proj: if gpu { &pr.0 } else { &pr.1 },
+                cols: parts[*part].clone(),
+            })
+            .collect()
+    };
+    let n = 37;
+    let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
+    let (yg, yc) = p.up(&[n, width], &rng.vec(n * width, 1.0))?;
+    let c = p.cpu.lora_add(&yc, &xc, &deltas(false)).map_err(e)?;
+    let kept = yg.clone();
+    let before = p.gpu.to_host(&yg).map_err(e)?;
+    let g = p.gpu.lora_add(&yg, &xg, &deltas(true)).map_err(e)?;
+    p.compare(
+        "lora_add on a copy (2 adapters, packed q/k/v)".into(),
+        &g,
+        &c,
+        TOL,
+    )?;
+    let after = p.gpu.to_host(&kept).map_err(e)?;
+    p.push(
+        "lora_add on a copy leaves its input".into(),
+        &after,
+        &before,
+        0.0,
+    );
+    drop(kept);
+    let g = p.gpu.lora_add(&yg, &xg, &deltas(true)).map_err(e)?;
+    p.compare(
+        "lora_add in place (2 adapters, packed q/k/v)".into(),
+        &g,
+        &c,
+        TOL,
+    )?;
+    // One row a run: 40 segments, two launches.
+    let n = 40;
+    let rows: Vec<_> = (0..n).map(|i| i..i + 1).collect();
+    let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
+    let (yg, yc) = p.up(&[n, width], &rng.vec(n * width, 1.0))?;
+    let d = |proj| LoraDelta {
+        rows: &rows,
+        proj,
+        cols: parts[0].clone(),
+    };
+    let c = p.cpu.lora_add(&yc, &xc, &[d(&q2.1)]).map_err(e)?;
+    let g = p.gpu.lora_add(&yg, &xg, &[d(&q2.0)]).map_err(e)?;
+    p.compare("lora_add over 40 one-row runs".into(), &g, &c, TOL)?;
+    Ok(())
 }

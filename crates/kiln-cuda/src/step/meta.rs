@@ -160,9 +160,11 @@ impl StepMeta {
 }
 
 /// Whether `batch` is a decode step a recording can replay: one new token
-/// per sequence, every one wanting logits, in order.
+/// per sequence, every one wanting logits, in order, and no adapter rows.
 pub fn is_graphable(batch: &ForwardBatch) -> bool {
+    // A step with adapters launches per its row groups: eager.
     !batch.seqs.is_empty()
+        && batch.lora.is_empty()
         && batch.seqs.iter().enumerate().all(|(i, s)| {
             s.num_tokens == 1
                 && s.token_start == i

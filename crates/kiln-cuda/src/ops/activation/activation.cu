@@ -67,3 +67,13 @@ extern "C" __global__ void gated_act_packed_bf16(const bf16* __restrict__ gu, bf
         }
     }
 }
+
+// GELU with the exact erf form, out = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (BERT's "gelu").
+extern "C" __global__ void gelu_erf_bf16(const bf16* __restrict__ x, bf16* __restrict__ out, long long n) {
+    kiln_pdl_enter();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float v = to_f32(x[i]);
+        out[i] = to_bf16(0.5f * v * (1.0f + erff(v * 0.70710678118654752f)));
+    }
+}

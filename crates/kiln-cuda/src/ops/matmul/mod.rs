@@ -8,7 +8,7 @@ use cudarc::driver::LaunchConfig;
 use kiln_tensor::{Activation, Result, Tensor, TensorError};
 
 use crate::backend::CudaBackend;
-use crate::driver::device::{dev_err, elems_cfg, ptr, wrap, Device};
+use crate::driver::device::{dev_err, ptr, wrap, Device};
 use crate::ops::activation::act_code;
 
 mod cublas;
@@ -164,23 +164,7 @@ pub(crate) fn gated_linear(
     }
     let gu = cuda.alloc(n * two_i, "an MLP projection")?;
     gemm(&cuda.dev, xp, wp, gu.ptr, n, k, two_i, 0.0)?;
-    if !cuda.dev.has("gated_act_packed_bf16") {
-        return crate::ops::activation::gated_unfused(cuda, &wrap(vec![n, two_i], gu), act);
-    }
-    let (nl, ii, a) = (n as i64, inter as i32, act_code(act));
-    // SAFETY: gu [n, 2 * inter], out [n, inter].
-    unsafe {
-        cuda.dev
-            .launch(cuda.dev.func("gated_act_packed_bf16")?)
-            .arg(&gu.ptr)
-            .arg(&out.ptr)
-            .arg(&nl)
-            .arg(&ii)
-            .arg(&a)
-            .launch(elems_cfg(n * inter))
-            .map_err(dev_err)?;
-    }
-    Ok(wrap(vec![n, inter], out))
+    crate::ops::activation::gated_packed(cuda, &wrap(vec![n, two_i], gu), act)
 }
 
 pub(crate) fn linear_dims(x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize)> {

@@ -83,3 +83,50 @@ fn norm_rows(
 pub(crate) fn norm_threads(d: usize) -> u32 {
     (d.div_ceil(4).next_multiple_of(32)).clamp(128, 1024) as u32
 }
+
+/// LayerNorm of rows (the `layer_norm` extension op): the op's f32 weight
+/// and bias go up with each call (encoders run it a few times a step).
+pub(crate) fn layer_norm(
+    cuda: &CudaBackend,
+    x: &Tensor,
+    ln: &kiln_tensor::LayerNorm,
+) -> Result<Tensor> {
+    let d = ln.weight.len();
+    if d == 0 || x.shape().last() != Some(&d) || ln.bias.len() != d {
+        return Err(TensorError::Shape {
+            op: "layer_norm",
+            detail: format!(
+                "input {:?} against weight [{d}] and bias [{}]",
+                x.shape(),
+                ln.bias.len()
+            ),
+        });
+    }
+    let rows = x.num_elements() / d;
+    let out = cuda.alloc(rows * d, "a layer norm")?;
+    let params = cuda.dev.alloc(2 * d, 4, "layer norm weight and bias")?;
+    cuda.dev.htod(params.ptr, &ln.weight)?;
+    cuda.dev.htod(params.ptr + 4 * d as u64, &ln.bias)?;
+    let (xp, wp, bp, di) = (
+        ptr(x, "layer_norm")?,
+        params.ptr,
+        params.ptr + 4 * d as u64,
+        d as i32,
+    );
+    if rows > 0 {
+        // SAFETY: x and out [rows, d], params 2d floats (weight, bias).
+        unsafe {
+            cuda.dev
+                .launch(cuda.dev.func("layer_norm_bf16")?)
+                .arg(&xp)
+                .arg(&out.ptr)
+                .arg(&wp)
+                .arg(&bp)
+                .arg(&di)
+                .arg(&ln.eps)
+                .launch(rows_cfg(rows, 256, 0))
+                .map_err(dev_err)?;
+        }
+    }
+    Ok(wrap(x.shape().to_vec(), out))
+}

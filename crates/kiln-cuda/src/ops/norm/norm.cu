@@ -30,3 +30,24 @@ extern "C" __global__ void add_rms_norm_bf16(const bf16* __restrict__ x, bf16* _
         out[base + i] = after ? to_bf16(to_f32(after[base + i]) + to_f32(y)) : y;
     }
 }
+
+// LayerNorm of rows: out = (x - mean) / sqrt(var + eps) * w + b with the biased variance
+// (torch.nn.LayerNorm), mean and variance in two passes in f32; w, b f32 [d].
+// Launch: one block per row, 256 threads.
+extern "C" __global__ void layer_norm_bf16(const bf16* __restrict__ x, bf16* __restrict__ out,
+                                           const float* __restrict__ w, const float* __restrict__ b, int d,
+                                           float eps) {
+    kiln_pdl_enter();
+    const bf16* xr = x + (long long)blockIdx.x * d;
+    bf16* o = out + (long long)blockIdx.x * d;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) s += to_f32(xr[i]);
+    const float mean = block_sum(s) / (float)d;
+    float v = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float t = to_f32(xr[i]) - mean;
+        v += t * t;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(v) / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = to_bf16((to_f32(xr[i]) - mean) * inv * w[i] + b[i]);
+}
