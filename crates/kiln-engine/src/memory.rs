@@ -273,6 +273,10 @@ pub struct FitReport {
     pub batch: usize,
     pub on_device: bool,
     pub weights_bytes: u64,
+    /// The part of `weights_bytes` one decode token reads: all but the
+    /// embedding rows it does not look up and, in a Mixture-of-Experts
+    /// model, the experts it does not run (what bounds decode speed).
+    pub decode_weight_bytes: u64,
     /// The part of `weights_bytes` held as the file stores it (blocks kept
     /// in place in the mapped file on the CPU).
     pub weights_in_place_bytes: u64,
@@ -303,6 +307,8 @@ pub struct FitReport {
 
 struct Terms {
     weights: u64,
+    /// Weight bytes one decode token reads ([`kiln_models::decode_share`]).
+    decode_weights: u64,
     in_place: u64,
     loading: u64,
     overheads: Vec<(&'static str, u64)>,
@@ -330,10 +336,12 @@ pub fn held_weights(
 
 fn terms(input: &FitInput<'_>) -> Result<Terms> {
     let t = input.target;
-    let held: Vec<(u64, u64)> = held_weights(input.config, &t, input.block_bytes)?
-        .into_iter()
-        .map(|(_, h, copy)| (h, copy))
-        .collect();
+    let named = held_weights(input.config, &t, input.block_bytes)?;
+    let decode_weights = named
+        .iter()
+        .map(|(name, h, _)| (*h as f64 * kiln_models::decode_share(input.config, name)) as u64)
+        .sum();
+    let held: Vec<(u64, u64)> = named.into_iter().map(|(_, h, copy)| (h, copy)).collect();
     let weights = held.iter().map(|h| h.0).sum::<u64>();
     // Loading uploads one tensor at a time from an f32 host copy: the peak
     // is the loaded prefix plus the copy in flight (the mapped file too,
@@ -366,6 +374,7 @@ fn terms(input: &FitInput<'_>) -> Result<Terms> {
     }
     Ok(Terms {
         weights,
+        decode_weights,
         in_place,
         loading: if t.on_device {
             0
@@ -488,6 +497,7 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
         batch: input.batch,
         on_device: input.target.on_device,
         weights_bytes: terms.weights,
+        decode_weight_bytes: terms.decode_weights,
         weights_in_place_bytes: terms.in_place,
         loading_bytes: terms.loading,
         kv_bytes_per_token: per_token,
@@ -527,6 +537,14 @@ impl std::fmt::Display for FitReport {
             format!("weights ({w})"),
             mib(self.weights_bytes)
         )?;
+        // A sparse model reads a fraction of its weights a token.
+        if (self.decode_weight_bytes as f64) < 0.9 * self.weights_bytes as f64 {
+            writeln!(
+                f,
+                "    read per decoded token    {}  (the experts a token runs, not all of them)",
+                mib(self.decode_weight_bytes)
+            )?;
+        }
         if self.kv_bytes < self.kv_full_attention_bytes {
             let full = self.kv_full_attention_bytes.max(1) as f64;
             let steady = self.kv_bytes - self.kv_chunk_bytes;
@@ -656,5 +674,44 @@ mod tests {
             text.contains("sliding-window layers keep only their window: 18.0 %"),
             "{text}"
         );
+    }
+
+    /// A Qwen3-30B-A3B-shaped config: 48 layers of 128 experts, 8 a token.
+    #[test]
+    fn a_sparse_model_holds_every_expert_and_reads_its_top_k() {
+        let cfg = ModelConfig::from_hf(&serde_json::json!({
+            "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+            "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+            "norm_topk_prob": true, "num_hidden_layers": 48, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+            "max_position_embeddings": 40960}))
+        .unwrap();
+        let input = FitInput {
+            config: &cfg,
+            target: MemoryTarget::cuda(true),
+            context: Some(4096),
+            batch: 1,
+            kv_pool_bytes: None,
+            available_bytes: 80 << 30,
+            file_bytes: 0,
+            block_bytes: &HashMap::new(),
+            adapter_bytes: 0,
+        };
+        let r = fit(&input).unwrap();
+        let (h, e) = (2048u64, 3 * 2048 * 768u64);
+        let experts = 48 * 128 * e * 2;
+        let attention = 48 * 2 * (h * 32 * 128 + h * 4 * 128) * 2;
+        // Held: every expert (and the rest: embeddings, head, norms, routers).
+        assert!(r.weights_bytes > experts + attention, "{r:?}");
+        // Read a token: 8 of 128 experts, no embedding table, all attention.
+        let routers = 48 * 128 * h * 2;
+        let rest = attention + routers + 151936 * h * 2 + 48 * (2 * h + 2 * 128) * 2 + 2 * h;
+        let read = experts / 16 + rest;
+        assert!(
+            r.decode_weight_bytes.abs_diff(read) < read / 1000,
+            "{} vs {read}",
+            r.decode_weight_bytes
+        );
+        assert!(r.to_string().contains("read per decoded token"), "{r}");
     }
 }

@@ -496,6 +496,20 @@ impl GgufFile {
             .expect("tensor spans were validated at open; this is a bug")
     }
 
+    /// Bytes `range` of a tensor's data (one expert of a stacked 3-D
+    /// tensor), shared with the mapping; `None` when the range runs past it.
+    pub fn tensor_part_shared(
+        &self,
+        info: &GgufTensorInfo,
+        range: std::ops::Range<usize>,
+    ) -> Option<SharedBytes> {
+        let start = (self.data_offset + info.offset) as usize;
+        if range.end > self.tensor_bytes(info).len() || range.start > range.end {
+            return None;
+        }
+        SharedBytes::mapped(self.mmap.clone(), start + range.start..start + range.end)
+    }
+
     /// Dequantize a tensor to f32, in row-major order.
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
         let info = self

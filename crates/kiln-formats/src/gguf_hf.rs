@@ -24,7 +24,12 @@ pub const SUPPORTED_ARCHS: &[(&str, &str, &str)] = &[
     ("qwen2", "Qwen2ForCausalLM", "qwen2"),
     ("qwen3", "Qwen3ForCausalLM", "qwen3"),
     ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
+    ("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
+    ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
 ];
+
+/// The `llama` architecture with experts (`llama.expert_count`) is Mixtral.
+const MIXTRAL: (&str, &str, &str) = ("llama", "MixtralForCausalLM", "mixtral");
 
 fn supported_list() -> String {
     SUPPORTED_ARCHS
@@ -65,9 +70,38 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
+        // A sparse layer's router: Mixtral's under `block_sparse_moe`.
+        "ffn_gate_inp" if arch == "llama" => "block_sparse_moe.gate",
+        "ffn_gate_inp" => "mlp.gate",
+        "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp" => "mlp.shared_expert.up_proj",
+        "ffn_down_shexp" => "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp" => "mlp.shared_expert_gate",
         _ => return None,
     };
     Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// The Hugging Face name of expert `e` of the stacked GGUF expert tensor
+/// `gguf_name` (`blk.N.ffn_{gate,up,down}_exps.weight`, experts outermost),
+/// or `None` for any other tensor.
+pub fn hf_expert_name(arch: &str, gguf_name: &str, e: usize) -> Option<String> {
+    let rest = gguf_name.strip_prefix("blk.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (base, suffix) = rest.rsplit_once('.')?;
+    let (prefix, proj) = match (arch, base) {
+        ("llama", "ffn_gate_exps") => ("block_sparse_moe", "w1"),
+        ("llama", "ffn_up_exps") => ("block_sparse_moe", "w3"),
+        ("llama", "ffn_down_exps") => ("block_sparse_moe", "w2"),
+        (_, "ffn_gate_exps") => ("mlp", "gate_proj"),
+        (_, "ffn_up_exps") => ("mlp", "up_proj"),
+        (_, "ffn_down_exps") => ("mlp", "down_proj"),
+        _ => return None,
+    };
+    Some(format!(
+        "model.layers.{layer}.{prefix}.experts.{e}.{proj}.{suffix}"
+    ))
 }
 
 /// The GGUF tensor bases [`hf_name`] maps, for its inverse.
@@ -85,6 +119,11 @@ const GGUF_BASES: &[&str] = &[
     "ffn_gate",
     "ffn_up",
     "ffn_down",
+    "ffn_gate_inp",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    "ffn_gate_inp_shexp",
 ];
 
 /// The GGUF name of the Hugging Face tensor `hf` for `arch`: the inverse
@@ -159,8 +198,17 @@ pub struct GgufWeights {
     arch: String,
     n_head: usize,
     n_kv_head: usize,
-    /// (hf name, index into file.tensors)
-    names: Vec<(String, usize)>,
+    /// Every tensor by its Hugging Face name.
+    names: Vec<(String, Entry)>,
+}
+
+/// Where a Hugging Face tensor lives in the file.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// Index into `file.tensors`.
+    index: usize,
+    /// `Some((e, n))`: expert `e` of the `n` a stacked 3-D tensor holds.
+    expert: Option<(usize, usize)>,
 }
 
 impl std::fmt::Debug for GgufWeights {
@@ -204,12 +252,30 @@ impl GgufWeights {
                 });
             }
         }
-        let names = file
-            .tensors
-            .iter()
-            .enumerate()
-            .filter_map(|(i, t)| hf_name(&arch, &t.name).map(|n| (n, i)))
-            .collect();
+        let mut names = Vec::new();
+        for (index, t) in file.tensors.iter().enumerate() {
+            if let Some(n) = hf_name(&arch, &t.name) {
+                names.push((
+                    n,
+                    Entry {
+                        index,
+                        expert: None,
+                    },
+                ));
+                continue;
+            }
+            // A stacked expert tensor: one Hugging Face tensor an expert.
+            let num = match t.ne.as_slice() {
+                &[_, _, n] if hf_expert_name(&arch, &t.name, 0).is_some() => n as usize,
+                _ => continue,
+            };
+            for e in 0..num {
+                if let Some(n) = hf_expert_name(&arch, &t.name, e) {
+                    let expert = Some((e, num));
+                    names.push((n, Entry { index, expert }));
+                }
+            }
+        }
         Ok(GgufWeights {
             file,
             arch,
@@ -227,8 +293,33 @@ impl GgufWeights {
         &self.file.metadata
     }
 
-    fn index(&self, hf: &str) -> Option<usize> {
-        self.names.iter().find(|(n, _)| n == hf).map(|&(_, i)| i)
+    fn entry(&self, hf: &str) -> Option<Entry> {
+        self.names.iter().find(|(n, _)| n == hf).map(|&(_, e)| e)
+    }
+
+    /// The Hugging Face shape of an entry: an expert's matrix, or the
+    /// tensor's own (the shared expert's gate, a vector in llama.cpp's
+    /// files, as its `[1, hidden]` projection).
+    fn entry_shape(&self, name: &str, e: Entry) -> Vec<usize> {
+        let shape = self.file.tensors[e.index].shape();
+        match e.expert {
+            Some(_) => shape[1..].to_vec(),
+            None if name.ends_with("shared_expert_gate.weight") => {
+                vec![1, shape.iter().product()]
+            }
+            None => shape,
+        }
+    }
+
+    /// The byte range of expert `e` of `n` within its stacked tensor.
+    fn expert_bytes(&self, entry: Entry) -> Option<std::ops::Range<usize>> {
+        let (e, n) = entry.expert?;
+        let len = self
+            .file
+            .tensor_bytes(&self.file.tensors[entry.index])
+            .len();
+        let per = len / n.max(1);
+        Some(e * per..(e + 1) * per)
     }
 
     /// The Hugging Face `config.json` equivalent of this file's metadata.
@@ -276,29 +367,42 @@ impl WeightSource for GgufWeights {
     fn tensors(&self) -> Vec<StoredTensor> {
         self.names
             .iter()
-            .map(|(n, i)| {
-                let t = &self.file.tensors[*i];
+            .map(|(n, e)| {
+                let t = &self.file.tensors[e.index];
+                let bytes = t.ggml_type.bytes_for(&t.ne).unwrap_or(0);
                 StoredTensor {
                     name: n.clone(),
-                    shape: t.shape(),
+                    shape: self.entry_shape(n, *e),
                     dtype: t.ggml_type.name().to_string(),
-                    num_bytes: t.ggml_type.bytes_for(&t.ne).unwrap_or(0),
+                    num_bytes: bytes / e.expert.map_or(1, |x| x.1.max(1) as u64),
                 }
             })
             .collect()
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.index(name).is_some()
+        self.entry(name).is_some()
     }
 
     fn load_f32(&self, name: &str) -> Result<HostTensor> {
-        let i = self.index(name).ok_or_else(|| FormatError::MissingTensor {
+        let entry = self.entry(name).ok_or_else(|| FormatError::MissingTensor {
             path: self.file.path.clone(),
             tensor: name.to_string(),
         })?;
-        let info = &self.file.tensors[i];
-        let shape = info.shape();
+        let info = &self.file.tensors[entry.index];
+        let shape = self.entry_shape(name, entry);
+        if let Some(range) = self.expert_bytes(entry) {
+            let bytes = &self.file.tensor_bytes(info)[range];
+            let n = shape.iter().product();
+            let data = crate::dequant::dequantize(info.ggml_type, bytes, n).map_err(|_| {
+                FormatError::UnsupportedDtype {
+                    path: self.file.path.clone(),
+                    tensor: format!("{name} (GGUF {})", info.name),
+                    dtype: info.ggml_type.name().to_string(),
+                }
+            })?;
+            return Ok(HostTensor::new(shape, data));
+        }
         let mut data = self.file.tensor_f32(&info.name).map_err(|e| match e {
             // Name the tensor as the caller asked for it, and as the file stores it.
             FormatError::UnsupportedDtype {
@@ -326,16 +430,26 @@ impl WeightSource for GgufWeights {
     /// Every 2-D tensor in a block format, in place; `llama` q/k rows are
     /// un-permuted into a copy.
     fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
-        let Some(i) = self.index(name) else {
+        let Some(entry) = self.entry(name) else {
             return Ok(None);
         };
-        let info = &self.file.tensors[i];
-        let (Some(format), &[rows, cols]) =
-            (info.ggml_type.quant_format(), info.shape().as_slice())
+        let info = &self.file.tensors[entry.index];
+        let shape = self.entry_shape(name, entry);
+        let (Some(format), &[rows, cols]) = (info.ggml_type.quant_format(), shape.as_slice())
         else {
             return Ok(None);
         };
-        let mut bytes = self.file.tensor_shared(info);
+        let mut bytes =
+            match self.expert_bytes(entry) {
+                Some(range) => self.file.tensor_part_shared(info, range).ok_or_else(|| {
+                    FormatError::Corrupt {
+                        path: self.file.path.clone(),
+                        offset: info.offset,
+                        what: format!("{name}: an expert past its tensor's bytes"),
+                    }
+                })?,
+                None => self.file.tensor_shared(info),
+            };
         if let Some(h) = self.permuted_heads(name, &[rows, cols])? {
             let row_bytes = bytes.len() / rows.max(1);
             bytes = SharedBytes::from_vec(unpermute_qk(bytes.as_slice(), rows, row_bytes, h));
@@ -363,7 +477,12 @@ fn decimal_f64(md: &GgufMetadata, key: &str) -> Result<Option<f64>> {
 /// Build a Hugging Face `config.json` from GGUF metadata.
 pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result<Value> {
     let arch = md.architecture()?;
-    let Some(&(_, class, model_type)) = SUPPORTED_ARCHS.iter().find(|a| a.0 == arch) else {
+    let experts = md.u64(&format!("{arch}.expert_count"))?.unwrap_or(0);
+    let found = match arch {
+        "llama" if experts > 0 => Some(&MIXTRAL),
+        _ => SUPPORTED_ARCHS.iter().find(|a| a.0 == arch),
+    };
+    let Some(&(_, class, model_type)) = found else {
         return Err(FormatError::UnknownArchitecture {
             path: md.path.clone(),
             arch: arch.to_string(),
@@ -398,10 +517,33 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     c.insert("architectures".into(), json!([class]));
     c.insert("model_type".into(), json!(model_type));
     c.insert("hidden_size".into(), json!(hidden));
-    c.insert(
-        "intermediate_size".into(),
-        json!(md.req_u64(&k("feed_forward_length"))?),
-    );
+    let expert_ff = md.u64(&k("expert_feed_forward_length"))?;
+    let ff = match expert_ff {
+        // A file whose every layer is sparse may leave the dense size out.
+        Some(e) => md.u64(&k("feed_forward_length"))?.unwrap_or(e),
+        None => md.req_u64(&k("feed_forward_length"))?,
+    };
+    c.insert("intermediate_size".into(), json!(ff));
+    if experts > 0 {
+        c.insert("num_experts".into(), json!(experts));
+        c.insert("num_local_experts".into(), json!(experts));
+        if let Some(k_used) = md.u64(&k("expert_used_count"))? {
+            c.insert("num_experts_per_tok".into(), json!(k_used));
+        }
+        if let Some(e) = expert_ff {
+            c.insert("moe_intermediate_size".into(), json!(e));
+        }
+        if let Some(s) = md.u64(&k("expert_shared_feed_forward_length"))? {
+            c.insert("shared_expert_intermediate_size".into(), json!(s));
+        }
+        // llama.cpp renormalizes Qwen3-MoE's kept weights and not
+        // Qwen2-MoE's unless the file says otherwise.
+        let norm = match md.get(&k("expert_weights_norm")) {
+            Some(MetaValue::Bool(b)) => *b,
+            _ => arch == "qwen3moe",
+        };
+        c.insert("norm_topk_prob".into(), json!(norm));
+    }
     c.insert(
         "num_hidden_layers".into(),
         json!(md.req_u64(&k("block_count"))?),
@@ -434,7 +576,7 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
         c.insert("hidden_activation".into(), json!(act));
     }
     c.insert("torch_dtype".into(), json!("float32"));
-    if arch == "qwen2" {
+    if arch == "qwen2" || arch == "qwen2moe" {
         c.insert("attention_bias".into(), json!(true));
     }
     if let Some(scale) = md.str(&k("rope.scaling.type"))? {

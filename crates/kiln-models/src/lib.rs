@@ -23,7 +23,7 @@ use kiln_tensor::{Backend, ForwardBatch, KvCache, Tensor};
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use layers::LoadProgress;
-pub use registry::{family, load_model, load_model_with_progress, tensor_shapes};
+pub use registry::{decode_share, family, load_model, load_model_with_progress, tensor_shapes};
 
 /// A decoder-only language model.
 pub trait CausalLm: Send + Sync {

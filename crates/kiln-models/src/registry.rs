@@ -14,6 +14,7 @@ use crate::CausalLm;
 /// Every family Kiln serves.
 pub static FAMILIES: &[&Family] = &[
     &families::llama::FAMILY,
+    &families::moe::FAMILY,
     &families::gemma3::FAMILY,
     &families::gemma4::FAMILY,
     &families::bert::FAMILY,
@@ -74,4 +75,17 @@ pub fn load_model_with_progress(
 /// Every weight the model `config` describes must have: name and shape.
 pub fn tensor_shapes(config: &ModelConfig) -> Result<Vec<(String, Vec<usize>)>> {
     (family_of(config)?.tensor_shapes)(config)
+}
+
+/// The share of weight `name` of `config` one decode token reads: all of
+/// most weights, none of an embedding table the output does not share (its
+/// row is looked up), `top_k / num_experts` of a sparse layer's experts.
+pub fn decode_share(config: &ModelConfig, name: &str) -> f64 {
+    if name == "model.embed_tokens.weight" && !config.tie_word_embeddings {
+        return 0.0;
+    }
+    match &config.family {
+        families::FamilyConfig::Moe(m) => m.decode_share(name),
+        _ => 1.0,
+    }
 }

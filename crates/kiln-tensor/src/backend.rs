@@ -511,6 +511,33 @@ pub trait Ops {
         p: &AttentionParams,
     ) -> Result<Tensor>;
 
+    /// Whether [`Ops::attention_sinks`] runs here; models check it at load.
+    fn supports_attention_sinks(&self) -> bool {
+        false
+    }
+
+    /// [`Ops::attention`] with a learned logit a query head, `sinks
+    /// [num_heads]`, in every softmax and its weight dropped (gpt-oss): a
+    /// head's weights are `exp(s_j) / (Σ_i exp(s_i) + exp(sink))`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+        sinks: &Tensor,
+    ) -> Result<Tensor> {
+        let _ = (q, k, v, cache, layer, batch, p, sinks);
+        Err(TensorError::Unsupported {
+            backend: "running",
+            what: "attention sinks".into(),
+        })
+    }
+
     /// Whether [`Ops::attention`] runs attention shaped `p` (by default
     /// causal only); models check every layer's at load, so an unsupported
     /// mask is refused before any request.
@@ -554,6 +581,23 @@ pub trait Ops {
         Err(TensorError::Unsupported {
             backend: "running",
             what: "LoRA adapters".into(),
+        })
+    }
+
+    /// Whether [`Ops::moe`] runs here; models check it at load.
+    fn supports_moe(&self) -> bool {
+        false
+    }
+
+    /// A Mixture-of-Experts layer over `x [n, hidden]` (already
+    /// normalized): each row routed by `layer.router` to its experts
+    /// ([`crate::moe::route`]), their outputs summed with the routing
+    /// weights, plus the shared expert where there is one; `[n, hidden]`.
+    fn moe(&self, x: &Tensor, layer: &crate::moe::MoeLayer) -> Result<Tensor> {
+        let _ = (x, layer);
+        Err(TensorError::Unsupported {
+            backend: "running",
+            what: "Mixture-of-Experts layers".into(),
         })
     }
 

@@ -75,8 +75,6 @@ fn read_bandwidth_gbs() -> f64 {
     runs[runs.len() / 2]
 }
 
-/// Weights one decode step reads, in elements: every matrix but the
-/// embedding table (of which one row is gathered), plus the output projection.
 /// Bytes of weights one decode step reads: every weight as the backend
 /// holds it (blocks as stored where it keeps them), less the embedding
 /// table (rows are looked up) unless the output shares it.
@@ -90,16 +88,12 @@ fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
     };
     let blocks = crate::fit::block_bytes(&model.path, model.quantized)?;
     let held = kiln_engine::memory::held_weights(cfg, &target, &blocks)?;
-    let embed = "model.embed_tokens.weight";
-    let mut bytes: u64 = held.iter().filter(|w| w.0 != embed).map(|w| w.1).sum();
-    if cfg.tie_word_embeddings {
-        bytes += held
-            .iter()
-            .filter(|w| w.0 == embed)
-            .map(|w| w.1)
-            .sum::<u64>();
-    }
-    Ok(bytes as f64)
+    // The embedding's looked-up rows, and a sparse model's idle experts,
+    // are not read (kiln_models::decode_share).
+    Ok(held
+        .iter()
+        .map(|w| w.1 as f64 * kiln_models::decode_share(cfg, &w.0))
+        .sum())
 }
 
 fn stats(mut v: Vec<f64>) -> serde_json::Value {

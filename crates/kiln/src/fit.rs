@@ -210,6 +210,7 @@ pub fn report_json(path: &Path, r: &FitReport) -> serde_json::Value {
         "kv_pool_bytes": r.kv_pool_bytes,
         "batch": r.batch,
         "weights_bytes": r.weights_bytes,
+        "decode_weight_bytes": r.decode_weight_bytes,
         "weights_in_place_bytes": r.weights_in_place_bytes,
         "kv_bytes_per_token": r.kv_bytes_per_token,
         "kv_bytes": r.kv_bytes,

@@ -21,7 +21,8 @@ use crate::config::{
 };
 use crate::error::Result;
 use crate::layers::{
-    Attention, AttentionConfig, Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, Rope, WeightLoader,
+    Attention, AttentionConfig, Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, Rope, SparseMoe,
+    WeightLoader,
 };
 use crate::CausalLm;
 
@@ -58,6 +59,19 @@ pub struct LlamaConfig {
 /// attention, or every layer the same sliding window (Mistral).
 fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
     let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let cfg = parse_keys(c, model_type)?;
+    Ok(FamilyLayers {
+        layer_kinds: vec![cfg.layer_kind(); num_layers],
+        family: FamilyConfig::Llama(cfg),
+        layer_kv: None,
+    })
+}
+
+/// The attention and MLP keys of a Llama-shaped decoder, read as the
+/// `model_type` whose attention `c` has (`qwen2`: q/k/v biases; `qwen3`:
+/// QK-norm; `mistral`: a sliding window by default). Sparse families
+/// ([`super::moe`]) read theirs through it too.
+pub(crate) fn parse_keys(c: &Value, model_type: &str) -> Result<LlamaConfig> {
     // transformers 5 moved rope settings into `rope_parameters`.
     let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
     let rope_theta = match opt_f32(c, "rope_theta")? {
@@ -87,13 +101,7 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
         ("mistral", _) | (_, Some(true)) => opt_usize(c, "sliding_window")?,
         _ => None,
     };
-    let kind = match sliding_window {
-        Some(window) => LayerKind::SlidingWindow {
-            window: window.max(1),
-        },
-        None => LayerKind::FullAttention,
-    };
-    let cfg = LlamaConfig {
+    Ok(LlamaConfig {
         rope_theta,
         rope_scaling: parse_rope_scaling(scaling)?,
         qkv_bias,
@@ -101,27 +109,44 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
         qk_norm: model_type == "qwen3",
         activation: parse_activation(c, "silu")?,
         sliding_window,
-    };
-    Ok(FamilyLayers {
-        family: FamilyConfig::Llama(cfg),
-        layer_kinds: vec![kind; num_layers],
-        layer_kv: None,
     })
 }
 
-/// The Llama part of `cfg`.
+impl LlamaConfig {
+    /// How every layer keeps its past: the sliding window, or all of it.
+    pub(crate) fn layer_kind(&self) -> LayerKind {
+        match self.sliding_window {
+            Some(window) => LayerKind::SlidingWindow {
+                window: window.max(1),
+            },
+            None => LayerKind::FullAttention,
+        }
+    }
+}
+
+/// The Llama part of `cfg` (a sparse family's attention keys included).
 fn llama_config(cfg: &ModelConfig) -> Result<&LlamaConfig> {
     match &cfg.family {
         FamilyConfig::Llama(l) => Ok(l),
+        FamilyConfig::Moe(m) => Ok(&m.attention),
         _ => Err(super::wrong_family(cfg, "llama")),
     }
 }
+
+/// A block's feed-forward part: the gated MLP, or a sparse one.
+pub(crate) enum Ffn {
+    Dense(GatedMlp),
+    Sparse(SparseMoe),
+}
+
+/// Loads layer `i`'s feed-forward part.
+pub(crate) type FfnLoader<'f> = &'f dyn Fn(&WeightLoader, usize) -> Result<Ffn>;
 
 struct Block {
     input_norm: RmsNorm,
     attn: Attention,
     post_attn_norm: RmsNorm,
-    mlp: GatedMlp,
+    mlp: Ffn,
 }
 
 pub struct Llama {
@@ -142,6 +167,23 @@ impl Llama {
         source: &dyn WeightSource,
         cfg: ModelConfig,
         progress: Option<LoadProgress<'_>>,
+    ) -> Result<Self> {
+        let f = llama_config(&cfg)?.clone();
+        let (h, i, act) = (cfg.hidden_size, cfg.intermediate_size, f.activation);
+        let dense = move |l: &WeightLoader, layer: usize| -> Result<Ffn> {
+            let p = format!("model.layers.{layer}.mlp");
+            Ok(Ffn::Dense(GatedMlp::load(l, &p, h, i, act)?))
+        };
+        Self::load_with(backend, source, cfg, progress, &dense)
+    }
+
+    /// [`Llama::load`] with each layer's feed-forward part from `ffn`.
+    pub(crate) fn load_with(
+        backend: Arc<dyn Backend>,
+        source: &dyn WeightSource,
+        cfg: ModelConfig,
+        progress: Option<LoadProgress<'_>>,
+        ffn: FfnLoader<'_>,
     ) -> Result<Self> {
         let f = llama_config(&cfg)?.clone();
         let f = &f;
@@ -171,13 +213,7 @@ impl Llama {
                         h,
                         eps,
                     )?,
-                    mlp: GatedMlp::load(
-                        &l,
-                        &format!("{p}.mlp"),
-                        h,
-                        cfg.intermediate_size,
-                        f.activation,
-                    )?,
+                    mlp: ffn(&l, i)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -283,7 +319,23 @@ fn config_error(key: &str, what: String) -> crate::error::ModelError {
 /// Every weight a Llama-family checkpoint with `cfg` holds: Hugging Face
 /// name and shape (the tied `lm_head` is left out when tied).
 pub fn tensor_shapes(cfg: &ModelConfig, f: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let i = cfg.intermediate_size;
+    let h = cfg.hidden_size;
+    tensor_shapes_with(cfg, f, &|l, out| {
+        let p = format!("model.layers.{l}.mlp");
+        out.push((format!("{p}.gate_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.up_proj.weight"), vec![i, h]));
+        out.push((format!("{p}.down_proj.weight"), vec![h, i]));
+    })
+}
+
+/// [`tensor_shapes`] with layer `l`'s feed-forward weights from `ffn`.
+pub(crate) fn tensor_shapes_with(
+    cfg: &ModelConfig,
+    f: &LlamaConfig,
+    ffn: &dyn Fn(usize, &mut Vec<(String, Vec<usize>)>),
+) -> Vec<(String, Vec<usize>)> {
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
     let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
     let mut out = vec![(
         "model.embed_tokens.weight".to_string(),
@@ -310,9 +362,7 @@ pub fn tensor_shapes(cfg: &ModelConfig, f: &LlamaConfig) -> Vec<(String, Vec<usi
             add("self_attn.q_norm.weight", vec![hd]);
             add("self_attn.k_norm.weight", vec![hd]);
         }
-        add("mlp.gate_proj.weight", vec![i, h]);
-        add("mlp.up_proj.weight", vec![i, h]);
-        add("mlp.down_proj.weight", vec![h, i]);
+        ffn(l, &mut out);
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
@@ -352,13 +402,21 @@ impl CausalLm for Llama {
                     .parts
                     .iter()
                     .map(|(n, c)| (n, self.cfg.num_heads * self.cfg.head_dim, c.len()));
-                let mlp = blk.mlp.gate_up.parts.iter().map(|(n, c)| (n, h, c.len()));
-                let down = blk
-                    .mlp
-                    .down
-                    .parts
-                    .iter()
-                    .map(|(n, c)| (n, self.cfg.intermediate_size, c.len()));
+                // Experts are not adapted (PEFT's LoRA targets linear
+                // modules; a sparse layer's experts are not those).
+                let dense = match &blk.mlp {
+                    Ffn::Dense(m) => Some(m),
+                    Ffn::Sparse(_) => None,
+                };
+                let mlp = dense
+                    .into_iter()
+                    .flat_map(|m| m.gate_up.parts.iter().map(|(n, c)| (n, h, c.len())));
+                let down = dense.into_iter().flat_map(|m| {
+                    m.down
+                        .parts
+                        .iter()
+                        .map(|(n, c)| (n, self.cfg.intermediate_size, c.len()))
+                });
                 attn.chain(o)
                     .chain(mlp)
                     .chain(down)
@@ -388,10 +446,18 @@ impl Llama {
             x = blk
                 .attn
                 .forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
-            let mlp = Fuse::norm(&blk.post_attn_norm)
-                .with_residual(&x)
-                .with_lora(&batch.lora);
-            x = blk.mlp.forward(b, &x, mlp)?;
+            x = match &blk.mlp {
+                Ffn::Dense(mlp) => {
+                    let fuse = Fuse::norm(&blk.post_attn_norm)
+                        .with_residual(&x)
+                        .with_lora(&batch.lora);
+                    mlp.forward(b, &x, fuse)?
+                }
+                Ffn::Sparse(moe) => {
+                    let h = blk.post_attn_norm.forward(b, &x)?;
+                    b.add(&x, &moe.forward(b, &h)?)?
+                }
+            };
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;

@@ -18,6 +18,7 @@ pub mod bert;
 pub mod gemma3;
 pub mod gemma4;
 pub mod llama;
+pub mod moe;
 
 /// The keys only one family reads, parsed by that family's file.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,6 +27,7 @@ pub enum FamilyConfig {
     Llama(llama::LlamaConfig),
     Gemma3(gemma3::Gemma3Config),
     Gemma4(gemma4::Gemma4Config),
+    Moe(moe::MoeConfig),
 }
 
 /// A family as the registry sees it: its name, the `model_type`s it

@@ -261,6 +261,55 @@ impl<'a> WeightLoader<'a> {
         Ok(Some(Weight::Blocks(BlockWeight::new(parts)?)))
     }
 
+    /// The 3-D tensor `name` (`[n, rows, cols]`: a stack of `n` matrices,
+    /// as transformers holds a sparse layer's experts) as `n` dense
+    /// weights, each `[rows, cols]`.
+    pub fn stacked_slices(&self, name: &str, shape: [usize; 3]) -> Result<Vec<Weight>> {
+        if !self.source.contains(name) {
+            return Err(FormatError::MissingTensor {
+                path: self.source.path().to_path_buf(),
+                tensor: name.to_string(),
+            }
+            .into());
+        }
+        let [n, r, c] = shape;
+        let mismatch = |found: Vec<usize>| FormatError::ShapeMismatch {
+            path: self.source.path().to_path_buf(),
+            tensor: name.to_string(),
+            found,
+            expected: shape.to_vec(),
+        };
+        let range = |e: usize| e * r * c..(e + 1) * r * c;
+        if let Some((found, bits)) = self.bf16(name)? {
+            if found != shape {
+                return Err(mismatch(found).into());
+            }
+            return (0..n)
+                .map(|e| {
+                    Ok(Weight::Dense(
+                        self.backend.upload_bf16(&[r, c], &bits[range(e)])?,
+                    ))
+                })
+                .collect();
+        }
+        let host = self.source.load_f32(name)?;
+        if host.shape != shape {
+            return Err(mismatch(host.shape).into());
+        }
+        (0..n)
+            .map(|e| {
+                Ok(Weight::Dense(
+                    self.backend.upload(&[r, c], &host.data[range(e)])?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Marks `name` loaded for the progress report (a tensor read in parts).
+    pub fn loaded(&self, name: &str) {
+        self.count(name);
+    }
+
     /// `w` if the backend's `matmul` takes its kind.
     pub fn supported(&self, w: Weight) -> Result<Weight> {
         if !self.backend.supports_weight(w.kind()) {

@@ -171,6 +171,7 @@ pub(crate) fn key_range(pos: usize, seq_len: usize, p: &AttentionParams) -> (usi
 /// of every sequence in `batch`, over keys/values already written to
 /// `k_cache`/`v_cache` (including this step's), laid out as [`CpuKv`] with
 /// rows `kv_row` wide.
+#[cfg(test)]
 pub(crate) fn attend<E: KvElem>(
     q: &[f32],
     batch: &ForwardBatch,
@@ -178,6 +179,21 @@ pub(crate) fn attend<E: KvElem>(
     v_cache: &[E],
     kv_row: usize,
     p: &AttentionParams,
+) -> Vec<f32> {
+    attend_sinks(q, batch, k_cache, v_cache, kv_row, p, None)
+}
+
+/// [`attend`] with, when `sinks` is given, one more logit a query head
+/// (`sinks[h]`) in every softmax whose weight is dropped: gpt-oss's
+/// attention sinks, `exp(s_j) / (Σ exp(s_i) + exp(sink))`.
+pub(crate) fn attend_sinks<E: KvElem>(
+    q: &[f32],
+    batch: &ForwardBatch,
+    k_cache: &[E],
+    v_cache: &[E],
+    kv_row: usize,
+    p: &AttentionParams,
+    sinks: Option<&[f32]>,
 ) -> Vec<f32> {
     let hd = p.head_dim;
     let q_row = p.num_heads * hd;
@@ -229,7 +245,8 @@ pub(crate) fn attend<E: KvElem>(
                     kvh,
                     hd,
                 };
-                row_group(qg, &head, keys, p, kern, (scores, inv), o);
+                let sinks = sinks.map(|s| &s[first_head..first_head + task_heads]);
+                row_group(qg, &head, keys, p, kern, (scores, inv), sinks, o);
             },
         );
     out
@@ -276,6 +293,7 @@ fn row_group<E>(
     p: &AttentionParams,
     kern: &Kernels<E>,
     (scores, inv): (&mut Vec<f32>, &mut Vec<f32>),
+    sinks: Option<&[f32]>,
     o: &mut [f32],
 ) {
     let hd = p.head_dim;
@@ -288,14 +306,21 @@ fn row_group<E>(
         }
     });
     inv.clear();
-    for sh in scores.chunks_exact_mut(nk) {
+    for (h, sh) in scores.chunks_exact_mut(nk).enumerate() {
         if let Some(c) = p.softcap {
             for s in sh.iter_mut() {
                 *s = (*s / c).tanh() * c;
             }
         }
-        let max = sh.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-        inv.push(1.0 / (kern.exp_sum)(sh, max));
+        let sink = sinks.map(|s| s[h]);
+        let max = sh
+            .iter()
+            .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &s| m.max(s));
+        let mut sum = (kern.exp_sum)(sh, max);
+        if let Some(s) = sink {
+            sum += (s - max).exp();
+        }
+        inv.push(1.0 / sum);
     }
     o.fill(0.0);
     head.runs(keys, |j, _, v| {

@@ -3,6 +3,7 @@
 
 mod attention;
 pub mod matmul;
+mod moe;
 mod ops;
 pub mod quant;
 mod vmath;
@@ -158,12 +159,13 @@ fn attend_in<E: KvElem>(
     qd: &[f32],
     batch: &ForwardBatch,
     p: &AttentionParams,
+    sinks: Option<&[f32]>,
 ) -> Vec<f32> {
     if let Some((kd, vd)) = new {
         let slots = &batch.slot_mapping[p.kv_group];
         kv.write(layer, slots, kd, vd, (p.num_kv_heads, p.head_dim));
     }
-    attention::attend(qd, batch, &kv.k[layer], &kv.v[layer], kv.kv_row, p)
+    attention::attend_sinks(qd, batch, &kv.k[layer], &kv.v[layer], kv.kv_row, p, sinks)
 }
 
 impl Backend for CpuBackend {
@@ -441,8 +443,8 @@ impl Ops for CpuBackend {
             self.data(v, "attention")?,
         );
         let out = match Self::kv(cache)? {
-            Kv::F32(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p),
-            Kv::F16(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p),
+            Kv::F32(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p, None),
+            Kv::F16(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p, None),
         };
         Ok(Self::wrap(vec![n, qw], out))
     }
@@ -459,8 +461,8 @@ impl Ops for CpuBackend {
         let (n, qw) = q.dims2("attention_shared")?;
         let qd = self.data(q, "attention_shared")?;
         let out = match Self::kv(cache)? {
-            Kv::F32(kv) => attend_in(kv, layer, None, qd, batch, p),
-            Kv::F16(kv) => attend_in(kv, layer, None, qd, batch, p),
+            Kv::F32(kv) => attend_in(kv, layer, None, qd, batch, p, None),
+            Kv::F16(kv) => attend_in(kv, layer, None, qd, batch, p, None),
         };
         Ok(Self::wrap(vec![n, qw], out))
     }
@@ -468,6 +470,43 @@ impl Ops for CpuBackend {
     /// Causal and bidirectional, with or without a window.
     fn supports_attention(&self, _p: &AttentionParams) -> bool {
         true
+    }
+
+    fn supports_attention_sinks(&self) -> bool {
+        true
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_sinks(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+        sinks: &Tensor,
+    ) -> Result<Tensor> {
+        crate::backend::check_attention_args(q, k, v, &cache.spec, layer, batch, p)?;
+        let (n, qw) = q.dims2("attention")?;
+        let sd = self.data(sinks, "attention sinks")?;
+        if sd.len() != p.num_heads {
+            return Err(TensorError::Shape {
+                op: "attention sinks",
+                detail: format!("{} sinks for {} heads", sd.len(), p.num_heads),
+            });
+        }
+        let (qd, kd, vd) = (
+            self.data(q, "attention")?,
+            self.data(k, "attention")?,
+            self.data(v, "attention")?,
+        );
+        let out = match Self::kv(cache)? {
+            Kv::F32(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p, Some(sd)),
+            Kv::F16(kv) => attend_in(kv, layer, Some((kd, vd)), qd, batch, p, Some(sd)),
+        };
+        Ok(Self::wrap(vec![n, qw], out))
     }
 
     /// Every extension op: the CPU runs each op's reference.
@@ -524,6 +563,14 @@ impl Ops for CpuBackend {
             }
         }
         Ok(Self::wrap(vec![n, width], out))
+    }
+
+    fn supports_moe(&self) -> bool {
+        true
+    }
+
+    fn moe(&self, x: &Tensor, layer: &crate::moe::MoeLayer) -> Result<Tensor> {
+        self.moe_layer(x, layer)
     }
 
     fn has_extension(&self, _name: &str) -> bool {

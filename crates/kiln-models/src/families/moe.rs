@@ -1,0 +1,276 @@
+//! Mixture-of-Experts decoders with Llama-family attention: Mixtral,
+//! Qwen2-MoE and Qwen3-MoE. Reference: transformers `modeling_mixtral.py`,
+//! `modeling_qwen2_moe.py`, `modeling_qwen3_moe.py`.
+//!
+//! The blocks are the Llama family's (pre-norm attention as Mistral, Qwen2
+//! with q/k/v biases, Qwen3 with QK-norm), with the MLP replaced by a
+//! sparse one on the layers the config makes sparse.
+//!
+//! Quirks:
+//! - Routing is softmax over all experts in f32, then the top k; Mixtral
+//!   always renormalizes the kept weights, Qwen only with `norm_topk_prob`
+//!   (off by default, on in the released Qwen3-MoE checkpoints).
+//! - Qwen2-MoE adds a shared expert every token runs, scaled by
+//!   `sigmoid(x · shared_expert_gate)`.
+//! - Qwen layers are sparse unless listed in `mlp_only_layers` or off the
+//!   `decoder_sparse_step` stride; the dense ones use `intermediate_size`,
+//!   the experts `moe_intermediate_size`. Mixtral's experts use
+//!   `intermediate_size` and are named `block_sparse_moe.experts.{e}.w1/w3/w2`.
+//! - transformers 5 names Qwen3-MoE's expert count `num_local_experts` in
+//!   the configs it writes; released ones say `num_experts`. Both are read.
+
+use std::sync::Arc;
+
+use kiln_formats::{StoredTensor, WeightSource};
+use kiln_tensor::{ExpertActivation, Routing, Scoring};
+use serde_json::Value;
+
+use super::llama::{self, Ffn, Llama, LlamaConfig};
+use super::{Family, FamilyConfig};
+use crate::config::{err, opt_usize, FamilyLayers, ModelConfig};
+use crate::error::Result;
+use crate::layers::{ExpertNames, GatedMlp, LoadProgress, MoeShape, SparseMoe, WeightLoader};
+
+/// The registry's entry for the family.
+pub static FAMILY: Family = Family {
+    name: "moe",
+    model_types: &["mixtral", "qwen2_moe", "qwen3_moe"],
+    tied_by_default: false,
+    parse,
+    tensor_shapes: |cfg| tensor_shapes(cfg, moe_config(cfg)?),
+    check_weights,
+    load,
+};
+
+/// The keys of `config.json` only the sparse decoders read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    /// The attention (and dense-MLP) keys, as the Llama family reads them.
+    pub attention: LlamaConfig,
+    pub num_experts: usize,
+    pub top_k: usize,
+    /// Each expert's intermediate size.
+    pub expert_intermediate: usize,
+    pub shared_intermediate: Option<usize>,
+    pub normalize: bool,
+    /// Which layers have a sparse MLP (the others a dense one).
+    pub sparse_layers: Vec<bool>,
+    pub names: ExpertNames,
+}
+
+impl MoeConfig {
+    /// The sparse MLP's shape.
+    pub fn shape(&self, hidden: usize) -> MoeShape {
+        MoeShape {
+            hidden,
+            num_experts: self.num_experts,
+            intermediate: self.expert_intermediate,
+            shared_intermediate: self.shared_intermediate,
+            routing: Routing {
+                top_k: self.top_k,
+                scoring: Scoring::Softmax,
+                normalize: self.normalize,
+            },
+            activation: ExpertActivation::Gated(self.attention.activation),
+            names: self.names,
+        }
+    }
+
+    /// The share of weight `name` a token reads: `top_k / num_experts` of
+    /// each expert's, all of the rest.
+    pub fn decode_share(&self, name: &str) -> f64 {
+        match name.contains(".experts.") {
+            true => self.top_k as f64 / self.num_experts.max(1) as f64,
+            false => 1.0,
+        }
+    }
+
+    /// Layer `l`'s sparse MLP: its weights' prefix and its router's name.
+    fn prefix(&self, l: usize) -> (String, String) {
+        match self.names {
+            ExpertNames::W1W3W2 => {
+                let p = format!("model.layers.{l}.block_sparse_moe");
+                (p.clone(), format!("{p}.gate.weight"))
+            }
+            ExpertNames::Proj => {
+                let p = format!("model.layers.{l}.mlp");
+                (p.clone(), format!("{p}.gate.weight"))
+            }
+        }
+    }
+}
+
+/// Experts beyond any released model (Qwen3-MoE has 128, DeepSeek 256).
+const MAX_EXPERTS: usize = 1 << 12;
+
+fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
+    let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let flag = |key: &str, default: bool| c.get(key).and_then(Value::as_bool).unwrap_or(default);
+    let experts_key = |keys: &[&str], default: usize| -> Result<usize> {
+        for k in keys {
+            if let Some(n) = opt_usize(c, k)? {
+                return Ok(n);
+            }
+        }
+        Ok(default)
+    };
+    let cfg = match model_type {
+        "mixtral" => MoeConfig {
+            attention: llama::parse_keys(c, "mistral")?,
+            num_experts: experts_key(&["num_local_experts", "num_experts"], 8)?,
+            top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(2),
+            expert_intermediate: opt_usize(c, "intermediate_size")?.unwrap_or(14336),
+            shared_intermediate: None,
+            normalize: true,
+            sparse_layers: vec![true; num_layers],
+            names: ExpertNames::W1W3W2,
+        },
+        "qwen2_moe" | "qwen3_moe" => {
+            let qwen2 = model_type == "qwen2_moe";
+            let step = opt_usize(c, "decoder_sparse_step")?.unwrap_or(1).max(1);
+            let dense_only: Vec<usize> = c
+                .get("mlp_only_layers")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|v| v.as_u64())
+                        .map(|v| v as usize)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let num_experts = experts_key(
+                &["num_experts", "num_local_experts"],
+                if qwen2 { 60 } else { 128 },
+            )?;
+            let sparse_layers = (0..num_layers)
+                .map(|l| num_experts > 0 && !dense_only.contains(&l) && (l + 1) % step == 0)
+                .collect();
+            let shared = match qwen2 {
+                true => Some(opt_usize(c, "shared_expert_intermediate_size")?.unwrap_or(5632)),
+                false => None,
+            };
+            MoeConfig {
+                attention: llama::parse_keys(c, if qwen2 { "qwen2" } else { "qwen3" })?,
+                num_experts,
+                top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(if qwen2 { 4 } else { 8 }),
+                expert_intermediate: opt_usize(c, "moe_intermediate_size")?.unwrap_or(if qwen2 {
+                    1408
+                } else {
+                    768
+                }),
+                shared_intermediate: shared.filter(|&s| s > 0),
+                normalize: flag("norm_topk_prob", false),
+                sparse_layers,
+                names: ExpertNames::Proj,
+            }
+        }
+        other => {
+            return Err(err(
+                "model_type",
+                format!("{other} is not a Mixture-of-Experts decoder"),
+            ))
+        }
+    };
+    if cfg.num_experts > MAX_EXPERTS {
+        return Err(err(
+            "num_experts",
+            format!(
+                "{} is more than Kiln serves (at most {MAX_EXPERTS})",
+                cfg.num_experts
+            ),
+        ));
+    }
+    if cfg.sparse_layers.iter().any(|&s| s) && (cfg.top_k == 0 || cfg.top_k > cfg.num_experts) {
+        return Err(err(
+            "num_experts_per_tok",
+            format!(
+                "{} experts a token of {} experts",
+                cfg.top_k, cfg.num_experts
+            ),
+        ));
+    }
+    if cfg.expert_intermediate == 0 || cfg.expert_intermediate > 1 << 20 {
+        return Err(err(
+            "moe_intermediate_size",
+            format!(
+                "{} (must be positive, at most 2^20)",
+                cfg.expert_intermediate
+            ),
+        ));
+    }
+    Ok(FamilyLayers {
+        layer_kinds: vec![cfg.attention.layer_kind(); num_layers],
+        family: FamilyConfig::Moe(cfg),
+        layer_kv: None,
+    })
+}
+
+fn moe_config(cfg: &ModelConfig) -> Result<&MoeConfig> {
+    match &cfg.family {
+        FamilyConfig::Moe(m) => Ok(m),
+        _ => Err(super::wrong_family(cfg, "moe")),
+    }
+}
+
+fn tensor_shapes(cfg: &ModelConfig, m: &MoeConfig) -> Result<Vec<(String, Vec<usize>)>> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let shape = m.shape(h);
+    Ok(llama::tensor_shapes_with(cfg, &m.attention, &|l, out| {
+        if m.sparse_layers[l] {
+            let (prefix, router) = m.prefix(l);
+            out.extend(shape.tensor_shapes(&prefix, &router));
+        } else {
+            let p = format!("model.layers.{l}.mlp");
+            out.push((format!("{p}.gate_proj.weight"), vec![i, h]));
+            out.push((format!("{p}.up_proj.weight"), vec![i, h]));
+            out.push((format!("{p}.down_proj.weight"), vec![h, i]));
+        }
+    }))
+}
+
+/// The Llama family's checks, then each sparse layer's router against the
+/// configured expert count.
+fn check_weights(cfg: &ModelConfig, tensors: &[StoredTensor]) -> Result<()> {
+    llama::check_weights(cfg, tensors)?;
+    let m = moe_config(cfg)?;
+    for (l, _) in m.sparse_layers.iter().enumerate().filter(|s| *s.1) {
+        let (_, router) = m.prefix(l);
+        if let Some(t) = tensors.iter().find(|t| t.name == router) {
+            if t.shape.first() != Some(&m.num_experts) {
+                return Err(err(
+                    "num_experts",
+                    format!(
+                        "config.json says {} experts, the weights' {router} routes to {:?}",
+                        m.num_experts,
+                        t.shape.first()
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn load(
+    backend: Arc<dyn kiln_tensor::Backend>,
+    source: &dyn WeightSource,
+    cfg: ModelConfig,
+    progress: Option<LoadProgress<'_>>,
+) -> Result<Box<dyn crate::CausalLm>> {
+    let m = moe_config(&cfg)?.clone();
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let shape = m.shape(h);
+    let ffn = move |l: &WeightLoader, layer: usize| -> Result<Ffn> {
+        if m.sparse_layers[layer] {
+            let (prefix, router) = m.prefix(layer);
+            Ok(Ffn::Sparse(SparseMoe::load(l, &prefix, &router, &shape)?))
+        } else {
+            let p = format!("model.layers.{layer}.mlp");
+            let act = m.attention.activation;
+            Ok(Ffn::Dense(GatedMlp::load(l, &p, h, i, act)?))
+        }
+    };
+    Ok(Box::new(Llama::load_with(
+        backend, source, cfg, progress, &ffn,
+    )?))
+}

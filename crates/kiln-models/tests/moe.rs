@@ -1,0 +1,346 @@
+//! Mixture-of-Experts decoders on random checkpoints against transformers
+//! (`tests/data/moe/*`, made by `scripts/goldens/moe_random.py`:
+//! transformers' log-softmax in float64). `mixtral`: 8 experts, top 2,
+//! renormalized, w1/w3/w2 names; `qwen2_moe`: top 3 not renormalized, a
+//! gated shared expert, q/k/v biases; `qwen3_moe`: top 4 renormalized,
+//! QK-norm, layer 1 dense (`mlp_only_layers`).
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kiln_formats::SafetensorsDir;
+use kiln_models::families::FamilyConfig;
+use kiln_models::{load_model, CausalLm, ModelConfig};
+use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::ForwardBatch;
+
+const CASES: [&str; 3] = ["mixtral", "qwen2_moe", "qwen3_moe"];
+
+fn case_dir(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/moe")
+        .join(case)
+}
+
+fn config(case: &str) -> ModelConfig {
+    let dir = SafetensorsDir::open(case_dir(case)).unwrap();
+    ModelConfig::from_hf(dir.config()).unwrap()
+}
+
+fn load(case: &str) -> Box<dyn CausalLm> {
+    let dir = SafetensorsDir::open(case_dir(case)).unwrap();
+    let cfg = ModelConfig::from_hf(dir.config()).unwrap();
+    load_model(Arc::new(CpuBackend::new()), &dir, cfg).unwrap()
+}
+
+/// The prompt and transformers' log-softmax at every position.
+fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
+    let text = std::fs::read_to_string(case_dir(case).join("golden.json")).unwrap();
+    let g: serde_json::Value = serde_json::from_str(&text).unwrap();
+    // The routing is decided by a margin f32 rounding cannot cross.
+    assert!(g["min_routing_margin"].as_f64().unwrap() > 1e-3, "{case}");
+    let prompt = common::ids(&g["prompt"]);
+    let rows = g["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect();
+    (prompt, rows)
+}
+
+/// The largest |Δ log-softmax| of `logits` (rows of `vocab`) against
+/// `rows`, and whether every row's argmax matches.
+fn compare(logits: &[f32], vocab: usize, rows: &[Vec<f64>]) -> (f64, bool) {
+    let mut worst = 0f64;
+    let mut argmax_same = true;
+    for (got, want) in logits.chunks(vocab).zip(rows) {
+        let ours = common::log_softmax(got);
+        for (a, b) in ours.iter().zip(want) {
+            worst = worst.max((a - b).abs());
+        }
+        let best = want
+            .iter()
+            .enumerate()
+            .fold(0, |m, (i, &v)| if v > want[m] { i } else { m });
+        argmax_same &= common::argmax(got) == best;
+    }
+    (worst, argmax_same)
+}
+
+fn logits(m: &dyn CausalLm, batch: &ForwardBatch, cache: &mut kiln_tensor::KvCache) -> Vec<f32> {
+    m.backend()
+        .to_host(&m.forward(batch, cache).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn configs_read_each_familys_routing_and_sparse_layers() {
+    let moe = |case| match config(case).family {
+        FamilyConfig::Moe(m) => m,
+        other => panic!("{case}: {other:?}"),
+    };
+    let m = moe("mixtral");
+    assert_eq!((m.num_experts, m.top_k, m.normalize), (8, 2, true));
+    assert_eq!((m.expert_intermediate, m.shared_intermediate), (32, None));
+    let m = moe("qwen2_moe");
+    assert_eq!((m.num_experts, m.top_k, m.normalize), (8, 3, false));
+    assert_eq!(
+        (m.expert_intermediate, m.shared_intermediate),
+        (24, Some(36))
+    );
+    assert!(m.attention.qkv_bias && !m.attention.qk_norm);
+    let m = moe("qwen3_moe");
+    assert_eq!((m.num_experts, m.top_k, m.normalize), (8, 4, true));
+    assert_eq!(m.sparse_layers, [true, false, true]);
+    assert!(m.attention.qk_norm);
+    // Every expert of every sparse layer is a weight the model has.
+    let shapes = kiln_models::tensor_shapes(&config("qwen3_moe")).unwrap();
+    let experts = shapes.iter().filter(|s| s.0.contains(".experts.")).count();
+    assert_eq!(experts, 2 * 8 * 3);
+    assert!(shapes
+        .iter()
+        .any(|s| s.0 == "model.layers.1.mlp.gate_proj.weight"));
+}
+
+#[test]
+fn moe_checkpoints_match_transformers_in_prefill() {
+    for case in CASES {
+        let m = load(case);
+        let (prompt, rows) = golden(case);
+        let vocab = m.config().vocab_size;
+        let mut cache = m.kv_cache_for_tokens(prompt.len(), 16).unwrap();
+        let batch = ForwardBatch::single(&prompt, 0, &cache.spec, 0);
+        let out = logits(m.as_ref(), &batch, &mut cache);
+        assert_eq!(out.len(), prompt.len() * vocab);
+        let (worst, argmax_same) = compare(&out, vocab, &rows);
+        eprintln!("{case}: max |Δ log-softmax| {worst:.2e}");
+        assert!(worst <= 1e-3, "{case}: max |Δ log-softmax| {worst}");
+        assert!(argmax_same, "{case}: an argmax differs");
+        // The check can fail: the golden is not flat.
+        assert!(rows.iter().any(|r| r.iter().any(|&v| v > -2.0)), "{case}");
+    }
+}
+
+#[test]
+fn moe_checkpoints_match_transformers_token_by_token() {
+    for case in CASES {
+        let m = load(case);
+        let (prompt, rows) = golden(case);
+        let vocab = m.config().vocab_size;
+        let mut cache = m.kv_cache_for_tokens(prompt.len(), 16).unwrap();
+        let mut done = 0;
+        let mut worst = 0f64;
+        for chunk in [&prompt[..5]].into_iter().chain(prompt[5..].chunks(1)) {
+            let batch = ForwardBatch::single(chunk, done, &cache.spec, chunk.len() - 1);
+            let out = logits(m.as_ref(), &batch, &mut cache);
+            let (w, same) = compare(&out, vocab, &rows[done + chunk.len() - 1..]);
+            assert!(same, "{case}: argmax differs at {}", done + chunk.len() - 1);
+            worst = worst.max(w);
+            done += chunk.len();
+        }
+        assert!(
+            worst <= 1e-3,
+            "{case}: max |Δ log-softmax| {worst} decoding"
+        );
+    }
+}
+
+/// Three sequences in one step (different lengths, so tokens of different
+/// sequences share experts) give each row the bits it gets alone.
+#[test]
+fn a_batch_gives_each_sequence_its_bits_alone() {
+    for case in CASES {
+        let m = load(case);
+        let (prompt, _) = golden(case);
+        let seqs: [&[u32]; 3] = [&prompt[..13], &prompt[4..], &prompt[9..12]];
+        let vocab = m.config().vocab_size;
+        let alone: Vec<Vec<f32>> = seqs
+            .iter()
+            .map(|s| {
+                let mut cache = m.kv_cache_for_tokens(s.len(), 16).unwrap();
+                let batch = ForwardBatch::single(s, 0, &cache.spec, 0);
+                logits(m.as_ref(), &batch, &mut cache)
+            })
+            .collect();
+        let blocks: usize = seqs.iter().map(|s| s.len().div_ceil(16)).sum();
+        let mut cache = m.new_kv_cache(blocks, 16).unwrap();
+        let mut batch = ForwardBatch {
+            block_size: 16,
+            ..ForwardBatch::default()
+        };
+        let mut next = 0u32;
+        let mut starts = Vec::new();
+        for s in seqs {
+            let n = s.len().div_ceil(16) as u32;
+            starts.push(batch.token_ids.len());
+            batch.push_seq(s, 0, (next..next + n).collect(), false);
+            next += n;
+        }
+        batch.logits_rows = (0..batch.token_ids.len() as u32).collect();
+        let together = logits(m.as_ref(), &batch, &mut cache);
+        for ((s, start), alone) in seqs.iter().zip(&starts).zip(&alone) {
+            let rows = &together[start * vocab..(start + s.len()) * vocab];
+            assert!(
+                rows.iter()
+                    .zip(alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{case}: a sequence of {} tokens differs in a batch",
+                s.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_router_that_does_not_fit_the_experts_is_refused_before_loading() {
+    let dir = SafetensorsDir::open(case_dir("mixtral")).unwrap();
+    let mut c = dir.config().clone();
+    c["num_local_experts"] = serde_json::json!(6);
+    let cfg = ModelConfig::from_hf(&c).unwrap();
+    let err = match load_model(Arc::new(CpuBackend::new()), &dir, cfg) {
+        Ok(_) => panic!("loaded 6 experts from a file of 8"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("num_experts") && err.contains('8'), "{err}");
+    // More experts a token than the layer has.
+    c["num_local_experts"] = serde_json::json!(8);
+    c["num_experts_per_tok"] = serde_json::json!(9);
+    let err = ModelConfig::from_hf(&c).unwrap_err().to_string();
+    assert!(err.contains("num_experts_per_tok"), "{err}");
+}
+
+/// The prefill logits of `m` over `prompt`, compared with `rows`.
+fn prefill_against(m: &dyn CausalLm, prompt: &[u32], rows: &[Vec<f64>]) -> f64 {
+    let vocab = m.config().vocab_size;
+    let mut cache = m.kv_cache_for_tokens(prompt.len(), 16).unwrap();
+    let batch = ForwardBatch::single(prompt, 0, &cache.spec, 0);
+    let out = logits(m, &batch, &mut cache);
+    let (worst, argmax_same) = compare(&out, vocab, rows);
+    assert!(argmax_same, "an argmax differs");
+    worst
+}
+
+/// The experts as transformers holds them in memory (one `[n, 2i, h]`
+/// gate/up stack and one `[n, h, i]` down stack a layer), written from the
+/// per-expert checkpoint: the same logits as transformers.
+#[test]
+fn fused_expert_stacks_load_as_per_expert_tensors() {
+    use kiln_formats::{write_safetensors, HostTensor, SafetensorsDtype, WeightSource};
+    let case = "qwen3_moe";
+    let src = SafetensorsDir::open(case_dir(case)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        case_dir(case).join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    let mut out: Vec<(String, HostTensor)> = Vec::new();
+    for t in src.tensors() {
+        if t.name.contains(".experts.") {
+            continue;
+        }
+        out.push((t.name.clone(), src.load_f32(&t.name).unwrap()));
+    }
+    for l in [0, 2] {
+        let p = format!("model.layers.{l}.mlp.experts");
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for e in 0..8 {
+            for proj in ["gate_proj", "up_proj"] {
+                gate_up.extend(
+                    src.load_f32(&format!("{p}.{e}.{proj}.weight"))
+                        .unwrap()
+                        .data,
+                );
+            }
+            down.extend(
+                src.load_f32(&format!("{p}.{e}.down_proj.weight"))
+                    .unwrap()
+                    .data,
+            );
+        }
+        out.push((
+            format!("{p}.gate_up_proj"),
+            HostTensor::new(vec![8, 48, 48], gate_up),
+        ));
+        out.push((
+            format!("{p}.down_proj"),
+            HostTensor::new(vec![8, 48, 24], down),
+        ));
+    }
+    let refs: Vec<(String, &HostTensor)> = out.iter().map(|(n, t)| (n.clone(), t)).collect();
+    write_safetensors(
+        dir.path().join("model.safetensors"),
+        &refs,
+        SafetensorsDtype::F32,
+    )
+    .unwrap();
+    let fused = SafetensorsDir::open(dir.path()).unwrap();
+    assert!(fused.contains("model.layers.0.mlp.experts.gate_up_proj"));
+    let cfg = ModelConfig::from_hf(fused.config()).unwrap();
+    let m = load_model(Arc::new(CpuBackend::new()), &fused, cfg).unwrap();
+    let (prompt, rows) = golden(case);
+    let worst = prefill_against(m.as_ref(), &prompt, &rows);
+    assert!(worst <= 1e-3, "fused: max |Δ log-softmax| {worst}");
+}
+
+/// GGUF files laid out as llama.cpp writes them (`tests/data/moe/gguf`,
+/// made by `scripts/goldens/moe_gguf.py`): stacked `ffn_*_exps` tensors in
+/// Q8_0, read an expert at a time in place, against transformers on the
+/// same dequantized weights.
+#[test]
+fn gguf_expert_stacks_match_transformers() {
+    use kiln_formats::{GgufWeights, WeightSource};
+    for (case, model_type) in [
+        ("qwen3moe", "qwen3_moe"),
+        ("qwen2moe", "qwen2_moe"),
+        ("mixtral", "mixtral"),
+    ] {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/moe/gguf");
+        let w = GgufWeights::open(dir.join(format!("{case}.gguf"))).unwrap();
+        let cfg = ModelConfig::from_hf(&w.hf_config().unwrap()).unwrap();
+        assert_eq!(cfg.model_type, model_type);
+        // Each expert is its own tensor, a slice of the stack's bytes.
+        let experts: Vec<_> = w
+            .tensors()
+            .into_iter()
+            .filter(|t| t.name.contains(".experts."))
+            .collect();
+        let n = match &cfg.family {
+            FamilyConfig::Moe(m) => m.num_experts,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(experts.len(), 2 * 3 * n, "{case}");
+        assert!(experts
+            .iter()
+            .all(|t| t.dtype == "Q8_0" && t.shape.len() == 2));
+        let m = load_model(Arc::new(CpuBackend::new()), &w, cfg).unwrap();
+        let text = std::fs::read_to_string(dir.join(format!("{case}.json"))).unwrap();
+        let g: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(g["min_routing_margin"].as_f64().unwrap() > 1e-3);
+        let prompt = common::ids(&g["prompt"]);
+        let rows: Vec<Vec<f64>> = g["logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                r.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect()
+            })
+            .collect();
+        let worst = prefill_against(m.as_ref(), &prompt, &rows);
+        eprintln!("{case}.gguf: max |Δ log-softmax| {worst:.2e}");
+        assert!(worst <= 1e-3, "{case}.gguf: max |Δ log-softmax| {worst}");
+    }
+}

@@ -1,0 +1,225 @@
+//! Mixture-of-Experts layers as a backend sees them: a router, the
+//! experts' gated MLPs, an optional shared expert, and how a token picks
+//! its experts ([`Routing`]). [`crate::Ops::moe`] runs a whole layer, so a
+//! backend can keep the routing where the activations are; [`route`] is
+//! the reference routing of one token every backend follows.
+//!
+//! A token's output is `Σ_j w_j · expert_{e_j}(x)` over its `top_k`
+//! experts in the order [`route`] returns them (descending weight), then
+//! `+ σ(x · g) · shared(x)` where the layer has a shared expert. Experts
+//! may carry biases and gpt-oss's clamped SwiGLU ([`ExpertActivation`]). Each
+//! token's sum is its own, so a token's result does not depend on which
+//! other tokens share the step.
+
+use crate::backend::Activation;
+use crate::tensor::Tensor;
+use crate::weight::Weight;
+
+/// How a router's logits become the weights of the experts a token runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// Softmax over every expert's logit, then the `top_k` largest
+    /// probabilities (Mixtral, Qwen2-MoE, Qwen3-MoE).
+    Softmax,
+    /// The `top_k` largest logits, then a softmax over those alone
+    /// (gpt-oss).
+    TopKSoftmax,
+}
+
+/// Which experts a token runs and with what weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Routing {
+    pub top_k: usize,
+    pub scoring: Scoring,
+    /// Divide the kept weights by their sum (Mixtral always; Qwen's
+    /// `norm_topk_prob`).
+    pub normalize: bool,
+}
+
+/// One expert: a gated MLP `down(act(gate(x) + b) · (up(x) + b)) + b`.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    /// `[2 * intermediate, hidden]`: the gate rows, then the up rows.
+    pub gate_up: Weight,
+    /// `[hidden, intermediate]`.
+    pub down: Weight,
+    /// `[2 * intermediate]` (gate, then up), where the expert has biases.
+    pub gate_up_bias: Option<Tensor>,
+    /// `[hidden]`.
+    pub down_bias: Option<Tensor>,
+}
+
+impl Expert {
+    /// An expert without biases.
+    pub fn new(gate_up: Weight, down: Weight) -> Self {
+        Expert {
+            gate_up,
+            down,
+            gate_up_bias: None,
+            down_bias: None,
+        }
+    }
+}
+
+/// How an expert joins its gate and up halves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertActivation {
+    /// `act(gate) · up`.
+    Gated(Activation),
+    /// gpt-oss's clamped SwiGLU: `(clamp(up, ±limit) + 1) · g · σ(alpha · g)`
+    /// with `g = min(gate, limit)`.
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
+impl ExpertActivation {
+    /// The activation of packed rows `y [n, 2i]` (gate | up) as `[n, i]`,
+    /// for [`ExpertActivation::ClampedSwiglu`] (the gated ones are a
+    /// `matmul` epilogue).
+    pub fn clamped_swiglu(y: &[f32], i: usize, alpha: f32, limit: f32) -> Vec<f32> {
+        let mut out = Vec::with_capacity(y.len() / 2);
+        for row in y.chunks_exact(2 * i) {
+            let (g, u) = row.split_at(i);
+            out.extend(g.iter().zip(u).map(|(&g, &u)| {
+                let g = g.min(limit);
+                let u = u.clamp(-limit, limit);
+                (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
+            }));
+        }
+        out
+    }
+}
+
+/// An expert every token runs, its output scaled by `σ(x · gate)` where
+/// there is a gate (Qwen2-MoE's `shared_expert_gate`, `[1, hidden]`).
+#[derive(Debug, Clone)]
+pub struct SharedExpert {
+    pub expert: Expert,
+    pub gate: Option<Weight>,
+}
+
+/// A whole sparse layer: what [`crate::Ops::moe`] runs on a step's
+/// normalized hidden states.
+#[derive(Debug, Clone)]
+pub struct MoeLayer {
+    /// `[num_experts, hidden]`: one logit an expert.
+    pub router: Weight,
+    /// `[num_experts]`, added to the logits (gpt-oss).
+    pub router_bias: Option<Tensor>,
+    pub experts: Vec<Expert>,
+    pub shared: Option<SharedExpert>,
+    pub activation: ExpertActivation,
+    pub routing: Routing,
+}
+
+impl MoeLayer {
+    pub fn num_experts(&self) -> usize {
+        self.experts.len()
+    }
+}
+
+/// The experts a token with router `logits` runs, with their weights,
+/// largest first (ties: the lower expert id first), as transformers'
+/// routers compute them in f32.
+pub fn route(logits: &[f32], r: &Routing) -> Vec<(usize, f32)> {
+    let k = r.top_k.min(logits.len());
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // A NaN logit sorts last, so a poisoned row still routes somewhere.
+    let key = |i: usize| {
+        let v = logits[i];
+        if v.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            v
+        }
+    };
+    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    order.truncate(k);
+    let mut picked: Vec<(usize, f32)> = match r.scoring {
+        Scoring::Softmax => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
+            order
+                .iter()
+                .map(|&e| (e, (logits[e] - max).exp() / sum))
+                .collect()
+        }
+        Scoring::TopKSoftmax => {
+            let max = order.first().map_or(0.0, |&e| logits[e]);
+            let sum: f32 = order.iter().map(|&e| (logits[e] - max).exp()).sum();
+            order
+                .iter()
+                .map(|&e| (e, (logits[e] - max).exp() / sum))
+                .collect()
+        }
+    };
+    if r.normalize {
+        let sum: f32 = picked.iter().map(|p| p.1).sum();
+        if sum > 0.0 {
+            for p in &mut picked {
+                p.1 /= sum;
+            }
+        }
+    }
+    picked
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f32, b: f32) -> bool {
+        (a - b).abs() < 1e-6
+    }
+
+    #[test]
+    fn softmax_routing_keeps_the_largest_probabilities_of_all_experts() {
+        let logits = [0.0f32, 2.0, 1.0, -1.0];
+        let r = Routing {
+            top_k: 2,
+            scoring: Scoring::Softmax,
+            normalize: false,
+        };
+        let got = route(&logits, &r);
+        let z: f32 = logits.iter().map(|v| v.exp()).sum();
+        assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2]);
+        assert!(close(got[0].1, 2f32.exp() / z) && close(got[1].1, 1f32.exp() / z));
+        // Normalized, the two kept weights sum to one in the same ratio.
+        let n = route(
+            &logits,
+            &Routing {
+                normalize: true,
+                ..r
+            },
+        );
+        assert!(close(n[0].1 + n[1].1, 1.0));
+        assert!(close(n[0].1 / n[1].1, 1f32.exp()));
+    }
+
+    #[test]
+    fn top_k_softmax_ignores_the_experts_left_out() {
+        let r = Routing {
+            top_k: 2,
+            scoring: Scoring::TopKSoftmax,
+            normalize: false,
+        };
+        let a = route(&[3.0, 1.0, 0.0, -5.0], &r);
+        let b = route(&[3.0, 1.0, 0.5, 0.9], &r);
+        assert_eq!(a.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 1]);
+        assert!(close(a[0].1, b[0].1) && close(a[1].1, b[1].1));
+        assert!(close(a[0].1, 1.0 / (1.0 + (-2f32).exp())));
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_expert_and_nan_routes_last() {
+        let r = Routing {
+            top_k: 2,
+            scoring: Scoring::Softmax,
+            normalize: true,
+        };
+        let got = route(&[1.0, f32::NAN, 1.0, 1.0], &r);
+        assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2]);
+        // More experts asked for than exist: every one, once.
+        let all = route(&[0.5, 0.25], &Routing { top_k: 8, ..r });
+        assert_eq!(all.len(), 2);
+    }
+}
