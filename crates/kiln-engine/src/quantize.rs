@@ -181,6 +181,9 @@ fn model_metadata(path: &Path, config: &ModelConfig) -> Result<(String, Vec<(Str
                 "Llama 3 rope scaling is stored by llama.cpp as a rope_freqs tensor, which kiln quantize does not write yet",
             ))
         }
+        RopeScaling::Yarn { .. } => {
+            return Err(refuse(path, "kiln quantize does not write YaRN rope scaling yet"))
+        }
     }
     Ok((arch.to_string(), m))
 }

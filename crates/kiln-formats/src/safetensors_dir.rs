@@ -477,6 +477,14 @@ impl WeightSource for SafetensorsDir {
         Ok(Some((e.shape.clone(), out)))
     }
 
+    fn load_bytes(&self, name: &str) -> Result<Option<(String, Vec<usize>, Vec<u8>)>> {
+        let Some(e) = self.tensors.get(name) else {
+            return Ok(None);
+        };
+        let bytes = self.shards[e.shard_idx].mmap[e.start..e.end].to_vec();
+        Ok(Some((e.dtype.clone(), e.shape.clone(), bytes)))
+    }
+
     /// F16 and BF16 matrices, in place.
     fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
         let Some(e) = self.tensors.get(name) else {

@@ -64,4 +64,12 @@ pub trait WeightSource: Send + Sync {
         let _ = name;
         Ok(None)
     }
+
+    /// The tensor's stored bytes with its dtype name and shape, whatever
+    /// the dtype (MXFP4's `U8` blocks and scales); `None` where the source
+    /// has no such view.
+    fn load_bytes(&self, name: &str) -> Result<Option<(String, Vec<usize>, Vec<u8>)>> {
+        let _ = name;
+        Ok(None)
+    }
 }

@@ -28,6 +28,21 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: f32,
     },
+    /// YaRN (gpt-oss and others): frequencies blended between the scaled
+    /// and the original ones over a ramp of dimensions, and cos/sin scaled
+    /// by `attention_factor`.
+    Yarn {
+        factor: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        original_max_position_embeddings: f32,
+        /// Round the ramp's ends to whole dimensions.
+        truncate: bool,
+        /// `None`: `0.1 · ln(factor) + 1` (or the `mscale` ratio).
+        attention_factor: Option<f32>,
+        mscale: Option<f32>,
+        mscale_all_dim: Option<f32>,
+    },
 }
 
 /// What every decoder has, read by [`ModelConfig::from_hf`], plus what
@@ -368,6 +383,26 @@ pub(crate) fn parse_rope_scaling(s: Option<&Value>) -> Result<RopeScaling> {
     Ok(match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor },
+        "yarn" => RopeScaling::Yarn {
+            factor,
+            beta_fast: opt_f32(s, "beta_fast")?
+                .filter(|&b| b != 0.0)
+                .unwrap_or(32.0),
+            beta_slow: opt_f32(s, "beta_slow")?
+                .filter(|&b| b != 0.0)
+                .unwrap_or(1.0),
+            original_max_position_embeddings: opt_usize(s, "original_max_position_embeddings")?
+                .ok_or_else(|| {
+                    err(
+                        "rope_scaling",
+                        "yarn needs original_max_position_embeddings",
+                    )
+                })? as f32,
+            truncate: s.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+            attention_factor: opt_f32(s, "attention_factor")?,
+            mscale: opt_f32(s, "mscale")?,
+            mscale_all_dim: opt_f32(s, "mscale_all_dim")?,
+        },
         "llama3" => RopeScaling::Llama3 {
             factor,
             low_freq_factor: opt_f32(s, "low_freq_factor")?.unwrap_or(1.0),

@@ -701,6 +701,21 @@ pub fn qkv_attention_unfused<B: Ops + ?Sized>(
     rope: &RopeParams<'_>,
     qk_norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
+    let (q, k, v) = qkv_rope(b, qkv, batch, p, rope, qk_norm)?;
+    b.attention(&q, &k, &v, cache, layer, batch, p)
+}
+
+/// The first part of [`qkv_attention_unfused`]: `qkv` split into q, k and
+/// v, the q/k (and value) norms applied, q and k rotated at the batch's
+/// positions.
+pub fn qkv_rope<B: Ops + ?Sized>(
+    b: &B,
+    qkv: &Tensor,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+    rope: &RopeParams<'_>,
+    qk_norm: Option<QkNorm<'_>>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (n, _) = qkv.dims2("qkv_attention")?;
     let (qw, kw) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
     let parts = b.split_cols(qkv, &[qw, kw, kw])?;
@@ -739,7 +754,7 @@ pub fn qkv_attention_unfused<B: Ops + ?Sized>(
         ..rope.clone()
     };
     let k = b.rope(&k, &batch.positions, &krope)?;
-    b.attention(&q, &k, &v, cache, layer, batch, p)
+    Ok((q, k, v))
 }
 
 /// Check the arguments of [`Ops::attention`] against each other, the

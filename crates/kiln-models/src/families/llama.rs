@@ -200,6 +200,7 @@ impl Llama {
             qk_norm_eps: f.qk_norm.then_some(eps),
             scale: (cfg.head_dim as f32).powf(-0.5),
             sliding_window: f.sliding_window,
+            sinks: false,
         };
         let blocks = (0..cfg.num_layers)
             .map(|i| {

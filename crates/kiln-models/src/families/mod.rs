@@ -17,6 +17,7 @@ use crate::CausalLm;
 pub mod bert;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gpt_oss;
 pub mod llama;
 pub mod moe;
 
@@ -28,6 +29,7 @@ pub enum FamilyConfig {
     Gemma3(gemma3::Gemma3Config),
     Gemma4(gemma4::Gemma4Config),
     Moe(moe::MoeConfig),
+    GptOss(gpt_oss::GptOssConfig),
 }
 
 /// A family as the registry sees it: its name, the `model_type`s it

@@ -20,6 +20,8 @@ pub struct AttentionConfig {
     pub qk_norm_eps: Option<f32>,
     pub scale: f32,
     pub sliding_window: Option<usize>,
+    /// A learned sink logit a head (`{prefix}.sinks`, gpt-oss).
+    pub sinks: bool,
 }
 
 pub struct Attention {
@@ -29,6 +31,8 @@ pub struct Attention {
     pub o: Linear,
     pub q_norm: Option<RmsNorm>,
     pub k_norm: Option<RmsNorm>,
+    /// `[num_heads]`, with [`AttentionConfig::sinks`].
+    pub sinks: Option<Tensor>,
 }
 
 impl Attention {
@@ -73,12 +77,24 @@ impl Attention {
             ),
             None => (None, None),
         };
+        let sinks = match cfg.sinks {
+            true if !l.backend.supports_attention_sinks() => {
+                return Err(kiln_tensor::TensorError::Unsupported {
+                    backend: l.backend.name(),
+                    what: "attention sinks (the CPU backend runs them)".into(),
+                }
+                .into())
+            }
+            true => Some(l.tensor(&format!("{prefix}.sinks"), &[cfg.num_heads])?),
+            false => None,
+        };
         Ok(Attention {
             cfg,
             qkv,
             o,
             q_norm,
             k_norm,
+            sinks,
         })
     }
 
@@ -121,15 +137,14 @@ impl Attention {
             }),
             _ => None,
         };
-        let out = b.qkv_attention(
-            &qkv,
-            cache,
-            slot.slot,
-            batch,
-            &params,
-            &rope.params(c.num_heads, c.head_dim),
-            qk_norm,
-        )?;
+        let rope = rope.params(c.num_heads, c.head_dim);
+        let out = match &self.sinks {
+            Some(sinks) => {
+                let (q, k, v) = kiln_tensor::qkv_rope(b, &qkv, batch, &params, &rope, qk_norm)?;
+                b.attention_sinks(&q, &k, &v, cache, slot.slot, batch, &params, sinks)?
+            }
+            None => b.qkv_attention(&qkv, cache, slot.slot, batch, &params, &rope, qk_norm)?,
+        };
         self.o.forward(b, &out, last)
     }
 }

@@ -17,8 +17,49 @@ impl Rope {
         let mut inv_freq: Vec<f32> = (0..head_dim / 2)
             .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
             .collect();
+        let mut attention_scaling = 1.0;
         match *scaling {
             RopeScaling::None => {}
+            RopeScaling::Yarn {
+                factor,
+                beta_fast,
+                beta_slow,
+                original_max_position_embeddings: old_ctx,
+                truncate,
+                attention_factor,
+                mscale,
+                mscale_all_dim,
+            } => {
+                attention_scaling =
+                    attention_factor.unwrap_or_else(|| match (mscale, mscale_all_dim) {
+                        (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                            yarn_mscale(factor, m) / yarn_mscale(factor, a)
+                        }
+                        _ => yarn_mscale(factor, 1.0),
+                    });
+                // As transformers: the ramp's ends in f64, the blend in f32.
+                let dim = head_dim as f64;
+                let (base, ctx) = (theta as f64, old_ctx as f64);
+                let corr = |rot: f64| {
+                    dim * (ctx / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
+                };
+                let (mut low, mut high) = (corr(beta_fast as f64), corr(beta_slow as f64));
+                if truncate {
+                    low = low.floor();
+                    high = high.ceil();
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                for (i, f) in inv_freq.iter_mut().enumerate() {
+                    let ramp =
+                        ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    let interpolation = *f / factor;
+                    *f = interpolation * (1.0 - extrapolation) + *f * extrapolation;
+                }
+            }
             RopeScaling::Linear { factor } => inv_freq.iter_mut().for_each(|f| *f /= factor),
             RopeScaling::Llama3 {
                 factor,
@@ -42,7 +83,7 @@ impl Rope {
         }
         Rope {
             inv_freq,
-            attention_scaling: 1.0,
+            attention_scaling,
         }
     }
 
@@ -75,6 +116,15 @@ impl Rope {
                 attention_scaling: self.attention_scaling,
             },
         )?)
+    }
+}
+
+/// YaRN's `mscale`: `0.1 · m · ln(scale) + 1`, 1 without scaling.
+fn yarn_mscale(scale: f32, m: f32) -> f32 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * m * scale.ln() + 1.0
     }
 }
 

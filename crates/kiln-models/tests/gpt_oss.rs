@@ -1,0 +1,175 @@
+//! gpt-oss on random checkpoints against transformers (`tests/data/gpt_oss`,
+//! made by `scripts/goldens/gpt_oss_random.py`; transformers' log-softmax
+//! in float64): attention sinks, a 4-token sliding window on layer 0 and
+//! full attention on layer 1 over a 20-token prompt, YaRN RoPE, the biased
+//! top-k-softmax router, biased experts with the clamped SwiGLU over
+//! interleaved gate/up columns. `plain` holds f32 experts as transformers
+//! saves them; `mxfp4` the same model's experts in MXFP4 blocks and scales
+//! as the released checkpoints do, its golden computed on the weights
+//! transformers' own dequantizer reads from those bytes.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kiln_formats::SafetensorsDir;
+use kiln_models::{load_model, CausalLm, ModelConfig};
+use kiln_tensor::cpu::CpuBackend;
+use kiln_tensor::ForwardBatch;
+
+fn case_dir(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/gpt_oss")
+        .join(case)
+}
+
+fn load(case: &str) -> Box<dyn CausalLm> {
+    let dir = SafetensorsDir::open(case_dir(case)).unwrap();
+    let cfg = ModelConfig::from_hf(dir.config()).unwrap();
+    load_model(Arc::new(CpuBackend::new()), &dir, cfg).unwrap()
+}
+
+fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
+    let text = std::fs::read_to_string(case_dir(case).join("golden.json")).unwrap();
+    let g: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert!(g["min_routing_margin"].as_f64().unwrap() > 1e-3, "{case}");
+    let rows = g["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect();
+    (common::ids(&g["prompt"]), rows)
+}
+
+fn compare(logits: &[f32], vocab: usize, rows: &[Vec<f64>]) -> (f64, bool) {
+    let mut worst = 0f64;
+    let mut same = true;
+    for (got, want) in logits.chunks(vocab).zip(rows) {
+        for (a, b) in common::log_softmax(got).iter().zip(want) {
+            worst = worst.max((a - b).abs());
+        }
+        let best = want
+            .iter()
+            .enumerate()
+            .fold(0, |m, (i, &v)| if v > want[m] { i } else { m });
+        same &= common::argmax(got) == best;
+    }
+    (worst, same)
+}
+
+fn logits(m: &dyn CausalLm, batch: &ForwardBatch, cache: &mut kiln_tensor::KvCache) -> Vec<f32> {
+    m.backend()
+        .to_host(&m.forward(batch, cache).unwrap())
+        .unwrap()
+}
+
+#[test]
+fn gpt_oss_matches_transformers_in_prefill_and_token_by_token() {
+    for case in ["plain", "mxfp4"] {
+        let m = load(case);
+        let (prompt, rows) = golden(case);
+        let vocab = m.config().vocab_size;
+        let mut cache = m.kv_cache_for_tokens(prompt.len(), 4).unwrap();
+        let batch = ForwardBatch::single(&prompt, 0, &cache.spec, 0);
+        let (worst, same) = compare(&logits(m.as_ref(), &batch, &mut cache), vocab, &rows);
+        eprintln!("{case}: prefill max |Δ log-softmax| {worst:.2e}");
+        assert!(
+            worst <= 1e-3 && same,
+            "{case}: prefill {worst}, argmax same {same}"
+        );
+        assert!(rows.iter().any(|r| r.iter().any(|&v| v > -2.0)), "{case}");
+        // 6 tokens, then one a step past the window.
+        let mut cache = m.kv_cache_for_tokens(prompt.len(), 4).unwrap();
+        let (mut done, mut worst) = (0, 0f64);
+        for chunk in [&prompt[..6]].into_iter().chain(prompt[6..].chunks(1)) {
+            let batch = ForwardBatch::single(chunk, done, &cache.spec, chunk.len() - 1);
+            let out = logits(m.as_ref(), &batch, &mut cache);
+            let (w, same) = compare(&out, vocab, &rows[done + chunk.len() - 1..]);
+            assert!(same, "{case}: argmax differs at {}", done + chunk.len() - 1);
+            worst = worst.max(w);
+            done += chunk.len();
+        }
+        eprintln!("{case}: decode max |Δ log-softmax| {worst:.2e}");
+        assert!(worst <= 1e-3, "{case}: decode {worst}");
+    }
+}
+
+#[test]
+fn the_config_alternates_windows_and_reads_yarn() {
+    let dir = SafetensorsDir::open(case_dir("plain")).unwrap();
+    let cfg = ModelConfig::from_hf(dir.config()).unwrap();
+    use kiln_models::config::LayerKind;
+    assert_eq!(
+        cfg.layer_kinds,
+        [
+            LayerKind::SlidingWindow { window: 4 },
+            LayerKind::FullAttention
+        ]
+    );
+    let kiln_models::families::FamilyConfig::GptOss(g) = &cfg.family else {
+        panic!("{:?}", cfg.family)
+    };
+    assert!(matches!(
+        g.rope_scaling,
+        kiln_models::RopeScaling::Yarn {
+            factor: 32.0,
+            truncate: false,
+            ..
+        }
+    ));
+    assert_eq!((g.num_experts, g.top_k), (4, 2));
+}
+
+#[test]
+fn a_batch_gives_each_gpt_oss_sequence_its_bits_alone() {
+    let m = load("mxfp4");
+    let (prompt, _) = golden("mxfp4");
+    let seqs: [&[u32]; 3] = [&prompt[..13], &prompt[4..], &prompt[9..12]];
+    let vocab = m.config().vocab_size;
+    let alone: Vec<Vec<f32>> = seqs
+        .iter()
+        .map(|s| {
+            let mut cache = m.kv_cache_for_tokens(s.len(), 4).unwrap();
+            let batch = ForwardBatch::single(s, 0, &cache.spec, 0);
+            logits(m.as_ref(), &batch, &mut cache)
+        })
+        .collect();
+    let (spec, _) = m.config().kv_layout(4);
+    let groups = spec.groups.len();
+    let per: Vec<u32> = seqs.iter().map(|s| s.len().div_ceil(4) as u32).collect();
+    let total: u32 = per.iter().sum();
+    let mut cache = m.new_kv_cache(groups * total as usize, 4).unwrap();
+    let mut batch = ForwardBatch {
+        block_size: 4,
+        ..ForwardBatch::default()
+    };
+    let (mut next, mut starts) = (0u32, Vec::new());
+    for (s, &n) in seqs.iter().zip(&per) {
+        starts.push(batch.token_ids.len());
+        let tables = (0..groups as u32)
+            .map(|g| (g * total + next..g * total + next + n).collect())
+            .collect();
+        batch.push_seq_groups(s, 0, tables, false);
+        next += n;
+    }
+    batch.logits_rows = (0..batch.token_ids.len() as u32).collect();
+    let together = logits(m.as_ref(), &batch, &mut cache);
+    for ((s, start), alone) in seqs.iter().zip(&starts).zip(&alone) {
+        let rows = &together[start * vocab..(start + s.len()) * vocab];
+        assert!(
+            rows.iter()
+                .zip(alone)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "a sequence of {} tokens differs in a batch",
+            s.len()
+        );
+    }
+}
