@@ -91,7 +91,15 @@ pub struct EngineStats {
     pub embed_passes: u64,
     pub embed_inputs: u64,
     pub embed_seconds_total: f64,
+    /// Tokens routed to each expert of each sparse layer over the last
+    /// `expert_steps` forward steps (at most [`EXPERT_WINDOW_STEPS`]):
+    /// the load balance `/stats` shows. Empty for a dense model.
+    pub expert_tokens: Vec<Vec<u64>>,
+    pub expert_steps: u64,
 }
+
+/// The forward steps the expert load balance covers.
+pub const EXPERT_WINDOW_STEPS: usize = 32;
 
 impl std::ops::Deref for EngineStats {
     type Target = SchedulerStats;
@@ -457,6 +465,9 @@ struct Loop<'m> {
     embed_passes: u64,
     embed_inputs: u64,
     embed_seconds: f64,
+    /// The model's cumulative expert load after each of the last steps,
+    /// oldest first (empty for a dense model).
+    expert_loads: VecDeque<Vec<Vec<u64>>>,
     /// Whether the backend samples rows where the logits are (until it
     /// first says it cannot).
     device_sampler: bool,
@@ -501,10 +512,42 @@ impl<'m> Loop<'m> {
             embed_passes: 0,
             embed_inputs: 0,
             embed_seconds: 0.0,
+            expert_loads: {
+                // The load before the first step: the window's baseline.
+                let now = model.model.expert_load();
+                if now.is_empty() {
+                    VecDeque::new()
+                } else {
+                    VecDeque::from([now])
+                }
+            },
             device_sampler: true,
             #[cfg(feature = "fault-injection")]
             restart_hold: None,
         }
+    }
+
+    /// After a step: the model's cumulative expert load joins the window
+    /// (a dense model has none to keep).
+    fn note_expert_load(&mut self) {
+        if self.expert_loads.is_empty() {
+            return;
+        }
+        if self.expert_loads.len() > EXPERT_WINDOW_STEPS {
+            self.expert_loads.pop_front();
+        }
+        self.expert_loads.push_back(self.model.model.expert_load());
+    }
+
+    /// Tokens each expert was routed over the window's steps.
+    fn recent_expert_tokens(&self) -> Vec<Vec<u64>> {
+        let (Some(old), Some(new)) = (self.expert_loads.front(), self.expert_loads.back()) else {
+            return Vec::new();
+        };
+        new.iter()
+            .zip(old)
+            .map(|(n, o)| n.iter().zip(o).map(|(a, b)| a.saturating_sub(*b)).collect())
+            .collect()
     }
 
     fn run(&mut self, commands: &Receiver<Command>) {
@@ -551,6 +594,8 @@ impl<'m> Loop<'m> {
                             embed_passes: self.embed_passes,
                             embed_inputs: self.embed_inputs,
                             embed_seconds_total: self.embed_seconds,
+                            expert_tokens: self.recent_expert_tokens(),
+                            expert_steps: self.expert_loads.len().saturating_sub(1) as u64,
                         });
                     }
                     Command::Embed(job) => self.queue_embed(job),
@@ -858,6 +903,7 @@ impl<'m> Loop<'m> {
             }
         };
         let step_seconds = now.elapsed().as_secs_f64();
+        self.note_expert_load();
         self.num_steps += 1;
         self.step_seconds_total += step_seconds;
         self.last_step_seconds = step_seconds;

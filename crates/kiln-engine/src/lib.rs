@@ -32,6 +32,7 @@ pub use embed::{EmbedInput, Embedder, EmbeddingHead, Pooling};
 pub use engine::FaultGate;
 pub use engine::{
     Engine, EngineConfig, EngineHandle, EngineStats, EngineStatus, KvPlan, RequestStream,
+    EXPERT_WINDOW_STEPS,
 };
 pub use error::{EngineError, Result};
 pub use events::{Event, RequestTimings, Usage};

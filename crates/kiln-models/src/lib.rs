@@ -79,6 +79,12 @@ pub trait CausalLm: Send + Sync {
         true
     }
 
+    /// Tokens routed to each expert of each sparse layer since the model
+    /// loaded (empty: no sparse layers).
+    fn expert_load(&self) -> Vec<Vec<u64>> {
+        Vec::new()
+    }
+
     /// The projections a LoRA adapter may adapt on this model (empty: the
     /// family runs no adapters).
     fn lora_targets(&self) -> Vec<LoraTarget> {

@@ -36,7 +36,7 @@ pub use extension::{require_extensions, ExtensionOp, GeluErf, LayerNorm, SoftCap
 pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
 pub use lora::{LoraAdapter, LoraBatch, LoraDelta, LoraGroup, LoraProj};
 pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
-pub use moe::{Expert, ExpertActivation, MoeLayer, Routing, Scoring, SharedExpert};
+pub use moe::{Expert, ExpertActivation, ExpertLoad, MoeLayer, Routing, Scoring, SharedExpert};
 pub use tensor::{DType, Tensor};
 pub use weight::{BlockPart, BlockWeight, Weight, WeightKind};
 

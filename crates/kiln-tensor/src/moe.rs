@@ -97,6 +97,38 @@ pub struct SharedExpert {
     pub gate: Option<Weight>,
 }
 
+/// Tokens routed to each expert of a layer since it loaded, counted by the
+/// backend's [`crate::Ops::moe`] (the engine reports the recent steps').
+#[derive(Debug)]
+pub struct ExpertLoad {
+    tokens: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl ExpertLoad {
+    pub fn new(num_experts: usize) -> Self {
+        ExpertLoad {
+            tokens: (0..num_experts)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+        }
+    }
+
+    /// `n` more tokens routed to `expert`.
+    pub fn add(&self, expert: usize, n: u64) {
+        if let Some(c) = self.tokens.get(expert) {
+            c.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Tokens each expert has been routed so far.
+    pub fn snapshot(&self) -> Vec<u64> {
+        self.tokens
+            .iter()
+            .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+            .collect()
+    }
+}
+
 /// A whole sparse layer: what [`crate::Ops::moe`] runs on a step's
 /// normalized hidden states.
 #[derive(Debug, Clone)]
@@ -109,6 +141,8 @@ pub struct MoeLayer {
     pub shared: Option<SharedExpert>,
     pub activation: ExpertActivation,
     pub routing: Routing,
+    /// Tokens routed to each expert (shared with the model, which reports it).
+    pub load: std::sync::Arc<ExpertLoad>,
 }
 
 impl MoeLayer {

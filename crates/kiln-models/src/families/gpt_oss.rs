@@ -332,6 +332,7 @@ impl GptOss {
                     scoring: Scoring::TopKSoftmax,
                     normalize: false,
                 },
+                load: Arc::new(kiln_tensor::ExpertLoad::new(e)),
             },
         })
     }
@@ -430,6 +431,13 @@ impl CausalLm for GptOss {
 
     fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         self.step(batch, cache, StepOutput::Hidden)
+    }
+
+    fn expert_load(&self) -> Vec<Vec<u64>> {
+        self.blocks
+            .iter()
+            .map(|b| b.moe.layer.load.snapshot())
+            .collect()
     }
 }
 

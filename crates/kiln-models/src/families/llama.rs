@@ -391,6 +391,16 @@ impl CausalLm for Llama {
         self.step(batch, cache, StepOutput::Hidden)
     }
 
+    fn expert_load(&self) -> Vec<Vec<u64>> {
+        self.blocks
+            .iter()
+            .filter_map(|b| match &b.mlp {
+                Ffn::Sparse(m) => Some(m.layer.load.snapshot()),
+                Ffn::Dense(_) => None,
+            })
+            .collect()
+    }
+
     fn lora_targets(&self) -> Vec<crate::LoraTarget> {
         let h = self.cfg.hidden_size;
         self.blocks

@@ -122,6 +122,7 @@ impl SparseMoe {
                 shared,
                 activation: shape.activation,
                 routing: shape.routing,
+                load: std::sync::Arc::new(kiln_tensor::ExpertLoad::new(shape.num_experts)),
             },
         })
     }

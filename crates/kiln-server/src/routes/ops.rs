@@ -42,6 +42,29 @@ async fn engine_stats(state: &AppState) -> Result<EngineStats, ApiError> {
         .map_err(ApiError::from)
 }
 
+/// The `experts` object of `/stats`.
+fn expert_balance(tokens: &[Vec<u64>], steps: u64) -> Value {
+    if tokens.is_empty() {
+        return Value::Null;
+    }
+    let imbalance: Vec<f64> = tokens
+        .iter()
+        .map(|layer| {
+            let total: u64 = layer.iter().sum();
+            let max = layer.iter().copied().max().unwrap_or(0);
+            match total {
+                0 => 1.0,
+                t => max as f64 * layer.len() as f64 / t as f64,
+            }
+        })
+        .collect();
+    json!({
+        "steps": steps,
+        "tokens_per_expert": tokens,
+        "max_over_mean": imbalance,
+    })
+}
+
 pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let stats = engine_stats(&state).await?;
     let s = &stats.scheduler;
@@ -107,6 +130,10 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
             "mask_seconds_total": stats.mask_seconds_total,
             "mask_wait_seconds_total": stats.mask_wait_seconds_total,
         },
+        // Mixture-of-Experts load balance (null for a dense model): tokens
+        // routed to each expert of each sparse layer over the last steps,
+        // and the busiest expert's share against an even one (1 = even).
+        "experts": expert_balance(&stats.expert_tokens, stats.expert_steps),
         // Device memory (null on the CPU): driver free/total and the
         // backend's active, peak and reserved bytes.
         "memory": model.model.backend().device_memory().map(|m| json!({

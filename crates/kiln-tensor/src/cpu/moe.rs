@@ -83,6 +83,9 @@ impl CpuBackend {
                     .collect(),
             );
         }
+        for (e, rows) in rows_of.iter().enumerate() {
+            layer.load.add(e, rows.len() as u64);
+        }
         let mut outs: Vec<Vec<f32>> = vec![Vec::new(); num_experts];
         for (e, rows) in rows_of.iter().enumerate() {
             if rows.is_empty() {
