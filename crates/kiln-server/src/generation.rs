@@ -258,10 +258,17 @@ pub fn tool_syntax(model: &LoadedModel, overrides: &OutputOverrides) -> ToolSynt
 /// Whether the model writes reasoning blocks: as the server says, else
 /// when its template mentions them.
 pub fn thinks(state: &AppState) -> bool {
-    state
-        .output
-        .reasoning
-        .unwrap_or_else(|| ThinkSyntax::detect(template_source(state.engine.model())).is_some())
+    let template = template_source(state.engine.model());
+    harmony(template)
+        || state
+            .output
+            .reasoning
+            .unwrap_or_else(|| ThinkSyntax::detect(template).is_some())
+}
+
+/// Whether the template writes gpt-oss's harmony messages (channels).
+pub fn harmony(template: &str) -> bool {
+    template.contains("<|channel|>")
 }
 
 /// Renders template `messages` (with `render`'s tools and variables) with
@@ -292,10 +299,18 @@ pub fn chat_prompt(
     let tools = (!render.tool_names.is_empty()).then_some((syntax, render.tool_names));
     Ok(ChatPrompt {
         tokens: model.tokenizer.encode(&rendered, false)?,
-        syntax: OutputSyntax {
-            think,
-            tools,
-            forced_call: false,
+        syntax: match harmony(template) {
+            true => OutputSyntax {
+                harmony: true,
+                tools,
+                ..OutputSyntax::default()
+            },
+            false => OutputSyntax {
+                think,
+                tools,
+                forced_call: false,
+                harmony: false,
+            },
         },
     })
 }

@@ -21,8 +21,8 @@
 //!   interleaved output order. Every MXFP4 value is exact in bf16, so the
 //!   experts are expanded to bf16 blocks where the backend keeps those (the
 //!   CPU), else to its dense type.
-//! - The `harmony` chat format's channels are not parsed into reasoning and
-//!   tool calls yet.
+//! - Its output is the `harmony` format; the server reads its channels
+//!   (`kiln-server`'s `parse/harmony.rs`).
 
 use std::sync::Arc;
 

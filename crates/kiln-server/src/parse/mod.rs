@@ -4,6 +4,7 @@
 
 mod forced;
 mod gemma;
+mod harmony;
 mod json_scan;
 mod reasoning;
 #[cfg(test)]
@@ -11,6 +12,7 @@ mod tests;
 mod tools;
 
 pub use forced::ForcedCallStream;
+pub use harmony::HarmonyStream;
 pub use reasoning::{Split, ThinkSplitter, ThinkSyntax};
 pub use tools::{CallSpelling, ToolCall, ToolStream, ToolSyntax};
 
@@ -49,12 +51,15 @@ pub struct OutputSyntax {
     /// The answer is one call the output format forces
     /// ([`ForcedCallStream`]), whatever the syntax.
     pub forced_call: bool,
+    /// gpt-oss's harmony channels ([`HarmonyStream`]): reasoning, answer
+    /// and calls all come from its message headers.
+    pub harmony: bool,
 }
 
 impl OutputSyntax {
     /// Whether anything is parsed at all.
     pub fn is_plain(&self) -> bool {
-        self.think.is_none() && self.tools.is_none() && !self.forced_call
+        self.think.is_none() && self.tools.is_none() && !self.forced_call && !self.harmony
     }
 }
 
@@ -65,6 +70,7 @@ pub struct OutputParser {
     think: Option<ThinkSplitter>,
     tools: Option<ToolStream>,
     forced: Option<ForcedCallStream>,
+    harmony: Option<HarmonyStream>,
 }
 
 impl OutputParser {
@@ -83,11 +89,16 @@ impl OutputParser {
                 let names = syntax.tools.clone().map(|t| t.1).unwrap_or_default();
                 ForcedCallStream::new(names)
             }),
+            // A forced call's output is the bare call, without headers.
+            harmony: (syntax.harmony && !syntax.forced_call).then(HarmonyStream::new),
         }
     }
 
     /// Takes the next piece of output; returns what is decided.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        if let Some(h) = self.harmony.as_mut() {
+            return h.push(text);
+        }
         let splits = match self.think.as_mut() {
             Some(t) => t.push(text),
             None => vec![Split::Answer(text.to_string())],
@@ -97,6 +108,9 @@ impl OutputParser {
 
     /// The end of the output: everything held is decided.
     pub fn finish(&mut self) -> Vec<Piece> {
+        if let Some(h) = self.harmony.as_mut() {
+            return h.finish();
+        }
         let splits = match self.think.as_mut() {
             Some(t) => t.finish(),
             None => Vec::new(),

@@ -11,6 +11,7 @@ fn syntax(tools: ToolSyntax, think: bool) -> OutputSyntax {
         think: think.then(|| (ThinkSyntax::detect("<think>").unwrap(), false)),
         tools: Some((tools, vec!["get_weather".into(), "search".into()])),
         forced_call: false,
+        harmony: false,
     }
 }
 
@@ -216,6 +217,7 @@ fn reasoning_is_split_from_the_answer() {
         think: Some((ThinkSyntax::detect("</think>").unwrap(), true)),
         tools: None,
         forced_call: false,
+        harmony: false,
     };
     let p = check("plan </thin", &opened);
     assert_eq!(p.reasoning.as_deref(), Some("plan </thin"));

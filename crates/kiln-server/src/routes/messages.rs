@@ -556,6 +556,7 @@ mod tests {
             think: None,
             tools: Some((ToolSyntax::Hermes, tool_names)),
             forced_call: false,
+            harmony: false,
         };
         MessagesStream::new(out, &syntax)
     }

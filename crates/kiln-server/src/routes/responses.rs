@@ -622,6 +622,7 @@ mod tests {
             think: None,
             tools: Some((ToolSyntax::Hermes, tool_names)),
             forced_call: false,
+            harmony: false,
         };
         ResponsesStream::new(out, &syntax)
     }
