@@ -248,6 +248,48 @@ impl Ops for ProfilingBackend {
         self.inner.supports_attention(p)
     }
 
+    fn supports_attention_sinks(&self) -> bool {
+        self.inner.supports_attention_sinks()
+    }
+
+    fn attention_sinks(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &AttentionParams,
+        sinks: &Tensor,
+    ) -> Result<Tensor> {
+        self.timed("attention", || {
+            self.inner
+                .attention_sinks(q, k, v, cache, layer, batch, p, sinks)
+        })
+    }
+
+    fn supports_lora(&self) -> bool {
+        self.inner.supports_lora()
+    }
+
+    fn lora_add(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        deltas: &[crate::lora::LoraDelta<'_>],
+    ) -> Result<Tensor> {
+        self.timed("lora_add", || self.inner.lora_add(y, x, deltas))
+    }
+
+    fn supports_moe(&self) -> bool {
+        self.inner.supports_moe()
+    }
+
+    fn moe(&self, x: &Tensor, layer: &crate::moe::MoeLayer) -> Result<Tensor> {
+        self.timed("moe", || self.inner.moe(x, layer))
+    }
+
     fn has_extension(&self, name: &str) -> bool {
         self.inner.has_extension(name)
     }
@@ -296,6 +338,18 @@ impl StepRecording for ProfilingBackend {
 mod tests {
     use super::*;
     use crate::cpu::CpuBackend;
+
+    /// Every capability the inner backend has, the wrapper has (a model
+    /// checks them at load).
+    #[test]
+    fn reports_the_inner_backends_capabilities() {
+        let p = ProfilingBackend::new(Arc::new(CpuBackend::new()));
+        let cpu = CpuBackend::new();
+        assert_eq!(p.supports_lora(), cpu.supports_lora());
+        assert_eq!(p.supports_moe(), cpu.supports_moe());
+        assert_eq!(p.supports_attention_sinks(), cpu.supports_attention_sinks());
+        assert!(p.supports_lora() && p.supports_moe() && p.supports_attention_sinks());
+    }
 
     #[test]
     fn counts_calls_and_forwards_results() {
