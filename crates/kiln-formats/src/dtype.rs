@@ -19,6 +19,7 @@ pub enum GgmlType {
     Q6K,
     Q8K,
     IQ4NL,
+    MXFP4,
     I8,
     I16,
     I32,
@@ -46,6 +47,7 @@ impl GgmlType {
             14 => Q6K,
             15 => Q8K,
             20 => IQ4NL,
+            39 => MXFP4,
             24 => I8,
             25 => I16,
             26 => I32,
@@ -74,6 +76,7 @@ impl GgmlType {
             Q6K => 14,
             Q8K => 15,
             IQ4NL => 20,
+            MXFP4 => 39,
             I8 => 24,
             I16 => 25,
             I32 => 26,
@@ -101,6 +104,7 @@ impl GgmlType {
             Q6K => "Q6_K",
             Q8K => "Q8_K",
             IQ4NL => "IQ4_NL",
+            MXFP4 => "MXFP4",
             I8 => "I8",
             I16 => "I16",
             I32 => "I32",
@@ -114,7 +118,7 @@ impl GgmlType {
     pub fn block_size(self) -> u64 {
         use GgmlType::*;
         match self {
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4NL => 32,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | Q8_1 | IQ4NL | MXFP4 => 32,
             Q2K | Q3K | Q4K | Q5K | Q6K | Q8K => 256,
             _ => 1,
         }
@@ -129,6 +133,7 @@ impl GgmlType {
             I8 => 1,
             I64 | F64 => 8,
             Q4_0 | IQ4NL => 18,
+            MXFP4 => 17,
             Q4_1 => 20,
             Q5_0 => 22,
             Q5_1 => 24,
@@ -163,6 +168,7 @@ impl GgmlType {
             Q5K => Q::Q5K,
             Q6K => Q::Q6K,
             IQ4NL => Q::IQ4NL,
+            MXFP4 => Q::MXFP4,
             _ => return None,
         })
     }
@@ -184,6 +190,7 @@ impl GgmlType {
             Q::Q5K => GgmlType::Q5K,
             Q::Q6K => GgmlType::Q6K,
             Q::IQ4NL => GgmlType::IQ4NL,
+            Q::MXFP4 => GgmlType::MXFP4,
         }
     }
 

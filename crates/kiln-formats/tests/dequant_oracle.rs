@@ -162,3 +162,20 @@ fn unsupported_and_mis_sized_inputs_are_errors() {
     let err = dequantize(GgmlType::Q4K, &[0u8; 144], 128).unwrap_err();
     assert!(err.contains("Q4_K"), "{err}");
 }
+
+/// MXFP4 (gpt-oss's experts in GGUF) against gguf-py, every e8m0 scale
+/// byte from 0 to 254 (`fixtures/dequant/make_mxfp4.py`).
+#[test]
+fn mxfp4_matches_gguf_py_bit_for_bit() {
+    let raw = std::fs::read(fixture("dequant/mxfp4.raw")).unwrap();
+    let want = read_f32_le(&fixture("dequant/mxfp4.f32"));
+    assert_eq!(GgmlType::from_u32(39), Some(GgmlType::MXFP4));
+    let got = dequantize(GgmlType::MXFP4, &raw, want.len()).unwrap();
+    assert_same_bits(GgmlType::MXFP4, &got, &want);
+    assert!(want.iter().filter(|x| **x != 0.0).count() > want.len() / 2);
+    // Subnormal and large scales are both there.
+    assert!(want
+        .iter()
+        .any(|x| x.abs() > 0.0 && x.abs() < f32::MIN_POSITIVE));
+    assert!(want.iter().any(|x| x.abs() > 1e30));
+}

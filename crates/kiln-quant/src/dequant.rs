@@ -36,6 +36,7 @@ pub fn block_fn(format: QuantFormat) -> BlockFn {
         Q5K => block_q5_k,
         Q6K => block_q6_k,
         IQ4NL => block_iq4_nl,
+        MXFP4 => block_mxfp4,
     }
 }
 
@@ -220,6 +221,31 @@ pub(crate) fn block_iq4_nl(b: &[u8], y: &mut [f32]) {
     for j in 0..16 {
         y[j] = d * IQ4_NL_VALUES[(qs[j] & 0xF) as usize] as f32;
         y[j + 16] = d * IQ4_NL_VALUES[(qs[j] >> 4) as usize] as f32;
+    }
+}
+
+/// The e2m1 values of MXFP4's 16 codes, doubled (so they are integers;
+/// the scale is halved to match): sign in bit 3.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half an e8m0 scale, `2^(e - 128)`, exactly (subnormal for e < 2), as
+/// GGML computes it.
+pub fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(((e as u32) - 1) << 23)
+    }
+}
+
+/// MXFP4: the e8m0 scale byte, then 16 bytes of codes (element `j` the low
+/// nibble of byte `j`, element `j + 16` its high nibble).
+pub(crate) fn block_mxfp4(b: &[u8], y: &mut [f32]) {
+    let d = e8m0_half(b[0]);
+    let qs = &b[1..17];
+    for j in 0..16 {
+        y[j] = d * MXFP4_VALUES[(qs[j] & 0xF) as usize] as f32;
+        y[j + 16] = d * MXFP4_VALUES[(qs[j] >> 4) as usize] as f32;
     }
 }
 

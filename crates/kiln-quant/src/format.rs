@@ -20,10 +20,13 @@ pub enum QuantFormat {
     Q5K,
     Q6K,
     IQ4NL,
+    /// OCP microscaling FP4: 32 e2m1 values under one power-of-two scale
+    /// (an e8m0 byte), gpt-oss's expert format.
+    MXFP4,
 }
 
 impl QuantFormat {
-    pub const ALL: [QuantFormat; 13] = [
+    pub const ALL: [QuantFormat; 14] = [
         QuantFormat::F16,
         QuantFormat::BF16,
         QuantFormat::Q4_0,
@@ -37,6 +40,7 @@ impl QuantFormat {
         QuantFormat::Q5K,
         QuantFormat::Q6K,
         QuantFormat::IQ4NL,
+        QuantFormat::MXFP4,
     ];
 
     /// The name GGML and llama.cpp use (`Q4_K`, `IQ4_NL`, `BF16`).
@@ -56,6 +60,7 @@ impl QuantFormat {
             Q5K => "Q5_K",
             Q6K => "Q6_K",
             IQ4NL => "IQ4_NL",
+            MXFP4 => "MXFP4",
         }
     }
 
@@ -71,7 +76,7 @@ impl QuantFormat {
         use QuantFormat::*;
         match self {
             F16 | BF16 => 1,
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4NL => 32,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4NL | MXFP4 => 32,
             Q2K | Q3K | Q4K | Q5K | Q6K => 256,
         }
     }
@@ -82,6 +87,7 @@ impl QuantFormat {
         match self {
             F16 | BF16 => 2,
             Q4_0 | IQ4NL => 18,
+            MXFP4 => 17,
             Q4_1 => 20,
             Q5_0 => 22,
             Q5_1 => 24,

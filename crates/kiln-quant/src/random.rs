@@ -11,7 +11,7 @@ use crate::QuantFormat;
 fn f16_fields(format: QuantFormat) -> &'static [usize] {
     use QuantFormat::*;
     match format {
-        F16 | BF16 => &[],
+        F16 | BF16 | MXFP4 => &[],
         Q4_0 | Q5_0 | Q8_0 | IQ4NL => &[0],
         Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
         Q2K => &[80, 82],
@@ -56,6 +56,10 @@ pub fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> Vec<u8>
             _ => {
                 for b in block.iter_mut() {
                     *b = rng.next() as u8;
+                }
+                if format == QuantFormat::MXFP4 {
+                    // An e8m0 scale of 2^-11 .. 2^-3 (real weights' range).
+                    block[0] = 116 + (rng.next() % 9) as u8;
                 }
                 for &off in f16_fields(format) {
                     let mut v = rng.uniform(1e-4, 0.05);

@@ -51,6 +51,11 @@ impl Stored {
     /// `m` as the CPU keeps it; a repacked matrix lets go of the file's
     /// pages it was read from.
     pub(crate) fn new(m: QuantMatrix) -> Stored {
+        // MXFP4 with a scale no f16 holds: bf16, which holds every value.
+        let m = match m.format() == QuantFormat::MXFP4 && !packed::mxfp4_scales_fit(&m) {
+            true => as_bf16(&m),
+            false => m,
+        };
         match packed::pack(&m) {
             Some(p) => {
                 m.release_pages();
@@ -570,3 +575,20 @@ fn lookup_rows(
 
 #[cfg(test)]
 mod tests;
+
+/// `m`'s values as a BF16 matrix (exact for formats whose values bf16
+/// holds, MXFP4's).
+fn as_bf16(m: &QuantMatrix) -> QuantMatrix {
+    let values = m.dequantize();
+    let bytes: Vec<u8> = values
+        .iter()
+        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    QuantMatrix::new(
+        QuantFormat::BF16,
+        m.rows(),
+        m.cols(),
+        kiln_quant::SharedBytes::from_vec(bytes),
+    )
+    .expect("a bf16 matrix of the same shape; this is a bug")
+}

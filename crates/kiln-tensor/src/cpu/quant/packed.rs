@@ -45,7 +45,7 @@
 //! `2^(e−1)` an element, `e` ≤ the sub-block's largest exponent − 21).
 
 use half::f16;
-use kiln_quant::dequant::{q3_k_scale, scale_min_k4, IQ4_NL_VALUES};
+use kiln_quant::dequant::{e8m0_half, q3_k_scale, scale_min_k4, IQ4_NL_VALUES, MXFP4_VALUES};
 use kiln_quant::{QuantFormat, QuantMatrix};
 use rayon::prelude::*;
 
@@ -164,6 +164,9 @@ impl Scheme {
             Q4_0 => (true, 0, 32, f, false, 8),
             Q4_1 => (true, 0, 32, f, true, 0),
             IQ4NL => (true, 0, 32, f, false, 128),
+            // e2m1 codes (doubled) through a table; the e8m0 scale, halved,
+            // as the f16 scale (exact: `mxfp4_scales_fit`).
+            MXFP4 => (true, 0, 32, f, false, 128),
             Q5_0 => (true, 1, 32, f, false, 16),
             Q8_0 => (false, 0, 32, f, false, 128),
             Q5_1 => (true, 1, 32, f, true, 0),
@@ -173,7 +176,11 @@ impl Scheme {
             Q5K => (true, 1, 32, k(8), true, 0),
             Q6K => (true, 2, 16, k(16), false, 32),
         };
-        let lut = (format == IQ4NL).then(|| IQ4_NL_VALUES.map(|v| (v as i16 + 128) as u8));
+        let lut = match format {
+            IQ4NL => Some(IQ4_NL_VALUES.map(|v| (v as i16 + 128) as u8)),
+            MXFP4 => Some(MXFP4_VALUES.map(|v| (v as i16 + 128) as u8)),
+            _ => None,
+        };
         let table = std::array::from_fn(|u| match lut {
             Some(t) => (t[u] as i32 - bias) as f32,
             None => (u as i32 - bias) as f32,
@@ -346,12 +353,12 @@ fn decompose(
                 *c = lo + 4 * high;
             }
         }
-        Q4_0 | Q4_1 | IQ4NL => unreachable!("packed by direct_nibbles"),
+        Q4_0 | Q4_1 | IQ4NL | MXFP4 => unreachable!("packed by direct_nibbles"),
         F16 | BF16 => unreachable!("F16 and BF16 are not packed"),
     }
 }
 
-/// The 32-element nibble formats (Q4_0, Q4_1, IQ4_NL) written straight
+/// The 32-element nibble formats (Q4_0, Q4_1, IQ4_NL, MXFP4) written straight
 /// from the block into lane `l` of a group's nibble lines `dst` (the
 /// file's byte `j` holds element `j` low and `j + 16` high), with the
 /// block's scale (and min); `false` for other formats. The same codes as
@@ -370,6 +377,7 @@ fn direct_nibbles(
     let qs: &[u8; 16] = match format {
         Q4_0 | IQ4NL => b[2..18].try_into().expect("an 18-byte block"),
         Q4_1 => b[4..20].try_into().expect("a 20-byte block"),
+        MXFP4 => b[1..17].try_into().expect("a 17-byte block"),
         _ => return false,
     };
     // Element e of the block: byte e's low nibble (e < 16) or byte
@@ -381,7 +389,13 @@ fn direct_nibbles(
             dst[at] = nib(8 * m + i) | (nib(8 * m + 4 + i) << 4);
         }
     }
-    sc[0] = Factor { d: h(0), mult: 1 };
+    sc[0] = match format {
+        MXFP4 => Factor {
+            d: half::f16::from_f32(e8m0_half(b[0])).to_bits(),
+            mult: 1,
+        },
+        _ => Factor { d: h(0), mult: 1 },
+    };
     if format == Q4_1 {
         of[0] = Factor { d: h(2), mult: 1 };
     }
@@ -576,6 +590,14 @@ pub fn packed_bytes(format: QuantFormat, rows: usize, cols: usize) -> Option<usi
 
 /// `m` repacked into 16-row groups, in parallel over groups (`None` for
 /// formats kept as stored).
+/// Whether every MXFP4 block scale of `m`, halved (`2^(e-128)`), is an f16
+/// (exponents −24 to 15): the packed form keeps scales as f16.
+pub(crate) fn mxfp4_scales_fit(m: &QuantMatrix) -> bool {
+    m.rows_bytes(0..m.rows())
+        .chunks_exact(17)
+        .all(|b| (104..=143).contains(&b[0]))
+}
+
 pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
     let format = m.format();
     let scheme = Scheme::of(format)?;

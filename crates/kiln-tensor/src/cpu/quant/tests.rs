@@ -161,7 +161,7 @@ fn packed_formats() -> Vec<QuantFormat> {
 #[test]
 fn packed_rows_are_the_reference_values_bit_for_bit() {
     let formats = packed_formats();
-    assert_eq!(formats.len(), 11);
+    assert_eq!(formats.len(), 12);
     for format in formats {
         let k = width(format, 9);
         let m = matrix(format, 37, k, 21);
@@ -529,6 +529,59 @@ fn packed_products_of_activations_that_are_not_finite_are_nan() {
                     assert_eq!(v.is_nan(), bad_row, "{format} {isa:?} output {i}: {v}");
                 }
             }
+        }
+    }
+}
+
+/// MXFP4 whose scales an f16 holds is packed; one whose scales it does not
+/// is kept as bf16 (exact for MXFP4's values), whose product is the dense
+/// product of the reference values bit for bit; the packed product (exact
+/// integer sums in its own order) is within f32 rounding of the f64 one,
+/// and each row's is the same alone and in a batch.
+#[test]
+fn mxfp4_is_packed_or_kept_as_bf16_and_multiplies_exactly() {
+    let (rows, k) = (19, 96);
+    for big in [false, true] {
+        let mut bytes = random_blocks(QuantFormat::MXFP4, rows * k / 32, 5);
+        if big {
+            bytes[17 * 7] = 200; // a block scaled by 2^72
+        }
+        let m =
+            QuantMatrix::new(QuantFormat::MXFP4, rows, k, SharedBytes::from_vec(bytes)).unwrap();
+        let reference = m.dequantize();
+        let w = Stored::new(m);
+        assert_eq!(matches!(w, Stored::Packed(_)), !big);
+        let mut first_row = None;
+        for n in [1, 4] {
+            let x = pseudo(n * k, 3);
+            let mut out = vec![0f32; n * rows];
+            // SAFETY: n rows of `rows` columns.
+            unsafe { matmul_stacked(&[&w], &x, n, out.as_mut_ptr(), rows, CpuMatmul::Exact) };
+            let want = dense::matmul_t(&x, n, k, &reference, rows);
+            if big {
+                assert_eq!(out, want, "{n} rows");
+            }
+            for i in 0..n {
+                for j in 0..rows {
+                    let exact: f64 = (0..k)
+                        .map(|t| x[i * k + t] as f64 * reference[j * k + t] as f64)
+                        .sum();
+                    let mag: f64 = (0..k)
+                        .map(|t| (x[i * k + t] as f64 * reference[j * k + t] as f64).abs())
+                        .sum();
+                    let got = out[i * rows + j] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-6 * mag + 1e-30,
+                        "{got} vs {exact}"
+                    );
+                }
+            }
+            let row0 = out[..rows].to_vec();
+            assert_eq!(
+                *first_row.get_or_insert(row0.clone()),
+                row0,
+                "row 0 alone vs batched"
+            );
         }
     }
 }
