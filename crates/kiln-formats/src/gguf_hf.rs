@@ -26,6 +26,7 @@ pub const SUPPORTED_ARCHS: &[(&str, &str, &str)] = &[
     ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
     ("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
     ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    ("gpt-oss", "GptOssForCausalLM", "gpt_oss"),
 ];
 
 /// The `llama` architecture with experts (`llama.expert_count`) is Mixtral.
@@ -55,6 +56,11 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
     let layer: usize = layer.parse().ok()?;
     let (base, suffix) = rest.rsplit_once('.')?;
     let gemma = arch == "gemma3";
+    let gpt_oss = arch == "gpt-oss";
+    if base == "attn_sinks" {
+        // A parameter, not a module: no `.weight`.
+        return Some(format!("model.layers.{layer}.self_attn.sinks"));
+    }
     let hf = match base {
         "attn_norm" => "input_layernorm",
         "attn_q" => "self_attn.q_proj",
@@ -70,8 +76,15 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
         "ffn_gate" => "mlp.gate_proj",
         "ffn_up" => "mlp.up_proj",
         "ffn_down" => "mlp.down_proj",
-        // A sparse layer's router: Mixtral's under `block_sparse_moe`.
+        // A sparse layer's router: Mixtral's under `block_sparse_moe`,
+        // gpt-oss's `mlp.router` (with a bias).
         "ffn_gate_inp" if arch == "llama" => "block_sparse_moe.gate",
+        "ffn_gate_inp" if gpt_oss => "mlp.router",
+        // gpt-oss's expert biases, `[experts, out]` (the stacked weights are
+        // split by expert in `hf_expert_name`).
+        "ffn_gate_exps" if suffix == "bias" => "mlp.experts.gate_proj",
+        "ffn_up_exps" if suffix == "bias" => "mlp.experts.up_proj",
+        "ffn_down_exps" if suffix == "bias" => "mlp.experts.down_proj",
         "ffn_gate_inp" => "mlp.gate",
         "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
         "ffn_up_shexp" => "mlp.shared_expert.up_proj",
@@ -576,6 +589,9 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
         c.insert("hidden_activation".into(), json!(act));
     }
     c.insert("torch_dtype".into(), json!("float32"));
+    if arch == "gpt-oss" {
+        gpt_oss_config(md, &mut c, experts)?;
+    }
     if arch == "qwen2" || arch == "qwen2moe" {
         c.insert("attention_bias".into(), json!(true));
     }
@@ -607,6 +623,46 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
         }
     }
     Ok(Value::Object(c))
+}
+
+/// gpt-oss's keys: the experts' size, the sliding window on even layers
+/// (llama.cpp's pattern of 2), YaRN, biases.
+fn gpt_oss_config(md: &GgufMetadata, c: &mut Map<String, Value>, experts: u64) -> Result<()> {
+    let k = |s: &str| format!("gpt-oss.{s}");
+    if let Some(e) = md.u64(&k("expert_feed_forward_length"))? {
+        c.insert("intermediate_size".into(), json!(e));
+    }
+    c.insert("num_local_experts".into(), json!(experts));
+    let layers = md.req_u64(&k("block_count"))?;
+    c.insert(
+        "layer_types".into(),
+        json!((0..layers)
+            .map(|i| if i % 2 == 0 {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            })
+            .collect::<Vec<_>>()),
+    );
+    if let Some(w) = md.u64(&k("attention.sliding_window"))? {
+        c.insert("sliding_window".into(), json!(w));
+    }
+    c.insert("attention_bias".into(), json!(true));
+    if md.str(&k("rope.scaling.type"))? == Some("yarn") {
+        let mut rope = Map::new();
+        rope.insert("rope_type".into(), json!("yarn"));
+        if let Some(f) = decimal_f64(md, &k("rope.scaling.factor"))? {
+            rope.insert("factor".into(), json!(f));
+        }
+        if let Some(n) = md.u64(&k("rope.scaling.original_context_length"))? {
+            rope.insert("original_max_position_embeddings".into(), json!(n));
+        }
+        rope.insert("beta_fast".into(), json!(32.0));
+        rope.insert("beta_slow".into(), json!(1.0));
+        rope.insert("truncate".into(), json!(false));
+        c.insert("rope_scaling".into(), Value::Object(rope));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -290,6 +290,82 @@ impl GptOss {
             .into());
         }
         let e = g.num_experts;
+        let experts = match l
+            .source
+            .contains(&format!("{p}.experts.0.gate_proj.weight"))
+        {
+            true => Self::load_split_experts(l, p, e, h, i)?,
+            false => Self::load_stacked_experts(l, p, e, h, i)?,
+        };
+        Ok(SparseMoe {
+            layer: MoeLayer {
+                router: l.weight(&format!("{p}.router.weight"), &[e, h])?,
+                router_bias: Some(l.tensor(&format!("{p}.router.bias"), &[e])?),
+                experts,
+                shared: None,
+                activation: ExpertActivation::ClampedSwiglu {
+                    alpha: g.swiglu_alpha,
+                    limit: g.swiglu_limit,
+                },
+                routing: Routing {
+                    top_k: g.top_k,
+                    scoring: Scoring::TopKSoftmax,
+                    normalize: false,
+                },
+                load: Arc::new(kiln_tensor::ExpertLoad::new(e)),
+            },
+        })
+    }
+
+    /// Experts split by expert and into gate, up and down, as llama.cpp's
+    /// GGUF files hold them (`ffn_{gate,up,down}_exps`, seen one expert at a
+    /// time: `{p}.experts.{e}.{gate,up,down}_proj.weight`, kept as stored —
+    /// MXFP4 blocks in place) with `[experts, out]` biases
+    /// (`{p}.experts.{gate,up,down}_proj.bias`).
+    fn load_split_experts(
+        l: &WeightLoader,
+        p: &str,
+        e: usize,
+        h: usize,
+        i: usize,
+    ) -> Result<Vec<Expert>> {
+        let gate_b = l.host(&format!("{p}.experts.gate_proj.bias"), &[e, i])?;
+        let up_b = l.host(&format!("{p}.experts.up_proj.bias"), &[e, i])?;
+        let down_b = l.host(&format!("{p}.experts.down_proj.bias"), &[e, h])?;
+        let b = l.backend;
+        (0..e)
+            .map(|x| {
+                let q = format!("{p}.experts.{x}");
+                let bias: Vec<f32> = gate_b[x * i..(x + 1) * i]
+                    .iter()
+                    .chain(&up_b[x * i..(x + 1) * i])
+                    .copied()
+                    .collect();
+                Ok(Expert {
+                    gate_up: l.stacked_weight(
+                        &[
+                            format!("{q}.gate_proj.weight"),
+                            format!("{q}.up_proj.weight"),
+                        ],
+                        &[vec![i, h], vec![i, h]],
+                    )?,
+                    down: l.weight(&format!("{q}.down_proj.weight"), &[h, i])?,
+                    gate_up_bias: Some(b.upload(&[2 * i], &bias)?),
+                    down_bias: Some(b.upload(&[h], &down_b[x * h..(x + 1) * h])?),
+                })
+            })
+            .collect()
+    }
+
+    /// Experts as transformers saves them (stacked, gate/up interleaved),
+    /// unquantized or in MXFP4 blocks and scales.
+    fn load_stacked_experts(
+        l: &WeightLoader,
+        p: &str,
+        e: usize,
+        h: usize,
+        i: usize,
+    ) -> Result<Vec<Expert>> {
         // Each expert's weights as [out, in] rows in the checkpoint's
         // output order (gate/up interleaved).
         let gate_up = expert_rows(l, &format!("{p}.experts.gate_up_proj"), [e, 2 * i, h])?;
@@ -317,24 +393,7 @@ impl GptOss {
                 down_bias: Some(b.upload(&[h], &down_bias[x * h..(x + 1) * h])?),
             });
         }
-        Ok(SparseMoe {
-            layer: MoeLayer {
-                router: l.weight(&format!("{p}.router.weight"), &[e, h])?,
-                router_bias: Some(l.tensor(&format!("{p}.router.bias"), &[e])?),
-                experts,
-                shared: None,
-                activation: ExpertActivation::ClampedSwiglu {
-                    alpha: g.swiglu_alpha,
-                    limit: g.swiglu_limit,
-                },
-                routing: Routing {
-                    top_k: g.top_k,
-                    scoring: Scoring::TopKSoftmax,
-                    normalize: false,
-                },
-                load: Arc::new(kiln_tensor::ExpertLoad::new(e)),
-            },
-        })
+        Ok(experts)
     }
 }
 
