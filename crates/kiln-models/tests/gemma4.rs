@@ -29,42 +29,10 @@ fn load(case: &str) -> Box<dyn CausalLm> {
 
 /// The prompt and transformers' log-softmax at every position.
 fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
-    let text = std::fs::read_to_string(case_dir(case).join("golden.json")).unwrap();
-    let g: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let prompt = common::ids(&g["prompt"]);
-    let rows = g["logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            r.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect()
-        })
-        .collect();
-    (prompt, rows)
+    common::logprob_golden(&case_dir(case).join("golden.json"))
 }
 
-/// The largest |Δ log-softmax| of `logits` (rows of `vocab`) against
-/// golden rows `from..`, and whether every row's argmax matches.
-fn compare(logits: &[f32], vocab: usize, rows: &[Vec<f64>]) -> (f64, bool) {
-    let mut worst = 0f64;
-    let mut argmax_same = true;
-    for (got, want) in logits.chunks(vocab).zip(rows) {
-        let ours = common::log_softmax(got);
-        for (a, b) in ours.iter().zip(want) {
-            worst = worst.max((a - b).abs());
-        }
-        let best = want
-            .iter()
-            .enumerate()
-            .fold(0, |m, (i, &v)| if v > want[m] { i } else { m });
-        argmax_same &= common::argmax(got) == best;
-    }
-    (worst, argmax_same)
-}
+use common::compare_logprobs as compare;
 
 /// The whole prompt in one step, logits at every position.
 fn prefill_matches(case: &str) {

@@ -31,39 +31,10 @@ fn load(case: &str) -> Box<dyn CausalLm> {
 }
 
 fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
-    let text = std::fs::read_to_string(case_dir(case).join("golden.json")).unwrap();
-    let g: serde_json::Value = serde_json::from_str(&text).unwrap();
-    assert!(g["min_routing_margin"].as_f64().unwrap() > 1e-3, "{case}");
-    let rows = g["logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            r.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect()
-        })
-        .collect();
-    (common::ids(&g["prompt"]), rows)
+    common::logprob_golden(&case_dir(case).join("golden.json"))
 }
 
-fn compare(logits: &[f32], vocab: usize, rows: &[Vec<f64>]) -> (f64, bool) {
-    let mut worst = 0f64;
-    let mut same = true;
-    for (got, want) in logits.chunks(vocab).zip(rows) {
-        for (a, b) in common::log_softmax(got).iter().zip(want) {
-            worst = worst.max((a - b).abs());
-        }
-        let best = want
-            .iter()
-            .enumerate()
-            .fold(0, |m, (i, &v)| if v > want[m] { i } else { m });
-        same &= common::argmax(got) == best;
-    }
-    (worst, same)
-}
+use common::compare_logprobs as compare;
 
 fn logits(m: &dyn CausalLm, batch: &ForwardBatch, cache: &mut kiln_tensor::KvCache) -> Vec<f32> {
     m.backend()

@@ -37,44 +37,10 @@ fn load(case: &str) -> Box<dyn CausalLm> {
 
 /// The prompt and transformers' log-softmax at every position.
 fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
-    let text = std::fs::read_to_string(case_dir(case).join("golden.json")).unwrap();
-    let g: serde_json::Value = serde_json::from_str(&text).unwrap();
-    // The routing is decided by a margin f32 rounding cannot cross.
-    assert!(g["min_routing_margin"].as_f64().unwrap() > 1e-3, "{case}");
-    let prompt = common::ids(&g["prompt"]);
-    let rows = g["logprobs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            r.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect()
-        })
-        .collect();
-    (prompt, rows)
+    common::logprob_golden(&case_dir(case).join("golden.json"))
 }
 
-/// The largest |Δ log-softmax| of `logits` (rows of `vocab`) against
-/// `rows`, and whether every row's argmax matches.
-fn compare(logits: &[f32], vocab: usize, rows: &[Vec<f64>]) -> (f64, bool) {
-    let mut worst = 0f64;
-    let mut argmax_same = true;
-    for (got, want) in logits.chunks(vocab).zip(rows) {
-        let ours = common::log_softmax(got);
-        for (a, b) in ours.iter().zip(want) {
-            worst = worst.max((a - b).abs());
-        }
-        let best = want
-            .iter()
-            .enumerate()
-            .fold(0, |m, (i, &v)| if v > want[m] { i } else { m });
-        argmax_same &= common::argmax(got) == best;
-    }
-    (worst, argmax_same)
-}
+use common::compare_logprobs as compare;
 
 fn logits(m: &dyn CausalLm, batch: &ForwardBatch, cache: &mut kiln_tensor::KvCache) -> Vec<f32> {
     m.backend()
@@ -323,22 +289,7 @@ fn gguf_expert_stacks_match_transformers() {
             .iter()
             .all(|t| t.dtype == "Q8_0" && t.shape.len() == 2));
         let m = load_model(Arc::new(CpuBackend::new()), &w, cfg).unwrap();
-        let text = std::fs::read_to_string(dir.join(format!("{case}.json"))).unwrap();
-        let g: serde_json::Value = serde_json::from_str(&text).unwrap();
-        assert!(g["min_routing_margin"].as_f64().unwrap() > 1e-3);
-        let prompt = common::ids(&g["prompt"]);
-        let rows: Vec<Vec<f64>> = g["logprobs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| {
-                r.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect()
-            })
-            .collect();
+        let (prompt, rows) = common::logprob_golden(&dir.join(format!("{case}.json")));
         let worst = prefill_against(m.as_ref(), &prompt, &rows);
         eprintln!("{case}.gguf: max |Δ log-softmax| {worst:.2e}");
         assert!(worst <= 1e-3, "{case}.gguf: max |Δ log-softmax| {worst}");

@@ -79,3 +79,46 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect()
 }
+
+/// A random-checkpoint golden (a JSON file written by a script in
+/// `scripts/goldens/`): the prompt and transformers' log-softmax at every
+/// position. Where the golden records the routing margin of a sparse model,
+/// it must be wide enough that f32 rounding cannot flip a choice.
+pub fn logprob_golden(path: &std::path::Path) -> (Vec<u32>, Vec<Vec<f64>>) {
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let g: serde_json::Value = serde_json::from_str(&text).unwrap();
+    if let Some(margin) = g.get("min_routing_margin") {
+        assert!(margin.as_f64().unwrap() > 1e-3, "{}", path.display());
+    }
+    let rows = g["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect();
+    (ids(&g["prompt"]), rows)
+}
+
+/// The largest |Δ log-softmax| of `logits` (rows of `vocab`) against golden
+/// `rows`, and whether every row's argmax matches.
+pub fn compare_logprobs(logits: &[f32], vocab: usize, rows: &[Vec<f64>]) -> (f64, bool) {
+    let mut worst = 0f64;
+    let mut argmax_same = true;
+    for (got, want) in logits.chunks(vocab).zip(rows) {
+        for (a, b) in log_softmax(got).iter().zip(want) {
+            worst = worst.max((a - b).abs());
+        }
+        let best = want
+            .iter()
+            .enumerate()
+            .fold(0, |m, (i, &v)| if v > want[m] { i } else { m });
+        argmax_same &= argmax(got) == best;
+    }
+    (worst, argmax_same)
+}
