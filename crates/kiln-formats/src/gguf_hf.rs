@@ -29,6 +29,9 @@ pub const SUPPORTED_ARCHS: &[(&str, &str, &str)] = &[
     ("gpt-oss", "GptOssForCausalLM", "gpt_oss"),
 ];
 
+/// Experts a stacked tensor may hold (any released model has far fewer).
+const MAX_EXPERTS: u64 = 1 << 12;
+
 /// The `llama` architecture with experts (`llama.expert_count`) is Mixtral.
 const MIXTRAL: (&str, &str, &str) = ("llama", "MixtralForCausalLM", "mixtral");
 
@@ -277,9 +280,13 @@ impl GgufWeights {
                 ));
                 continue;
             }
-            // A stacked expert tensor: one Hugging Face tensor an expert.
+            // A stacked expert tensor: one Hugging Face tensor an expert
+            // (no more than any model has: a crafted count must not make
+            // millions of names).
             let num = match t.ne.as_slice() {
-                &[_, _, n] if hf_expert_name(&arch, &t.name, 0).is_some() => n as usize,
+                &[_, _, n] if n <= MAX_EXPERTS && hf_expert_name(&arch, &t.name, 0).is_some() => {
+                    n as usize
+                }
                 _ => continue,
             };
             for e in 0..num {

@@ -524,3 +524,39 @@ fn embed_prints_a_unit_vector_a_line() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("nope"));
 }
+
+/// `kiln fit` on sparse models: a token reads its experts' share of the
+/// weights, and a gpt-oss GGUF's MXFP4 experts count at their stored size,
+/// not expanded (the same model's f32 safetensors hold them at 4 bytes).
+#[test]
+fn fit_counts_experts_as_stored_and_reads_a_tokens_share() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kiln-models/tests/data");
+    let fit = |model: PathBuf| {
+        let out = kiln()
+            .arg("fit")
+            .arg(&model)
+            .args(["--device", "cpu", "--memory-bytes", "2000000000", "--json"])
+            .output()
+            .unwrap();
+        json_of(&out)
+    };
+    let bytes = |j: &serde_json::Value, key: &str| j[key].as_f64().unwrap();
+    let q = fit(data.join("moe/qwen3_moe"));
+    let (held, read) = (bytes(&q, "weights_bytes"), bytes(&q, "decode_weight_bytes"));
+    assert!(read < held && read > 0.3 * held, "{q}");
+    let plain = fit(data.join("gpt_oss/plain"));
+    let gguf = fit(data.join("gpt_oss/gguf/gpt-oss.gguf"));
+    // 2 layers x 4 experts x (gate, up, down) of 32 x 64 weights, in f32.
+    let experts_f32 = (2 * 4 * 3 * 32 * 64 * 4) as f64;
+    let (p, g) = (
+        bytes(&plain, "weights_bytes"),
+        bytes(&gguf, "weights_bytes"),
+    );
+    assert!(g < p - 0.8 * experts_f32, "GGUF {g} vs f32 {p}");
+    // A token reads 2 of 4 experts.
+    let (pr, gr) = (
+        bytes(&plain, "decode_weight_bytes"),
+        bytes(&gguf, "decode_weight_bytes"),
+    );
+    assert!(pr < p - 0.45 * experts_f32 && gr < g, "{plain} {gguf}");
+}

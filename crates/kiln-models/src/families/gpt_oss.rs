@@ -136,9 +136,12 @@ fn gpt_oss_config(cfg: &ModelConfig) -> Result<&GptOssConfig> {
     }
 }
 
-/// Every weight of a gpt-oss checkpoint with `cfg`, experts as transformers
-/// saves them unquantized (an MXFP4 checkpoint holds `*_blocks` and
-/// `*_scales` in their place).
+/// Every weight of a gpt-oss checkpoint with `cfg`, the experts split by
+/// expert and projection as a GGUF file holds them (so `kiln fit` finds
+/// their stored blocks by name); transformers' checkpoints hold the same
+/// elements stacked (`gate_up_proj [E, hidden, 2i]`, `down_proj [E, i,
+/// hidden]`, or their MXFP4 `*_blocks`/`*_scales`), which the loader reads
+/// as well.
 pub fn tensor_shapes(cfg: &ModelConfig, g: &GptOssConfig) -> Vec<(String, Vec<usize>)> {
     let (h, hd, i, e) = (
         cfg.hidden_size,
@@ -169,10 +172,14 @@ pub fn tensor_shapes(cfg: &ModelConfig, g: &GptOssConfig) -> Vec<(String, Vec<us
         add("self_attn.sinks", vec![cfg.num_heads]);
         add("mlp.router.weight", vec![e, h]);
         add("mlp.router.bias", vec![e]);
-        add("mlp.experts.gate_up_proj", vec![e, h, 2 * i]);
-        add("mlp.experts.gate_up_proj_bias", vec![e, 2 * i]);
-        add("mlp.experts.down_proj", vec![e, i, h]);
-        add("mlp.experts.down_proj_bias", vec![e, h]);
+        for x in 0..e {
+            add(&format!("mlp.experts.{x}.gate_proj.weight"), vec![i, h]);
+            add(&format!("mlp.experts.{x}.up_proj.weight"), vec![i, h]);
+            add(&format!("mlp.experts.{x}.down_proj.weight"), vec![h, i]);
+        }
+        add("mlp.experts.gate_proj.bias", vec![e, i]);
+        add("mlp.experts.up_proj.bias", vec![e, i]);
+        add("mlp.experts.down_proj.bias", vec![e, h]);
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
