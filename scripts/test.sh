@@ -44,6 +44,10 @@ for sdk in "$pysdk" "$pysdk_newest"; do
   PYTHONPATH="$sdk" python3 tests/sdk/embeddings_sdk.py "${CARGO_TARGET_DIR:-target}/debug/kiln" models 2>&1 \
     | tee -a "$log" || status=1
 done
+# Ollama's API through the official `ollama` Python client (SmolLM2; a tool call on Qwen2.5-Coder).
+pyollama=$(scripts/install-ollama-client.sh) || exit 1
+PYTHONPATH="$pyollama:$pysdk" python3 tests/sdk/ollama_client.py "${CARGO_TARGET_DIR:-target}/debug/kiln" models 2>&1 \
+  | tee -a "$log" || status=1
 # Structured output: 30 JSON schemas on SmolLM2 and Qwen2.5-Coder, validated by `jsonschema`.
 PYTHONPATH="$pysdk" python3 tests/structured/schema_suite.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
   models/SmolLM2-135M-Instruct.Q4_1.gguf models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf 2>&1 | tee -a "$log" || status=1

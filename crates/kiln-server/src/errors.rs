@@ -20,6 +20,8 @@ const RETRY_AFTER_SECONDS: &str = "1";
 pub enum ErrorShape {
     OpenAi,
     Anthropic,
+    /// Ollama's `{"error": "..."}` (the `/api/` routes).
+    Ollama,
 }
 
 impl ErrorShape {
@@ -28,6 +30,8 @@ impl ErrorShape {
     pub fn for_path(path: &str) -> Self {
         if path == "/v1/messages" || path.starts_with("/v1/messages/") {
             ErrorShape::Anthropic
+        } else if path.starts_with("/api/") {
+            ErrorShape::Ollama
         } else {
             ErrorShape::OpenAi
         }
@@ -216,6 +220,7 @@ impl ApiError {
                 "type": self.anthropic_kind(),
                 "message": self.to_string(),
             }}),
+            ErrorShape::Ollama => json!({"error": self.to_string()}),
         }
     }
 

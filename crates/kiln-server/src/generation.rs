@@ -243,7 +243,7 @@ impl ChatPrompt {
 }
 
 /// The model's chat template source (empty when it has none).
-pub(crate) fn template_source(model: &LoadedModel) -> &str {
+pub fn template_source(model: &LoadedModel) -> &str {
     model.tokenizer.chat_template().unwrap_or_default()
 }
 

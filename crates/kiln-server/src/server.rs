@@ -471,6 +471,13 @@ fn router(state: AppState, access: AccessLog) -> Router {
         .route("/v1/messages", post(messages::handle))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/stats", get(ops::stats))
+        .route("/api/version", get(crate::routes::ollama::version))
+        .route("/api/tags", get(crate::routes::ollama::tags))
+        .route("/api/ps", get(crate::routes::ollama::ps))
+        .route("/api/show", post(crate::routes::ollama::show))
+        .route("/api/chat", post(crate::routes::ollama::chat))
+        .route("/api/generate", post(crate::routes::ollama::generate))
+        .route("/api/embed", post(crate::routes::ollama::embed))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
     api.route("/health", get(ops::health))
         .route("/metrics", get(ops::metrics))

@@ -37,9 +37,14 @@ pub trait StreamFormat: Send + 'static {
     fn on_end(&mut self, _usage: &Usage) -> Vec<Bytes> {
         Vec::new()
     }
-    /// The frame sent when nothing else was for the keep-alive interval.
-    fn keepalive_frame(&self) -> Bytes {
-        Bytes::from_static(b": ping\n\n")
+    /// The frame sent when nothing else was for the keep-alive interval
+    /// (`None`: the format has none, and nothing is sent).
+    fn keepalive_frame(&self) -> Option<Bytes> {
+        Some(Bytes::from_static(b": ping\n\n"))
+    }
+    /// The response's content type.
+    fn content_type(&self) -> &'static str {
+        "text/event-stream"
     }
     /// The frame that reports a failure mid-stream.
     fn error_frame(&mut self, e: &ApiError) -> Bytes {
@@ -110,7 +115,8 @@ impl<F: StreamFormat> SseState<F> {
                 // `next_indexed` loses nothing when the deadline wins.
                 match tokio::time::timeout_at(deadline, self.events.next_indexed()).await {
                     Ok(item) => item,
-                    Err(_) => return Some(self.format.keepalive_frame()),
+                    // (A format without keep-alives streams with none: `response`.)
+                    Err(_) => return Some(self.format.keepalive_frame().unwrap_or_default()),
                 }
             };
             match item {
@@ -167,6 +173,11 @@ pub fn response<F: StreamFormat>(
     first: Vec<Bytes>,
     keepalive: Duration,
 ) -> Response {
+    let content_type = format.content_type();
+    let keepalive = match format.keepalive_frame() {
+        Some(_) => keepalive,
+        None => Duration::ZERO,
+    };
     let state = SseState {
         usages: vec![None; events.num_choices()],
         events,
@@ -183,10 +194,7 @@ pub fn response<F: StreamFormat>(
     });
     let mut r = Body::from_stream(stream).into_response();
     let h = r.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     h.insert("x-accel-buffering", HeaderValue::from_static("no"));
     r

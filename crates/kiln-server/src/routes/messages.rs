@@ -515,8 +515,8 @@ impl StreamFormat for MessagesStream {
         None
     }
 
-    fn keepalive_frame(&self) -> Bytes {
-        ping_frame()
+    fn keepalive_frame(&self) -> Option<Bytes> {
+        Some(ping_frame())
     }
 }
 

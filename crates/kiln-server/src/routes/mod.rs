@@ -5,6 +5,7 @@ pub mod completions;
 pub mod embeddings;
 pub mod lora;
 pub mod messages;
+pub mod ollama;
 pub mod ops;
 pub mod responses;
 pub mod tokenize;
