@@ -2,7 +2,8 @@
 """Kiln's Ollama API through the official `ollama` Python client, unchanged:
 `kiln serve` on SmolLM2 — list, show, ps, chat and generate (whole and
 streamed, each the same text as Kiln's OpenAI route gives for the same
-greedy request), embed (the vectors of `/v1/embeddings`), an unknown model
+greedy request), a JSON-schema `format`, embed (the vectors of
+`/v1/embeddings`), an unknown model
 as the client's `ResponseError` 404 — and on Qwen2.5-Coder-0.5B a chat with
 a tool, whose call comes back with its arguments as a dict, whole and
 streamed.
@@ -103,6 +104,15 @@ def main():
         assert len(r.embeddings) == 2
         for got, d in zip(r.embeddings, o["data"]):
             assert list(got) == d["embedding"]
+
+    @test
+    def format_schema_gives_json():
+        schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                  "additionalProperties": False}
+        r = c.chat(model=name, messages=[{"role": "user", "content": "Name a city in France as JSON."}],
+                   format=schema, options={"num_predict": 100, "temperature": 0})
+        v = json.loads(r.message.content)
+        assert isinstance(v["city"], str), v
 
     @test
     def unknown_model_is_a_404():

@@ -213,10 +213,12 @@ fn errors_are_in_ollamas_shape() {
     );
     check(
         "/api/chat",
-        &json!({"messages": msg, "format": "json"}),
+        &json!({"messages": msg, "format": 3}),
         400,
         "format",
     );
+    let with_image = json!([{"role": "user", "content": "hi", "images": ["aGk="]}]);
+    check("/api/chat", &json!({"messages": with_image}), 400, "images");
     check("/api/chat", &json!({"messages": "hi"}), 400, "messages");
     check("/api/generate", &json!({"prompt": 3}), 400, "prompt");
     let bad = post(addr, "/api/nothing", &json!({}));
@@ -271,4 +273,34 @@ fn tool_calls_come_back_with_object_arguments() {
         .collect();
     assert_eq!(calls.len(), 1, "{calls:?}");
     assert_eq!(calls[0]["function"], *call);
+}
+
+/// `format`: a JSON schema (the answer is JSON holding its required keys)
+/// and `"json"` (a JSON object), on chat and generate.
+#[test]
+fn format_constrains_the_answer() {
+    let addr = server();
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string"},
+                        "country": {"type": "string"}}, "required": ["city", "country"],
+                        "additionalProperties": false});
+    let r = post(
+        addr,
+        "/api/chat",
+        &json!({"messages": [{"role": "user", "content": "Describe Paris as JSON."}],
+                "stream": false, "format": schema, "options": {"num_predict": 120, "temperature": 0}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let answer = r.json();
+    let content = answer["message"]["content"].as_str().unwrap();
+    let v: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{content:?}: {e}"));
+    assert!(v["city"].is_string() && v["country"].is_string(), "{v}");
+    let r = post(
+        addr,
+        "/api/generate",
+        &json!({"prompt": "List three colours.", "stream": false, "format": "json",
+                "options": {"num_predict": 200, "temperature": 0}}),
+    );
+    let text = r.json()["response"].as_str().unwrap().to_string();
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(v.is_object(), "{v}");
 }

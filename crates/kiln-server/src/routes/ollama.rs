@@ -7,7 +7,8 @@
 //! body `{"error": "..."}`. The model is the one served, named as
 //! `/api/tags` lists it (with or without `:latest`). Tools are the chat
 //! template's, their calls read in the model's syntax and answered with the
-//! arguments as an object; `format` is not taken yet and is refused by name.
+//! arguments as an object; `format` (`"json"` or a JSON schema) constrains
+//! the answer as `response_format` does; images are refused by name.
 
 use std::time::Instant;
 
@@ -20,7 +21,7 @@ use kiln_sampling::{FinishReason, Sampled};
 use serde_json::{json, Map, Value};
 
 use crate::errors::{ApiError, ErrorShape};
-use crate::generation::{self, ChatRender, Generate};
+use crate::generation::{self, ChatRender, Generate, Prepared};
 use crate::parse::{OutputParser, OutputSyntax, Piece};
 use crate::sampling::{SamplingFields, OPENAI_MAX_TEMPERATURE};
 use crate::sse::{self, StreamFormat};
@@ -244,6 +245,23 @@ fn sampling(state: &AppState, req: &Map<String, Value>) -> Result<kiln_sampling:
     };
     let vocab = state.engine.model().model.config().vocab_size;
     Ok(fields.into_params(vocab, &state.sampling_defaults)?)
+}
+
+/// Ollama's `format`: `"json"` (any JSON object) or a JSON schema.
+fn format(req: &Map<String, Value>) -> Result<Option<kiln_structured::Format>> {
+    match req.get("format") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) if s == "json" => Ok(Some(kiln_structured::Format::JsonObject)),
+        Some(schema @ Value::Object(_)) => {
+            Ok(Some(kiln_structured::Format::JsonSchema(schema.clone())))
+        }
+        Some(other) => Err(ApiError::invalid(
+            "format",
+            format!("`format` must be \"json\" or a JSON schema, not {other}"),
+        )
+        .into()),
+    }
 }
 
 fn stream_wanted(req: &Map<String, Value>) -> bool {
@@ -485,12 +503,13 @@ async fn answer(
     state: &AppState,
     req: &Map<String, Value>,
     chat: bool,
-    prepare: impl FnOnce(&LoadedModel) -> std::result::Result<(Vec<u32>, OutputSyntax), ApiError>
+    prepare: impl FnOnce(&LoadedModel) -> std::result::Result<Prepared<OutputSyntax>, ApiError>
         + Send
         + 'static,
 ) -> Result<Response> {
     let start = Instant::now();
     let params = sampling(state, req)?;
+    let format = format(req)?;
     let parses = generation::thinks(state)
         || req
             .get("tools")
@@ -498,14 +517,10 @@ async fn answer(
     let generate = Generate {
         params,
         skip_special_tokens: !parses,
-        format: None,
+        format,
         adapter: None,
     };
-    let admitted = generation::start(state, generate, move |model: &LoadedModel| {
-        let (tokens, syntax) = prepare(model)?;
-        Ok(generation::Prepared::new(tokens, syntax))
-    })
-    .await?;
+    let admitted = generation::start(state, generate, prepare).await?;
     let syntax: OutputSyntax = admitted.extra;
     let line = Line {
         model: state.model_name.to_string(),
@@ -540,7 +555,6 @@ pub async fn chat(State(state): State<AppState>, bytes: Bytes) -> Result<Respons
     let req = body(&bytes)?;
     check_model(&state, &req)?;
     state.check_generates()?;
-    refuse_unsupported(&req, &["format"])?;
     let messages = template_messages(&req)?;
     let (tools, tool_names) = tools(&req)?;
     let render = ChatRender {
@@ -555,12 +569,12 @@ pub async fn chat(State(state): State<AppState>, bytes: Bytes) -> Result<Respons
     };
     let thinks = think(&req) != Some(false);
     answer(&state, &req, true, move |model| {
-        let p = generation::chat_prompt(model, messages, render)?;
-        let mut syntax = p.syntax;
+        let mut p = generation::chat_prompt(model, messages, render)?;
         if !thinks {
-            syntax.think = None;
+            p.syntax.think = None;
         }
-        Ok((p.tokens, syntax))
+        let syntax = p.syntax.clone();
+        Ok(p.prepared(syntax))
     })
     .await
 }
@@ -569,7 +583,7 @@ pub async fn generate(State(state): State<AppState>, bytes: Bytes) -> Result<Res
     let req = body(&bytes)?;
     check_model(&state, &req)?;
     state.check_generates()?;
-    refuse_unsupported(&req, &["format", "images", "suffix", "context"])?;
+    refuse_unsupported(&req, &["images", "suffix", "context"])?;
     let prompt = match req.get("prompt") {
         None | Some(Value::Null) => String::new(),
         Some(Value::String(s)) => s.clone(),
@@ -596,7 +610,7 @@ pub async fn generate(State(state): State<AppState>, bytes: Bytes) -> Result<Res
     answer(&state, &req, false, move |model| {
         if raw || model.tokenizer.chat_template().is_none() {
             let tokens = model.tokenizer.encode(&prompt, true)?;
-            return Ok((tokens, OutputSyntax::default()));
+            return Ok(Prepared::new(tokens, OutputSyntax::default()));
         }
         let mut messages = Vec::new();
         if let Some(s) = system {
@@ -610,12 +624,12 @@ pub async fn generate(State(state): State<AppState>, bytes: Bytes) -> Result<Res
             kwargs: Map::new(),
             overrides,
         };
-        let p = generation::chat_prompt(model, Value::Array(messages), render)?;
-        let mut syntax = p.syntax;
+        let mut p = generation::chat_prompt(model, Value::Array(messages), render)?;
         if think == Some(false) {
-            syntax.think = None;
+            p.syntax.think = None;
         }
-        Ok((p.tokens, syntax))
+        let syntax = p.syntax.clone();
+        Ok(p.prepared(syntax))
     })
     .await
 }
