@@ -22,9 +22,7 @@ fn case_dir(case: &str) -> PathBuf {
 }
 
 fn load(case: &str) -> Box<dyn CausalLm> {
-    let dir = SafetensorsDir::open(case_dir(case)).unwrap();
-    let cfg = ModelConfig::from_hf(dir.config()).unwrap();
-    load_model(Arc::new(CpuBackend::new()), &dir, cfg).unwrap()
+    common::load_safetensors_dir(&case_dir(case))
 }
 
 /// The prompt and transformers' log-softmax at every position.

@@ -25,9 +25,7 @@ fn case_dir(case: &str) -> PathBuf {
 }
 
 fn load(case: &str) -> Box<dyn CausalLm> {
-    let dir = SafetensorsDir::open(case_dir(case)).unwrap();
-    let cfg = ModelConfig::from_hf(dir.config()).unwrap();
-    load_model(Arc::new(CpuBackend::new()), &dir, cfg).unwrap()
+    common::load_safetensors_dir(&case_dir(case))
 }
 
 fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
@@ -36,11 +34,7 @@ fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
 
 use common::compare_logprobs as compare;
 
-fn logits(m: &dyn CausalLm, batch: &ForwardBatch, cache: &mut kiln_tensor::KvCache) -> Vec<f32> {
-    m.backend()
-        .to_host(&m.forward(batch, cache).unwrap())
-        .unwrap()
-}
+use common::host_logits as logits;
 
 #[test]
 fn gpt_oss_matches_transformers_in_prefill_and_token_by_token() {

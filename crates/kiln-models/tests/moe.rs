@@ -30,9 +30,7 @@ fn config(case: &str) -> ModelConfig {
 }
 
 fn load(case: &str) -> Box<dyn CausalLm> {
-    let dir = SafetensorsDir::open(case_dir(case)).unwrap();
-    let cfg = ModelConfig::from_hf(dir.config()).unwrap();
-    load_model(Arc::new(CpuBackend::new()), &dir, cfg).unwrap()
+    common::load_safetensors_dir(&case_dir(case))
 }
 
 /// The prompt and transformers' log-softmax at every position.
@@ -42,11 +40,7 @@ fn golden(case: &str) -> (Vec<u32>, Vec<Vec<f64>>) {
 
 use common::compare_logprobs as compare;
 
-fn logits(m: &dyn CausalLm, batch: &ForwardBatch, cache: &mut kiln_tensor::KvCache) -> Vec<f32> {
-    m.backend()
-        .to_host(&m.forward(batch, cache).unwrap())
-        .unwrap()
-}
+use common::host_logits as logits;
 
 #[test]
 fn configs_read_each_familys_routing_and_sparse_layers() {

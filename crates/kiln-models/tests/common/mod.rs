@@ -122,3 +122,21 @@ pub fn compare_logprobs(logits: &[f32], vocab: usize, rows: &[Vec<f64>]) -> (f64
     }
     (worst, argmax_same)
 }
+
+/// A safetensors checkpoint directory loaded on the CPU.
+pub fn load_safetensors_dir(dir: &std::path::Path) -> Box<dyn CausalLm> {
+    let w = kiln_formats::SafetensorsDir::open(dir).unwrap();
+    let cfg = ModelConfig::from_hf(w.config()).unwrap();
+    load_model(Arc::new(CpuBackend::new()), &w, cfg).unwrap()
+}
+
+/// One forward step's logits, on the host.
+pub fn host_logits(
+    m: &dyn CausalLm,
+    batch: &kiln_tensor::ForwardBatch,
+    cache: &mut kiln_tensor::KvCache,
+) -> Vec<f32> {
+    m.backend()
+        .to_host(&m.forward(batch, cache).unwrap())
+        .unwrap()
+}
