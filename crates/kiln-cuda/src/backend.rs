@@ -181,6 +181,20 @@ impl Memory for CudaBackend {
         self.dev.copy_bandwidth_gbs().ok()
     }
 
+    /// Dense weights, and the GGUF block formats `ops::matmul::blocks` has
+    /// kernels for (kept as stored).
+    fn supports_weight(&self, kind: kiln_tensor::WeightKind) -> bool {
+        match kind {
+            kiln_tensor::WeightKind::Dense(_) => true,
+            kiln_tensor::WeightKind::Blocks(f) => crate::ops::matmul::blocks::supported(self, f),
+            _ => false,
+        }
+    }
+
+    fn upload_blocks(&self, m: kiln_tensor::QuantMatrix) -> Result<kiln_tensor::BlockPart> {
+        crate::ops::matmul::blocks::upload(self, m)
+    }
+
     fn device_memory(&self) -> Option<kiln_tensor::DeviceMemory> {
         let (free, total) = self.driver_memory().ok()?;
         let snap = self.memory_snapshot();
@@ -257,11 +271,23 @@ impl Memory for CudaBackend {
 
 impl Ops for CudaBackend {
     fn embedding(&self, table: &Weight, ids: &[u32]) -> Result<Tensor> {
-        crate::ops::gather::embedding(self, table.dense("embedding")?, ids)
+        match table {
+            Weight::Blocks(b) => crate::ops::matmul::blocks::embedding(self, b, ids),
+            _ => crate::ops::gather::embedding(self, table.dense("embedding")?, ids),
+        }
     }
 
     fn matmul_dense(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         crate::ops::matmul::linear(self, x, w, bias)
+    }
+
+    fn matmul_blocks(
+        &self,
+        x: &Tensor,
+        w: &kiln_tensor::BlockWeight,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        crate::ops::matmul::blocks::matmul(self, x, w, None, Epilogue::bias(bias))
     }
 
     /// The fused forms the kernels have; anything else is composed
@@ -273,6 +299,9 @@ impl Ops for CudaBackend {
         prologue: Option<NormPrologue<'_>>,
         epilogue: Epilogue<'_>,
     ) -> Result<Tensor> {
+        if let Weight::Blocks(b) = w {
+            return crate::ops::matmul::blocks::matmul(self, x, b, prologue, epilogue);
+        }
         let wd = w.dense("matmul")?;
         let Epilogue {
             bias,

@@ -51,6 +51,7 @@ pub const SOURCES: &[(&str, &str)] = &[
         include_str!("ops/attention/prefill.cu"),
     ),
     ("matmul_gemv", include_str!("ops/matmul/gemv.cu")),
+    ("matmul_blocks", include_str!("ops/matmul/blocks.cu")),
     ("argmax", include_str!("ops/argmax/argmax.cu")),
     ("sample", include_str!("ops/sample/sample.cu")),
     ("lora", include_str!("ops/lora/lora.cu")),
@@ -108,6 +109,26 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_hd128",
     "flash_prefill_hd256",
 ];
+
+/// The block formats `matmul_blocks` (`ops/matmul/blocks.cu`) has kernels
+/// for, by kernel name: `qgemv_<fmt>_m1` … `_m8` and `dequant_<fmt>_bf16`
+/// each.
+pub const BLOCK_FORMATS: &[&str] = &[
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k",
+    "q6_k",
+];
+
+/// Every block-weight kernel the backend launches by name.
+pub fn block_entry_points() -> Vec<String> {
+    BLOCK_FORMATS
+        .iter()
+        .flat_map(|f| {
+            (1..=8)
+                .map(move |m| format!("qgemv_{f}_m{m}"))
+                .chain([format!("dequant_{f}_bf16")])
+        })
+        .collect()
+}
 
 /// `src` with its local includes expanded from [`HEADERS`].
 pub fn expand(src: &str) -> String {

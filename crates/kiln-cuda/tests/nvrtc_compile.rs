@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use kiln_cuda::{
-    kernels::{compile_all, expand, ENTRY_POINTS, SOURCES},
+    kernels::{block_entry_points, compile_all, expand, ENTRY_POINTS, SOURCES},
     KernelCompiler,
 };
 
@@ -46,7 +46,12 @@ fn every_kernel_compiles_to_ptx_for_sm90_with_every_entry_point() {
         ptx.push_str(&k.ptx);
     }
     // Every kernel the backend launches is an entry point of some source.
-    for entry in ENTRY_POINTS {
+    let blocks = block_entry_points();
+    for entry in ENTRY_POINTS
+        .iter()
+        .copied()
+        .chain(blocks.iter().map(|s| s.as_str()))
+    {
         assert!(
             ptx.contains(&format!(".entry {entry}(")),
             "entry {entry} in the PTX"

@@ -211,12 +211,13 @@ impl MemoryTarget {
         }
     }
 
-    /// The CUDA backend: bf16 weights and KV, 8192-token chunks.
+    /// The CUDA backend: GGUF block weights as stored, others and KV in
+    /// bf16, 8192-token chunks.
     pub fn cuda(context_counted: bool) -> Self {
         MemoryTarget {
             on_device: true,
             weight_bytes_per_element: 2,
-            keeps_blocks: false,
+            keeps_blocks: true,
             kv_bytes_per_element: 2,
             max_num_batched_tokens: DEVICE_PREFILL_CHUNK,
             max_num_seqs: 256,
@@ -280,6 +281,9 @@ pub struct FitReport {
     /// The part of `weights_bytes` held as the file stores it (blocks kept
     /// in place in the mapped file on the CPU).
     pub weights_in_place_bytes: u64,
+    /// The part of `weights_bytes` held in the file's block formats
+    /// (quantized, f16, bf16) rather than expanded.
+    pub weights_blocks_bytes: u64,
     /// Extra while loading on the CPU: the mapped file and one host copy.
     pub loading_bytes: u64,
     /// Bytes per token of full attention in every layer.
@@ -310,6 +314,7 @@ struct Terms {
     /// Weight bytes one decode token reads ([`kiln_models::decode_share`]).
     decode_weights: u64,
     in_place: u64,
+    blocks: u64,
     loading: u64,
     overheads: Vec<(&'static str, u64)>,
 }
@@ -352,11 +357,8 @@ fn terms(input: &FitInput<'_>) -> Result<Terms> {
         prefix += h;
         in_flight = in_flight.max((prefix + copy).saturating_sub(weights));
     }
-    let in_place: u64 = if t.on_device {
-        0
-    } else {
-        held.iter().filter(|h| h.1 == 0).map(|h| h.0).sum()
-    };
+    let blocks: u64 = held.iter().filter(|h| h.1 == 0).map(|h| h.0).sum();
+    let in_place = if t.on_device { 0 } else { blocks };
     let overheads = if t.on_device {
         let mut v = Vec::new();
         if !t.context_counted {
@@ -376,6 +378,7 @@ fn terms(input: &FitInput<'_>) -> Result<Terms> {
         weights,
         decode_weights,
         in_place,
+        blocks,
         loading: if t.on_device {
             0
         } else {
@@ -499,6 +502,7 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
         weights_bytes: terms.weights,
         decode_weight_bytes: terms.decode_weights,
         weights_in_place_bytes: terms.in_place,
+        weights_blocks_bytes: terms.blocks,
         loading_bytes: terms.loading,
         kv_bytes_per_token: per_token,
         kv_bytes: kv,
@@ -523,7 +527,9 @@ pub fn fit(input: &FitInput<'_>) -> Result<FitReport> {
 impl std::fmt::Display for FitReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mib = |b: u64| format!("{:>10.1} MiB", b as f64 / MIB as f64);
-        let w = if self.on_device {
+        let w = if self.on_device && self.weights_blocks_bytes > 0 {
+            "blocks as stored, the rest bf16"
+        } else if self.on_device {
             "bf16"
         } else if self.weights_in_place_bytes == 0 {
             "f32"
@@ -713,5 +719,70 @@ mod tests {
             r.decode_weight_bytes
         );
         assert!(r.to_string().contains("read per decoded token"), "{r}");
+    }
+
+    /// Issue 18's sizing: a Qwen2.5-32B-shaped model in Q4_K_M (Q4_K
+    /// everywhere but the value and down projections of every other layer
+    /// and the output, Q6_K, as llama.cpp's mix) on a 24 GB card, its
+    /// blocks kept as stored on the GPU: an 8k context fits; expanded to
+    /// bf16 it would not (65 GB).
+    #[test]
+    fn a_32b_q4_k_m_model_fits_a_24_gb_card_with_an_8k_context() {
+        let cfg = ModelConfig::from_hf(&serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 5120, "intermediate_size": 27648,
+            "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "vocab_size": 152064, "max_position_embeddings": 32768,
+            "tie_word_embeddings": false}))
+        .unwrap();
+        let (q4k, q6k) = (144.0 / 256.0, 210.0 / 256.0);
+        let block_bytes: HashMap<String, u64> = kiln_models::tensor_shapes(&cfg)
+            .unwrap()
+            .into_iter()
+            .filter(|(_, s)| s.len() == 2)
+            .map(|(name, s)| {
+                let layer: Option<usize> = name
+                    .split('.')
+                    .skip_while(|p| *p != "layers")
+                    .nth(1)
+                    .and_then(|l| l.parse().ok());
+                let wide = name.contains("v_proj") || name.contains("down_proj");
+                let bpe = match layer {
+                    Some(l) if wide && l % 2 == 0 => q6k,
+                    None if name.contains("lm_head") => q6k,
+                    _ => q4k,
+                };
+                let n = (s[0] * s[1]) as f64;
+                (name, (n * bpe) as u64)
+            })
+            .collect();
+        let card = 24u64 << 30;
+        let input = FitInput {
+            config: &cfg,
+            target: MemoryTarget::cuda(false),
+            context: Some(8192),
+            batch: 1,
+            kv_pool_bytes: None,
+            available_bytes: card,
+            file_bytes: 0,
+            block_bytes: &block_bytes,
+            adapter_bytes: 0,
+        };
+        let r = fit(&input).unwrap();
+        assert!(r.fits, "{r}");
+        assert!(r.weights_bytes < 21_000_000_000, "{r}");
+        assert!(
+            r.to_string()
+                .contains("weights (blocks as stored, the rest bf16)"),
+            "{r}"
+        );
+        let expanded = fit(&FitInput {
+            block_bytes: &HashMap::new(),
+            ..input
+        })
+        .unwrap();
+        assert!(
+            !expanded.fits && expanded.weights_bytes > 60_000_000_000,
+            "{expanded}"
+        );
     }
 }

@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
+
 use kiln_formats::{FormatError, HostTensor, StoredTensor, WeightSource};
 use serde_json::{json, Value};
 
@@ -63,6 +65,9 @@ pub struct RandomWeights {
     /// models keep them. At 1 they would spread by `sqrt(head_dim)`, and a
     /// softmax that sharp turns bf16 rounding into different winners.
     unit_scale_attention: bool,
+    /// The spread of projection matrices (`*proj.weight`) instead of 0.02
+    /// ([`RandomWeights::with_proj_std`]).
+    proj_std: Option<f64>,
 }
 
 impl RandomWeights {
@@ -77,13 +82,49 @@ impl RandomWeights {
                 _ => 1.0,
             },
             unit_scale_attention: matches!(config.family, crate::families::FamilyConfig::Gemma4(_)),
+            proj_std: None,
         })
+    }
+
+    /// Projection matrices drawn with spread `std` (0.01 keeps a deep
+    /// random network out of the chaotic regime where bf16 and f32 logits
+    /// part: the 8B benchmark shape's setting).
+    pub fn with_proj_std(mut self, std: f64) -> Self {
+        self.proj_std = Some(std);
+        self
     }
 }
 
 /// splitmix64: a small, well-mixed generator for reproducible weights.
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// `n` normal(mean, std) values from the splitmix64 stream at `s0`, two a
+/// Box–Muller pair. splitmix64 is a counter (the state before call `i` is
+/// `s0 + i·GOLDEN`), so chunks of the stream are made in parallel: the
+/// same values one pass makes.
+fn normals(s0: u64, n: usize, mean: f64, std: f64) -> Vec<f32> {
+    const CHUNK: usize = 1 << 16;
+    let mut data = vec![0f32; n];
+    data.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let mut state = s0.wrapping_add((ci as u64 * CHUNK as u64).wrapping_mul(GOLDEN));
+            for pair in chunk.chunks_mut(2) {
+                let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+                let r = (-2.0 * u1.ln()).sqrt() * std;
+                let t = 2.0 * std::f64::consts::PI * u2;
+                pair[0] = (mean + r * t.cos()) as f32;
+                if let Some(second) = pair.get_mut(1) {
+                    *second = (mean + r * t.sin()) as f32;
+                }
+            }
+        });
+    data
+}
+
 fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    *state = state.wrapping_add(GOLDEN);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -142,22 +183,12 @@ impl WeightSource for RandomWeights {
         } else {
             (0.0, 0.02)
         };
-        let data = {
-            let mut state = self.seed ^ name_hash(name);
-            let mut out = Vec::with_capacity(n);
-            while out.len() < n {
-                // Box–Muller: two normals from two uniforms.
-                let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-                let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
-                let r = (-2.0 * u1.ln()).sqrt() * std;
-                let t = 2.0 * std::f64::consts::PI * u2;
-                out.push((mean + r * t.cos()) as f32);
-                if out.len() < n {
-                    out.push((mean + r * t.sin()) as f32);
-                }
-            }
-            out
+        let std = if name.ends_with("proj.weight") {
+            self.proj_std.unwrap_or(std)
+        } else {
+            std
         };
+        let data = normals(self.seed ^ name_hash(name), n, mean, std);
         Ok(HostTensor::new(shape, data))
     }
 }
@@ -166,5 +197,29 @@ impl RandomWeights {
     /// How many tensors the checkpoint has.
     pub fn num_tensors(&self) -> usize {
         self.shapes.len()
+    }
+}
+
+#[cfg(test)]
+mod normals_tests {
+    use super::*;
+
+    #[test]
+    fn parallel_chunks_continue_the_one_stream() {
+        // One pass over the stream, as the generator was first written.
+        let (s0, n) = (0x1234_5678_9abc_def0u64, 3 * (1 << 16) + 5);
+        let mut state = s0;
+        let mut want = Vec::with_capacity(n);
+        while want.len() < n {
+            let u1 = ((splitmix(&mut state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+            let u2 = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+            let r = (-2.0 * u1.ln()).sqrt() * 0.02;
+            let t = 2.0 * std::f64::consts::PI * u2;
+            want.push((r * t.cos()) as f32);
+            if want.len() < n {
+                want.push((r * t.sin()) as f32);
+            }
+        }
+        assert_eq!(normals(s0, n, 0.0, 0.02), want);
     }
 }

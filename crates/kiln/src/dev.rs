@@ -92,6 +92,11 @@ pub struct RandomArgs {
     pub dtype: String,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Spread of the projection matrices (default 0.02, as everything
+    /// else); 0.01 keeps the 32-layer 8B shape out of the chaotic regime
+    /// where bf16 and f32 logits part.
+    #[arg(long)]
+    pub proj_std: Option<f64>,
     /// Output directory.
     #[arg(long, short = 'o')]
     pub out: PathBuf,
@@ -175,7 +180,10 @@ fn random_checkpoint(a: RandomArgs) -> Result<()> {
         config["eos_token_id"] = json!(e);
     }
     let cfg = ModelConfig::from_hf(&config)?;
-    let weights = RandomWeights::new(&cfg, a.seed)?;
+    let mut weights = RandomWeights::new(&cfg, a.seed)?;
+    if let Some(std) = a.proj_std {
+        weights = weights.with_proj_std(std);
+    }
     let dtype = crate::convert::parse_dtype(&a.dtype)?;
     let gen = json!({"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")});
     kiln_formats::write_hf_dir(&a.out, &config, Some(&gen), &weights, dtype)?;

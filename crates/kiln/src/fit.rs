@@ -212,6 +212,7 @@ pub fn report_json(path: &Path, r: &FitReport) -> serde_json::Value {
         "weights_bytes": r.weights_bytes,
         "decode_weight_bytes": r.decode_weight_bytes,
         "weights_in_place_bytes": r.weights_in_place_bytes,
+        "weights_blocks_bytes": r.weights_blocks_bytes,
         "kv_bytes_per_token": r.kv_bytes_per_token,
         "kv_bytes": r.kv_bytes,
         "kv_full_attention_bytes": r.kv_full_attention_bytes,

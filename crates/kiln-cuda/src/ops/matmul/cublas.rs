@@ -19,12 +19,29 @@ pub(crate) fn gemm(
     m: usize,
     beta: f32,
 ) -> Result<()> {
+    gemm_ld(dev, x, w, out, n, k, m, m, beta)
+}
+
+/// [`gemm`] into `m` columns of a wider output: row `i` of `out` starts
+/// `ldc` elements after row `i - 1`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_ld(
+    dev: &Device,
+    x: u64,
+    w: u64,
+    out: u64,
+    n: usize,
+    k: usize,
+    m: usize,
+    ldc: usize,
+    beta: f32,
+) -> Result<()> {
     if n == 0 || m == 0 {
         return Ok(());
     }
     let alpha = 1f32;
     let bf = blas_sys::cudaDataType::CUDA_R_16BF;
-    // SAFETY: the three pointers hold [m, k], [n, k] and [n, m] bf16.
+    // SAFETY: the three pointers hold [m, k], [n, k] and n rows of ldc >= m bf16.
     unsafe {
         blas::gemm_ex(
             *dev.blas.handle(),
@@ -43,7 +60,7 @@ pub(crate) fn gemm(
             &beta as *const f32 as *const c_void,
             out as *mut c_void,
             bf,
-            m as i32,
+            ldc as i32,
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )

@@ -2,7 +2,7 @@
 //! activation) and, in `norm_prologue`, an RMSNorm prologue: up to
 //! [`GEMV_MAX_ROWS`] rows the direct-load tensor-core GEMV (`gemv.cu`),
 //! larger products cuBLAS (`cublas.rs`) with the epilogue as separate
-//! kernels.
+//! kernels; block-quantized weights in `blocks.rs` (`blocks.cu`).
 
 use cudarc::driver::LaunchConfig;
 use kiln_tensor::{Activation, Result, Tensor, TensorError};
@@ -11,10 +11,11 @@ use crate::backend::CudaBackend;
 use crate::driver::device::{dev_err, ptr, wrap, Device};
 use crate::ops::activation::act_code;
 
+pub(crate) mod blocks;
 mod cublas;
 pub(crate) mod norm_prologue;
 
-pub(crate) use cublas::gemm;
+pub(crate) use cublas::{gemm, gemm_ld};
 
 /// Largest row count served by the GEMV kernels.
 pub(crate) const GEMV_MAX_ROWS: usize = 8;
@@ -183,6 +184,7 @@ pub(crate) fn linear_dims(x: &Tensor, w: &Tensor) -> Result<(usize, usize, usize
 /// it at load, leaving out (with a warning) any the GPU cannot give it.
 pub(crate) fn configure(dev: &mut Device, warnings: &mut Vec<String>) {
     norm_prologue::configure(dev, warnings);
+    blocks::configure(dev, warnings);
 }
 
 /// Resident blocks per multiprocessor of the direct-load GEMV (its

@@ -1,0 +1,496 @@
+//! Block-quantized weights on the device (`blocks.cu`): GGUF matrices
+//! kept in their formats, never expanded. Upload splits each block's bytes
+//! into an aligned body array and a meta (scale) array (the same bytes,
+//! reordered); products of up to [`GEMV_MAX_ROWS`] rows stream the blocks
+//! and dequantize in registers (`qgemv_<fmt>_m{M}`, with the norm
+//! prologue, the gate and the residual fused), larger ones dequantize
+//! slabs of rows to bf16 for cuBLAS; embedding lookups dequantize the rows
+//! they need.
+
+use std::sync::Arc;
+
+use cudarc::driver::LaunchConfig;
+use kiln_tensor::{
+    Activation, BlockPart, BlockWeight, Epilogue, NormPrologue, QuantFormat, QuantMatrix, Result,
+    Tensor, TensorError, WeightKind,
+};
+
+use super::{gemm_ld, GEMV_MAX_ROWS};
+use crate::backend::CudaBackend;
+use crate::driver::device::{dev_err, elems_cfg, ptr, wrap};
+use crate::driver::pool::DevBuf;
+use crate::ops::activation::act_code;
+use crate::ops::norm::norm_threads;
+
+/// A matrix's blocks on the device: bodies from the buffer's start, metas
+/// from `meta_off`.
+pub(crate) struct DeviceBlocks {
+    buf: DevBuf,
+    meta_off: usize,
+    name: &'static str,
+}
+
+/// Byte ranges of a GGUF block, by format: its kernel name, the body (the
+/// ranges in this order) and the meta part.
+type Ranges = &'static [(usize, usize)];
+
+fn spec(f: QuantFormat) -> Option<(&'static str, Ranges, Ranges)> {
+    use QuantFormat::*;
+    Some(match f {
+        Q8_0 => ("q8_0", &[(2, 34)], &[(0, 2)]),
+        Q4_0 => ("q4_0", &[(2, 18)], &[(0, 2)]),
+        Q4_1 => ("q4_1", &[(4, 20)], &[(0, 4)]),
+        // Quants, then the high-bit word.
+        Q5_0 => ("q5_0", &[(6, 22), (2, 6)], &[(0, 2)]),
+        Q5_1 => ("q5_1", &[(8, 24), (4, 8)], &[(0, 4)]),
+        IQ4NL => ("iq4_nl", &[(2, 18)], &[(0, 2)]),
+        MXFP4 => ("mxfp4", &[(1, 17)], &[(0, 1)]),
+        // Scales and quants; d, dmin.
+        Q2K => ("q2_k", &[(0, 80)], &[(80, 84)]),
+        // hmask and quants; the 12 scale bytes and d (only 2-byte aligned).
+        Q3K => ("q3_k", &[(0, 96)], &[(96, 110)]),
+        Q4K => ("q4_k", &[(0, 144)], &[]),
+        Q5K => ("q5_k", &[(0, 176)], &[]),
+        // ql, qh, scales; d apart (a 210-byte block is only 2-byte aligned).
+        Q6K => ("q6_k", &[(0, 208)], &[(208, 210)]),
+        _ => return None,
+    })
+}
+
+fn span(r: Ranges) -> usize {
+    r.iter().map(|(a, b)| b - a).sum()
+}
+
+/// Whether `f`'s kernels were compiled and loaded.
+pub(crate) fn supported(cuda: &CudaBackend, f: QuantFormat) -> bool {
+    spec(f).is_some_and(|(name, _, _)| {
+        cuda.dev.has(&format!("qgemv_{name}_m1")) && cuda.dev.has(&format!("dequant_{name}_bf16"))
+    })
+}
+
+fn unsupported(f: QuantFormat) -> TensorError {
+    kiln_tensor::weight::unsupported_weight(crate::driver::device::NAME, WeightKind::Blocks(f))
+}
+
+/// `m`'s blocks split into bodies and metas, on the device.
+pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
+    let f = m.format();
+    if !supported(cuda, f) {
+        return Err(unsupported(f));
+    }
+    let (name, body, meta) = spec(f).ok_or_else(|| unsupported(f))?;
+    let raw = f.block_bytes();
+    debug_assert_eq!(span(body) + span(meta), raw);
+    cuda.no_upload_while_recording("a weight upload")?;
+    let (rows, cols) = (m.rows(), m.cols());
+    let bytes = m.rows_bytes(0..rows);
+    let blocks = bytes.len() / raw;
+    let (bs, ms) = (span(body), span(meta));
+    let meta_off = (blocks * bs).next_multiple_of(256);
+    let mut host = vec![0u8; meta_off + blocks * ms];
+    let (bodies, metas) = host.split_at_mut(meta_off);
+    for (g, blk) in bytes.chunks_exact(raw).enumerate() {
+        let mut o = g * bs;
+        for &(a, b) in body {
+            bodies[o..o + b - a].copy_from_slice(&blk[a..b]);
+            o += b - a;
+        }
+        let mut o = g * ms;
+        for &(a, b) in meta {
+            metas[o..o + b - a].copy_from_slice(&blk[a..b]);
+            o += b - a;
+        }
+    }
+    let buf = cuda.dev.alloc_exact(host.len().max(1), "a block weight")?;
+    cuda.dev.htod(buf.ptr, &host)?;
+    m.release_pages();
+    let stored = host.len();
+    Ok(BlockPart::from_storage(
+        f,
+        rows,
+        cols,
+        stored,
+        Arc::new(DeviceBlocks {
+            buf,
+            meta_off,
+            name,
+        }),
+    ))
+}
+
+fn device(part: &BlockPart) -> Result<&DeviceBlocks> {
+    part.storage()
+        .downcast_ref::<DeviceBlocks>()
+        .ok_or_else(|| dev_err(format!("{part:?} is not stored on this GPU")))
+}
+
+impl DeviceBlocks {
+    fn body(&self) -> u64 {
+        self.buf.ptr
+    }
+
+    fn meta(&self) -> u64 {
+        self.buf.ptr + self.meta_off as u64
+    }
+
+    /// `out[r, :] = W[ids[r] or row0 + r, :]` as bf16 for `rows_out` rows of `k`.
+    fn dequant(
+        &self,
+        cuda: &CudaBackend,
+        ids: u64,
+        out: u64,
+        k: usize,
+        rows_out: usize,
+        row0: usize,
+    ) -> Result<()> {
+        if rows_out == 0 {
+            return Ok(());
+        }
+        let func = cuda.dev.func(&format!("dequant_{}_bf16", self.name))?;
+        let (ki, ro, r0) = (k as i32, rows_out as i64, row0 as i64);
+        let (body, meta) = (self.body(), self.meta());
+        let mut b = cuda.dev.launch(func);
+        b.arg(&body)
+            .arg(&meta)
+            .arg(&ids)
+            .arg(&out)
+            .arg(&ki)
+            .arg(&ro)
+            .arg(&r0);
+        // SAFETY: rows named (ids < rows, checked by the callers, or
+        // row0 + rows_out <= rows) of a [rows, k] matrix; out [rows_out, k].
+        unsafe { b.launch(elems_cfg(rows_out * k / 32)) }.map_err(dev_err)
+    }
+}
+
+/// Rows of the block table `w` `[vocab, d]` for `ids`, dequantized.
+pub(crate) fn embedding(cuda: &CudaBackend, w: &BlockWeight, ids: &[u32]) -> Result<Tensor> {
+    let [vocab, d] = [w.shape()[0], w.shape()[1]];
+    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+        return Err(TensorError::Shape {
+            op: "embedding",
+            detail: format!("token id {bad} outside vocabulary of {vocab}"),
+        });
+    }
+    let [part] = w.parts() else {
+        return Err(dev_err("an embedding table stored in several parts"));
+    };
+    let out = cuda.alloc(ids.len() * d, "embeddings")?;
+    if !ids.is_empty() {
+        let dids = cuda.dev_u32(ids, |m| m.tok)?;
+        device(part)?.dequant(cuda, dids.ptr, out.ptr, d, ids.len(), 0)?;
+    }
+    Ok(wrap(vec![ids.len(), d], out))
+}
+
+/// Weight rows dequantized at a time for the tensor-core path (a 64 MiB
+/// bf16 slab at most).
+const SLAB_ELEMS: usize = 32 << 20;
+
+/// Dynamic shared memory the decode kernels may use (their attribute is
+/// raised to this at load): two blocks an SM on an H100/H200.
+pub(crate) const QGEMV_MAX_SMEM: usize = 96 << 10;
+
+/// Shared memory of a decode launch over `m` rows of `k`: the staged rows
+/// (2 bytes an element), their 16-element sums, the norm's partial sums
+/// and inverse RMS.
+fn qgemv_smem(m: usize, k: usize) -> usize {
+    m * (2 * k + k / 4 + 32 * 4 + 4)
+}
+
+/// Up to three parts of one format, as the decode kernel takes them
+/// (`blocks_detail::Parts`).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Parts {
+    body: [u64; 3],
+    meta: [u64; 3],
+    rows: [i32; 3],
+}
+
+// SAFETY: plain data laid out as the kernel's struct (three pointers,
+// three pointers, three ints, padded to 8 bytes).
+unsafe impl cudarc::driver::DeviceRepr for Parts {}
+
+/// Resident decode blocks an SM the launch aims for.
+const QGEMV_BLOCKS_PER_SM: usize = 2;
+
+/// The weight's parts in runs of one format (at most three parts each),
+/// with each run's first row.
+fn runs(w: &BlockWeight) -> Result<Vec<(usize, Parts, &'static str)>> {
+    let mut out: Vec<(usize, Parts, &'static str, usize)> = Vec::new();
+    let mut row0 = 0;
+    for part in w.parts() {
+        let d = device(part)?;
+        match out.last_mut() {
+            Some((_, p, name, used)) if *name == d.name && *used < 3 => {
+                p.body[*used] = d.body();
+                p.meta[*used] = d.meta();
+                p.rows[*used] = part.rows() as i32;
+                *used += 1;
+            }
+            _ => {
+                let mut p = Parts::default();
+                p.body[0] = d.body();
+                p.meta[0] = d.meta();
+                p.rows[0] = part.rows() as i32;
+                out.push((row0, p, d.name, 1));
+            }
+        }
+        row0 += part.rows();
+    }
+    Ok(out.into_iter().map(|(r, p, n, _)| (r, p, n)).collect())
+}
+
+/// One decode launch: `out[r, ldo]` (from `out` on) for `n` rows of `x`.
+#[allow(clippy::too_many_arguments)]
+fn qgemv(
+    cuda: &CudaBackend,
+    name: &str,
+    n: usize,
+    x: u64,
+    norm: Option<(u64, f32, f32)>,
+    parts: &Parts,
+    out: u64,
+    residual: u64,
+    k: usize,
+    ldo: usize,
+    gated: Option<Activation>,
+) -> Result<()> {
+    let func = cuda.dev.func(&format!("qgemv_{name}_m{n}"))?;
+    let total: usize = parts.rows.iter().map(|&r| r as usize).sum();
+    let rows_out = if gated.is_some() { total / 2 } else { total };
+    let grid = rows_out
+        .div_ceil(8)
+        .min(cuda.dev.sms.max(1) * QGEMV_BLOCKS_PER_SM)
+        .max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (grid as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: qgemv_smem(n, k) as u32,
+    };
+    let (nw, eps, off) = norm.unwrap_or((0, 0.0, 0.0));
+    let nt = norm_threads(k) as i32;
+    let (ki, ldoi) = (k as i32, ldo as i32);
+    let (g, act) = match gated {
+        Some(a) => (1i32, act_code(a)),
+        None => (0, 0),
+    };
+    let mut b = cuda.dev.launch(func);
+    b.arg(&x)
+        .arg(&nw)
+        .arg(&eps)
+        .arg(&off)
+        .arg(&nt)
+        .arg(parts)
+        .arg(&out)
+        .arg(&residual)
+        .arg(&ki)
+        .arg(&ldoi)
+        .arg(&g)
+        .arg(&act);
+    // SAFETY: x [n, k] (16-byte aligned, checked), norm_w [k]; the parts'
+    // blocks hold their rows × k; out and residual n rows of ldo from these
+    // pointers; shared memory within the attribute set at load (checked by
+    // the caller).
+    unsafe { b.launch(cfg) }.map_err(dev_err)
+}
+
+/// `epilogue(prologue(x) · wᵀ)` for a block weight. Up to
+/// [`GEMV_MAX_ROWS`] rows: the decode kernels with the norm, a residual
+/// and (when every part is of one format) the gate fused, a run of parts
+/// of one format a launch. Larger: the norm by its own kernel, slabs of
+/// dequantized rows through cuBLAS, bias, gate and residual after.
+pub(crate) fn matmul(
+    cuda: &CudaBackend,
+    x: &Tensor,
+    w: &BlockWeight,
+    prologue: Option<NormPrologue<'_>>,
+    epilogue: Epilogue<'_>,
+) -> Result<Tensor> {
+    let (n, k) = x.dims2("matmul")?;
+    let (m, kw) = (w.shape()[0], w.shape()[1]);
+    if k != kw {
+        return Err(TensorError::Shape {
+            op: "matmul",
+            detail: format!("x {:?} · w {:?}ᵀ", x.shape(), w.shape()),
+        });
+    }
+    let Epilogue {
+        bias,
+        gated,
+        residual,
+    } = epilogue;
+    if gated.is_some() && m % 2 != 0 {
+        return Err(TensorError::Shape {
+            op: "matmul",
+            detail: format!("{m} packed gate/up rows"),
+        });
+    }
+    let width = if gated.is_some() { m / 2 } else { m };
+    if let Some(r) = residual {
+        if r.shape() != [n, width] {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                detail: format!("residual {:?} for [{n}, {width}]", r.shape()),
+            });
+        }
+    }
+    if let Some(b) = bias {
+        if b.num_elements() != m {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                detail: format!("bias of {} for {m} outputs", b.num_elements()),
+            });
+        }
+    }
+    if let Some(p) = prologue {
+        if p.weight.num_elements() != k {
+            return Err(TensorError::Shape {
+                op: "matmul",
+                detail: format!("norm weight {:?} for rows of {k}", p.weight.shape()),
+            });
+        }
+    }
+    if n == 0 {
+        return Ok(wrap(vec![0, width], cuda.alloc(0, "a projection")?));
+    }
+    let xp = ptr(x, "matmul")?;
+    let norm = prologue
+        .map(|p| Ok::<_, TensorError>((ptr(p.weight, "matmul")?, p.eps, p.offset)))
+        .transpose()?;
+    let decode = n <= GEMV_MAX_ROWS
+        && xp % 16 == 0
+        && norm.is_none_or(|(nw, _, _)| nw % 16 == 0)
+        && qgemv_smem(1, k) <= QGEMV_MAX_SMEM;
+    if decode && bias.is_none() {
+        let runs = runs(w)?;
+        let fuse_gate = gated.is_some() && runs.len() == 1;
+        let out_cols = if fuse_gate { width } else { m };
+        let fused_residual = residual.filter(|_| gated.is_none() || fuse_gate);
+        let out = cuda.alloc(n * out_cols, "a projection")?;
+        let rp = fused_residual.map(|r| ptr(r, "matmul")).transpose()?;
+        // Rows of x a launch takes: as many as its shared memory holds.
+        let per = (1..=n)
+            .rev()
+            .find(|&r| qgemv_smem(r, k) <= QGEMV_MAX_SMEM)
+            .unwrap_or(1);
+        let mut first = 0;
+        while first < n {
+            let rows = per.min(n - first);
+            let xo = xp + (2 * first * k) as u64;
+            for (row0, parts, name) in &runs {
+                let col = if fuse_gate { 0 } else { *row0 };
+                let o = out.ptr + (2 * (first * out_cols + col)) as u64;
+                let res = rp
+                    .map(|r| r + (2 * (first * out_cols + col)) as u64)
+                    .unwrap_or(0);
+                let g = if fuse_gate { gated } else { None };
+                qgemv(cuda, name, rows, xo, norm, parts, o, res, k, out_cols, g)?;
+            }
+            first += rows;
+        }
+        let y = wrap(vec![n, out_cols], out);
+        return match (gated, fuse_gate, residual) {
+            (Some(act), false, r) => {
+                let y = crate::ops::activation::gated_packed(cuda, &y, act)?;
+                match r {
+                    Some(r) => crate::ops::elementwise::add(cuda, r, &y),
+                    None => Ok(y),
+                }
+            }
+            _ => Ok(y),
+        };
+    }
+    // Larger batches (or a bias): the norm, then dequantized slabs through cuBLAS.
+    let normed;
+    let (x, xp) = match prologue {
+        Some(p) => {
+            normed = crate::ops::norm::rms_norm(cuda, x, p.weight, p.eps, p.offset)?;
+            (&normed, ptr(&normed, "matmul")?)
+        }
+        None => (x, xp),
+    };
+    let _ = x;
+    let fused_residual = residual.filter(|_| bias.is_none() && gated.is_none());
+    let out = cuda.alloc(n * m, "a projection")?;
+    let beta = match fused_residual {
+        Some(r) => {
+            cuda.dev.dtod(out.ptr, ptr(r, "matmul")?, n * m * 2)?;
+            1.0
+        }
+        None => 0.0,
+    };
+    let widest = w.parts().iter().map(|p| p.rows()).max().unwrap_or(0);
+    let slab_rows = (SLAB_ELEMS / k.max(1)).clamp(1, widest.max(1));
+    let scratch = cuda.alloc(slab_rows * k, "dequantized weights")?;
+    let mut row0 = 0usize;
+    for part in w.parts() {
+        let d = device(part)?;
+        let mut r = 0;
+        while r < part.rows() {
+            let rows = slab_rows.min(part.rows() - r);
+            d.dequant(cuda, 0, scratch.ptr, k, rows, r)?;
+            let o = out.ptr + 2 * (row0 + r) as u64;
+            gemm_ld(&cuda.dev, xp, scratch.ptr, o, n, k, rows, m, beta)?;
+            r += rows;
+        }
+        row0 += part.rows();
+    }
+    let mut y = wrap(vec![n, m], out);
+    if let Some(b) = bias {
+        crate::ops::elementwise::add_bias(cuda, ptr(&y, "matmul")?, b, n, m)?;
+    }
+    if let Some(act) = gated {
+        y = crate::ops::activation::gated_packed(cuda, &y, act)?;
+    }
+    match residual {
+        Some(r) if fused_residual.is_none() => crate::ops::elementwise::add(cuda, r, &y),
+        _ => Ok(y),
+    }
+}
+
+/// Raises the decode kernels' dynamic shared memory limit to
+/// [`QGEMV_MAX_SMEM`]; a kernel the GPU cannot give it is left out (its
+/// format's weights then load dense).
+pub(crate) fn configure(dev: &mut crate::driver::device::Device, warnings: &mut Vec<String>) {
+    let attr =
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    dev.funcs.retain(|entry, f| {
+        if !entry.starts_with("qgemv_") {
+            return true;
+        }
+        match f.set_attribute(attr, QGEMV_MAX_SMEM as i32) {
+            Ok(()) => true,
+            Err(e) => {
+                warnings.push(format!("{entry} unavailable: {e:?}"));
+                false
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_format_splits_its_whole_block_and_names_compiled_kernels() {
+        for f in QuantFormat::ALL {
+            let Some((name, body, meta)) = spec(f) else {
+                continue;
+            };
+            assert_eq!(span(body) + span(meta), f.block_bytes(), "{f}");
+            assert!(crate::kernels::BLOCK_FORMATS.contains(&name), "{name}");
+            // Bodies feed 128-bit loads (Q5_0/Q5_1's 20 bytes: 32-bit ones).
+            assert!(span(body) % 16 == 0 || span(body) == 20, "{f}");
+        }
+        assert_eq!(
+            QuantFormat::ALL
+                .iter()
+                .filter(|f| spec(**f).is_some())
+                .count(),
+            crate::kernels::BLOCK_FORMATS.len()
+        );
+    }
+}
