@@ -18,6 +18,7 @@ pub mod error;
 pub mod gguf;
 pub mod gguf_hf;
 pub mod gguf_write;
+mod quantized_st;
 pub mod quantizing;
 pub mod safetensors_dir;
 pub mod safetensors_write;

@@ -57,6 +57,14 @@ fn dtype_size(dtype: &str) -> Option<u64> {
     })
 }
 
+/// A quantized checkpoint's scheme, the matrices it makes (`X.weight` →
+/// `[out, in]`) and the stored parts they hide.
+struct Quantized {
+    scheme: crate::quantized_st::Scheme,
+    logical: BTreeMap<String, Vec<usize>>,
+    hidden: std::collections::BTreeSet<String>,
+}
+
 /// One tensor of a weight file, with absolute byte offsets into its mapping.
 #[derive(Debug, Clone)]
 struct Entry {
@@ -79,6 +87,8 @@ pub struct SafetensorsDir {
     generation_config: Option<Value>,
     shards: Vec<Shard>,
     tensors: BTreeMap<String, Entry>,
+    /// `quantization_config`'s matrices, read dequantized.
+    quant: Option<Quantized>,
 }
 
 impl std::fmt::Debug for SafetensorsDir {
@@ -138,12 +148,34 @@ impl SafetensorsDir {
         } else {
             tensors
         };
+        let quant = match crate::quantized_st::scheme(&config) {
+            Ok(None) => None,
+            Ok(Some(scheme)) => {
+                let shapes = tensors
+                    .iter()
+                    .map(|(k, e)| (k.clone(), (e.dtype.clone(), e.shape.clone())))
+                    .collect();
+                let (logical, hidden) = crate::quantized_st::logical(&scheme, &shapes);
+                Some(Quantized {
+                    scheme,
+                    logical,
+                    hidden,
+                })
+            }
+            Err(what) => {
+                return Err(FormatError::Invalid {
+                    path: dir.join(CONFIG_FILE),
+                    what: format!("quantization_config: Kiln does not read {what}"),
+                })
+            }
+        };
         Ok(SafetensorsDir {
             dir,
             config,
             generation_config,
             shards,
             tensors,
+            quant,
         })
     }
 
@@ -416,28 +448,89 @@ fn to_f32(dtype: SafetensorsDtype, bytes: &[u8]) -> Vec<f32> {
     out
 }
 
+impl SafetensorsDir {
+    /// The `[out, in]` shape of `name` when it is a quantized matrix.
+    fn logical(&self, name: &str) -> Option<&Vec<usize>> {
+        self.quant.as_ref()?.logical.get(name)
+    }
+
+    /// A quantized matrix dequantized from its stored parts.
+    fn dequantized(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
+        let q = self
+            .quant
+            .as_ref()
+            .ok_or_else(|| FormatError::MissingTensor {
+                path: self.dir.clone(),
+                tensor: name.to_string(),
+            })?;
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let fetch = |n: &str| {
+            self.tensors.get(n).map(|e| crate::quantized_st::Stored {
+                dtype: &e.dtype,
+                shape: &e.shape,
+                bytes: &self.shards[e.shard_idx].mmap[e.start..e.end],
+            })
+        };
+        let dims = [shape[0], shape[1]];
+        let data =
+            crate::quantized_st::dequantize(&q.scheme, base, dims, &fetch).map_err(|what| {
+                FormatError::Invalid {
+                    path: self.dir.clone(),
+                    what,
+                }
+            })?;
+        Ok(HostTensor::new(shape.to_vec(), data))
+    }
+}
+
 impl WeightSource for SafetensorsDir {
     fn path(&self) -> &Path {
         &self.dir
     }
 
     fn tensors(&self) -> Vec<StoredTensor> {
-        self.tensors
+        let hidden = |n: &str| self.quant.as_ref().is_some_and(|q| q.hidden.contains(n));
+        let mut out: Vec<StoredTensor> = self
+            .tensors
             .iter()
+            .filter(|(name, _)| !hidden(name))
             .map(|(name, e)| StoredTensor {
                 name: name.clone(),
                 shape: e.shape.clone(),
                 dtype: e.dtype.clone(),
                 num_bytes: (e.end - e.start) as u64,
             })
-            .collect()
+            .collect();
+        if let Some(q) = &self.quant {
+            for (name, shape) in &q.logical {
+                let base = name.strip_suffix(".weight").unwrap_or(name);
+                let num_bytes = self
+                    .tensors
+                    .iter()
+                    .filter(|(k, _)| {
+                        q.hidden.contains(*k) && k.rsplit_once('.').map(|p| p.0) == Some(base)
+                    })
+                    .map(|(_, e)| (e.end - e.start) as u64)
+                    .sum();
+                out.push(StoredTensor {
+                    name: name.clone(),
+                    shape: shape.clone(),
+                    dtype: format!("{:?}", q.scheme),
+                    num_bytes,
+                });
+            }
+        }
+        out
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.logical(name).is_some() || self.tensors.contains_key(name)
     }
 
     fn load_f32(&self, name: &str) -> Result<HostTensor> {
+        if let Some(shape) = self.logical(name) {
+            return self.dequantized(name, shape);
+        }
         let e = self
             .tensors
             .get(name)
@@ -458,6 +551,9 @@ impl WeightSource for SafetensorsDir {
     }
 
     fn load_bf16(&self, name: &str) -> Result<Option<(Vec<usize>, Vec<u16>)>> {
+        if self.logical(name).is_some() {
+            return Ok(None);
+        }
         let Some(e) = self.tensors.get(name) else {
             return Ok(None);
         };
@@ -478,6 +574,9 @@ impl WeightSource for SafetensorsDir {
     }
 
     fn load_bytes(&self, name: &str) -> Result<Option<(String, Vec<usize>, Vec<u8>)>> {
+        if self.logical(name).is_some() {
+            return Ok(None);
+        }
         let Some(e) = self.tensors.get(name) else {
             return Ok(None);
         };
@@ -487,6 +586,9 @@ impl WeightSource for SafetensorsDir {
 
     /// F16 and BF16 matrices, in place.
     fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
+        if self.logical(name).is_some() {
+            return Ok(None);
+        }
         let Some(e) = self.tensors.get(name) else {
             return Ok(None);
         };

@@ -1,0 +1,433 @@
+//! Quantized Hugging Face checkpoints: the layouts `quantization_config`
+//! names, read as the dense `X.weight` matrices they stand for.
+//!
+//! - **AWQ** (`quant_method: "awq"`, GEMM layout): `X.qweight` I32
+//!   `[in, out / 8]` (nibble `i` of column `j` is output `8 j + [0, 2, 4, 6,
+//!   1, 3, 5, 7][i]`), `X.qzeros` I32 `[in / g, out / 8]` packed alike,
+//!   `X.scales` `[in / g, out]`: `W[o, i] = (q − z) · s`.
+//! - **GPTQ** (`quant_method: "gptq"`, 4 or 8 bits): `X.qweight` I32
+//!   `[in · bits / 32, out]` packed along the input (low bits first),
+//!   `X.qzeros` I32 `[groups, out · bits / 32]` packed along the output, stored
+//!   one below the zero point (`checkpoint_format` `gptq`; `gptq_v2` stores
+//!   it as is), `X.scales` `[groups, out]`, `X.g_idx` I32 `[in]` (each input's
+//!   group: act-order checkpoints permute them): `W[o, i] = (q − z) · s` in
+//!   group `g_idx[i]`.
+//! - **compressed-tensors** `pack-quantized` (symmetric int4/int8, group or
+//!   channel strategy): `X.weight_packed` I32 `[out, in · bits / 32]` of
+//!   `q + 2^(bits−1)`, `X.weight_scale` `[out, in / g]` (or `[out, 1]`),
+//!   `X.weight_shape`: `W = q · s`. `float-quantized` / `naive-quantized` FP8:
+//!   `X.weight` F8_E4M3 with `X.weight_scale` per tensor (`[1]`) or per
+//!   channel (`[out, 1]`).
+//! - **FP8 blocks** (`quant_method: "fp8"`, `weight_block_size` `[bo, bi]`):
+//!   `X.weight` F8_E4M3 `[out, in]`, `X.weight_scale_inv` F32
+//!   `[⌈out / bo⌉, ⌈in / bi⌉]`: `W = w · scale_inv[o / bo, i / bi]`.
+//!
+//! Dequantization is exact in f32 (every scale and code is representable);
+//! the parts a weight is made from are hidden from the tensor list.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use half::{bf16, f16};
+use serde_json::Value;
+
+/// What a checkpoint's `quantization_config` says its matrices are.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Scheme {
+    Awq { bits: usize, group: usize },
+    Gptq { bits: usize, zero_offset: i32 },
+    Packed { bits: usize },
+    Fp8Scaled,
+    Fp8Block { block: [usize; 2] },
+}
+
+/// A stored tensor, as the scheme reads it.
+pub(crate) struct Stored<'a> {
+    pub dtype: &'a str,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
+/// The scheme of `config`, `None` for an unquantized checkpoint, or why
+/// Kiln cannot read it.
+pub(crate) fn scheme(config: &Value) -> Result<Option<Scheme>, String> {
+    let Some(q) = config.get("quantization_config") else {
+        return Ok(None);
+    };
+    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+    let int = |keys: &[&str], default: usize| {
+        keys.iter()
+            .find_map(|k| q.get(*k).and_then(Value::as_u64))
+            .map_or(default, |v| v as usize)
+    };
+    match method {
+        "awq" => {
+            let version = q.get("version").and_then(Value::as_str).unwrap_or("gemm");
+            if !version.eq_ignore_ascii_case("gemm") {
+                return Err(format!(
+                    "AWQ version {version:?} (Kiln reads the GEMM layout)"
+                ));
+            }
+            if q.get("zero_point").and_then(Value::as_bool) == Some(false) {
+                return Err("AWQ without zero points".into());
+            }
+            let bits = int(&["bits", "w_bit"], 4);
+            if bits != 4 {
+                return Err(format!("{bits}-bit AWQ (Kiln reads 4-bit)"));
+            }
+            let group = int(&["group_size", "q_group_size"], 128);
+            Ok(Some(Scheme::Awq { bits, group }))
+        }
+        "gptq" => {
+            let bits = int(&["bits"], 4);
+            if bits != 4 && bits != 8 {
+                return Err(format!("{bits}-bit GPTQ (Kiln reads 4 and 8 bits)"));
+            }
+            let format = q
+                .get("checkpoint_format")
+                .and_then(Value::as_str)
+                .unwrap_or("gptq");
+            let zero_offset = match format {
+                "gptq" => 1,
+                "gptq_v2" => 0,
+                other => return Err(format!("GPTQ checkpoint_format {other:?}")),
+            };
+            Ok(Some(Scheme::Gptq { bits, zero_offset }))
+        }
+        "compressed-tensors" => {
+            let format = q.get("format").and_then(Value::as_str).unwrap_or("");
+            let weights: Vec<&Value> = q
+                .get("config_groups")
+                .and_then(Value::as_object)
+                .map(|g| g.values().filter_map(|v| v.get("weights")).collect())
+                .unwrap_or_default();
+            let Some(w) = weights.first() else {
+                return Err("compressed-tensors config without weight quantization".into());
+            };
+            let get = |k: &str| w.get(k);
+            let kind = get("type").and_then(Value::as_str).unwrap_or("int");
+            let bits = get("num_bits").and_then(Value::as_u64).unwrap_or(8) as usize;
+            match (format, kind) {
+                ("pack-quantized", "int") => {
+                    if get("symmetric").and_then(Value::as_bool) == Some(false) {
+                        return Err("asymmetric pack-quantized weights".into());
+                    }
+                    if bits != 4 && bits != 8 {
+                        return Err(format!("{bits}-bit pack-quantized weights"));
+                    }
+                    Ok(Some(Scheme::Packed { bits }))
+                }
+                ("float-quantized" | "naive-quantized", "float") if bits == 8 => {
+                    Ok(Some(Scheme::Fp8Scaled))
+                }
+                _ => Err(format!(
+                    "compressed-tensors format {format:?} with {bits}-bit {kind} weights"
+                )),
+            }
+        }
+        "fp8" => {
+            let block = q
+                .get("weight_block_size")
+                .and_then(Value::as_array)
+                .and_then(|a| Some([a.first()?.as_u64()? as usize, a.get(1)?.as_u64()? as usize]));
+            match block {
+                Some(b) if b[0] > 0 && b[1] > 0 => Ok(Some(Scheme::Fp8Block { block: b })),
+                _ => Ok(Some(Scheme::Fp8Scaled)),
+            }
+        }
+        "" => Err("quantization_config without quant_method".into()),
+        other => Err(format!("quant_method {other:?}")),
+    }
+}
+
+/// The parts a matrix `X.weight` of this scheme is stored as (the first
+/// names the matrix's presence).
+fn parts(s: &Scheme) -> &'static [&'static str] {
+    match s {
+        Scheme::Awq { .. } => &["qweight", "qzeros", "scales"],
+        Scheme::Gptq { .. } => &["qweight", "qzeros", "scales", "g_idx"],
+        Scheme::Packed { .. } => &["weight_packed", "weight_scale", "weight_shape"],
+        Scheme::Fp8Scaled => &["weight", "weight_scale"],
+        Scheme::Fp8Block { .. } => &["weight", "weight_scale_inv"],
+    }
+}
+
+/// The matrices the scheme makes: `X.weight` → its `[out, in]` shape, read
+/// from the stored shapes; and the stored names they hide.
+pub(crate) fn logical(
+    s: &Scheme,
+    shapes: &BTreeMap<String, (String, Vec<usize>)>,
+) -> (BTreeMap<String, Vec<usize>>, BTreeSet<String>) {
+    let mut out = BTreeMap::new();
+    let mut hidden = BTreeSet::new();
+    let first = parts(s)[0];
+    for (name, (dtype, shape)) in shapes {
+        let Some(base) = name.strip_suffix(&format!(".{first}")) else {
+            continue;
+        };
+        let &[r, c] = shape.as_slice() else {
+            continue;
+        };
+        let dims = match s {
+            Scheme::Awq { bits, .. } => [c * 32 / bits, r],
+            Scheme::Gptq { bits, .. } => [c, r * 32 / bits],
+            Scheme::Packed { bits } => [r, c * 32 / bits],
+            Scheme::Fp8Scaled | Scheme::Fp8Block { .. } => {
+                if dtype != "F8_E4M3" {
+                    continue;
+                }
+                [r, c]
+            }
+        };
+        // Quantized only where every part is there (an ignored layer keeps
+        // a plain `weight`).
+        if !parts(s)[1..]
+            .iter()
+            .all(|p| shapes.contains_key(&format!("{base}.{p}")))
+        {
+            continue;
+        }
+        for p in parts(s) {
+            hidden.insert(format!("{base}.{p}"));
+        }
+        for extra in ["weight_zero_point", "input_scale"] {
+            let n = format!("{base}.{extra}");
+            if shapes.contains_key(&n) {
+                hidden.insert(n);
+            }
+        }
+        out.insert(format!("{base}.weight"), dims.to_vec());
+    }
+    (out, hidden)
+}
+
+fn bad(name: &str, what: impl std::fmt::Display) -> String {
+    format!("{name}: {what}")
+}
+
+fn i32s(t: &Stored<'_>, name: &str) -> Result<Vec<i32>, String> {
+    match t.dtype {
+        "I32" | "U32" => Ok(t
+            .bytes
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()),
+        "I64" => Ok(t
+            .bytes
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as i32)
+            .collect()),
+        other => Err(bad(name, format!("integer part stored as {other}"))),
+    }
+}
+
+fn floats(t: &Stored<'_>, name: &str) -> Result<Vec<f32>, String> {
+    Ok(match t.dtype {
+        "F32" => t
+            .bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        "F16" => t
+            .bytes
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        "BF16" => t
+            .bytes
+            .chunks_exact(2)
+            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => return Err(bad(name, format!("scale stored as {other}"))),
+    })
+}
+
+/// The value of an FP8 E4M3 (`fn`: no infinities, 0x7F/0xFF NaN) byte.
+pub(crate) fn e4m3(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((b >> 3) & 0xF) as i32;
+    let m = (b & 7) as f32;
+    if e == 15 && b & 7 == 7 {
+        return f32::NAN;
+    }
+    sign * if e == 0 {
+        m / 8.0 * 2f32.powi(-6)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
+}
+
+/// `X.weight` (`[out, in]` = `dims`) dequantized from its parts, fetched by
+/// name.
+pub(crate) fn dequantize<'a>(
+    s: &Scheme,
+    base: &str,
+    dims: [usize; 2],
+    fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
+) -> Result<Vec<f32>, String> {
+    let get = |p: &str| {
+        let n = format!("{base}.{p}");
+        fetch(&n)
+            .map(|t| (n.clone(), t))
+            .ok_or_else(|| format!("{n}: missing"))
+    };
+    let [out, inp] = dims;
+    let mut w = vec![0f32; out * inp];
+    match *s {
+        Scheme::Awq { bits, group } => {
+            let (qn, qt) = get("qweight")?;
+            let (zn, zt) = get("qzeros")?;
+            let (sn, st) = get("scales")?;
+            let (q, z, sc) = (i32s(&qt, &qn)?, i32s(&zt, &zn)?, floats(&st, &sn)?);
+            let pack = 32 / bits;
+            let groups = inp.div_ceil(group);
+            if q.len() != inp * out / pack
+                || z.len() != groups * out / pack
+                || sc.len() != groups * out
+            {
+                return Err(bad(base, "AWQ parts do not match their shapes"));
+            }
+            // Output 8 j + k sits in nibble REV[k] of column j.
+            const REV: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+            let mask = (1u32 << bits) - 1;
+            let nib = |v: i32, o: usize| ((v as u32) >> (bits * REV[o % pack])) & mask;
+            for i in 0..inp {
+                let g = i / group;
+                for o in 0..out {
+                    let qv = nib(q[i * out / pack + o / pack], o);
+                    let zv = nib(z[g * out / pack + o / pack], o);
+                    w[o * inp + i] = (qv as f32 - zv as f32) * sc[g * out + o];
+                }
+            }
+        }
+        Scheme::Gptq { bits, zero_offset } => {
+            let (qn, qt) = get("qweight")?;
+            let (zn, zt) = get("qzeros")?;
+            let (sn, st) = get("scales")?;
+            let (gn, gt) = get("g_idx")?;
+            let (q, z, sc, gi) = (
+                i32s(&qt, &qn)?,
+                i32s(&zt, &zn)?,
+                floats(&st, &sn)?,
+                i32s(&gt, &gn)?,
+            );
+            let pack = 32 / bits;
+            let mask = (1u32 << bits) - 1;
+            let groups = st.shape.first().copied().unwrap_or(0);
+            if q.len() != inp * out / pack
+                || sc.len() != groups * out
+                || z.len() != groups * out / pack
+                || gi.len() != inp
+            {
+                return Err(bad(base, "GPTQ parts do not match their shapes"));
+            }
+            for i in 0..inp {
+                let g = gi[i];
+                if g < 0 || g as usize >= groups {
+                    return Err(bad(&gn, format!("group {g} of {groups}")));
+                }
+                let g = g as usize;
+                for o in 0..out {
+                    let qv = ((q[(i / pack) * out + o] as u32) >> (bits * (i % pack))) & mask;
+                    let zv = ((z[g * out / pack + o / pack] as u32) >> (bits * (o % pack))) & mask;
+                    let zero = zv as i32 + zero_offset;
+                    w[o * inp + i] = (qv as i32 - zero) as f32 * sc[g * out + o];
+                }
+            }
+        }
+        Scheme::Packed { bits } => {
+            let (qn, qt) = get("weight_packed")?;
+            let (sn, st) = get("weight_scale")?;
+            let (q, sc) = (i32s(&qt, &qn)?, floats(&st, &sn)?);
+            let pack = 32 / bits;
+            let mask = (1u32 << bits) - 1;
+            let half = 1i32 << (bits - 1);
+            let groups = st.shape.get(1).copied().unwrap_or(1).max(1);
+            if q.len() != out * inp / pack || sc.len() != out * groups || inp % groups != 0 {
+                return Err(bad(base, "pack-quantized parts do not match their shapes"));
+            }
+            let g = inp / groups;
+            for o in 0..out {
+                for i in 0..inp {
+                    let v = ((q[o * inp / pack + i / pack] as u32) >> (bits * (i % pack))) & mask;
+                    w[o * inp + i] = (v as i32 - half) as f32 * sc[o * groups + i / g];
+                }
+            }
+        }
+        Scheme::Fp8Scaled | Scheme::Fp8Block { .. } => {
+            let (wn, wt) = get("weight")?;
+            let scale_part = if matches!(s, Scheme::Fp8Block { .. }) {
+                "weight_scale_inv"
+            } else {
+                "weight_scale"
+            };
+            let (sn, st) = get(scale_part)?;
+            let sc = floats(&st, &sn)?;
+            if wt.bytes.len() != out * inp {
+                return Err(bad(&wn, "FP8 weight does not match its shape"));
+            }
+            let scale = |o: usize, i: usize| -> Result<f32, String> {
+                match *s {
+                    Scheme::Fp8Block { block: [bo, bi] } => {
+                        let cols = inp.div_ceil(bi);
+                        sc.get((o / bo) * cols + i / bi).copied()
+                    }
+                    _ if sc.len() == 1 => Some(sc[0]),
+                    _ => sc.get(o).copied().filter(|_| sc.len() == out),
+                }
+                .ok_or_else(|| bad(&sn, format!("{} scales for [{out}, {inp}]", sc.len())))
+            };
+            for o in 0..out {
+                for i in 0..inp {
+                    w[o * inp + i] = e4m3(wt.bytes[o * inp + i]) * scale(o, i)?;
+                }
+            }
+        }
+    }
+    Ok(w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_values() {
+        assert_eq!(e4m3(0x00), 0.0);
+        assert_eq!(e4m3(0x38), 1.0); // e = 7, m = 0
+        assert_eq!(e4m3(0xC0), -2.0);
+        assert_eq!(e4m3(0x7E), 448.0); // the largest
+        assert_eq!(e4m3(0x01), 2f32.powi(-9)); // the smallest subnormal
+        assert!(e4m3(0x7F).is_nan());
+    }
+
+    #[test]
+    fn schemes_from_configs() {
+        let s = |q: Value| scheme(&serde_json::json!({ "quantization_config": q }));
+        assert_eq!(
+            s(
+                serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm", "zero_point": true})
+            ),
+            Ok(Some(Scheme::Awq { bits: 4, group: 64 }))
+        );
+        assert_eq!(
+            s(serde_json::json!({"quant_method": "gptq", "bits": 8, "desc_act": true})),
+            Ok(Some(Scheme::Gptq {
+                bits: 8,
+                zero_offset: 1
+            }))
+        );
+        assert_eq!(
+            s(serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]})),
+            Ok(Some(Scheme::Fp8Block { block: [128, 128] }))
+        );
+        assert!(
+            s(serde_json::json!({"quant_method": "awq", "version": "gemv"}))
+                .unwrap_err()
+                .contains("GEMM")
+        );
+        assert!(s(serde_json::json!({"quant_method": "bitsandbytes"}))
+            .unwrap_err()
+            .contains("bitsandbytes"));
+        assert_eq!(scheme(&serde_json::json!({})), Ok(None));
+    }
+}
