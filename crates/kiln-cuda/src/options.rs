@@ -37,6 +37,10 @@ pub struct CudaOptions {
     /// `target / (rows * kv_heads)` partitions of at least this many keys.
     pub decode_partition_keys: usize,
     pub decode_target_blocks: usize,
+    /// Block-quantized decode products (`ops/matmul/blocks`): the most
+    /// blocks a multiprocessor they launch (each block stages x and loops
+    /// over weight rows). Default 8.
+    pub qgemv_blocks_per_sm: usize,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -56,6 +60,7 @@ impl Default for CudaOptions {
             direct_cols: None,
             decode_partition_keys: 32,
             decode_target_blocks: 256,
+            qgemv_blocks_per_sm: 8,
             kernel_defines: String::new(),
         }
     }

@@ -98,6 +98,15 @@ pub const KNOBS: &[Knob] = &[
         }),
     },
     Knob {
+        var: "KILN_QGEMV_BLOCKS_PER_SM",
+        default: "8",
+        help: "most blocks a multiprocessor the block-quantized decode products launch (each stages x once)",
+        set: Set::Parse(|o, v| {
+            o.qgemv_blocks_per_sm = positive("KILN_QGEMV_BLOCKS_PER_SM", v)?;
+            Ok(())
+        }),
+    },
+    Knob {
         var: "KILN_KERNEL_DEFINES",
         default: "",
         help: "NAME=VALUE overrides of kernels' #ifndef tuning macros, separated by blanks or +, for timing experiments",

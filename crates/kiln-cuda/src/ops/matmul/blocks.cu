@@ -31,6 +31,17 @@
 #include "rms_prologue.cuh"
 #include <cuda_fp16.h>
 
+// Tuning knobs (KILN_KERNEL_DEFINES): chunks of a lane unrolled (their loads in flight
+// together), and the resident blocks an SM the compiler must allow (register cap).
+#ifndef KILN_QGEMV_UNROLL
+#define KILN_QGEMV_UNROLL 2
+#endif
+#ifndef KILN_QGEMV_MIN_BLOCKS
+#define KILN_QGEMV_MIN_BLOCKS 2
+#endif
+#define KILN_QSTR(x) #x
+#define KILN_QUNROLL(n) _Pragma(KILN_QSTR(unroll n))
+
 namespace blocks_detail {
 
 enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4NL, MXFP4, Q2K, Q3K, Q4K, Q5K, Q6K };
@@ -363,6 +374,7 @@ __device__ __forceinline__ void qgemv(const bf16* __restrict__ x, const bf16* __
         float acc[M], accu[M];
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[m] = accu[m] = 0.0f;
+        KILN_QUNROLL(KILN_QGEMV_UNROLL)
         for (int c = lane; c < chunks; c += 32) {
             const int sw = (c >> 1) & 3;
             float cf[32], s[2], b[2];
@@ -435,7 +447,7 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
 }  // namespace blocks_detail
 
 #define KILN_QGEMV(name, F, M)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) qgemv_##name##_m##M(                             \
+    extern "C" __global__ void __launch_bounds__(256, KILN_QGEMV_MIN_BLOCKS) qgemv_##name##_m##M(                             \
         const bf16* x, const bf16* norm_w, float eps, float off, int nt, blocks_detail::Parts parts,     \
         bf16* out, const bf16* residual, int K, int ldo, int gated, int act) {                          \
         blocks_detail::qgemv<blocks_detail::F, M>(x, norm_w, eps, off, nt, parts, out, residual, K, ldo, \

@@ -212,9 +212,6 @@ struct Parts {
 // three pointers, three ints, padded to 8 bytes).
 unsafe impl cudarc::driver::DeviceRepr for Parts {}
 
-/// Resident decode blocks an SM the launch aims for.
-const QGEMV_BLOCKS_PER_SM: usize = 2;
-
 /// The weight's parts in runs of one format (at most three parts each),
 /// with each run's first row.
 fn runs(w: &BlockWeight) -> Result<Vec<(usize, Parts, &'static str)>> {
@@ -262,7 +259,7 @@ fn qgemv(
     let rows_out = if gated.is_some() { total / 2 } else { total };
     let grid = rows_out
         .div_ceil(8)
-        .min(cuda.dev.sms.max(1) * QGEMV_BLOCKS_PER_SM)
+        .min(cuda.dev.sms.max(1) * cuda.options.qgemv_blocks_per_sm.max(1))
         .max(1);
     let cfg = LaunchConfig {
         grid_dim: (grid as u32, 1, 1),
