@@ -134,6 +134,8 @@ pub(crate) fn scheme(config: &Value) -> Result<Option<Scheme>, String> {
                 _ => Ok(Some(Scheme::Fp8Scaled)),
             }
         }
+        // gpt-oss's MXFP4 experts: the family reads their blocks and scales itself.
+        "mxfp4" => Ok(None),
         "" => Err("quantization_config without quant_method".into()),
         other => Err(format!("quant_method {other:?}")),
     }
@@ -429,5 +431,6 @@ mod tests {
             .unwrap_err()
             .contains("bitsandbytes"));
         assert_eq!(scheme(&serde_json::json!({})), Ok(None));
+        assert_eq!(s(serde_json::json!({"quant_method": "mxfp4"})), Ok(None));
     }
 }
