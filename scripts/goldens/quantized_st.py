@@ -1,4 +1,4 @@
-"""Quantized Hugging Face checkpoints (AWQ, GPTQ with act-order, compressed-tensors
+"""Quantized Hugging Face checkpoints (AWQ, GPTQ with and without act-order, compressed-tensors
 pack-quantized int4 and FP8 per channel, FP8 128x128-style blocks) and what
 transformers computes on the weights they stand for.
 
@@ -88,11 +88,14 @@ def awq(w):
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale}, deq.t().contiguous()
 
 
-def gptq(w, gen):
-    """Symmetric 4-bit with act-order: inputs assigned to groups by a permutation."""
+def gptq(w, gen, act_order=True):
+    """Symmetric 4-bit; with act-order inputs are assigned to groups by a permutation."""
     out, inp = w.shape
-    perm = torch.randperm(inp, generator=gen)
-    g_idx = (torch.argsort(perm) // GROUP).to(torch.int32)  # input i's group
+    if act_order:
+        perm = torch.randperm(inp, generator=gen)
+        g_idx = (torch.argsort(perm) // GROUP).to(torch.int32)  # input i's group
+    else:
+        g_idx = (torch.arange(inp) // GROUP).to(torch.int32)
     groups = inp // GROUP
     scale = torch.zeros(groups, out)
     for g in range(groups):
@@ -141,6 +144,8 @@ LAYOUTS = {
             "version": "gemm"},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True,
              "sym": True, "checkpoint_format": "gptq"},
+    "gptq_noact": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+                   "sym": True, "checkpoint_format": "gptq"},
     "ct_int4": {"quant_method": "compressed-tensors", "format": "pack-quantized",
                 "quantization_status": "compressed", "ignore": ["lm_head"],
                 "config_groups": {"group_0": {**CT_GROUP, "weights": {
@@ -195,7 +200,8 @@ def main(out_root):
         with torch.no_grad():
             for name, mod in projections(model):
                 w = mod.weight.detach().clone()
-                parts, deq = {"awq": awq, "gptq": lambda w: gptq(w, gen), "ct_int4": packed,
+                parts, deq = {"awq": awq, "gptq": lambda w: gptq(w, gen),
+                              "gptq_noact": lambda w: gptq(w, gen, False), "ct_int4": packed,
                               "ct_fp8": fp8_channel, "fp8_block": fp8_block}[layout](w)
                 for k, v in parts.items():
                     tensors[f"{name}.{k}"] = v.contiguous()

@@ -388,6 +388,110 @@ pub(crate) fn dequantize<'a>(
     Ok(w)
 }
 
+/// `X.weight` as GGUF Q4_0 blocks, where the layout holds exactly that:
+/// symmetric 4-bit groups of a multiple of 32 inputs in order (GPTQ with
+/// every zero point 8 and `g_idx` the identity grouping; compressed-tensors
+/// pack-quantized int4) with scales f16 holds. `W = d · (q − 8)` either way,
+/// so the CPU and GPU keep 4.5 bits a weight and their Q4_0 products.
+/// `None` where the layout is anything else (read dense instead).
+pub(crate) fn as_q4_0<'a>(
+    s: &Scheme,
+    base: &str,
+    dims: [usize; 2],
+    fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
+) -> Result<Option<Vec<u8>>, String> {
+    let [out, inp] = dims;
+    let part =
+        |p: &str| fetch(&format!("{base}.{p}")).ok_or_else(|| format!("{base}.{p}: missing"));
+    // code(o, i) in 0..16 and the scale of (o, group), per layout.
+    let (codes, scales, groups): (Box<dyn Fn(usize, usize) -> u8>, Vec<f32>, usize) = match *s {
+        Scheme::Gptq {
+            bits: 4,
+            zero_offset,
+        } => {
+            let (q, z, st, g) = (
+                part("qweight")?,
+                part("qzeros")?,
+                part("scales")?,
+                part("g_idx")?,
+            );
+            let groups = st.shape.first().copied().unwrap_or(0);
+            if groups == 0 || inp % groups != 0 {
+                return Ok(None);
+            }
+            let gi = i32s(&g, base)?;
+            let group = inp / groups;
+            if gi.len() != inp || gi.iter().enumerate().any(|(i, &g)| g as usize != i / group) {
+                return Ok(None); // act-order
+            }
+            let zs = i32s(&z, base)?;
+            if zs.len() != groups * out / 8
+                || zs.iter().any(|&w| {
+                    (0..8).any(|k| (((w as u32) >> (4 * k)) & 15) as i32 + zero_offset != 8)
+                })
+            {
+                return Ok(None);
+            }
+            let qs = i32s(&q, base)?;
+            if qs.len() != inp * out / 8 {
+                return Err(bad(base, "GPTQ qweight does not match its shape"));
+            }
+            let sc = floats(&st, base)?; // [groups, out]
+            let scales = (0..out * groups)
+                .map(|k| sc[(k % groups) * out + k / groups])
+                .collect();
+            (
+                Box::new(move |o, i| {
+                    (((qs[(i / 8) * out + o] as u32) >> (4 * (i % 8))) & 15) as u8
+                }),
+                scales,
+                groups,
+            )
+        }
+        Scheme::Packed { bits: 4 } => {
+            let (q, st) = (part("weight_packed")?, part("weight_scale")?);
+            let groups = st.shape.get(1).copied().unwrap_or(1).max(1);
+            let qs = i32s(&q, base)?;
+            if qs.len() != out * inp / 8 {
+                return Err(bad(base, "pack-quantized weight does not match its shape"));
+            }
+            let sc = floats(&st, base)?; // [out, groups]
+            (
+                Box::new(move |o, i| {
+                    (((qs[o * inp / 8 + i / 8] as u32) >> (4 * (i % 8))) & 15) as u8
+                }),
+                sc,
+                groups,
+            )
+        }
+        _ => return Ok(None),
+    };
+    if inp % groups != 0 || (inp / groups) % 32 != 0 || scales.len() != out * groups {
+        return Ok(None);
+    }
+    let group = inp / groups;
+    let mut d16 = Vec::with_capacity(scales.len());
+    for &v in &scales {
+        let h = f16::from_f32(v);
+        if h.to_f32() != v {
+            return Ok(None);
+        }
+        d16.push(h);
+    }
+    let blocks = inp / 32;
+    let mut bytes = vec![0u8; out * blocks * 18];
+    for o in 0..out {
+        for b in 0..blocks {
+            let blk = &mut bytes[(o * blocks + b) * 18..][..18];
+            blk[..2].copy_from_slice(&d16[o * groups + 32 * b / group].to_le_bytes());
+            for j in 0..16 {
+                blk[2 + j] = codes(o, 32 * b + j) | (codes(o, 32 * b + 16 + j) << 4);
+            }
+        }
+    }
+    Ok(Some(bytes))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

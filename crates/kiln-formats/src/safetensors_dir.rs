@@ -483,6 +483,42 @@ impl SafetensorsDir {
     }
 }
 
+impl SafetensorsDir {
+    /// A quantized matrix as Q4_0 blocks where its layout is exactly that
+    /// (`quantized_st::as_q4_0`).
+    fn q4_0(&self, name: &str, shape: &[usize]) -> Result<Option<QuantMatrix>> {
+        let Some(q) = self.quant.as_ref() else {
+            return Ok(None);
+        };
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        let fetch = |n: &str| {
+            self.tensors.get(n).map(|e| crate::quantized_st::Stored {
+                dtype: &e.dtype,
+                shape: &e.shape,
+                bytes: &self.shards[e.shard_idx].mmap[e.start..e.end],
+            })
+        };
+        let invalid = |what: String| FormatError::Invalid {
+            path: self.dir.clone(),
+            what,
+        };
+        let Some(bytes) =
+            crate::quantized_st::as_q4_0(&q.scheme, base, [shape[0], shape[1]], &fetch)
+                .map_err(invalid)?
+        else {
+            return Ok(None);
+        };
+        QuantMatrix::new(
+            QuantFormat::Q4_0,
+            shape[0],
+            shape[1],
+            SharedBytes::from_vec(bytes),
+        )
+        .map(Some)
+        .map_err(invalid)
+    }
+}
+
 impl WeightSource for SafetensorsDir {
     fn path(&self) -> &Path {
         &self.dir
@@ -586,8 +622,8 @@ impl WeightSource for SafetensorsDir {
 
     /// F16 and BF16 matrices, in place.
     fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
-        if self.logical(name).is_some() {
-            return Ok(None);
+        if let Some(shape) = self.logical(name) {
+            return self.q4_0(name, shape);
         }
         let Some(e) = self.tensors.get(name) else {
             return Ok(None);

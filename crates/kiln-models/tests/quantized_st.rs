@@ -1,7 +1,8 @@
 //! Quantized Hugging Face checkpoints against transformers
 //! (`tests/data/quantized/*`, made by `scripts/goldens/quantized_st.py`):
 //! one random Llama with every projection stored as AWQ (GEMM order,
-//! asymmetric 4-bit groups), GPTQ (4-bit, act-order `g_idx`),
+//! asymmetric 4-bit groups), GPTQ (4-bit, with an act-order `g_idx` and
+//! without),
 //! compressed-tensors pack-quantized int4 and FP8 per channel, and FP8
 //! with block scales; the golden is transformers' float64 log-softmax of
 //! the model whose projections are the dequantized weights (the layouts
@@ -15,7 +16,14 @@ use std::path::PathBuf;
 use kiln_formats::{SafetensorsDir, WeightSource};
 use kiln_tensor::ForwardBatch;
 
-const CASES: [&str; 5] = ["awq", "gptq", "ct_int4", "ct_fp8", "fp8_block"];
+const CASES: [&str; 6] = [
+    "awq",
+    "gptq",
+    "gptq_noact",
+    "ct_int4",
+    "ct_fp8",
+    "fp8_block",
+];
 
 fn case_dir(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -65,6 +73,30 @@ fn the_tensor_list_names_the_matrices_not_their_parts() {
         let t = dir.load_f32(q).unwrap();
         assert_eq!(t.shape, [64, 128], "{case}");
         assert!(dir.contains("lm_head.weight") && dir.contains("model.norm.weight"));
+    }
+}
+
+/// Symmetric int4 groups in input order (GPTQ without act-order,
+/// compressed-tensors int4) are exactly GGUF Q4_0: they load as its blocks
+/// (4.5 bits a weight, the backends' Q4_0 products — the logits test above
+/// runs through them); the others are read dense.
+#[test]
+fn symmetric_int4_groups_load_as_q4_0_blocks() {
+    let q = "model.layers.0.mlp.down_proj.weight";
+    for case in CASES {
+        let dir = SafetensorsDir::open(case_dir(case)).unwrap();
+        let blocks = dir.load_blocks(q).unwrap();
+        match case {
+            "gptq_noact" | "ct_int4" => {
+                let m = blocks.unwrap_or_else(|| panic!("{case}: not blocks"));
+                assert_eq!(m.format(), kiln_tensor::QuantFormat::Q4_0, "{case}");
+                assert_eq!((m.rows(), m.cols()), (128, 256), "{case}");
+                // The blocks are the dense reading, value for value.
+                let dense = dir.load_f32(q).unwrap().data;
+                assert_eq!(m.dequantize(), dense, "{case}");
+            }
+            _ => assert!(blocks.is_none(), "{case}: blocks"),
+        }
     }
 }
 
