@@ -264,6 +264,7 @@ mod tests {
             ("KILN_DIRECT_COLS", "16"),
             ("KILN_DECODE_PARTITION_KEYS", "128"),
             ("KILN_DECODE_TARGET_BLOCKS", "64"),
+            ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -279,6 +280,7 @@ mod tests {
                 direct_cols: Some(16),
                 decode_partition_keys: 128,
                 decode_target_blocks: 64,
+                qgemv_blocks_per_sm: 3,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
