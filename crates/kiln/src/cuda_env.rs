@@ -285,7 +285,7 @@ mod tests {
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 10);
+        assert_eq!(KNOBS.len(), 11);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 
