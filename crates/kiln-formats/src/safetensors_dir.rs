@@ -449,6 +449,15 @@ fn to_f32(dtype: SafetensorsDtype, bytes: &[u8]) -> Vec<f32> {
 }
 
 impl SafetensorsDir {
+    /// A stored tensor's dtype, shape and bytes, for `quantized_st`.
+    fn stored(&self, name: &str) -> Option<crate::quantized_st::Stored<'_>> {
+        self.tensors.get(name).map(|e| crate::quantized_st::Stored {
+            dtype: &e.dtype,
+            shape: &e.shape,
+            bytes: &self.shards[e.shard_idx].mmap[e.start..e.end],
+        })
+    }
+
     /// The `[out, in]` shape of `name` when it is a quantized matrix.
     fn logical(&self, name: &str) -> Option<&Vec<usize>> {
         self.quant.as_ref()?.logical.get(name)
@@ -464,13 +473,7 @@ impl SafetensorsDir {
                 tensor: name.to_string(),
             })?;
         let base = name.strip_suffix(".weight").unwrap_or(name);
-        let fetch = |n: &str| {
-            self.tensors.get(n).map(|e| crate::quantized_st::Stored {
-                dtype: &e.dtype,
-                shape: &e.shape,
-                bytes: &self.shards[e.shard_idx].mmap[e.start..e.end],
-            })
-        };
+        let fetch = |n: &str| self.stored(n);
         let dims = [shape[0], shape[1]];
         let data =
             crate::quantized_st::dequantize(&q.scheme, base, dims, &fetch).map_err(|what| {
@@ -491,13 +494,7 @@ impl SafetensorsDir {
             return Ok(None);
         };
         let base = name.strip_suffix(".weight").unwrap_or(name);
-        let fetch = |n: &str| {
-            self.tensors.get(n).map(|e| crate::quantized_st::Stored {
-                dtype: &e.dtype,
-                shape: &e.shape,
-                bytes: &self.shards[e.shard_idx].mmap[e.start..e.end],
-            })
-        };
+        let fetch = |n: &str| self.stored(n);
         let invalid = |what: String| FormatError::Invalid {
             path: self.dir.clone(),
             what,
