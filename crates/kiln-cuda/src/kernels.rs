@@ -135,11 +135,52 @@ pub fn expand(src: &str) -> String {
     crate::driver::compile::expand(src, HEADERS)
 }
 
-/// Every kernel source compiled by `compiler` (from its cache when possible).
-pub fn compile_all(compiler: &KernelCompiler) -> Result<Vec<CompiledKernel>, CudaError> {
+/// The compilation units: every source with its includes expanded, the
+/// block formats' source once a format (`KILN_BLOCK_FMT` = its index in
+/// [`BLOCK_FORMATS`], unit `matmul_blocks_<fmt>`), so that they compile and
+/// load in parallel.
+pub fn units() -> Vec<(String, String)> {
     SOURCES
         .iter()
-        .map(|(name, src)| compiler.compile(name, &expand(src)))
+        .flat_map(|&(name, src)| {
+            let src = expand(src);
+            match name {
+                "matmul_blocks" => BLOCK_FORMATS
+                    .iter()
+                    .enumerate()
+                    .map(|(i, f)| {
+                        (
+                            format!("{name}_{f}"),
+                            format!("#define KILN_BLOCK_FMT {i}\n{src}"),
+                        )
+                    })
+                    .collect(),
+                _ => vec![(name.to_string(), src)],
+            }
+        })
+        .collect()
+}
+
+/// Every compilation unit ([`units`]) compiled by `compiler`, in parallel
+/// (from its cache when possible), each with its unit's name.
+pub fn compile_units(
+    compiler: &KernelCompiler,
+) -> Vec<(String, Result<CompiledKernel, CudaError>)> {
+    use rayon::prelude::*;
+    units()
+        .into_par_iter()
+        .map(|(name, src)| {
+            let k = compiler.compile(&name, &src);
+            (name, k)
+        })
+        .collect()
+}
+
+/// Every compilation unit compiled by `compiler`; the first error, if any.
+pub fn compile_all(compiler: &KernelCompiler) -> Result<Vec<CompiledKernel>, CudaError> {
+    compile_units(compiler)
+        .into_iter()
+        .map(|(_, k)| k)
         .collect()
 }
 

@@ -8,9 +8,11 @@
 // or a multiple of 16 (so 128-bit loads), except Q5_0/Q5_1's 20 (quants, then the 4 high-bit
 // bytes; 32-bit loads).
 //
-// Work unit: a chunk of 32 consecutive elements of a row (a whole block for the 32-element
-// formats, 1/8 of a 256-element K-quant super-block). codes<F>(body, meta, sub, cf, s, b) gives
-// the chunk's weights as w = s[h] * cf + b[h] per 16-element half h (see "Codes" below).
+// Work unit: UE consecutive elements of a row whose codes come from one set of loads (a whole
+// block for the 32-element formats; 64 of Q4_K/Q5_K's 256, whose quant bytes hold two 32-element
+// chunks in their low and high nibbles; 128 of Q2_K/Q3_K/Q6_K's). unit<F>(body, meta, u, q, s, b)
+// gives unit u's codes as small integers, four to a word in element order (q[i] = elements 4 i ..
+// 4 i + 3 as signed bytes), and per 16 elements h a scale and an offset: w = s[h] * code + b[h].
 //
 //   qgemv_<fmt>_m{M}(x, norm_w, eps, off, nt, parts, out, residual, K, ldo, gated, act)
 //     out[r * ldo + n] = sum_k x'[r, k] * W[n, k] (+ residual[r * ldo + n] when residual != 0),
@@ -18,51 +20,59 @@
 //     with nt threads rounds it (rms_prologue.cuh) when norm_w != 0. W: up to three parts of this
 //     format stacked by rows (Parts). gated != 0: out[., n] = act(x'.W[n]) * (x'.W[R + n]) over
 //     R = half the rows (act 0 SiLU, 1 GELU tanh), as a packed gate/up product.
-//     Every block stages x' in shared memory (stage_x), then its 8 warps take weight rows r, r +
-//     8 * gridDim.x, ... (the host launches at most one wave); lane l takes chunks l, l + 32, ...
-//     and keeps M sums (two for gated), reduced across the warp. f32 throughout, one rounding at
-//     the store. Block 256 threads; dynamic shared memory M * (K * 2.25 + 132) bytes
-//     (blocks.rs: qgemv_smem); K % 256 == 0 for K-quants, % 32 otherwise; x, norm_w 16-byte
-//     aligned; out must not overlap x.
+//     Every block stages x' in shared memory as exact integers (stage_x: each 32 elements X_e * 2^e
+//     with |X| < 2^14, split into two signed bytes X = 256 a + c, so the integer products are
+//     exact and only x' values below 2^-13 of their 32-element group's largest lose bits), then
+//     its 8 warps take weight rows r, r + 8 * gridDim.x, ... (the host launches at most one
+//     wave); lane l takes units l, l + 32, ... and sums each 16 or 32 elements' code . a and
+//     code . c with dp4a, then s * 2^e * (256 sum_a + sum_c) + b * sum(x') in f32; the M sums
+//     (two for gated) are reduced across the warp and rounded once at the store. Block 256
+//     threads; dynamic shared memory blocks.rs's qgemv_smem(M, K); K % 256 == 0 for K-quants,
+//     % 32 otherwise; x, norm_w 16-byte aligned; out must not overlap x.
 //   dequant_<fmt>_bf16(body, meta, ids, out, K, rows_out, row0)
-//     out[r, :] = W[ids ? ids[r] : row0 + r, :] as bf16, r < rows_out: a thread per chunk (the
-//     rows of an embedding lookup, or a slab of rows for the tensor-core GEMM of larger batches).
+//     out[r, :] = W[ids ? ids[r] : row0 + r, :] as bf16 (fmaf(s, code, b) rounded once), r <
+//     rows_out: a thread per unit (the rows of an embedding lookup, or a slab of rows for the
+//     tensor-core GEMM of larger batches).
 #include "common.cuh"
 #include "rms_prologue.cuh"
 #include <cuda_fp16.h>
 
-// Tuning knobs (KILN_KERNEL_DEFINES): chunks of a lane unrolled (their loads in flight
-// together), and the resident blocks an SM the compiler must allow (register cap).
+// Tuning knobs (KILN_KERNEL_DEFINES): units of a lane unrolled (their loads in flight together),
+// the resident blocks an SM the compiler must allow (register cap), and whether a warp loads its
+// first unit before x is staged.
 #ifndef KILN_QGEMV_UNROLL
 #define KILN_QGEMV_UNROLL 2
 #endif
 #ifndef KILN_QGEMV_MIN_BLOCKS
 #define KILN_QGEMV_MIN_BLOCKS 2
 #endif
-#define KILN_QSTR(x) #x
-#define KILN_QUNROLL(n) _Pragma(KILN_QSTR(unroll n))
+#ifndef KILN_QGEMV_PRELOAD
+#define KILN_QGEMV_PRELOAD 1
+#endif
 
 namespace blocks_detail {
 
 enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4NL, MXFP4, Q2K, Q3K, Q4K, Q5K, Q6K };
 
+// BE elements a block, BODY and META bytes, UE elements a unit, SUB elements a scale.
 template <int F> struct Fmt;
-template <> struct Fmt<Q8_0> { static constexpr int BE = 32, BODY = 32, META = 2; };
-template <> struct Fmt<Q4_0> { static constexpr int BE = 32, BODY = 16, META = 2; };
-template <> struct Fmt<Q4_1> { static constexpr int BE = 32, BODY = 16, META = 4; };
-template <> struct Fmt<Q5_0> { static constexpr int BE = 32, BODY = 20, META = 2; };
-template <> struct Fmt<Q5_1> { static constexpr int BE = 32, BODY = 20, META = 4; };
-template <> struct Fmt<IQ4NL> { static constexpr int BE = 32, BODY = 16, META = 2; };
-template <> struct Fmt<MXFP4> { static constexpr int BE = 32, BODY = 16, META = 1; };
-template <> struct Fmt<Q2K> { static constexpr int BE = 256, BODY = 80, META = 4; };
-template <> struct Fmt<Q3K> { static constexpr int BE = 256, BODY = 96, META = 14; };
-template <> struct Fmt<Q4K> { static constexpr int BE = 256, BODY = 144, META = 0; };
-template <> struct Fmt<Q5K> { static constexpr int BE = 256, BODY = 176, META = 0; };
-template <> struct Fmt<Q6K> { static constexpr int BE = 256, BODY = 208, META = 2; };
+template <> struct Fmt<Q8_0> { static constexpr int BE = 32, BODY = 32, META = 2, UE = 32, SUB = 32; };
+template <> struct Fmt<Q4_0> { static constexpr int BE = 32, BODY = 16, META = 2, UE = 32, SUB = 32; };
+template <> struct Fmt<Q4_1> { static constexpr int BE = 32, BODY = 16, META = 4, UE = 32, SUB = 32; };
+template <> struct Fmt<Q5_0> { static constexpr int BE = 32, BODY = 20, META = 2, UE = 32, SUB = 32; };
+template <> struct Fmt<Q5_1> { static constexpr int BE = 32, BODY = 20, META = 4, UE = 32, SUB = 32; };
+template <> struct Fmt<IQ4NL> { static constexpr int BE = 32, BODY = 16, META = 2, UE = 32, SUB = 32; };
+template <> struct Fmt<MXFP4> { static constexpr int BE = 32, BODY = 16, META = 1, UE = 32, SUB = 32; };
+template <> struct Fmt<Q2K> { static constexpr int BE = 256, BODY = 80, META = 4, UE = 128, SUB = 16; };
+template <> struct Fmt<Q3K> { static constexpr int BE = 256, BODY = 96, META = 14, UE = 128, SUB = 16; };
+template <> struct Fmt<Q4K> { static constexpr int BE = 256, BODY = 144, META = 0, UE = 64, SUB = 32; };
+template <> struct Fmt<Q5K> { static constexpr int BE = 256, BODY = 176, META = 0, UE = 64, SUB = 32; };
+template <> struct Fmt<Q6K> { static constexpr int BE = 256, BODY = 208, META = 2, UE = 128, SUB = 16; };
 
-__constant__ signed char kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+__constant__ __align__(16) signed char kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                      1,    13,   25,  38,  53,  69,  89,  113};
 // e2m1 values doubled (the scale is halved to match), sign in bit 3.
-__constant__ signed char kMxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+__constant__ __align__(16) signed char kMxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 typedef unsigned char u8;
 
@@ -71,7 +81,6 @@ __device__ __forceinline__ float half_at(const u8* p) {
 }
 __device__ __forceinline__ uint4 ld16(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ unsigned ld4(const u8* p) { return __ldg(reinterpret_cast<const unsigned*>(p)); }
-__device__ __forceinline__ unsigned byte_of(const unsigned* w, int i) { return (w[i >> 2] >> (8 * (i & 3))) & 0xffu; }
 
 // Half an e8m0 scale, 2^(e - 128), exactly (subnormal below e = 2), as GGML computes it.
 __device__ __forceinline__ float e8m0_half(unsigned e) {
@@ -95,183 +104,162 @@ __device__ __forceinline__ void scale_min_k4(int j, const unsigned* s, float& sc
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Codes. A chunk's 32 weights are w = s[h] * code + b[h] (h = 0 for its elements 0..15, 1 for
-// 16..31), the codes produced without integer-to-float conversions: a small unsigned q is OR-ed
-// into the mantissa of a power of two (bf16 128.0 = 0x4300, so 0x4300 | q is 128 + q for q < 128;
-// f32 256.0 = 0x43800000 with q << 15 is 256 + q for q < 256), and the offset is folded into b.
-// Codes come in the x-pair order: cf[4g + j] is element 4g + {0, 2, 1, 3}[j] of the chunk, so two
-// bf16 codes of one 32-bit word (bytes 0 and 2 of a quant word, or 1 and 3) line up with the pair
-// words x is staged in (the same order).
-// ---------------------------------------------------------------------------------------------
+#define KILN_LO4 0x0F0F0F0Fu
+// Bits 0..3 of t to bit 0 of bytes 0..3.
+__device__ __forceinline__ unsigned spread4(unsigned t) { return ((t & 0xFu) * 0x00204081u) & 0x01010101u; }
 
-#define KILN_MAGIC2 0x43004300u
-__device__ __forceinline__ float lo_f(unsigned w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi_f(unsigned w) { return __uint_as_float(w & 0xffff0000u); }
-
-// Codes of group g from quant word v: nibbles at shift sh (bytes 0, 2 -> a; 1, 3 -> b), extra
-// high bits already at bit 4 / 20 of each.
-__device__ __forceinline__ void nib_codes(unsigned v, int sh, unsigned xa, unsigned xb, float* cf) {
-    const unsigned a = ((v >> sh) & 0x000F000Fu) | xa | KILN_MAGIC2;
-    const unsigned b = ((v >> (sh + 8)) & 0x000F000Fu) | xb | KILN_MAGIC2;
-    cf[0] = lo_f(a);
-    cf[1] = hi_f(a);
-    cf[2] = lo_f(b);
-    cf[3] = hi_f(b);
+// Four nibbles (low bits of each byte of n) looked up in a 16-entry signed-byte table t (4 words).
+__device__ __forceinline__ unsigned lut16(unsigned n, const unsigned* t) {
+    const unsigned p = n | (n >> 4);
+    const unsigned sel = ((p & 0xFFu) | ((p >> 8) & 0xFF00u)) & 0x7777u;
+    const unsigned lo = __byte_perm(t[0], t[1], sel), hi = __byte_perm(t[2], t[3], sel);
+    const unsigned m = ((n >> 3) & 0x01010101u) * 0xFFu;
+    return (lo & ~m) | (hi & m);
 }
 
-// Table codes (IQ4_NL, MXFP4) of group g: element e's nibble, as the table's value.
-__device__ __forceinline__ void table_codes(unsigned v, int sh, const signed char* table, float* cf) {
-    cf[0] = (float)table[(v >> sh) & 0xF];
-    cf[1] = (float)table[(v >> (sh + 16)) & 0xF];
-    cf[2] = (float)table[(v >> (sh + 8)) & 0xF];
-    cf[3] = (float)table[(v >> (sh + 24)) & 0xF];
-}
-
+// Unit u of a block: codes q (element order, four a word), scales s and offsets b a 16 elements.
 template <int F>
-__device__ __forceinline__ void codes(const u8* body, const u8* meta, int sub, float* cf, float* s, float* b) {
+__device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int* q, float* s, float* b) {
     if (F == Q8_0) {
         const uint4 a = ld16(body), c = ld16(body + 16);
-        const unsigned q[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        const float d = half_at(meta);
-#pragma unroll
-        for (int g = 0; g < 8; ++g) {
-            const unsigned v = q[g] ^ 0x80808080u;  // byte + 128: 0..255
-            cf[4 * g + 0] = __uint_as_float(((v << 15) & 0x7F8000u) | 0x43800000u);
-            cf[4 * g + 1] = __uint_as_float(((v >> 1) & 0x7F8000u) | 0x43800000u);
-            cf[4 * g + 2] = __uint_as_float(((v << 7) & 0x7F8000u) | 0x43800000u);
-            cf[4 * g + 3] = __uint_as_float(((v >> 9) & 0x7F8000u) | 0x43800000u);
-        }
-        s[0] = s[1] = d;
-        b[0] = b[1] = -384.0f * d;  // code 256 + (q + 128)
+        q[0] = a.x, q[1] = a.y, q[2] = a.z, q[3] = a.w, q[4] = c.x, q[5] = c.y, q[6] = c.z, q[7] = c.w;
+        s[0] = s[1] = half_at(meta);
+        b[0] = b[1] = 0.0f;
     } else if (F == Q4_0 || F == Q4_1 || F == IQ4NL || F == MXFP4) {
         // Byte j: element j (low nibble) and j + 16 (high nibble).
         const uint4 a = ld16(body);
-        const unsigned q[4] = {a.x, a.y, a.z, a.w};
+        const unsigned w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-        for (int g = 0; g < 8; ++g) {
-            if (F == IQ4NL) table_codes(q[g & 3], g < 4 ? 0 : 4, kIq4nl, cf + 4 * g);
-            else if (F == MXFP4) table_codes(q[g & 3], g < 4 ? 0 : 4, kMxfp4, cf + 4 * g);
-            else nib_codes(q[g & 3], g < 4 ? 0 : 4, 0u, 0u, cf + 4 * g);
+        for (int i = 0; i < 4; ++i) {
+            q[i] = w[i] & KILN_LO4;
+            q[4 + i] = (w[i] >> 4) & KILN_LO4;
+        }
+        if (F == IQ4NL || F == MXFP4) {
+            const unsigned* tab = reinterpret_cast<const unsigned*>(F == IQ4NL ? kIq4nl : kMxfp4);
+            const unsigned t[4] = {tab[0], tab[1], tab[2], tab[3]};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) q[i] = lut16(q[i], t);
         }
         if (F == Q4_0) {
             const float d = half_at(meta);
             s[0] = s[1] = d;
-            b[0] = b[1] = -136.0f * d;
+            b[0] = b[1] = -8.0f * d;
         } else if (F == Q4_1) {
-            const float d = half_at(meta), m = half_at(meta + 2);
-            s[0] = s[1] = d;
-            b[0] = b[1] = m - 128.0f * d;
+            s[0] = s[1] = half_at(meta);
+            b[0] = b[1] = half_at(meta + 2);
         } else {
             s[0] = s[1] = F == IQ4NL ? half_at(meta) : e8m0_half(*meta);
             b[0] = b[1] = 0.0f;
         }
     } else if (F == Q5_0 || F == Q5_1) {
-        const unsigned q[4] = {ld4(body), ld4(body + 4), ld4(body + 8), ld4(body + 12)};
+        const unsigned w[4] = {ld4(body), ld4(body + 4), ld4(body + 8), ld4(body + 12)};
         const unsigned qh = ld4(body + 16);  // bit e: element e's fifth bit
 #pragma unroll
-        for (int g = 0; g < 8; ++g) {
-            const unsigned t = qh >> (4 * g);
-            const unsigned xa = ((t << 4) & 0x10u) | ((t << 18) & 0x100000u);
-            const unsigned xb = ((t << 3) & 0x10u) | ((t << 17) & 0x100000u);
-            nib_codes(q[g & 3], g < 4 ? 0 : 4, xa, xb, cf + 4 * g);
+        for (int i = 0; i < 4; ++i) {
+            q[i] = (w[i] & KILN_LO4) | (spread4(qh >> (4 * i)) << 4);
+            q[4 + i] = ((w[i] >> 4) & KILN_LO4) | (spread4(qh >> (16 + 4 * i)) << 4);
         }
         const float d = half_at(meta);
         s[0] = s[1] = d;
-        b[0] = b[1] = F == Q5_1 ? half_at(meta + 2) - 128.0f * d : -144.0f * d;
+        b[0] = b[1] = F == Q5_1 ? half_at(meta + 2) : -16.0f * d;
     } else if (F == Q2K || F == Q3K) {
         // Q2_K body: 16 scale bytes (4-bit scale, 4-bit min a 16-element sub-block), 64 quant
-        // bytes; meta d, dmin. Q3_K body: hmask[32], 64 quant bytes; meta: 12 packed 6-bit scales,
-        // d. Chunk sub: quant bytes 32 (sub / 4) .. + 31 at bit 2 (sub % 4); Q3_K's third bit is
-        // bit sub of hmask byte l.
-        const u8* qs = body + (F == Q2K ? 16 : 32) + 32 * (sub >> 2);
+        // bytes; meta d, dmin. Q3_K body: hmask[32], 64 quant bytes; meta: 12 packed 6-bit
+        // scales, d. Element 128 u + 32 t + l: bits 2 t of quant byte 32 u + l; Q3_K's third bit
+        // is bit 4 u + t of hmask byte l (value q - 4 without it, so code q | bit << 2, offset -4).
+        const u8* qs = body + (F == Q2K ? 16 : 32) + 32 * u;
         const uint4 a = ld16(qs), c = ld16(qs + 16);
-        const unsigned q[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        const int sh = 2 * (sub & 3);
-        if (F == Q2K) {
+        const unsigned w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        unsigned hm[8];
+        if (F == Q3K) {
+            const uint4 e = ld16(body), f = ld16(body + 16);
+            hm[0] = e.x, hm[1] = e.y, hm[2] = e.z, hm[3] = e.w, hm[4] = f.x, hm[5] = f.y, hm[6] = f.z, hm[7] = f.w;
+        }
 #pragma unroll
-            for (int g = 0; g < 8; ++g) {
-                const unsigned ca = ((q[g] >> sh) & 0x00030003u) | KILN_MAGIC2;
-                const unsigned cb = ((q[g] >> (sh + 8)) & 0x00030003u) | KILN_MAGIC2;
-                cf[4 * g + 0] = lo_f(ca);
-                cf[4 * g + 1] = hi_f(ca);
-                cf[4 * g + 2] = lo_f(cb);
-                cf[4 * g + 3] = hi_f(cb);
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                unsigned v = (w[i] >> (2 * t)) & 0x03030303u;
+                if (F == Q3K) v |= ((hm[i] >> (4 * u + t)) & 0x01010101u) << 2;
+                q[8 * t + i] = v;
             }
+        if (F == Q2K) {
             const float d = half_at(meta), dmin = half_at(meta + 2);
+            const uint4 sc = ld16(body);
+            const unsigned scw[2] = {u ? sc.z : sc.x, u ? sc.w : sc.y};  // bytes 8 u .. 8 u + 7
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned sc = body[2 * sub + h];
-                s[h] = d * (float)(sc & 0xF);
-                b[h] = -128.0f * s[h] - dmin * (float)(sc >> 4);
+            for (int h = 0; h < 8; ++h) {
+                const unsigned v = (scw[h >> 2] >> (8 * (h & 3))) & 0xFFu;
+                s[h] = d * (float)(v & 0xF);
+                b[h] = -dmin * (float)(v >> 4);
             }
         } else {
-            const uint4 e = ld16(body), f = ld16(body + 16);
-            const unsigned hm[8] = {e.x, e.y, e.z, e.w, f.x, f.y, f.z, f.w};
-#pragma unroll
-            for (int g = 0; g < 8; ++g) {
-                const unsigned ca = ((q[g] >> sh) & 0x00030003u) | (((hm[g] >> sub) & 0x00010001u) << 2) | KILN_MAGIC2;
-                const unsigned cb =
-                    ((q[g] >> (sh + 8)) & 0x00030003u) | (((hm[g] >> (sub + 8)) & 0x00010001u) << 2) | KILN_MAGIC2;
-                cf[4 * g + 0] = lo_f(ca);
-                cf[4 * g + 1] = hi_f(ca);
-                cf[4 * g + 2] = lo_f(cb);
-                cf[4 * g + 3] = hi_f(cb);
-            }
             const float d = half_at(meta + 12);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = 2 * sub + h;  // sub-block of 16
+            for (int h = 0; h < 8; ++h) {
+                const int i = 8 * u + h;  // sub-block of 16
                 const unsigned lo = i < 8 ? (meta[i] & 0xF) : (meta[i - 8] >> 4);
                 const unsigned hi = (meta[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
                 s[h] = d * (float)((int)(lo | (hi << 4)) - 32);
-                b[h] = -132.0f * s[h];  // code 128 + (q + 4)
+                b[h] = -4.0f * s[h];
             }
         }
     } else if (F == Q4K || F == Q5K) {
-        // d, dmin (f16 pair), 12 scale bytes, [Q5_K: 32 high-bit bytes], 128 quant bytes: chunk
-        // sub = 2 g + hi takes the low (hi = 0) or high nibbles of quant bytes 32 g .. 32 g + 31.
-        const unsigned dm = ld4(body);
-        const float d = __half2float(__ushort_as_half((unsigned short)(dm & 0xffff)));
-        const float dmin = __half2float(__ushort_as_half((unsigned short)(dm >> 16)));
-        const unsigned sc3[3] = {ld4(body + 4), ld4(body + 8), ld4(body + 12)};
-        float sc, mn;
-        scale_min_k4(sub, sc3, sc, mn);
-        const float d1 = d * sc, m1 = dmin * mn;
-        const int sh = 4 * (sub & 1);
-        const u8* qs = body + (F == Q5K ? 48 : 16) + 32 * (sub >> 1);
+        // d, dmin (f16 pair), 12 scale bytes, [Q5_K: 32 high-bit bytes], 128 quant bytes: unit u's
+        // elements 64 u + l are the low nibbles of quant bytes 32 u + l, 64 u + 32 + l the high
+        // ones (sub-blocks 2 u and 2 u + 1; Q5_K's fifth bits: bits 2 u, 2 u + 1 of byte l).
+        const uint4 hd = ld16(body);
+        const float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xffff)));
+        const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
+        const unsigned sc3[3] = {hd.y, hd.z, hd.w};
+        const u8* qs = body + (F == Q5K ? 48 : 16) + 32 * u;
         const uint4 a = ld16(qs), c = ld16(qs + 16);
-        const unsigned q[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        if (F == Q4K) {
-#pragma unroll
-            for (int g = 0; g < 8; ++g) nib_codes(q[g], sh, 0u, 0u, cf + 4 * g);
-        } else {
+        const unsigned w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        unsigned hb[8];
+        if (F == Q5K) {
             const uint4 e = ld16(body + 16), f = ld16(body + 32);
-            const unsigned h[8] = {e.x, e.y, e.z, e.w, f.x, f.y, f.z, f.w};  // bit sub of byte l
-#pragma unroll
-            for (int g = 0; g < 8; ++g)
-                nib_codes(q[g], sh, ((h[g] >> sub) & 0x00010001u) << 4, ((h[g] >> (sub + 8)) & 0x00010001u) << 4,
-                          cf + 4 * g);
+            hb[0] = e.x, hb[1] = e.y, hb[2] = e.z, hb[3] = e.w, hb[4] = f.x, hb[5] = f.y, hb[6] = f.z, hb[7] = f.w;
         }
-        s[0] = s[1] = d1;
-        b[0] = b[1] = -128.0f * d1 - m1;
-    } else {  // Q6K: ql[128], qh[64], int8 scales[16]; d in meta. Chunk sub = 4 hh + t.
-        const int hh = sub >> 2, t = sub & 3;
-        const u8* ql = body + 64 * hh + 32 * (t & 1);
-        const u8* qhp = body + 128 + 32 * hh;
-        const uint4 a = ld16(ql), c = ld16(ql + 16), e = ld16(qhp), f = ld16(qhp + 16);
-        const unsigned q[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        const unsigned h[8] = {e.x, e.y, e.z, e.w, f.x, f.y, f.z, f.w};
-        const int ns = 4 * (t >> 1), hs = 2 * t;
 #pragma unroll
-        for (int g = 0; g < 8; ++g)
-            nib_codes(q[g], ns, ((h[g] >> hs) & 0x00030003u) << 4, ((h[g] >> (hs + 8)) & 0x00030003u) << 4,
-                      cf + 4 * g);
+        for (int i = 0; i < 8; ++i) {
+            q[i] = w[i] & KILN_LO4;
+            q[8 + i] = (w[i] >> 4) & KILN_LO4;
+            if (F == Q5K) {
+                q[i] |= ((hb[i] >> (2 * u)) & 0x01010101u) << 4;
+                q[8 + i] |= ((hb[i] >> (2 * u + 1)) & 0x01010101u) << 4;
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            float sc, mn;
+            scale_min_k4(2 * u + t, sc3, sc, mn);
+            s[2 * t] = s[2 * t + 1] = d * sc;
+            b[2 * t] = b[2 * t + 1] = -dmin * mn;
+        }
+    } else {  // Q6K: ql[128], qh[64], int8 scales[16]; d in meta.
+        // Element 128 u + 32 t + l: nibble t / 2 of ql byte 64 u + 32 (t % 2) + l, bits 2 t of qh
+        // byte 32 u + l above it; value code - 32.
+        const u8* ql = body + 64 * u;
+        const u8* qhp = body + 128 + 32 * u;
+        const uint4 l0 = ld16(ql), l1 = ld16(ql + 16), l2 = ld16(ql + 32), l3 = ld16(ql + 48);
+        const uint4 h0 = ld16(qhp), h1 = ld16(qhp + 16);
+        const unsigned lw[16] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w,
+                                 l2.x, l2.y, l2.z, l2.w, l3.x, l3.y, l3.z, l3.w};
+        const unsigned hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                q[8 * t + i] = ((lw[8 * (t & 1) + i] >> (4 * (t >> 1))) & KILN_LO4) |
+                               (((hw[i] >> (2 * t)) & 0x03030303u) << 4);
         const float d = half_at(meta);
-        s[0] = d * (float)(signed char)body[192 + 8 * hh + 2 * t];
-        s[1] = d * (float)(signed char)body[192 + 8 * hh + 2 * t + 1];
-        b[0] = -160.0f * s[0];  // code 128 + (q + 32)
-        b[1] = -160.0f * s[1];
+        const uint2 scw = __ldg(reinterpret_cast<const uint2*>(body + 192 + 8 * u));
+#pragma unroll
+        for (int h = 0; h < 8; ++h) {
+            const int v = (int)(signed char)(((h < 4 ? scw.x : scw.y) >> (8 * (h & 3))) & 0xFFu);
+            s[h] = d * (float)v;
+            b[h] = -32.0f * s[h];
+        }
     }
 }
 
@@ -298,111 +286,219 @@ __device__ __forceinline__ void part_of(const Parts& p, int r, const u8*& body, 
     }
 }
 
-// Dot of one chunk's codes with x row m's staged chunk c: the two halves' sums.
-__device__ __forceinline__ void dot_chunk(const float* cf, const uint4* xc, int sw, float& h0, float& h1) {
+// Staged x (dynamic shared memory, M rows; xrow(K) bytes a row and limb). Row m's limbs a and c
+// (a byte an element, element order, 16-byte slot j of a row stored at slot(j) so that the 8
+// lanes of a shared-memory phase, reading units of 2, 4 or 8 slots, hit distinct banks), then
+// per 16 elements the sum of the represented values 2^e * sum X, per 32 the scale 2^e (both NaN
+// where x' holds a NaN or an infinity), the norm's partial sums and inverse RMS.
+__host__ __device__ constexpr int xrow(int K) { return (K + 127) / 128 * 128; }
+__device__ __forceinline__ int slot(int j) { return j ^ ((j >> 3) & 7); }
+
+struct Staged {
+    const u8* a;
+    const u8* c;
+    const float* scale;
+    const float* sum;
+    int rs;
+};
+
+// One thread's 8 elements v (bf16, elements 8 j .. 8 j + 7 of row m) staged, with the 3 other
+// threads of its 32-element group (adjacent lanes; every lane of the warp must call it).
+__device__ __forceinline__ void stage8(uint4 v, bool active, int m, int j, int K, const Staged& xs) {
+    float f[8];
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const uint4 p = xc[q ^ sw];
-        float h = 0.0f;
-        h = fmaf(cf[8 * q + 0], lo_f(p.x), h);
-        h = fmaf(cf[8 * q + 1], hi_f(p.x), h);
-        h = fmaf(cf[8 * q + 2], lo_f(p.y), h);
-        h = fmaf(cf[8 * q + 3], hi_f(p.y), h);
-        h = fmaf(cf[8 * q + 4], lo_f(p.z), h);
-        h = fmaf(cf[8 * q + 5], hi_f(p.z), h);
-        h = fmaf(cf[8 * q + 6], lo_f(p.w), h);
-        h = fmaf(cf[8 * q + 7], hi_f(p.w), h);
-        if (q < 2) h0 += h;
-        else h1 += h;
+    for (int p = 0; p < 4; ++p) {
+        const float2 t = rms_prologue::bf2_to_f2(w[p]);
+        f[2 * p] = active ? t.x : 0.0f;
+        f[2 * p + 1] = active ? t.y : 0.0f;
+    }
+    int bad = 0;
+    float amax = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+        bad |= !isfinite(f[p]);
+        amax = fmaxf(amax, fabsf(f[p]));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 1);
+    bad |= __shfl_xor_sync(0xffffffffu, bad, 2);
+    // 2^e with amax * 2^-e < 2^14 (e = E - 13, E = amax's exponent), e >= -126.
+    const int e = max(((__float_as_int(amax) >> 23) & 0xff) - 127 - 13, -126);
+    const float to_x = __int_as_float((127 - e) << 23), sc = __int_as_float((127 + e) << 23);
+    unsigned wa[2] = {0u, 0u}, wc[2] = {0u, 0u};
+    int total = 0;
+#pragma unroll
+    for (int p = 0; p < 8; ++p) {
+        const int X = bad ? 0 : __float2int_rn(f[p] * to_x);
+        const int c = ((X + 128) & 255) - 128, a = (X - c) >> 8;
+        total += X;
+        wa[p >> 2] |= (unsigned)(a & 0xff) << (8 * (p & 3));
+        wc[p >> 2] |= (unsigned)(c & 0xff) << (8 * (p & 3));
+    }
+    total += __shfl_xor_sync(0xffffffffu, total, 1);
+    if (active) {
+        const int at = m * xs.rs + 16 * slot(j >> 1) + 8 * (j & 1);
+        *reinterpret_cast<uint2*>(const_cast<u8*>(xs.a) + at) = make_uint2(wa[0], wa[1]);
+        *reinterpret_cast<uint2*>(const_cast<u8*>(xs.c) + at) = make_uint2(wc[0], wc[1]);
+        const float nan = __int_as_float(0x7fc00000);
+        if ((j & 3) == 0) const_cast<float*>(xs.scale)[m * (K / 32) + j / 4] = bad ? nan : sc;
+        if ((j & 1) == 0) const_cast<float*>(xs.sum)[m * (K / 16) + j / 2] = bad ? nan : sc * (float)total;
     }
 }
 
-// Staged x (dynamic shared memory, M rows): the rows' bf16 values (normalized first when norm_w is
-// given, rounded as the unfused norm rounds) as pair words — 16-byte slot s of a row holds elements
-// 8 s .. 8 s + 7 as (0, 2), (1, 3), (4, 6), (5, 7) — slot 4 c + q of chunk c stored at
-// 4 c + (q ^ ((c >> 1) & 3)) so that the 8 lanes of a shared-memory phase (chunks c .. c + 7)
-// hit distinct banks; then each row's sums over 16 elements (xsum) for the codes' offsets.
 template <int M>
-__device__ __forceinline__ void stage_x(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
-                                        float off, int nt, int K, uint4* xs, float* xsum, float* partial,
-                                        float* inv) {
-    const int slots = K / 8;
+__device__ __forceinline__ Staged stage_x(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
+                                          float off, int nt, int K, u8* smem) {
+    const int rs = xrow(K), e8n = K / 8, items = M * e8n;
+    float* sum = reinterpret_cast<float*>(smem + 2 * M * rs);
+    float* scale = sum + M * (K / 16);
+    float* partial = scale + M * (K / 32);
+    float* inv = partial + 32 * M;
+    const Staged xs{smem, smem + M * rs, scale, sum, rs};
     if (norm_w) rms_prologue::inv_rms_rows<M>(x, K, eps, nt, partial, inv);
-    for (int base = 0; base < M * slots; base += blockDim.x) {
-        const int i = base + threadIdx.x;
-        const bool active = i < M * slots;
-        const int m = active ? i / slots : 0, s = active ? i % slots : 0;
-        float sum8 = 0.0f;
-        if (active) {
-            uint4 v = rms_prologue::ld_v4(x + (long long)m * K + 8 * s);
-            if (norm_w) v = rms_prologue::scale8(v, rms_prologue::ld_v4(norm_w + 8 * s), inv[m], off);
-            const uint4 p = make_uint4(__byte_perm(v.x, v.y, 0x5410), __byte_perm(v.x, v.y, 0x7632),
-                                       __byte_perm(v.z, v.w, 0x5410), __byte_perm(v.z, v.w, 0x7632));
-            const int c = s >> 2, q = s & 3;
-            xs[m * slots + 4 * c + (q ^ ((c >> 1) & 3))] = p;
-            sum8 = ((lo_f(v.x) + hi_f(v.x)) + (lo_f(v.y) + hi_f(v.y))) + ((lo_f(v.z) + hi_f(v.z)) + (lo_f(v.w) + hi_f(v.w)));
+    // A thread 8 elements (so the 4 threads of a 32-element group are adjacent lanes), its loads
+    // issued B items at a time so that their latencies overlap.
+    constexpr int B = 4;
+    for (int base = 0; base < items; base += B * blockDim.x) {
+        uint4 xv[B], nv[B];
+#pragma unroll
+        for (int k = 0; k < B; ++k) {
+            const int i = base + k * blockDim.x + threadIdx.x;
+            if (i < items) {
+                xv[k] = rms_prologue::ld_v4(x + (long long)(i / e8n) * K + 8 * (i % e8n));
+                if (norm_w) nv[k] = rms_prologue::ld_v4(norm_w + 8 * (i % e8n));
+            }
         }
-        const float other = __shfl_xor_sync(0xffffffffu, sum8, 1);
-        if (active && (s & 1) == 0) xsum[m * (K / 16) + s / 2] = sum8 + other;
+#pragma unroll
+        for (int k = 0; k < B; ++k) {
+            const int i = base + k * blockDim.x + threadIdx.x;
+            const bool active = i < items;
+            const int m = active ? i / e8n : 0, j = active ? i % e8n : 0;
+            uint4 v = xv[k];
+            if (active && norm_w) v = rms_prologue::scale8(v, nv[k], inv[m], off);
+            stage8(v, active, m, j, K, xs);
+        }
     }
     __syncthreads();
+    return xs;
+}
+
+// A unit's codes, scales and offsets (unit<F>'s outputs).
+template <int F>
+struct Codes {
+    int q[Fmt<F>::UE / 4];
+    float s[Fmt<F>::UE / 16], b[Fmt<F>::UE / 16];
+};
+
+// Unit u (of the row) of row `local` of a part.
+template <int F>
+__device__ __forceinline__ void load_codes(const u8* body, const u8* meta, int local, int u, int K, Codes<F>& c) {
+    constexpr int UPB = Fmt<F>::BE / Fmt<F>::UE;
+    const long long g = (long long)local * (K / Fmt<F>::BE) + u / UPB;
+    unit<F>(body + g * Fmt<F>::BODY, meta + g * Fmt<F>::META, u % UPB, c.q, c.s, c.b);
+}
+
+// Unit u's products with the M staged rows, added to acc.
+template <int F, int M>
+__device__ __forceinline__ void dot_codes(const Codes<F>& cd, int u, const Staged& xs, int K, float* acc) {
+    constexpr int NC = Fmt<F>::UE / 32;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const uint4* xa = reinterpret_cast<const uint4*>(xs.a + m * xs.rs);
+        const uint4* xc = reinterpret_cast<const uint4*>(xs.c + m * xs.rs);
+#pragma unroll
+        for (int t = 0; t < NC; ++t) {
+            const int ch = u * NC + t;
+            int dot[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 a = xa[slot(2 * ch + h)], c = xc[slot(2 * ch + h)];
+                const int* q = cd.q + 8 * t + 4 * h;
+                int ia = __dp4a(q[0], (int)a.x, 0), ic = __dp4a(q[0], (int)c.x, 0);
+                ia = __dp4a(q[1], (int)a.y, ia), ic = __dp4a(q[1], (int)c.y, ic);
+                ia = __dp4a(q[2], (int)a.z, ia), ic = __dp4a(q[2], (int)c.z, ic);
+                ia = __dp4a(q[3], (int)a.w, ia), ic = __dp4a(q[3], (int)c.w, ic);
+                dot[h] = ia * 256 + ic;
+            }
+            const float sc = xs.scale[m * (K / 32) + ch];
+            const float2 sm = *reinterpret_cast<const float2*>(xs.sum + m * (K / 16) + 2 * ch);
+            if (Fmt<F>::SUB == 32) {
+                acc[m] += (cd.s[2 * t] * sc) * (float)(dot[0] + dot[1]) + cd.b[2 * t] * (sm.x + sm.y);
+            } else {
+                acc[m] += ((cd.s[2 * t] * sc) * (float)dot[0] + cd.b[2 * t] * sm.x) +
+                          ((cd.s[2 * t + 1] * sc) * (float)dot[1] + cd.b[2 * t + 1] * sm.y);
+            }
+        }
+    }
+}
+
+// G rows (1, or 2: a gate row and its up row) summed into acc[g]: lane l takes units l, l + 32,
+// ...; with use_pre, pre holds its first unit's codes (loaded before x was staged). The loop is
+// unrolled to about KILN_QGEMV_UNROLL * 64 elements a lane.
+template <int F, int M, int G>
+__device__ __forceinline__ void rows_dot(const u8* const* body, const u8* const* meta, const int* local,
+                                         const Staged& xs, int K, float (*acc)[M], const Codes<F> (&pre)[G],
+                                         bool use_pre) {
+    constexpr int UNROLL = KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE > 0 ? KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE : 1;
+    const int units = K / Fmt<F>::UE;
+    int u = threadIdx.x & 31;
+    if (use_pre) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) dot_codes<F, M>(pre[g], u, xs, K, acc[g]);
+        u += 32;
+    }
+#pragma unroll UNROLL
+    for (; u < units; u += 32) {
+        Codes<F> cd[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) load_codes<F>(body[g], meta[g], local[g], u, K, cd[g]);
+#pragma unroll
+        for (int g = 0; g < G; ++g) dot_codes<F, M>(cd[g], u, xs, K, acc[g]);
+    }
 }
 
 // The decode product. gated: rows r (gate) and r + R (up) of the stacked parts (R = half their
-// rows) give out = act(gate) * up.
-template <int F, int M>
-__device__ __forceinline__ void qgemv(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
-                                      float off, int nt, const Parts& parts, bf16* __restrict__ out,
-                                      const bf16* __restrict__ residual, int K, int ldo, int gated, int act) {
+// rows) give out = act(gate) * up. Each warp loads its first row's first unit before waiting on
+// the previous kernel, so those loads overlap the staging of x.
+template <int F, int M, int G>
+__device__ __forceinline__ void qgemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
+                                           float off, int nt, const Parts& parts, bf16* __restrict__ out,
+                                           const bf16* __restrict__ residual, int K, int ldo, int act) {
     extern __shared__ uint4 smem[];
-    kiln_pdl_enter();
-    const int slots = K / 8;
-    uint4* xs = smem;
-    float* xsum = reinterpret_cast<float*>(xs + M * slots);
-    float* partial = xsum + M * (K / 16);
-    float* inv = partial + 32 * M;
-    stage_x<M>(x, norm_w, eps, off, nt, K, xs, xsum, partial, inv);
-    constexpr int BE = Fmt<F>::BE, CPB = BE / 32;
-    const int lane = threadIdx.x & 31, nb = K / BE, chunks = K / 32;
+    const int lane = threadIdx.x & 31;
     const int total = parts.rows[0] + parts.rows[1] + parts.rows[2];
-    const int rows_out = gated ? total / 2 : total;
-    for (int r = blockIdx.x * 8 + (threadIdx.x >> 5); r < rows_out; r += gridDim.x * 8) {
-        const u8 *gb, *gm, *ub = nullptr, *um = nullptr;
-        int gl, ul = 0;
-        part_of(parts, r, gb, gm, gl);
-        if (gated) part_of(parts, r + rows_out, ub, um, ul);
-        float acc[M], accu[M];
+    const int rows_out = total / G;
+    const int first = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const bool preload = KILN_QGEMV_PRELOAD && first < rows_out && lane < K / Fmt<F>::UE;
+    const u8* body[G];
+    const u8* meta[G];
+    int local[G];
+    Codes<F> pre[G];
+    kiln_pdl_trigger();
+    if (preload) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[m] = accu[m] = 0.0f;
-        KILN_QUNROLL(KILN_QGEMV_UNROLL)
-        for (int c = lane; c < chunks; c += 32) {
-            const int sw = (c >> 1) & 3;
-            float cf[32], s[2], b[2];
-            const long long g = (long long)gl * nb + c / CPB;
-            codes<F>(gb + g * Fmt<F>::BODY, gm + g * Fmt<F>::META, c % CPB, cf, s, b);
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                float h0 = 0.0f, h1 = 0.0f;
-                dot_chunk(cf, xs + m * slots + 4 * c, sw, h0, h1);
-                const float2 xm = *reinterpret_cast<const float2*>(xsum + m * (K / 16) + 2 * c);
-                acc[m] += (s[0] * h0 + b[0] * xm.x) + (s[1] * h1 + b[1] * xm.y);
-            }
-            if (gated) {
-                const long long gu = (long long)ul * nb + c / CPB;
-                codes<F>(ub + gu * Fmt<F>::BODY, um + gu * Fmt<F>::META, c % CPB, cf, s, b);
-#pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    float h0 = 0.0f, h1 = 0.0f;
-                    dot_chunk(cf, xs + m * slots + 4 * c, sw, h0, h1);
-                    const float2 xm = *reinterpret_cast<const float2*>(xsum + m * (K / 16) + 2 * c);
-                    accu[m] += (s[0] * h0 + b[0] * xm.x) + (s[1] * h1 + b[1] * xm.y);
-                }
-            }
+        for (int g = 0; g < G; ++g) {
+            part_of(parts, first + g * rows_out, body[g], meta[g], local[g]);
+            load_codes<F>(body[g], meta[g], local[g], lane, K, pre[g]);
         }
+    }
+    kiln_pdl_wait();
+    const Staged xs = stage_x<M>(x, norm_w, eps, off, nt, K, reinterpret_cast<u8*>(smem));
+    for (int r = first; r < rows_out; r += gridDim.x * 8) {
+        float acc[G][M];
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[g][m] = 0.0f;
+#pragma unroll
+        for (int g = 0; g < G; ++g) part_of(parts, r + g * rows_out, body[g], meta[g], local[g]);
+        rows_dot<F, M, G>(body, meta, local, xs, K, acc, pre, r == first && preload);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            float v = warp_sum(acc[m]);
-            if (gated) v = act_fn(v, act) * warp_sum(accu[m]);
+            float v = warp_sum(acc[0][m]);
+            if (G == 2) v = act_fn(v, act) * warp_sum(acc[G - 1][m]);
             if (lane == 0) {
                 const long long o = (long long)m * ldo + r;
                 out[o] = to_bf16(residual ? v + to_f32(residual[o]) : v);
@@ -416,42 +512,47 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
                                         const unsigned* __restrict__ ids, bf16* __restrict__ out, int K,
                                         long long rows_out, long long row0) {
     kiln_pdl_enter();
-    constexpr int BE = Fmt<F>::BE, CPB = BE / 32;
-    const int chunks = K / 32, nb = K / BE;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows_out * chunks;
+    constexpr int UE = Fmt<F>::UE, UPB = Fmt<F>::BE / UE;
+    const int units = K / UE, nb = K / Fmt<F>::BE;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows_out * units;
          i += (long long)gridDim.x * blockDim.x) {
-        const long long r = i / chunks;
-        const int c = (int)(i % chunks);
+        const long long r = i / units;
+        const int u = (int)(i % units);
         const long long src = ids ? (long long)ids[r] : row0 + r;
-        const long long g = src * nb + c / CPB;
-        float cf[32], s[2], b[2];
-        codes<F>(body + g * Fmt<F>::BODY, meta + g * Fmt<F>::META, c % CPB, cf, s, b);
-        // Back to element order: cf[4 g + j] is element 4 g + {0, 2, 1, 3}[j].
-        unsigned u[16];
+        const long long g = src * nb + u / UPB;
+        int q[UE / 4];
+        float s[UE / 16], b[UE / 16];
+        unit<F>(body + g * Fmt<F>::BODY, meta + g * Fmt<F>::META, u % UPB, q, s, b);
+        uint4* o = reinterpret_cast<uint4*>(out + r * K + UE * u);
 #pragma unroll
-        for (int grp = 0; grp < 8; ++grp) {
-            const int h = grp < 4 ? 0 : 1;
-            const bf16 e0 = to_bf16(fmaf(s[h], cf[4 * grp + 0], b[h]));
-            const bf16 e2 = to_bf16(fmaf(s[h], cf[4 * grp + 1], b[h]));
-            const bf16 e1 = to_bf16(fmaf(s[h], cf[4 * grp + 2], b[h]));
-            const bf16 e3 = to_bf16(fmaf(s[h], cf[4 * grp + 3], b[h]));
-            u[2 * grp] = (unsigned)__bfloat16_as_ushort(e0) | ((unsigned)__bfloat16_as_ushort(e1) << 16);
-            u[2 * grp + 1] = (unsigned)__bfloat16_as_ushort(e2) | ((unsigned)__bfloat16_as_ushort(e3) << 16);
+        for (int j = 0; j < UE / 8; ++j) {
+            unsigned w[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int e = 8 * j + 2 * p, h = e / 16;
+                const int c0 = (int)(signed char)((q[e >> 2] >> (8 * (e & 3))) & 0xff);
+                const int c1 = (int)(signed char)((q[e >> 2] >> (8 * ((e + 1) & 3))) & 0xff);
+                const bf16 lo = to_bf16(fmaf(s[h], (float)c0, b[h]));
+                const bf16 hi = to_bf16(fmaf(s[h], (float)c1, b[h]));
+                w[p] = (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
+            }
+            o[j] = make_uint4(w[0], w[1], w[2], w[3]);
         }
-        uint4* o = reinterpret_cast<uint4*>(out + r * K + 32 * c);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) o[q] = make_uint4(u[4 * q], u[4 * q + 1], u[4 * q + 2], u[4 * q + 3]);
     }
 }
 
 }  // namespace blocks_detail
 
 #define KILN_QGEMV(name, F, M)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, KILN_QGEMV_MIN_BLOCKS) qgemv_##name##_m##M(                             \
+    extern "C" __global__ void __launch_bounds__(256, KILN_QGEMV_MIN_BLOCKS) qgemv_##name##_m##M(       \
         const bf16* x, const bf16* norm_w, float eps, float off, int nt, blocks_detail::Parts parts,     \
         bf16* out, const bf16* residual, int K, int ldo, int gated, int act) {                          \
-        blocks_detail::qgemv<blocks_detail::F, M>(x, norm_w, eps, off, nt, parts, out, residual, K, ldo, \
-                                                  gated, act);                                          \
+        if (gated)                                                                                      \
+            blocks_detail::qgemv_rows<blocks_detail::F, M, 2>(x, norm_w, eps, off, nt, parts, out,      \
+                                                             residual, K, ldo, act);                    \
+        else                                                                                            \
+            blocks_detail::qgemv_rows<blocks_detail::F, M, 1>(x, norm_w, eps, off, nt, parts, out,      \
+                                                             residual, K, ldo, act);                    \
     }
 #define KILN_BLOCK_FORMAT(name, F)                                                                      \
     KILN_QGEMV(name, F, 1)                                                                              \
@@ -468,15 +569,44 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
         blocks_detail::dequant<blocks_detail::F>(body, meta, ids, out, K, rows_out, row0);             \
     }
 
+// One format's kernels when KILN_BLOCK_FMT is its index in this list (kernels.rs compiles the
+// formats as separate units, in parallel), every format's otherwise.
+#ifndef KILN_BLOCK_FMT
+#define KILN_BLOCK_FMT -1
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 0
 KILN_BLOCK_FORMAT(q8_0, Q8_0)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 1
 KILN_BLOCK_FORMAT(q4_0, Q4_0)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 2
 KILN_BLOCK_FORMAT(q4_1, Q4_1)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 3
 KILN_BLOCK_FORMAT(q5_0, Q5_0)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 4
 KILN_BLOCK_FORMAT(q5_1, Q5_1)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 5
 KILN_BLOCK_FORMAT(iq4_nl, IQ4NL)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 6
 KILN_BLOCK_FORMAT(mxfp4, MXFP4)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 7
 KILN_BLOCK_FORMAT(q2_k, Q2K)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 8
 KILN_BLOCK_FORMAT(q3_k, Q3K)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 9
 KILN_BLOCK_FORMAT(q4_k, Q4K)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 10
 KILN_BLOCK_FORMAT(q5_k, Q5K)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 11
 KILN_BLOCK_FORMAT(q6_k, Q6K)
+#endif

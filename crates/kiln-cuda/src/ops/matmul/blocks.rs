@@ -2,8 +2,9 @@
 //! kept in their formats, never expanded. Upload splits each block's bytes
 //! into an aligned body array and a meta (scale) array (the same bytes,
 //! reordered); products of up to [`GEMV_MAX_ROWS`] rows stream the blocks
-//! and dequantize in registers (`qgemv_<fmt>_m{M}`, with the norm
-//! prologue, the gate and the residual fused), larger ones dequantize
+//! and multiply their integer codes with x staged as exact integers
+//! (`qgemv_<fmt>_m{M}`: dp4a, with the norm prologue, the gate and the
+//! residual fused), larger ones dequantize
 //! slabs of rows to bf16 for cuBLAS; embedding lookups dequantize the rows
 //! they need.
 
@@ -192,10 +193,11 @@ const SLAB_ELEMS: usize = 32 << 20;
 pub(crate) const QGEMV_MAX_SMEM: usize = 96 << 10;
 
 /// Shared memory of a decode launch over `m` rows of `k`: the staged rows
-/// (2 bytes an element), their 16-element sums, the norm's partial sums
-/// and inverse RMS.
+/// (two one-byte limbs an element, rows padded to 128 bytes), their
+/// 16-element sums and 32-element scales, the norm's partial sums and
+/// inverse RMS.
 fn qgemv_smem(m: usize, k: usize) -> usize {
-    m * (2 * k + k / 4 + 32 * 4 + 4)
+    m * (2 * k.next_multiple_of(128) + k / 4 + k / 8 + 32 * 4 + 4)
 }
 
 /// Up to three parts of one format, as the decode kernel takes them

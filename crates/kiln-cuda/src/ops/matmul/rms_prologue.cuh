@@ -65,6 +65,8 @@ __device__ __forceinline__ void inv_rms_rows(const bf16* __restrict__ x, int d, 
         for (int q = 0; q < 8; ++q) ss[q] = 0.0f;
         if (active) {
             const bf16* row = x + (long long)m * d;
+            // Unrolled so that several loads are in flight (the sums keep their order).
+#pragma unroll 4
             for (int e = 8 * c; e < d; e += nt) {
                 const uint4 v = ld_v4(row + e);
                 if (xs) xs[m * xs_stride + (e >> 3)] = v;
