@@ -59,21 +59,41 @@ impl CudaBackend {
     ) -> std::result::Result<Self, CudaError> {
         let mut dev = Device::open(ordinal, options.pdl)?;
         compiler.arch = dev.arch;
+        compiler.machine = dev.machine;
         compiler.defines = options.kernel_defines.clone();
         let mut compiled = Vec::new();
         let mut warnings = Vec::new();
-        for (name, src) in kernels::SOURCES {
-            match compiler.compile(name, &kernels::expand(src)) {
+        // The units compile in parallel (NVRTC is thread-safe; a cold start
+        // compiles every one).
+        let started = std::time::Instant::now();
+        let results = kernels::compile_units(&compiler);
+        let fresh = results
+            .iter()
+            .filter(|(_, r)| r.as_ref().is_ok_and(|k| !k.cached))
+            .count();
+        tracing::info!(
+            "kernels: {fresh} of {} units compiled by NVRTC in {:.1} s (the rest cached)",
+            results.len(),
+            started.elapsed().as_secs_f64()
+        );
+        for (name, result) in results {
+            match result {
                 Ok(k) => compiled.push(k),
                 // The reference kernels are required; the fast ones have
                 // fallbacks (and CI compiles every kernel before it lands).
-                Err(e) if !kernels::REQUIRED.contains(name) => {
+                Err(e) if !kernels::REQUIRED.contains(&name.as_str()) => {
                     warnings.push(format!("{name} kernels unavailable, using fallbacks: {e}"))
                 }
                 Err(e) => return Err(e),
             }
         }
+        let started = std::time::Instant::now();
         dev.load(&compiled)?;
+        tracing::info!(
+            "kernels: {} modules loaded in {:.1} s",
+            compiled.len(),
+            started.elapsed().as_secs_f64()
+        );
         crate::ops::configure(&mut dev, &mut warnings)?;
         let device_name = dev.name.clone();
         let warnings = Mutex::new(warnings);

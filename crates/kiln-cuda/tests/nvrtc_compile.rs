@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use kiln_cuda::{
-    kernels::{block_entry_points, compile_all, expand, ENTRY_POINTS, SOURCES},
+    kernels::{block_entry_points, compile_units, expand, ENTRY_POINTS, SOURCES},
     KernelCompiler,
 };
 
@@ -31,6 +31,7 @@ fn compiler(cache: Option<PathBuf>) -> KernelCompiler {
         include_paths: vec![inc.clone(), inc.join("cccl")],
         cache_dir: cache,
         defines: String::new(),
+        machine: None,
     }
 }
 
@@ -38,10 +39,8 @@ fn compiler(cache: Option<PathBuf>) -> KernelCompiler {
 fn every_kernel_compiles_to_ptx_for_sm90_with_every_entry_point() {
     let c = compiler(None);
     let mut ptx = String::new();
-    for (name, src) in SOURCES {
-        let k = c
-            .compile(name, &expand(src))
-            .unwrap_or_else(|e| panic!("{e}"));
+    for (name, k) in compile_units(&c) {
+        let k = k.unwrap_or_else(|e| panic!("{e}"));
         assert!(k.ptx.contains(".target sm_90"), "{name}: PTX targets sm_90");
         ptx.push_str(&k.ptx);
     }
@@ -63,9 +62,16 @@ fn every_kernel_compiles_to_ptx_for_sm90_with_every_entry_point() {
 fn compiled_ptx_is_cached_by_source_arch_and_nvrtc_version() {
     let dir = std::env::temp_dir().join(format!("kiln-ptx-cache-{}", std::process::id()));
     let c = compiler(Some(dir.clone()));
-    let first = compile_all(&c).unwrap();
-    assert!(first.iter().all(|k| !k.cached));
-    let second = compile_all(&c).unwrap();
+    // A few small units (every unit compiles in the test above).
+    let some = || -> Vec<_> {
+        SOURCES[..3]
+            .iter()
+            .map(|(name, src)| c.compile(name, &expand(src)).unwrap())
+            .collect()
+    };
+    let first = some();
+    assert!(first.iter().all(|k| !k.cached && k.cubin.is_none()));
+    let second = some();
     assert!(
         second.iter().all(|k| k.cached),
         "a second start compiles nothing"
@@ -79,6 +85,32 @@ fn compiled_ptx_is_cached_by_source_arch_and_nvrtc_version() {
         )
         .unwrap();
     assert!(!changed.cached);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn an_exact_architecture_gets_machine_code_cached_beside_the_ptx() {
+    let dir = std::env::temp_dir().join(format!("kiln-cubin-cache-{}", std::process::id()));
+    let c = KernelCompiler {
+        machine: Some("sm_90"),
+        ..compiler(Some(dir.clone()))
+    };
+    let (name, src) = SOURCES[0];
+    let first = c.compile(name, &expand(src)).unwrap();
+    let cubin = first.cubin.clone().expect("machine code for sm_90");
+    assert_eq!(&cubin[..4], b"\x7fELF", "a CUBIN is an ELF image");
+    assert!(
+        first.ptx.contains(".entry"),
+        "the PTX names the entry points"
+    );
+    let second = c.compile(name, &expand(src)).unwrap();
+    assert!(second.cached);
+    assert_eq!(second.cubin.as_deref(), Some(&cubin[..]));
+    // PTX-only and machine-code compilations are different cache entries.
+    let ptx_only = compiler(Some(dir.clone()))
+        .compile(name, &expand(src))
+        .unwrap();
+    assert!(!ptx_only.cached && ptx_only.cubin.is_none());
     let _ = std::fs::remove_dir_all(dir);
 }
 

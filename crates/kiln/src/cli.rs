@@ -120,6 +120,7 @@ pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
         include_paths: cuda_include_paths(),
         cache_dir,
         defines: String::new(),
+        machine: None,
     };
     let options = crate::cuda_env::cuda_options()?;
     let b = kiln_cuda::CudaBackend::new(ordinal, compiler, options)

@@ -39,6 +39,8 @@ pub(crate) struct Device {
     pub name: String,
     /// The architecture NVRTC compiles for (`compute_90` on Hopper).
     pub arch: &'static str,
+    /// The GPU's exact machine architecture (`sm_90`), where Kiln knows it.
+    pub machine: Option<&'static str>,
     /// Kernels launched through [`Device::launch`] may start while the
     /// previous kernel finishes (programmatic dependent launch: sm_90 and
     /// newer, unless [`CudaOptions::pdl`] is off); every kernel waits for
@@ -76,6 +78,14 @@ impl Device {
             (8, _) => "compute_80",
             _ => "compute_90",
         };
+        // Machine code only for an exact match (a newer GPU runs the PTX).
+        let machine = match (major, minor) {
+            (9, 0) => Some("sm_90"),
+            (8, 9) => Some("sm_89"),
+            (8, 6) => Some("sm_86"),
+            (8, 0) => Some("sm_80"),
+            _ => None,
+        };
         let name = ctx.name().unwrap_or_else(|_| format!("GPU {ordinal}"));
         // A stream of our own: the legacy default stream cannot be recorded.
         let stream = ctx.new_stream().map_err(|e| gpu(&e))?;
@@ -110,6 +120,7 @@ impl Device {
             pool,
             name,
             arch,
+            machine,
             pdl,
             sms,
             _workspace: workspace,
@@ -118,12 +129,26 @@ impl Device {
 
     /// Loads compiled kernels: every entry point of their PTX becomes a
     /// function [`Device::func`] finds by name.
+    /// The driver turns each module's PTX into machine code as it loads it;
+    /// the modules load in parallel.
     pub fn load(&mut self, kernels: &[CompiledKernel]) -> std::result::Result<(), CudaError> {
-        for k in kernels {
-            let module = self
-                .ctx
-                .load_module(Ptx::from_src(k.ptx.clone()))
-                .map_err(|e| CudaError::Device(format!("loading {}: {e:?}", k.name)))?;
+        use rayon::prelude::*;
+        let modules = kernels
+            .par_iter()
+            .map(|k| {
+                // Machine code the driver refuses (an NVRTC newer than the
+                // driver) falls back to the PTX.
+                let binary = k
+                    .cubin
+                    .as_ref()
+                    .and_then(|c| self.ctx.load_module(Ptx::from_binary(c.clone())).ok());
+                binary
+                    .map(Ok)
+                    .unwrap_or_else(|| self.ctx.load_module(Ptx::from_src(k.ptx.clone())))
+                    .map_err(|e| CudaError::Device(format!("loading {}: {e:?}", k.name)))
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        for (k, module) in kernels.iter().zip(modules) {
             for line in k.ptx.lines() {
                 if let Some(rest) = line.trim().strip_prefix(".visible .entry ") {
                     let entry = rest.split('(').next().unwrap_or(rest).to_string();
