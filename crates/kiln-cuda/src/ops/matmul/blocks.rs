@@ -402,15 +402,14 @@ pub(crate) fn matmul(
         };
     }
     // Larger batches (or a bias): the norm, then dequantized slabs through cuBLAS.
-    let normed;
-    let (x, xp) = match prologue {
-        Some(p) => {
-            normed = crate::ops::norm::rms_norm(cuda, x, p.weight, p.eps, p.offset)?;
-            (&normed, ptr(&normed, "matmul")?)
-        }
-        None => (x, xp),
+    // (`normed` lives until the products below have read it.)
+    let normed = prologue
+        .map(|p| crate::ops::norm::rms_norm(cuda, x, p.weight, p.eps, p.offset))
+        .transpose()?;
+    let xp = match &normed {
+        Some(t) => ptr(t, "matmul")?,
+        None => xp,
     };
-    let _ = x;
     let fused_residual = residual.filter(|_| bias.is_none() && gated.is_none());
     let out = cuda.alloc(n * m, "a projection")?;
     let beta = match fused_residual {
