@@ -404,12 +404,13 @@ __device__ __forceinline__ void load_codes(const u8* body, const u8* meta, int l
 template <int F, int M>
 __device__ __forceinline__ void dot_codes(const Codes<F>& cd, int u, const Staged& xs, int K, float* acc) {
     constexpr int NC = Fmt<F>::UE / 32;
+    // Chunk by chunk, each for every row of x: a chunk's codes are dead after it.
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        const uint4* xa = reinterpret_cast<const uint4*>(xs.a + m * xs.rs);
-        const uint4* xc = reinterpret_cast<const uint4*>(xs.c + m * xs.rs);
+    for (int t = 0; t < NC; ++t) {
 #pragma unroll
-        for (int t = 0; t < NC; ++t) {
+        for (int m = 0; m < M; ++m) {
+            const uint4* xa = reinterpret_cast<const uint4*>(xs.a + m * xs.rs);
+            const uint4* xc = reinterpret_cast<const uint4*>(xs.c + m * xs.rs);
             const int ch = u * NC + t;
             int dot[2];
 #pragma unroll
@@ -436,12 +437,14 @@ __device__ __forceinline__ void dot_codes(const Codes<F>& cd, int u, const Stage
 
 // G rows (1, or 2: a gate row and its up row) summed into acc[g]: lane l takes units l, l + 32,
 // ...; with use_pre, pre holds its first unit's codes (loaded before x was staged). The loop is
-// unrolled to about KILN_QGEMV_UNROLL * 64 elements a lane.
+// unrolled to about KILN_QGEMV_UNROLL * 64 elements a lane, over the rows of x and of W it serves
+// (more rows keep more sums and codes live).
 template <int F, int M, int G>
 __device__ __forceinline__ void rows_dot(const u8* const* body, const u8* const* meta, const int* local,
                                          const Staged& xs, int K, float (*acc)[M], const Codes<F> (&pre)[G],
                                          bool use_pre) {
-    constexpr int UNROLL = KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE > 0 ? KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE : 1;
+    constexpr int PER = KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE / (M * G);
+    constexpr int UNROLL = PER > 0 ? PER : 1;
     const int units = K / Fmt<F>::UE;
     int u = threadIdx.x & 31;
     if (use_pre) {
@@ -471,7 +474,9 @@ __device__ __forceinline__ void qgemv_rows(const bf16* __restrict__ x, const bf1
     const int total = parts.rows[0] + parts.rows[1] + parts.rows[2];
     const int rows_out = total / G;
     const int first = blockIdx.x * 8 + (threadIdx.x >> 5);
-    const bool preload = KILN_QGEMV_PRELOAD && first < rows_out && lane < K / Fmt<F>::UE;
+    // (Not where the held codes would crowd out the staging's registers.)
+    constexpr bool PRELOAD = KILN_QGEMV_PRELOAD && Fmt<F>::UE * M * G <= 128;
+    const bool preload = PRELOAD && first < rows_out && lane < K / Fmt<F>::UE;
     const u8* body[G];
     const u8* meta[G];
     int local[G];
