@@ -7,19 +7,33 @@ spill bytes and shared memory: enough to watch occupancy while writing kernels o
 machine. Run from the repo root:
 
     export KILN_CUDA_HOME=$(scripts/install-nvrtc.sh)
-    python3 scripts/kernel-regs.py flash.cu gemv_direct.cu [-D KILN_DIRECT_U=3] [--arch sm_90] [--match decode]
+    python3 scripts/kernel-regs.py attention/decode.cu matmul/gemv.cu [-D KILN_DIRECT_U=3] [--arch sm_90] [--match decode]
+    python3 scripts/kernel-regs.py matmul/blocks.cu -D KILN_BLOCK_FMT=9 --match qgemv   # one block format (q4_k)
 """
 import argparse, ctypes, glob, os, re, sys
 
-KDIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "crates", "kiln-cuda", "src", "kernels")
+KDIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "crates", "kiln-cuda", "src", "ops")
 
 
-def expand(path):
-    """The source with the kernels' local includes inlined (as kiln-cuda's compile.rs does)."""
+def header(name):
+    """A local header by name, wherever it lives under src/ops."""
+    for root, _, files in os.walk(KDIR):
+        if name in files:
+            return os.path.join(root, name)
+    sys.exit(f"no header {name} under {KDIR}")
+
+
+def expand(path, seen=None):
+    """The source with the kernels' local includes inlined, once each (as kiln-cuda's compile.rs does)."""
+    seen = set() if seen is None else seen
     out = []
     for line in open(path).read().splitlines():
         m = re.match(r'\s*#include "(.+)"', line)
-        out.append(open(os.path.join(KDIR, m.group(1))).read().replace("#pragma once", "") if m else line)
+        if not m:
+            out.append(line)
+        elif m.group(1) not in seen:
+            seen.add(m.group(1))
+            out.append(expand(header(m.group(1)), seen).replace("#pragma once", ""))
     return "\n".join(out)
 
 
@@ -70,7 +84,7 @@ def report(nv, include, name, arch, defines):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="+", help="sources under crates/kiln-cuda/src/kernels")
+    ap.add_argument("files", nargs="+", help="sources under crates/kiln-cuda/src/ops (op/file.cu)")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="a define, e.g. KILN_DIRECT_U=3")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--match", default="", help="only entry points whose name contains this")
