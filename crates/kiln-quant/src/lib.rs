@@ -16,5 +16,5 @@ mod random;
 
 pub use format::QuantFormat;
 pub use matrix::{QuantMatrix, SharedBytes};
-pub use quantize::{quantize, QUANTIZE_FORMATS};
+pub use quantize::{parse_quantize_type, quantize, QUANTIZE_FORMATS};
 pub use random::random_blocks;

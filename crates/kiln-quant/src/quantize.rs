@@ -25,14 +25,38 @@ use rayon::prelude::*;
 use crate::QuantFormat;
 
 /// The formats [`quantize`] writes.
-pub const QUANTIZE_FORMATS: [QuantFormat; 6] = [
+pub const QUANTIZE_FORMATS: [QuantFormat; 7] = [
     QuantFormat::F16,
     QuantFormat::BF16,
     QuantFormat::Q8_0,
+    QuantFormat::Q4_0,
     QuantFormat::Q4K,
     QuantFormat::Q5K,
     QuantFormat::Q6K,
 ];
+
+/// A format [`quantize`] writes, by its GGML name (any case) or a generic
+/// one: `int8` is Q8_0 and `int4` Q4_0 (symmetric, groups of 32 — what a
+/// symmetric GPTQ or compressed-tensors int4 checkpoint also loads as).
+pub fn parse_quantize_type(s: &str) -> Result<QuantFormat, String> {
+    let names = || {
+        QUANTIZE_FORMATS.map(|f| f.name().to_lowercase()).join(", ") + ", int8 (q8_0), int4 (q4_0)"
+    };
+    let name = match s.to_ascii_lowercase().as_str() {
+        "int8" => "q8_0".to_string(),
+        "int4" => "q4_0".to_string(),
+        "fp8" | "fp8_e4m3" => {
+            return Err(format!(
+                "fp8 weights are not implemented yet (one of {})",
+                names()
+            ))
+        }
+        other => other.to_string(),
+    };
+    QuantFormat::from_name(&name)
+        .filter(|f| QUANTIZE_FORMATS.contains(f))
+        .ok_or_else(|| format!("unknown quantization type {s:?} (one of {})", names()))
+}
 
 /// Quantize `values` (a whole number of blocks of `format`) into blocks.
 /// Errors name a format [`quantize`] does not write, a length that is not
@@ -71,6 +95,7 @@ pub fn quantize(format: QuantFormat, values: &[f32]) -> Result<Vec<u8>, String> 
                         true
                     }
                     QuantFormat::Q8_0 => block_q8_0(xb, ob),
+                    QuantFormat::Q4_0 => block_q4_0(xb, ob),
                     QuantFormat::Q4K => block_k_min(xb, ob, 15),
                     QuantFormat::Q5K => block_k_min(xb, ob, 31),
                     QuantFormat::Q6K => block_q6_k(xb, ob),
@@ -110,6 +135,26 @@ fn block_q8_0(x: &[f32], b: &mut [u8]) -> bool {
     let id = if d > 0.0 { 1.0 / d } else { 0.0 };
     for (q, &v) in b[2..34].iter_mut().zip(x) {
         *q = (v * id).round().clamp(-127.0, 127.0) as i8 as u8;
+    }
+    true
+}
+
+/// Q4_0: symmetric 4-bit, `x ≈ d·(q − 8)`. As GGML does, the element of
+/// largest magnitude sets `d = x_max / −8`, so it is exact (code 0) up to
+/// the f16 rounding of `d`; the others round to the nearest step, those of
+/// the opposite sign beyond 7.5 steps clamp to code 15.
+fn block_q4_0(x: &[f32], b: &mut [u8]) -> bool {
+    let max = x
+        .iter()
+        .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+    if !put_f16(b, 0, max / -8.0) {
+        return false;
+    }
+    let d = f16_round(max / -8.0);
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let code = |v: f32| ((v * id).round() + 8.0).clamp(0.0, 15.0) as u8;
+    for j in 0..16 {
+        b[2 + j] = code(x[j]) | (code(x[j + 16]) << 4);
     }
     true
 }
@@ -364,7 +409,8 @@ mod tests {
     /// Each format's error on trained-weight-like values (a normal bulk, an
     /// outlier 12× the spread in one block of three) stays inside its bound:
     /// measured 2.2e-4 / 1.7e-3 / 0.0102 / 0.0286 / 0.0473 / 0.0955 for F16 /
-    /// BF16 / Q8_0 / Q6_K / Q5_K / Q4_K, bounds 1.2–2.3× that, and within 1 %
+    /// BF16 / Q8_0 / Q6_K / Q5_K / Q4_K, bounds 1.2–2.3× that (Q4_0: 0.154,
+    /// bound 1.1× — plain symmetric rounding, no mins, no search), and within 1 %
     /// for Q5_K / Q4_K, whose least-squares search this pins (a search that
     /// lost its refits measured 0.0482 / 0.0967). Q4_K's 0.095 is what 16
     /// levels over a 32-value range give a normal bulk: step/√12 ≈ 0.08σ,
@@ -376,6 +422,7 @@ mod tests {
             (QuantFormat::F16, 5e-4),
             (QuantFormat::BF16, 4e-3),
             (QuantFormat::Q8_0, 0.0125),
+            (QuantFormat::Q4_0, 0.17),
             (QuantFormat::Q6K, 0.035),
             (QuantFormat::Q5K, 0.0478),
             (QuantFormat::Q4K, 0.0965),
@@ -452,6 +499,45 @@ mod tests {
         }
     }
 
+    /// Q4_0 rounds to the nearest of its 16 steps: every element within
+    /// half a step, but those of the opposite sign to the block's extreme
+    /// beyond 7.5 steps, which clamp to 7 steps; the extreme itself is
+    /// exact up to the f16 rounding of its scale.
+    #[test]
+    fn q4_0_elementwise_bound() {
+        let x = weights(32 * 50, 5);
+        let q = quantize(QuantFormat::Q4_0, &x).unwrap();
+        let y = dequantize(QuantFormat::Q4_0, &q, x.len()).unwrap();
+        for (b, (xs, ys)) in x.chunks(32).zip(y.chunks(32)).enumerate() {
+            let d = f16::from_le_bytes([q[b * 18], q[b * 18 + 1]]).to_f32();
+            let max = xs
+                .iter()
+                .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+            assert!(
+                (d - max / -8.0).abs() <= (max / 8.0).abs() * 1e-3,
+                "block {b}"
+            );
+            for (a, c) in xs.iter().zip(ys) {
+                let clamped = a / d > 7.5;
+                let bound = if clamped {
+                    (a / d - 7.0).abs() * d.abs()
+                } else {
+                    0.5 * d.abs()
+                };
+                assert!(
+                    (a - c).abs() <= bound * 1.01 + 1e-6,
+                    "block {b}: {a} became {c} (d {d})"
+                );
+            }
+            let i = xs.iter().position(|&v| v == max).unwrap();
+            assert!(
+                (ys[i] - max).abs() <= max.abs() * 1e-3,
+                "block {b}: extreme {max} became {}",
+                ys[i]
+            );
+        }
+    }
+
     /// Zero, constant, one-sided and single-spike blocks quantize to finite
     /// values that keep their shape (zeros stay zero, a constant stays
     /// nearly constant).
@@ -508,9 +594,22 @@ mod tests {
     }
 
     #[test]
+    fn quantize_types_by_ggml_or_generic_name() {
+        assert_eq!(parse_quantize_type("Q4_K"), Ok(QuantFormat::Q4K));
+        assert_eq!(parse_quantize_type("q4_0"), Ok(QuantFormat::Q4_0));
+        assert_eq!(parse_quantize_type("int4"), Ok(QuantFormat::Q4_0));
+        assert_eq!(parse_quantize_type("INT8"), Ok(QuantFormat::Q8_0));
+        let e = parse_quantize_type("fp8").unwrap_err();
+        assert!(e.contains("not implemented") && e.contains("int4"), "{e}");
+        // A format Kiln reads but does not write is refused by name.
+        let e = parse_quantize_type("iq4_nl").unwrap_err();
+        assert!(e.contains("\"iq4_nl\"") && e.contains("q4_k"), "{e}");
+    }
+
+    #[test]
     fn refusals_name_the_problem() {
-        let e = quantize(QuantFormat::Q4_0, &[0.0; 32]).unwrap_err();
-        assert!(e.contains("Q4_0") && e.contains("Q4_K"), "{e}");
+        let e = quantize(QuantFormat::IQ4NL, &[0.0; 32]).unwrap_err();
+        assert!(e.contains("IQ4_NL") && e.contains("Q4_K"), "{e}");
         let e = quantize(QuantFormat::Q4K, &[0.0; 100]).unwrap_err();
         assert!(e.contains("100") && e.contains("256"), "{e}");
         let mut x = vec![0.0f32; 32];

@@ -14,21 +14,15 @@ pub struct QuantizeArgs {
     pub input: PathBuf,
     /// The GGUF file to write.
     pub output: PathBuf,
-    /// The block format of the matrices: q8_0, q4_k, q5_k, q6_k (or f16, bf16).
+    /// The block format of the matrices: q8_0, q4_0, q4_k, q5_k, q6_k (or
+    /// f16, bf16; int8 and int4 name q8_0 and q4_0).
     #[arg(long = "type", value_parser = parse_quant_type)]
     pub quant_type: QuantFormat,
 }
 
 /// A format `kiln quantize` and `--quantize` write, by its GGML name.
 pub fn parse_quant_type(s: &str) -> Result<QuantFormat, String> {
-    let names = || {
-        kiln_quant::QUANTIZE_FORMATS
-            .map(|f| f.name().to_lowercase())
-            .join(", ")
-    };
-    QuantFormat::from_name(s)
-        .filter(|f| kiln_quant::QUANTIZE_FORMATS.contains(f))
-        .ok_or_else(|| format!("unknown quantization type {s:?} (one of {})", names()))
+    kiln_quant::parse_quantize_type(s)
 }
 
 pub fn run(a: QuantizeArgs) -> Result<()> {

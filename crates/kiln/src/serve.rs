@@ -34,8 +34,9 @@ pub struct ServeArgs {
     /// Where to run: cpu, cuda, cuda:N, or auto (a usable GPU, else the CPU).
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Quantize the model's float matrices as it loads: q8_0, q4_k, q5_k,
-    /// q6_k (matrices already quantized keep their blocks).
+    /// Quantize the model's float matrices as it loads: q8_0, q4_0, q4_k,
+    /// q5_k, q6_k, or int8 / int4 (q8_0 / q4_0); matrices already quantized
+    /// keep their blocks.
     #[arg(long, value_parser = crate::quantize::parse_quant_type)]
     pub quantize: Option<kiln_quant::QuantFormat>,
     /// Address to listen on; loopback by default.
