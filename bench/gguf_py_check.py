@@ -35,7 +35,7 @@ def safetensors(dir_):
     return out
 
 # Relative rms error allowed per GGUF type (2-3x what each format gives trained weights).
-BOUND = {"F32": 1e-6, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 0.02, "Q6_K": 0.05, "Q5_K": 0.08, "Q4_K": 0.15}
+BOUND = {"F32": 1e-6, "F16": 1e-3, "BF16": 5e-3, "Q8_0": 0.02, "Q4_0": 0.3, "Q6_K": 0.05, "Q5_K": 0.08, "Q4_K": 0.15}
 HF = {"ffn_down": "mlp.down_proj", "ffn_up": "mlp.up_proj", "ffn_gate": "mlp.gate_proj",
       "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj"}
 src = safetensors(hf_dir)
