@@ -72,13 +72,15 @@ if os.path.exists(f):
     rows = [r for r in csv.reader(l for l in open(f) if l.startswith('"'))]
     head, rows = rows[0], rows[1:]
     k, v, u = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
+    g = head.index("Grid Size") if "Grid Size" in head else None
     scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}
     tot, cnt = collections.Counter(), collections.Counter()
     for r in rows:
-        name = r[k].split("(")[0]
+        # By kernel and grid: the same kernel on different shapes apart.
+        name = r[k].split("(")[0] + (f" grid {r[g]}" if g is not None else "")
         tot[name] += float(r[v].replace(",", "")) * scale.get(r[u], 1.0)
         cnt[name] += 1
     print("ncu: us total / launches over", len(rows), "launches")
-    for name, t in tot.most_common(14):
-        print(f"  {name:40s} {t:9.1f} us {cnt[name]:5d}")
+    for name, t in tot.most_common(20):
+        print(f"  {name:56s} {t:9.1f} us {cnt[name]:5d}  {t / cnt[name]:7.2f} us each")
 PY
