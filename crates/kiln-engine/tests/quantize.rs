@@ -122,11 +122,35 @@ fn quantized_gguf_reads_back_as_the_quantized_checkpoint() {
             file.tensor_info("output.weight").is_none(),
             "tied output is not written"
         );
+        // The file's matrices (the F32 tensors are norms), by type.
+        let mut file_bytes = std::collections::BTreeMap::<String, u64>::new();
+        for t in file.tensors.iter().filter(|t| t.ggml_type.name() != "F32") {
+            *file_bytes
+                .entry(t.ggml_type.name().to_lowercase())
+                .or_default() += file.tensor_bytes(t).len() as u64;
+        }
         drop(file);
 
         let from_file = LoadedModel::load(&out, cpu()).unwrap();
         let at_load = LoadedModel::load_with(&hf, cpu(), None, Some(format)).unwrap();
         assert_eq!(at_load.quantized, Some(format));
+        // The weights are counted as they are stored, the same either way,
+        // each format about its bytes in the file (the CPU keeps its blocks
+        // in 16-row groups).
+        let stored = from_file.model.weight_bytes().unwrap();
+        assert_eq!(Some(stored), at_load.model.weight_bytes(), "{format}");
+        assert_eq!(
+            stored.0.keys().collect::<Vec<_>>(),
+            file_bytes.keys().collect::<Vec<_>>(),
+            "{format}"
+        );
+        for (ty, &bytes) in &file_bytes {
+            let held = stored.0[ty];
+            assert!(
+                held >= bytes && held as f64 <= bytes as f64 * 1.05,
+                "{format}: {ty} holds {held} bytes for the file's {bytes}"
+            );
+        }
         // Same tokenizer, template and stop tokens.
         assert_eq!(from_file.render_chat(&messages, true).unwrap(), rendered);
         for text in [

@@ -22,7 +22,7 @@ use kiln_tensor::{Backend, ForwardBatch, KvCache, Tensor};
 
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
-pub use layers::LoadProgress;
+pub use layers::{LoadProgress, WeightBytes};
 pub use registry::{decode_share, family, load_model, load_model_with_progress, tensor_shapes};
 
 /// A decoder-only language model.
@@ -31,6 +31,12 @@ pub trait CausalLm: Send + Sync {
 
     /// The backend the weights live on.
     fn backend(&self) -> &Arc<dyn Backend>;
+
+    /// What the weight matrices take on the backend, by storage (`None`:
+    /// a model that does not count them, as a test's stand-in).
+    fn weight_bytes(&self) -> Option<&WeightBytes> {
+        None
+    }
 
     /// A paged KV cache of `num_blocks` blocks of `block_size` tokens (by
     /// default laid out as [`ModelConfig::kv_layout`] says: a block holds

@@ -289,6 +289,15 @@ fn latency_histograms_in_metrics_and_stats() {
     assert!(text.contains("kiln_prefix_cache_hit_rate{"), "{text}");
 
     let stats = get(addr, "/stats").json();
+    // The weight matrices as stored: SmolLM2's Q4_1 blocks at their size.
+    let w = &stats["weights"];
+    let by = w["by_storage"].as_object().unwrap();
+    assert!(by["q4_1"].as_u64() > Some(30_000_000), "{w}");
+    assert_eq!(
+        by.values().map(|v| v.as_u64().unwrap()).sum::<u64>(),
+        w["bytes"].as_u64().unwrap(),
+        "{w}"
+    );
     let l = &stats["latency"];
     for name in [
         "time_to_first_token_seconds",

@@ -396,6 +396,17 @@ fn load_engine(
         ..plan.config
     };
     let load_seconds = model.load_seconds;
+    let weights = model.model.weight_bytes().map(|w| {
+        let parts: Vec<String> =
+            w.0.iter()
+                .map(|(k, b)| format!("{k} {:.2} GB", *b as f64 / 1e9))
+                .collect();
+        format!(
+            "; weights {:.2} GB ({})",
+            w.total() as f64 / 1e9,
+            parts.join(", ")
+        )
+    });
     let engine = Engine::start(model, engine_config).context("starting the engine")?;
     let adapters = engine.handle().adapters().clone();
     adapters.set_max_loaded(loras.max_loaded);
@@ -412,8 +423,9 @@ fn load_engine(
     Ok((
         engine,
         format!(
-            "{} loaded in {load_seconds:.1}s; {plan}{note}",
-            path.display()
+            "{} loaded in {load_seconds:.1}s{}; {plan}{note}",
+            path.display(),
+            weights.unwrap_or_default()
         ),
     ))
 }

@@ -214,6 +214,7 @@ struct Block {
 }
 
 pub struct Bert {
+    weight_bytes: crate::WeightBytes,
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
     word: Weight,
@@ -304,6 +305,7 @@ impl Bert {
             }
         }
         Ok(Bert {
+            weight_bytes: l.weight_bytes(),
             gelu_erf: b.gelu_erf,
             kv_slots,
             cfg,
@@ -366,6 +368,10 @@ fn gelu_tanh(b: &dyn Backend, x: &Tensor) -> Result<Tensor> {
 }
 
 impl CausalLm for Bert {
+    fn weight_bytes(&self) -> Option<&crate::WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }

@@ -245,6 +245,7 @@ struct Block {
 }
 
 pub struct Gemma3 {
+    weight_bytes: crate::WeightBytes,
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
     embed: Weight,
@@ -362,6 +363,7 @@ impl Gemma3 {
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
         let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         Ok(Gemma3 {
+            weight_bytes: l.weight_bytes(),
             embed_scale: (h as f32).sqrt(),
             backend,
             embed,
@@ -425,6 +427,10 @@ impl Gemma3 {
 }
 
 impl CausalLm for Gemma3 {
+    fn weight_bytes(&self) -> Option<&crate::WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }

@@ -197,6 +197,7 @@ struct Block {
 }
 
 pub struct GptOss {
+    weight_bytes: crate::WeightBytes,
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
     embed: Weight,
@@ -271,6 +272,7 @@ impl GptOss {
         let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         let rope = Rope::new(cfg.head_dim, g.rope_theta, &g.rope_scaling);
         Ok(GptOss {
+            weight_bytes: l.weight_bytes(),
             cfg,
             backend,
             embed,
@@ -393,9 +395,15 @@ impl GptOss {
                 bias.push(eb[r]);
             }
             let down_x = &down[x * h * i..(x + 1) * h * i];
+            let (gate_up, down) = (
+                upload_weight(b, &packed, [2 * i, h])?,
+                upload_weight(b, down_x, [h, i])?,
+            );
+            l.note(&gate_up);
+            l.note(&down);
             experts.push(Expert {
-                gate_up: upload_weight(b, &packed, [2 * i, h])?,
-                down: upload_weight(b, down_x, [h, i])?,
+                gate_up,
+                down,
                 gate_up_bias: Some(b.upload(&[2 * i], &bias)?),
                 down_bias: Some(b.upload(&[h], &down_bias[x * h..(x + 1) * h])?),
             });
@@ -481,6 +489,10 @@ fn upload_weight(b: &Arc<dyn Backend>, data: &[f32], [rows, cols]: [usize; 2]) -
 }
 
 impl CausalLm for GptOss {
+    fn weight_bytes(&self) -> Option<&crate::WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }

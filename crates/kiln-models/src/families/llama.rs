@@ -150,6 +150,7 @@ struct Block {
 }
 
 pub struct Llama {
+    weight_bytes: crate::WeightBytes,
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
     embed: Weight,
@@ -223,6 +224,7 @@ impl Llama {
         let rope = Rope::new(cfg.head_dim, f.rope_theta, &f.rope_scaling);
         let kv_slots = cfg.kv_slots();
         Ok(Llama {
+            weight_bytes: l.weight_bytes(),
             kv_slots,
             cfg,
             backend,
@@ -373,6 +375,10 @@ pub(crate) fn tensor_shapes_with(
 }
 
 impl CausalLm for Llama {
+    fn weight_bytes(&self) -> Option<&crate::WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }

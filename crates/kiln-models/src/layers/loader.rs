@@ -1,8 +1,8 @@
 //! Loading named weights from a [`WeightSource`] onto a backend, checking
 //! each tensor's shape against what the model expects.
 
-use std::cell::Cell;
-use std::collections::HashMap;
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use kiln_formats::{FormatError, WeightSource};
@@ -14,6 +14,21 @@ pub struct WeightLoader<'a> {
     pub backend: &'a Arc<dyn Backend>,
     pub source: &'a dyn WeightSource,
     progress: Progress<'a>,
+    stored: RefCell<BTreeMap<String, u64>>,
+}
+
+/// Bytes the model's weight matrices (projections, embedding tables,
+/// experts) take on their backend, by how they are stored: a block
+/// format's name (`q4_k`, `q8_0`, `bf16` blocks, …) or the backend's
+/// dense element type (`dense_bf16`, `dense_f32`). Norm weights and biases
+/// are left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WeightBytes(pub BTreeMap<String, u64>);
+
+impl WeightBytes {
+    pub fn total(&self) -> u64 {
+        self.0.values().sum()
+    }
 }
 
 /// Called with (bytes loaded, total bytes) after every tensor.
@@ -62,7 +77,34 @@ impl<'a> WeightLoader<'a> {
                 report,
                 sizes,
             },
+            stored: RefCell::new(BTreeMap::new()),
         }
+    }
+
+    /// Counts `w` into [`Self::weight_bytes`] (the loader's own weights are
+    /// counted as they load; a family that uploads a matrix itself calls
+    /// this).
+    pub fn note(&self, w: &Weight) {
+        let mut stored = self.stored.borrow_mut();
+        match w {
+            Weight::Blocks(b) => {
+                for part in b.parts() {
+                    let name = part.format().name().to_lowercase();
+                    *stored.entry(name).or_default() += part.num_bytes() as u64;
+                }
+            }
+            Weight::Dense(t) => {
+                let d = t.dtype();
+                let name = format!("dense_{}", format!("{d:?}").to_lowercase());
+                *stored.entry(name).or_default() += (t.num_elements() * d.size_in_bytes()) as u64;
+            }
+            _ => {}
+        }
+    }
+
+    /// The weight matrices loaded so far, by storage.
+    pub fn weight_bytes(&self) -> WeightBytes {
+        WeightBytes(self.stored.borrow().clone())
     }
 
     /// `name` as raw bf16 when the backend stores bf16 and the file holds it.
@@ -196,10 +238,12 @@ impl<'a> WeightLoader<'a> {
     /// load.
     pub fn weight(&self, name: &str, shape: &[usize]) -> Result<Weight> {
         let names = [name.to_string()];
-        if let Some(w) = self.blocks(&names, &[shape.to_vec()])? {
-            return Ok(w);
-        }
-        self.supported(Weight::Dense(self.tensor(name, shape)?))
+        let w = match self.blocks(&names, &[shape.to_vec()])? {
+            Some(w) => w,
+            None => self.supported(Weight::Dense(self.tensor(name, shape)?))?,
+        };
+        self.note(&w);
+        Ok(w)
     }
 
     /// The projection weights `names` stacked by rows, as [`Self::stacked`]:
@@ -207,10 +251,12 @@ impl<'a> WeightLoader<'a> {
     /// the backend takes (formats may differ by part), else one dense
     /// tensor.
     pub fn stacked_weight(&self, names: &[String], shapes: &[Vec<usize>]) -> Result<Weight> {
-        if let Some(w) = self.blocks(names, shapes)? {
-            return Ok(w);
-        }
-        self.supported(Weight::Dense(self.stacked(names, shapes)?))
+        let w = match self.blocks(names, shapes)? {
+            Some(w) => w,
+            None => self.supported(Weight::Dense(self.stacked(names, shapes)?))?,
+        };
+        self.note(&w);
+        Ok(w)
     }
 
     /// An embedding table (also the tied output projection): a weight, so
@@ -286,9 +332,9 @@ impl<'a> WeightLoader<'a> {
             }
             return (0..n)
                 .map(|e| {
-                    Ok(Weight::Dense(
-                        self.backend.upload_bf16(&[r, c], &bits[range(e)])?,
-                    ))
+                    let w = Weight::Dense(self.backend.upload_bf16(&[r, c], &bits[range(e)])?);
+                    self.note(&w);
+                    Ok(w)
                 })
                 .collect();
         }
@@ -298,9 +344,9 @@ impl<'a> WeightLoader<'a> {
         }
         (0..n)
             .map(|e| {
-                Ok(Weight::Dense(
-                    self.backend.upload(&[r, c], &host.data[range(e)])?,
-                ))
+                let w = Weight::Dense(self.backend.upload(&[r, c], &host.data[range(e)])?);
+                self.note(&w);
+                Ok(w)
             })
             .collect()
     }

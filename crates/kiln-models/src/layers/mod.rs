@@ -15,7 +15,7 @@ mod softcap;
 
 pub use attention::{Attention, AttentionConfig};
 pub use linear::{Fuse, Linear};
-pub use loader::{LoadProgress, WeightLoader};
+pub use loader::{LoadProgress, WeightBytes, WeightLoader};
 pub use mlp::GatedMlp;
 pub use moe::{ExpertNames, MoeShape, SparseMoe};
 pub use norm::RmsNorm;

@@ -134,6 +134,12 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
         // routed to each expert of each sparse layer over the last steps,
         // and the busiest expert's share against an even one (1 = even).
         "experts": expert_balance(&stats.expert_tokens, stats.expert_steps),
+        // The weight matrices' bytes on the device as they are stored
+        // (quantized blocks counted at their size), by storage.
+        "weights": model.model.weight_bytes().map(|w| json!({
+            "bytes": w.total(),
+            "by_storage": &w.0,
+        })),
         // Device memory (null on the CPU): driver free/total and the
         // backend's active, peak and reserved bytes.
         "memory": model.model.backend().device_memory().map(|m| json!({

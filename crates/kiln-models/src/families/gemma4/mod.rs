@@ -140,6 +140,7 @@ struct PerLayerInputs {
 }
 
 pub struct Gemma4 {
+    weight_bytes: crate::WeightBytes,
     cfg: ModelConfig,
     backend: Arc<dyn Backend>,
     embed: Weight,
@@ -302,6 +303,7 @@ impl Gemma4 {
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
         let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         Ok(Gemma4 {
+            weight_bytes: l.weight_bytes(),
             backend,
             embed,
             blocks,
@@ -410,6 +412,10 @@ impl Gemma4 {
 }
 
 impl CausalLm for Gemma4 {
+    fn weight_bytes(&self) -> Option<&crate::WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
     fn config(&self) -> &ModelConfig {
         &self.cfg
     }
