@@ -20,6 +20,7 @@ import sys
 import torch
 import transformers
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from common import write_tokenizer  # scripts/goldens/common.py
 
 BASE = {
     "vocab_size": 128,
@@ -76,20 +77,6 @@ def randomise(model, gen):
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand(b.shape, generator=gen))
-
-
-def write_tokenizer(out, vocab_size):
-    """A word-level tokenizer of `vocab_size` words `t0`, `t1`, ...: enough for
-    the engine and server to run the checkpoint (token ids are what tests use)."""
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None, "decoder": None,
-        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)},
-                  "unk_token": "t0"},
-    }
-    with open(os.path.join(out, "tokenizer.json"), "w") as f:
-        json.dump(tok, f)
 
 
 def main(out_root):

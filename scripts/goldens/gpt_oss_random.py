@@ -34,6 +34,7 @@ import transformers
 from safetensors.torch import save_file
 from transformers import GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
+from common import write_tokenizer  # scripts/goldens/common.py
 
 CONFIG = {
     "vocab_size": 96, "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2,
@@ -63,18 +64,6 @@ def randomise(model, gen):
                 p.copy_(0.6 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
-
-
-def write_tokenizer(out, vocab_size):
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None, "decoder": None,
-        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)},
-                  "unk_token": "t0"},
-    }
-    with open(os.path.join(out, "tokenizer.json"), "w") as f:
-        json.dump(tok, f)
 
 
 def mxfp4(w):

@@ -25,6 +25,7 @@ import torch
 import transformers
 from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from common import write_tokenizer  # scripts/goldens/common.py
 
 COMMON = {
     "vocab_size": 96,
@@ -69,20 +70,6 @@ def randomise(model, gen):
                 p.copy_(1.0 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
-
-
-def write_tokenizer(out, vocab_size):
-    """A word-level tokenizer of `vocab_size` words `t0`, `t1`, ...: enough for
-    the engine and server to run the checkpoint (token ids are what tests use)."""
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None, "decoder": None,
-        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)},
-                  "unk_token": "t0"},
-    }
-    with open(os.path.join(out, "tokenizer.json"), "w") as f:
-        json.dump(tok, f)
 
 
 def routing_margin(model, ids, top_k):

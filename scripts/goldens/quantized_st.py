@@ -45,6 +45,7 @@ def _awq_packing():
 _pu = _awq_packing()
 AWQ_ORDER, dequantize_gemm, pack_exllama = _pu.AWQ_ORDER, _pu.dequantize_gemm, _pu.pack_exllama
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+from common import write_tokenizer  # scripts/goldens/common.py
 
 CONFIG = {
     "vocab_size": 96, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -159,18 +160,6 @@ LAYOUTS = {
     "fp8_block": {"quant_method": "fp8", "activation_scheme": "dynamic",
                   "weight_block_size": BLOCK},
 }
-
-
-def write_tokenizer(out, vocab_size):
-    tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"},
-        "post_processor": None, "decoder": None,
-        "model": {"type": "WordLevel", "vocab": {f"t{i}": i for i in range(vocab_size)},
-                  "unk_token": "t0"},
-    }
-    with open(os.path.join(out, "tokenizer.json"), "w") as f:
-        json.dump(tok, f)
 
 
 def logprobs_of(model, ids):
