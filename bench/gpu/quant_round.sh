@@ -12,7 +12,8 @@
 # its bytes-roofline fraction (`kiln bench`: bytes read per token over the copy
 # bandwidth measured in the same run).
 #   KILN=.device/kiln bench/gpu/quant_round.sh OUT_DIR
-# NO_CHECK=1 skips cuda-check; NO_PARITY=1 the logits; TYPES (default "q8_0 q4_k").
+# NO_CHECK=1 skips cuda-check; NO_PARITY=1 the logits; GGUFPY=1 reads each file back with
+# gguf-py (bench/gpu/carry-pygguf.sh first); TYPES (default "q8_0 q4_k").
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/quant_round.sh OUT_DIR}; KILN=${KILN:-.device/kiln}
 W=${WORK:-/tmp/kiln-round}; TOK=bench/smollm2-tokenizer
@@ -31,6 +32,13 @@ fi
 for t in $TYPES; do
   [ -f "$W/$t.gguf" ] || { log "quantize $t"; "$KILN" quantize "$W/ck8b" "$W/$t.gguf" --type "$t" >> "$OUT/quant.log" 2>&1 || log "FAILED quantize $t"; }
 done
+if [ -n "${GGUFPY:-}" ]; then
+  # Each file read back by gguf-py's dequantizers against the bf16 checkpoint
+  # (bench/gpu/carry-pygguf.sh puts the package in .device/pygguf).
+  for t in $TYPES; do
+    log "gguf-py $t"; PYTHONPATH=${PYGGUF:-.device/pygguf} python3 bench/gguf_py_check.py "$W/$t.gguf" "$W/ck8b" > "$OUT/ggufpy-$t.json" 2>> "$OUT/quant.log" || log "FAILED gguf-py $t"
+  done
+fi
 if [ -z "${NO_PARITY:-}" ]; then
   # The floor: the bf16 checkpoint itself, CUDA (bf16 activations) against CPU (f32).
   log "parity bf16"; python3 bench/gpu/quant_parity.py --kiln "$KILN" --model "$W/ck8b" --out "$OUT/parity-bf16.json" >> "$OUT/quant.log" 2>&1 || log "FAILED parity bf16"
@@ -59,7 +67,9 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
     except Exception as e:
         print(os.path.basename(f), "unreadable", e); continue
     name = os.path.basename(f)
-    if name.startswith("parity"):
+    if name.startswith("ggufpy"):
+        print(name, "compared", d["compared"], "worst", d["worst_rel_rms_by_type"], "failures", d["failures"][:3])
+    elif name.startswith("parity"):
         print(name, {k: round(v["cosine"], 6) for k, v in d.items() if isinstance(v, dict) and "cosine" in v})
     elif name.startswith(("decode", "prefill")):
         print(name, "decode", round(d["decode_tokens_per_second"]["median"], 1), "prefill", round(d["prefill_tokens_per_second"]["median"]),
