@@ -295,10 +295,10 @@ __host__ __device__ constexpr int xrow(int K) { return (K + 127) / 128 * 128; }
 __device__ __forceinline__ int slot(int j) { return j ^ ((j >> 3) & 7); }
 
 struct Staged {
-    const u8* a;
-    const u8* c;
-    const float* scale;
-    const float* sum;
+    u8* a;
+    u8* c;
+    float* scale;
+    float* sum;
     int rs;
 };
 
@@ -340,11 +340,11 @@ __device__ __forceinline__ void stage8(uint4 v, bool active, int m, int j, int K
     total += __shfl_xor_sync(0xffffffffu, total, 1);
     if (active) {
         const int at = m * xs.rs + 16 * slot(j >> 1) + 8 * (j & 1);
-        *reinterpret_cast<uint2*>(const_cast<u8*>(xs.a) + at) = make_uint2(wa[0], wa[1]);
-        *reinterpret_cast<uint2*>(const_cast<u8*>(xs.c) + at) = make_uint2(wc[0], wc[1]);
+        *reinterpret_cast<uint2*>(xs.a + at) = make_uint2(wa[0], wa[1]);
+        *reinterpret_cast<uint2*>(xs.c + at) = make_uint2(wc[0], wc[1]);
         const float nan = __int_as_float(0x7fc00000);
-        if ((j & 3) == 0) const_cast<float*>(xs.scale)[m * (K / 32) + j / 4] = bad ? nan : sc;
-        if ((j & 1) == 0) const_cast<float*>(xs.sum)[m * (K / 16) + j / 2] = bad ? nan : sc * (float)total;
+        if ((j & 3) == 0) xs.scale[m * (K / 32) + j / 4] = bad ? nan : sc;
+        if ((j & 1) == 0) xs.sum[m * (K / 16) + j / 2] = bad ? nan : sc * (float)total;
     }
 }
 
