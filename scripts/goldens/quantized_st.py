@@ -20,7 +20,10 @@ Run once with CPU torch, transformers >= 5.24, compressed-tensors and autoawq (-
 PYTHONPATH; the outputs are committed and tests never run this:
 
     PYTHONPATH=<site-packages>:<autoawq> python3 scripts/goldens/quantized_st.py \\
-        crates/kiln-models/tests/data/quantized
+        crates/kiln-models/tests/data/quantized [LAYOUT ...]
+
+(naming layouts writes only those; only gptq draws from the generator after the base weights,
+so writing any other alone gives the bytes the full run gives).
 """
 
 import json
@@ -65,10 +68,10 @@ def projections(model):
             yield name, mod
 
 
-def awq(w):
+def awq(w, group=GROUP):
     """Asymmetric 4-bit groups along the input: parts and the dequantized weight."""
     out, inp = w.shape
-    wt = w.t().reshape(inp // GROUP, GROUP, out)  # [groups, g, out]
+    wt = w.t().reshape(inp // group, group, out)  # [groups, g, out]
     lo, hi = wt.amin(1), wt.amax(1)
     scale = ((hi - lo) / 15).clamp(min=1e-6).half()
     zero = torch.round(-lo / scale.float()).clamp(0, 15).to(torch.int32)
@@ -81,9 +84,9 @@ def awq(w):
                 p[:, col] |= x[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
         return p
     qweight, qzeros = pack_awq(q), pack_awq(zero)
-    deq = ((q.reshape(inp // GROUP, GROUP, out) - zero[:, None]).float() * scale.float()[:, None])
+    deq = ((q.reshape(inp // group, group, out) - zero[:, None]).float() * scale.float()[:, None])
     deq = deq.reshape(inp, out)
-    theirs = dequantize_gemm(qweight, qzeros, scale, 4, GROUP).float()
+    theirs = dequantize_gemm(qweight, qzeros, scale, 4, group).float()
     # (AutoAWQ multiplies in f16: the same values rounded to f16.)
     assert torch.equal(theirs, deq.half().float()), "AutoAWQ unpacks what was packed"
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale}, deq.t().contiguous()
@@ -109,6 +112,22 @@ def gptq(w, gen, act_order=True):
     qweight, qzeros = pack_exllama(q, zeros - 1, 4)
     deq = ((q - 8).float() * s_in).t().contiguous()
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale, "g_idx": g_idx}, deq
+
+
+def gptq_asym(w, group=128):
+    """Asymmetric 4-bit groups in input order (no act-order), zero points 1..15 (GPTQ stores
+    them minus one: a zero of 0 would not survive)."""
+    out, inp = w.shape
+    wt = w.t().reshape(inp // group, group, out)
+    lo, hi = wt.amin(1), wt.amax(1)
+    scale = ((hi - lo) / 14).clamp(min=1e-6).half()
+    zero = torch.round(-lo / scale.float()).clamp(1, 15).to(torch.int32)  # [groups, out]
+    q = (torch.round(wt / scale.float()[:, None]) + zero[:, None]).clamp(0, 15).to(torch.int32)
+    deq = ((q - zero[:, None]).float() * scale.float()[:, None]).reshape(inp, out)
+    q = q.reshape(inp, out)
+    g_idx = (torch.arange(inp) // group).to(torch.int32)
+    qweight, qzeros = pack_exllama(q, zero - 1, 4)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale, "g_idx": g_idx}, deq.t().contiguous()
 
 
 def packed(w):
@@ -159,6 +178,11 @@ LAYOUTS = {
                    "dynamic": False}}}},
     "fp8_block": {"quant_method": "fp8", "activation_scheme": "dynamic",
                   "weight_block_size": BLOCK},
+    # Groups of 128 with zero points: Kiln's Q4_Z blocks.
+    "awq_g128": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                 "version": "gemm"},
+    "gptq_asym": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+                  "sym": False, "checkpoint_format": "gptq"},
 }
 
 
@@ -167,7 +191,7 @@ def logprobs_of(model, ids):
         return torch.log_softmax(model(ids, use_cache=False).logits[0].double(), -1)
 
 
-def main(out_root):
+def main(out_root, only=()):
     torch.set_num_threads(2)
     cfg = LlamaConfig(**{k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")},
                       attn_implementation="eager")
@@ -181,6 +205,8 @@ def main(out_root):
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
     ids = torch.tensor([PROMPT])
     for layout, qcfg in LAYOUTS.items():
+        if only and layout not in only:
+            continue
         out = os.path.join(out_root, layout)
         os.makedirs(out, exist_ok=True)
         model = LlamaForCausalLM(cfg).to(torch.float32).eval()
@@ -191,7 +217,8 @@ def main(out_root):
                 w = mod.weight.detach().clone()
                 parts, deq = {"awq": awq, "gptq": lambda w: gptq(w, gen),
                               "gptq_noact": lambda w: gptq(w, gen, False), "ct_int4": packed,
-                              "ct_fp8": fp8_channel, "fp8_block": fp8_block}[layout](w)
+                              "ct_fp8": fp8_channel, "fp8_block": fp8_block,
+                              "awq_g128": lambda w: awq(w, 128), "gptq_asym": gptq_asym}[layout](w)
                 for k, v in parts.items():
                     tensors[f"{name}.{k}"] = v.contiguous()
                 mod.weight.copy_(deq)
@@ -223,4 +250,4 @@ def main(out_root):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

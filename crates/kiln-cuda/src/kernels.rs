@@ -111,12 +111,28 @@ pub const ENTRY_POINTS: &[&str] = &[
 ];
 
 /// The block formats `matmul_blocks` (`ops/matmul/blocks.cu`) has kernels
-/// for, by kernel name: `qgemv_<fmt>_m1` … `_m8` and `dequant_<fmt>_bf16`
-/// each.
+/// for, by kernel name: `qgemv_<fmt>_m1` … `_m8`, the row variants
+/// [`QGEMV_ROW_VARIANTS`] and `dequant_<fmt>_bf16` each.
 pub const BLOCK_FORMATS: &[&str] = &[
     "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k",
-    "q6_k",
+    "q6_k", "q4_z",
 ];
+
+/// The decode products that take more than one output row a warp:
+/// `qgemv_<fmt>_m{M}_r{RW}` for each `(M, RW)` ([`qgemv_row_variants`]).
+pub const QGEMV_ROW_VARIANTS: &[(usize, usize)] = &[(1, 2), (1, 4), (2, 2)];
+
+/// The formats whose decode unit is 128 elements: no 4-row variant (four
+/// units in flight spill registers).
+pub const QGEMV_WIDE_UNITS: &[&str] = &["q2_k", "q3_k", "q6_k"];
+
+/// The `(M, RW)` row variants format `fmt` has.
+pub fn qgemv_row_variants(fmt: &str) -> impl Iterator<Item = (usize, usize)> + '_ {
+    QGEMV_ROW_VARIANTS
+        .iter()
+        .copied()
+        .filter(move |&(_, r)| r < 4 || !QGEMV_WIDE_UNITS.contains(&fmt))
+}
 
 /// Every block-weight kernel the backend launches by name.
 pub fn block_entry_points() -> Vec<String> {
@@ -125,6 +141,7 @@ pub fn block_entry_points() -> Vec<String> {
         .flat_map(|f| {
             (1..=8)
                 .map(move |m| format!("qgemv_{f}_m{m}"))
+                .chain(qgemv_row_variants(f).map(move |(m, r)| format!("qgemv_{f}_m{m}_r{r}")))
                 .chain([format!("dequant_{f}_bf16")])
         })
         .collect()

@@ -260,7 +260,7 @@ fn from_hf_dir(input: &Path, output: &Path, format: QuantFormat) -> Result<Quant
             )
         })?;
         let ty = target_format(format, t)
-            .map(GgmlType::from_quant_format)
+            .and_then(GgmlType::from_quant_format)
             .unwrap_or(GgmlType::F32);
         plans.push(GgufTensorPlan::new(g, &t.shape, ty));
         names.push(t.name.clone());
@@ -348,7 +348,7 @@ fn from_gguf(input: &Path, output: &Path, format: QuantFormat) -> Result<Quantiz
         };
         let target = target_format(format, &stored);
         let ty = target
-            .map(GgmlType::from_quant_format)
+            .and_then(GgmlType::from_quant_format)
             .unwrap_or(t.ggml_type);
         plans.push(GgufTensorPlan {
             name: t.name.clone(),

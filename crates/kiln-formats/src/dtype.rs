@@ -173,10 +173,11 @@ impl GgmlType {
         })
     }
 
-    /// The GGUF type a block format is stored as.
-    pub fn from_quant_format(f: kiln_quant::QuantFormat) -> Self {
+    /// The GGUF type a block format is stored as (`None` for Kiln's own
+    /// Q4_Z, which no GGUF file holds).
+    pub fn from_quant_format(f: kiln_quant::QuantFormat) -> Option<Self> {
         use kiln_quant::QuantFormat as Q;
-        match f {
+        Some(match f {
             Q::F16 => GgmlType::F16,
             Q::BF16 => GgmlType::BF16,
             Q::Q4_0 => GgmlType::Q4_0,
@@ -191,7 +192,8 @@ impl GgmlType {
             Q::Q6K => GgmlType::Q6K,
             Q::IQ4NL => GgmlType::IQ4NL,
             Q::MXFP4 => GgmlType::MXFP4,
-        }
+            Q::Q4Z => return None,
+        })
     }
 
     /// Bytes a tensor of GGUF dims `ne` occupies, or `None` when the rows do not

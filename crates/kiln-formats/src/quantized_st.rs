@@ -28,6 +28,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use half::{bf16, f16};
+use kiln_quant::QuantFormat;
 use serde_json::Value;
 
 /// What a checkpoint's `quantization_config` says its matrices are.
@@ -388,23 +389,51 @@ pub(crate) fn dequantize<'a>(
     Ok(w)
 }
 
-/// `X.weight` as GGUF Q4_0 blocks, where the layout holds exactly that:
-/// symmetric 4-bit groups of a multiple of 32 inputs in order (GPTQ with
-/// every zero point 8 and `g_idx` the identity grouping; compressed-tensors
-/// pack-quantized int4) with scales f16 holds. `W = d · (q − 8)` either way,
-/// so the CPU and GPU keep 4.5 bits a weight and their Q4_0 products.
-/// `None` where the layout is anything else (read dense instead).
-pub(crate) fn as_q4_0<'a>(
+/// `X.weight` as blocks a backend multiplies in place, where the layout
+/// holds exactly their values: int4 groups of a multiple of 32 inputs in
+/// order (`g_idx` the identity grouping, not act-order) with scales f16
+/// holds — as GGUF Q4_0 where every zero point is 8 (GPTQ symmetric,
+/// compressed-tensors pack-quantized int4: `W = d · (q − 8)`), else as
+/// Kiln's Q4_Z where groups are a multiple of 128 (AWQ, GPTQ asymmetric:
+/// `W = d · (q − z)`). So the CPU and GPU keep 4.25–4.5 bits a weight and
+/// their block products. `None` where the layout is anything else (read
+/// dense instead).
+pub(crate) fn as_blocks<'a>(
     s: &Scheme,
     base: &str,
     dims: [usize; 2],
     fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
-) -> Result<Option<Vec<u8>>, String> {
+) -> Result<Option<(QuantFormat, Vec<u8>)>, String> {
     let [out, inp] = dims;
     let part =
         |p: &str| fetch(&format!("{base}.{p}")).ok_or_else(|| format!("{base}.{p}: missing"));
-    // code(o, i) in 0..16 and the scale of (o, group), per layout.
-    let (codes, scales, groups): (Box<dyn Fn(usize, usize) -> u8>, Vec<f32>, usize) = match *s {
+    type Of = Box<dyn Fn(usize, usize) -> u8>;
+    // code(o, i) in 0..16, zero(o, group) and the scale of (o, group), per layout.
+    let (codes, zeros, scales, groups): (Of, Of, Vec<f32>, usize) = match *s {
+        Scheme::Awq { bits: 4, group } => {
+            let (q, z, st) = (part("qweight")?, part("qzeros")?, part("scales")?);
+            if group == 0 || inp % group != 0 {
+                return Ok(None);
+            }
+            let groups = inp / group;
+            let (qs, zs, sc) = (i32s(&q, base)?, i32s(&z, base)?, floats(&st, base)?);
+            if qs.len() != inp * out / 8 || zs.len() != groups * out / 8 || sc.len() != groups * out
+            {
+                return Err(bad(base, "AWQ parts do not match their shapes"));
+            }
+            // Output 8 j + k sits in nibble REV[k] of column j.
+            const REV: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+            let nib = |v: i32, o: usize| (((v as u32) >> (4 * REV[o % 8])) & 15) as u8;
+            let scales = (0..out * groups)
+                .map(|k| sc[(k % groups) * out + k / groups])
+                .collect();
+            (
+                Box::new(move |o, i| nib(qs[i * out / 8 + o / 8], o)),
+                Box::new(move |o, g| nib(zs[g * out / 8 + o / 8], o)),
+                scales,
+                groups,
+            )
+        }
         Scheme::Gptq {
             bits: 4,
             zero_offset,
@@ -425,24 +454,25 @@ pub(crate) fn as_q4_0<'a>(
                 return Ok(None); // act-order
             }
             let zs = i32s(&z, base)?;
-            if zs.len() != groups * out / 8
-                || zs.iter().any(|&w| {
-                    (0..8).any(|k| (((w as u32) >> (4 * k)) & 15) as i32 + zero_offset != 8)
-                })
+            let qs = i32s(&q, base)?;
+            let sc = floats(&st, base)?; // [groups, out]
+            if zs.len() != groups * out / 8 || qs.len() != inp * out / 8 || sc.len() != groups * out
             {
+                return Err(bad(base, "GPTQ parts do not match their shapes"));
+            }
+            if zero_offset < 0 {
                 return Ok(None);
             }
-            let qs = i32s(&q, base)?;
-            if qs.len() != inp * out / 8 {
-                return Err(bad(base, "GPTQ qweight does not match its shape"));
-            }
-            let sc = floats(&st, base)?; // [groups, out]
             let scales = (0..out * groups)
                 .map(|k| sc[(k % groups) * out + k / groups])
                 .collect();
             (
                 Box::new(move |o, i| {
                     (((qs[(i / 8) * out + o] as u32) >> (4 * (i % 8))) & 15) as u8
+                }),
+                Box::new(move |o, g| {
+                    ((((zs[g * out / 8 + o / 8] as u32) >> (4 * (o % 8))) & 15) as i32
+                        + zero_offset) as u8
                 }),
                 scales,
                 groups,
@@ -460,13 +490,14 @@ pub(crate) fn as_q4_0<'a>(
                 Box::new(move |o, i| {
                     (((qs[o * inp / 8 + i / 8] as u32) >> (4 * (i % 8))) & 15) as u8
                 }),
+                Box::new(|_, _| 8),
                 sc,
                 groups,
             )
         }
         _ => return Ok(None),
     };
-    if inp % groups != 0 || (inp / groups) % 32 != 0 || scales.len() != out * groups {
+    if inp % groups != 0 || scales.len() != out * groups {
         return Ok(None);
     }
     let group = inp / groups;
@@ -478,18 +509,41 @@ pub(crate) fn as_q4_0<'a>(
         }
         d16.push(h);
     }
-    let blocks = inp / 32;
-    let mut bytes = vec![0u8; out * blocks * 18];
+    let symmetric = (0..out).all(|o| (0..groups).all(|g| zeros(o, g) == 8));
+    if symmetric && group % 32 == 0 {
+        let blocks = inp / 32;
+        let mut bytes = vec![0u8; out * blocks * 18];
+        for o in 0..out {
+            for b in 0..blocks {
+                let blk = &mut bytes[(o * blocks + b) * 18..][..18];
+                blk[..2].copy_from_slice(&d16[o * groups + 32 * b / group].to_le_bytes());
+                for j in 0..16 {
+                    blk[2 + j] = codes(o, 32 * b + j) | (codes(o, 32 * b + 16 + j) << 4);
+                }
+            }
+        }
+        return Ok(Some((QuantFormat::Q4_0, bytes)));
+    }
+    if group % 128 != 0 || (0..out).any(|o| (0..groups).any(|g| zeros(o, g) > 31)) {
+        return Ok(None);
+    }
+    let blocks = inp / 128;
+    let mut bytes = vec![0u8; out * blocks * 68];
     for o in 0..out {
         for b in 0..blocks {
-            let blk = &mut bytes[(o * blocks + b) * 18..][..18];
-            blk[..2].copy_from_slice(&d16[o * groups + 32 * b / group].to_le_bytes());
-            for j in 0..16 {
-                blk[2 + j] = codes(o, 32 * b + j) | (codes(o, 32 * b + 16 + j) << 4);
+            let g = 128 * b / group;
+            let blk = &mut bytes[(o * blocks + b) * 68..][..68];
+            blk[..2].copy_from_slice(&d16[o * groups + g].to_le_bytes());
+            blk[2] = zeros(o, g);
+            for r in 0..4 {
+                let e0 = 128 * b + 32 * r;
+                for j in 0..16 {
+                    blk[4 + 16 * r + j] = codes(o, e0 + j) | (codes(o, e0 + 16 + j) << 4);
+                }
             }
         }
     }
-    Ok(Some(bytes))
+    Ok(Some((QuantFormat::Q4Z, bytes)))
 }
 
 #[cfg(test)]

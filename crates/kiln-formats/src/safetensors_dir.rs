@@ -487,9 +487,9 @@ impl SafetensorsDir {
 }
 
 impl SafetensorsDir {
-    /// A quantized matrix as Q4_0 blocks where its layout is exactly that
-    /// (`quantized_st::as_q4_0`).
-    fn q4_0(&self, name: &str, shape: &[usize]) -> Result<Option<QuantMatrix>> {
+    /// A quantized matrix as Q4_0 or Q4_Z blocks where its layout is
+    /// exactly that (`quantized_st::as_blocks`).
+    fn int4_blocks(&self, name: &str, shape: &[usize]) -> Result<Option<QuantMatrix>> {
         let Some(q) = self.quant.as_ref() else {
             return Ok(None);
         };
@@ -499,20 +499,15 @@ impl SafetensorsDir {
             path: self.dir.clone(),
             what,
         };
-        let Some(bytes) =
-            crate::quantized_st::as_q4_0(&q.scheme, base, [shape[0], shape[1]], &fetch)
+        let Some((format, bytes)) =
+            crate::quantized_st::as_blocks(&q.scheme, base, [shape[0], shape[1]], &fetch)
                 .map_err(invalid)?
         else {
             return Ok(None);
         };
-        QuantMatrix::new(
-            QuantFormat::Q4_0,
-            shape[0],
-            shape[1],
-            SharedBytes::from_vec(bytes),
-        )
-        .map(Some)
-        .map_err(invalid)
+        QuantMatrix::new(format, shape[0], shape[1], SharedBytes::from_vec(bytes))
+            .map(Some)
+            .map_err(invalid)
     }
 }
 
@@ -620,7 +615,7 @@ impl WeightSource for SafetensorsDir {
     /// F16 and BF16 matrices, in place.
     fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
         if let Some(shape) = self.logical(name) {
-            return self.q4_0(name, shape);
+            return self.int4_blocks(name, shape);
         }
         let Some(e) = self.tensors.get(name) else {
             return Ok(None);

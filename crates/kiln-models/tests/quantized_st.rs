@@ -1,8 +1,8 @@
 //! Quantized Hugging Face checkpoints against transformers
 //! (`tests/data/quantized/*`, made by `scripts/goldens/quantized_st.py`):
 //! one random Llama with every projection stored as AWQ (GEMM order,
-//! asymmetric 4-bit groups), GPTQ (4-bit, with an act-order `g_idx` and
-//! without),
+//! asymmetric 4-bit groups of 32 and of 128), GPTQ (4-bit symmetric, with
+//! an act-order `g_idx` and without; asymmetric groups of 128),
 //! compressed-tensors pack-quantized int4 and FP8 per channel, and FP8
 //! with block scales; the golden is transformers' float64 log-softmax of
 //! the model whose projections are the dequantized weights (the layouts
@@ -16,13 +16,15 @@ use std::path::PathBuf;
 use kiln_formats::{SafetensorsDir, WeightSource};
 use kiln_tensor::ForwardBatch;
 
-const CASES: [&str; 6] = [
+const CASES: [&str; 8] = [
     "awq",
     "gptq",
     "gptq_noact",
     "ct_int4",
     "ct_fp8",
     "fp8_block",
+    "awq_g128",
+    "gptq_asym",
 ];
 
 fn case_dir(case: &str) -> PathBuf {
@@ -76,26 +78,37 @@ fn the_tensor_list_names_the_matrices_not_their_parts() {
     }
 }
 
-/// Symmetric int4 groups in input order (GPTQ without act-order,
-/// compressed-tensors int4) are exactly GGUF Q4_0: they load as its blocks
-/// (4.5 bits a weight, the backends' Q4_0 products — the logits test above
-/// runs through them); the others are read dense.
+/// Int4 groups in input order load as blocks the backends multiply in
+/// place (the logits test above runs through them): symmetric ones (GPTQ
+/// without act-order, compressed-tensors int4) are exactly GGUF Q4_0 (4.5
+/// bits a weight), ones with zero points in groups of 128 (AWQ, GPTQ
+/// asymmetric) Kiln's Q4_Z (4.25 bits); the others are read dense.
 #[test]
-fn symmetric_int4_groups_load_as_q4_0_blocks() {
+fn int4_groups_in_order_load_as_blocks() {
+    use kiln_tensor::QuantFormat;
     let q = "model.layers.0.mlp.down_proj.weight";
     for case in CASES {
         let dir = SafetensorsDir::open(case_dir(case)).unwrap();
         let blocks = dir.load_blocks(q).unwrap();
-        match case {
-            "gptq_noact" | "ct_int4" => {
+        let want = match case {
+            "gptq_noact" | "ct_int4" => Some(QuantFormat::Q4_0),
+            "awq_g128" | "gptq_asym" => Some(QuantFormat::Q4Z),
+            _ => None,
+        };
+        match want {
+            Some(f) => {
                 let m = blocks.unwrap_or_else(|| panic!("{case}: not blocks"));
-                assert_eq!(m.format(), kiln_tensor::QuantFormat::Q4_0, "{case}");
+                assert_eq!(m.format(), f, "{case}");
                 assert_eq!((m.rows(), m.cols()), (128, 256), "{case}");
                 // The blocks are the dense reading, value for value.
                 let dense = dir.load_f32(q).unwrap().data;
-                assert_eq!(m.dequantize(), dense, "{case}");
+                let got = m.dequantize();
+                assert_eq!(got.len(), dense.len());
+                for (i, (a, b)) in got.iter().zip(&dense).enumerate() {
+                    assert!(a == b, "{case}: element {i}: {a} vs {b}");
+                }
             }
-            _ => assert!(blocks.is_none(), "{case}: blocks"),
+            None => assert!(blocks.is_none(), "{case}: blocks"),
         }
     }
 }

@@ -23,10 +23,17 @@ pub enum QuantFormat {
     /// OCP microscaling FP4: 32 e2m1 values under one power-of-two scale
     /// (an e8m0 byte), gpt-oss's expert format.
     MXFP4,
+    /// Kiln's own (no GGUF type): 128 unsigned 4-bit codes with an integer
+    /// zero point and an f16 scale, `w = d · (q − z)` — AWQ's and GPTQ's
+    /// asymmetric int4 groups of 128 (or any multiple), repacked at load.
+    /// Block: f16 `d`, the zero point `z` (a byte's low 5 bits), a zero byte, then
+    /// four runs of 16 bytes as Q4_0's (byte `16 c + j`: element `32 c + j`
+    /// in its low nibble, `32 c + j + 16` in its high one).
+    Q4Z,
 }
 
 impl QuantFormat {
-    pub const ALL: [QuantFormat; 14] = [
+    pub const ALL: [QuantFormat; 15] = [
         QuantFormat::F16,
         QuantFormat::BF16,
         QuantFormat::Q4_0,
@@ -41,6 +48,7 @@ impl QuantFormat {
         QuantFormat::Q6K,
         QuantFormat::IQ4NL,
         QuantFormat::MXFP4,
+        QuantFormat::Q4Z,
     ];
 
     /// The name GGML and llama.cpp use (`Q4_K`, `IQ4_NL`, `BF16`).
@@ -61,6 +69,7 @@ impl QuantFormat {
             Q6K => "Q6_K",
             IQ4NL => "IQ4_NL",
             MXFP4 => "MXFP4",
+            Q4Z => "Q4_Z",
         }
     }
 
@@ -77,6 +86,7 @@ impl QuantFormat {
         match self {
             F16 | BF16 => 1,
             Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4NL | MXFP4 => 32,
+            Q4Z => 128,
             Q2K | Q3K | Q4K | Q5K | Q6K => 256,
         }
     }
@@ -97,6 +107,7 @@ impl QuantFormat {
             Q4K => 144,
             Q5K => 176,
             Q6K => 210,
+            Q4Z => 68,
         }
     }
 
@@ -136,5 +147,6 @@ mod tests {
         assert_eq!(QuantFormat::Q4_0.row_bytes(33), None);
         assert_eq!(QuantFormat::from_name("q9_9"), None);
         assert_eq!(QuantFormat::Q4K.bits_per_weight(), 4.5);
+        assert_eq!(QuantFormat::Q4Z.bits_per_weight(), 4.25);
     }
 }

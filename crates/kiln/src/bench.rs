@@ -147,6 +147,8 @@ fn profile_ops(
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    // Load-time lines (kernel compile and load times) on stderr; the report is stdout's.
+    crate::logging::init(crate::logging::LogFormat::Text);
     let (model, prof) = if a.profile {
         let p = Arc::new(ProfilingBackend::new(a.model.backend()?));
         (a.model.load_on(p.clone())?, Some(p))

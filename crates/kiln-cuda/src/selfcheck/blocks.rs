@@ -34,7 +34,11 @@ pub(super) fn block_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         if !p.gpu.supports_weight(WeightKind::Blocks(f)) {
             continue;
         }
-        let k = if f.block_size() == 256 { 768 } else { 160 };
+        let k = match f.block_size() {
+            256 => 768,
+            128 => 384,
+            _ => 160,
+        };
         let rows = 77;
         let (wg, wc) = weight(p, &[(f, rows, k, 100 + i as u64)])?;
         for n in [1usize, 2, 5, 8, 13] {
@@ -58,6 +62,7 @@ pub(super) fn block_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         let c = p.cpu.embedding(&wc, &ids).map_err(e)?;
         p.compare(format!("blocks {f} embedding"), &g, &c, TOL)?;
     }
+    rows_a_warp(p, rng)?;
     // A packed gate/up weight of two formats behind a Gemma-style norm, and a
     // bias on a three-part q/k/v.
     let q4k = WeightKind::Blocks(QuantFormat::Q4K);
@@ -122,6 +127,52 @@ pub(super) fn block_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
                 .matmul(&xc, &wc, None, Epilogue::bias(Some(&bc)))
                 .map_err(e)?;
             p.compare(format!("blocks q4_k·q4_k·q6_k qkv+bias n={n}"), &g, &c, TOL)?;
+        }
+    }
+    Ok(())
+}
+
+/// The kernels that take 2 or 4 output rows a warp (`blocks.rs`'s
+/// `rows_per_warp` picks them where one row a warp would not launch in one
+/// wave): row counts just past each boundary, a few rows past a whole warp's,
+/// plain and gated, one and two rows of x.
+fn rows_a_warp(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    let wave = 8 * 2 * p.gpu.dev.sms.max(1);
+    let k = 256;
+    for (i, f) in [
+        QuantFormat::Q4K,
+        QuantFormat::Q8_0,
+        QuantFormat::Q6K,
+        QuantFormat::Q4Z,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if !p.gpu.supports_weight(WeightKind::Blocks(f)) {
+            continue;
+        }
+        // wave + 3 rows: 2 a warp (gated: 2 gate rows and their up rows, the
+        // 4-row kernel); 2 wave + 3: 4 a warp.
+        for (rows_out, gated) in [(wave + 3, false), (2 * wave + 3, false), (wave + 3, true)] {
+            let rows = if gated { 2 * rows_out } else { rows_out };
+            let (wg, wc) = weight(p, &[(f, rows, k, 300 + i as u64)])?;
+            for n in [1usize, 2] {
+                let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
+                let (rg, rc) = p.up(&[n, rows_out], &rng.vec(n * rows_out, 1.0))?;
+                let epi = |r| match gated {
+                    true => Epilogue::gated(Activation::Silu).with_residual(r),
+                    false => Epilogue::NONE.with_residual(r),
+                };
+                let g = p.gpu.matmul(&xg, &wg, None, epi(&rg)).map_err(e)?;
+                let c = p.cpu.matmul(&xc, &wc, None, epi(&rc)).map_err(e)?;
+                let what = if gated { "gated" } else { "plain" };
+                p.compare(
+                    format!("blocks {f} {what} {rows_out} rows n={n} (rows a warp)"),
+                    &g,
+                    &c,
+                    TOL,
+                )?;
+            }
         }
     }
     Ok(())

@@ -1,5 +1,6 @@
 // Products with block-quantized weights kept on the device in their file's formats (GGUF's
-// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K … Q6_K), dequantized in registers.
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K … Q6_K, and Kiln's Q4_Z: AWQ/GPTQ int4 with
+// zero points), dequantized in registers.
 //
 // Layout (blocks.rs repacks each GGUF matrix at upload, byte for byte, no bytes added): every
 // block's bytes are split into a body (its quants, and for K-quants its scales) and a meta part
@@ -14,7 +15,7 @@
 // gives unit u's codes as small integers, four to a word in element order (q[i] = elements 4 i ..
 // 4 i + 3 as signed bytes), and per 16 elements h a scale and an offset: w = s[h] * code + b[h].
 //
-//   qgemv_<fmt>_m{M}(x, norm_w, eps, off, nt, parts, out, residual, K, ldo, gated, act)
+//   qgemv_<fmt>_m{M}[_r{RW}](x, norm_w, eps, off, nt, parts, out, residual, K, ldo, gated, act)
 //     out[r * ldo + n] = sum_k x'[r, k] * W[n, k] (+ residual[r * ldo + n] when residual != 0),
 //     r < M (1..8); x' = x, or rms_norm(x) * (off + norm_w) rounded to bf16 as add_rms_norm_bf16
 //     with nt threads rounds it (rms_prologue.cuh) when norm_w != 0. W: up to three parts of this
@@ -23,9 +24,10 @@
 //     Every block stages x' in shared memory as exact integers (stage_x: each 32 elements X_e * 2^e
 //     with |X| < 2^14, split into two signed bytes X = 256 a + c, so the integer products are
 //     exact and only x' values below 2^-13 of their 32-element group's largest lose bits), then
-//     its 8 warps take weight rows r, r + 8 * gridDim.x, ... (the host launches at most one
-//     wave); lane l takes units l, l + 32, ... and sums each 16 or 32 elements' code . a and
-//     code . c with dp4a, then s * 2^e * (256 sum_a + sum_c) + b * sum(x') in f32; the M sums
+//     each warp takes RW consecutive output rows a pass (RW = 1, 2 or 4 by the _r suffix, for M
+//     <= 2; gated: RW / 2 gate rows and their up rows), warp w of the grid rows w * RW, w * RW +
+//     8 * RW * gridDim.x, ...; lane l takes units l, l + 32, ... and sums each 16 or 32 elements'
+//     code . a and code . c with dp4a, then s * 2^e * (256 sum_a + sum_c) + b * sum(x') in f32; the M sums
 //     (two for gated) are reduced across the warp and rounded once at the store. Block 256
 //     threads; dynamic shared memory blocks.rs's qgemv_smem(M, K); K % 256 == 0 for K-quants,
 //     % 32 otherwise; x, norm_w 16-byte aligned; out must not overlap x.
@@ -38,8 +40,8 @@
 #include <cuda_fp16.h>
 
 // Tuning knobs (KILN_KERNEL_DEFINES): units of a lane unrolled (their loads in flight together),
-// the resident blocks an SM the compiler must allow (register cap), and whether a warp loads its
-// first unit before x is staged.
+// the resident blocks an SM the compiler must allow (register cap), whether a warp loads its
+// first unit before x is staged, and whether it asks L2 for its rows ahead.
 #ifndef KILN_QGEMV_UNROLL
 #define KILN_QGEMV_UNROLL 2
 #endif
@@ -49,10 +51,13 @@
 #ifndef KILN_QGEMV_PRELOAD
 #define KILN_QGEMV_PRELOAD 1
 #endif
+#ifndef KILN_QGEMV_L2_PREFETCH
+#define KILN_QGEMV_L2_PREFETCH 1
+#endif
 
 namespace blocks_detail {
 
-enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4NL, MXFP4, Q2K, Q3K, Q4K, Q5K, Q6K };
+enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4NL, MXFP4, Q2K, Q3K, Q4K, Q5K, Q6K, Q4Z };
 
 // BE elements a block, BODY and META bytes, UE elements a unit, SUB elements a scale.
 template <int F> struct Fmt;
@@ -68,6 +73,7 @@ template <> struct Fmt<Q3K> { static constexpr int BE = 256, BODY = 96, META = 1
 template <> struct Fmt<Q4K> { static constexpr int BE = 256, BODY = 144, META = 0, UE = 64, SUB = 32; };
 template <> struct Fmt<Q5K> { static constexpr int BE = 256, BODY = 176, META = 0, UE = 64, SUB = 32; };
 template <> struct Fmt<Q6K> { static constexpr int BE = 256, BODY = 208, META = 2, UE = 128, SUB = 16; };
+template <> struct Fmt<Q4Z> { static constexpr int BE = 128, BODY = 64, META = 4, UE = 64, SUB = 32; };
 
 __constant__ __align__(16) signed char kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                       1,    13,   25,  38,  53,  69,  89,  113};
@@ -151,6 +157,20 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
             s[0] = s[1] = F == IQ4NL ? half_at(meta) : e8m0_half(*meta);
             b[0] = b[1] = 0.0f;
         }
+    } else if (F == Q4Z) {
+        // Four runs of Q4_0's byte order; unit u: runs 2 u and 2 u + 1. Meta: d, then z.
+        const uint4 a = ld16(body + 32 * u), c = ld16(body + 32 * u + 16);
+        const unsigned w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                q[8 * r + i] = w[4 * r + i] & KILN_LO4;
+                q[8 * r + 4 + i] = (w[4 * r + i] >> 4) & KILN_LO4;
+            }
+        const float d = half_at(meta), off = -d * (float)(meta[2] & 0x1F);
+#pragma unroll
+        for (int h = 0; h < 4; ++h) s[h] = d, b[h] = off;
     } else if (F == Q5_0 || F == Q5_1) {
         const unsigned w[4] = {ld4(body), ld4(body + 4), ld4(body + 8), ld4(body + 12)};
         const unsigned qh = ld4(body + 16);  // bit e: element e's fifth bit
@@ -435,78 +455,112 @@ __device__ __forceinline__ void dot_codes(const Codes<F>& cd, int u, const Stage
     }
 }
 
-// G rows (1, or 2: a gate row and its up row) summed into acc[g]: lane l takes units l, l + 32,
-// ...; with use_pre, pre holds its first unit's codes (loaded before x was staged). The loop is
-// unrolled to about KILN_QGEMV_UNROLL * 64 elements a lane, over the rows of x and of W it serves
-// (more rows keep more sums and codes live).
-template <int F, int M, int G>
+// NR weight rows (G groups of RW: RW rows, or RW gate rows then their RW up rows) summed into
+// acc[i]: lane l takes units l, l + 32, ...; with use_pre, pre holds its first unit's codes
+// (loaded before x was staged). Every row's unit is loaded before any is multiplied, so a lane
+// has NR units' loads in flight. The loop is unrolled to about KILN_QGEMV_UNROLL * 64 elements
+// a lane, over the rows of x and of W it serves (more rows keep more sums and codes live).
+template <int F, int M, int NR>
 __device__ __forceinline__ void rows_dot(const u8* const* body, const u8* const* meta, const int* local,
-                                         const Staged& xs, int K, float (*acc)[M], const Codes<F> (&pre)[G],
+                                         const Staged& xs, int K, float (*acc)[M], const Codes<F> (&pre)[NR],
                                          bool use_pre) {
-    constexpr int PER = KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE / (M * G);
+    constexpr int PER = KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE / (M * NR);
     constexpr int UNROLL = PER > 0 ? PER : 1;
     const int units = K / Fmt<F>::UE;
     int u = threadIdx.x & 31;
     if (use_pre) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) dot_codes<F, M>(pre[g], u, xs, K, acc[g]);
+        for (int i = 0; i < NR; ++i) dot_codes<F, M>(pre[i], u, xs, K, acc[i]);
         u += 32;
     }
 #pragma unroll UNROLL
     for (; u < units; u += 32) {
-        Codes<F> cd[G];
+        Codes<F> cd[NR];
 #pragma unroll
-        for (int g = 0; g < G; ++g) load_codes<F>(body[g], meta[g], local[g], u, K, cd[g]);
+        for (int i = 0; i < NR; ++i) load_codes<F>(body[i], meta[i], local[i], u, K, cd[i]);
 #pragma unroll
-        for (int g = 0; g < G; ++g) dot_codes<F, M>(cd[g], u, xs, K, acc[g]);
+        for (int i = 0; i < NR; ++i) dot_codes<F, M>(cd[i], u, xs, K, acc[i]);
+    }
+}
+
+// Row `local` of a part's blocks (body and meta) asked into L2, a 128-byte line a lane.
+template <int F>
+__device__ __forceinline__ void prefetch_row(const u8* body, const u8* meta, int local, int K, int lane) {
+    const long long nb = K / Fmt<F>::BE;
+    const u8* b = body + local * nb * Fmt<F>::BODY;
+    for (long long o = 128LL * lane; o < nb * Fmt<F>::BODY; o += 32 * 128) kiln_prefetch_l2(b + o);
+    if (Fmt<F>::META > 0) {
+        const u8* m = meta + local * nb * Fmt<F>::META;
+        for (long long o = 128LL * lane; o < nb * Fmt<F>::META; o += 32 * 128) kiln_prefetch_l2(m + o);
     }
 }
 
 // The decode product. gated: rows r (gate) and r + R (up) of the stacked parts (R = half their
-// rows) give out = act(gate) * up. Each warp loads its first row's first unit before waiting on
-// the previous kernel, so those loads overlap the staging of x.
-template <int F, int M, int G>
+// rows) give out = act(gate) * up. A warp takes RW consecutive output rows a pass (their loads in
+// flight together). Before waiting on the previous kernel each warp asks L2 for its first pass's
+// rows and (where the held codes leave the staging its registers) loads their first units, so
+// those loads overlap the staging of x; each pass asks L2 for the next pass's rows.
+template <int F, int M, int G, int RW>
 __device__ __forceinline__ void qgemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
                                            float off, int nt, const Parts& parts, bf16* __restrict__ out,
                                            const bf16* __restrict__ residual, int K, int ldo, int act) {
+    constexpr int NR = G * RW;
     extern __shared__ uint4 smem[];
     const int lane = threadIdx.x & 31;
     const int total = parts.rows[0] + parts.rows[1] + parts.rows[2];
     const int rows_out = total / G;
-    const int first = blockIdx.x * 8 + (threadIdx.x >> 5);
-    // (Not where the held codes would crowd out the staging's registers.)
-    constexpr bool PRELOAD = KILN_QGEMV_PRELOAD && Fmt<F>::UE * M * G <= 128;
+    const int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * RW;
+    const int stride = gridDim.x * 8 * RW;
+    constexpr bool PRELOAD = KILN_QGEMV_PRELOAD && RW == 1 && Fmt<F>::UE * M * G <= 128;
     const bool preload = PRELOAD && first < rows_out && lane < K / Fmt<F>::UE;
-    const u8* body[G];
-    const u8* meta[G];
-    int local[G];
-    Codes<F> pre[G];
-    kiln_pdl_trigger();
-    if (preload) {
+    const u8* body[NR];
+    const u8* meta[NR];
+    int local[NR];
+    Codes<F> pre[NR];
+    // Row i of the pass at r: output row min(r + i % RW, rows_out - 1) (the excess is not stored),
+    // plus rows_out for the up half.
+    auto rows_at = [&](int r) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            part_of(parts, first + g * rows_out, body[g], meta[g], local[g]);
-            load_codes<F>(body[g], meta[g], local[g], lane, K, pre[g]);
+        for (int i = 0; i < NR; ++i)
+            part_of(parts, min(r + i % RW, rows_out - 1) + (i / RW) * rows_out, body[i], meta[i], local[i]);
+    };
+    kiln_pdl_trigger();
+    if (first < rows_out) {
+        rows_at(first);
+        if (KILN_QGEMV_L2_PREFETCH) {
+#pragma unroll
+            for (int i = 0; i < NR; ++i) prefetch_row<F>(body[i], meta[i], local[i], K, lane);
+        }
+        if (preload) {
+#pragma unroll
+            for (int i = 0; i < NR; ++i) load_codes<F>(body[i], meta[i], local[i], lane, K, pre[i]);
         }
     }
     kiln_pdl_wait();
     const Staged xs = stage_x<M>(x, norm_w, eps, off, nt, K, reinterpret_cast<u8*>(smem));
-    for (int r = first; r < rows_out; r += gridDim.x * 8) {
-        float acc[G][M];
+    for (int r = first; r < rows_out; r += stride) {
+        if (KILN_QGEMV_L2_PREFETCH && r + stride < rows_out) {
+            rows_at(r + stride);
 #pragma unroll
-        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < NR; ++i) prefetch_row<F>(body[i], meta[i], local[i], K, lane);
+        }
+        float acc[NR][M];
 #pragma unroll
-            for (int m = 0; m < M; ++m) acc[g][m] = 0.0f;
+        for (int i = 0; i < NR; ++i)
 #pragma unroll
-        for (int g = 0; g < G; ++g) part_of(parts, r + g * rows_out, body[g], meta[g], local[g]);
-        rows_dot<F, M, G>(body, meta, local, xs, K, acc, pre, r == first && preload);
+            for (int m = 0; m < M; ++m) acc[i][m] = 0.0f;
+        rows_at(r);
+        rows_dot<F, M, NR>(body, meta, local, xs, K, acc, pre, r == first && preload);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = warp_sum(acc[0][m]);
-            if (G == 2) v = act_fn(v, act) * warp_sum(acc[G - 1][m]);
-            if (lane == 0) {
-                const long long o = (long long)m * ldo + r;
-                out[o] = to_bf16(residual ? v + to_f32(residual[o]) : v);
+        for (int i = 0; i < RW; ++i) {
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float v = warp_sum(acc[i][m]);
+                if (G == 2) v = act_fn(v, act) * warp_sum(acc[RW + i][m]);
+                if (lane == 0 && r + i < rows_out) {
+                    const long long o = (long long)m * ldo + r + i;
+                    out[o] = to_bf16(residual ? v + to_f32(residual[o]) : v);
+                }
             }
         }
     }
@@ -548,20 +602,25 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
 
 }  // namespace blocks_detail
 
-#define KILN_QGEMV(name, F, M)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, KILN_QGEMV_MIN_BLOCKS) qgemv_##name##_m##M(       \
+#define KILN_QGEMV_RW(name, F, M, RW, SUFFIX)                                                          \
+    extern "C" __global__ void __launch_bounds__(256, KILN_QGEMV_MIN_BLOCKS) qgemv_##name##_m##M##SUFFIX( \
         const bf16* x, const bf16* norm_w, float eps, float off, int nt, blocks_detail::Parts parts,     \
         bf16* out, const bf16* residual, int K, int ldo, int gated, int act) {                          \
         if (gated)                                                                                      \
-            blocks_detail::qgemv_rows<blocks_detail::F, M, 2>(x, norm_w, eps, off, nt, parts, out,      \
-                                                             residual, K, ldo, act);                    \
+            blocks_detail::qgemv_rows<blocks_detail::F, M, 2, (RW > 1 ? RW / 2 : 1)>(                   \
+                x, norm_w, eps, off, nt, parts, out, residual, K, ldo, act);                            \
         else                                                                                            \
-            blocks_detail::qgemv_rows<blocks_detail::F, M, 1>(x, norm_w, eps, off, nt, parts, out,      \
-                                                             residual, K, ldo, act);                    \
+            blocks_detail::qgemv_rows<blocks_detail::F, M, 1, RW>(x, norm_w, eps, off, nt, parts, out,  \
+                                                                 residual, K, ldo, act);                \
     }
-#define KILN_BLOCK_FORMAT(name, F)                                                                      \
+#define KILN_QGEMV(name, F, M) KILN_QGEMV_RW(name, F, M, 1, )
+// A format's kernels; the 4-row variant only where a unit is at most 64 elements (four of
+// Q2_K/Q3_K/Q6_K's 128-element units in flight spill; kernels.rs's QGEMV_WIDE_UNITS).
+#define KILN_BLOCK_FORMAT_BASE(name, F)                                                                 \
     KILN_QGEMV(name, F, 1)                                                                              \
+    KILN_QGEMV_RW(name, F, 1, 2, _r2)                                                                   \
     KILN_QGEMV(name, F, 2)                                                                              \
+    KILN_QGEMV_RW(name, F, 2, 2, _r2)                                                                   \
     KILN_QGEMV(name, F, 3)                                                                              \
     KILN_QGEMV(name, F, 4)                                                                              \
     KILN_QGEMV(name, F, 5)                                                                              \
@@ -573,6 +632,10 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
                                                      long long rows_out, long long row0) {              \
         blocks_detail::dequant<blocks_detail::F>(body, meta, ids, out, K, rows_out, row0);             \
     }
+#define KILN_BLOCK_FORMAT(name, F)                                                                      \
+    KILN_BLOCK_FORMAT_BASE(name, F)                                                                     \
+    KILN_QGEMV_RW(name, F, 1, 4, _r4)
+#define KILN_WIDE_BLOCK_FORMAT(name, F) KILN_BLOCK_FORMAT_BASE(name, F)
 
 // One format's kernels when KILN_BLOCK_FMT is its index in this list (kernels.rs compiles the
 // formats as separate units, in parallel), every format's otherwise.
@@ -601,10 +664,10 @@ KILN_BLOCK_FORMAT(iq4_nl, IQ4NL)
 KILN_BLOCK_FORMAT(mxfp4, MXFP4)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 7
-KILN_BLOCK_FORMAT(q2_k, Q2K)
+KILN_WIDE_BLOCK_FORMAT(q2_k, Q2K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 8
-KILN_BLOCK_FORMAT(q3_k, Q3K)
+KILN_WIDE_BLOCK_FORMAT(q3_k, Q3K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 9
 KILN_BLOCK_FORMAT(q4_k, Q4K)
@@ -613,5 +676,8 @@ KILN_BLOCK_FORMAT(q4_k, Q4K)
 KILN_BLOCK_FORMAT(q5_k, Q5K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 11
-KILN_BLOCK_FORMAT(q6_k, Q6K)
+KILN_WIDE_BLOCK_FORMAT(q6_k, Q6K)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 12
+KILN_BLOCK_FORMAT(q4_z, Q4Z)
 #endif

@@ -163,6 +163,9 @@ impl Scheme {
             F16 | BF16 => return None,
             Q4_0 => (true, 0, 32, f, false, 8),
             Q4_1 => (true, 0, 32, f, true, 0),
+            // Scale d and offset −d·z a sub-block: f16 times a multiplier
+            // (1 and z), a "super-block" of one sub-block.
+            Q4Z => (true, 0, 32, k(1), true, 0),
             IQ4NL => (true, 0, 32, f, false, 128),
             // e2m1 codes (doubled) through a table; the e8m0 scale, halved,
             // as the f16 scale (exact: `mxfp4_scales_fit`).
@@ -353,17 +356,17 @@ fn decompose(
                 *c = lo + 4 * high;
             }
         }
-        Q4_0 | Q4_1 | IQ4NL | MXFP4 => unreachable!("packed by direct_nibbles"),
+        Q4_0 | Q4_1 | IQ4NL | MXFP4 | Q4Z => unreachable!("packed by direct_nibbles"),
         F16 | BF16 => unreachable!("F16 and BF16 are not packed"),
     }
 }
 
-/// The 32-element nibble formats (Q4_0, Q4_1, IQ4_NL, MXFP4) written straight
-/// from the block into lane `l` of a group's nibble lines `dst` (the
-/// file's byte `j` holds element `j` low and `j + 16` high), with the
-/// block's scale (and min); `false` for other formats. The same codes as
-/// [`decompose`] then placing, without the per-element detour (it
-/// dominated load time).
+/// The nibble formats of Q4_0's byte order (Q4_0, Q4_1, IQ4_NL, MXFP4, and
+/// Q4_Z's four runs) written straight from the block into lane `l` of a
+/// group's nibble lines `dst` (the file's byte `j` of a 32-element run
+/// holds element `j` low and `j + 16` high), with the block's scales (and
+/// offsets); `false` for other formats. The same codes as [`decompose`]
+/// then placing, without the per-element detour (it dominated load time).
 fn direct_nibbles(
     format: QuantFormat,
     b: &[u8],
@@ -374,28 +377,43 @@ fn direct_nibbles(
 ) -> bool {
     use QuantFormat::*;
     let h = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
-    let qs: &[u8; 16] = match format {
-        Q4_0 | IQ4NL => b[2..18].try_into().expect("an 18-byte block"),
-        Q4_1 => b[4..20].try_into().expect("a 20-byte block"),
-        MXFP4 => b[1..17].try_into().expect("a 17-byte block"),
+    let runs: &[u8] = match format {
+        Q4_0 | IQ4NL => &b[2..18],
+        Q4_1 => &b[4..20],
+        MXFP4 => &b[1..17],
+        Q4Z => &b[4..68],
         _ => return false,
     };
-    // Element e of the block: byte e's low nibble (e < 16) or byte
-    // e − 16's high one.
-    let nib = |e: usize| if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 };
-    for m in 0..4 {
-        for i in 0..4 {
-            let (at, _) = nibble_at(8 * m + i, l);
-            dst[at] = nib(8 * m + i) | (nib(8 * m + 4 + i) << 4);
+    for (r, qs) in runs.chunks_exact(16).enumerate() {
+        // Element e of the run: byte e's low nibble (e < 16) or byte
+        // e − 16's high one.
+        let nib = |e: usize| if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 };
+        for m in 0..4 {
+            for i in 0..4 {
+                let (at, _) = nibble_at(32 * r + 8 * m + i, l);
+                dst[at] = nib(8 * m + i) | (nib(8 * m + 4 + i) << 4);
+            }
         }
     }
-    sc[0] = match format {
-        MXFP4 => Factor {
-            d: half::f16::from_f32(e8m0_half(b[0])).to_bits(),
-            mult: 1,
-        },
-        _ => Factor { d: h(0), mult: 1 },
-    };
+    match format {
+        MXFP4 => {
+            sc[0] = Factor {
+                d: half::f16::from_f32(e8m0_half(b[0])).to_bits(),
+                mult: 1,
+            }
+        }
+        Q4Z => {
+            let z = (b[2] & 0x1F) as i8;
+            for s in 0..4 {
+                sc[s] = Factor { d: h(0), mult: 1 };
+                of[s] = Factor {
+                    d: h(0) ^ 0x8000,
+                    mult: z,
+                };
+            }
+        }
+        _ => sc[0] = Factor { d: h(0), mult: 1 },
+    }
     if format == Q4_1 {
         of[0] = Factor { d: h(2), mult: 1 };
     }
@@ -668,29 +686,23 @@ pub(crate) fn pack(m: &QuantMatrix) -> Option<Packed> {
                 let c = &mut c[..bs];
                 let blk = &row[bi * bb..bi * bb + bb];
                 if scheme.nibble {
-                    let dst = &mut codes[nibble_line(k0)..nibble_line(k0 + bs)];
-                    if direct_nibbles(format, blk, dst, l, &mut sc, &mut of) {
-                        for s in 0..subs_per_block {
-                            let j = bi * subs_per_block + s;
-                            sd[(j / spd) * LANES + l] = sc[s].d;
-                            if opg_d > 0 {
-                                od[(j / spd) * LANES + l] = of[s].d;
+                    let direct = {
+                        let dst = &mut codes[nibble_line(k0)..nibble_line(k0 + bs)];
+                        direct_nibbles(format, blk, dst, l, &mut sc, &mut of)
+                    };
+                    if !direct {
+                        decompose(format, blk, c, &mut sc, &mut of);
+                        for (i, &code) in c.iter().enumerate() {
+                            let (at, shift) = nibble_at(k0 + i, l);
+                            codes[at] |= (code & 0xF) << shift;
+                            if scheme.high > 0 {
+                                let (at, shift) = plane_at(cols, scheme.high, k0 + i, l);
+                                codes[at] |= (code >> 4) << shift;
                             }
-                        }
-                        continue;
-                    }
-                }
-                decompose(format, blk, c, &mut sc, &mut of);
-                if scheme.nibble {
-                    for (i, &code) in c.iter().enumerate() {
-                        let (at, shift) = nibble_at(k0 + i, l);
-                        codes[at] |= (code & 0xF) << shift;
-                        if scheme.high > 0 {
-                            let (at, shift) = plane_at(cols, scheme.high, k0 + i, l);
-                            codes[at] |= (code >> 4) << shift;
                         }
                     }
                 } else {
+                    decompose(format, blk, c, &mut sc, &mut of);
                     let dst = &mut codes[byte_line(k0)..byte_line(k0 + bs)];
                     for (i, &code) in c.iter().enumerate() {
                         dst[byte_at(i, l)] = code;
