@@ -41,11 +41,11 @@ pub struct CudaOptions {
     /// blocks a multiprocessor they launch (each block stages x and loops
     /// over weight rows). Default 8.
     pub qgemv_blocks_per_sm: usize,
-    /// Output rows a warp of those products takes a pass (1, 2 or 4; gated
+    /// Output rows a warp of those products takes a pass (1 or 2; gated
     /// products half as many gate rows, each with its up row): `None`
-    /// (default) takes the fewest that launch every row in one wave of two
-    /// blocks a multiprocessor, where the kernel has them (one or two rows
-    /// of x).
+    /// (default) takes two where one would not launch every row in one wave
+    /// of two blocks a multiprocessor and the kernel has them (one or two
+    /// rows of x).
     pub qgemv_rows_per_warp: Option<usize>,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes

@@ -389,6 +389,258 @@ pub(crate) fn dequantize<'a>(
     Ok(w)
 }
 
+/// How an int4 layout orders its codes (`code(o, i)` of output `o`, input
+/// `i`; `q` its words).
+#[derive(Clone, Copy)]
+enum Int4Order {
+    /// AWQ GEMM: `[in, out / 8]`, output 8 j + k in nibble `REV[k]` of
+    /// column j.
+    Awq,
+    /// GPTQ: `[in / 8, out]`, input `i` in nibble `i % 8`.
+    Gptq,
+    /// compressed-tensors: `[out, in / 8]`, input `i` in nibble `i % 8`.
+    Packed,
+}
+
+/// An int4 matrix's parts: codes (still packed), and per (output, group)
+/// the f16 scale and the zero point.
+struct Int4 {
+    order: Int4Order,
+    q: Vec<i32>,
+    out: usize,
+    inp: usize,
+    groups: usize,
+    /// `[out, groups]`.
+    scales: Vec<f16>,
+    /// `[out, groups]`.
+    zeros: Vec<u8>,
+}
+
+/// Output `o`, nibble order of AWQ's columns.
+const AWQ_REV: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+impl Int4 {
+    /// The block format these groups are exactly: Q4_0 where every zero
+    /// point is 8 and groups are a multiple of 32, Q4_Z where they are a
+    /// multiple of 128; `None` otherwise.
+    fn format(&self) -> Option<QuantFormat> {
+        let group = self.inp / self.groups;
+        if self.zeros.iter().all(|&z| z == 8) && group % 32 == 0 {
+            Some(QuantFormat::Q4_0)
+        } else if group % 128 == 0 && self.zeros.iter().all(|&z| z <= 31) {
+            Some(QuantFormat::Q4Z)
+        } else {
+            None
+        }
+    }
+
+    /// The codes of rows `rows` (`[rows.len(), inp]`, one a byte), read a
+    /// tile of rows at a time so that each word is loaded once.
+    fn codes(&self, rows: std::ops::Range<usize>) -> Vec<u8> {
+        let (out, inp) = (self.out, self.inp);
+        let n = rows.len();
+        let mut c = vec![0u8; n * inp];
+        let nib = |w: i32, k: usize| (((w as u32) >> (4 * k)) & 15) as u8;
+        match self.order {
+            Int4Order::Awq => {
+                // rows start at a multiple of 8 (the caller's tiles).
+                for i in 0..inp {
+                    for j in rows.start / 8..rows.end.div_ceil(8) {
+                        let w = self.q[i * out / 8 + j];
+                        for k in 0..8 {
+                            let o = 8 * j + k;
+                            if rows.contains(&o) {
+                                c[(o - rows.start) * inp + i] = nib(w, AWQ_REV[k]);
+                            }
+                        }
+                    }
+                }
+            }
+            Int4Order::Gptq => {
+                for i8 in 0..inp / 8 {
+                    for o in rows.clone() {
+                        let w = self.q[i8 * out + o];
+                        for k in 0..8 {
+                            c[(o - rows.start) * inp + 8 * i8 + k] = nib(w, k);
+                        }
+                    }
+                }
+            }
+            Int4Order::Packed => {
+                for o in rows.clone() {
+                    for i8 in 0..inp / 8 {
+                        let w = self.q[o * inp / 8 + i8];
+                        for k in 0..8 {
+                            c[(o - rows.start) * inp + 8 * i8 + k] = nib(w, k);
+                        }
+                    }
+                }
+            }
+        }
+        c
+    }
+
+    /// Every row as blocks of `format` (Q4_0 or Q4_Z), in parallel over
+    /// tiles of 64 rows.
+    fn blocks(&self, format: QuantFormat) -> Vec<u8> {
+        use rayon::prelude::*;
+        const TILE: usize = 64;
+        let (bs, bb) = (format.block_size(), format.block_bytes());
+        let row_bytes = self.inp / bs * bb;
+        let group = self.inp / self.groups;
+        let mut bytes = vec![0u8; self.out * row_bytes];
+        bytes
+            .par_chunks_mut(TILE * row_bytes)
+            .enumerate()
+            .for_each(|(t, dst)| {
+                let rows = t * TILE..(t * TILE + TILE).min(self.out);
+                let codes = self.codes(rows.clone());
+                for (r, o) in rows.enumerate() {
+                    let c = &codes[r * self.inp..(r + 1) * self.inp];
+                    let at = |g: usize| o * self.groups + g;
+                    for (b, blk) in dst[r * row_bytes..(r + 1) * row_bytes]
+                        .chunks_exact_mut(bb)
+                        .enumerate()
+                    {
+                        let e0 = b * bs;
+                        let g = e0 / group;
+                        let (head, runs) = match format {
+                            QuantFormat::Q4_0 => blk.split_at_mut(2),
+                            _ => blk.split_at_mut(4),
+                        };
+                        head[..2].copy_from_slice(&self.scales[at(g)].to_le_bytes());
+                        if format == QuantFormat::Q4Z {
+                            head[2] = self.zeros[at(g)];
+                        }
+                        for (run, d) in runs.chunks_exact_mut(16).enumerate() {
+                            let e = e0 + 32 * run;
+                            for j in 0..16 {
+                                d[j] = c[e + j] | (c[e + 16 + j] << 4);
+                            }
+                        }
+                    }
+                }
+            });
+        bytes
+    }
+}
+
+/// An int4 layout's parts, checked against `dims`; `None` where the layout
+/// is not int4 groups in input order with f16 scales (act-order GPTQ,
+/// scales no f16 holds, another scheme).
+/// (`codes`: read the packed codes too; else `q` is left empty.)
+fn int4<'a>(
+    s: &Scheme,
+    base: &str,
+    dims: [usize; 2],
+    fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
+    codes: bool,
+) -> Result<Option<Int4>, String> {
+    let [out, inp] = dims;
+    let part =
+        |p: &str| fetch(&format!("{base}.{p}")).ok_or_else(|| format!("{base}.{p}: missing"));
+    let nib = |w: i32, k: usize| (((w as u32) >> (4 * k)) & 15) as i32;
+    // The packed words (their count only, without `codes`).
+    let words = |t: &Stored<'_>| -> Result<(Vec<i32>, usize), String> {
+        let n = t.bytes.len() / if t.dtype == "I64" { 8 } else { 4 };
+        Ok((if codes { i32s(t, base)? } else { Vec::new() }, n))
+    };
+    // scales and zeros as stored ([groups, out] or [out, groups]), the group count.
+    let (order, q, sc, zeros, groups): (Int4Order, Vec<i32>, Vec<f32>, Vec<i32>, usize) = match *s {
+        Scheme::Awq { bits: 4, group } => {
+            let (q, z, st) = (part("qweight")?, part("qzeros")?, part("scales")?);
+            if group == 0 || inp % group != 0 || out % 8 != 0 {
+                return Ok(None);
+            }
+            let groups = inp / group;
+            let ((qs, nq), zs, sc) = (words(&q)?, i32s(&z, base)?, floats(&st, base)?);
+            if nq != inp * out / 8 || zs.len() != groups * out / 8 || sc.len() != groups * out {
+                return Err(bad(base, "AWQ parts do not match their shapes"));
+            }
+            let zeros = (0..groups * out)
+                .map(|k| {
+                    let (g, o) = (k / out, k % out);
+                    nib(zs[g * out / 8 + o / 8], AWQ_REV[o % 8])
+                })
+                .collect();
+            (Int4Order::Awq, qs, sc, zeros, groups)
+        }
+        Scheme::Gptq {
+            bits: 4,
+            zero_offset,
+        } => {
+            let (q, z, st, g) = (
+                part("qweight")?,
+                part("qzeros")?,
+                part("scales")?,
+                part("g_idx")?,
+            );
+            let groups = st.shape.first().copied().unwrap_or(0);
+            if groups == 0 || inp % groups != 0 || out % 8 != 0 || inp % 8 != 0 {
+                return Ok(None);
+            }
+            let gi = i32s(&g, base)?;
+            let group = inp / groups;
+            if gi.len() != inp || gi.iter().enumerate().any(|(i, &g)| g as usize != i / group) {
+                return Ok(None); // act-order
+            }
+            let (zs, (qs, nq), sc) = (i32s(&z, base)?, words(&q)?, floats(&st, base)?);
+            if zs.len() != groups * out / 8 || nq != inp * out / 8 || sc.len() != groups * out {
+                return Err(bad(base, "GPTQ parts do not match their shapes"));
+            }
+            let zeros = (0..groups * out)
+                .map(|k| {
+                    let (g, o) = (k / out, k % out);
+                    nib(zs[g * out / 8 + o / 8], o % 8) + zero_offset
+                })
+                .collect();
+            (Int4Order::Gptq, qs, sc, zeros, groups)
+        }
+        Scheme::Packed { bits: 4 } => {
+            let (q, st) = (part("weight_packed")?, part("weight_scale")?);
+            let groups = st.shape.get(1).copied().unwrap_or(1).max(1);
+            let (qs, nq) = words(&q)?;
+            if nq != out * inp / 8 || inp % 8 != 0 {
+                return Err(bad(base, "pack-quantized weight does not match its shape"));
+            }
+            let sc = floats(&st, base)?; // [out, groups]
+            if inp % groups != 0 || sc.len() != out * groups {
+                return Ok(None);
+            }
+            // As [groups, out], as the others store them.
+            let sc = (0..groups * out)
+                .map(|k| sc[(k % out) * groups + k / out])
+                .collect();
+            (Int4Order::Packed, qs, sc, vec![8; groups * out], groups)
+        }
+        _ => return Ok(None),
+    };
+    // To [out, groups], checking each scale is an f16 and each zero a byte.
+    let mut scales = Vec::with_capacity(out * groups);
+    let mut zs = Vec::with_capacity(out * groups);
+    for o in 0..out {
+        for g in 0..groups {
+            let v = sc[g * out + o];
+            let h = f16::from_f32(v);
+            let z = zeros[g * out + o];
+            if h.to_f32() != v || !(0..=255).contains(&z) {
+                return Ok(None);
+            }
+            scales.push(h);
+            zs.push(z as u8);
+        }
+    }
+    Ok(Some(Int4 {
+        order,
+        q,
+        out,
+        inp,
+        groups,
+        scales,
+        zeros: zs,
+    }))
+}
+
 /// `X.weight` as blocks a backend multiplies in place, where the layout
 /// holds exactly their values: int4 groups of a multiple of 32 inputs in
 /// order (`g_idx` the identity grouping, not act-order) with scales f16
@@ -404,146 +656,27 @@ pub(crate) fn as_blocks<'a>(
     dims: [usize; 2],
     fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
 ) -> Result<Option<(QuantFormat, Vec<u8>)>, String> {
-    let [out, inp] = dims;
-    let part =
-        |p: &str| fetch(&format!("{base}.{p}")).ok_or_else(|| format!("{base}.{p}: missing"));
-    type Of = Box<dyn Fn(usize, usize) -> u8>;
-    // code(o, i) in 0..16, zero(o, group) and the scale of (o, group), per layout.
-    let (codes, zeros, scales, groups): (Of, Of, Vec<f32>, usize) = match *s {
-        Scheme::Awq { bits: 4, group } => {
-            let (q, z, st) = (part("qweight")?, part("qzeros")?, part("scales")?);
-            if group == 0 || inp % group != 0 {
-                return Ok(None);
-            }
-            let groups = inp / group;
-            let (qs, zs, sc) = (i32s(&q, base)?, i32s(&z, base)?, floats(&st, base)?);
-            if qs.len() != inp * out / 8 || zs.len() != groups * out / 8 || sc.len() != groups * out
-            {
-                return Err(bad(base, "AWQ parts do not match their shapes"));
-            }
-            // Output 8 j + k sits in nibble REV[k] of column j.
-            const REV: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
-            let nib = |v: i32, o: usize| (((v as u32) >> (4 * REV[o % 8])) & 15) as u8;
-            let scales = (0..out * groups)
-                .map(|k| sc[(k % groups) * out + k / groups])
-                .collect();
-            (
-                Box::new(move |o, i| nib(qs[i * out / 8 + o / 8], o)),
-                Box::new(move |o, g| nib(zs[g * out / 8 + o / 8], o)),
-                scales,
-                groups,
-            )
-        }
-        Scheme::Gptq {
-            bits: 4,
-            zero_offset,
-        } => {
-            let (q, z, st, g) = (
-                part("qweight")?,
-                part("qzeros")?,
-                part("scales")?,
-                part("g_idx")?,
-            );
-            let groups = st.shape.first().copied().unwrap_or(0);
-            if groups == 0 || inp % groups != 0 {
-                return Ok(None);
-            }
-            let gi = i32s(&g, base)?;
-            let group = inp / groups;
-            if gi.len() != inp || gi.iter().enumerate().any(|(i, &g)| g as usize != i / group) {
-                return Ok(None); // act-order
-            }
-            let zs = i32s(&z, base)?;
-            let qs = i32s(&q, base)?;
-            let sc = floats(&st, base)?; // [groups, out]
-            if zs.len() != groups * out / 8 || qs.len() != inp * out / 8 || sc.len() != groups * out
-            {
-                return Err(bad(base, "GPTQ parts do not match their shapes"));
-            }
-            if zero_offset < 0 {
-                return Ok(None);
-            }
-            let scales = (0..out * groups)
-                .map(|k| sc[(k % groups) * out + k / groups])
-                .collect();
-            (
-                Box::new(move |o, i| {
-                    (((qs[(i / 8) * out + o] as u32) >> (4 * (i % 8))) & 15) as u8
-                }),
-                Box::new(move |o, g| {
-                    ((((zs[g * out / 8 + o / 8] as u32) >> (4 * (o % 8))) & 15) as i32
-                        + zero_offset) as u8
-                }),
-                scales,
-                groups,
-            )
-        }
-        Scheme::Packed { bits: 4 } => {
-            let (q, st) = (part("weight_packed")?, part("weight_scale")?);
-            let groups = st.shape.get(1).copied().unwrap_or(1).max(1);
-            let qs = i32s(&q, base)?;
-            if qs.len() != out * inp / 8 {
-                return Err(bad(base, "pack-quantized weight does not match its shape"));
-            }
-            let sc = floats(&st, base)?; // [out, groups]
-            (
-                Box::new(move |o, i| {
-                    (((qs[o * inp / 8 + i / 8] as u32) >> (4 * (i % 8))) & 15) as u8
-                }),
-                Box::new(|_, _| 8),
-                sc,
-                groups,
-            )
-        }
-        _ => return Ok(None),
+    let Some(m) = int4(s, base, dims, fetch, true)? else {
+        return Ok(None);
     };
-    if inp % groups != 0 || scales.len() != out * groups {
-        return Ok(None);
+    Ok(m.format().map(|f| (f, m.blocks(f))))
+}
+
+/// The block format [`as_blocks`] gives `X.weight` (from its scales, zero
+/// points and grouping; the codes are not read), for the memory plan.
+pub(crate) fn block_format<'a>(
+    s: &Scheme,
+    base: &str,
+    dims: [usize; 2],
+    fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
+) -> Option<QuantFormat> {
+    if !matches!(
+        s,
+        Scheme::Awq { bits: 4, .. } | Scheme::Gptq { bits: 4, .. } | Scheme::Packed { bits: 4 }
+    ) {
+        return None;
     }
-    let group = inp / groups;
-    let mut d16 = Vec::with_capacity(scales.len());
-    for &v in &scales {
-        let h = f16::from_f32(v);
-        if h.to_f32() != v {
-            return Ok(None);
-        }
-        d16.push(h);
-    }
-    let symmetric = (0..out).all(|o| (0..groups).all(|g| zeros(o, g) == 8));
-    if symmetric && group % 32 == 0 {
-        let blocks = inp / 32;
-        let mut bytes = vec![0u8; out * blocks * 18];
-        for o in 0..out {
-            for b in 0..blocks {
-                let blk = &mut bytes[(o * blocks + b) * 18..][..18];
-                blk[..2].copy_from_slice(&d16[o * groups + 32 * b / group].to_le_bytes());
-                for j in 0..16 {
-                    blk[2 + j] = codes(o, 32 * b + j) | (codes(o, 32 * b + 16 + j) << 4);
-                }
-            }
-        }
-        return Ok(Some((QuantFormat::Q4_0, bytes)));
-    }
-    if group % 128 != 0 || (0..out).any(|o| (0..groups).any(|g| zeros(o, g) > 31)) {
-        return Ok(None);
-    }
-    let blocks = inp / 128;
-    let mut bytes = vec![0u8; out * blocks * 68];
-    for o in 0..out {
-        for b in 0..blocks {
-            let g = 128 * b / group;
-            let blk = &mut bytes[(o * blocks + b) * 68..][..68];
-            blk[..2].copy_from_slice(&d16[o * groups + g].to_le_bytes());
-            blk[2] = zeros(o, g);
-            for r in 0..4 {
-                let e0 = 128 * b + 32 * r;
-                for j in 0..16 {
-                    blk[4 + 16 * r + j] = codes(o, e0 + j) | (codes(o, e0 + 16 + j) << 4);
-                }
-            }
-        }
-    }
-    Ok(Some((QuantFormat::Q4Z, bytes)))
+    int4(s, base, dims, fetch, false).ok().flatten()?.format()
 }
 
 #[cfg(test)]

@@ -540,10 +540,17 @@ impl WeightSource for SafetensorsDir {
                     })
                     .map(|(_, e)| (e.end - e.start) as u64)
                     .sum();
+                // The block format it loads as (Q4_0, Q4_Z), else the scheme.
+                let fetch = |n: &str| self.stored(n);
+                let dtype = match shape.as_slice() {
+                    &[o, i] => crate::quantized_st::block_format(&q.scheme, base, [o, i], &fetch),
+                    _ => None,
+                }
+                .map_or_else(|| format!("{:?}", q.scheme), |f| f.name().to_string());
                 out.push(StoredTensor {
                     name: name.clone(),
                     shape: shape.clone(),
-                    dtype: format!("{:?}", q.scheme),
+                    dtype,
                     num_bytes,
                 });
             }

@@ -99,6 +99,10 @@ fn int4_groups_in_order_load_as_blocks() {
             Some(f) => {
                 let m = blocks.unwrap_or_else(|| panic!("{case}: not blocks"));
                 assert_eq!(m.format(), f, "{case}");
+                // The tensor list names the format it loads as (the memory
+                // plan counts its bytes).
+                let listed = dir.tensors().into_iter().find(|t| t.name == q).unwrap();
+                assert_eq!(listed.dtype, f.name(), "{case}");
                 assert_eq!((m.rows(), m.cols()), (128, 256), "{case}");
                 // The blocks are the dense reading, value for value.
                 let dense = dir.load_f32(q).unwrap().data;

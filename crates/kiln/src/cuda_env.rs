@@ -109,13 +109,12 @@ pub const KNOBS: &[Knob] = &[
     Knob {
         var: "KILN_QGEMV_ROWS",
         default: "",
-        help: "output rows a warp of the block-quantized decode products takes (1, 2 or 4); unset lets the host rule pick",
+        help: "output rows a warp of the block-quantized decode products takes (1 or 2); unset lets the host rule pick",
         set: Set::Parse(|o, v| {
             o.qgemv_rows_per_warp = match v {
                 "1" => Some(1),
                 "2" => Some(2),
-                "4" => Some(4),
-                _ => bail!("KILN_QGEMV_ROWS={v:?}: expected 1, 2 or 4"),
+                _ => bail!("KILN_QGEMV_ROWS={v:?}: expected 1 or 2"),
             };
             Ok(())
         }),
@@ -279,7 +278,7 @@ mod tests {
             ("KILN_DECODE_PARTITION_KEYS", "128"),
             ("KILN_DECODE_TARGET_BLOCKS", "64"),
             ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
-            ("KILN_QGEMV_ROWS", "4"),
+            ("KILN_QGEMV_ROWS", "2"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -296,7 +295,7 @@ mod tests {
                 decode_partition_keys: 128,
                 decode_target_blocks: 64,
                 qgemv_blocks_per_sm: 3,
-                qgemv_rows_per_warp: Some(4),
+                qgemv_rows_per_warp: Some(2),
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );

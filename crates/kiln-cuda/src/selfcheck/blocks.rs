@@ -132,10 +132,11 @@ pub(super) fn block_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     Ok(())
 }
 
-/// The kernels that take 2 or 4 output rows a warp (`blocks.rs`'s
+/// The kernels that take 2 output rows a warp (`blocks.rs`'s
 /// `rows_per_warp` picks them where one row a warp would not launch in one
-/// wave): row counts just past each boundary, a few rows past a whole warp's,
-/// plain and gated, one and two rows of x.
+/// wave): row counts just past that boundary and twice it, a few rows past a
+/// whole warp's (a warp's second row out of range), plain and gated (one
+/// gate row a warp still), one and two rows of x.
 fn rows_a_warp(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let wave = 8 * 2 * p.gpu.dev.sms.max(1);
     let k = 256;
@@ -151,8 +152,6 @@ fn rows_a_warp(p: &mut Pair, rng: &mut Rng) -> R<()> {
         if !p.gpu.supports_weight(WeightKind::Blocks(f)) {
             continue;
         }
-        // wave + 3 rows: 2 a warp (gated: 2 gate rows and their up rows, the
-        // 4-row kernel); 2 wave + 3: 4 a warp.
         for (rows_out, gated) in [(wave + 3, false), (2 * wave + 3, false), (wave + 3, true)] {
             let rows = if gated { 2 * rows_out } else { rows_out };
             let (wg, wc) = weight(p, &[(f, rows, k, 300 + i as u64)])?;

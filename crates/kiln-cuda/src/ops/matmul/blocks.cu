@@ -24,8 +24,8 @@
 //     Every block stages x' in shared memory as exact integers (stage_x: each 32 elements X_e * 2^e
 //     with |X| < 2^14, split into two signed bytes X = 256 a + c, so the integer products are
 //     exact and only x' values below 2^-13 of their 32-element group's largest lose bits), then
-//     each warp takes RW consecutive output rows a pass (RW = 1, 2 or 4 by the _r suffix, for M
-//     <= 2; gated: RW / 2 gate rows and their up rows), warp w of the grid rows w * RW, w * RW +
+//     each warp takes RW consecutive output rows a pass (RW = 1, or 2 by the _r2 suffix, for M
+//     <= 2; gated: RW / 2 gate rows and their up rows, so one), warp w of the grid rows w * RW, w * RW +
 //     8 * RW * gridDim.x, ...; lane l takes units l, l + 32, ... and sums each 16 or 32 elements'
 //     code . a and code . c with dp4a, then s * 2^e * (256 sum_a + sum_c) + b * sum(x') in f32; the M sums
 //     (two for gated) are reduced across the warp and rounded once at the store. Block 256
@@ -40,8 +40,8 @@
 #include <cuda_fp16.h>
 
 // Tuning knobs (KILN_KERNEL_DEFINES): units of a lane unrolled (their loads in flight together),
-// the resident blocks an SM the compiler must allow (register cap), whether a warp loads its
-// first unit before x is staged, and whether it asks L2 for its rows ahead.
+// the resident blocks an SM the compiler must allow (register cap), and whether a warp loads its
+// first unit before x is staged.
 #ifndef KILN_QGEMV_UNROLL
 #define KILN_QGEMV_UNROLL 2
 #endif
@@ -50,9 +50,6 @@
 #endif
 #ifndef KILN_QGEMV_PRELOAD
 #define KILN_QGEMV_PRELOAD 1
-#endif
-#ifndef KILN_QGEMV_L2_PREFETCH
-#define KILN_QGEMV_L2_PREFETCH 1
 #endif
 
 namespace blocks_detail {
@@ -483,18 +480,6 @@ __device__ __forceinline__ void rows_dot(const u8* const* body, const u8* const*
     }
 }
 
-// Row `local` of a part's blocks (body and meta) asked into L2, a 128-byte line a lane.
-template <int F>
-__device__ __forceinline__ void prefetch_row(const u8* body, const u8* meta, int local, int K, int lane) {
-    const long long nb = K / Fmt<F>::BE;
-    const u8* b = body + local * nb * Fmt<F>::BODY;
-    for (long long o = 128LL * lane; o < nb * Fmt<F>::BODY; o += 32 * 128) kiln_prefetch_l2(b + o);
-    if (Fmt<F>::META > 0) {
-        const u8* m = meta + local * nb * Fmt<F>::META;
-        for (long long o = 128LL * lane; o < nb * Fmt<F>::META; o += 32 * 128) kiln_prefetch_l2(m + o);
-    }
-}
-
 // The decode product. gated: rows r (gate) and r + R (up) of the stacked parts (R = half their
 // rows) give out = act(gate) * up. A warp takes RW consecutive output rows a pass (their loads in
 // flight together). Before waiting on the previous kernel each warp asks L2 for its first pass's
@@ -525,25 +510,14 @@ __device__ __forceinline__ void qgemv_rows(const bf16* __restrict__ x, const bf1
             part_of(parts, min(r + i % RW, rows_out - 1) + (i / RW) * rows_out, body[i], meta[i], local[i]);
     };
     kiln_pdl_trigger();
-    if (first < rows_out) {
+    if (preload) {
         rows_at(first);
-        if (KILN_QGEMV_L2_PREFETCH) {
 #pragma unroll
-            for (int i = 0; i < NR; ++i) prefetch_row<F>(body[i], meta[i], local[i], K, lane);
-        }
-        if (preload) {
-#pragma unroll
-            for (int i = 0; i < NR; ++i) load_codes<F>(body[i], meta[i], local[i], lane, K, pre[i]);
-        }
+        for (int i = 0; i < NR; ++i) load_codes<F>(body[i], meta[i], local[i], lane, K, pre[i]);
     }
     kiln_pdl_wait();
     const Staged xs = stage_x<M>(x, norm_w, eps, off, nt, K, reinterpret_cast<u8*>(smem));
     for (int r = first; r < rows_out; r += stride) {
-        if (KILN_QGEMV_L2_PREFETCH && r + stride < rows_out) {
-            rows_at(r + stride);
-#pragma unroll
-            for (int i = 0; i < NR; ++i) prefetch_row<F>(body[i], meta[i], local[i], K, lane);
-        }
         float acc[NR][M];
 #pragma unroll
         for (int i = 0; i < NR; ++i)
@@ -614,9 +588,7 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
                                                                  residual, K, ldo, act);                \
     }
 #define KILN_QGEMV(name, F, M) KILN_QGEMV_RW(name, F, M, 1, )
-// A format's kernels; the 4-row variant only where a unit is at most 64 elements (four of
-// Q2_K/Q3_K/Q6_K's 128-element units in flight spill; kernels.rs's QGEMV_WIDE_UNITS).
-#define KILN_BLOCK_FORMAT_BASE(name, F)                                                                 \
+#define KILN_BLOCK_FORMAT(name, F)                                                                      \
     KILN_QGEMV(name, F, 1)                                                                              \
     KILN_QGEMV_RW(name, F, 1, 2, _r2)                                                                   \
     KILN_QGEMV(name, F, 2)                                                                              \
@@ -632,10 +604,6 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
                                                      long long rows_out, long long row0) {              \
         blocks_detail::dequant<blocks_detail::F>(body, meta, ids, out, K, rows_out, row0);             \
     }
-#define KILN_BLOCK_FORMAT(name, F)                                                                      \
-    KILN_BLOCK_FORMAT_BASE(name, F)                                                                     \
-    KILN_QGEMV_RW(name, F, 1, 4, _r4)
-#define KILN_WIDE_BLOCK_FORMAT(name, F) KILN_BLOCK_FORMAT_BASE(name, F)
 
 // One format's kernels when KILN_BLOCK_FMT is its index in this list (kernels.rs compiles the
 // formats as separate units, in parallel), every format's otherwise.
@@ -664,10 +632,10 @@ KILN_BLOCK_FORMAT(iq4_nl, IQ4NL)
 KILN_BLOCK_FORMAT(mxfp4, MXFP4)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 7
-KILN_WIDE_BLOCK_FORMAT(q2_k, Q2K)
+KILN_BLOCK_FORMAT(q2_k, Q2K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 8
-KILN_WIDE_BLOCK_FORMAT(q3_k, Q3K)
+KILN_BLOCK_FORMAT(q3_k, Q3K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 9
 KILN_BLOCK_FORMAT(q4_k, Q4K)
@@ -676,7 +644,7 @@ KILN_BLOCK_FORMAT(q4_k, Q4K)
 KILN_BLOCK_FORMAT(q5_k, Q5K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 11
-KILN_WIDE_BLOCK_FORMAT(q6_k, Q6K)
+KILN_BLOCK_FORMAT(q6_k, Q6K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 12
 KILN_BLOCK_FORMAT(q4_z, Q4Z)

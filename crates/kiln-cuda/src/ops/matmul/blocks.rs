@@ -257,8 +257,7 @@ fn warp_rows(rw: usize, gated: bool) -> usize {
 }
 
 /// The row variant (`qgemv_*_r{rw}`, 1 = none) of a launch over `rows_out`
-/// output rows with `n` rows of x (`variant(n, rw)`: whether the format has
-/// that kernel): `forced` where the format has it, else
+/// output rows with `n` rows of x: `forced` where the kernel has it, else
 /// the fewest rows a warp with which every row is taken in one wave of
 /// [`RESIDENT_BLOCKS`] blocks a multiprocessor (each block stages x once, so
 /// a block that takes few rows spends much of its time staging), or the most
@@ -269,15 +268,14 @@ fn rows_per_warp(
     gated: bool,
     sms: usize,
     forced: Option<usize>,
-    variant: impl Fn(usize, usize) -> bool,
 ) -> usize {
-    let has = |r: usize| r == 1 || variant(n, r);
+    let has = |r: usize| r == 1 || crate::kernels::QGEMV_ROW_VARIANTS.contains(&(n, r));
     if let Some(r) = forced {
         return if has(r) { r } else { 1 };
     }
     let wave = sms * RESIDENT_BLOCKS;
     let mut best = 1;
-    for r in [1, 2, 4].into_iter().filter(|&r| has(r)) {
+    for r in [1, 2].into_iter().filter(|&r| has(r)) {
         best = r;
         if rows_out.div_ceil(8 * warp_rows(r, gated)) <= wave {
             break;
@@ -304,9 +302,8 @@ fn qgemv(
     let total: usize = parts.rows.iter().map(|&r| r as usize).sum();
     let rows_out = if gated.is_some() { total / 2 } else { total };
     let sms = cuda.dev.sms.max(1);
-    let has = |m: usize, r: usize| crate::kernels::qgemv_row_variants(name).any(|v| v == (m, r));
     let forced = cuda.options.qgemv_rows_per_warp;
-    let rw = rows_per_warp(n, rows_out, gated.is_some(), sms, forced, has);
+    let rw = rows_per_warp(n, rows_out, gated.is_some(), sms, forced);
     let func = match rw {
         1 => cuda.dev.func(&format!("qgemv_{name}_m{n}"))?,
         r => cuda.dev.func(&format!("qgemv_{name}_m{n}_r{r}"))?,
@@ -526,27 +523,20 @@ mod tests {
 
     #[test]
     fn a_warp_takes_more_rows_only_where_one_wave_would_not_hold_them() {
-        let all =
-            |m: usize, r: usize| crate::kernels::qgemv_row_variants("q4_k").any(|v| v == (m, r));
-        let wide =
-            |m: usize, r: usize| crate::kernels::qgemv_row_variants("q6_k").any(|v| v == (m, r));
         // 132 multiprocessors: 264 blocks of 8 warps a wave.
-        let rule = |n, rows, gated, forced| rows_per_warp(n, rows, gated, 132, forced, all);
+        let rule = |n, rows, gated, forced| rows_per_warp(n, rows, gated, 132, forced);
         assert_eq!(rule(1, 2048, false, None), 1); // 256 blocks
         assert_eq!(rule(1, 4096, false, None), 2); // 512 → 256
-        assert_eq!(rule(1, 6144, false, None), 4); // 768 → 384 → 192
-        assert_eq!(rule(1, 1 << 20, false, None), 4); // the most there is
-        assert_eq!(rows_per_warp(1, 6144, false, 132, None, wide), 2); // no 4-row q6_k kernel
-                                                                       // Gated: a warp of the 4-row kernel takes 2 gate rows and their up rows.
-        assert_eq!(rule(1, 4096, true, None), 4);
-        assert_eq!(warp_rows(4, true), 2);
+        assert_eq!(rule(1, 1 << 20, false, None), 2); // the most there is
+        assert_eq!(rule(2, 4096, false, None), 2);
+        // Gated: a warp of the 2-row kernel takes one gate row and its up row.
         assert_eq!(warp_rows(2, true), 1);
-        // Two rows of x have the 2-row kernel only; more, none.
-        assert_eq!(rule(2, 6144, false, None), 2);
+        assert_eq!(warp_rows(2, false), 2);
+        // Three rows of x have no row variant.
         assert_eq!(rule(3, 6144, false, None), 1);
         // A forced variant where the kernel has it.
-        assert_eq!(rule(1, 64, false, Some(4)), 4);
-        assert_eq!(rule(2, 64, false, Some(4)), 1);
+        assert_eq!(rule(1, 64, false, Some(2)), 2);
+        assert_eq!(rule(3, 64, false, Some(2)), 1);
     }
 
     #[test]
