@@ -200,6 +200,25 @@ pub fn write_gguf(
     }
 }
 
+/// A GGUF file at `path` whose tensor data is a hole (sparse: it reads as
+/// zeros and takes no disk): the shapes and types of a model no one has the
+/// weights of, for memory plans (`kiln fit`) and their tests.
+pub fn write_gguf_shapes(
+    path: &Path,
+    metadata: &[(String, MetaValue)],
+    tensors: &[GgufTensorPlan],
+) -> Result<()> {
+    let (head, sizes) = header(path, metadata, tensors)?;
+    let io = |e| FormatError::io(path, e);
+    let data: u64 = sizes
+        .iter()
+        .map(|s| s.next_multiple_of(GGUF_ALIGNMENT))
+        .sum();
+    let mut f = std::fs::File::create(path).map_err(io)?;
+    f.write_all(&head).map_err(io)?;
+    f.set_len(head.len() as u64 + data).map_err(io)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

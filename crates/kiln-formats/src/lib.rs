@@ -28,7 +28,7 @@ pub use dtype::GgmlType;
 pub use error::{FormatError, Result};
 pub use gguf::{GgufFile, GgufMetadata, GgufTensorInfo, MetaValue};
 pub use gguf_hf::GgufWeights;
-pub use gguf_write::{write_gguf, GgufTensorPlan};
+pub use gguf_write::{write_gguf, write_gguf_shapes, GgufTensorPlan};
 pub use quantizing::Quantizing;
 pub use safetensors_dir::SafetensorsDir;
 pub use safetensors_write::{

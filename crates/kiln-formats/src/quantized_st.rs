@@ -425,9 +425,9 @@ impl Int4 {
     /// multiple of 128; `None` otherwise.
     fn format(&self) -> Option<QuantFormat> {
         let group = self.inp / self.groups;
-        if self.zeros.iter().all(|&z| z == 8) && group % 32 == 0 {
+        if self.zeros.iter().all(|&z| z == 8) && group.is_multiple_of(32) {
             Some(QuantFormat::Q4_0)
-        } else if group % 128 == 0 && self.zeros.iter().all(|&z| z <= 31) {
+        } else if group.is_multiple_of(128) && self.zeros.iter().all(|&z| z <= 31) {
             Some(QuantFormat::Q4Z)
         } else {
             None

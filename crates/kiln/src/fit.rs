@@ -81,13 +81,14 @@ fn file_bytes(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// The bytes the CPU backend holds for every 2-D weight the file stores in
+/// The bytes a backend holds for every 2-D weight the file stores in
 /// a block format (GGUF's quantized types, F16, BF16), by Hugging Face
-/// name: the quantized ones as it repacks them at load (16-row groups),
-/// F16 and BF16 as stored.
+/// name: on the CPU the quantized ones as it repacks them at load (16-row
+/// groups), F16 and BF16 as stored; on a device (`on_device`) all as stored.
 pub(crate) fn block_bytes(
     path: &Path,
     quantize: Option<QuantFormat>,
+    on_device: bool,
 ) -> Result<HashMap<String, u64>> {
     let tensors = if path.is_file() {
         GgufWeights::open(path)?.tensors()
@@ -105,9 +106,16 @@ pub(crate) fn block_bytes(
             let &[rows, cols] = t.shape.as_slice() else {
                 return None;
             };
-            let held = kiln_tensor::cpu::quant::packed_bytes(format, rows, cols)
-                .map(|b| b as u64)
-                .unwrap_or(t.num_bytes);
+            // The CPU repacks blocks (`packed_bytes`); a device keeps a
+            // file's blocks as stored (the same bytes, split in two arrays).
+            let stored = format
+                .row_bytes(cols)
+                .map_or(t.num_bytes, |b| (b * rows) as u64);
+            let held = match on_device {
+                true => stored,
+                false => kiln_tensor::cpu::quant::packed_bytes(format, rows, cols)
+                    .map_or(stored, |b| b as u64),
+            };
             Some((t.name, held))
         })
         .collect())
@@ -138,10 +146,18 @@ pub fn target_for(
     let opened;
     let backend = match backend {
         Some(b) => b,
-        None => {
-            opened = crate::cli::backend_for(device)?;
-            &opened
-        }
+        None => match crate::cli::backend_for(device) {
+            Ok(b) => {
+                opened = b;
+                &opened
+            }
+            // Planning a card this machine lacks (`--memory-bytes` says its
+            // size): the CUDA backend's defaults, its context counted in.
+            Err(_) if device.starts_with("cuda") && memory_bytes.is_some() => {
+                return Ok((MemoryTarget::cuda(false), memory_bytes.unwrap_or(0)));
+            }
+            Err(e) => return Err(e),
+        },
     };
     match backend.device_memory() {
         Some(m) => {
@@ -186,7 +202,7 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
         kv_pool_bytes: q.kv_pool_bytes,
         available_bytes: q.available_bytes,
         file_bytes: file_bytes(path),
-        block_bytes: &block_bytes(path, q.quantize)?,
+        block_bytes: &block_bytes(path, q.quantize, q.target.on_device)?,
         adapter_bytes: q.adapter_bytes,
     };
     Ok(fit(&input)?)
