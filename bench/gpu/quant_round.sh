@@ -13,7 +13,8 @@
 # bandwidth measured in the same run).
 #   KILN=.device/kiln bench/gpu/quant_round.sh OUT_DIR
 # NO_CHECK=1 skips cuda-check; NO_PARITY=1 the logits; GGUFPY=1 reads each file back with
-# gguf-py (bench/gpu/carry-pygguf.sh first); TYPES (default "q8_0 q4_k").
+# gguf-py (bench/gpu/carry-pygguf.sh first); TYPES (default "q8_0 q4_k"); AWQ=1 adds an AWQ g128
+# checkpoint of the same weights (bench/gpu/awq_checkpoint.py; Kiln loads it as Q4_Z blocks).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/quant_round.sh OUT_DIR}; KILN=${KILN:-.device/kiln}
 W=${WORK:-/tmp/kiln-round}; TOK=bench/smollm2-tokenizer
@@ -32,6 +33,12 @@ fi
 for t in $TYPES; do
   [ -f "$W/$t.gguf" ] || { log "quantize $t"; "$KILN" quantize "$W/ck8b" "$W/$t.gguf" --type "$t" >> "$OUT/quant.log" 2>&1 || log "FAILED quantize $t"; }
 done
+MODELS=""
+for t in $TYPES; do MODELS="$MODELS $t.gguf"; done
+if [ -n "${AWQ:-}" ]; then
+  [ -f "$W/awq/config.json" ] || { log awq; python3 bench/gpu/awq_checkpoint.py "$W/ck8b" "$W/awq" >> "$OUT/quant.log" 2>&1 || log "FAILED awq"; }
+  MODELS="$MODELS awq"
+fi
 if [ -n "${GGUFPY:-}" ]; then
   # Each file read back by gguf-py's dequantizers against the bf16 checkpoint
   # (bench/gpu/carry-pygguf.sh puts the package in .device/pygguf).
@@ -42,12 +49,12 @@ fi
 if [ -z "${NO_PARITY:-}" ]; then
   # The floor: the bf16 checkpoint itself, CUDA (bf16 activations) against CPU (f32).
   log "parity bf16"; python3 bench/gpu/quant_parity.py --kiln "$KILN" --model "$W/ck8b" --out "$OUT/parity-bf16.json" >> "$OUT/quant.log" 2>&1 || log "FAILED parity bf16"
-  for t in $TYPES; do
-    log "parity $t"; python3 bench/gpu/quant_parity.py --kiln "$KILN" --model "$W/$t.gguf" --out "$OUT/parity-$t.json" >> "$OUT/quant.log" 2>&1 || log "FAILED parity $t"
+  for m in $MODELS; do
+    log "parity $m"; python3 bench/gpu/quant_parity.py --kiln "$KILN" --model "$W/$m" --out "$OUT/parity-${m%.gguf}.json" >> "$OUT/quant.log" 2>&1 || log "FAILED parity $m"
   done
 fi
-for m in ck8b $TYPES; do
-  f="$W/$m"; [ "$m" = ck8b ] || f="$W/$m.gguf"
+for m in ck8b $MODELS; do
+  f="$W/$m"; m=${m%.gguf}
   log "decode $m"; "$KILN" bench --device cuda -m "$f" --prompt-tokens 512 --gen-tokens 128 --runs 3 > "$OUT/decode-$m.json" 2>> "$OUT/quant.log" || log "FAILED decode $m"
   [ -n "${NO_PREFILL:-}" ] || { log "prefill $m"; "$KILN" bench --device cuda -m "$f" --prompt-tokens 4096 --gen-tokens 2 --runs 2 > "$OUT/prefill-$m.json" 2>> "$OUT/quant.log" || log "FAILED prefill $m"; }
 done
