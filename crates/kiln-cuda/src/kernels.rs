@@ -115,7 +115,7 @@ pub const ENTRY_POINTS: &[&str] = &[
 /// [`QGEMV_ROW_VARIANTS`] and `dequant_<fmt>_bf16` each.
 pub const BLOCK_FORMATS: &[&str] = &[
     "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k",
-    "q6_k", "q4_z",
+    "q6_k", "q4_z", "q4_z32",
 ];
 
 /// The decode products that take more than one output row a warp:

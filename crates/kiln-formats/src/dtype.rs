@@ -192,7 +192,7 @@ impl GgmlType {
             Q::Q6K => GgmlType::Q6K,
             Q::IQ4NL => GgmlType::IQ4NL,
             Q::MXFP4 => GgmlType::MXFP4,
-            Q::Q4Z => return None,
+            Q::Q4Z | Q::Q4Z32 => return None,
         })
     }
 

@@ -421,14 +421,18 @@ const AWQ_REV: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 impl Int4 {
     /// The block format these groups are exactly: Q4_0 where every zero
-    /// point is 8 and groups are a multiple of 32, Q4_Z where they are a
-    /// multiple of 128; `None` otherwise.
+    /// point is 8 and groups are a multiple of 32, else Q4_Z where they are
+    /// a multiple of 128 and Q4_Z32 where of 32; `None` otherwise.
     fn format(&self) -> Option<QuantFormat> {
         let group = self.inp / self.groups;
         if self.zeros.iter().all(|&z| z == 8) && group.is_multiple_of(32) {
             Some(QuantFormat::Q4_0)
-        } else if group.is_multiple_of(128) && self.zeros.iter().all(|&z| z <= 31) {
+        } else if !self.zeros.iter().all(|&z| z <= 31) {
+            None
+        } else if group.is_multiple_of(128) {
             Some(QuantFormat::Q4Z)
+        } else if group.is_multiple_of(32) {
+            Some(QuantFormat::Q4Z32)
         } else {
             None
         }
@@ -509,7 +513,7 @@ impl Int4 {
                             _ => blk.split_at_mut(4),
                         };
                         head[..2].copy_from_slice(&self.scales[at(g)].to_le_bytes());
-                        if format == QuantFormat::Q4Z {
+                        if format != QuantFormat::Q4_0 {
                             head[2] = self.zeros[at(g)];
                         }
                         for (run, d) in runs.chunks_exact_mut(16).enumerate() {
@@ -646,9 +650,9 @@ fn int4<'a>(
 /// order (`g_idx` the identity grouping, not act-order) with scales f16
 /// holds — as GGUF Q4_0 where every zero point is 8 (GPTQ symmetric,
 /// compressed-tensors pack-quantized int4: `W = d · (q − 8)`), else as
-/// Kiln's Q4_Z where groups are a multiple of 128 (AWQ, GPTQ asymmetric:
-/// `W = d · (q − z)`). So the CPU and GPU keep 4.25–4.5 bits a weight and
-/// their block products. `None` where the layout is anything else (read
+/// Kiln's Q4_Z where groups are a multiple of 128, Q4_Z32 where of 32 (AWQ,
+/// GPTQ asymmetric: `W = d · (q − z)`). So the CPU and GPU keep 4.25–5 bits
+/// a weight and their block products. `None` where the layout is anything else (read
 /// dense instead).
 pub(crate) fn as_blocks<'a>(
     s: &Scheme,

@@ -82,7 +82,8 @@ fn the_tensor_list_names_the_matrices_not_their_parts() {
 /// place (the logits test above runs through them): symmetric ones (GPTQ
 /// without act-order, compressed-tensors int4) are exactly GGUF Q4_0 (4.5
 /// bits a weight), ones with zero points in groups of 128 (AWQ, GPTQ
-/// asymmetric) Kiln's Q4_Z (4.25 bits); the others are read dense.
+/// asymmetric) Kiln's Q4_Z (4.25 bits), in groups of 32 Q4_Z32 (5 bits);
+/// the others (act-order GPTQ, FP8) are read dense.
 #[test]
 fn int4_groups_in_order_load_as_blocks() {
     use kiln_tensor::QuantFormat;
@@ -93,6 +94,7 @@ fn int4_groups_in_order_load_as_blocks() {
         let want = match case {
             "gptq_noact" | "ct_int4" => Some(QuantFormat::Q4_0),
             "awq_g128" | "gptq_asym" => Some(QuantFormat::Q4Z),
+            "awq" => Some(QuantFormat::Q4Z32),
             _ => None,
         };
         match want {

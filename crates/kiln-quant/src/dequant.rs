@@ -37,7 +37,7 @@ pub fn block_fn(format: QuantFormat) -> BlockFn {
         Q6K => block_q6_k,
         IQ4NL => block_iq4_nl,
         MXFP4 => block_mxfp4,
-        Q4Z => block_q4_z,
+        Q4Z | Q4Z32 => block_q4_z,
     }
 }
 
@@ -100,12 +100,12 @@ pub(crate) fn block_q4_1(b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// Q4_Z: `d · (q − z)`, as `d·q + (−d)·z` (both products exact in f32, so
+/// Q4_Z and Q4_Z32 (one run of 32 instead of four): `d · (q − z)`, as `d·q + (−d)·z` (both products exact in f32, so
 /// one rounding, none in fact: the sum is exact too; `q = z` gives +0).
 pub(crate) fn block_q4_z(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let off = -d * (b[2] & 0x1F) as f32;
-    for (qs, y) in b[4..68].chunks_exact(16).zip(y.chunks_exact_mut(32)) {
+    for (qs, y) in b[4..].chunks_exact(16).zip(y.chunks_exact_mut(32)) {
         for j in 0..16 {
             y[j] = (qs[j] & 0xF) as f32 * d + off;
             y[j + 16] = (qs[j] >> 4) as f32 * d + off;

@@ -30,10 +30,13 @@ pub enum QuantFormat {
     /// four runs of 16 bytes as Q4_0's (byte `16 c + j`: element `32 c + j`
     /// in its low nibble, `32 c + j + 16` in its high one).
     Q4Z,
+    /// Q4_Z's groups of 32 (AWQ's and GPTQ's groups of 32 or 64): 32 codes,
+    /// f16 `d`, the zero point byte, a zero byte, then Q4_0's 16 bytes.
+    Q4Z32,
 }
 
 impl QuantFormat {
-    pub const ALL: [QuantFormat; 15] = [
+    pub const ALL: [QuantFormat; 16] = [
         QuantFormat::F16,
         QuantFormat::BF16,
         QuantFormat::Q4_0,
@@ -49,6 +52,7 @@ impl QuantFormat {
         QuantFormat::IQ4NL,
         QuantFormat::MXFP4,
         QuantFormat::Q4Z,
+        QuantFormat::Q4Z32,
     ];
 
     /// The name GGML and llama.cpp use (`Q4_K`, `IQ4_NL`, `BF16`).
@@ -70,6 +74,7 @@ impl QuantFormat {
             IQ4NL => "IQ4_NL",
             MXFP4 => "MXFP4",
             Q4Z => "Q4_Z",
+            Q4Z32 => "Q4_Z32",
         }
     }
 
@@ -85,7 +90,7 @@ impl QuantFormat {
         use QuantFormat::*;
         match self {
             F16 | BF16 => 1,
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4NL | MXFP4 => 32,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4NL | MXFP4 | Q4Z32 => 32,
             Q4Z => 128,
             Q2K | Q3K | Q4K | Q5K | Q6K => 256,
         }
@@ -98,7 +103,7 @@ impl QuantFormat {
             F16 | BF16 => 2,
             Q4_0 | IQ4NL => 18,
             MXFP4 => 17,
-            Q4_1 => 20,
+            Q4_1 | Q4Z32 => 20,
             Q5_0 => 22,
             Q5_1 => 24,
             Q8_0 => 34,
@@ -148,5 +153,6 @@ mod tests {
         assert_eq!(QuantFormat::from_name("q9_9"), None);
         assert_eq!(QuantFormat::Q4K.bits_per_weight(), 4.5);
         assert_eq!(QuantFormat::Q4Z.bits_per_weight(), 4.25);
+        assert_eq!(QuantFormat::Q4Z32.bits_per_weight(), 5.0);
     }
 }

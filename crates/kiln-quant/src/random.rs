@@ -12,7 +12,7 @@ fn f16_fields(format: QuantFormat) -> &'static [usize] {
     use QuantFormat::*;
     match format {
         F16 | BF16 | MXFP4 => &[],
-        Q4_0 | Q5_0 | Q8_0 | IQ4NL | Q4Z => &[0],
+        Q4_0 | Q5_0 | Q8_0 | IQ4NL | Q4Z | Q4Z32 => &[0],
         Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
         Q2K => &[80, 82],
         Q3K => &[108],
@@ -57,7 +57,7 @@ pub fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> Vec<u8>
                 for b in block.iter_mut() {
                     *b = rng.next() as u8;
                 }
-                if format == QuantFormat::Q4Z {
+                if matches!(format, QuantFormat::Q4Z | QuantFormat::Q4Z32) {
                     // A zero point of 0..31 and the byte after it zero.
                     block[2] &= 0x1F;
                     block[3] = 0;

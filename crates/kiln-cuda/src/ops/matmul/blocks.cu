@@ -54,7 +54,7 @@
 
 namespace blocks_detail {
 
-enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4NL, MXFP4, Q2K, Q3K, Q4K, Q5K, Q6K, Q4Z };
+enum Format { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4NL, MXFP4, Q2K, Q3K, Q4K, Q5K, Q6K, Q4Z, Q4Z32 };
 
 // BE elements a block, BODY and META bytes, UE elements a unit, SUB elements a scale.
 template <int F> struct Fmt;
@@ -71,6 +71,7 @@ template <> struct Fmt<Q4K> { static constexpr int BE = 256, BODY = 144, META = 
 template <> struct Fmt<Q5K> { static constexpr int BE = 256, BODY = 176, META = 0, UE = 64, SUB = 32; };
 template <> struct Fmt<Q6K> { static constexpr int BE = 256, BODY = 208, META = 2, UE = 128, SUB = 16; };
 template <> struct Fmt<Q4Z> { static constexpr int BE = 128, BODY = 64, META = 4, UE = 64, SUB = 32; };
+template <> struct Fmt<Q4Z32> { static constexpr int BE = 32, BODY = 16, META = 4, UE = 32, SUB = 32; };
 
 __constant__ __align__(16) signed char kIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                       1,    13,   25,  38,  53,  69,  89,  113};
@@ -128,7 +129,7 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
         q[0] = a.x, q[1] = a.y, q[2] = a.z, q[3] = a.w, q[4] = c.x, q[5] = c.y, q[6] = c.z, q[7] = c.w;
         s[0] = s[1] = half_at(meta);
         b[0] = b[1] = 0.0f;
-    } else if (F == Q4_0 || F == Q4_1 || F == IQ4NL || F == MXFP4) {
+    } else if (F == Q4_0 || F == Q4_1 || F == IQ4NL || F == MXFP4 || F == Q4Z32) {
         // Byte j: element j (low nibble) and j + 16 (high nibble).
         const uint4 a = ld16(body);
         const unsigned w[4] = {a.x, a.y, a.z, a.w};
@@ -150,6 +151,10 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
         } else if (F == Q4_1) {
             s[0] = s[1] = half_at(meta);
             b[0] = b[1] = half_at(meta + 2);
+        } else if (F == Q4Z32) {
+            const float d = half_at(meta);
+            s[0] = s[1] = d;
+            b[0] = b[1] = -d * (float)(meta[2] & 0x1F);
         } else {
             s[0] = s[1] = F == IQ4NL ? half_at(meta) : e8m0_half(*meta);
             b[0] = b[1] = 0.0f;
@@ -648,4 +653,7 @@ KILN_BLOCK_FORMAT(q6_k, Q6K)
 #endif
 #if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 12
 KILN_BLOCK_FORMAT(q4_z, Q4Z)
+#endif
+#if KILN_BLOCK_FMT < 0 || KILN_BLOCK_FMT == 13
+KILN_BLOCK_FORMAT(q4_z32, Q4Z32)
 #endif

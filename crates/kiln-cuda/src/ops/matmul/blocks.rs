@@ -56,6 +56,7 @@ fn spec(f: QuantFormat) -> Option<(&'static str, Ranges, Ranges)> {
         Q6K => ("q6_k", &[(0, 208)], &[(208, 210)]),
         // Four runs of quants; d and the zero point (and its pad byte).
         Q4Z => ("q4_z", &[(4, 68)], &[(0, 4)]),
+        Q4Z32 => ("q4_z32", &[(4, 20)], &[(0, 4)]),
         _ => return None,
     })
 }

@@ -165,7 +165,7 @@ impl Scheme {
             Q4_1 => (true, 0, 32, f, true, 0),
             // Scale d and offset −d·z a sub-block: f16 times a multiplier
             // (1 and z), a "super-block" of one sub-block.
-            Q4Z => (true, 0, 32, k(1), true, 0),
+            Q4Z | Q4Z32 => (true, 0, 32, k(1), true, 0),
             IQ4NL => (true, 0, 32, f, false, 128),
             // e2m1 codes (doubled) through a table; the e8m0 scale, halved,
             // as the f16 scale (exact: `mxfp4_scales_fit`).
@@ -356,7 +356,7 @@ fn decompose(
                 *c = lo + 4 * high;
             }
         }
-        Q4_0 | Q4_1 | IQ4NL | MXFP4 | Q4Z => unreachable!("packed by direct_nibbles"),
+        Q4_0 | Q4_1 | IQ4NL | MXFP4 | Q4Z | Q4Z32 => unreachable!("packed by direct_nibbles"),
         F16 | BF16 => unreachable!("F16 and BF16 are not packed"),
     }
 }
@@ -382,6 +382,7 @@ fn direct_nibbles(
         Q4_1 => &b[4..20],
         MXFP4 => &b[1..17],
         Q4Z => &b[4..68],
+        Q4Z32 => &b[4..20],
         _ => return false,
     };
     for (r, qs) in runs.chunks_exact(16).enumerate() {
@@ -402,9 +403,9 @@ fn direct_nibbles(
                 mult: 1,
             }
         }
-        Q4Z => {
+        Q4Z | Q4Z32 => {
             let z = (b[2] & 0x1F) as i8;
-            for s in 0..4 {
+            for s in 0..runs.len() / 16 {
                 sc[s] = Factor { d: h(0), mult: 1 };
                 of[s] = Factor {
                     d: h(0) ^ 0x8000,
