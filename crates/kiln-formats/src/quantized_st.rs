@@ -289,10 +289,9 @@ pub(crate) fn dequantize<'a>(
             {
                 return Err(bad(base, "AWQ parts do not match their shapes"));
             }
-            // Output 8 j + k sits in nibble REV[k] of column j.
-            const REV: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+            // Output 8 j + k sits in nibble AWQ_REV[k] of column j.
             let mask = (1u32 << bits) - 1;
-            let nib = |v: i32, o: usize| ((v as u32) >> (bits * REV[o % pack])) & mask;
+            let nib = |v: i32, o: usize| ((v as u32) >> (bits * AWQ_REV[o % pack])) & mask;
             for i in 0..inp {
                 let g = i / group;
                 for o in 0..out {
@@ -393,7 +392,7 @@ pub(crate) fn dequantize<'a>(
 /// `i`; `q` its words).
 #[derive(Clone, Copy)]
 enum Int4Order {
-    /// AWQ GEMM: `[in, out / 8]`, output 8 j + k in nibble `REV[k]` of
+    /// AWQ GEMM: `[in, out / 8]`, output 8 j + k in nibble `AWQ_REV[k]` of
     /// column j.
     Awq,
     /// GPTQ: `[in / 8, out]`, input `i` in nibble `i % 8`.
@@ -416,7 +415,7 @@ struct Int4 {
     zeros: Vec<u8>,
 }
 
-/// Output `o`, nibble order of AWQ's columns.
+/// The nibble of an AWQ column that holds output `8 j + k`: `AWQ_REV[k]`.
 const AWQ_REV: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 impl Int4 {
@@ -484,7 +483,7 @@ impl Int4 {
         c
     }
 
-    /// Every row as blocks of `format` (Q4_0 or Q4_Z), in parallel over
+    /// Every row as blocks of `format` (Q4_0, Q4_Z or Q4_Z32), in parallel over
     /// tiles of 64 rows.
     fn blocks(&self, format: QuantFormat) -> Vec<u8> {
         use rayon::prelude::*;
@@ -674,12 +673,6 @@ pub(crate) fn block_format<'a>(
     dims: [usize; 2],
     fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
 ) -> Option<QuantFormat> {
-    if !matches!(
-        s,
-        Scheme::Awq { bits: 4, .. } | Scheme::Gptq { bits: 4, .. } | Scheme::Packed { bits: 4 }
-    ) {
-        return None;
-    }
     int4(s, base, dims, fetch, false).ok().flatten()?.format()
 }
 

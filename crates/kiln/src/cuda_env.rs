@@ -71,11 +71,7 @@ pub const KNOBS: &[Knob] = &[
         default: "",
         help: "tile width (8 or 16 columns) of the decode GEMV's plain products; unset lets the host rule pick",
         set: Set::Parse(|o, v| {
-            o.direct_cols = match v {
-                "8" => Some(8),
-                "16" => Some(16),
-                _ => bail!("KILN_DIRECT_COLS={v:?}: expected 8 or 16"),
-            };
+            o.direct_cols = Some(one_of("KILN_DIRECT_COLS", v, &[8, 16])?);
             Ok(())
         }),
     },
@@ -111,11 +107,7 @@ pub const KNOBS: &[Knob] = &[
         default: "",
         help: "output rows a warp of the block-quantized decode products takes (1 or 2); unset lets the host rule pick",
         set: Set::Parse(|o, v| {
-            o.qgemv_rows_per_warp = match v {
-                "1" => Some(1),
-                "2" => Some(2),
-                _ => bail!("KILN_QGEMV_ROWS={v:?}: expected 1 or 2"),
-            };
+            o.qgemv_rows_per_warp = Some(one_of("KILN_QGEMV_ROWS", v, &[1, 2])?);
             Ok(())
         }),
     },
@@ -135,6 +127,17 @@ fn positive(var: &str, v: &str) -> Result<usize> {
     match v.parse::<usize>() {
         Ok(n) if (1..=1 << 20).contains(&n) => Ok(n),
         _ => bail!("{var}={v:?}: expected a positive count"),
+    }
+}
+
+/// A value that must be one of `allowed`.
+fn one_of(var: &str, v: &str, allowed: &[usize]) -> Result<usize> {
+    match v.parse::<usize>() {
+        Ok(n) if allowed.contains(&n) => Ok(n),
+        _ => {
+            let list: Vec<String> = allowed.iter().map(|n| n.to_string()).collect();
+            bail!("{var}={v:?}: expected {}", list.join(" or "))
+        }
     }
 }
 
