@@ -84,6 +84,16 @@ pub fn quantize_to_gguf(
             ),
         ));
     }
+    if kiln_formats::GgmlType::from_quant_format(format).is_none() {
+        return Err(refuse(
+            input,
+            format!(
+                "{format} has no GGUF type, so no GGUF file can hold it: load the float \
+                 checkpoint with `--quantize {}` instead",
+                format.name().to_lowercase()
+            ),
+        ));
+    }
     if input.is_dir() {
         from_hf_dir(input, output, format)
     } else if input.is_file() {

@@ -181,6 +181,27 @@ fn quantized_gguf_reads_back_as_the_quantized_checkpoint() {
         // The last position's next token is the original's (a clear margin there).
         assert_eq!(argmaxes(&lf).last(), argmaxes(&original).last(), "{format}");
     }
+
+    // FP8 (no GGUF type: at load only) where rows are whole runs of 128 (the
+    // down projection), Q8_0 for the 576-wide rest: held as E4M3 bytes and
+    // scales, and close to the original (bounds about 1.3× the measured
+    // 0.299 mean / 3.25 largest: more than Q8_0 everywhere, E4M3's three
+    // mantissa bits against Q8_0's seven).
+    let fp8 = LoadedModel::load_with(&hf, cpu(), None, Some(QuantFormat::FP8)).unwrap();
+    let held = fp8.model.weight_bytes().unwrap();
+    assert_eq!(
+        held.0.keys().map(|k| k.as_str()).collect::<Vec<_>>(),
+        ["fp8", "q8_0"]
+    );
+    // 30 down projections of 576 × 1536, 132 bytes a 128.
+    assert_eq!(held.0["fp8"], 30 * 576 * 1536 / 128 * 132);
+    let l8 = logits(&fp8, &prompt);
+    let (mean, worst) = (mean_abs_diff(&l8, &original), max_abs_diff(&l8, &original));
+    assert!(
+        mean > bf16_error && mean < 0.39 && worst < 4.3,
+        "fp8: logits move by {mean} on average, at most {worst}"
+    );
+    assert_eq!(argmaxes(&l8).last(), argmaxes(&original).last(), "fp8");
 }
 
 #[test]
@@ -194,6 +215,10 @@ fn refusals_name_the_problem() {
     let e = kiln_engine::quantize::quantize_to_gguf(&model_path(SMOLLM2), &out, QuantFormat::Q2K)
         .unwrap_err();
     assert!(e.to_string().contains("Q4_K"), "{e}");
+    // FP8 blocks have no GGUF type: they are made at load.
+    let e = kiln_engine::quantize::quantize_to_gguf(&model_path(SMOLLM2), &out, QuantFormat::FP8)
+        .unwrap_err();
+    assert!(e.to_string().contains("--quantize fp8"), "{e}");
     assert!(!out.exists());
 }
 

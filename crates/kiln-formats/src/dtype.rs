@@ -174,7 +174,7 @@ impl GgmlType {
     }
 
     /// The GGUF type a block format is stored as (`None` for Kiln's own
-    /// Q4_Z, which no GGUF file holds).
+    /// Q4_Z and FP8, which no GGUF file holds).
     pub fn from_quant_format(f: kiln_quant::QuantFormat) -> Option<Self> {
         use kiln_quant::QuantFormat as Q;
         Some(match f {
@@ -192,7 +192,7 @@ impl GgmlType {
             Q::Q6K => GgmlType::Q6K,
             Q::IQ4NL => GgmlType::IQ4NL,
             Q::MXFP4 => GgmlType::MXFP4,
-            Q::Q4Z | Q::Q4Z32 => return None,
+            Q::Q4Z | Q::Q4Z32 | Q::FP8 => return None,
         })
     }
 

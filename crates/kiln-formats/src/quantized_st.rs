@@ -28,6 +28,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use half::{bf16, f16};
+use kiln_quant::dequant::e4m3_to_f32;
 use kiln_quant::QuantFormat;
 use serde_json::Value;
 
@@ -244,19 +245,88 @@ fn floats(t: &Stored<'_>, name: &str) -> Result<Vec<f32>, String> {
     })
 }
 
-/// The value of an FP8 E4M3 (`fn`: no infinities, 0x7F/0xFF NaN) byte.
-pub(crate) fn e4m3(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = ((b >> 3) & 0xF) as i32;
-    let m = (b & 7) as f32;
-    if e == 15 && b & 7 == 7 {
-        return f32::NAN;
-    }
-    sign * if e == 0 {
-        m / 8.0 * 2f32.powi(-6)
+/// An FP8 `X.weight`'s E4M3 bytes (`[out, in]` = `dims`) and the scale of
+/// element `(o, i)`: per tensor (`[1]`), per output channel, or per block
+/// of the scheme's `[bo, bi]`.
+type Fp8Scale = Box<dyn Fn(usize, usize) -> f32>;
+
+fn fp8<'a>(
+    s: &Scheme,
+    base: &str,
+    dims: [usize; 2],
+    fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
+) -> Result<(&'a [u8], Fp8Scale), String> {
+    let [out, inp] = dims;
+    let get = |p: &str| {
+        let n = format!("{base}.{p}");
+        fetch(&n).map(|t| (n.clone(), t)).ok_or_else(|| format!("{n}: missing"))
+    };
+    let (wn, wt) = get("weight")?;
+    let block = match *s {
+        Scheme::Fp8Block { block } => Some(block),
+        _ => None,
+    };
+    let (sn, st) = get(if block.is_some() {
+        "weight_scale_inv"
     } else {
-        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+        "weight_scale"
+    })?;
+    let sc = floats(&st, &sn)?;
+    if wt.bytes.len() != out * inp {
+        return Err(bad(&wn, "FP8 weight does not match its shape"));
     }
+    let expect = match block {
+        Some([bo, bi]) => out.div_ceil(bo) * inp.div_ceil(bi),
+        None if sc.len() == 1 => 1,
+        None => out,
+    };
+    if sc.len() != expect {
+        return Err(bad(&sn, format!("{} scales for [{out}, {inp}]", sc.len())));
+    }
+    let scale: Fp8Scale = match block {
+        Some([bo, bi]) => {
+            let cols = inp.div_ceil(bi);
+            Box::new(move |o, i| sc[(o / bo) * cols + i / bi])
+        }
+        None if expect == 1 => Box::new(move |_, _| sc[0]),
+        None => Box::new(move |o, _| sc[o]),
+    };
+    Ok((wt.bytes, scale))
+}
+
+/// FP8 `X.weight` as Kiln's FP8 blocks (runs of 128 of a row under one
+/// f32 scale), where every run of 128 lies under one stored scale: rows a
+/// whole number of runs, and block scales `[bo, bi]` with `bi` a multiple
+/// of 128. The bytes are the checkpoint's; the scales its f32 values.
+fn fp8_blocks<'a>(
+    s: &Scheme,
+    base: &str,
+    dims: [usize; 2],
+    fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
+) -> Result<Option<(QuantFormat, Vec<u8>)>, String> {
+    if !fp8_fits_blocks(s, dims) {
+        return Ok(None);
+    }
+    let [out, inp] = dims;
+    let (q, scale) = fp8(s, base, dims, fetch)?;
+    let f = QuantFormat::FP8;
+    let runs = inp / 128;
+    let mut b = vec![0u8; out * runs * f.block_bytes()];
+    for (r, blk) in b.chunks_exact_mut(f.block_bytes()).enumerate() {
+        let (o, c) = (r / runs, r % runs);
+        blk[..4].copy_from_slice(&scale(o, 128 * c).to_le_bytes());
+        blk[4..].copy_from_slice(&q[o * inp + 128 * c..o * inp + 128 * (c + 1)]);
+    }
+    Ok(Some((f, b)))
+}
+
+fn fp8_fits_blocks(s: &Scheme, [_, inp]: [usize; 2]) -> bool {
+    inp > 0
+        && inp.is_multiple_of(128)
+        && match *s {
+            Scheme::Fp8Block { block: [_, bi] } => bi.is_multiple_of(128),
+            _ => true,
+        }
 }
 
 /// `X.weight` (`[out, in]` = `dims`) dequantized from its parts, fetched by
@@ -356,31 +426,10 @@ pub(crate) fn dequantize<'a>(
             }
         }
         Scheme::Fp8Scaled | Scheme::Fp8Block { .. } => {
-            let (wn, wt) = get("weight")?;
-            let scale_part = if matches!(s, Scheme::Fp8Block { .. }) {
-                "weight_scale_inv"
-            } else {
-                "weight_scale"
-            };
-            let (sn, st) = get(scale_part)?;
-            let sc = floats(&st, &sn)?;
-            if wt.bytes.len() != out * inp {
-                return Err(bad(&wn, "FP8 weight does not match its shape"));
-            }
-            let scale = |o: usize, i: usize| -> Result<f32, String> {
-                match *s {
-                    Scheme::Fp8Block { block: [bo, bi] } => {
-                        let cols = inp.div_ceil(bi);
-                        sc.get((o / bo) * cols + i / bi).copied()
-                    }
-                    _ if sc.len() == 1 => Some(sc[0]),
-                    _ => sc.get(o).copied().filter(|_| sc.len() == out),
-                }
-                .ok_or_else(|| bad(&sn, format!("{} scales for [{out}, {inp}]", sc.len())))
-            };
+            let (q, scale) = fp8(s, base, dims, fetch)?;
             for o in 0..out {
                 for i in 0..inp {
-                    w[o * inp + i] = e4m3(wt.bytes[o * inp + i]) * scale(o, i)?;
+                    w[o * inp + i] = e4m3_to_f32(q[o * inp + i]) * scale(o, i);
                 }
             }
         }
@@ -659,6 +708,9 @@ pub(crate) fn as_blocks<'a>(
     dims: [usize; 2],
     fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
 ) -> Result<Option<(QuantFormat, Vec<u8>)>, String> {
+    if matches!(s, Scheme::Fp8Scaled | Scheme::Fp8Block { .. }) {
+        return fp8_blocks(s, base, dims, fetch);
+    }
     let Some(m) = int4(s, base, dims, fetch, true)? else {
         return Ok(None);
     };
@@ -673,6 +725,9 @@ pub(crate) fn block_format<'a>(
     dims: [usize; 2],
     fetch: &dyn Fn(&str) -> Option<Stored<'a>>,
 ) -> Option<QuantFormat> {
+    if matches!(s, Scheme::Fp8Scaled | Scheme::Fp8Block { .. }) {
+        return fp8_fits_blocks(s, dims).then_some(QuantFormat::FP8);
+    }
     int4(s, base, dims, fetch, false).ok().flatten()?.format()
 }
 
@@ -682,12 +737,12 @@ mod tests {
 
     #[test]
     fn e4m3_values() {
-        assert_eq!(e4m3(0x00), 0.0);
-        assert_eq!(e4m3(0x38), 1.0); // e = 7, m = 0
-        assert_eq!(e4m3(0xC0), -2.0);
-        assert_eq!(e4m3(0x7E), 448.0); // the largest
-        assert_eq!(e4m3(0x01), 2f32.powi(-9)); // the smallest subnormal
-        assert!(e4m3(0x7F).is_nan());
+        assert_eq!(e4m3_to_f32(0x00), 0.0);
+        assert_eq!(e4m3_to_f32(0x38), 1.0); // e = 7, m = 0
+        assert_eq!(e4m3_to_f32(0xC0), -2.0);
+        assert_eq!(e4m3_to_f32(0x7E), 448.0); // the largest
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9)); // the smallest subnormal
+        assert!(e4m3_to_f32(0x7F).is_nan());
     }
 
     #[test]

@@ -83,9 +83,11 @@ fn the_tensor_list_names_the_matrices_not_their_parts() {
 /// without act-order, compressed-tensors int4) are exactly GGUF Q4_0 (4.5
 /// bits a weight), ones with zero points in groups of 128 (AWQ, GPTQ
 /// asymmetric) Kiln's Q4_Z (4.25 bits), in groups of 32 Q4_Z32 (5 bits);
-/// the others (act-order GPTQ, FP8) are read dense.
+/// FP8 whose scales are constant over runs of 128 (per channel here)
+/// Kiln's FP8 blocks (8.25 bits); the others (act-order GPTQ, FP8 in
+/// 32×32 blocks) are read dense.
 #[test]
-fn int4_groups_in_order_load_as_blocks() {
+fn int4_groups_in_order_and_fp8_runs_load_as_blocks() {
     use kiln_tensor::QuantFormat;
     let q = "model.layers.0.mlp.down_proj.weight";
     for case in CASES {
@@ -95,6 +97,7 @@ fn int4_groups_in_order_load_as_blocks() {
             "gptq_noact" | "ct_int4" => Some(QuantFormat::Q4_0),
             "awq_g128" | "gptq_asym" => Some(QuantFormat::Q4Z),
             "awq" => Some(QuantFormat::Q4Z32),
+            "ct_fp8" => Some(QuantFormat::FP8),
             _ => None,
         };
         match want {

@@ -38,6 +38,7 @@ pub fn block_fn(format: QuantFormat) -> BlockFn {
         IQ4NL => block_iq4_nl,
         MXFP4 => block_mxfp4,
         Q4Z | Q4Z32 => block_q4_z,
+        FP8 => block_fp8,
     }
 }
 
@@ -110,6 +111,32 @@ pub(crate) fn block_q4_z(b: &[u8], y: &mut [f32]) {
             y[j] = (qs[j] & 0xF) as f32 * d + off;
             y[j + 16] = (qs[j] >> 4) as f32 * d + off;
         }
+    }
+}
+
+/// The value of an FP8 E4M3 byte (`e4m3fn`: sign, 4 exponent bits of bias
+/// 7, 3 mantissa bits; exponent 0 subnormal; `0x7F`/`0xFF` NaN; no
+/// infinities).
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    let (e, m) = ((b >> 3) & 0xF, b & 7);
+    let v = if b & 0x7F == 0x7F {
+        f32::NAN
+    } else if e == 0 {
+        m as f32 * (1.0 / 512.0)
+    } else {
+        (8 + m) as f32 * f32::from_bits(((e as u32 + 127 - 10) << 23) as u32)
+    };
+    if b & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+pub(crate) fn block_fp8(b: &[u8], y: &mut [f32]) {
+    let s = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    for (y, &q) in y.iter_mut().zip(&b[4..132]) {
+        *y = e4m3_to_f32(q) * s;
     }
 }
 

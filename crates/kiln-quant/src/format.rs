@@ -33,10 +33,17 @@ pub enum QuantFormat {
     /// Q4_Z's groups of 32 (AWQ's and GPTQ's groups of 32 or 64): 32 codes,
     /// f16 `d`, the zero point byte, a zero byte, then Q4_0's 16 bytes.
     Q4Z32,
+    /// Kiln's own (no GGUF type): FP8 E4M3 weights (the OCP `e4m3fn`
+    /// encoding: no infinities, `0x7F`/`0xFF` NaN, largest 448) in runs of
+    /// 128 of a row under an f32 scale, `w = s · e4m3(q)`: FP8 checkpoints'
+    /// per-tensor, per-channel and 128×128 block scales all repacked to
+    /// it, and `--quantize fp8`. Block: the f32 scale (little-endian), then
+    /// the 128 E4M3 bytes in element order.
+    FP8,
 }
 
 impl QuantFormat {
-    pub const ALL: [QuantFormat; 16] = [
+    pub const ALL: [QuantFormat; 17] = [
         QuantFormat::F16,
         QuantFormat::BF16,
         QuantFormat::Q4_0,
@@ -53,6 +60,7 @@ impl QuantFormat {
         QuantFormat::MXFP4,
         QuantFormat::Q4Z,
         QuantFormat::Q4Z32,
+        QuantFormat::FP8,
     ];
 
     /// The name GGML and llama.cpp use (`Q4_K`, `IQ4_NL`, `BF16`).
@@ -75,6 +83,7 @@ impl QuantFormat {
             MXFP4 => "MXFP4",
             Q4Z => "Q4_Z",
             Q4Z32 => "Q4_Z32",
+            FP8 => "FP8",
         }
     }
 
@@ -91,7 +100,7 @@ impl QuantFormat {
         match self {
             F16 | BF16 => 1,
             Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4NL | MXFP4 | Q4Z32 => 32,
-            Q4Z => 128,
+            Q4Z | FP8 => 128,
             Q2K | Q3K | Q4K | Q5K | Q6K => 256,
         }
     }
@@ -113,6 +122,7 @@ impl QuantFormat {
             Q5K => 176,
             Q6K => 210,
             Q4Z => 68,
+            FP8 => 132,
         }
     }
 
@@ -154,5 +164,6 @@ mod tests {
         assert_eq!(QuantFormat::Q4K.bits_per_weight(), 4.5);
         assert_eq!(QuantFormat::Q4Z.bits_per_weight(), 4.25);
         assert_eq!(QuantFormat::Q4Z32.bits_per_weight(), 5.0);
+        assert_eq!(QuantFormat::FP8.bits_per_weight(), 8.25);
     }
 }

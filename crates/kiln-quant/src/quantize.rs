@@ -12,6 +12,9 @@
 //!   rounding, the least-squares `s` and `m`); the 8 scales and 8 mins are
 //!   stored as 6-bit integers under two f16s.
 //!
+//! - `FP8`: an f32 scale per 128 values, the block's largest magnitude at
+//!   E4M3's 448, each value rounded to the nearest E4M3 (ties to even).
+//!
 //! After the sub-block scales are rounded to their stored integers, every
 //! value is rounded again against the scale it will actually be read with,
 //! so the error is each format's rounding of the stored scale, not of the
@@ -25,7 +28,7 @@ use rayon::prelude::*;
 use crate::QuantFormat;
 
 /// The formats [`quantize`] writes.
-pub const QUANTIZE_FORMATS: [QuantFormat; 7] = [
+pub const QUANTIZE_FORMATS: [QuantFormat; 8] = [
     QuantFormat::F16,
     QuantFormat::BF16,
     QuantFormat::Q8_0,
@@ -33,6 +36,7 @@ pub const QUANTIZE_FORMATS: [QuantFormat; 7] = [
     QuantFormat::Q4K,
     QuantFormat::Q5K,
     QuantFormat::Q6K,
+    QuantFormat::FP8,
 ];
 
 /// A format [`quantize`] writes, by its GGML name (any case) or a generic
@@ -40,17 +44,12 @@ pub const QUANTIZE_FORMATS: [QuantFormat; 7] = [
 /// symmetric GPTQ or compressed-tensors int4 checkpoint also loads as).
 pub fn parse_quantize_type(s: &str) -> Result<QuantFormat, String> {
     let names = || {
-        QUANTIZE_FORMATS.map(|f| f.name().to_lowercase()).join(", ") + ", int8 (q8_0), int4 (q4_0)"
+        QUANTIZE_FORMATS.map(|f| f.name().to_lowercase()).join(", ") + ", int8 (q8_0), int4 (q4_0), fp8_e4m3 (fp8)"
     };
     let name = match s.to_ascii_lowercase().as_str() {
         "int8" => "q8_0".to_string(),
         "int4" => "q4_0".to_string(),
-        "fp8" | "fp8_e4m3" => {
-            return Err(format!(
-                "fp8 weights are not implemented yet (one of {})",
-                names()
-            ))
-        }
+        "fp8_e4m3" | "f8_e4m3" => "fp8".to_string(),
         other => other.to_string(),
     };
     QuantFormat::from_name(&name)
@@ -99,6 +98,7 @@ pub fn quantize(format: QuantFormat, values: &[f32]) -> Result<Vec<u8>, String> 
                     QuantFormat::Q4K => block_k_min(xb, ob, 15),
                     QuantFormat::Q5K => block_k_min(xb, ob, 31),
                     QuantFormat::Q6K => block_q6_k(xb, ob),
+                    QuantFormat::FP8 => block_fp8(xb, ob),
                     _ => unreachable!("checked above"),
                 };
                 if !ok {
@@ -112,6 +112,36 @@ pub fn quantize(format: QuantFormat, values: &[f32]) -> Result<Vec<u8>, String> 
             Ok(())
         })?;
     Ok(out)
+}
+
+/// The E4M3 byte nearest `v` (ties to even), saturating at ±448; `v` finite.
+pub fn f32_to_e4m3(v: f32) -> u8 {
+    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+    let a = v.abs();
+    // Below the smallest normal (2^-6): multiples of 2^-9 (code = the multiple;
+    // 8 rounds up to the smallest normal, whose code is 8 too).
+    if a < 1.0 / 64.0 {
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let e = ((a.to_bits() >> 23) as i32 - 127).min(8);
+    // a = m · 2^(e - 3) with m in [8, 16): scaling by a power of two is exact.
+    let m = (a * f32::from_bits(((127 + 3 - e) as u32) << 23)).round_ties_even() as u32;
+    let (e, m) = if m == 16 { (e + 1, 8) } else { (e, m) };
+    if e > 8 || (e == 8 && m > 14) {
+        return sign | 0x7E; // 448
+    }
+    sign | (((e + 7) as u8) << 3) | (m - 8) as u8
+}
+
+fn block_fp8(x: &[f32], out: &mut [u8]) -> bool {
+    let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let s = amax / 448.0;
+    out[..4].copy_from_slice(&s.to_le_bytes());
+    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+    for (q, &v) in out[4..].iter_mut().zip(x) {
+        *q = f32_to_e4m3(v * inv);
+    }
+    s.is_finite()
 }
 
 /// Write `v` as f16 at `at`; false when it overflows.
@@ -412,9 +442,37 @@ mod tests {
     /// BF16 / Q8_0 / Q6_K / Q5_K / Q4_K, bounds 1.2–2.3× that (Q4_0: 0.154,
     /// bound 1.1× — plain symmetric rounding, no mins, no search), and within 1 %
     /// for Q5_K / Q4_K, whose least-squares search this pins (a search that
-    /// lost its refits measured 0.0482 / 0.0967). Q4_K's 0.095 is what 16
+    /// lost its refits measured 0.0482 / 0.0967); FP8 0.0176, bound 1.2×
+    /// (three mantissa bits, so about 2^-4/√3 of each value, less where the
+    /// scale of a block of 128 is set by an outlier). Q4_K's 0.095 is what 16
     /// levels over a 32-value range give a normal bulk: step/√12 ≈ 0.08σ,
     /// plus the outlier blocks.
+    /// Every E4M3 code but the NaNs reads back to itself; values halfway
+    /// between two codes go to the even one; beyond 448 saturates.
+    #[test]
+    fn e4m3_codes_round_trip_and_ties_go_to_even() {
+        use crate::dequant::e4m3_to_f32;
+        for b in 0..=255u8 {
+            let v = e4m3_to_f32(b);
+            if b & 0x7F == 0x7F {
+                assert!(v.is_nan());
+                continue;
+            }
+            assert_eq!(f32_to_e4m3(v), b, "{b:#04x} = {v}");
+        }
+        assert_eq!(e4m3_to_f32(0x7E), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 1.0 / 512.0);
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
+        // 1 + 1/16 is halfway between 1 (0x38, even) and 1.125 (0x39).
+        assert_eq!(f32_to_e4m3(1.0625), 0x38);
+        assert_eq!(f32_to_e4m3(1.1875), 0x3A); // between 0x39 and 0x3A: even
+        assert_eq!(f32_to_e4m3(-1.5 / 512.0), 0x82); // subnormal tie: even
+        assert_eq!(f32_to_e4m3(460.0), 0x7E);
+        assert_eq!(f32_to_e4m3(1e9), 0x7E);
+        assert_eq!(f32_to_e4m3(-1e9), 0xFE);
+        assert_eq!(f32_to_e4m3(1e-9), 0x00);
+    }
+
     #[test]
     fn round_trip_error_within_format_bounds() {
         let x = weights(256 * 64, 1);
@@ -426,6 +484,7 @@ mod tests {
             (QuantFormat::Q6K, 0.035),
             (QuantFormat::Q5K, 0.0478),
             (QuantFormat::Q4K, 0.0965),
+            (QuantFormat::FP8, 0.021),
         ] {
             let q = quantize(format, &x).unwrap();
             assert_eq!(
@@ -599,8 +658,8 @@ mod tests {
         assert_eq!(parse_quantize_type("q4_0"), Ok(QuantFormat::Q4_0));
         assert_eq!(parse_quantize_type("int4"), Ok(QuantFormat::Q4_0));
         assert_eq!(parse_quantize_type("INT8"), Ok(QuantFormat::Q8_0));
-        let e = parse_quantize_type("fp8").unwrap_err();
-        assert!(e.contains("not implemented") && e.contains("int4"), "{e}");
+        assert_eq!(parse_quantize_type("fp8"), Ok(QuantFormat::FP8));
+        assert_eq!(parse_quantize_type("FP8_E4M3"), Ok(QuantFormat::FP8));
         // A format Kiln reads but does not write is refused by name.
         let e = parse_quantize_type("iq4_nl").unwrap_err();
         assert!(e.contains("\"iq4_nl\"") && e.contains("q4_k"), "{e}");

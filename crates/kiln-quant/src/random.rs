@@ -11,7 +11,7 @@ use crate::QuantFormat;
 fn f16_fields(format: QuantFormat) -> &'static [usize] {
     use QuantFormat::*;
     match format {
-        F16 | BF16 | MXFP4 => &[],
+        F16 | BF16 | MXFP4 | FP8 => &[],
         Q4_0 | Q5_0 | Q8_0 | IQ4NL | Q4Z | Q4Z32 => &[0],
         Q4_1 | Q5_1 | Q4K | Q5K => &[0, 2],
         Q2K => &[80, 82],
@@ -61,6 +61,20 @@ pub fn random_blocks(format: QuantFormat, n_blocks: usize, seed: u64) -> Vec<u8>
                     // A zero point of 0..31 and the byte after it zero.
                     block[2] &= 0x1F;
                     block[3] = 0;
+                }
+                if format == QuantFormat::FP8 {
+                    // An f32 scale in ±[1e-4, 0.05) / 448 (a real block's
+                    // largest weight over E4M3's), no NaN codes.
+                    let mut v = rng.uniform(1e-4, 0.05) / 448.0;
+                    if rng.next() % 8 == 0 {
+                        v = -v;
+                    }
+                    block[..4].copy_from_slice(&v.to_le_bytes());
+                    for q in &mut block[4..] {
+                        if *q & 0x7F == 0x7F {
+                            *q &= 0xFE;
+                        }
+                    }
                 }
                 if format == QuantFormat::MXFP4 {
                     // An e8m0 scale of 2^-11 .. 2^-3 (real weights' range).

@@ -88,7 +88,8 @@ pub struct ModelArgs {
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// Quantize the model's float matrices as it loads: q8_0, q4_0, q4_k,
-    /// q5_k, q6_k, or int8 / int4 (q8_0 / q4_0); matrices already quantized
+    /// q5_k, q6_k, fp8 (E4M3 in runs of 128 under an f32 scale), or int8 /
+    /// int4 (q8_0 / q4_0); matrices already quantized
     /// keep their blocks.
     #[arg(long, value_parser = crate::quantize::parse_quant_type)]
     pub quantize: Option<kiln_quant::QuantFormat>,

@@ -9,7 +9,7 @@
 //! GEMM) or the instruction set — so a row's bits do not depend on what
 //! it is batched with.
 //!
-//! F16 and BF16 stay as the file stores them (in place in the mapped
+//! F16, BF16 and FP8 stay as the file stores them (in place in the mapped
 //! file): a product converts a panel of rows into a small f32 buffer —
 //! four rows for decode-sized batches, up to 64 for larger ones, reused by
 //! every row of `x` — and runs the dense product's register tiles over it

@@ -154,13 +154,14 @@ pub(crate) struct Scheme {
 
 impl Scheme {
     /// The packing of `format`, or `None` for the formats kept as they are
-    /// stored (F16, BF16: no codes or scales).
+    /// stored (F16, BF16: no codes or scales; FP8: codes read through no
+    /// linear map).
     pub(crate) fn of(format: QuantFormat) -> Option<Scheme> {
         use QuantFormat::*;
         let k = |n| ScaleKind::Super { subs_per_super: n };
         let f = ScaleKind::F16;
         let (nibble, high, sub, scales, offsets, bias) = match format {
-            F16 | BF16 => return None,
+            F16 | BF16 | FP8 => return None,
             Q4_0 => (true, 0, 32, f, false, 8),
             Q4_1 => (true, 0, 32, f, true, 0),
             // Scale d and offset −d·z a sub-block: f16 times a multiplier
@@ -357,7 +358,7 @@ fn decompose(
             }
         }
         Q4_0 | Q4_1 | IQ4NL | MXFP4 | Q4Z | Q4Z32 => unreachable!("packed by direct_nibbles"),
-        F16 | BF16 => unreachable!("F16 and BF16 are not packed"),
+        F16 | BF16 | FP8 => unreachable!("F16, BF16 and FP8 are not packed"),
     }
 }
 
