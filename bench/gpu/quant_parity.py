@@ -16,9 +16,11 @@ import numpy as np
 from logit_compare import compare  # noqa: E402
 
 
-def logits(kiln, model, device, ids, out, prefill=None):
+def logits(kiln, model, device, ids, out, prefill=None, quantize=None):
     cmd = [kiln, "dev", "logits", "-m", model, "--device", device,
            "--ids", ",".join(map(str, ids)), "-o", out]
+    if quantize:
+        cmd += ["--quantize", quantize]
     if prefill:
         cmd += ["--prefill", str(prefill)]
     t = time.time()
@@ -33,15 +35,17 @@ def main():
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--prefill", type=int, default=32)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--quantize", help="quantize the float model as it loads (both backends)")
     a = ap.parse_args()
     rng = random.Random(1)
     ids = [rng.randrange(100, 49000) for _ in range(a.tokens)]
     with tempfile.TemporaryDirectory() as d:
-        gpu_prefill, tg = logits(a.kiln, a.model, "cuda", ids, os.path.join(d, "g.npy"))
-        gpu_decode, _ = logits(a.kiln, a.model, "cuda", ids, os.path.join(d, "gd.npy"), a.prefill)
-        cpu, tc = logits(a.kiln, a.model, "cpu", ids, os.path.join(d, "c.npy"))
+        q = a.quantize
+        gpu_prefill, tg = logits(a.kiln, a.model, "cuda", ids, os.path.join(d, "g.npy"), None, q)
+        gpu_decode, _ = logits(a.kiln, a.model, "cuda", ids, os.path.join(d, "gd.npy"), a.prefill, q)
+        cpu, tc = logits(a.kiln, a.model, "cpu", ids, os.path.join(d, "c.npy"), None, q)
     r = {
-        "model": os.path.basename(a.model),
+        "model": os.path.basename(a.model) + (f" --quantize {a.quantize}" if a.quantize else ""),
         "tokens": a.tokens,
         "prefill_then_decode_from": a.prefill,
         "cuda_prefill_vs_cpu": compare(gpu_prefill, cpu),

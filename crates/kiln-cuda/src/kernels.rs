@@ -52,6 +52,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ),
     ("matmul_gemv", include_str!("ops/matmul/gemv.cu")),
     ("matmul_blocks", include_str!("ops/matmul/blocks.cu")),
+    ("matmul_fp8", include_str!("ops/matmul/fp8.cu")),
     ("argmax", include_str!("ops/argmax/argmax.cu")),
     ("sample", include_str!("ops/sample/sample.cu")),
     ("lora", include_str!("ops/lora/lora.cu")),
@@ -110,18 +111,14 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_hd256",
 ];
 
-/// The block formats `matmul_blocks` (`ops/matmul/blocks.cu`) has kernels
-/// for, by kernel name: `qgemv_<fmt>_m1` … `_m8`, the row variants
-/// [`QGEMV_ROW_VARIANTS`] and `dequant_<fmt>_bf16` each.
+/// The block formats with kernels, by kernel name: `qgemv_<fmt>_m1` …
+/// `_m8` and `dequant_<fmt>_bf16` each — `matmul_blocks`'
+/// (`ops/matmul/blocks.cu`, dp4a on integer codes), then `fp8`
+/// (`ops/matmul/fp8.cu`, tensor cores).
 pub const BLOCK_FORMATS: &[&str] = &[
     "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k",
-    "q6_k", "q4_z", "q4_z32",
+    "q6_k", "q4_z", "q4_z32", "fp8",
 ];
-
-/// The decode products that take more than one output row a warp:
-/// `qgemv_<fmt>_m{M}_r{RW}` for each `(M, RW)`. (Four rows a warp measured
-/// slower than two: q4_k 8B decode on an H100 279 against 303 tok/s.)
-pub const QGEMV_ROW_VARIANTS: &[(usize, usize)] = &[(1, 2), (2, 2)];
 
 /// Every block-weight kernel the backend launches by name.
 pub fn block_entry_points() -> Vec<String> {
@@ -130,11 +127,6 @@ pub fn block_entry_points() -> Vec<String> {
         .flat_map(|f| {
             (1..=8)
                 .map(move |m| format!("qgemv_{f}_m{m}"))
-                .chain(
-                    QGEMV_ROW_VARIANTS
-                        .iter()
-                        .map(move |(m, r)| format!("qgemv_{f}_m{m}_r{r}")),
-                )
                 .chain([format!("dequant_{f}_bf16")])
         })
         .collect()
@@ -158,6 +150,7 @@ pub fn units() -> Vec<(String, String)> {
                 "matmul_blocks" => BLOCK_FORMATS
                     .iter()
                     .enumerate()
+                    .filter(|(_, f)| **f != "fp8")
                     .map(|(i, f)| {
                         (
                             format!("{name}_{f}"),

@@ -37,16 +37,11 @@ pub struct CudaOptions {
     /// `target / (rows * kv_heads)` partitions of at least this many keys.
     pub decode_partition_keys: usize,
     pub decode_target_blocks: usize,
-    /// Block-quantized decode products (`ops/matmul/blocks`): the most
-    /// blocks a multiprocessor they launch (each block stages x and loops
-    /// over weight rows). Default 8.
+    /// Block-quantized decode products (`ops/matmul/blocks`): the blocks a
+    /// multiprocessor they launch, one wave (each block stages x once, each
+    /// warp runs its ring of loads over its rows). Default 2, the residency
+    /// their register cap (`KILN_QGEMV_MIN_BLOCKS`) allows.
     pub qgemv_blocks_per_sm: usize,
-    /// Output rows a warp of those products takes a pass (1 or 2; gated
-    /// products half as many gate rows, each with its up row): `None`
-    /// (default) takes two where one would not launch every row in one wave
-    /// of two blocks a multiprocessor and the kernel has them (one or two
-    /// rows of x).
-    pub qgemv_rows_per_warp: Option<usize>,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -66,8 +61,7 @@ impl Default for CudaOptions {
             direct_cols: None,
             decode_partition_keys: 32,
             decode_target_blocks: 256,
-            qgemv_blocks_per_sm: 8,
-            qgemv_rows_per_warp: None,
+            qgemv_blocks_per_sm: 2,
             kernel_defines: String::new(),
         }
     }

@@ -95,19 +95,10 @@ pub const KNOBS: &[Knob] = &[
     },
     Knob {
         var: "KILN_QGEMV_BLOCKS_PER_SM",
-        default: "8",
-        help: "most blocks a multiprocessor the block-quantized decode products launch (each stages x once)",
+        default: "2",
+        help: "blocks a multiprocessor the block-quantized decode products launch, one wave (each stages x once)",
         set: Set::Parse(|o, v| {
             o.qgemv_blocks_per_sm = positive("KILN_QGEMV_BLOCKS_PER_SM", v)?;
-            Ok(())
-        }),
-    },
-    Knob {
-        var: "KILN_QGEMV_ROWS",
-        default: "",
-        help: "output rows a warp of the block-quantized decode products takes (1 or 2); unset lets the host rule pick",
-        set: Set::Parse(|o, v| {
-            o.qgemv_rows_per_warp = Some(one_of("KILN_QGEMV_ROWS", v, &[1, 2])?);
             Ok(())
         }),
     },
@@ -281,7 +272,6 @@ mod tests {
             ("KILN_DECODE_PARTITION_KEYS", "128"),
             ("KILN_DECODE_TARGET_BLOCKS", "64"),
             ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
-            ("KILN_QGEMV_ROWS", "2"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -298,12 +288,11 @@ mod tests {
                 decode_partition_keys: 128,
                 decode_target_blocks: 64,
                 qgemv_blocks_per_sm: 3,
-                qgemv_rows_per_warp: Some(2),
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 12);
+        assert_eq!(KNOBS.len(), 11);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 

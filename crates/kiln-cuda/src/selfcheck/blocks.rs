@@ -62,7 +62,7 @@ pub(super) fn block_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         let c = p.cpu.embedding(&wc, &ids).map_err(e)?;
         p.compare(format!("blocks {f} embedding"), &g, &c, TOL)?;
     }
-    rows_a_warp(p, rng)?;
+    ring(p, rng)?;
     // A packed gate/up weight of two formats behind a Gemma-style norm, and a
     // bias on a three-part q/k/v.
     let q4k = WeightKind::Blocks(QuantFormat::Q4K);
@@ -132,19 +132,23 @@ pub(super) fn block_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     Ok(())
 }
 
-/// The kernels that take 2 output rows a warp (`blocks.rs`'s
-/// `rows_per_warp` picks them where one row a warp would not launch in one
-/// wave): row counts just past that boundary and twice it, a few rows past a
-/// whole warp's (a warp's second row out of range), plain and gated (one
-/// gate row a warp still), one and two rows of x.
-fn rows_a_warp(p: &mut Pair, rng: &mut Rng) -> R<()> {
-    let wave = 8 * 2 * p.gpu.dev.sms.max(1);
-    let k = 256;
+/// The decode products' rings (`qgemv_ring`, and FP8's over tiles and
+/// steps): warps that take several rows (a wave's rows and a few more, and
+/// two and a half waves), rows whose units are not a multiple of a warp's
+/// 32 lanes (40: the last slot of a row half full; FP8: a last step of 512
+/// partly past the row) or fewer than 32 (the ring crossing rows within one
+/// depth), plain and gated, one and two rows of x; FP8 also behind a norm
+/// and with three and eight rows of x.
+fn ring(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    let wave = 8 * p.gpu.options.qgemv_blocks_per_sm.max(1) * p.gpu.dev.sms.max(1);
     for (i, f) in [
         QuantFormat::Q4K,
         QuantFormat::Q8_0,
         QuantFormat::Q6K,
         QuantFormat::Q4Z,
+        QuantFormat::Q4_0,
+        QuantFormat::Q3K,
+        QuantFormat::FP8,
     ]
     .into_iter()
     .enumerate()
@@ -152,25 +156,56 @@ fn rows_a_warp(p: &mut Pair, rng: &mut Rng) -> R<()> {
         if !p.gpu.supports_weight(WeightKind::Blocks(f)) {
             continue;
         }
-        for (rows_out, gated) in [(wave + 3, false), (2 * wave + 3, false), (wave + 3, true)] {
+        // Units of 32, 64 (Q4_K, Q4_Z) or 128 (Q6_K, Q3_K) elements.
+        let unit = match f {
+            QuantFormat::Q6K | QuantFormat::Q3K | QuantFormat::FP8 => 128usize,
+            QuantFormat::Q4K | QuantFormat::Q4Z => 64,
+            _ => 32,
+        };
+        for (rows_out, units, gated) in [
+            (wave + 3, 40, false),
+            (5 * wave / 2, 40, true),
+            (5 * wave / 2 + 1, 6, false),
+            (7, 40, true),
+        ] {
+            let k: usize = (units * unit as usize).next_multiple_of(f.block_size());
             let rows = if gated { 2 * rows_out } else { rows_out };
             let (wg, wc) = weight(p, &[(f, rows, k, 300 + i as u64)])?;
-            for n in [1usize, 2] {
-                let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
+            let fp8 = f == QuantFormat::FP8;
+            let (ng, nc) = p.up(&[k], &rng.vec(k, 0.5))?;
+            let ns: &[usize] = if fp8 { &[1, 2, 3, 8] } else { &[1, 2] };
+            for &n in ns {
+                // Activations of a few hundred (the FP8 kernel scales each row
+                // of x into f16's range).
+                let scale = if fp8 && n == 3 { 300.0 } else { 1.0 };
+                let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, scale))?;
                 let (rg, rc) = p.up(&[n, rows_out], &rng.vec(n * rows_out, 1.0))?;
                 let epi = |r| match gated {
                     true => Epilogue::gated(Activation::Silu).with_residual(r),
                     false => Epilogue::NONE.with_residual(r),
                 };
-                let g = p.gpu.matmul(&xg, &wg, None, epi(&rg)).map_err(e)?;
-                let c = p.cpu.matmul(&xc, &wc, None, epi(&rc)).map_err(e)?;
-                let what = if gated { "gated" } else { "plain" };
-                p.compare(
-                    format!("blocks {f} {what} {rows_out} rows n={n} (rows a warp)"),
-                    &g,
-                    &c,
-                    TOL,
-                )?;
+                let norms: &[bool] = if fp8 { &[false, true] } else { &[false] };
+                for &norm in norms {
+                    let pro = |w| NormPrologue {
+                        weight: w,
+                        eps: 1e-6,
+                        offset: 1.0,
+                    };
+                    let (pg, pc) = match norm {
+                        true => (Some(pro(&ng)), Some(pro(&nc))),
+                        false => (None, None),
+                    };
+                    let g = p.gpu.matmul(&xg, &wg, pg, epi(&rg)).map_err(e)?;
+                    let c = p.cpu.matmul(&xc, &wc, pc, epi(&rc)).map_err(e)?;
+                    let what = if gated { "gated" } else { "plain" };
+                    let what = if norm { format!("norm·{what}") } else { what.to_string() };
+                    p.compare(
+                        format!("blocks {f} {what} {rows_out} rows k={k} n={n} (ring)"),
+                        &g,
+                        &c,
+                        TOL,
+                    )?;
+                }
             }
         }
     }

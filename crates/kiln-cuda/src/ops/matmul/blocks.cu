@@ -15,7 +15,7 @@
 // gives unit u's codes as small integers, four to a word in element order (q[i] = elements 4 i ..
 // 4 i + 3 as signed bytes), and per 16 elements h a scale and an offset: w = s[h] * code + b[h].
 //
-//   qgemv_<fmt>_m{M}[_r{RW}](x, norm_w, eps, off, nt, parts, out, residual, K, ldo, gated, act)
+//   qgemv_<fmt>_m{M}(x, norm_w, eps, off, nt, parts, out, residual, K, ldo, gated, act)
 //     out[r * ldo + n] = sum_k x'[r, k] * W[n, k] (+ residual[r * ldo + n] when residual != 0),
 //     r < M (1..8); x' = x, or rms_norm(x) * (off + norm_w) rounded to bf16 as add_rms_norm_bf16
 //     with nt threads rounds it (rms_prologue.cuh) when norm_w != 0. W: up to three parts of this
@@ -23,14 +23,15 @@
 //     R = half the rows (act 0 SiLU, 1 GELU tanh), as a packed gate/up product.
 //     Every block stages x' in shared memory as exact integers (stage_x: each 32 elements X_e * 2^e
 //     with |X| < 2^14, split into two signed bytes X = 256 a + c, so the integer products are
-//     exact and only x' values below 2^-13 of their 32-element group's largest lose bits), then
-//     each warp takes RW consecutive output rows a pass (RW = 1, or 2 by the _r2 suffix, for M
-//     <= 2; gated: RW / 2 gate rows and their up rows, so one), warp w of the grid rows w * RW, w * RW +
-//     8 * RW * gridDim.x, ...; lane l takes units l, l + 32, ... and sums each 16 or 32 elements'
-//     code . a and code . c with dp4a, then s * 2^e * (256 sum_a + sum_c) + b * sum(x') in f32; the M sums
-//     (two for gated) are reduced across the warp and rounded once at the store. Block 256
-//     threads; dynamic shared memory blocks.rs's qgemv_smem(M, K); K % 256 == 0 for K-quants,
-//     % 32 otherwise; x, norm_w 16-byte aligned; out must not overlap x.
+//     exact and only x' values below 2^-13 of their 32-element group's largest lose bits). Warp w
+//     of the grid takes output rows w, w + 8 gridDim.x, ... (gated: each with its up row); lane l
+//     units l, l + 32, ... of each, their loads running a ring of units ahead of the products
+//     across rows (qgemv_ring); it sums each 16 or 32 elements' code . a and code . c with dp4a,
+//     then s * 2^e * (256 sum_a + sum_c) + b * sum(x') in f32; the M sums (two for gated) are
+//     reduced across the warp and rounded once at the store. Block 256 threads, any grid (the
+//     host launches one wave: KILN_QGEMV_MIN_BLOCKS an SM); dynamic shared memory blocks.rs's
+//     qgemv_smem(M, K); K % 256 == 0 for K-quants, % 128 for Q4_Z, % 32 otherwise; x, norm_w
+//     16-byte aligned; out must not overlap x.
 //   dequant_<fmt>_bf16(body, meta, ids, out, K, rows_out, row0)
 //     out[r, :] = W[ids ? ids[r] : row0 + r, :] as bf16 (fmaf(s, code, b) rounded once), r <
 //     rows_out: a thread per unit (the rows of an embedding lookup, or a slab of rows for the
@@ -39,17 +40,16 @@
 #include "rms_prologue.cuh"
 #include <cuda_fp16.h>
 
-// Tuning knobs (KILN_KERNEL_DEFINES): units of a lane unrolled (their loads in flight together),
-// the resident blocks an SM the compiler must allow (register cap), and whether a warp loads its
-// first unit before x is staged.
-#ifndef KILN_QGEMV_UNROLL
-#define KILN_QGEMV_UNROLL 2
+// Tuning knobs (KILN_KERNEL_DEFINES): registers of loaded weight bytes a lane keeps in flight
+// (the ring's depth in units: this over a unit's words, 1..8; on an H100, 8B-shaped decode at
+// 16 / 24 / 32 / 40 / 64 words: q4_k 353 / 348 / 350 / 346 / 333 tok/s, q8_0 257 / 262 / 262 /
+// - / 248), and the resident blocks an SM the compiler must allow (register cap; the host
+// launches that many blocks an SM, one wave; 3 measured 309 against 348 tok/s).
+#ifndef KILN_QGEMV_RING_WORDS
+#define KILN_QGEMV_RING_WORDS 32
 #endif
 #ifndef KILN_QGEMV_MIN_BLOCKS
 #define KILN_QGEMV_MIN_BLOCKS 2
-#endif
-#ifndef KILN_QGEMV_PRELOAD
-#define KILN_QGEMV_PRELOAD 1
 #endif
 
 namespace blocks_detail {
@@ -80,9 +80,6 @@ __constant__ __align__(16) signed char kMxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0,
 
 typedef unsigned char u8;
 
-__device__ __forceinline__ float half_at(const u8* p) {
-    return __half2float(__ushort_as_half(*reinterpret_cast<const unsigned short*>(p)));
-}
 __device__ __forceinline__ uint4 ld16(const u8* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 __device__ __forceinline__ unsigned ld4(const u8* p) { return __ldg(reinterpret_cast<const unsigned*>(p)); }
 
@@ -121,18 +118,98 @@ __device__ __forceinline__ unsigned lut16(unsigned n, const unsigned* t) {
     return (lo & ~m) | (hi & m);
 }
 
-// Unit u of a block: codes q (element order, four a word), scales s and offsets b a 16 elements.
+// A unit's bytes as loaded (32-bit words: NW of its body, NM of its meta), so that the loads of
+// units ahead can be in flight while earlier ones are multiplied (the ring of qgemv_ring).
+template <int F> struct RawN;
+template <> struct RawN<Q8_0> { static constexpr int NW = 8, NM = 1; };
+template <> struct RawN<Q4_0> { static constexpr int NW = 4, NM = 1; };
+template <> struct RawN<Q4_1> { static constexpr int NW = 4, NM = 1; };
+template <> struct RawN<Q5_0> { static constexpr int NW = 5, NM = 1; };
+template <> struct RawN<Q5_1> { static constexpr int NW = 5, NM = 1; };
+template <> struct RawN<IQ4NL> { static constexpr int NW = 4, NM = 1; };
+template <> struct RawN<MXFP4> { static constexpr int NW = 4, NM = 1; };
+template <> struct RawN<Q2K> { static constexpr int NW = 12, NM = 1; };
+template <> struct RawN<Q3K> { static constexpr int NW = 16, NM = 4; };
+template <> struct RawN<Q4K> { static constexpr int NW = 12, NM = 0; };
+template <> struct RawN<Q5K> { static constexpr int NW = 20, NM = 0; };
+template <> struct RawN<Q6K> { static constexpr int NW = 26, NM = 1; };
+template <> struct RawN<Q4Z> { static constexpr int NW = 8, NM = 1; };
+template <> struct RawN<Q4Z32> { static constexpr int NW = 4, NM = 1; };
+
 template <int F>
-__device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int* q, float* s, float* b) {
+struct Raw {
+    unsigned w[RawN<F>::NW];
+    unsigned m[RawN<F>::NM > 0 ? RawN<F>::NM : 1];
+};
+
+__device__ __forceinline__ unsigned ld2(const u8* p) {
+    return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+__device__ __forceinline__ float half_lo(unsigned w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xffffu))); }
+__device__ __forceinline__ float half_hi(unsigned w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+
+// The bytes of unit u (of its block) that unit_codes reads.
+template <int F>
+__device__ __forceinline__ void raw_load(const u8* body, const u8* meta, int u, Raw<F>& r) {
+    auto put16 = [&](int i, const u8* p) {
+        const uint4 v = ld16(p);
+        r.w[i] = v.x, r.w[i + 1] = v.y, r.w[i + 2] = v.z, r.w[i + 3] = v.w;
+    };
     if (F == Q8_0) {
-        const uint4 a = ld16(body), c = ld16(body + 16);
-        q[0] = a.x, q[1] = a.y, q[2] = a.z, q[3] = a.w, q[4] = c.x, q[5] = c.y, q[6] = c.z, q[7] = c.w;
-        s[0] = s[1] = half_at(meta);
+        put16(0, body), put16(4, body + 16);
+        r.m[0] = ld2(meta);
+    } else if (F == Q4_0 || F == IQ4NL) {
+        put16(0, body);
+        r.m[0] = ld2(meta);
+    } else if (F == Q4_1 || F == Q4Z32) {
+        put16(0, body);
+        r.m[0] = ld4(meta);
+    } else if (F == MXFP4) {
+        put16(0, body);
+        r.m[0] = __ldg(meta);
+    } else if (F == Q5_0 || F == Q5_1) {
+#pragma unroll
+        for (int i = 0; i < 5; ++i) r.w[i] = ld4(body + 4 * i);
+        r.m[0] = F == Q5_0 ? ld2(meta) : ld4(meta);
+    } else if (F == Q2K) {
+        put16(0, body), put16(4, body + 16 + 32 * u), put16(8, body + 32 + 32 * u);
+        r.m[0] = ld4(meta);
+    } else if (F == Q3K) {
+        put16(0, body), put16(4, body + 16), put16(8, body + 32 + 32 * u), put16(12, body + 48 + 32 * u);
+        // 14 meta bytes, only 2-byte aligned.
+#pragma unroll
+        for (int i = 0; i < 3; ++i) r.m[i] = ld2(meta + 4 * i) | (ld2(meta + 4 * i + 2) << 16);
+        r.m[3] = ld2(meta + 12);
+    } else if (F == Q4K) {
+        put16(0, body), put16(4, body + 16 + 32 * u), put16(8, body + 32 + 32 * u);
+    } else if (F == Q5K) {
+        put16(0, body), put16(4, body + 16), put16(8, body + 32);
+        put16(12, body + 48 + 32 * u), put16(16, body + 64 + 32 * u);
+    } else if (F == Q6K) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) put16(4 * i, body + 64 * u + 16 * i);
+        put16(16, body + 128 + 32 * u), put16(20, body + 144 + 32 * u);
+        const uint2 sc = __ldg(reinterpret_cast<const uint2*>(body + 192 + 8 * u));
+        r.w[24] = sc.x, r.w[25] = sc.y;
+        r.m[0] = ld2(meta);
+    } else {  // Q4Z
+        put16(0, body + 32 * u), put16(4, body + 32 * u + 16);
+        r.m[0] = ld4(meta);
+    }
+}
+
+// Unit u of a block from its loaded bytes: codes q (element order, four a word), scales s and
+// offsets b a 16 elements.
+template <int F>
+__device__ __forceinline__ void unit_codes(const Raw<F>& r, int u, int* q, float* s, float* b) {
+    const unsigned* w = r.w;
+    if (F == Q8_0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] = w[i];
+        s[0] = s[1] = half_lo(r.m[0]);
         b[0] = b[1] = 0.0f;
     } else if (F == Q4_0 || F == Q4_1 || F == IQ4NL || F == MXFP4 || F == Q4Z32) {
         // Byte j: element j (low nibble) and j + 16 (high nibble).
-        const uint4 a = ld16(body);
-        const unsigned w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             q[i] = w[i] & KILN_LO4;
@@ -145,70 +222,59 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
             for (int i = 0; i < 8; ++i) q[i] = lut16(q[i], t);
         }
         if (F == Q4_0) {
-            const float d = half_at(meta);
+            const float d = half_lo(r.m[0]);
             s[0] = s[1] = d;
             b[0] = b[1] = -8.0f * d;
         } else if (F == Q4_1) {
-            s[0] = s[1] = half_at(meta);
-            b[0] = b[1] = half_at(meta + 2);
+            s[0] = s[1] = half_lo(r.m[0]);
+            b[0] = b[1] = half_hi(r.m[0]);
         } else if (F == Q4Z32) {
-            const float d = half_at(meta);
+            const float d = half_lo(r.m[0]);
             s[0] = s[1] = d;
-            b[0] = b[1] = -d * (float)(meta[2] & 0x1F);
+            b[0] = b[1] = -d * (float)((r.m[0] >> 16) & 0x1F);
         } else {
-            s[0] = s[1] = F == IQ4NL ? half_at(meta) : e8m0_half(*meta);
+            s[0] = s[1] = F == IQ4NL ? half_lo(r.m[0]) : e8m0_half(r.m[0] & 0xFFu);
             b[0] = b[1] = 0.0f;
         }
     } else if (F == Q4Z) {
         // Four runs of Q4_0's byte order; unit u: runs 2 u and 2 u + 1. Meta: d, then z.
-        const uint4 a = ld16(body + 32 * u), c = ld16(body + 32 * u + 16);
-        const unsigned w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+        for (int g = 0; g < 2; ++g)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                q[8 * r + i] = w[4 * r + i] & KILN_LO4;
-                q[8 * r + 4 + i] = (w[4 * r + i] >> 4) & KILN_LO4;
+                q[8 * g + i] = w[4 * g + i] & KILN_LO4;
+                q[8 * g + 4 + i] = (w[4 * g + i] >> 4) & KILN_LO4;
             }
-        const float d = half_at(meta), off = -d * (float)(meta[2] & 0x1F);
+        const float d = half_lo(r.m[0]), off = -d * (float)((r.m[0] >> 16) & 0x1F);
 #pragma unroll
         for (int h = 0; h < 4; ++h) s[h] = d, b[h] = off;
     } else if (F == Q5_0 || F == Q5_1) {
-        const unsigned w[4] = {ld4(body), ld4(body + 4), ld4(body + 8), ld4(body + 12)};
-        const unsigned qh = ld4(body + 16);  // bit e: element e's fifth bit
+        const unsigned qh = w[4];  // bit e: element e's fifth bit
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             q[i] = (w[i] & KILN_LO4) | (spread4(qh >> (4 * i)) << 4);
             q[4 + i] = ((w[i] >> 4) & KILN_LO4) | (spread4(qh >> (16 + 4 * i)) << 4);
         }
-        const float d = half_at(meta);
+        const float d = half_lo(r.m[0]);
         s[0] = s[1] = d;
-        b[0] = b[1] = F == Q5_1 ? half_at(meta + 2) : -16.0f * d;
+        b[0] = b[1] = F == Q5_1 ? half_hi(r.m[0]) : -16.0f * d;
     } else if (F == Q2K || F == Q3K) {
         // Q2_K body: 16 scale bytes (4-bit scale, 4-bit min a 16-element sub-block), 64 quant
         // bytes; meta d, dmin. Q3_K body: hmask[32], 64 quant bytes; meta: 12 packed 6-bit
         // scales, d. Element 128 u + 32 t + l: bits 2 t of quant byte 32 u + l; Q3_K's third bit
         // is bit 4 u + t of hmask byte l (value q - 4 without it, so code q | bit << 2, offset -4).
-        const u8* qs = body + (F == Q2K ? 16 : 32) + 32 * u;
-        const uint4 a = ld16(qs), c = ld16(qs + 16);
-        const unsigned w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        unsigned hm[8];
-        if (F == Q3K) {
-            const uint4 e = ld16(body), f = ld16(body + 16);
-            hm[0] = e.x, hm[1] = e.y, hm[2] = e.z, hm[3] = e.w, hm[4] = f.x, hm[5] = f.y, hm[6] = f.z, hm[7] = f.w;
-        }
+        const unsigned* qw = w + (F == Q2K ? 4 : 8);
 #pragma unroll
         for (int t = 0; t < 4; ++t)
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
-                unsigned v = (w[i] >> (2 * t)) & 0x03030303u;
-                if (F == Q3K) v |= ((hm[i] >> (4 * u + t)) & 0x01010101u) << 2;
+                unsigned v = (qw[i] >> (2 * t)) & 0x03030303u;
+                if (F == Q3K) v |= ((w[i] >> (4 * u + t)) & 0x01010101u) << 2;
                 q[8 * t + i] = v;
             }
         if (F == Q2K) {
-            const float d = half_at(meta), dmin = half_at(meta + 2);
-            const uint4 sc = ld16(body);
-            const unsigned scw[2] = {u ? sc.z : sc.x, u ? sc.w : sc.y};  // bytes 8 u .. 8 u + 7
+            const float d = half_lo(r.m[0]), dmin = half_hi(r.m[0]);
+            const unsigned scw[2] = {u ? w[2] : w[0], u ? w[3] : w[1]};  // bytes 8 u .. 8 u + 7
 #pragma unroll
             for (int h = 0; h < 8; ++h) {
                 const unsigned v = (scw[h >> 2] >> (8 * (h & 3))) & 0xFFu;
@@ -216,12 +282,13 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
                 b[h] = -dmin * (float)(v >> 4);
             }
         } else {
-            const float d = half_at(meta + 12);
+            const float d = half_lo(r.m[3]);
 #pragma unroll
             for (int h = 0; h < 8; ++h) {
-                const int i = 8 * u + h;  // sub-block of 16
-                const unsigned lo = i < 8 ? (meta[i] & 0xF) : (meta[i - 8] >> 4);
-                const unsigned hi = (meta[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+                // Sub-block i = 8 u + h of 16: low 4 bits in byte h's nibble u, high 2 bits at
+                // 2 (i >> 2) of byte 8 + (i & 3).
+                const unsigned lo = ((r.m[h >> 2] >> (8 * (h & 3))) >> (4 * u)) & 0xF;
+                const unsigned hi = ((r.m[2] >> (8 * (h & 3))) >> (2 * (2 * u + (h >> 2)))) & 3;
                 s[h] = d * (float)((int)(lo | (hi << 4)) - 32);
                 b[h] = -4.0f * s[h];
             }
@@ -230,25 +297,16 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
         // d, dmin (f16 pair), 12 scale bytes, [Q5_K: 32 high-bit bytes], 128 quant bytes: unit u's
         // elements 64 u + l are the low nibbles of quant bytes 32 u + l, 64 u + 32 + l the high
         // ones (sub-blocks 2 u and 2 u + 1; Q5_K's fifth bits: bits 2 u, 2 u + 1 of byte l).
-        const uint4 hd = ld16(body);
-        const float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xffff)));
-        const float dmin = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
-        const unsigned sc3[3] = {hd.y, hd.z, hd.w};
-        const u8* qs = body + (F == Q5K ? 48 : 16) + 32 * u;
-        const uint4 a = ld16(qs), c = ld16(qs + 16);
-        const unsigned w[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        unsigned hb[8];
-        if (F == Q5K) {
-            const uint4 e = ld16(body + 16), f = ld16(body + 32);
-            hb[0] = e.x, hb[1] = e.y, hb[2] = e.z, hb[3] = e.w, hb[4] = f.x, hb[5] = f.y, hb[6] = f.z, hb[7] = f.w;
-        }
+        const float d = half_lo(w[0]), dmin = half_hi(w[0]);
+        const unsigned sc3[3] = {w[1], w[2], w[3]};
+        const unsigned* qw = w + (F == Q5K ? 12 : 4);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            q[i] = w[i] & KILN_LO4;
-            q[8 + i] = (w[i] >> 4) & KILN_LO4;
+            q[i] = qw[i] & KILN_LO4;
+            q[8 + i] = (qw[i] >> 4) & KILN_LO4;
             if (F == Q5K) {
-                q[i] |= ((hb[i] >> (2 * u)) & 0x01010101u) << 4;
-                q[8 + i] |= ((hb[i] >> (2 * u + 1)) & 0x01010101u) << 4;
+                q[i] |= ((w[4 + i] >> (2 * u)) & 0x01010101u) << 4;
+                q[8 + i] |= ((w[4 + i] >> (2 * u + 1)) & 0x01010101u) << 4;
             }
         }
 #pragma unroll
@@ -261,28 +319,30 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
     } else {  // Q6K: ql[128], qh[64], int8 scales[16]; d in meta.
         // Element 128 u + 32 t + l: nibble t / 2 of ql byte 64 u + 32 (t % 2) + l, bits 2 t of qh
         // byte 32 u + l above it; value code - 32.
-        const u8* ql = body + 64 * u;
-        const u8* qhp = body + 128 + 32 * u;
-        const uint4 l0 = ld16(ql), l1 = ld16(ql + 16), l2 = ld16(ql + 32), l3 = ld16(ql + 48);
-        const uint4 h0 = ld16(qhp), h1 = ld16(qhp + 16);
-        const unsigned lw[16] = {l0.x, l0.y, l0.z, l0.w, l1.x, l1.y, l1.z, l1.w,
-                                 l2.x, l2.y, l2.z, l2.w, l3.x, l3.y, l3.z, l3.w};
-        const unsigned hw[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+        const unsigned* lw = w;
+        const unsigned* hw = w + 16;
 #pragma unroll
         for (int t = 0; t < 4; ++t)
 #pragma unroll
             for (int i = 0; i < 8; ++i)
                 q[8 * t + i] = ((lw[8 * (t & 1) + i] >> (4 * (t >> 1))) & KILN_LO4) |
                                (((hw[i] >> (2 * t)) & 0x03030303u) << 4);
-        const float d = half_at(meta);
-        const uint2 scw = __ldg(reinterpret_cast<const uint2*>(body + 192 + 8 * u));
+        const float d = half_lo(r.m[0]);
 #pragma unroll
         for (int h = 0; h < 8; ++h) {
-            const int v = (int)(signed char)(((h < 4 ? scw.x : scw.y) >> (8 * (h & 3))) & 0xFFu);
+            const int v = (int)(signed char)((w[24 + (h >> 2)] >> (8 * (h & 3))) & 0xFFu);
             s[h] = d * (float)v;
             b[h] = -32.0f * s[h];
         }
     }
+}
+
+// Unit u of a block, loaded and decoded.
+template <int F>
+__device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int* q, float* s, float* b) {
+    Raw<F> r;
+    raw_load<F>(body, meta, u, r);
+    unit_codes<F>(r, u, q, s, b);
 }
 
 __device__ __forceinline__ float act_fn(float g, int act) {
@@ -414,14 +474,6 @@ struct Codes {
     float s[Fmt<F>::UE / 16], b[Fmt<F>::UE / 16];
 };
 
-// Unit u (of the row) of row `local` of a part.
-template <int F>
-__device__ __forceinline__ void load_codes(const u8* body, const u8* meta, int local, int u, int K, Codes<F>& c) {
-    constexpr int UPB = Fmt<F>::BE / Fmt<F>::UE;
-    const long long g = (long long)local * (K / Fmt<F>::BE) + u / UPB;
-    unit<F>(body + g * Fmt<F>::BODY, meta + g * Fmt<F>::META, u % UPB, c.q, c.s, c.b);
-}
-
 // Unit u's products with the M staged rows, added to acc.
 template <int F, int M>
 __device__ __forceinline__ void dot_codes(const Codes<F>& cd, int u, const Staged& xs, int K, float* acc) {
@@ -457,88 +509,107 @@ __device__ __forceinline__ void dot_codes(const Codes<F>& cd, int u, const Stage
     }
 }
 
-// NR weight rows (G groups of RW: RW rows, or RW gate rows then their RW up rows) summed into
-// acc[i]: lane l takes units l, l + 32, ...; with use_pre, pre holds its first unit's codes
-// (loaded before x was staged). Every row's unit is loaded before any is multiplied, so a lane
-// has NR units' loads in flight. The loop is unrolled to about KILN_QGEMV_UNROLL * 64 elements
-// a lane, over the rows of x and of W it serves (more rows keep more sums and codes live).
-template <int F, int M, int NR>
-__device__ __forceinline__ void rows_dot(const u8* const* body, const u8* const* meta, const int* local,
-                                         const Staged& xs, int K, float (*acc)[M], const Codes<F> (&pre)[NR],
-                                         bool use_pre) {
-    constexpr int PER = KILN_QGEMV_UNROLL * 64 / Fmt<F>::UE / (M * NR);
-    constexpr int UNROLL = PER > 0 ? PER : 1;
-    const int units = K / Fmt<F>::UE;
-    int u = threadIdx.x & 31;
-    if (use_pre) {
-#pragma unroll
-        for (int i = 0; i < NR; ++i) dot_codes<F, M>(pre[i], u, xs, K, acc[i]);
-        u += 32;
-    }
-#pragma unroll UNROLL
-    for (; u < units; u += 32) {
-        Codes<F> cd[NR];
-#pragma unroll
-        for (int i = 0; i < NR; ++i) load_codes<F>(body[i], meta[i], local[i], u, K, cd[i]);
-#pragma unroll
-        for (int i = 0; i < NR; ++i) dot_codes<F, M>(cd[i], u, xs, K, acc[i]);
-    }
+// Loads in flight a lane: units of the ring (each G units, a gate and an up row's when gated),
+// about KILN_QGEMV_RING_WORDS registers of loaded bytes (half that from 5 rows of x, whose sums
+// need the registers), 1 to 8.
+template <int F, int G, int M>
+__host__ __device__ constexpr int ring_depth() {
+    return (KILN_QGEMV_RING_WORDS / (M > 4 ? 2 : 1)) / (G * (RawN<F>::NW + RawN<F>::NM)) < 1 ? 1
+           : (KILN_QGEMV_RING_WORDS / (M > 4 ? 2 : 1)) / (G * (RawN<F>::NW + RawN<F>::NM)) > 8
+               ? 8
+               : (KILN_QGEMV_RING_WORDS / (M > 4 ? 2 : 1)) / (G * (RawN<F>::NW + RawN<F>::NM));
 }
 
-// The decode product. gated: rows r (gate) and r + R (up) of the stacked parts (R = half their
-// rows) give out = act(gate) * up. A warp takes RW consecutive output rows a pass (their loads in
-// flight together). Before waiting on the previous kernel each warp asks L2 for its first pass's
-// rows and (where the held codes leave the staging its registers) loads their first units, so
-// those loads overlap the staging of x; each pass asks L2 for the next pass's rows.
-template <int F, int M, int G, int RW>
-__device__ __forceinline__ void qgemv_rows(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
+// Where a warp's loads stand: its lane's unit slot k of output row `row` (unit lane + 32 k, the
+// last unit where that is past the row), and that row's (and its up row's) part and local row.
+template <int G>
+struct Cursor {
+    int k, row;
+    const u8* body[G];
+    const u8* meta[G];
+    int local[G];
+};
+
+// The decode product. Warp w of the grid takes output rows w, w + W, ... (W the grid's warps);
+// its lane l units l, l + 32, ... of each (`upl` slots a row). A warp's work is one sequence of
+// (row, slot) items whose loads run D items ahead of the products through a ring of registers
+// (across row boundaries, so a warp never waits for a row's first loads), the first D issued
+// before waiting on the previous kernel, under the staging of x. At a row's last slot the warp
+// reduces its sums and stores the row. gated: rows r (gate) and r + R (up) of the stacked parts
+// (R = half their rows), out = act(gate) * up.
+template <int F, int M, int G>
+__device__ __forceinline__ void qgemv_ring(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
                                            float off, int nt, const Parts& parts, bf16* __restrict__ out,
                                            const bf16* __restrict__ residual, int K, int ldo, int act) {
-    constexpr int NR = G * RW;
+    constexpr int D = ring_depth<F, G, M>();
+    constexpr int UE = Fmt<F>::UE, UPB = Fmt<F>::BE / UE;
     extern __shared__ uint4 smem[];
     const int lane = threadIdx.x & 31;
-    const int total = parts.rows[0] + parts.rows[1] + parts.rows[2];
-    const int rows_out = total / G;
-    const int first = (blockIdx.x * 8 + (threadIdx.x >> 5)) * RW;
-    const int stride = gridDim.x * 8 * RW;
-    constexpr bool PRELOAD = KILN_QGEMV_PRELOAD && RW == 1 && Fmt<F>::UE * M * G <= 128;
-    const bool preload = PRELOAD && first < rows_out && lane < K / Fmt<F>::UE;
-    const u8* body[NR];
-    const u8* meta[NR];
-    int local[NR];
-    Codes<F> pre[NR];
-    // Row i of the pass at r: output row min(r + i % RW, rows_out - 1) (the excess is not stored),
-    // plus rows_out for the up half.
-    auto rows_at = [&](int r) {
+    const int rows_out = (parts.rows[0] + parts.rows[1] + parts.rows[2]) / G;
+    const int warp = blockIdx.x * 8 + (threadIdx.x >> 5), warps = gridDim.x * 8;
+    const int units = K / UE, upl = (units + 31) / 32, bpr = K / Fmt<F>::BE;
+    const int items = warp < rows_out ? ((rows_out - 1 - warp) / warps + 1) * upl : 0;
+    Cursor<G> lc;
+    auto set_row = [&](int row) {
 #pragma unroll
-        for (int i = 0; i < NR; ++i)
-            part_of(parts, min(r + i % RW, rows_out - 1) + (i / RW) * rows_out, body[i], meta[i], local[i]);
+        for (int g = 0; g < G; ++g) part_of(parts, row + g * rows_out, lc.body[g], lc.meta[g], lc.local[g]);
     };
-    kiln_pdl_trigger();
-    if (preload) {
-        rows_at(first);
+    auto load = [&](Raw<F>(&dst)[G]) {
+        const int u = min(lane + 32 * lc.k, units - 1);
 #pragma unroll
-        for (int i = 0; i < NR; ++i) load_codes<F>(body[i], meta[i], local[i], lane, K, pre[i]);
-    }
+        for (int g = 0; g < G; ++g) {
+            const long long blk = (long long)lc.local[g] * bpr + u / UPB;
+            raw_load<F>(lc.body[g] + blk * Fmt<F>::BODY, lc.meta[g] + blk * Fmt<F>::META, u % UPB, dst[g]);
+        }
+        if (++lc.k == upl) {
+            lc.k = 0;
+            lc.row += warps;
+            if (lc.row < rows_out) set_row(lc.row);
+        }
+    };
+    Raw<F> ring[D][G];
+    kiln_pdl_trigger();
+    lc.k = 0, lc.row = warp;
+    if (items > 0) set_row(warp);
+#pragma unroll
+    for (int j = 0; j < D; ++j)
+        if (j < items) load(ring[j]);
     kiln_pdl_wait();
     const Staged xs = stage_x<M>(x, norm_w, eps, off, nt, K, reinterpret_cast<u8*>(smem));
-    for (int r = first; r < rows_out; r += stride) {
-        float acc[NR][M];
+    float acc[G][M];
 #pragma unroll
-        for (int i = 0; i < NR; ++i)
+    for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int m = 0; m < M; ++m) acc[i][m] = 0.0f;
-        rows_at(r);
-        rows_dot<F, M, NR>(body, meta, local, xs, K, acc, pre, r == first && preload);
+        for (int m = 0; m < M; ++m) acc[g][m] = 0.0f;
+    int ck = 0, crow = warp;
+    for (int t = 0; t < items; t += D) {
 #pragma unroll
-        for (int i = 0; i < RW; ++i) {
+        for (int j = 0; j < D; ++j) {
+            if (t + j < items) {
+                const int u = lane + 32 * ck;
+                // One unit's codes live at a time (a gate's, then its up row's), then the slot
+                // is refilled.
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                float v = warp_sum(acc[i][m]);
-                if (G == 2) v = act_fn(v, act) * warp_sum(acc[RW + i][m]);
-                if (lane == 0 && r + i < rows_out) {
-                    const long long o = (long long)m * ldo + r + i;
-                    out[o] = to_bf16(residual ? v + to_f32(residual[o]) : v);
+                for (int g = 0; g < G; ++g) {
+                    Codes<F> cd;
+                    unit_codes<F>(ring[j][g], min(u, units - 1) % UPB, cd.q, cd.s, cd.b);
+                    if (u < units) dot_codes<F, M>(cd, u, xs, K, acc[g]);
+                }
+                if (t + j + D < items) load(ring[j]);
+                if (++ck == upl) {
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        float v = warp_sum(acc[0][m]);
+                        if (G == 2) v = act_fn(v, act) * warp_sum(acc[G - 1][m]);
+                        if (lane == 0) {
+                            const long long o = (long long)m * ldo + crow;
+                            out[o] = to_bf16(residual ? v + to_f32(residual[o]) : v);
+                        }
+#pragma unroll
+                        for (int g = 0; g < G; ++g) acc[g][m] = 0.0f;
+                    }
+                    ck = 0;
+                    crow += warps;
                 }
             }
         }
@@ -581,23 +652,20 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
 
 }  // namespace blocks_detail
 
-#define KILN_QGEMV_RW(name, F, M, RW, SUFFIX)                                                          \
-    extern "C" __global__ void __launch_bounds__(256, KILN_QGEMV_MIN_BLOCKS) qgemv_##name##_m##M##SUFFIX( \
+#define KILN_QGEMV(name, F, M)                                                                         \
+    extern "C" __global__ void __launch_bounds__(256, KILN_QGEMV_MIN_BLOCKS) qgemv_##name##_m##M(       \
         const bf16* x, const bf16* norm_w, float eps, float off, int nt, blocks_detail::Parts parts,     \
         bf16* out, const bf16* residual, int K, int ldo, int gated, int act) {                          \
         if (gated)                                                                                      \
-            blocks_detail::qgemv_rows<blocks_detail::F, M, 2, (RW > 1 ? RW / 2 : 1)>(                   \
-                x, norm_w, eps, off, nt, parts, out, residual, K, ldo, act);                            \
+            blocks_detail::qgemv_ring<blocks_detail::F, M, 2>(x, norm_w, eps, off, nt, parts, out,      \
+                                                             residual, K, ldo, act);                    \
         else                                                                                            \
-            blocks_detail::qgemv_rows<blocks_detail::F, M, 1, RW>(x, norm_w, eps, off, nt, parts, out,  \
-                                                                 residual, K, ldo, act);                \
+            blocks_detail::qgemv_ring<blocks_detail::F, M, 1>(x, norm_w, eps, off, nt, parts, out,      \
+                                                             residual, K, ldo, act);                    \
     }
-#define KILN_QGEMV(name, F, M) KILN_QGEMV_RW(name, F, M, 1, )
 #define KILN_BLOCK_FORMAT(name, F)                                                                      \
     KILN_QGEMV(name, F, 1)                                                                              \
-    KILN_QGEMV_RW(name, F, 1, 2, _r2)                                                                   \
     KILN_QGEMV(name, F, 2)                                                                              \
-    KILN_QGEMV_RW(name, F, 2, 2, _r2)                                                                   \
     KILN_QGEMV(name, F, 3)                                                                              \
     KILN_QGEMV(name, F, 4)                                                                              \
     KILN_QGEMV(name, F, 5)                                                                              \
