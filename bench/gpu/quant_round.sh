@@ -14,7 +14,8 @@
 #   KILN=.device/kiln bench/gpu/quant_round.sh OUT_DIR
 # NO_CHECK=1 skips cuda-check; NO_PARITY=1 the logits; GGUFPY=1 reads each file back with
 # gguf-py (bench/gpu/carry-pygguf.sh first); TYPES (default "q8_0 q4_k"); AWQ=1 adds an AWQ g128
-# checkpoint of the same weights (bench/gpu/awq_checkpoint.py; Kiln loads it as Q4_Z blocks).
+# checkpoint of the same weights (bench/gpu/awq_checkpoint.py; Kiln loads it as Q4_Z blocks);
+# FP8=1 the bf16 checkpoint with `--quantize fp8` (Kiln's FP8 blocks, made at load on both sides).
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/quant_round.sh OUT_DIR}; KILN=${KILN:-.device/kiln}
 W=${WORK:-/tmp/kiln-round}; TOK=bench/smollm2-tokenizer
@@ -52,6 +53,13 @@ if [ -z "${NO_PARITY:-}" ]; then
   for m in $MODELS; do
     log "parity $m"; python3 bench/gpu/quant_parity.py --kiln "$KILN" --model "$W/$m" --out "$OUT/parity-${m%.gguf}.json" >> "$OUT/quant.log" 2>&1 || log "FAILED parity $m"
   done
+  if [ -n "${FP8:-}" ]; then
+    log "parity fp8"; python3 bench/gpu/quant_parity.py --kiln "$KILN" --model "$W/ck8b" --quantize fp8 --out "$OUT/parity-fp8.json" >> "$OUT/quant.log" 2>&1 || log "FAILED parity fp8"
+  fi
+fi
+if [ -n "${FP8:-}" ]; then
+  log "decode fp8"; "$KILN" bench --device cuda -m "$W/ck8b" --quantize fp8 --prompt-tokens 512 --gen-tokens 128 --runs 3 > "$OUT/decode-fp8.json" 2>> "$OUT/quant.log" || log "FAILED decode fp8"
+  [ -n "${NO_PREFILL:-}" ] || { log "prefill fp8"; "$KILN" bench --device cuda -m "$W/ck8b" --quantize fp8 --prompt-tokens 4096 --gen-tokens 2 --runs 2 > "$OUT/prefill-fp8.json" 2>> "$OUT/quant.log" || log "FAILED prefill fp8"; }
 fi
 for m in ck8b $MODELS; do
   f="$W/$m"; m=${m%.gguf}
