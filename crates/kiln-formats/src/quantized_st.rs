@@ -259,7 +259,9 @@ fn fp8<'a>(
     let [out, inp] = dims;
     let get = |p: &str| {
         let n = format!("{base}.{p}");
-        fetch(&n).map(|t| (n.clone(), t)).ok_or_else(|| format!("{n}: missing"))
+        fetch(&n)
+            .map(|t| (n.clone(), t))
+            .ok_or_else(|| format!("{n}: missing"))
     };
     let (wn, wt) = get("weight")?;
     let block = match *s {
@@ -775,5 +777,111 @@ mod tests {
             .contains("bitsandbytes"));
         assert_eq!(scheme(&serde_json::json!({})), Ok(None));
         assert_eq!(s(serde_json::json!({"quant_method": "mxfp4"})), Ok(None));
+    }
+
+    /// FP8 with per-tensor, per-channel and 128×128 block scales comes out
+    /// as FP8 blocks worth the dense reading value for value; block scales
+    /// narrower than 128 (a run would span several) and rows that are not
+    /// whole runs stay dense.
+    #[test]
+    fn fp8_runs_of_128_under_one_scale_are_blocks() {
+        let (out, inp) = (256usize, 384usize);
+        // Every code but the NaNs, over and over.
+        let q: Vec<u8> = (0..out * inp)
+            .map(|i| (i * 7 % 256) as u8)
+            .map(|b| if b & 0x7F == 0x7F { 0 } else { b })
+            .collect();
+        let le = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let per_tensor = le(&[0.0123]);
+        let per_channel = le(&(0..out)
+            .map(|o| 1e-3 * (1 + o % 5) as f32)
+            .collect::<Vec<_>>());
+        let blocks128 = le(&(0..2 * 3)
+            .map(|b| 0.01 * (b + 1) as f32)
+            .collect::<Vec<_>>());
+        let blocks64 = le(&(0..4 * 6)
+            .map(|b| 0.01 * (b + 1) as f32)
+            .collect::<Vec<_>>());
+        let shape = [out, inp];
+        for (scheme, part, scales, dims, blocks) in [
+            (
+                Scheme::Fp8Scaled,
+                "weight_scale",
+                &per_tensor,
+                vec![1],
+                true,
+            ),
+            (
+                Scheme::Fp8Scaled,
+                "weight_scale",
+                &per_channel,
+                vec![out, 1],
+                true,
+            ),
+            (
+                Scheme::Fp8Block { block: [128, 128] },
+                "weight_scale_inv",
+                &blocks128,
+                vec![2, 3],
+                true,
+            ),
+            (
+                Scheme::Fp8Block { block: [64, 64] },
+                "weight_scale_inv",
+                &blocks64,
+                vec![4, 6],
+                false,
+            ),
+        ] {
+            let fetch = |n: &str| {
+                if n == "x.weight" {
+                    Some(Stored {
+                        dtype: "F8_E4M3",
+                        shape: &shape,
+                        bytes: &q,
+                    })
+                } else if n == format!("x.{part}") {
+                    Some(Stored {
+                        dtype: "F32",
+                        shape: &dims,
+                        bytes: scales,
+                    })
+                } else {
+                    None
+                }
+            };
+            let dense = dequantize(&scheme, "x", shape, &fetch).unwrap();
+            let got = as_blocks(&scheme, "x", shape, &fetch).unwrap();
+            assert_eq!(
+                block_format(&scheme, "x", shape, &fetch),
+                got.as_ref().map(|g| g.0)
+            );
+            match got {
+                Some((f, bytes)) => {
+                    assert!(blocks, "{scheme:?}");
+                    assert_eq!(f, QuantFormat::FP8);
+                    let v = kiln_quant::dequant::dequantize(f, &bytes, out * inp).unwrap();
+                    assert!(v.iter().zip(&dense).all(|(a, b)| a == b), "{scheme:?}");
+                }
+                None => assert!(!blocks, "{scheme:?}"),
+            }
+        }
+        // Rows of 200: not whole runs.
+        let fetch = |n: &str| match n {
+            "x.weight" => Some(Stored {
+                dtype: "F8_E4M3",
+                shape: &[4, 200],
+                bytes: &q[..800],
+            }),
+            "x.weight_scale" => Some(Stored {
+                dtype: "F32",
+                shape: &[1],
+                bytes: &per_tensor,
+            }),
+            _ => None,
+        };
+        assert!(as_blocks(&Scheme::Fp8Scaled, "x", [4, 200], &fetch)
+            .unwrap()
+            .is_none());
     }
 }

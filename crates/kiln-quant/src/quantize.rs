@@ -44,7 +44,8 @@ pub const QUANTIZE_FORMATS: [QuantFormat; 8] = [
 /// symmetric GPTQ or compressed-tensors int4 checkpoint also loads as).
 pub fn parse_quantize_type(s: &str) -> Result<QuantFormat, String> {
     let names = || {
-        QUANTIZE_FORMATS.map(|f| f.name().to_lowercase()).join(", ") + ", int8 (q8_0), int4 (q4_0), fp8_e4m3 (fp8)"
+        QUANTIZE_FORMATS.map(|f| f.name().to_lowercase()).join(", ")
+            + ", int8 (q8_0), int4 (q4_0), fp8_e4m3 (fp8)"
     };
     let name = match s.to_ascii_lowercase().as_str() {
         "int8" => "q8_0".to_string(),

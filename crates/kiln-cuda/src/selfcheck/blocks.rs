@@ -198,7 +198,11 @@ fn ring(p: &mut Pair, rng: &mut Rng) -> R<()> {
                     let g = p.gpu.matmul(&xg, &wg, pg, epi(&rg)).map_err(e)?;
                     let c = p.cpu.matmul(&xc, &wc, pc, epi(&rc)).map_err(e)?;
                     let what = if gated { "gated" } else { "plain" };
-                    let what = if norm { format!("norm·{what}") } else { what.to_string() };
+                    let what = if norm {
+                        format!("norm·{what}")
+                    } else {
+                        what.to_string()
+                    };
                     p.compare(
                         format!("blocks {f} {what} {rows_out} rows k={k} n={n} (ring)"),
                         &g,

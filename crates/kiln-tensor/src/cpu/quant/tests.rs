@@ -41,7 +41,7 @@ fn width(format: QuantFormat, blocks: usize) -> usize {
 }
 
 /// The formats kept as stored (the raw path).
-const RAW: [QuantFormat; 2] = [QuantFormat::F16, QuantFormat::BF16];
+const RAW: [QuantFormat; 3] = [QuantFormat::F16, QuantFormat::BF16, QuantFormat::FP8];
 
 #[test]
 fn vectorized_rows_are_the_reference_values_bit_for_bit() {
