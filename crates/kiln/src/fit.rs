@@ -42,8 +42,8 @@ pub struct FitArgs {
     /// planning another machine, and for tests).
     #[arg(long)]
     pub memory_bytes: Option<u64>,
-    /// Plan for `--quantize` at load: q8_0, q4_0, q4_k, q5_k, q6_k (int8,
-    /// int4: q8_0, q4_0).
+    /// Plan for `--quantize` at load: q8_0, q4_0, q4_k, q5_k, q6_k, fp8
+    /// (int8, int4: q8_0, q4_0).
     #[arg(long, value_parser = crate::quantize::parse_quant_type)]
     pub quantize: Option<QuantFormat>,
     /// Count LoRA adapters (PEFT directories) kept in memory beside the

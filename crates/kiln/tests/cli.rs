@@ -234,6 +234,28 @@ fn quantize_then_generate_equals_quantize_at_load() {
         (0.5..0.6).contains(&ratio),
         "Q8_0 over bf16 weight bytes: {ratio}"
     );
+    // FP8 at load: the 128-wide down projections as FP8 blocks (8.25 bits a
+    // weight, 2 × 64 × 128 of them), the 64-wide rest Q8_0 — planned so,
+    // and it generates; `kiln quantize` has no GGUF type to write it as.
+    let saved = fit(&["--quantize", "q8_0"]) - fit(&["--quantize", "fp8"]);
+    assert_eq!(saved, (2 * 64 * 128) as f64 * (8.5 - 8.25) / 8.0);
+    assert_eq!(
+        generate(&ckpt, &["--quantize", "fp8"])
+            .as_array()
+            .unwrap()
+            .len(),
+        6
+    );
+    let out = kiln()
+        .arg("quantize")
+        .arg(&ckpt)
+        .arg(dir.path().join("x.gguf"))
+        .args(["--type", "fp8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--quantize fp8"), "{err}");
     // The fast CPU product runs through the same file (its tokens may
     // differ: it is a different rounding), and a bad mode is refused.
     let out = kiln()
