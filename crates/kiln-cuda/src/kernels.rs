@@ -14,6 +14,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("ops/matmul/rms_prologue.cuh"),
     ),
     ("mma.cuh", include_str!("ops/matmul/mma.cuh")),
+    ("block_parts.cuh", include_str!("ops/matmul/block_parts.cuh")),
 ];
 
 /// Sources without which the backend does not start (the others' kernels

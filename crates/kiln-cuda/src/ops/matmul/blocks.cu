@@ -38,6 +38,7 @@
 //     tensor-core GEMM of larger batches).
 #include "common.cuh"
 #include "rms_prologue.cuh"
+#include "block_parts.cuh"
 #include <cuda_fp16.h>
 
 // Tuning knobs (KILN_KERNEL_DEFINES): registers of loaded weight bytes a lane keeps in flight
@@ -351,22 +352,8 @@ __device__ __forceinline__ float act_fn(float g, int act) {
     return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
-// Up to three parts of one format stacked by rows: row r's part, and its row there.
-struct Parts {
-    const u8* body[3];
-    const u8* meta[3];
-    int rows[3];
-};
-
-__device__ __forceinline__ void part_of(const Parts& p, int r, const u8*& body, const u8*& meta, int& local) {
-    if (r < p.rows[0]) {
-        body = p.body[0], meta = p.meta[0], local = r;
-    } else if (r < p.rows[0] + p.rows[1]) {
-        body = p.body[1], meta = p.meta[1], local = r - p.rows[0];
-    } else {
-        body = p.body[2], meta = p.meta[2], local = r - p.rows[0] - p.rows[1];
-    }
-}
+using block_parts::part_of;
+using block_parts::Parts;
 
 // Staged x (dynamic shared memory, M rows; xrow(K) bytes a row and limb). Row m's limbs a and c
 // (a byte an element, element order, 16-byte slot j of a row stored at slot(j) so that the 8
@@ -514,10 +501,8 @@ __device__ __forceinline__ void dot_codes(const Codes<F>& cd, int u, const Stage
 // need the registers), 1 to 8.
 template <int F, int G, int M>
 __host__ __device__ constexpr int ring_depth() {
-    return (KILN_QGEMV_RING_WORDS / (M > 4 ? 2 : 1)) / (G * (RawN<F>::NW + RawN<F>::NM)) < 1 ? 1
-           : (KILN_QGEMV_RING_WORDS / (M > 4 ? 2 : 1)) / (G * (RawN<F>::NW + RawN<F>::NM)) > 8
-               ? 8
-               : (KILN_QGEMV_RING_WORDS / (M > 4 ? 2 : 1)) / (G * (RawN<F>::NW + RawN<F>::NM));
+    const int d = (KILN_QGEMV_RING_WORDS / (M > 4 ? 2 : 1)) / (G * (RawN<F>::NW + RawN<F>::NM));
+    return d < 1 ? 1 : (d > 8 ? 8 : d);
 }
 
 // Where a warp's loads stand: its lane's unit slot k of output row `row` (unit lane + 32 k, the

@@ -26,6 +26,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "rms_prologue.cuh"
+#include "block_parts.cuh"
 #include <cuda_fp16.h>
 
 // Tuning knobs (KILN_KERNEL_DEFINES): (tile, step) items in flight a lane, and the resident
@@ -44,35 +45,16 @@ typedef unsigned char u8;
 constexpr int kWarps = 8;
 constexpr int kStepK = kWarps * 64;
 
-// blocks.cu's Parts: up to three stacked parts, each its bodies, metas and rows.
-struct Parts {
-    const u8* body[3];
-    const u8* meta[3];
-    int rows[3];
-};
+using block_parts::Parts;
 
 // Row r of the stacked parts: its bytes (K a row) and its scales (K / 128 a row).
 __device__ __forceinline__ void row_of(const Parts& p, int r, int K, const u8*& w, const float*& s) {
-    int part = 0;
-    if (r >= p.rows[0]) {
-        r -= p.rows[0], part = 1;
-        if (r >= p.rows[1]) r -= p.rows[1], part = 2;
-    }
-    const u8* body = part == 0 ? p.body[0] : (part == 1 ? p.body[1] : p.body[2]);
-    const u8* meta = part == 0 ? p.meta[0] : (part == 1 ? p.meta[1] : p.meta[2]);
-    w = body + (long long)r * K;
-    s = reinterpret_cast<const float*>(meta) + (long long)r * (K / 128);
-}
-
-// 16 weight bytes, read once: bypass L1. Zeros when !ok.
-__device__ __forceinline__ uint4 ld_stream(const u8* p, bool ok) {
-    uint4 r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "r"((int)ok));
-    return r;
+    const u8* body;
+    const u8* meta;
+    int local;
+    block_parts::part_of(p, r, body, meta, local);
+    w = body + (long long)local * K;
+    s = reinterpret_cast<const float*>(meta) + (long long)local * (K / 128);
 }
 
 // Four E4M3 bytes (of w, in order) as two f16 pairs: bytes 0, 1 in lo, 2, 3 in hi.
@@ -188,8 +170,8 @@ __device__ __forceinline__ void qgemv(const bf16* __restrict__ x, const bf16* __
     auto load = [&](Slot& sl) {
         const int k = l_step * kStepK + warp * 64 + t * 16;
         const bool kok = k < K;
-        sl.lo = ld_stream(wlo + k, kok && wlo != nullptr);
-        sl.hi = ld_stream(whi + k, kok && whi != nullptr);
+        sl.lo = ld_stream16<false>(wlo + k, kok && wlo != nullptr);
+        sl.hi = ld_stream16<false>(whi + k, kok && whi != nullptr);
         sl.slo = kok && wlo != nullptr ? __ldg(slo + (k >> 7)) : 0.0f;
         sl.shi = kok && whi != nullptr ? __ldg(shi + (k >> 7)) : 0.0f;
         if (++l_step == steps) {

@@ -72,18 +72,6 @@ constexpr int kWarps = 8;
 constexpr int kTileN = 16;               // output columns per mma tile
 constexpr int kBlockK = kWarps * 32;     // k covered by the block per step (32 per warp)
 
-// 16 bytes of weights, read once: bypass L1, ask L2 to fetch the surrounding 256 bytes.
-// Predicated inside the asm (zeros when !ok) so the loads of a round stay branch-free.
-__device__ __forceinline__ uint4 ld_stream(const bf16* p, bool ok) {
-    uint4 r;
-    asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
-        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-        "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-        : "l"(p), "r"((int)ok));
-    return r;
-}
-
 // 16 bytes of activations (re-read by every block): through the read-only/L1 path. volatile:
 // x is the previous kernel's output, so the load must stay after kiln_pdl_wait().
 __device__ __forceinline__ uint4 ld_cached(const bf16* p, bool ok) {
@@ -114,8 +102,8 @@ __device__ __forceinline__ const bf16* weight_row(const bf16* __restrict__ w, in
 // Loads of one k step for a lane: H weight rows (1 or 2) at k.
 template <int H>
 __device__ __forceinline__ void load_step(const bf16* r0, const bf16* r1, int k, bool kok, uint4 (&wv)[H]) {
-    wv[0] = ld_stream(r0 != nullptr ? r0 + k : nullptr, kok && r0 != nullptr);
-    if (H == 2) wv[H - 1] = ld_stream(r1 != nullptr ? r1 + k : nullptr, kok && r1 != nullptr);
+    wv[0] = ld_stream16<true>(r0 != nullptr ? r0 + k : nullptr, kok && r0 != nullptr);
+    if (H == 2) wv[H - 1] = ld_stream16<true>(r1 != nullptr ? r1 + k : nullptr, kok && r1 != nullptr);
 }
 
 // One block's tiles (blockIdx.x, + gridDim.x, ...). H = weight rows a lane loads per k step: 2

@@ -16,6 +16,26 @@ __device__ __forceinline__ float gate_act(float g, int act) {
     return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
+// 16 bytes of weights, read once: bypass L1 (L2_256: and ask L2 to fetch the surrounding 256
+// bytes). Predicated inside the asm (zeros when !ok) so the loads of a round stay branch-free.
+template <bool L2_256>
+__device__ __forceinline__ uint4 ld_stream16(const void* p, bool ok) {
+    uint4 r;
+    if (L2_256)
+        asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+            "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+            "@p ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+            : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+            : "l"(p), "r"((int)ok));
+    else
+        asm("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %5, 0;\n\t"
+            "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+            "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+            : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+            : "l"(p), "r"((int)ok));
+    return r;
+}
+
 // 16 bytes of activations (re-read by every block): through L1.
 __device__ __forceinline__ void cp_cached(unsigned dst, const bf16* src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0)
