@@ -49,6 +49,13 @@ pub struct CudaBackend {
 }
 
 impl CudaBackend {
+    /// Whether FP8 products past the decode rows run on the FP8 tensor
+    /// cores (cuBLASLt's 1x128 block-scaled GEMM: Hopper), rather than as
+    /// dequantized slabs.
+    pub fn fp8_tensor_cores(&self) -> bool {
+        self.dev.lt.is_some() && self.dev.arch == "compute_90" && self.dev.has("quant_e4m3_rows")
+    }
+
     /// Open GPU `ordinal` and load Kiln's kernels, compiled for its
     /// architecture by `compiler` (cached on disk), with `options`' settings
     /// (the compiler takes its tuning defines from them).
@@ -190,7 +197,11 @@ impl Backend for CudaBackend {
 
 impl Memory for CudaBackend {
     fn kv_bytes_per_element(&self) -> usize {
-        2
+        if self.options.kv_cache_fp8 {
+            1
+        } else {
+            2
+        }
     }
 
     fn weight_bytes_per_element(&self) -> usize {

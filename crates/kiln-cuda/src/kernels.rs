@@ -14,7 +14,11 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("ops/matmul/rms_prologue.cuh"),
     ),
     ("mma.cuh", include_str!("ops/matmul/mma.cuh")),
-    ("block_parts.cuh", include_str!("ops/matmul/block_parts.cuh")),
+    (
+        "block_parts.cuh",
+        include_str!("ops/matmul/block_parts.cuh"),
+    ),
+    ("kv_elem.cuh", include_str!("ops/attention/kv_elem.cuh")),
 ];
 
 /// Sources without which the backend does not start (the others' kernels
@@ -110,6 +114,19 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_hd64",
     "flash_prefill_hd128",
     "flash_prefill_hd256",
+    "quant_e4m3_rows",
+    "write_kv_fp8",
+    "qkv_rope_write_fp8",
+    "paged_attention_fp8",
+    "decode_attention_fp8_hd64",
+    "decode_attention_fp8_hd128",
+    "decode_attention_fp8_hd256",
+    "decode_attention_vpre_fp8_hd64",
+    "decode_attention_vpre_fp8_hd128",
+    "decode_attention_vpre_fp8_hd256",
+    "flash_prefill_fp8_hd64",
+    "flash_prefill_fp8_hd128",
+    "flash_prefill_fp8_hd256",
 ];
 
 /// The block formats with kernels, by kernel name: `qgemv_<fmt>_m1` …

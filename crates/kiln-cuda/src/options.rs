@@ -42,6 +42,10 @@ pub struct CudaOptions {
     /// warp runs its ring of loads over its rows). Default 2, the residency
     /// their register cap (`KILN_QGEMV_MIN_BLOCKS`) allows.
     pub qgemv_blocks_per_sm: usize,
+    /// Keep keys and values in the KV cache as E4M3 FP8 at unit scale (one
+    /// byte each: twice the tokens a pool of the same bytes), widened to
+    /// bf16 as attention reads them. Default `false` (bf16).
+    pub kv_cache_fp8: bool,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -62,6 +66,7 @@ impl Default for CudaOptions {
             decode_partition_keys: 32,
             decode_target_blocks: 256,
             qgemv_blocks_per_sm: 2,
+            kv_cache_fp8: false,
             kernel_defines: String::new(),
         }
     }

@@ -226,8 +226,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "kv_cache_dtype": crate::cli::KV_CACHE_DTYPE
             .get()
             .copied()
-            .flatten()
-            .map_or("auto", |d| d.name()),
+            .unwrap_or_default()
+            .name(),
         "cpu": cpu,
         "prompt_tokens": a.prompt_tokens,
         "gen_tokens": a.gen_tokens,

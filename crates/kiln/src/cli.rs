@@ -30,9 +30,10 @@ pub struct Cli {
     #[arg(long, global = true, default_value = "exact", value_parser = parse_cpu_matmul)]
     pub cpu_matmul: CpuMatmul,
     /// How the KV cache stores keys and values: `auto` (the backend's own:
-    /// f32 on the CPU, bf16 on CUDA) or `f16` (CPU: half the bytes, each
+    /// f32 on the CPU, bf16 on CUDA), `f16` (CPU: half the bytes, each
     /// value rounded to f16 when written; still batch-invariant, not the
-    /// goldens' bits).
+    /// goldens' bits) or `fp8` (CUDA: E4M3 at unit scale, half of bf16's
+    /// bytes, so twice the tokens a pool).
     #[arg(long, global = true, default_value = "auto", value_parser = parse_kv_cache_dtype)]
     pub kv_cache_dtype: KvCacheDtype,
     #[command(subcommand)]
@@ -124,7 +125,8 @@ pub fn cuda_backend(ordinal: usize) -> Result<kiln_cuda::CudaBackend> {
         defines: String::new(),
         machine: None,
     };
-    let options = crate::cuda_env::cuda_options()?;
+    let mut options = crate::cuda_env::cuda_options()?;
+    options.kv_cache_fp8 = kv_cache_dtype() == KvCacheDtype::Fp8;
     let b = kiln_cuda::CudaBackend::new(ordinal, compiler, options)
         .with_context(|| format!("--device cuda:{ordinal}"))?;
     eprintln!("kiln: running on {} (cuda:{ordinal})", b.device_name);
@@ -142,24 +144,44 @@ fn parse_cpu_matmul(s: &str) -> Result<CpuMatmul, String> {
     }
 }
 
-/// `--kv-cache-dtype`: the backend's own, or a CPU cache element.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvCacheDtype(pub Option<CpuKvDtype>);
+/// `--kv-cache-dtype`: the backend's own, a CPU cache element, or FP8 (CUDA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvCacheDtype {
+    #[default]
+    Auto,
+    Cpu(CpuKvDtype),
+    /// E4M3 keys and values on CUDA (`kiln_cuda::CudaOptions::kv_cache_fp8`).
+    Fp8,
+}
+
+impl KvCacheDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheDtype::Auto => "auto",
+            KvCacheDtype::Cpu(d) => d.name(),
+            KvCacheDtype::Fp8 => "fp8",
+        }
+    }
+}
 
 fn parse_kv_cache_dtype(s: &str) -> Result<KvCacheDtype, String> {
     match s {
-        "auto" => Ok(KvCacheDtype(None)),
-        "f32" => Ok(KvCacheDtype(Some(CpuKvDtype::F32))),
-        "f16" => Ok(KvCacheDtype(Some(CpuKvDtype::F16))),
+        "auto" => Ok(KvCacheDtype::Auto),
+        "f32" => Ok(KvCacheDtype::Cpu(CpuKvDtype::F32)),
+        "f16" => Ok(KvCacheDtype::Cpu(CpuKvDtype::F16)),
+        "fp8" => Ok(KvCacheDtype::Fp8),
         other => Err(format!(
-            "unknown --kv-cache-dtype {other:?} (auto, f32, f16)"
+            "unknown --kv-cache-dtype {other:?} (auto, f32, f16, fp8)"
         )),
     }
 }
 
-/// `--kv-cache-dtype`, set once by `main` before any backend is made
-/// (`None`: the backend's own).
-pub static KV_CACHE_DTYPE: std::sync::OnceLock<Option<CpuKvDtype>> = std::sync::OnceLock::new();
+/// `--kv-cache-dtype`, set once by `main` before any backend is made.
+pub static KV_CACHE_DTYPE: std::sync::OnceLock<KvCacheDtype> = std::sync::OnceLock::new();
+
+fn kv_cache_dtype() -> KvCacheDtype {
+    KV_CACHE_DTYPE.get().copied().unwrap_or_default()
+}
 
 /// `--cpu-matmul`, set once by `main` before any backend is made.
 pub static CPU_MATMUL: std::sync::OnceLock<CpuMatmul> = std::sync::OnceLock::new();
@@ -172,23 +194,34 @@ fn cpu_backend() -> CpuBackend {
             "kiln: --cpu-matmul fast needs AMX-BF16 or AVX512-BF16, which this CPU lacks; running exact"
         );
     }
-    let kv = KV_CACHE_DTYPE.get().copied().flatten().unwrap_or_default();
+    let kv = match kv_cache_dtype() {
+        KvCacheDtype::Cpu(d) => d,
+        _ => CpuKvDtype::default(),
+    };
     CpuBackend::with_matmul(mode).with_kv_dtype(kv)
 }
 
 /// The backend `--device` names.
 pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
     let cuda = |ordinal: usize| -> Result<Arc<dyn kiln_tensor::Backend>> {
-        if let Some(d) = KV_CACHE_DTYPE.get().copied().flatten() {
+        if let KvCacheDtype::Cpu(d) = kv_cache_dtype() {
             anyhow::bail!(
-                "--kv-cache-dtype {} is a CPU option: the CUDA backend keeps its KV cache in bf16",
+                "--kv-cache-dtype {} is a CPU option: the CUDA backend keeps its KV cache in bf16 or fp8",
                 d.name()
             );
         }
         Ok(Arc::new(cuda_backend(ordinal)?))
     };
+    let cpu = || -> Result<Arc<dyn kiln_tensor::Backend>> {
+        if kv_cache_dtype() == KvCacheDtype::Fp8 {
+            anyhow::bail!(
+                "--kv-cache-dtype fp8 is a CUDA option: the CPU keeps its KV cache in f32 or f16"
+            );
+        }
+        Ok(Arc::new(cpu_backend()))
+    };
     match device {
-        "cpu" => Ok(Arc::new(cpu_backend())),
+        "cpu" => cpu(),
         "cuda" => cuda(0),
         "auto" => {
             if kiln_cuda::driver_available() {
@@ -197,7 +230,7 @@ pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
                     Err(e) => eprintln!("kiln: no usable GPU ({e:#}); running on the CPU"),
                 }
             }
-            Ok(Arc::new(cpu_backend()))
+            cpu()
         }
         other => match other.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
             Some(n) => cuda(n),

@@ -288,6 +288,8 @@ mod tests {
                 decode_partition_keys: 128,
                 decode_target_blocks: 64,
                 qgemv_blocks_per_sm: 3,
+                // Set by --kv-cache-dtype, not by a variable.
+                kv_cache_fp8: false,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );

@@ -154,7 +154,11 @@ pub fn target_for(
             // Planning a card this machine lacks (`--memory-bytes` says its
             // size): the CUDA backend's defaults, its context counted in.
             Err(_) if device.starts_with("cuda") && memory_bytes.is_some() => {
-                return Ok((MemoryTarget::cuda(false), memory_bytes.unwrap_or(0)));
+                let mut target = MemoryTarget::cuda(false);
+                if crate::cli::KV_CACHE_DTYPE.get() == Some(&crate::cli::KvCacheDtype::Fp8) {
+                    target.kv_bytes_per_element = 1;
+                }
+                return Ok((target, memory_bytes.unwrap_or(0)));
             }
             Err(e) => return Err(e),
         },

@@ -76,7 +76,7 @@ fn tune_malloc() {
 fn run(cli: Cli) -> Result<()> {
     cuda_env::set_flags(&cli.cuda_options)?;
     let _ = cli::CPU_MATMUL.set(cli.cpu_matmul);
-    let _ = cli::KV_CACHE_DTYPE.set(cli.kv_cache_dtype.0);
+    let _ = cli::KV_CACHE_DTYPE.set(cli.kv_cache_dtype);
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)

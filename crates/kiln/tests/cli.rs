@@ -108,7 +108,19 @@ fn kv_cache_dtype_f16_halves_the_cache_and_keeps_a_greedy_answer() {
     );
     refused(
         &["--kv-cache-dtype", "fp4", "generate", "-p", "x"],
-        "auto, f32, f16",
+        "auto, f32, f16, fp8",
+    );
+    refused(
+        &[
+            "--kv-cache-dtype",
+            "fp8",
+            "generate",
+            "--device",
+            "cpu",
+            "-p",
+            "x",
+        ],
+        "CUDA option",
     );
 }
 
@@ -643,8 +655,9 @@ fn a_32b_q4_k_m_fits_a_24_gib_card_with_an_8k_context() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("qwen2.5-32b-shaped-q4_k_m.gguf");
     kiln_formats::write_gguf_shapes(&path, &meta, &t).unwrap();
-    let fit = |gib: u64| {
+    let fit_with = |gib: u64, extra: &[&str]| {
         let out = kiln()
+            .args(extra)
             .arg("fit")
             .arg(&path)
             .args(["--device", "cuda", "--context", "8192", "--json"])
@@ -655,6 +668,7 @@ fn a_32b_q4_k_m_fits_a_24_gib_card_with_an_8k_context() {
             .unwrap_or_else(|_| panic!("{} GiB: {}", gib, String::from_utf8_lossy(&out.stderr)));
         (out.status.success(), j)
     };
+    let fit = |gib: u64| fit_with(gib, &[]);
     let (ok, j) = fit(24);
     assert!(ok, "{j}");
     eprintln!("{j}");
@@ -664,4 +678,12 @@ fn a_32b_q4_k_m_fits_a_24_gib_card_with_an_8k_context() {
     assert!((19.0e9..20.5e9).contains(&w), "{j}");
     let (_, j16) = fit(16);
     assert_eq!(j16["fits"], false, "{j16}");
+    // An FP8 KV cache: one byte a key or value, half of bf16's a token.
+    let (ok, j8) = fit_with(24, &["--kv-cache-dtype", "fp8"]);
+    assert!(ok, "{j8}");
+    assert_eq!(
+        j8["kv_bytes_per_token"].as_f64().unwrap() * 2.0,
+        j["kv_bytes_per_token"].as_f64().unwrap(),
+        "{j8}"
+    );
 }

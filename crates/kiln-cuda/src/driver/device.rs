@@ -28,7 +28,7 @@ pub(crate) fn dev_err(e: impl std::fmt::Debug) -> TensorError {
 }
 
 /// cuBLAS workspace, set explicitly so recorded steps never allocate.
-const BLAS_WORKSPACE: usize = 32 << 20;
+pub(crate) const BLAS_WORKSPACE: usize = 32 << 20;
 
 pub(crate) struct Device {
     pub ctx: Arc<CudaContext>,
@@ -48,7 +48,10 @@ pub(crate) struct Device {
     pub pdl: bool,
     /// Streaming multiprocessors.
     pub sms: usize,
-    _workspace: DevBuf,
+    /// cuBLASLt (FP8 products), where the library is present.
+    pub lt: Option<crate::ops::matmul::Lt>,
+    /// cuBLAS's workspace, lent to cuBLASLt (one stream: never both at once).
+    pub workspace: DevBuf,
 }
 
 impl Device {
@@ -123,7 +126,8 @@ impl Device {
             machine,
             pdl,
             sms,
-            _workspace: workspace,
+            lt: crate::ops::matmul::Lt::new(),
+            workspace,
         })
     }
 

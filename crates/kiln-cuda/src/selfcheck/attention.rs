@@ -1,9 +1,11 @@
 //! Attention checks: every path of `attention` and `qkv_attention` (prefill,
 //! chunked, mixed, split-KV decode; two KV groups, a window's freed entries;
 //! a pool wider than the layer, a value norm and `attention_shared`, as
-//! Gemma 4 runs them) against the CPU.
+//! Gemma 4 runs them; an FP8 cache, the CPU's keys and values rounded as
+//! the GPU stores them) against the CPU.
 
 use super::*;
+use kiln_quant::{dequant::e4m3_to_f32, quantize::f32_to_e4m3};
 
 struct Caches {
     gpu: KvCache,
@@ -25,6 +27,7 @@ fn attention_step(
     qk: Option<QkNorms>,
     label: &str,
     fused: bool,
+    fp8: bool,
 ) -> R<()> {
     let n = batch.num_tokens();
     let (qw, kw) = (ap.num_heads * ap.head_dim, ap.num_kv_heads * ap.head_dim);
@@ -55,8 +58,22 @@ fn attention_step(
         )
     } else {
         let (qg, qc) = p.up(&[n, qw], &rng.vec(n * qw, 1.0))?;
-        let (kg, kc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
-        let (vg, vc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
+        // An FP8 cache: the CPU's keys and values rounded to E4M3 as the
+        // GPU stores them (round to nearest, saturating), so only the
+        // attention's arithmetic differs.
+        let up_kv = |p: &Pair, v: Vec<f32>| -> R<(Tensor, Tensor)> {
+            let rounded: Vec<f32> = if fp8 {
+                v.iter().map(|&x| e4m3_to_f32(f32_to_e4m3(x))).collect()
+            } else {
+                v.clone()
+            };
+            Ok((
+                p.gpu.upload(&[n, kw], &v).map_err(e)?,
+                p.cpu.upload(&[n, kw], &rounded).map_err(e)?,
+            ))
+        };
+        let (kg, kc) = up_kv(p, rng.vec(n * kw, 1.0))?;
+        let (vg, vc) = up_kv(p, rng.vec(n * kw, 1.0))?;
         (
             p.gpu
                 .attention(&qg, &kg, &vg, &mut caches.gpu, 0, batch, ap)
@@ -72,6 +89,17 @@ fn attention_step(
         (true, None) => "qkv_attention",
         _ => "attention",
     };
+    // Fused over an FP8 cache, the keys the kernel rotates are rounded to
+    // E4M3 on the GPU only: the rounding's error (a few percent a value),
+    // not a layout's (order one), is what the tolerance allows.
+    let (kind, tol) = match (fp8, fused) {
+        (false, _) => (kind.to_string(), TOL_ATTN),
+        (true, false) => (format!("{kind} (fp8 cache)"), TOL_ATTN),
+        (true, true) => (
+            format!("{kind} (fp8 cache, unrounded reference)"),
+            TOL_FP8_KV,
+        ),
+    };
     p.compare(
         format!(
             "{kind} {label} heads={}/{} hd={} window={:?} pool row {}",
@@ -79,9 +107,13 @@ fn attention_step(
         ),
         &g,
         &c,
-        TOL_ATTN,
+        tol,
     )
 }
+
+/// [`attention_step`]'s tolerance for a fused step over an FP8 cache
+/// against the CPU's unrounded keys and values.
+const TOL_FP8_KV: f64 = 0.08;
 
 /// Blocks for sequences, handed out in a shuffled order.
 struct Blocks(Vec<u32>);
@@ -161,12 +193,15 @@ pub(super) fn attention_ops(
     // The last pass is Gemma 4's: a value norm, a pool twice the layer's
     // width (a wider layer elsewhere in the model), and a layer that
     // attends over this one's cache.
-    for (fused, vpre, qk, gemma4) in [
-        (false, true, false, false),
-        (true, true, false, false),
-        (true, false, false, false),
-        (true, true, true, false),
-        (true, true, true, true),
+    for (fused, vpre, qk, gemma4, fp8) in [
+        (false, true, false, false, false),
+        (true, true, false, false, false),
+        (true, false, false, false, false),
+        (true, true, true, false, false),
+        (true, true, true, true, false),
+        (false, true, false, false, true),
+        (false, false, false, false, true),
+        (true, true, true, false, true),
     ] {
         let qk = qk.then_some((if gemma4 { qkv_norms } else { norms }, offset));
         let spec = KvPoolShape {
@@ -175,7 +210,7 @@ pub(super) fn attention_ops(
         };
         p.gpu.set_decode_vpre(vpre);
         let mut caches = Caches {
-            gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
+            gpu: crate::ops::attention::cache::alloc_kv_cache_as(p.gpu, spec, fp8).map_err(e)?,
             cpu: p.cpu.alloc_kv_cache(spec).map_err(e)?,
         };
         let mut blocks = Blocks::new(rng, spec.num_blocks);
@@ -197,20 +232,53 @@ pub(super) fn attention_ops(
         b.push_seq_groups(&toks(100), 0, tb.clone(), true);
         b.push_seq_groups(&toks(1200), 0, td.clone(), true);
         b.push_seq_groups(&toks(600), 0, te.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "prefill", fused)?;
+        attention_step(
+            p,
+            rng,
+            &mut caches,
+            &b,
+            &ap,
+            rotary,
+            qk,
+            "prefill",
+            fused,
+            fp8,
+        )?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq_groups(&toks(37), 100, tb.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "chunked", fused)?;
+        attention_step(
+            p,
+            rng,
+            &mut caches,
+            &b,
+            &ap,
+            rotary,
+            qk,
+            "chunked",
+            fused,
+            fp8,
+        )?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq_groups(&toks(1), 150, held(&ta, 150), true);
         b.push_seq_groups(&toks(20), 0, tc.clone(), true);
-        attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, "mixed", fused)?;
+        attention_step(
+            p,
+            rng,
+            &mut caches,
+            &b,
+            &ap,
+            rotary,
+            qk,
+            "mixed",
+            fused,
+            fp8,
+        )?;
         let apart = if vpre { "" } else { " (values apart)" };
         for (step, label) in [(0, "decode"), (1, "decode 2")] {
             let mut b = ForwardBatch {
@@ -221,7 +289,7 @@ pub(super) fn attention_ops(
                 b.push_seq_groups(&toks(1), at + step, held(t, at + step), true);
             }
             let label = format!("{label}{apart}");
-            attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused)?;
+            attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused, fp8)?;
         }
         // A layer sharing the cache: new queries over what is there, one
         // a sequence (decode) and two (prefill).
@@ -319,6 +387,7 @@ pub(super) fn bidirectional_ops(
                 None,
                 &label,
                 fused,
+                false,
             )?;
         }
     }

@@ -63,6 +63,7 @@ pub(super) fn block_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         p.compare(format!("blocks {f} embedding"), &g, &c, TOL)?;
     }
     ring(p, rng)?;
+    fp8_products(p, rng)?;
     // A packed gate/up weight of two formats behind a Gemma-style norm, and a
     // bias on a three-part q/k/v.
     let q4k = WeightKind::Blocks(QuantFormat::Q4K);
@@ -212,6 +213,62 @@ fn ring(p: &mut Pair, rng: &mut Rng) -> R<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// `x`'s first `rows` rows (of `k`) as `quant_e4m3_rows` rounds them: runs
+/// of 128 as E4M3 codes (nearest, saturating) under amax / 448, read back.
+fn e4m3_rows(x: &[f32], k: usize, rows: usize) -> Vec<f32> {
+    use kiln_quant::{dequant::e4m3_to_f32, quantize::f32_to_e4m3};
+    let mut out = x.to_vec();
+    for run in out[..rows * k].chunks_mut(128) {
+        let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+        let inv = 1.0 / scale;
+        for v in run {
+            *v = e4m3_to_f32(f32_to_e4m3(*v * inv)) * scale;
+        }
+    }
+    out
+}
+
+/// FP8 products past the decode rows: on Hopper cuBLASLt's block-scaled
+/// FP8 GEMM over activations quantized 1x128 on the device, checked
+/// against the CPU on the same weights and on x rounded the same way (so
+/// the check sees the product and the scale layouts, not the activations'
+/// rounding; rows past the last multiple of 4 go through the exact decode
+/// kernel and stay exact); elsewhere dequantized slabs against the exact x.
+/// A three-part q/k/v, rows of x in and out of fours, a residual, a gate.
+fn fp8_products(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    use QuantFormat::FP8;
+    if !p.gpu.supports_weight(WeightKind::Blocks(FP8)) {
+        return Ok(());
+    }
+    let tensor_cores = p.gpu.fp8_tensor_cores();
+    let k = 512;
+    let (wg, wc) = weight(p, &[(FP8, 128, k, 21), (FP8, 32, k, 22), (FP8, 36, k, 23)])?;
+    let (gg, gc) = weight(p, &[(FP8, 2 * 64, k, 24)])?;
+    for n in [12usize, 13, 64, 131] {
+        let x = rng.vec(n * k, 2.0);
+        let rounded = if tensor_cores { n - n % 4 } else { 0 };
+        let xg = p.gpu.upload(&[n, k], &x).map_err(e)?;
+        let xc = p
+            .cpu
+            .upload(&[n, k], &e4m3_rows(&x, k, rounded))
+            .map_err(e)?;
+        let g = p.gpu.matmul(&xg, &wg, None, Epilogue::NONE).map_err(e)?;
+        let c = p.cpu.matmul(&xc, &wc, None, Epilogue::NONE).map_err(e)?;
+        p.compare(format!("fp8 product qkv n={n}"), &g, &c, TOL)?;
+        let (rg, rc) = p.up(&[n, 196], &rng.vec(n * 196, 1.0))?;
+        let res = |r| Epilogue::NONE.with_residual(r);
+        let g = p.gpu.matmul(&xg, &wg, None, res(&rg)).map_err(e)?;
+        let c = p.cpu.matmul(&xc, &wc, None, res(&rc)).map_err(e)?;
+        p.compare(format!("fp8 product qkv+residual n={n}"), &g, &c, TOL)?;
+        let gate = Epilogue::gated(Activation::Silu);
+        let g = p.gpu.matmul(&xg, &gg, None, gate).map_err(e)?;
+        let c = p.cpu.matmul(&xc, &gc, None, gate).map_err(e)?;
+        p.compare(format!("fp8 product gated n={n}"), &g, &c, TOL)?;
     }
     Ok(())
 }

@@ -8,7 +8,8 @@
 //
 // Common layout (all pointers are device pointers):
 //   q:        row r, head h at q + r * q_stride + h * HEAD_DIM            (bf16)
-//   k_cache, v_cache: [num_slots, kv_heads * HEAD_DIM]                      (bf16)
+//   k_cache, v_cache: [num_slots, kv_stride >= kv_heads * HEAD_DIM]   (bf16; the _fp8 entries E4M3,
+//             kv_elem.cuh: 8-byte loads widened to the bf16 the bf16 entries read)
 //   slot of key p of sequence s = tables[s * table_width + p / block_size] * block_size + p % block_size
 //   pos[r]:     position of row r;  row_seq[r]: sequence (block-table row) of row r
 //   out:      row r, head h at out + r * out_stride + h * HEAD_DIM          (bf16)
@@ -48,6 +49,7 @@
 //     grid (rows, heads), block 128 threads (any multiple of 32 works), no dynamic smem.
 //
 #include "common.cuh"
+#include "kv_elem.cuh"
 
 #define KILN_DECODE_THREADS 128
 #ifndef KILN_DECODE_GB
@@ -143,9 +145,9 @@ __device__ __forceinline__ void decode_combine_last(const float* part_out, const
     }
 }
 
-template <int HD, bool VPRE>
+template <int HD, bool VPRE, typename KV>
 __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long long q_stride,
-                                            const bf16* k_cache, const bf16* v_cache,
+                                            const KV* k_cache, const KV* v_cache,
                                             const unsigned int* __restrict__ pos,
                                             const unsigned int* __restrict__ row_seq,
                                             const unsigned int* __restrict__ tables, int table_width,
@@ -189,8 +191,8 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
     // slots (positions and block tables come from host copies, never from a kernel) and an L2
     // prefetch of its key and value rows (a prefetch returns nothing, so the row the previous
     // kernel may still be writing is read again after the wait).
-    const bf16* kbase = k_cache + (long long)kvh * HD + ln * 8;
-    const bf16* vbase = v_cache + (long long)kvh * HD + ln * 8;
+    const KV* kbase = k_cache + (long long)kvh * HD + ln * 8;
+    const KV* vbase = v_cache + (long long)kvh * HD + ln * 8;
     if (KILN_DECODE_PREWAIT && lo < hi && tid < CH) {
         const int cn = min(CH, hi - lo);
         unsigned int slot = 0;
@@ -199,7 +201,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
             slot = table[key / block_size] * (unsigned int)block_size + (unsigned int)(key % block_size);
             const long long off = (long long)slot * kv_row + (long long)kvh * HD;
 #pragma unroll
-            for (int b = 0; b < HD * 2; b += 128) {
+            for (int b = 0; b < HD * (int)sizeof(KV); b += 128) {
                 kiln_prefetch_l2(reinterpret_cast<const char*>(k_cache + off) + b);
                 kiln_prefetch_l2(reinterpret_cast<const char*>(v_cache + off) + b);
             }
@@ -258,7 +260,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
             for (int u = 0; u < U; ++u) {
                 const int k = u * KPI + sub;
                 v0[u] = (VPRE || KILN_DECODE_VPRE) && k < cn
-                            ? *reinterpret_cast<const uint4*>(vbase + (long long)s_slot[k] * kv_row)
+                            ? kv_elem::load8(vbase + (long long)s_slot[k] * kv_row)
                             : make_uint4(0u, 0u, 0u, 0u);
             }
 
@@ -269,7 +271,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                 for (int u = 0; u < U; ++u) {
                     const int k = k0 + u * KPI + sub;
                     if (k < cn)
-                        kv[u] = *reinterpret_cast<const uint4*>(kbase + (long long)s_slot[k] * kv_row);
+                        kv[u] = kv_elem::load8(kbase + (long long)s_slot[k] * kv_row);
                     else
                         kv[u] = make_uint4(0u, 0u, 0u, 0u);
                 }
@@ -339,7 +341,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                     if ((VPRE || KILN_DECODE_VPRE) && k0 == 0)
                         vv[u] = v0[u];
                     else if (k < cn)
-                        vv[u] = *reinterpret_cast<const uint4*>(vbase + (long long)s_slot[k] * kv_row);
+                        vv[u] = kv_elem::load8(vbase + (long long)s_slot[k] * kv_row);
                     else
                         vv[u] = make_uint4(0u, 0u, 0u, 0u);
                 }
@@ -447,25 +449,27 @@ __device__ __forceinline__ void decode_reduce_impl(const float* __restrict__ par
 // ---------------------------------------------------------------------------------------
 
 // Decode entries: with and without the values' first round loaded with the keys.
-#define KILN_DECODE_ENTRIES(HD, SUFFIX, VPRE)                                                                    \
+#define KILN_DECODE_ENTRIES(HD, SUFFIX, VPRE, KV)                                                                \
     extern "C" __global__ void __launch_bounds__(128) decode_attention##SUFFIX##_hd##HD(                         \
-        const bf16* __restrict__ q, long long q_stride, const bf16* __restrict__ k_cache,                        \
-        const bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                  \
+        const bf16* __restrict__ q, long long q_stride, const KV* __restrict__ k_cache,                          \
+        const KV* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                    \
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
         int block_size, int heads, int kv_heads, int kv_stride, float scale, int window, float softcap,          \
         int partition_size,                                                                                      \
         float* __restrict__ part_out, float* __restrict__ part_ml, unsigned int* __restrict__ counters,          \
         bf16* __restrict__ out, long long out_stride) {                                                          \
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
-        decode_impl<HD, VPRE>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,      \
-                              heads, kv_heads, kv_stride, scale, window, softcap, partition_size, part_out,      \
-                              part_ml,                                                                           \
-                              counters, out, out_stride);                                                        \
+        decode_impl<HD, VPRE, KV>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,  \
+                                  heads, kv_heads, kv_stride, scale, window, softcap, partition_size, part_out,  \
+                                  part_ml,                                                                       \
+                                  counters, out, out_stride);                                                    \
     }
 
 #define KILN_DECODE_ALL(HD)                                                                                             \
-    KILN_DECODE_ENTRIES(HD, , false)                                                                             \
-    KILN_DECODE_ENTRIES(HD, _vpre, true)                                                                         \
+    KILN_DECODE_ENTRIES(HD, , false, bf16)                                                                       \
+    KILN_DECODE_ENTRIES(HD, _vpre, true, bf16)                                                                   \
+    KILN_DECODE_ENTRIES(HD, _fp8, false, kv8)                                                                    \
+    KILN_DECODE_ENTRIES(HD, _vpre_fp8, true, kv8)                                                                \
     extern "C" __global__ void decode_attention_reduce_hd##HD(const float* __restrict__ part_out,                \
                                                               const float* __restrict__ part_ml, int heads,      \
                                                               int num_parts, bf16* __restrict__ out,             \

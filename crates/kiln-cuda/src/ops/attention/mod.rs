@@ -77,8 +77,9 @@ impl CudaBackend {
         let window = p.sliding_window.map(|w| w as i32).unwrap_or(0);
         let softcap = p.softcap.unwrap_or(0.0);
         let hd = p.head_dim;
-        let decode = format!("decode_attention_hd{hd}");
-        let flash = format!("flash_prefill_hd{hd}");
+        let e = kv.tag();
+        let decode = format!("decode_attention{e}_hd{hd}");
+        let flash = format!("flash_prefill{e}_hd{hd}");
         if n == 0 {
             return Ok(wrap(vec![0, qw], out));
         }
@@ -133,7 +134,7 @@ impl CudaBackend {
             };
             // Split steps hold few keys a block: their values' first round
             // goes out with the keys (one memory round trip less).
-            let vpre = format!("decode_attention_vpre_hd{hd}");
+            let vpre = format!("decode_attention_vpre{e}_hd{hd}");
             let name = if parts > 1
                 && self.decode_vpre.load(std::sync::atomic::Ordering::Relaxed)
                 && self.dev.has(&vpre)
@@ -242,7 +243,7 @@ impl CudaBackend {
         // word a row, or null).
         unsafe {
             self.dev
-                .launch(self.dev.func("paged_attention_bf16")?)
+                .launch(self.dev.func(&format!("paged_attention_{}", kv.elem()))?)
                 .arg(&q)
                 .arg(&kc)
                 .arg(&vc)
@@ -337,12 +338,16 @@ pub(crate) fn qkv_attention(
     qk_norm: Option<QkNorm<'_>>,
 ) -> Result<Tensor> {
     let hd = p.head_dim;
+    let (elem, e) = {
+        let kv = cache::kv(cache)?;
+        (kv.elem(), kv.tag())
+    };
     // Bidirectional attention runs the reference kernel, which reads packed
     // q rows: the ops one by one.
     let fused = p.causal
-        && cuda.dev.has("qkv_rope_write_bf16")
-        && cuda.dev.has(&format!("flash_prefill_hd{hd}"))
-        && cuda.dev.has(&format!("decode_attention_hd{hd}"));
+        && cuda.dev.has(&format!("qkv_rope_write_{elem}"))
+        && cuda.dev.has(&format!("flash_prefill{e}_hd{hd}"))
+        && cuda.dev.has(&format!("decode_attention{e}_hd{hd}"));
     if !fused {
         return kiln_tensor::backend::qkv_attention_unfused(
             cuda, qkv, cache, layer, batch, p, rope, qk_norm,

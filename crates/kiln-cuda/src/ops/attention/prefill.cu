@@ -8,7 +8,8 @@
 //
 // Common layout (all pointers are device pointers):
 //   q:        row r, head h at q + r * q_stride + h * HEAD_DIM            (bf16)
-//   k_cache, v_cache: [num_slots, kv_heads * HEAD_DIM]                      (bf16)
+//   k_cache, v_cache: [num_slots, kv_heads * HEAD_DIM]   (bf16; the _fp8 entries E4M3, widened
+//             to bf16 as their chunks are staged, kv_elem.cuh)
 //   slot of key p of sequence s = tables[s * table_width + p / block_size] * block_size + p % block_size
 //   pos[r]:     position of row r;  row_seq[r]: sequence (block-table row) of row r
 //   out:      row r, head h at out + r * out_stride + h * HEAD_DIM          (bf16)
@@ -27,6 +28,7 @@
 //     tile belong to one sequence and have consecutive positions. Order the tiles longest
 //     (most keys) first: CTAs run tile-major (all heads of tile 0, then tile 1, ...).
 #include "common.cuh"
+#include "kv_elem.cuh"
 
 #define KILN_FA_TILE_ROWS 128
 #define KILN_FA_KEYS 64
@@ -89,9 +91,9 @@ __device__ __forceinline__ unsigned int fa_slot(const unsigned int* __restrict__
 // Gather 64 key rows (K and V) of one kv head into shared memory with cp.async, the slots
 // taken from `slots` (shared memory); keys past `last_key` are zero-filled (their scores
 // are masked, and P = 0 must not meet garbage NaNs in V).
-template <int HD>
+template <int HD, typename KV>
 __device__ __forceinline__ void fa_load_kv(bf16* kdst, bf16* vdst, const unsigned int* slots,
-                                           const bf16* __restrict__ k_src, const bf16* __restrict__ v_src,
+                                           const KV* __restrict__ k_src, const KV* __restrict__ v_src,
                                            long long kv_row, int c0, int last_key) {
     constexpr int LD = HD + 8;
     constexpr int VPR = HD / 8;  // 16-byte vectors per row
@@ -102,8 +104,14 @@ __device__ __forceinline__ void fa_load_kv(bf16* kdst, bf16* vdst, const unsigne
         const int off = r * LD + c * 8;
         if (c0 + r <= last_key) {
             const long long g = (long long)slots[r] * kv_row + c * 8;
-            cp_async16(smem_u32(kdst + off), k_src + g);
-            cp_async16(smem_u32(vdst + off), v_src + g);
+            if constexpr (sizeof(KV) == 2) {
+                cp_async16(smem_u32(kdst + off), k_src + g);
+                cp_async16(smem_u32(vdst + off), v_src + g);
+            } else {
+                // E4M3: loaded, widened to bf16 and stored here (no asynchronous copy converts).
+                *reinterpret_cast<uint4*>(kdst + off) = kv_elem::load8(k_src + g);
+                *reinterpret_cast<uint4*>(vdst + off) = kv_elem::load8(v_src + g);
+            }
         } else {
             *reinterpret_cast<uint4*>(kdst + off) = make_uint4(0u, 0u, 0u, 0u);
             *reinterpret_cast<uint4*>(vdst + off) = make_uint4(0u, 0u, 0u, 0u);
@@ -111,10 +119,10 @@ __device__ __forceinline__ void fa_load_kv(bf16* kdst, bf16* vdst, const unsigne
     }
 }
 
-template <int HD>
+template <int HD, typename KV>
 __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, long long q_stride,
-                                                   const bf16* __restrict__ k_cache,
-                                                   const bf16* __restrict__ v_cache,
+                                                   const KV* __restrict__ k_cache,
+                                                   const KV* __restrict__ v_cache,
                                                    const unsigned int* __restrict__ pos,
                                                    const unsigned int* __restrict__ row_seq,
                                                    const unsigned int* __restrict__ tables, int table_width,
@@ -145,8 +153,8 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
     const long long kv_row = kv_stride;  // a slot's row: the pool's, maybe wider than kv_heads * HD
     const unsigned int* table = tables + (long long)row_seq[first] * table_width;
     const int pos_first = (int)pos[first];
-    const bf16* k_src = k_cache + (long long)kvh * HD;
-    const bf16* v_src = v_cache + (long long)kvh * HD;
+    const KV* k_src = k_cache + (long long)kvh * HD;
+    const KV* v_src = v_cache + (long long)kvh * HD;
 
     // Score transform: v = raw (no softcap) or tanh(raw * scale / cap) * cap; the softmax
     // works on v * mul in the log2 domain.
@@ -203,7 +211,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
             if (c < nchunks) s_slot[tid] = fa_slot(table, block_size, lo + c * KEYS + (tid & 63), hi);
         }
         __syncthreads();
-        fa_load_kv<HD>(Ks, Vs, s_slot, k_src, v_src, kv_row, lo, hi);
+        fa_load_kv<HD, KV>(Ks, Vs, s_slot, k_src, v_src, kv_row, lo, hi);
         cp_async_commit();
 
         // Q fragments are read per k-step from shared memory.
@@ -229,7 +237,7 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
             cp_async_wait<0>();  // chunk jc (and Q) landed for this thread
             __syncthreads();     // ... for all threads; everyone is done with chunk jc - 1
             if (jc + 1 < nchunks) {
-                fa_load_kv<HD>(Ks + (buf ^ 1) * KEYS * LD, Vs + (buf ^ 1) * KEYS * LD, s_slot + (buf ^ 1) * KEYS,
+                fa_load_kv<HD, KV>(Ks + (buf ^ 1) * KEYS * LD, Vs + (buf ^ 1) * KEYS * LD, s_slot + (buf ^ 1) * KEYS,
                                k_src, v_src, kv_row, c0 + KEYS, hi);
                 cp_async_commit();
             }
@@ -386,20 +394,23 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
 #define KILN_FA_MIN_BLOCKS_128 2
 #define KILN_FA_MIN_BLOCKS_256 1
 
-#define KILN_PREFILL_ENTRY(HD)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128, KILN_FA_MIN_BLOCKS_##HD) flash_prefill_hd##HD(                                  \
-        const bf16* __restrict__ q, long long q_stride, const bf16* __restrict__ k_cache,                        \
-        const bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                  \
+#define KILN_PREFILL_ENTRY(HD, SUFFIX, KV)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128, KILN_FA_MIN_BLOCKS_##HD) flash_prefill##SUFFIX##_hd##HD(        \
+        const bf16* __restrict__ q, long long q_stride, const KV* __restrict__ k_cache,                          \
+        const KV* __restrict__ v_cache, const unsigned int* __restrict__ pos,                                    \
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
         int block_size, const unsigned int* __restrict__ tiles, int heads, int kv_heads, int kv_stride,          \
         float scale,                                                                                             \
         int window, float softcap, bf16* __restrict__ out, long long out_stride) {                               \
         kiln_pdl_enter();                                                                                        \
-        flash_prefill_impl<HD>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,    \
-                               tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride);      \
+        flash_prefill_impl<HD, KV>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size, \
+                                   tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride);  \
     }
 
 
-KILN_PREFILL_ENTRY(64)
-KILN_PREFILL_ENTRY(128)
-KILN_PREFILL_ENTRY(256)
+KILN_PREFILL_ENTRY(64, , bf16)
+KILN_PREFILL_ENTRY(128, , bf16)
+KILN_PREFILL_ENTRY(256, , bf16)
+KILN_PREFILL_ENTRY(64, _fp8, kv8)
+KILN_PREFILL_ENTRY(128, _fp8, kv8)
+KILN_PREFILL_ENTRY(256, _fp8, kv8)

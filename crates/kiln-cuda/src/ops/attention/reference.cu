@@ -3,6 +3,7 @@
 // online softmax, f32 math over bf16 K/V. Correct for any context length;
 // the flash-style prefill and split-KV decode kernels replace it for speed.
 #include "common.cuh"
+#include "kv_elem.cuh"
 
 __device__ __forceinline__ float block_max(float v) {
     __shared__ float partial[32];
@@ -29,9 +30,10 @@ __device__ __forceinline__ float block_max(float v) {
 // sequence's last key (bidirectional: keys up to it, a window keeping |query - key| < window);
 // row_pos[t]: the token's position; row_seq[t]: its sequence, whose block
 // table is tables[row_seq[t] * table_width ..]. Dynamic shared memory:
-// (blockDim.x + head_dim) floats.
-extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, const bf16* __restrict__ k_cache,
-                                                const bf16* __restrict__ v_cache, bf16* __restrict__ out,
+// (blockDim.x + head_dim) floats. paged_attention_fp8: caches of E4M3 (kv_elem.cuh).
+template <typename KV>
+__device__ __forceinline__ void paged_attention(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
+                                                const KV* __restrict__ v_cache, bf16* __restrict__ out,
                                                 const unsigned int* __restrict__ row_pos,
                                                 const unsigned int* __restrict__ row_seq,
                                                 const unsigned int* __restrict__ row_end,
@@ -62,9 +64,9 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
         float s = NEG_INF;
         if (key <= last) {
             const long long slot = (long long)table[key / block_size] * block_size + key % block_size;
-            const bf16* kv = k_cache + slot * kv_row + (long long)kvh * head_dim;
+            const KV* kv = k_cache + slot * kv_row + (long long)kvh * head_dim;
             float dot = 0.0f;
-            for (int d = 0; d < head_dim; ++d) dot += to_f32(qv[d]) * to_f32(kv[d]);
+            for (int d = 0; d < head_dim; ++d) dot += to_f32(qv[d]) * kv_elem::load1(kv + d);
             s = dot * scale;
             if (softcap > 0.0f) s = tanhf(s / softcap) * softcap;
         }
@@ -81,7 +83,7 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
             for (int j = 0; j < n_keys; ++j) {
                 const int kk = c0 + j;
                 const long long slot = (long long)table[kk / block_size] * block_size + kk % block_size;
-                a += scores[j] * to_f32(v_cache[slot * kv_row + (long long)kvh * head_dim + d]);
+                a += scores[j] * kv_elem::load1(v_cache + slot * kv_row + (long long)kvh * head_dim + d);
             }
             acc[d] = a;
         }
@@ -90,3 +92,18 @@ extern "C" __global__ void paged_attention_bf16(const bf16* __restrict__ q, cons
     bf16* o = out + ((long long)t * heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = to_bf16(acc[d] / l);
 }
+
+#define KILN_PAGED_ATTENTION(NAME, KV)                                                                         \
+    extern "C" __global__ void NAME(const bf16* __restrict__ q, const KV* __restrict__ k_cache,                 \
+                                    const KV* __restrict__ v_cache, bf16* __restrict__ out,                     \
+                                    const unsigned int* __restrict__ row_pos,                                   \
+                                    const unsigned int* __restrict__ row_seq,                                   \
+                                    const unsigned int* __restrict__ row_end,                                   \
+                                    const unsigned int* __restrict__ tables, int table_width, int heads,        \
+                                    int kv_heads, int kv_stride, int head_dim, int block_size, float scale,     \
+                                    int window, float softcap) {                                                \
+        paged_attention<KV>(q, k_cache, v_cache, out, row_pos, row_seq, row_end, tables, table_width, heads,   \
+                            kv_heads, kv_stride, head_dim, block_size, scale, window, softcap);                 \
+    }
+KILN_PAGED_ATTENTION(paged_attention_bf16, bf16)
+KILN_PAGED_ATTENTION(paged_attention_fp8, kv8)

@@ -32,10 +32,10 @@
 //     host launches one wave: KILN_QGEMV_MIN_BLOCKS an SM); dynamic shared memory blocks.rs's
 //     qgemv_smem(M, K); K % 256 == 0 for K-quants, % 128 for Q4_Z, % 32 otherwise; x, norm_w
 //     16-byte aligned; out must not overlap x.
-//   dequant_<fmt>_bf16(body, meta, ids, out, K, rows_out, row0)
+//   dequant_<fmt>_bf16(body, meta, ids, out, K, rows_out, row0, rows)
 //     out[r, :] = W[ids ? ids[r] : row0 + r, :] as bf16 (fmaf(s, code, b) rounded once), r <
 //     rows_out: a thread per unit (the rows of an embedding lookup, or a slab of rows for the
-//     tensor-core GEMM of larger batches).
+//     tensor-core GEMM of larger batches); `rows`, the part's rows, only fp8.cu's reads.
 #include "common.cuh"
 #include "rms_prologue.cuh"
 #include "block_parts.cuh"
@@ -659,7 +659,7 @@ __device__ __forceinline__ void dequant(const u8* __restrict__ body, const u8* _
     KILN_QGEMV(name, F, 8)                                                                              \
     extern "C" __global__ void dequant_##name##_bf16(const unsigned char* body, const unsigned char* meta, \
                                                      const unsigned* ids, bf16* out, int K,             \
-                                                     long long rows_out, long long row0) {              \
+                                                     long long rows_out, long long row0, long long) {   \
         blocks_detail::dequant<blocks_detail::F>(body, meta, ids, out, K, rows_out, row0);             \
     }
 

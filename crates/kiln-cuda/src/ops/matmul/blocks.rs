@@ -16,7 +16,7 @@ use kiln_tensor::{
     Tensor, TensorError, WeightKind,
 };
 
-use super::{gemm_ld, GEMV_MAX_ROWS};
+use super::{gemm_ld, lt, GEMV_MAX_ROWS};
 use crate::backend::CudaBackend;
 use crate::driver::device::{dev_err, elems_cfg, ptr, wrap};
 use crate::driver::pool::DevBuf;
@@ -29,6 +29,8 @@ pub(crate) struct DeviceBlocks {
     buf: DevBuf,
     meta_off: usize,
     name: &'static str,
+    /// The part's rows.
+    rows: usize,
 }
 
 /// Byte ranges of a GGUF block, by format: its kernel name, the body (the
@@ -63,6 +65,12 @@ fn spec(f: QuantFormat) -> Option<(&'static str, Ranges, Ranges)> {
     })
 }
 
+/// Scales from one run of 128 to the next in an FP8 part of `rows` rows
+/// (`fp8.cu`'s `scale_stride`).
+pub(crate) fn fp8_scale_stride(rows: usize) -> usize {
+    rows.next_multiple_of(4)
+}
+
 fn span(r: Ranges) -> usize {
     r.iter().map(|(a, b)| b - a).sum()
 }
@@ -93,7 +101,13 @@ pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
     let blocks = bytes.len() / raw;
     let (bs, ms) = (span(body), span(meta));
     let meta_off = (blocks * bs).next_multiple_of(256);
-    let mut host = vec![0u8; meta_off + blocks * ms];
+    // FP8's scales run-major, rows padded to 4 (`fp8_scale_stride`): the
+    // layout of cuBLASLt's 1x128 block scaling; every other meta in block order.
+    let nb = cols / f.block_size();
+    let fp8 = f == QuantFormat::FP8;
+    let ss = fp8_scale_stride(rows);
+    let meta_len = if fp8 { nb * ss * ms } else { blocks * ms };
+    let mut host = vec![0u8; meta_off + meta_len];
     let (bodies, metas) = host.split_at_mut(meta_off);
     for (g, blk) in bytes.chunks_exact(raw).enumerate() {
         let mut o = g * bs;
@@ -101,7 +115,11 @@ pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
             bodies[o..o + b - a].copy_from_slice(&blk[a..b]);
             o += b - a;
         }
-        let mut o = g * ms;
+        let mut o = if fp8 {
+            (g % nb * ss + g / nb) * ms
+        } else {
+            g * ms
+        };
         for &(a, b) in meta {
             metas[o..o + b - a].copy_from_slice(&blk[a..b]);
             o += b - a;
@@ -120,6 +138,7 @@ pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
             buf,
             meta_off,
             name,
+            rows,
         }),
     ))
 }
@@ -153,7 +172,7 @@ impl DeviceBlocks {
             return Ok(());
         }
         let func = cuda.dev.func(&format!("dequant_{}_bf16", self.name))?;
-        let (ki, ro, r0) = (k as i32, rows_out as i64, row0 as i64);
+        let (ki, ro, r0, rows) = (k as i32, rows_out as i64, row0 as i64, self.rows as i64);
         let (body, meta) = (self.body(), self.meta());
         let mut b = cuda.dev.launch(func);
         b.arg(&body)
@@ -162,7 +181,8 @@ impl DeviceBlocks {
             .arg(&out)
             .arg(&ki)
             .arg(&ro)
-            .arg(&r0);
+            .arg(&r0)
+            .arg(&rows);
         // SAFETY: rows named (ids < rows, checked by the callers, or
         // row0 + rows_out <= rows) of a [rows, k] matrix; out [rows_out, k].
         unsafe { b.launch(elems_cfg(rows_out * k / 32)) }.map_err(dev_err)
@@ -451,19 +471,92 @@ pub(crate) fn matmul(
         }
         None => 0.0,
     };
+    // FP8 parts (of rows a multiple of 4) on the FP8 tensor cores: the rows
+    // of x in fours quantized once, the last one to three rows through the
+    // decode kernel; every other part (and any shape cuBLASLt has no
+    // algorithm for) as dequantized slabs through cuBLAS.
+    let n_lt = n - n % 4;
+    let fp8_parts = w
+        .parts()
+        .iter()
+        .any(|p| p.format() == QuantFormat::FP8 && p.rows() % 4 == 0);
+    let xq = if fp8_parts && n_lt > 0 && cuda.fp8_tensor_cores() {
+        Some(quant_e4m3_rows(cuda, xp, n_lt, k)?)
+    } else {
+        None
+    };
     let widest = w.parts().iter().map(|p| p.rows()).max().unwrap_or(0);
     let slab_rows = (SLAB_ELEMS / k.max(1)).clamp(1, widest.max(1));
-    let scratch = cuda.alloc(slab_rows * k, "dequantized weights")?;
+    let mut scratch = None;
     let mut row0 = 0usize;
     for part in w.parts() {
         let d = device(part)?;
-        let mut r = 0;
-        while r < part.rows() {
-            let rows = slab_rows.min(part.rows() - r);
-            d.dequant(cuda, 0, scratch.ptr, k, rows, r)?;
-            let o = out.ptr + 2 * (row0 + r) as u64;
-            gemm_ld(&cuda.dev, xp, scratch.ptr, o, n, k, rows, m, beta)?;
-            r += rows;
+        let o = out.ptr + 2 * row0 as u64;
+        let on_lt = match (&xq, &cuda.dev.lt) {
+            (Some((codes, scales)), Some(lt)) if d.name == "fp8" && part.rows() % 4 == 0 => {
+                lt::fp8_product(
+                    &cuda.dev,
+                    lt,
+                    &lt::Fp8Product {
+                        w: d.body(),
+                        w_scales: d.meta(),
+                        x: codes.ptr,
+                        x_scales: scales.ptr,
+                        out: o,
+                        n: n_lt,
+                        k,
+                        m: part.rows(),
+                        ldc: m,
+                        beta,
+                    },
+                )?
+            }
+            _ => false,
+        };
+        if on_lt {
+            if n > n_lt {
+                let parts = Parts {
+                    body: [d.body(), 0, 0],
+                    meta: [d.meta(), 0, 0],
+                    rows: [part.rows() as i32, 0, 0],
+                };
+                // As many rows a launch as its shared memory holds.
+                let per = (1..=n - n_lt)
+                    .rev()
+                    .find(|&r| decode_smem(d.name, r, k) <= QGEMV_MAX_SMEM)
+                    .unwrap_or(1);
+                let mut first = n_lt;
+                while first < n {
+                    let rows = per.min(n - first);
+                    let o = o + (2 * first * m) as u64;
+                    let res = if beta != 0.0 { o } else { 0 };
+                    let xo = xp + (2 * first * k) as u64;
+                    qgemv(cuda, d.name, rows, xo, None, &parts, o, res, k, m, None)?;
+                    first += rows;
+                }
+            }
+        } else {
+            if scratch.is_none() {
+                scratch = Some(cuda.alloc(slab_rows * k, "dequantized weights")?);
+            }
+            let scratch = scratch.as_ref().map(|t| t.ptr).unwrap_or(0);
+            let mut r = 0;
+            while r < part.rows() {
+                let rows = slab_rows.min(part.rows() - r);
+                d.dequant(cuda, 0, scratch, k, rows, r)?;
+                gemm_ld(
+                    &cuda.dev,
+                    xp,
+                    scratch,
+                    o + 2 * r as u64,
+                    n,
+                    k,
+                    rows,
+                    m,
+                    beta,
+                )?;
+                r += rows;
+            }
         }
         row0 += part.rows();
     }
@@ -478,6 +571,26 @@ pub(crate) fn matmul(
         Some(r) if fused_residual.is_none() => crate::ops::elementwise::add(cuda, r, &y),
         _ => Ok(y),
     }
+}
+
+/// `x [n, k]` bf16 as E4M3 codes `[n, k]` and their 1x128 scales
+/// `[k / 128][n]` (`fp8.cu`'s `quant_e4m3_rows`), for cuBLASLt.
+fn quant_e4m3_rows(cuda: &CudaBackend, x: u64, n: usize, k: usize) -> Result<(DevBuf, DevBuf)> {
+    let codes = cuda.dev.alloc(n * k, 1, "FP8 activations")?;
+    let scales = cuda.dev.alloc(n * (k / 128), 4, "FP8 activation scales")?;
+    let func = cuda.dev.func("quant_e4m3_rows")?;
+    let (ni, ki, ss) = (n as i64, k as i32, n as i64);
+    let mut b = cuda.dev.launch(func);
+    b.arg(&x)
+        .arg(&codes.ptr)
+        .arg(&scales.ptr)
+        .arg(&ni)
+        .arg(&ki)
+        .arg(&ss);
+    // SAFETY: x [n, k] bf16 (k a multiple of 128, 8-byte aligned rows),
+    // codes [n, k], scales [k / 128][n]; a warp a run of 128.
+    unsafe { b.launch(elems_cfg(n * (k / 128) * 32)) }.map_err(dev_err)?;
+    Ok((codes, scales))
 }
 
 /// Raises the decode kernels' dynamic shared memory limit to

@@ -1,6 +1,8 @@
 // Products with FP8 E4M3 weights kept on the device as stored (Kiln's FP8 blocks: runs of 128 of
 // a row under an f32 scale; blocks.rs splits each block into its 128 E4M3 bytes, the body, and its
-// scale, the meta, so a row's bytes are contiguous), on the tensor cores.
+// scale, the meta, so a row's bytes are contiguous and the scales run-major), on the tensor cores:
+// the decode products here, larger ones through cuBLASLt's block-scaled FP8 GEMM over activations
+// quantized by quant_e4m3_rows (lt.rs).
 //
 //   qgemv_fp8_m{M}(x, norm_w, eps, off, nt, parts, out, residual, K, ldo, gated, act)
 //     The contract of blocks.cu's qgemv_<fmt>_m{M} (M <= 8 rows of x; norm prologue, residual,
@@ -20,9 +22,13 @@
 //     the epilogue stores bf16. Block 256 threads, any grid; dynamic shared memory
 //     blocks.rs's fp8_smem(M, K) = M (2 K + 16) bytes; K % 128 == 0; x, norm_w 16-byte aligned;
 //     out must not overlap x.
-//   dequant_fp8_bf16(body, meta, ids, out, K, rows_out, row0)
-//     out[r, :] = W[ids ? ids[r] : row0 + r, :] as bf16 (e4m3 * scale rounded once), r < rows_out;
-//     a thread per 32 elements, any grid.
+//   dequant_fp8_bf16(body, meta, ids, out, K, rows_out, row0, rows)
+//     out[r, :] = W[ids ? ids[r] : row0 + r, :] as bf16 (e4m3 * scale rounded once), r < rows_out,
+//     of a part of `rows` rows; a thread per 32 elements, any grid.
+//   quant_e4m3_rows(x, codes, scales, n, K, ss)
+//     The activations of cuBLASLt's FP8 products: x [n, K] bf16 in runs of 128 a row, each as
+//     E4M3 codes (round to nearest, saturating) under an f32 scale amax / 448 (1 for a zero run),
+//     scales[run * ss + row] (ss >= n, a multiple of 4). A warp a run, any grid.
 #include "common.cuh"
 #include "mma.cuh"
 #include "rms_prologue.cuh"
@@ -47,14 +53,21 @@ constexpr int kStepK = kWarps * 64;
 
 using block_parts::Parts;
 
-// Row r of the stacked parts: its bytes (K a row) and its scales (K / 128 a row).
-__device__ __forceinline__ void row_of(const Parts& p, int r, int K, const u8*& w, const float*& s) {
+// Scales from one run of 128 to the next in a part of `rows` rows.
+__device__ __forceinline__ long long scale_stride(long long rows) { return (rows + 3) & ~3LL; }
+
+// Row r of the stacked parts: its bytes (K a row), its first scale and the stride from one run's
+// scale to the next (blocks.rs stores a part's scales run-major, [K / 128][rows padded to 4]: the
+// layout cuBLASLt's 1x128 block scaling reads).
+__device__ __forceinline__ void row_of(const Parts& p, int r, int K, const u8*& w, const float*& s, int& ss) {
     const u8* body;
     const u8* meta;
     int local;
     block_parts::part_of(p, r, body, meta, local);
+    const int rows = r < p.rows[0] ? p.rows[0] : r < p.rows[0] + p.rows[1] ? p.rows[1] : p.rows[2];
     w = body + (long long)local * K;
-    s = reinterpret_cast<const float*>(meta) + (long long)local * (K / 128);
+    s = reinterpret_cast<const float*>(meta) + local;
+    ss = scale_stride(rows);
 }
 
 // Four E4M3 bytes (of w, in order) as two f16 pairs: bytes 0, 1 in lo, 2, 3 in hi.
@@ -159,21 +172,22 @@ __device__ __forceinline__ void qgemv(const bf16* __restrict__ x, const bf16* __
     const u8* whi = nullptr;
     const float* slo = nullptr;
     const float* shi = nullptr;
+    int sslo = 0, sshi = 0;
     auto set_tile = [&](int tile) {
         const int n0 = tile * tile_rows;
         const int rlo = n0 + g, rhi = gated ? rows_out + n0 + g : n0 + g + 8;
         const bool oklo = n0 + g < rows_out, okhi = gated ? oklo : rhi < rows_out;
         wlo = whi = nullptr;
-        if (oklo) row_of(parts, rlo, K, wlo, slo);
-        if (okhi) row_of(parts, rhi, K, whi, shi);
+        if (oklo) row_of(parts, rlo, K, wlo, slo, sslo);
+        if (okhi) row_of(parts, rhi, K, whi, shi, sshi);
     };
     auto load = [&](Slot& sl) {
         const int k = l_step * kStepK + warp * 64 + t * 16;
         const bool kok = k < K;
         sl.lo = ld_stream16<false>(wlo + k, kok && wlo != nullptr);
         sl.hi = ld_stream16<false>(whi + k, kok && whi != nullptr);
-        sl.slo = kok && wlo != nullptr ? __ldg(slo + (k >> 7)) : 0.0f;
-        sl.shi = kok && whi != nullptr ? __ldg(shi + (k >> 7)) : 0.0f;
+        sl.slo = kok && wlo != nullptr ? __ldg(slo + (k >> 7) * sslo) : 0.0f;
+        sl.shi = kok && whi != nullptr ? __ldg(shi + (k >> 7) * sshi) : 0.0f;
         if (++l_step == steps) {
             l_step = 0;
             l_tile += gridDim.x;
@@ -275,16 +289,17 @@ KILN_QGEMV_FP8(8)
 
 extern "C" __global__ void dequant_fp8_bf16(const unsigned char* __restrict__ body, const unsigned char* __restrict__ meta,
                                             const unsigned* __restrict__ ids, bf16* __restrict__ out, int K,
-                                            long long rows_out, long long row0) {
+                                            long long rows_out, long long row0, long long rows) {
     kiln_pdl_enter();
     const int per_row = K / 32;
+    const long long ss = fp8_detail::scale_stride(rows);
     const float* scales = reinterpret_cast<const float*>(meta);
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows_out * per_row;
          i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / per_row;
         const int c = (int)(i % per_row);
         const long long src = ids ? (long long)ids[r] : row0 + r;
-        const float s = scales[src * (K / 128) + c / 4];
+        const float s = scales[(c / 4) * ss + src];
         const uint4* p = reinterpret_cast<const uint4*>(body + src * K + 32 * c);
         const uint4 a = p[0], b = p[1];
         const unsigned w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
@@ -305,5 +320,29 @@ extern "C" __global__ void dequant_fp8_bf16(const unsigned char* __restrict__ bo
             }
             o[j] = make_uint4(ow[0], ow[1], ow[2], ow[3]);
         }
+    }
+}
+
+extern "C" __global__ void quant_e4m3_rows(const bf16* __restrict__ x, unsigned char* __restrict__ codes,
+                                           float* __restrict__ scales, long long n, int K, long long ss) {
+    kiln_pdl_enter();
+    const int lane = threadIdx.x & 31, runs = K / 128;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long w = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; w < n * runs; w += warps) {
+        const long long row = w / runs;
+        const int run = (int)(w % runs);
+        const long long at = row * K + run * 128 + lane * 4;
+        const uint2 v = *reinterpret_cast<const uint2*>(x + at);
+        const float2 a = rms_prologue::bf2_to_f2(v.x), b = rms_prologue::bf2_to_f2(v.y);
+        float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float s = m > 0.0f ? m / 448.0f : 1.0f;
+        const float inv = 1.0f / s;
+        unsigned short lo, hi;
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(a.x * inv), "f"(a.y * inv));
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(b.x * inv), "f"(b.y * inv));
+        *reinterpret_cast<unsigned*>(codes + at) = (unsigned)lo | ((unsigned)hi << 16);
+        if (lane == 0) scales[run * ss + row] = s;
     }
 }

@@ -13,9 +13,11 @@ use crate::ops::activation::act_code;
 
 pub(crate) mod blocks;
 mod cublas;
+mod lt;
 pub(crate) mod norm_prologue;
 
 pub(crate) use cublas::{gemm, gemm_ld};
+pub(crate) use lt::Lt;
 
 /// Largest row count served by the GEMV kernels.
 pub(crate) const GEMV_MAX_ROWS: usize = 8;

@@ -90,7 +90,7 @@ pub(crate) fn write_kv(
     // < num_slots (checked).
     unsafe {
         cuda.dev
-            .launch(cuda.dev.func("write_kv_bf16")?)
+            .launch(cuda.dev.func(&format!("write_kv_{}", kv.elem()))?)
             .arg(&kp)
             .arg(&vp)
             .arg(&kc)
@@ -162,7 +162,7 @@ pub(crate) fn qkv_rope_write(
     // checked; the norm weights (or null) hold head_dim elements.
     unsafe {
         cuda.dev
-            .launch(cuda.dev.func("qkv_rope_write_bf16")?)
+            .launch(cuda.dev.func(&format!("qkv_rope_write_{}", kv.elem()))?)
             .arg(&qkv_ptr)
             .arg(&stride)
             .arg(&kc)

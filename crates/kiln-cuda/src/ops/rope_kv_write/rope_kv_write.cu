@@ -1,6 +1,7 @@
 // Rotary position embedding and the KV-cache write: RoPE in place, the cache write of new
 // keys and values, and both in one kernel on packed QKV rows.
 #include "common.cuh"
+#include "kv_elem.cuh"
 
 // Rotate-half RoPE in place on x [tokens, heads * head_dim]; grid (tokens, heads),
 // block covers half = rotary_dim / 2 pairs (i, i + half).
@@ -22,19 +23,29 @@ extern "C" __global__ void rope_bf16(bf16* __restrict__ x, const unsigned int* _
 }
 
 // Write new keys and values [tokens, kv_row] into their cache slots [slots, kv_stride]
-// (kv_stride >= kv_row: the pool's row, wider for a narrower layer).
-extern "C" __global__ void write_kv_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v,
-                                         bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
-                                         const unsigned int* __restrict__ slot_mapping, int kv_row,
-                                         int kv_stride) {
+// (kv_stride >= kv_row: the pool's row, wider for a narrower layer); write_kv_fp8: as E4M3
+// (kv_elem.cuh).
+template <typename KV>
+__device__ __forceinline__ void write_kv(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                         KV* __restrict__ k_cache, KV* __restrict__ v_cache,
+                                         const unsigned int* __restrict__ slot_mapping, int kv_row, int kv_stride) {
     kiln_pdl_enter();
     const long long src = (long long)blockIdx.x * kv_row;
     const long long dst = (long long)slot_mapping[blockIdx.x] * kv_stride;
     for (int i = threadIdx.x; i < kv_row; i += blockDim.x) {
-        k_cache[dst + i] = k[src + i];
-        v_cache[dst + i] = v[src + i];
+        kv_elem::store1(k_cache + dst + i, k[src + i]);
+        kv_elem::store1(v_cache + dst + i, v[src + i]);
     }
 }
+
+#define KILN_WRITE_KV(NAME, KV)                                                                                \
+    extern "C" __global__ void NAME(const bf16* __restrict__ k, const bf16* __restrict__ v,                     \
+                                    KV* __restrict__ k_cache, KV* __restrict__ v_cache,                         \
+                                    const unsigned int* __restrict__ slot_mapping, int kv_row, int kv_stride) { \
+        write_kv<KV>(k, v, k_cache, v_cache, slot_mapping, kv_row, kv_stride);                                  \
+    }
+KILN_WRITE_KV(write_kv_bf16, bf16)
+KILN_WRITE_KV(write_kv_fp8, kv8)
 
 // Per-head RMSNorm (optional), RoPE on a packed QKV projection, and the KV-cache write, fused.
 // qkv [n, stride] rows: [q: heads * head_dim | k: kv_heads * head_dim | v: kv_heads * head_dim].
@@ -57,8 +68,9 @@ __device__ __forceinline__ float qk_normed(const bf16* x, int d, float inv, cons
     return w ? to_f32(to_bf16(to_f32(x[d]) * inv * (off + to_f32(w[d])))) : to_f32(x[d]);
 }
 
-extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long stride, bf16* __restrict__ k_cache,
-                                               bf16* __restrict__ v_cache, const unsigned int* __restrict__ pos,
+template <typename KV>
+__device__ __forceinline__ void qkv_rope_write(bf16* __restrict__ qkv, long long stride, KV* __restrict__ k_cache,
+                                               KV* __restrict__ v_cache, const unsigned int* __restrict__ pos,
                                                const unsigned int* __restrict__ slots,
                                                const float* __restrict__ inv_freq, int half, float attn_scaling,
                                                int heads, int kv_heads, int head_dim, int kv_stride,
@@ -93,15 +105,15 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
         x[i] = ra;
         x[i + half] = rb;
         if (is_k) {
-            k_cache[cbase + i] = ra;
-            k_cache[cbase + i + half] = rb;
+            kv_elem::store1(k_cache + cbase + i, ra);
+            kv_elem::store1(k_cache + cbase + i + half, rb);
         }
     }
     // The unrotated tail (partial rotary), normalized when a norm is set.
     for (int d = 2 * half + threadIdx.x; d < head_dim; d += blockDim.x) {
         const bf16 t = to_bf16(qk_normed(x, d, inv, w, weight_offset));
         x[d] = t;
-        if (is_k) k_cache[cbase + d] = t;
+        if (is_k) kv_elem::store1(k_cache + cbase + d, t);
     }
     if (!is_k) return;
     const bf16* v = row + voff + hoff;
@@ -115,5 +127,19 @@ extern "C" __global__ void qkv_rope_write_bf16(bf16* __restrict__ qkv, long long
         vinv = rsqrtf(block_sum(ss) / head_dim + eps);
     }
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
-        v_cache[cbase + d] = v_norm ? to_bf16(qk_normed(v, d, vinv, v_norm, weight_offset)) : v[d];
+        kv_elem::store1(v_cache + cbase + d, v_norm ? to_bf16(qk_normed(v, d, vinv, v_norm, weight_offset)) : v[d]);
 }
+
+#define KILN_QKV_ROPE_WRITE(NAME, KV)                                                                          \
+    extern "C" __global__ void NAME(bf16* __restrict__ qkv, long long stride, KV* __restrict__ k_cache,         \
+                                    KV* __restrict__ v_cache, const unsigned int* __restrict__ pos,             \
+                                    const unsigned int* __restrict__ slots, const float* __restrict__ inv_freq, \
+                                    int half, float attn_scaling, int heads, int kv_heads, int head_dim,        \
+                                    int kv_stride, const bf16* __restrict__ q_norm,                             \
+                                    const bf16* __restrict__ k_norm, const bf16* __restrict__ v_norm,           \
+                                    float eps, float weight_offset) {                                           \
+        qkv_rope_write<KV>(qkv, stride, k_cache, v_cache, pos, slots, inv_freq, half, attn_scaling, heads,     \
+                           kv_heads, head_dim, kv_stride, q_norm, k_norm, v_norm, eps, weight_offset);          \
+    }
+KILN_QKV_ROPE_WRITE(qkv_rope_write_bf16, bf16)
+KILN_QKV_ROPE_WRITE(qkv_rope_write_fp8, kv8)
