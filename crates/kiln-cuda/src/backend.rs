@@ -50,10 +50,13 @@ pub struct CudaBackend {
 
 impl CudaBackend {
     /// Whether FP8 products past the decode rows run on the FP8 tensor
-    /// cores (cuBLASLt's 1x128 block-scaled GEMM: Hopper), rather than as
-    /// dequantized slabs.
+    /// cores (cuBLASLt's 1x128 block-scaled GEMM: Hopper;
+    /// [`CudaOptions::fp8_activations`]), rather than as dequantized slabs.
     pub fn fp8_tensor_cores(&self) -> bool {
-        self.dev.lt.is_some() && self.dev.arch == "compute_90" && self.dev.has("quant_e4m3_rows")
+        self.options.fp8_activations
+            && self.dev.lt.is_some()
+            && self.dev.arch == "compute_90"
+            && self.dev.has("quant_e4m3_rows")
     }
 
     /// Open GPU `ordinal` and load Kiln's kernels, compiled for its

@@ -46,6 +46,11 @@ pub struct CudaOptions {
     /// byte each: twice the tokens a pool of the same bytes), widened to
     /// bf16 as attention reads them. Default `false` (bf16).
     pub kv_cache_fp8: bool,
+    /// FP8 weights' products past the decode rows on the FP8 tensor cores
+    /// (W8A8: activations rounded to E4M3 a run of 128 of a row, as vLLM's
+    /// FP8 does) where the GPU has them. Default `true`; `false` keeps the
+    /// activations exact (W8A16: dequantized slabs through bf16 cuBLAS).
+    pub fp8_activations: bool,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -67,6 +72,7 @@ impl Default for CudaOptions {
             decode_target_blocks: 256,
             qgemv_blocks_per_sm: 2,
             kv_cache_fp8: false,
+            fp8_activations: true,
             kernel_defines: String::new(),
         }
     }

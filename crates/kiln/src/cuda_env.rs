@@ -103,6 +103,12 @@ pub const KNOBS: &[Knob] = &[
         }),
     },
     Knob {
+        var: "KILN_FP8_ACTIVATIONS",
+        default: "1",
+        help: "FP8 weights' prefill and batched products on the FP8 tensor cores, activations rounded to E4M3 (W8A8); 0 keeps them exact (dequantized bf16 slabs)",
+        set: Set::Switch(|o| &mut o.fp8_activations),
+    },
+    Knob {
         var: "KILN_KERNEL_DEFINES",
         default: "",
         help: "NAME=VALUE overrides of kernels' #ifndef tuning macros, separated by blanks or +, for timing experiments",
@@ -272,6 +278,7 @@ mod tests {
             ("KILN_DECODE_PARTITION_KEYS", "128"),
             ("KILN_DECODE_TARGET_BLOCKS", "64"),
             ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
+            ("KILN_FP8_ACTIVATIONS", "0"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -290,11 +297,12 @@ mod tests {
                 qgemv_blocks_per_sm: 3,
                 // Set by --kv-cache-dtype, not by a variable.
                 kv_cache_fp8: false,
+                fp8_activations: false,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 11);
+        assert_eq!(KNOBS.len(), 12);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 

@@ -26,16 +26,21 @@ pub fn flash_smem_bytes(head_dim: usize) -> usize {
     768 * (head_dim + 8) + 512
 }
 
+/// The head size of a flash prefill entry point (bf16 or FP8 cache).
+fn flash_head_dim(entry: &str) -> Option<usize> {
+    entry
+        .strip_prefix("flash_prefill_hd")
+        .or_else(|| entry.strip_prefix("flash_prefill_fp8_hd"))
+        .and_then(|h| h.parse().ok())
+}
+
 /// Raises the prefill kernels' dynamic shared memory limit (above the
 /// default 48 KiB at every head size).
 pub(crate) fn configure(dev: &mut Device) -> std::result::Result<(), crate::CudaError> {
     let attr =
         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     for (entry, f) in &dev.funcs {
-        if let Some(hd) = entry
-            .strip_prefix("flash_prefill_hd")
-            .and_then(|h| h.parse::<usize>().ok())
-        {
+        if let Some(hd) = flash_head_dim(entry) {
             f.set_attribute(attr, flash_smem_bytes(hd) as i32)
                 .map_err(|e| crate::CudaError::Device(format!("{entry}: {e:?}")))?;
         }
@@ -397,4 +402,23 @@ pub(crate) fn qkv_attention(
         )?;
     }
     cuda.attend(qkv_ptr, width, kv, layer, &step, block_size, p)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every flash prefill kernel gets its shared memory raised at load
+    /// (an FP8-cache entry once did not, and failed to launch).
+    #[test]
+    fn every_flash_entry_point_is_configured_for_its_head_size() {
+        let flash: Vec<&str> = crate::kernels::ENTRY_POINTS
+            .iter()
+            .copied()
+            .filter(|e| e.starts_with("flash_prefill"))
+            .collect();
+        assert_eq!(flash.len(), 6);
+        for e in flash {
+            let hd = super::flash_head_dim(e).unwrap_or_else(|| panic!("{e}"));
+            assert!(e.ends_with(&format!("_hd{hd}")), "{e}");
+        }
+    }
 }

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Issue 18 on the GPU, FP8 past the decode rows and the FP8 KV cache, on the
+# Llama-3-8B-shaped random bf16 checkpoint (`kiln dev random-checkpoint --preset llama3-8b
+# --proj-std 0.01`, as bench/gpu/quant_round.sh's):
+#   * cuda-check (the FP8 products on cuBLASLt's block-scaled GEMM against the CPU on
+#     activations rounded as the device rounds them; the FP8 cache's kernels);
+#   * 4,096-token prefill and 64 concurrent requests (128-token prompts, 128 new tokens,
+#     `kiln bench-engine`) with bf16 weights and `--quantize fp8`, in the same lease;
+#   * the FP8 KV cache: `kiln fit`'s pool (max context) with and without it, CUDA logits of
+#     300 random tokens (200 in one prefill step, then decode steps) against the bf16 cache's,
+#     and batch-1 decode at a 32,768-token context with each cache;
+#   * FP8 weights' logits against Kiln CPU (bench/gpu/quant_parity.py), activations rounded to
+#     E4M3 past the decode rows (the default) and exact (KILN_FP8_ACTIVATIONS=0);
+#   * batch-1 decode at a 512-token context: bf16, FP8, Q4_K (`kiln quantize --type q4_k`);
+#   * Q4_K prefill's per-op profile against bf16's (`kiln bench --profile`).
+#   KILN=.device/kiln bench/gpu/fp8_round.sh OUT_DIR [STAGES]
+# STAGES (default "check prefill engine kv parity decode profile") picks the parts; WORK (default
+# target/kiln-w) keeps the checkpoint between calls on a warm machine.
+set -uo pipefail
+OUT=${1:?usage: bench/gpu/fp8_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check prefill engine kv parity decode profile}
+K=${KILN:-.device/kiln}; W=${WORK:-$PWD/target/kiln-w}
+mkdir -p "$OUT" "$W"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+bench_line() { python3 -c "
+import json,sys; d=json.load(open(sys.argv[1]))
+print(sys.argv[2], 'prefill', round(d['prefill_tokens_per_second']['median']), 'decode', round(d['decode_tokens_per_second']['median'],1), 'fraction', round(d.get('decode_fraction_of_bandwidth',0),3), 'copy GB/s', round(d.get('bandwidth_gbs',0)))" "$1" "$2"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if has check; then
+  timeout 240 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; el "cuda-check rc=$?"
+  python3 - "$OUT/cuda-check.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); cs = d.get("checks", [])
+print("checks", len(cs), "failed", [(c["op"], round(c["rel_err"], 4)) for c in cs if not c["pass"]][:20])
+for c in cs:
+    if "fp8" in c["op"]:
+        print("  ", c["op"], round(c["rel_err"], 5), c["pass"])
+PY
+fi
+# (Trained context 32,768, so the 32k decode fits it.)
+echo '{"max_position_embeddings": 32768}' > "$W/ctx32k.json"
+[ -f "$W/ck8b/config.json" ] || { timeout 150 "$K" dev random-checkpoint --preset llama3-8b --proj-std 0.01 --config "$W/ctx32k.json" --tokenizer bench/smollm2-tokenizer -o "$W/ck8b" > /dev/null 2>&1; el "checkpoint rc=$?"; }
+if has prefill; then
+  for q in bf16 fp8; do
+    a=(); [ $q = bf16 ] || a=(--quantize $q)
+    timeout 200 "$K" bench --device cuda -m "$W/ck8b" "${a[@]}" --prompt-tokens 4096 --gen-tokens 2 --runs 2 > "$OUT/prefill4096-$q.json" 2> "$OUT/prefill4096-$q.err"; el "prefill $q rc=$?"
+    bench_line "$OUT/prefill4096-$q.json" "prefill4096 $q"
+  done
+fi
+if has engine; then
+  for q in bf16 fp8; do
+    a=(); [ $q = bf16 ] || a=(--quantize $q)
+    timeout 200 "$K" bench-engine --device cuda -m "$W/ck8b" "${a[@]}" --concurrency 64 --prompt-tokens 128 --gen-tokens 128 > "$OUT/engine64-$q.json" 2> "$OUT/engine64-$q.err"; el "engine64 $q rc=$?"
+    tail -c 700 "$OUT/engine64-$q.json"; echo
+  done
+fi
+if has kv; then
+  for kv in auto fp8; do
+    "$K" --kv-cache-dtype $kv fit "$W/ck8b" --device cuda --json 2>/dev/null > "$OUT/fit-kv-$kv.json"
+    python3 -c "import json; d=json.load(open('$OUT/fit-kv-$kv.json')); print('fit kv=$kv max_context', d['max_context'], 'kv_bytes_per_token', d['kv_bytes_per_token'], 'pool bytes', d['kv_pool_bytes'])"
+  done
+  python3 - "$K" "$W/ck8b" "$OUT" <<'PY'
+import json, random, subprocess, sys
+import numpy as np
+k, m, out = sys.argv[1:4]
+rng = random.Random(3); ids = ",".join(str(rng.randrange(100, 49000)) for _ in range(300))
+res = {}
+for kv in ["auto", "fp8"]:
+    f = f"{out}/logits-kv-{kv}.npy"
+    subprocess.run([k, "--kv-cache-dtype", kv, "dev", "logits", "-m", m, "--device", "cuda", "--ids", ids,
+                    "--prefill", "200", "-o", f], check=True, stderr=subprocess.DEVNULL)
+    res[kv] = np.load(f).astype(np.float64)
+a, b = res["auto"], res["fp8"]
+cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+r = {"cosine_min": cos.min(), "cosine_mean": cos.mean(), "prefill_rows_cosine_min": cos[:200].min(),
+     "decode_rows_cosine_min": cos[200:].min(), "argmax_agreement": (a.argmax(1) == b.argmax(1)).mean()}
+r = {k: round(float(v), 6) for k, v in r.items()}
+print("fp8 KV logits against bf16 KV:", r)
+json.dump(r, open(f"{out}/kv-fp8-logits.json", "w"), indent=1)
+PY
+  el "kv logits"
+  for kv in auto fp8; do
+    timeout 240 "$K" --kv-cache-dtype $kv bench --device cuda -m "$W/ck8b" --prompt-tokens 32768 --gen-tokens 128 --runs 2 > "$OUT/decode32k-kv-$kv.json" 2> "$OUT/decode32k-kv-$kv.err"; el "decode 32k kv=$kv rc=$?"
+    bench_line "$OUT/decode32k-kv-$kv.json" "decode32k kv=$kv"
+  done
+fi
+if has parity; then
+  # W8A8 (the default: prefill rows on the FP8 tensor cores) and W8A16 (KILN_FP8_ACTIVATIONS=0).
+  for act in 1 0; do
+    KILN_FP8_ACTIVATIONS=$act timeout 240 python3 bench/gpu/quant_parity.py --kiln "$K" --model "$W/ck8b" --quantize fp8 --out "$OUT/parity-fp8-act$act.json" > /dev/null 2> "$OUT/parity-act$act.err"; el "parity fp8 activations=$act rc=$?"
+    python3 -c "import json; d=json.load(open('$OUT/parity-fp8-act$act.json')); print('parity fp8 act=$act', {k: round(v['cosine'], 6) for k, v in d.items() if isinstance(v, dict) and 'cosine' in v})"
+  done
+fi
+if has decode; then
+  [ -f "$W/q4_k.gguf" ] || { timeout 200 "$K" quantize "$W/ck8b" "$W/q4_k.gguf" --type q4_k > /dev/null 2>&1; el "quantize q4_k rc=$?"; }
+  for m in bf16 fp8 q4_k; do
+    case $m in bf16) a=(-m "$W/ck8b");; fp8) a=(-m "$W/ck8b" --quantize fp8);; *) a=(-m "$W/$m.gguf");; esac
+    timeout 150 "$K" bench --device cuda "${a[@]}" --prompt-tokens 512 --gen-tokens 128 --runs 3 > "$OUT/decode512-$m.json" 2> "$OUT/decode512-$m.err"; el "decode $m rc=$?"
+    bench_line "$OUT/decode512-$m.json" "decode512 $m"
+  done
+fi
+if has profile; then
+  [ -f "$W/q4_k.gguf" ] || { timeout 200 "$K" quantize "$W/ck8b" "$W/q4_k.gguf" --type q4_k > /dev/null 2>&1; el "quantize q4_k rc=$?"; }
+  for m in ck8b q4_k.gguf; do
+    timeout 150 "$K" bench --device cuda -m "$W/$m" --prompt-tokens 4096 --gen-tokens 2 --runs 1 --profile > "$OUT/profile-$m.json" 2> "$OUT/profile-$m.err"; el "profile $m rc=$?"
+    python3 - "$OUT/profile-$m.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(sys.argv[1].split("/")[-1], "prefill tok/s", round(d["prefill_tokens_per_second"]["median"]))
+for o in d["profile"]["prefill"]["ops"][:8]:
+    print("   ", o["op"], round(o["seconds"] * 1e3, 1), "ms", o["calls"])
+PY
+  done
+fi
+el done
