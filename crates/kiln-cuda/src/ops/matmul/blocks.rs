@@ -86,23 +86,23 @@ fn unsupported(f: QuantFormat) -> TensorError {
     kiln_tensor::weight::unsupported_weight(crate::driver::device::NAME, WeightKind::Blocks(f))
 }
 
-/// `m`'s blocks split into bodies and metas, on the device.
-pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
-    let f = m.format();
-    if !supported(cuda, f) {
-        return Err(unsupported(f));
-    }
-    let (name, body, meta) = spec(f).ok_or_else(|| unsupported(f))?;
+/// A `[rows, cols]` matrix's blocks (`bytes`) as the device keeps them:
+/// every block's body ranges in block order, then from the returned offset
+/// the metas — FP8's scales run-major, `[cols / 128][rows padded to 4]`
+/// (`fp8_scale_stride`: the layout of cuBLASLt's 1x128 block scaling, which
+/// the decode kernel reads too), every other format's in block order.
+fn device_layout(
+    f: QuantFormat,
+    body: Ranges,
+    meta: Ranges,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+) -> (Vec<u8>, usize) {
     let raw = f.block_bytes();
-    debug_assert_eq!(span(body) + span(meta), raw);
-    cuda.no_upload_while_recording("a weight upload")?;
-    let (rows, cols) = (m.rows(), m.cols());
-    let bytes = m.rows_bytes(0..rows);
     let blocks = bytes.len() / raw;
     let (bs, ms) = (span(body), span(meta));
     let meta_off = (blocks * bs).next_multiple_of(256);
-    // FP8's scales run-major, rows padded to 4 (`fp8_scale_stride`): the
-    // layout of cuBLASLt's 1x128 block scaling; every other meta in block order.
     let nb = cols / f.block_size();
     let fp8 = f == QuantFormat::FP8;
     let ss = fp8_scale_stride(rows);
@@ -125,6 +125,20 @@ pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
             o += b - a;
         }
     }
+    (host, meta_off)
+}
+
+/// `m`'s blocks split into bodies and metas, on the device.
+pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
+    let f = m.format();
+    if !supported(cuda, f) {
+        return Err(unsupported(f));
+    }
+    let (name, body, meta) = spec(f).ok_or_else(|| unsupported(f))?;
+    debug_assert_eq!(span(body) + span(meta), f.block_bytes());
+    cuda.no_upload_while_recording("a weight upload")?;
+    let (rows, cols) = (m.rows(), m.cols());
+    let (host, meta_off) = device_layout(f, body, meta, rows, cols, &m.rows_bytes(0..rows));
     let buf = cuda.dev.alloc_exact(host.len().max(1), "a block weight")?;
     cuda.dev.htod(buf.ptr, &host)?;
     m.release_pages();
@@ -635,5 +649,46 @@ mod tests {
                 .count(),
             crate::kernels::BLOCK_FORMATS.len()
         );
+    }
+
+    /// FP8 on the device: a row's E4M3 bytes contiguous (cuBLASLt reads the
+    /// bodies as a `[rows, cols]` matrix), its scales run-major over rows
+    /// padded to 4; Q8_0's metas stay in block order.
+    #[test]
+    fn fp8_bodies_are_the_matrix_and_scales_run_major() {
+        let (rows, cols) = (5usize, 256usize);
+        let f = QuantFormat::FP8;
+        let nb = cols / 128;
+        // Block (r, b): scale bytes all 16 r + b, codes all 100 + 16 r + b.
+        let mut bytes = Vec::new();
+        for r in 0..rows {
+            for b in 0..nb {
+                let tag = (16 * r + b) as u8;
+                bytes.extend([tag; 4]);
+                bytes.extend([100 + tag; 128]);
+            }
+        }
+        let (_, body, meta) = spec(f).unwrap();
+        let (host, off) = device_layout(f, body, meta, rows, cols, &bytes);
+        assert_eq!(fp8_scale_stride(rows), 8);
+        assert_eq!(host.len(), off + nb * 8 * 4);
+        for r in 0..rows {
+            for k in 0..cols {
+                assert_eq!(host[r * cols + k], 100 + (16 * r + k / 128) as u8);
+            }
+            for b in 0..nb {
+                let at = off + (b * 8 + r) * 4;
+                assert_eq!(host[at..at + 4], [(16 * r + b) as u8; 4]);
+            }
+        }
+        // Rows past the last are padding, zero.
+        assert!(host[off + 5 * 4..off + 8 * 4].iter().all(|&x| x == 0));
+        let f = QuantFormat::Q8_0;
+        let blk: Vec<u8> = (0..2 * 34).map(|i| i as u8).collect();
+        let (_, body, meta) = spec(f).unwrap();
+        let (host, off) = device_layout(f, body, meta, 1, 64, &blk);
+        assert_eq!(host[..32], blk[2..34]);
+        assert_eq!(host[32..64], blk[36..68]);
+        assert_eq!(host[off..off + 4], [0, 1, 34, 35]);
     }
 }
