@@ -54,6 +54,9 @@ PYTHONPATH="$pysdk" python3 tests/structured/schema_suite.py "${CARGO_TARGET_DIR
 # Tool calls on Qwen2.5-Coder through the SDKs: auto/required/named, streamed = whole.
 PYTHONPATH="$pysdk" python3 tests/tools/qwen_tools.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
   models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf 2>&1 | tee -a "$log" || status=1
+# bench/serve_bench.py (the vllm-bench-serve-style client) against `kiln serve`: what it counts.
+python3 tests/bench/serve_bench_test.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
+  models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 | tee -a "$log" || status=1
 # `kiln get` and the official huggingface_hub package share one cache (mock hub on loopback).
 pyhub=$(scripts/install-hfhub.sh) || exit 1
 PYTHONPATH="$pyhub" python3 tests/hub/hub_interop.py "${CARGO_TARGET_DIR:-target}/debug/kiln" 2>&1 | tee -a "$log" || status=1
