@@ -6,18 +6,18 @@
 #     activations rounded as the device rounds them; the FP8 cache's kernels);
 #   * 4,096-token prefill and 64 concurrent requests (128-token prompts, 128 new tokens,
 #     `kiln bench-engine`) with bf16 weights and `--quantize fp8`, in the same lease;
-#   * the FP8 KV cache: `kiln fit`'s pool (max context) with and without it, CUDA logits of
-#     300 random tokens (200 in one prefill step, then decode steps) against the bf16 cache's,
-#     and batch-1 decode at a 32,768-token context with each cache;
+#   * the FP8 KV cache (`kv`): `kiln fit`'s pool with and without it, CUDA logits of 300
+#     random tokens (200 in one prefill step, then decode steps) against the bf16 cache's;
+#     (`kv32k`) batch-1 decode at a 32,768-token context with each cache;
 #   * FP8 weights' logits against Kiln CPU (bench/gpu/quant_parity.py), activations rounded to
 #     E4M3 past the decode rows (the default) and exact (KILN_FP8_ACTIVATIONS=0);
 #   * batch-1 decode at a 512-token context: bf16, FP8, Q4_K (`kiln quantize --type q4_k`);
 #   * Q4_K prefill's per-op profile against bf16's (`kiln bench --profile`).
 #   KILN=.device/kiln bench/gpu/fp8_round.sh OUT_DIR [STAGES]
-# STAGES (default "check prefill engine kv parity decode profile") picks the parts; WORK (default
+# STAGES (default "check prefill engine kv kv32k parity decode profile") picks the parts; WORK (default
 # target/kiln-w) keeps the checkpoint between calls on a warm machine.
 set -uo pipefail
-OUT=${1:?usage: bench/gpu/fp8_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check prefill engine kv parity decode profile}
+OUT=${1:?usage: bench/gpu/fp8_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check prefill engine kv kv32k parity decode profile}
 K=${KILN:-.device/kiln}; W=${WORK:-$PWD/target/kiln-w}
 mkdir -p "$OUT" "$W"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
@@ -81,6 +81,8 @@ print("fp8 KV logits against bf16 KV:", r)
 json.dump(r, open(f"{out}/kv-fp8-logits.json", "w"), indent=1)
 PY
   el "kv logits"
+fi
+if has kv32k; then
   for kv in auto fp8; do
     timeout 240 "$K" --kv-cache-dtype $kv bench --device cuda -m "$W/ck8b" --prompt-tokens 32768 --gen-tokens 128 --runs 2 > "$OUT/decode32k-kv-$kv.json" 2> "$OUT/decode32k-kv-$kv.err"; el "decode 32k kv=$kv rc=$?"
     bench_line "$OUT/decode32k-kv-$kv.json" "decode32k kv=$kv"

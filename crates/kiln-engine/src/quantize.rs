@@ -384,3 +384,125 @@ fn from_gguf(input: &Path, output: &Path, format: QuantFormat) -> Result<Quantiz
     })?;
     Ok(report(arch, &plans))
 }
+
+/// The block types of a random GGUF ([`random_gguf`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RandomMix {
+    /// Every matrix in one format where its rows are whole blocks of it.
+    Uniform(QuantFormat),
+    /// llama.cpp's Q4_K_M: Q4_K, with `attn_v` and `ffn_down` in Q6_K on the
+    /// first and last eighth of the layers and every third between, and
+    /// the output matrix in Q6_K.
+    Q4KM,
+}
+
+impl RandomMix {
+    /// `q4_k_m`, or a block format's name.
+    pub fn parse(s: &str) -> Option<RandomMix> {
+        if s.eq_ignore_ascii_case("q4_k_m") {
+            return Some(RandomMix::Q4KM);
+        }
+        QuantFormat::ALL
+            .into_iter()
+            .find(|f| f.name().eq_ignore_ascii_case(s) && GgmlType::from_quant_format(*f).is_some())
+            .map(RandomMix::Uniform)
+    }
+
+    /// The format of matrix `hf_name` (`[rows, cols]`) in a model of `layers`.
+    fn format(self, hf_name: &str, cols: usize, layers: usize) -> QuantFormat {
+        let layer = hf_name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|i| i.parse::<usize>().ok());
+        let f = match self {
+            RandomMix::Uniform(f) => f,
+            RandomMix::Q4KM => {
+                let more_bits =
+                    |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2;
+                let wide =
+                    hf_name.ends_with("v_proj.weight") || hf_name.ends_with("down_proj.weight");
+                if hf_name == "lm_head.weight" || layer.is_some_and(|i| wide && more_bits(i)) {
+                    QuantFormat::Q6K
+                } else {
+                    QuantFormat::Q4K
+                }
+            }
+        };
+        if cols % f.block_size() == 0 {
+            f
+        } else {
+            QuantFormat::Q8_0
+        }
+    }
+}
+
+/// A GGUF of `config`'s shape (a llama-layout family) with random blocks as
+/// its matrices (`kiln_quant::random_blocks`: codes uniform, scales in
+/// ±[1e-4, 0.05)) in `mix`, norms 1 and biases 0, and `tokenizer`'s
+/// metadata — written block by block, so a 32B-shaped file needs no float
+/// checkpoint first. The weights mean nothing: such a file is for sizes
+/// and speed (`kiln fit`, `kiln bench`), not for text.
+pub fn random_gguf(
+    config: &Value,
+    tokenizer: &Tokenizer,
+    mix: RandomMix,
+    seed: u64,
+    output: &Path,
+) -> Result<QuantizeReport> {
+    let cfg = ModelConfig::from_hf(config)?;
+    let (arch, model_meta) = model_metadata(output, &cfg)?;
+    let mut meta = vec![
+        (
+            "general.architecture".to_string(),
+            MetaValue::String(arch.clone()),
+        ),
+        (
+            "general.name".to_string(),
+            MetaValue::String(format!("random {arch}")),
+        ),
+        (
+            "general.quantization_version".to_string(),
+            MetaValue::U32(2),
+        ),
+    ];
+    meta.extend(model_meta);
+    meta.extend(tokenizer.gguf_metadata(cfg.vocab_size)?);
+    let shapes = kiln_models::random::RandomWeights::new(&cfg, seed)?.tensors();
+    let mut plans = Vec::new();
+    for t in &shapes {
+        if cfg.tie_word_embeddings && t.name == "lm_head.weight" {
+            continue;
+        }
+        let g = gguf_name(&arch, &t.name).ok_or_else(|| {
+            refuse(
+                output,
+                format!("tensor {} has no name in a {arch} GGUF", t.name),
+            )
+        })?;
+        let ty = match t.shape[..] {
+            [_, cols] => GgmlType::from_quant_format(mix.format(&t.name, cols, cfg.num_layers))
+                .unwrap_or(GgmlType::F32),
+            _ => GgmlType::F32,
+        };
+        plans.push((GgufTensorPlan::new(g, &t.shape, ty), t.name.clone()));
+    }
+    let (plans, names): (Vec<GgufTensorPlan>, Vec<String>) = plans.into_iter().unzip();
+    write_gguf(output, &meta, &plans, |i| {
+        let p = &plans[i];
+        let elems = p.ne.iter().product::<u64>() as usize;
+        Ok(match p.ggml_type.quant_format() {
+            Some(f) if p.ggml_type != GgmlType::F32 => {
+                kiln_quant::random_blocks(f, elems / f.block_size(), seed ^ (i as u64 + 1))
+            }
+            _ => {
+                let v = if names[i].ends_with("norm.weight") {
+                    1f32
+                } else {
+                    0f32
+                };
+                f32_bytes(&vec![v; elems])
+            }
+        })
+    })?;
+    Ok(report(arch, &plans))
+}

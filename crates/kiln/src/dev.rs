@@ -19,6 +19,10 @@ pub enum DevCommand {
     /// Write the logits of every position of a prompt as a float32 .npy
     /// `[tokens, vocab]` (for comparing against other implementations).
     Logits(LogitsArgs),
+    /// Write a GGUF of a preset's (or a config's) shape with random
+    /// quantized blocks, block by block: sizes and speed of large shapes
+    /// (a 32B Q4_K_M) without a float checkpoint first. Not for text.
+    RandomGguf(RandomGgufArgs),
     /// A batch mixing LoRA adapters and the base against each sequence
     /// alone: the largest logit difference of each row, as JSON.
     LoraMix(LoraMixArgs),
@@ -102,9 +106,31 @@ pub struct RandomArgs {
     pub out: PathBuf,
 }
 
+#[derive(Args, Debug)]
+pub struct RandomGgufArgs {
+    /// A preset shape: tiny, smollm2-135m, llama3-8b.
+    #[arg(long, default_value = "tiny")]
+    pub preset: String,
+    /// A config.json to use instead of a preset (merged over it).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Where the tokenizer comes from: a GGUF file or a directory with tokenizer.json.
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// The blocks: q4_k_m (llama.cpp's mix) or one GGUF block format (q8_0, q4_k, ...).
+    #[arg(long = "type", default_value = "q4_k_m")]
+    pub mix: String,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output GGUF file.
+    #[arg(long, short = 'o')]
+    pub out: PathBuf,
+}
+
 pub fn run(cmd: DevCommand) -> Result<()> {
     match cmd {
         DevCommand::RandomCheckpoint(a) => random_checkpoint(a),
+        DevCommand::RandomGguf(a) => random_gguf(a),
         DevCommand::Logits(a) => logits(a),
         DevCommand::LoraMix(a) => lora_mix(a),
         DevCommand::CudaCheck(a) => cuda_check(a),
@@ -161,11 +187,14 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     }
 }
 
-fn random_checkpoint(a: RandomArgs) -> Result<()> {
-    let tokenizer = load_tokenizer(&a.tokenizer)
-        .with_context(|| format!("tokenizer from {}", a.tokenizer.display()))?;
-    let mut config = preset(&a.preset)?;
-    if let Some(p) = &a.config {
+/// A preset merged with `--config`, its vocabulary the tokenizer's.
+fn random_config(
+    preset_name: &str,
+    config_path: Option<&std::path::Path>,
+    tokenizer: &Tokenizer,
+) -> Result<serde_json::Value> {
+    let mut config = preset(preset_name)?;
+    if let Some(p) = config_path {
         let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
         config = merge(
             config,
@@ -173,6 +202,35 @@ fn random_checkpoint(a: RandomArgs) -> Result<()> {
         );
     }
     config["vocab_size"] = json!(tokenizer.vocab_size());
+    Ok(config)
+}
+
+fn random_gguf(a: RandomGgufArgs) -> Result<()> {
+    let tokenizer = load_tokenizer(&a.tokenizer)
+        .with_context(|| format!("tokenizer from {}", a.tokenizer.display()))?;
+    let mix = kiln_engine::quantize::RandomMix::parse(&a.mix).with_context(|| {
+        format!(
+            "unknown --type {:?} (q4_k_m, or a GGUF block format)",
+            a.mix
+        )
+    })?;
+    let config = random_config(&a.preset, a.config.as_deref(), &tokenizer)?;
+    let r = kiln_engine::quantize::random_gguf(&config, &tokenizer, mix, a.seed, &a.out)?;
+    eprintln!(
+        "wrote {} ({} {}, {:.2} GB of tensors: {:?})",
+        a.out.display(),
+        r.arch,
+        a.mix,
+        r.tensor_bytes as f64 / 1e9,
+        r.tensors_by_type
+    );
+    Ok(())
+}
+
+fn random_checkpoint(a: RandomArgs) -> Result<()> {
+    let tokenizer = load_tokenizer(&a.tokenizer)
+        .with_context(|| format!("tokenizer from {}", a.tokenizer.display()))?;
+    let mut config = random_config(&a.preset, a.config.as_deref(), &tokenizer)?;
     if let Some(b) = tokenizer.bos_id() {
         config["bos_token_id"] = json!(b);
     }

@@ -687,3 +687,84 @@ fn a_32b_q4_k_m_fits_a_24_gib_card_with_an_8k_context() {
         "{j8}"
     );
 }
+
+/// `kiln dev random-gguf`: a config's shape written block by block in
+/// llama.cpp's Q4_K_M mix — Q6_K for attn_v and ffn_down on the first and
+/// last eighth of the layers and every third between, and for the output;
+/// Q4_K elsewhere, F32 vectors — which Kiln loads and runs (the text means
+/// nothing) and `kiln fit` sizes about as stored.
+#[test]
+fn random_gguf_writes_the_q4_k_m_mix_and_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("cfg.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 256,
+            "intermediate_size": 512, "num_hidden_layers": 8, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let out = dir.path().join("r.gguf");
+    let tok = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../bench/smollm2-tokenizer");
+    let o = kiln()
+        .args(["dev", "random-gguf", "--type", "q4_k_m", "--tokenizer"])
+        .arg(&tok)
+        .arg("--config")
+        .arg(&cfg)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let f = kiln_formats::GgufFile::open(&out).unwrap();
+    let ty = |name: &str| {
+        f.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("{name}"))
+            .ggml_type
+    };
+    use kiln_formats::GgmlType::{F32, Q4K, Q6K};
+    // Layers 0 and 7 (the eighths) and 3, 6 (every third between) get more bits.
+    for i in 0..8 {
+        let wide = if [0, 3, 6, 7].contains(&i) { Q6K } else { Q4K };
+        assert_eq!(ty(&format!("blk.{i}.attn_v.weight")), wide, "layer {i}");
+        assert_eq!(ty(&format!("blk.{i}.ffn_down.weight")), wide, "layer {i}");
+        assert_eq!(ty(&format!("blk.{i}.attn_q.weight")), Q4K);
+        assert_eq!(ty(&format!("blk.{i}.ffn_up.weight")), Q4K);
+        assert_eq!(ty(&format!("blk.{i}.attn_norm.weight")), F32);
+    }
+    assert_eq!(ty("output.weight"), Q6K);
+    assert_eq!(ty("token_embd.weight"), Q4K);
+    let o = kiln()
+        .args([
+            "generate",
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "4",
+            "--json",
+            "-p",
+            "hi",
+            "-m",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(json_of(&o)["token_ids"].as_array().unwrap().len(), 4);
+    let o = kiln()
+        .arg("fit")
+        .arg(&out)
+        .args(["--device", "cpu", "--memory-bytes", "2000000000", "--json"])
+        .output()
+        .unwrap();
+    let stored: u64 = f
+        .tensors
+        .iter()
+        .map(|t| t.ggml_type.bytes_for(&t.ne).unwrap())
+        .sum();
+    // As stored, not expanded (f32 would be about 7 times the blocks).
+    let held = json_of(&o)["weights_bytes"].as_u64().unwrap() as f64;
+    assert!((0.95..1.05).contains(&(held / stored as f64)), "{held} vs {stored}");
+}

@@ -485,7 +485,7 @@ pub(crate) fn matmul(
         }
         None => 0.0,
     };
-    // FP8 parts (of rows a multiple of 4) on the FP8 tensor cores: the rows
+    // FP8 parts (of rows a multiple of 16) on the FP8 tensor cores: the rows
     // of x in fours quantized once, the last one to three rows through the
     // decode kernel; every other part (and any shape cuBLASLt has no
     // algorithm for) as dequantized slabs through cuBLAS.
@@ -493,7 +493,7 @@ pub(crate) fn matmul(
     let fp8_parts = w
         .parts()
         .iter()
-        .any(|p| p.format() == QuantFormat::FP8 && p.rows() % 4 == 0);
+        .any(|p| p.format() == QuantFormat::FP8 && lt::fp8_rows_ok(p.rows()));
     let xq = if fp8_parts && n_lt > 0 && cuda.fp8_tensor_cores() {
         Some(quant_e4m3_rows(cuda, xp, n_lt, k)?)
     } else {
@@ -507,7 +507,9 @@ pub(crate) fn matmul(
         let d = device(part)?;
         let o = out.ptr + 2 * row0 as u64;
         let on_lt = match (&xq, &cuda.dev.lt) {
-            (Some((codes, scales)), Some(lt)) if d.name == "fp8" && part.rows() % 4 == 0 => {
+            (Some((codes, scales)), Some(lt))
+                if d.name == "fp8" && lt::fp8_rows_ok(part.rows()) =>
+            {
                 lt::fp8_product(
                     &cuda.dev,
                     lt,

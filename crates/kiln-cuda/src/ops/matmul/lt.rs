@@ -51,6 +51,14 @@ impl Drop for Lt {
     }
 }
 
+/// Whether a part of `rows` weight rows goes to cuBLASLt: FP8 GEMMs want
+/// their dimensions in multiples of 16 (a part of 36 rows found no
+/// algorithm on an H100 and fell back; real models' parts are multiples of
+/// 128).
+pub(crate) fn fp8_rows_ok(rows: usize) -> bool {
+    rows % 16 == 0
+}
+
 /// What an algorithm is chosen for: the shape, whether the output is
 /// accumulated into, and each pointer's alignment.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
