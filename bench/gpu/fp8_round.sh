@@ -12,7 +12,9 @@
 #   * FP8 weights' logits against Kiln CPU (bench/gpu/quant_parity.py), activations rounded to
 #     E4M3 past the decode rows (the default) and exact (KILN_FP8_ACTIVATIONS=0);
 #   * batch-1 decode at a 512-token context: bf16, FP8, Q4_K (`kiln quantize --type q4_k`);
-#   * Q4_K prefill's per-op profile against bf16's (`kiln bench --profile`).
+#   * Q4_K prefill's per-op profile against bf16's (`kiln bench --profile`);
+#   * (`big`) a Qwen2.5-32B-shaped Q4_K_M file fitted to a 24 GiB card and run with the KV pool
+#     capped to what such a card leaves.
 #   KILN=.device/kiln bench/gpu/fp8_round.sh OUT_DIR [STAGES]
 # STAGES (default "check prefill engine kv kv32k parity decode profile") picks the parts; WORK (default
 # target/kiln-w) keeps the checkpoint between calls on a warm machine.
@@ -118,5 +120,17 @@ for o in d["profile"]["prefill"]["ops"][:8]:
     print("   ", o["op"], round(o["seconds"] * 1e3, 1), "ms", o["calls"])
 PY
   done
+fi
+if has big; then
+  # Issue 18's 24 GB card: a Qwen2.5-32B-shaped Q4_K_M GGUF (random blocks in llama.cpp's mix,
+  # `kiln dev random-gguf`; the SmolLM2 tokenizer's 49,152-row vocabulary instead of 152,064,
+  # so about 0.7 GB lighter than the real file), planned by `kiln fit` for a 24 GiB card at an
+  # 8k context, then run on this GPU with the KV pool capped to 2,560 MiB (8k tokens of this
+  # shape need 2.1 GB) — batch-1 decode at a 512-token context.
+  [ -f "$W/q32b.gguf" ] || { timeout 300 "$K" dev random-gguf --config bench/gpu/shapes/qwen2.5-32b.json --tokenizer bench/smollm2-tokenizer --type q4_k_m -o "$W/q32b.gguf" 2>&1 | tail -1; el "random-gguf 32b"; }
+  "$K" fit "$W/q32b.gguf" --device cuda --memory-bytes $((24 << 30)) --context 8192 --json > "$OUT/fit-32b-24gib.json" 2>/dev/null
+  python3 -c "import json; d=json.load(open('$OUT/fit-32b-24gib.json')); print('fit 32b q4_k_m on 24 GiB: fits', d['fits'], 'weights', d['weights_bytes'], 'total', d['total_bytes'])"
+  timeout 240 "$K" bench-engine --device cuda -m "$W/q32b.gguf" --kv-mib 2560 --concurrency 1 --prompt-tokens 512 --gen-tokens 128 > "$OUT/engine1-32b.json" 2> "$OUT/engine1-32b.err"; el "32b bench rc=$?"
+  python3 -c "import json; d=json.load(open('$OUT/engine1-32b.json')); m=d['levels'][0]; print('32b q4_k_m batch-1 decode', round(m['decode_tokens_per_second'],1), 'tok/s; device peak bytes', d['device_memory']['peak_active_bytes'])"
 fi
 el done
