@@ -766,5 +766,8 @@ fn random_gguf_writes_the_q4_k_m_mix_and_loads() {
         .sum();
     // As stored, not expanded (f32 would be about 7 times the blocks).
     let held = json_of(&o)["weights_bytes"].as_u64().unwrap() as f64;
-    assert!((0.95..1.05).contains(&(held / stored as f64)), "{held} vs {stored}");
+    assert!(
+        (0.95..1.05).contains(&(held / stored as f64)),
+        "{held} vs {stored}"
+    );
 }

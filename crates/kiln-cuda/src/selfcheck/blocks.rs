@@ -218,13 +218,18 @@ fn ring(p: &mut Pair, rng: &mut Rng) -> R<()> {
 }
 
 /// `x`'s first `rows` rows (of `k`) as `quant_e4m3_rows` rounds them: runs
-/// of 128 as E4M3 codes (nearest, saturating) under amax / 448, read back.
+/// of 128 as E4M3 codes (nearest, saturating) under amax / 448 (1 below
+/// 448 times the least normal float), read back.
 fn e4m3_rows(x: &[f32], k: usize, rows: usize) -> Vec<f32> {
     use kiln_quant::{dequant::e4m3_to_f32, quantize::f32_to_e4m3};
     let mut out = x.to_vec();
     for run in out[..rows * k].chunks_mut(128) {
         let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+        let scale = if amax > 448.0 * f32::MIN_POSITIVE {
+            amax / 448.0
+        } else {
+            1.0
+        };
         let inv = 1.0 / scale;
         for v in run {
             *v = e4m3_to_f32(f32_to_e4m3(*v * inv)) * scale;

@@ -21,18 +21,21 @@
 //     kernel), across tiles. The 8 warps' sums are reduced through shared memory, times 2^e, and
 //     the epilogue stores bf16. Block 256 threads, any grid; dynamic shared memory
 //     blocks.rs's fp8_smem(M, K) = M (2 K + 16) bytes; K % 128 == 0; x, norm_w 16-byte aligned;
-//     out must not overlap x.
+//     out must not overlap x; residual may be out itself (each element is read, then written,
+//     by one thread: blocks.rs adds the last rows of a cuBLASLt product this way).
 //   dequant_fp8_bf16(body, meta, ids, out, K, rows_out, row0, rows)
 //     out[r, :] = W[ids ? ids[r] : row0 + r, :] as bf16 (e4m3 * scale rounded once), r < rows_out,
 //     of a part of `rows` rows; a thread per 32 elements, any grid.
 //   quant_e4m3_rows(x, codes, scales, n, K, ss)
 //     The activations of cuBLASLt's FP8 products: x [n, K] bf16 in runs of 128 a row, each as
-//     E4M3 codes (round to nearest, saturating) under an f32 scale amax / 448 (1 for a zero run),
+//     E4M3 codes (round to nearest, saturating) under an f32 scale amax / 448 (1 for a zero run,
+//     or one whose amax is below 448 FLT_MIN),
 //     scales[run * ss + row] (ss >= n, a multiple of 4). A warp a run, any grid.
 #include "common.cuh"
 #include "mma.cuh"
 #include "rms_prologue.cuh"
 #include "block_parts.cuh"
+#include "kv_elem.cuh"
 #include <cuda_fp16.h>
 
 // Tuning knobs (KILN_KERNEL_DEFINES): (tile, step) items in flight a lane, and the resident
@@ -72,10 +75,21 @@ __device__ __forceinline__ void row_of(const Parts& p, int r, int K, const u8*& 
 
 // Four E4M3 bytes (of w, in order) as two f16 pairs: bytes 0, 1 in lo, 2, 3 in hi.
 __device__ __forceinline__ void e4m3x4_to_f16(unsigned w, unsigned& lo, unsigned& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\t"
         "cvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
         : "=r"(lo), "=r"(hi)
         : "r"(w));
+#else
+    // Before sm_89: through bf16 bits (kv_elem.cuh), exactly (f16 holds every E4M3 value).
+    const auto h2 = [](unsigned short v) {
+        const unsigned b = kv_elem::e4m3x2_bf16x2(v);
+        const __half2 h = __floats2half2_rn(__uint_as_float(b << 16), __uint_as_float(b & 0xffff0000u));
+        return *reinterpret_cast<const unsigned*>(&h);
+    };
+    lo = h2((unsigned short)(w & 0xffffu));
+    hi = h2((unsigned short)(w >> 16));
+#endif
 }
 
 // One item's loads: 16 bytes of A-rows g and g + 8 at k, and their runs' scales.
@@ -150,8 +164,8 @@ __device__ __forceinline__ void stage(const bf16* __restrict__ x, const bf16* __
 
 template <int M>
 __device__ __forceinline__ void qgemv(const bf16* __restrict__ x, const bf16* __restrict__ norm_w, float eps,
-                                      float off, int nt, const Parts& parts, bf16* __restrict__ out,
-                                      const bf16* __restrict__ residual, int K, int ldo, bool gated, int act) {
+                                      float off, int nt, const Parts& parts, bf16* out,
+                                      const bf16* residual, int K, int ldo, bool gated, int act) {
     constexpr int U = KILN_FP8_U;
     extern __shared__ uint4 xs[];
     __shared__ float red[kWarps * 128];
@@ -337,12 +351,20 @@ extern "C" __global__ void quant_e4m3_rows(const bf16* __restrict__ x, unsigned 
         float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(b.x), fabsf(b.y)));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        const float s = m > 0.0f ? m / 448.0f : 1.0f;
+        // (A run below 448 times the least normal float, whose scale would be subnormal and its
+        // inverse infinite, counts as zero.)
+        const float s = m > 448.0f * 1.17549435e-38f ? m / 448.0f : 1.0f;
         const float inv = 1.0f / s;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
         unsigned short lo, hi;
         asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(a.x * inv), "f"(a.y * inv));
         asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(b.x * inv), "f"(b.y * inv));
         *reinterpret_cast<unsigned*>(codes + at) = (unsigned)lo | ((unsigned)hi << 16);
+#else
+        *reinterpret_cast<unsigned*>(codes + at) =
+            kv_elem::e4m3_of(a.x * inv) | (kv_elem::e4m3_of(a.y * inv) << 8) |
+            (kv_elem::e4m3_of(b.x * inv) << 16) | (kv_elem::e4m3_of(b.y * inv) << 24);
+#endif
         if (lane == 0) scales[run * ss + row] = s;
     }
 }

@@ -34,6 +34,11 @@ impl Lt {
         if !unsafe { sys::is_culib_present() } {
             return None;
         }
+        // The block-scaled modes came with cuBLASLt 12.9.
+        // SAFETY: a plain query of the loaded library.
+        if unsafe { sys::cublasLtGetVersion() } < 120900 {
+            return None;
+        }
         let handle = lt::create_handle().ok()?;
         Some(Lt {
             handle,
@@ -118,31 +123,27 @@ fn set_desc<T>(
     d: sys::cublasLtMatmulDesc_t,
     a: sys::cublasLtMatmulDescAttributes_t,
     v: &T,
-) -> Result<()> {
+) -> Option<()> {
     // SAFETY: `v` is the attribute's type, read during the call.
     unsafe { lt::set_matmul_desc_attribute(d, a, v as *const T as *const c_void, size_of::<T>()) }
-        .map_err(dev_err)
+        .ok()
 }
 
-/// Runs `p` on `dev`'s stream; `Ok(false)` when cuBLASLt has no algorithm
-/// for it (nothing was launched).
-pub(crate) fn fp8_product(dev: &Device, lt_: &Lt, p: &Fp8Product) -> Result<bool> {
+/// `p`'s operation and layouts: column-major, as cuBLASLt sees it, out
+/// (m × n) = op(A) op(B) with A the weight (k × m, transposed) and B the
+/// activations (k × n), each under its 1x128 scales; `None` where the
+/// library refuses any part (an older cuBLASLt without the mode).
+fn descriptors(p: &Fp8Product) -> Option<Descs> {
     use sys::cublasLtMatmulDescAttributes_t as D;
     use sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F as VEC128;
-    use sys::cublasLtMatmulPreferenceAttributes_t as P;
     use sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F, CUDA_R_8F_E4M3};
-    if p.n == 0 || p.m == 0 {
-        return Ok(true);
-    }
-    let op = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F)
-        .map_err(dev_err)?;
+    let op =
+        lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, CUDA_R_32F).ok()?;
     let mut d = Descs {
         op,
         layouts: Vec::new(),
         pref: None,
     };
-    // Column-major, as cuBLASLt sees it: out (m × n) = op(A) op(B) with A
-    // the weight (k × m, transposed) and B the activations (k × n).
     let (t, n_) = (1i32, 0i32);
     set_desc(op, D::CUBLASLT_MATMUL_DESC_TRANSA, &t)?;
     set_desc(op, D::CUBLASLT_MATMUL_DESC_TRANSB, &n_)?;
@@ -157,9 +158,18 @@ pub(crate) fn fp8_product(dev: &Device, lt_: &Lt, p: &Fp8Product) -> Result<bool
         (CUDA_R_16BF, m, n, p.ldc),
     ] {
         d.layouts
-            .push(lt::create_matrix_layout(ty, rows, cols, ld as i64).map_err(dev_err)?);
+            .push(lt::create_matrix_layout(ty, rows, cols, ld as i64).ok()?);
     }
-    let (a, b, c) = (d.layouts[0], d.layouts[1], d.layouts[2]);
+    Some(d)
+}
+
+/// Runs `p` on `dev`'s stream; `Ok(false)` when cuBLASLt has no algorithm
+/// for it (nothing was launched).
+pub(crate) fn fp8_product(dev: &Device, lt_: &Lt, p: &Fp8Product) -> Result<bool> {
+    use sys::cublasLtMatmulPreferenceAttributes_t as P;
+    if p.n == 0 || p.m == 0 {
+        return Ok(true);
+    }
     let key = Key {
         m: p.m,
         n: p.n,
@@ -174,6 +184,18 @@ pub(crate) fn fp8_product(dev: &Device, lt_: &Lt, p: &Fp8Product) -> Result<bool
         .map_err(|_| dev_err("cuBLASLt algorithms"))?
         .get(&key)
         .copied();
+    if cached == Some(None) {
+        return Ok(false);
+    }
+    let Some(mut d) = descriptors(p) else {
+        // Refused once: every later product of this shape is answered `false` at once.
+        lt_.algos
+            .lock()
+            .map_err(|_| dev_err("cuBLASLt algorithms"))?
+            .insert(key, None);
+        return Ok(false);
+    };
+    let (op, a, b, c) = (d.op, d.layouts[0], d.layouts[1], d.layouts[2]);
     let algo = match cached {
         Some(a) => a,
         None => {
