@@ -32,8 +32,8 @@ pub struct Cli {
     /// How the KV cache stores keys and values: `auto` (the backend's own:
     /// f32 on the CPU, bf16 on CUDA), `f16` (CPU: half the bytes, each
     /// value rounded to f16 when written; still batch-invariant, not the
-    /// goldens' bits) or `fp8` (CUDA: E4M3 at unit scale, half of bf16's
-    /// bytes, so twice the tokens a pool).
+    /// goldens' bits) or `fp8` (E4M3 at unit scale, CPU and CUDA: half of
+    /// bf16's bytes, a quarter of f32's, so that many more tokens a pool).
     #[arg(long, global = true, default_value = "auto", value_parser = parse_kv_cache_dtype)]
     pub kv_cache_dtype: KvCacheDtype,
     #[command(subcommand)]
@@ -144,13 +144,14 @@ fn parse_cpu_matmul(s: &str) -> Result<CpuMatmul, String> {
     }
 }
 
-/// `--kv-cache-dtype`: the backend's own, a CPU cache element, or FP8 (CUDA).
+/// `--kv-cache-dtype`: the backend's own, a CPU-only element, or FP8 (both).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum KvCacheDtype {
     #[default]
     Auto,
     Cpu(CpuKvDtype),
-    /// E4M3 keys and values on CUDA (`kiln_cuda::CudaOptions::kv_cache_fp8`).
+    /// E4M3 keys and values (`kiln_cuda::CudaOptions::kv_cache_fp8`,
+    /// `CpuKvDtype::Fp8`).
     Fp8,
 }
 
@@ -196,7 +197,8 @@ fn cpu_backend() -> CpuBackend {
     }
     let kv = match kv_cache_dtype() {
         KvCacheDtype::Cpu(d) => d,
-        _ => CpuKvDtype::default(),
+        KvCacheDtype::Fp8 => CpuKvDtype::Fp8,
+        KvCacheDtype::Auto => CpuKvDtype::default(),
     };
     CpuBackend::with_matmul(mode).with_kv_dtype(kv)
 }
@@ -206,20 +208,13 @@ pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
     let cuda = |ordinal: usize| -> Result<Arc<dyn kiln_tensor::Backend>> {
         if let KvCacheDtype::Cpu(d) = kv_cache_dtype() {
             anyhow::bail!(
-                "--kv-cache-dtype {} is a CPU option: the CUDA backend keeps its KV cache in bf16 or fp8",
+                "--kv-cache-dtype {} is a CPU option: the CUDA backend keeps its KV cache in bf16 (auto) or fp8",
                 d.name()
             );
         }
         Ok(Arc::new(cuda_backend(ordinal)?))
     };
-    let cpu = || -> Result<Arc<dyn kiln_tensor::Backend>> {
-        if kv_cache_dtype() == KvCacheDtype::Fp8 {
-            anyhow::bail!(
-                "--kv-cache-dtype fp8 is a CUDA option: the CPU keeps its KV cache in f32 or f16"
-            );
-        }
-        Ok(Arc::new(cpu_backend()))
-    };
+    let cpu = || -> Result<Arc<dyn kiln_tensor::Backend>> { Ok(Arc::new(cpu_backend())) };
     match device {
         "cpu" => cpu(),
         "cuda" => cuda(0),

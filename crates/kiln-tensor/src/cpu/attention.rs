@@ -17,11 +17,13 @@
 //! groups of a model whose layers differ share a layer's storage safely. The inner loops run on AVX-512 where the CPU has
 //! it and the head dimension is a multiple of 16, else on portable code.
 //!
-//! The cache holds f32 (the default: keys and values as computed) or f16
+//! The cache holds f32 (the default: keys and values as computed), f16
 //! (`--kv-cache-dtype f16`: half the bytes, each key and value rounded to
 //! the nearest f16 when written, widened to f32 when read; the arithmetic
 //! and its order are the f32 cache's, so the results are those of the
-//! rounded keys and values, and still batch-invariant).
+//! rounded keys and values, and still batch-invariant) or E4M3
+//! (`--kv-cache-dtype fp8`: a quarter of the bytes, rounded as the CUDA FP8
+//! cache rounds them, through the portable loops; also batch-invariant).
 
 use std::sync::OnceLock;
 
@@ -31,7 +33,29 @@ use half::f16;
 
 use crate::backend::{AttentionParams, ForwardBatch};
 
-/// An element of the CPU KV cache: f32 or f16.
+/// An E4M3 code in the CPU KV cache (`--kv-cache-dtype fp8`): a quarter of
+/// f32's bytes, at unit scale as the CUDA cache keeps it (round to nearest
+/// even, saturating at ±448); widened exactly when read.
+#[derive(Clone, Copy, Default, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct E4m3(u8);
+
+impl KvElem for E4m3 {
+    const F16: bool = false;
+    fn from_f32(v: f32) -> E4m3 {
+        E4m3(kiln_quant::quantize::f32_to_e4m3(v))
+    }
+    fn to_f32(self) -> f32 {
+        kiln_quant::dequant::e4m3_to_f32(self.0)
+    }
+    /// The portable loops: the AVX-512 ones read f32 or f16 rows only.
+    fn kernels(_hd: usize) -> &'static Kernels<E4m3> {
+        static PORTABLE: OnceLock<Kernels<E4m3>> = OnceLock::new();
+        PORTABLE.get_or_init(portable::kernels)
+    }
+}
+
+/// An element of the CPU KV cache: f32, f16 or E4M3.
 pub(crate) trait KvElem: Copy + Default + Send + Sync + 'static {
     /// Whether it is f16 (for the SIMD loads).
     const F16: bool;
@@ -779,13 +803,14 @@ mod tests {
 
     /// The head sizes the SIMD kernels take (64, 128, 256) against an f64
     /// softmax; and a row's bits do not depend on where its keys sit in the
-    /// cache nor on what else is in the batch. For an f32 and an f16 cache
-    /// (against the f64 softmax of the f16-rounded keys and values: the
-    /// same arithmetic on rounded values).
+    /// cache nor on what else is in the batch. For an f32, an f16 and an
+    /// E4M3 cache (against the f64 softmax of the rounded keys and values:
+    /// the same arithmetic on rounded values).
     #[test]
     fn wide_heads_match_f64_and_do_not_depend_on_placement_or_batch() {
         wide_heads::<f32>();
         wide_heads::<f16>();
+        wide_heads::<E4m3>();
     }
 
     /// An f16 cache moves outputs by about the rounding of its values.
