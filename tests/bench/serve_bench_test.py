@@ -19,6 +19,8 @@ import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests/sdk"))
+import kiln_server  # noqa: E402
 import serve_bench  # noqa: E402
 
 KILN, MODEL = sys.argv[1], sys.argv[2]
@@ -28,40 +30,8 @@ NAMES = ["completed", "failed", "total_input_tokens", "total_output_tokens", "du
                             for s in ("mean", "median", "std", "p99")]
 
 
-def wait_ready(p, base, deadline):
-    """/health answers 503 while the model loads, then 200."""
-    import urllib.error
-    import urllib.request
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError as e:
-            if e.code != 503:
-                raise
-        if p.poll() is not None:
-            raise RuntimeError("kiln serve exited: " + p.stderr.read())
-        time.sleep(0.05)
-    p.kill()
-    raise RuntimeError("kiln serve did not load the model in time")
-
-
 def start():
-    import re
-    import subprocess
-    p = subprocess.Popen([KILN, "serve", MODEL, "--port", "0", "--threads", "2", "--device", "cpu"],
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        m = re.search(r"on (http://[0-9.:]+)", p.stderr.readline() or "")
-        if m:
-            wait_ready(p, m.group(1), deadline)
-            return p, m.group(1)
-        if p.poll() is not None:
-            raise RuntimeError("kiln serve exited: " + p.stderr.read())
-    p.kill()
-    raise RuntimeError("kiln serve did not start in time")
+    return kiln_server.start(KILN, MODEL)
 
 
 def check_level(m, requests, input_tokens, output_tokens):

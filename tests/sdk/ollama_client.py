@@ -24,7 +24,7 @@ import urllib.request
 import ollama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from sdk_conformance import wait_ready  # noqa: E402
+import kiln_server  # noqa: E402
 
 KILN, MODELS = sys.argv[1], pathlib.Path(sys.argv[2])
 CLIENT = "ollama-0.6.3"
@@ -32,19 +32,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def start(model):
-    p = subprocess.Popen([KILN, "serve", str(model), "--port", "0", "--threads", "2", "--device", "cpu"],
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        line = p.stderr.readline()
-        m = re.search(r"on (http://[0-9.:]+)", line or "")
-        if m:
-            wait_ready(p, m.group(1), deadline)
-            return p, m.group(1)
-        if p.poll() is not None:
-            raise RuntimeError("kiln serve exited: " + p.stderr.read())
-    p.kill()
-    raise RuntimeError("kiln serve did not start in time")
+    return kiln_server.start(KILN, model)
 
 
 def post(base, path, body):

@@ -34,6 +34,9 @@ import urllib.request
 import anthropic
 import openai
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from kiln_server import start, wait_ready  # noqa: E402,F401 (wait_ready: for the suites that import it from here)
+
 KILN, MODEL = sys.argv[1], sys.argv[2]
 SDK_ONLY = "--sdk-only" in sys.argv[3:]
 SDKS = f"openai-{openai.__version__}+anthropic-{anthropic.__version__}"
@@ -76,37 +79,8 @@ def answer_text(v):
 
 
 def start_server(*extra):
-    p = subprocess.Popen([KILN, "serve", MODEL, "--port", "0", "--threads", "2", "--device", "cpu", *extra],
-                         stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        line = p.stderr.readline()
-        m = re.search(r"on (http://[0-9.:]+)", line or "")
-        if m:
-            wait_ready(p, m.group(1), deadline)
-            return p, m.group(1) + "/v1"
-        if p.poll() is not None:
-            raise RuntimeError("kiln serve exited: " + p.stderr.read())
-    p.kill()
-    raise RuntimeError("kiln serve did not start in time")
-
-
-def wait_ready(p, base, deadline):
-    """`kiln serve` listens at once and loads the model in the background:
-    /health answers 503 until the model is loaded, then 200."""
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError as e:
-            if e.code != 503:
-                raise
-        if p.poll() is not None:
-            raise RuntimeError("kiln serve exited: " + p.stderr.read())
-        time.sleep(0.05)
-    p.kill()
-    raise RuntimeError("kiln serve did not load the model in time")
+    p, base = start(KILN, MODEL, *extra, timeout=120)
+    return p, base + "/v1"
 
 
 def main():

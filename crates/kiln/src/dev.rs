@@ -80,8 +80,9 @@ pub struct LoraMixArgs {
     pub out: PathBuf,
 }
 
+/// The shape and tokenizer of a random model (`random-checkpoint`, `random-gguf`).
 #[derive(Args, Debug)]
-pub struct RandomArgs {
+pub struct RandomShape {
     /// A preset shape: tiny, smollm2-135m, llama3-8b.
     #[arg(long, default_value = "tiny")]
     pub preset: String,
@@ -91,11 +92,17 @@ pub struct RandomArgs {
     /// Where the tokenizer comes from: a GGUF file or a directory with tokenizer.json.
     #[arg(long)]
     pub tokenizer: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+#[derive(Args, Debug)]
+pub struct RandomArgs {
+    #[command(flatten)]
+    pub shape: RandomShape,
     /// Weight dtype on disk: f32 or bf16.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Spread of the projection matrices (default 0.02, as everything
     /// else); 0.01 keeps the 32-layer 8B shape out of the chaotic regime
     /// where bf16 and f32 logits part.
@@ -108,20 +115,11 @@ pub struct RandomArgs {
 
 #[derive(Args, Debug)]
 pub struct RandomGgufArgs {
-    /// A preset shape: tiny, smollm2-135m, llama3-8b.
-    #[arg(long, default_value = "tiny")]
-    pub preset: String,
-    /// A config.json to use instead of a preset (merged over it).
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Where the tokenizer comes from: a GGUF file or a directory with tokenizer.json.
-    #[arg(long)]
-    pub tokenizer: PathBuf,
+    #[command(flatten)]
+    pub shape: RandomShape,
     /// The blocks: q4_k_m (llama.cpp's mix) or one GGUF block format (q8_0, q4_k, ...).
     #[arg(long = "type", default_value = "q4_k_m")]
     pub mix: String,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Output GGUF file.
     #[arg(long, short = 'o')]
     pub out: PathBuf,
@@ -187,14 +185,12 @@ pub fn load_tokenizer(path: &Path) -> Result<Tokenizer> {
     }
 }
 
-/// A preset merged with `--config`, its vocabulary the tokenizer's.
-fn random_config(
-    preset_name: &str,
-    config_path: Option<&std::path::Path>,
-    tokenizer: &Tokenizer,
-) -> Result<serde_json::Value> {
-    let mut config = preset(preset_name)?;
-    if let Some(p) = config_path {
+/// The tokenizer, and the preset merged with `--config`, its vocabulary the tokenizer's.
+fn random_config(shape: &RandomShape) -> Result<(serde_json::Value, Tokenizer)> {
+    let tokenizer = load_tokenizer(&shape.tokenizer)
+        .with_context(|| format!("tokenizer from {}", shape.tokenizer.display()))?;
+    let mut config = preset(&shape.preset)?;
+    if let Some(p) = &shape.config {
         let text = std::fs::read_to_string(p).with_context(|| p.display().to_string())?;
         config = merge(
             config,
@@ -202,20 +198,18 @@ fn random_config(
         );
     }
     config["vocab_size"] = json!(tokenizer.vocab_size());
-    Ok(config)
+    Ok((config, tokenizer))
 }
 
 fn random_gguf(a: RandomGgufArgs) -> Result<()> {
-    let tokenizer = load_tokenizer(&a.tokenizer)
-        .with_context(|| format!("tokenizer from {}", a.tokenizer.display()))?;
     let mix = kiln_engine::quantize::RandomMix::parse(&a.mix).with_context(|| {
         format!(
             "unknown --type {:?} (q4_k_m, or a GGUF block format)",
             a.mix
         )
     })?;
-    let config = random_config(&a.preset, a.config.as_deref(), &tokenizer)?;
-    let r = kiln_engine::quantize::random_gguf(&config, &tokenizer, mix, a.seed, &a.out)?;
+    let (config, tokenizer) = random_config(&a.shape)?;
+    let r = kiln_engine::quantize::random_gguf(&config, &tokenizer, mix, a.shape.seed, &a.out)?;
     eprintln!(
         "wrote {} ({} {}, {:.2} GB of tensors: {:?})",
         a.out.display(),
@@ -228,9 +222,7 @@ fn random_gguf(a: RandomGgufArgs) -> Result<()> {
 }
 
 fn random_checkpoint(a: RandomArgs) -> Result<()> {
-    let tokenizer = load_tokenizer(&a.tokenizer)
-        .with_context(|| format!("tokenizer from {}", a.tokenizer.display()))?;
-    let mut config = random_config(&a.preset, a.config.as_deref(), &tokenizer)?;
+    let (mut config, tokenizer) = random_config(&a.shape)?;
     if let Some(b) = tokenizer.bos_id() {
         config["bos_token_id"] = json!(b);
     }
@@ -238,7 +230,7 @@ fn random_checkpoint(a: RandomArgs) -> Result<()> {
         config["eos_token_id"] = json!(e);
     }
     let cfg = ModelConfig::from_hf(&config)?;
-    let mut weights = RandomWeights::new(&cfg, a.seed)?;
+    let mut weights = RandomWeights::new(&cfg, a.shape.seed)?;
     if let Some(std) = a.proj_std {
         weights = weights.with_proj_std(std);
     }

@@ -224,6 +224,11 @@ pub(super) fn attention_ops(
         let td = two(80);
         let te = two(40);
         let toks = |n: usize| vec![0u32; n];
+        // One step of this pass, against the CPU.
+        let run =
+            |p: &mut Pair, rng: &mut Rng, caches: &mut Caches, b: &ForwardBatch, label: &str| {
+                attention_step(p, rng, caches, b, &ap, rotary, qk, label, fused, fp8)
+            };
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
@@ -232,53 +237,20 @@ pub(super) fn attention_ops(
         b.push_seq_groups(&toks(100), 0, tb.clone(), true);
         b.push_seq_groups(&toks(1200), 0, td.clone(), true);
         b.push_seq_groups(&toks(600), 0, te.clone(), true);
-        attention_step(
-            p,
-            rng,
-            &mut caches,
-            &b,
-            &ap,
-            rotary,
-            qk,
-            "prefill",
-            fused,
-            fp8,
-        )?;
+        run(p, rng, &mut caches, &b, "prefill")?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq_groups(&toks(37), 100, tb.clone(), true);
-        attention_step(
-            p,
-            rng,
-            &mut caches,
-            &b,
-            &ap,
-            rotary,
-            qk,
-            "chunked",
-            fused,
-            fp8,
-        )?;
+        run(p, rng, &mut caches, &b, "chunked")?;
         let mut b = ForwardBatch {
             block_size: bs,
             ..ForwardBatch::default()
         };
         b.push_seq_groups(&toks(1), 150, held(&ta, 150), true);
         b.push_seq_groups(&toks(20), 0, tc.clone(), true);
-        attention_step(
-            p,
-            rng,
-            &mut caches,
-            &b,
-            &ap,
-            rotary,
-            qk,
-            "mixed",
-            fused,
-            fp8,
-        )?;
+        run(p, rng, &mut caches, &b, "mixed")?;
         let apart = if vpre { "" } else { " (values apart)" };
         for (step, label) in [(0, "decode"), (1, "decode 2")] {
             let mut b = ForwardBatch {
@@ -289,7 +261,7 @@ pub(super) fn attention_ops(
                 b.push_seq_groups(&toks(1), at + step, held(t, at + step), true);
             }
             let label = format!("{label}{apart}");
-            attention_step(p, rng, &mut caches, &b, &ap, rotary, qk, &label, fused, fp8)?;
+            run(p, rng, &mut caches, &b, &label)?;
         }
         // A layer sharing the cache: new queries over what is there, one
         // a sequence (decode) and two (prefill).
