@@ -101,17 +101,31 @@ if has parity; then
   done
 fi
 if has decode; then
-  [ -f "$W/q4_k.gguf" ] || { timeout 200 "$K" quantize "$W/ck8b" "$W/q4_k.gguf" --type q4_k > /dev/null 2>&1; el "quantize q4_k rc=$?"; }
-  for m in bf16 fp8 q4_k; do
-    case $m in bf16) a=(-m "$W/ck8b");; fp8) a=(-m "$W/ck8b" --quantize fp8);; *) a=(-m "$W/$m.gguf");; esac
+  # DECODE (default "bf16 fp8 q4_k"): also q8_0 or q4_k_m (`kiln quantize`), awq
+  # (bench/gpu/awq_checkpoint.py).
+  for m in ${DECODE:-bf16 fp8 q4_k}; do
+    case $m in
+      bf16) a=(-m "$W/ck8b");;
+      fp8) a=(-m "$W/ck8b" --quantize fp8);;
+      awq) [ -f "$W/awq/config.json" ] || { timeout 300 python3 bench/gpu/awq_checkpoint.py "$W/ck8b" "$W/awq" > /dev/null 2>&1; el "awq rc=$?"; }
+           a=(-m "$W/awq");;
+      *) [ -f "$W/$m.gguf" ] || { timeout 200 "$K" quantize "$W/ck8b" "$W/$m.gguf" --type $m > /dev/null 2>&1; el "quantize $m rc=$?"; }
+         a=(-m "$W/$m.gguf");;
+    esac
     timeout 150 "$K" bench --device cuda "${a[@]}" --prompt-tokens 512 --gen-tokens 128 --runs 3 > "$OUT/decode512-$m.json" 2> "$OUT/decode512-$m.err"; el "decode $m rc=$?"
     bench_line "$OUT/decode512-$m.json" "decode512 $m"
   done
 fi
 if has profile; then
-  [ -f "$W/q4_k.gguf" ] || { timeout 200 "$K" quantize "$W/ck8b" "$W/q4_k.gguf" --type q4_k > /dev/null 2>&1; el "quantize q4_k rc=$?"; }
-  for m in ck8b q4_k.gguf; do
-    timeout 150 "$K" bench --device cuda -m "$W/$m" --prompt-tokens 4096 --gen-tokens 2 --runs 1 --profile > "$OUT/profile-$m.json" 2> "$OUT/profile-$m.err"; el "profile $m rc=$?"
+  # PROFILE (default "bf16 q4_k"; also fp8): a 4,096-token prefill's per-op times.
+  for m in ${PROFILE:-bf16 q4_k}; do
+    case $m in
+      bf16) a=(-m "$W/ck8b");;
+      fp8) a=(-m "$W/ck8b" --quantize fp8);;
+      *) [ -f "$W/$m.gguf" ] || { timeout 200 "$K" quantize "$W/ck8b" "$W/$m.gguf" --type $m > /dev/null 2>&1; el "quantize $m rc=$?"; }
+         a=(-m "$W/$m.gguf");;
+    esac
+    timeout 150 "$K" bench --device cuda "${a[@]}" --prompt-tokens 4096 --gen-tokens 2 --runs 1 --profile > "$OUT/profile-$m.json" 2> "$OUT/profile-$m.err"; el "profile $m rc=$?"
     python3 - "$OUT/profile-$m.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -5,8 +5,9 @@
 //! blocks of it, else Q8_0 ([`kiln_formats::quantizing::target_format`],
 //! the rule `--quantize` uses at load, so the file and the in-memory model
 //! hold the same blocks); vectors stay F32; a matrix already in blocks is
-//! copied. Unlike llama.cpp's `_M` mixes, no tensor is promoted to more
-//! bits: `--type q4_k` means Q4_K everywhere it fits.
+//! copied. `--type q4_k` means Q4_K everywhere it fits; `--type q4_k_m`
+//! is llama.cpp's mix (`kiln_formats::QuantMix::Q4KM`: some value, MLP-down
+//! and output matrices in Q6_K).
 //!
 //! From a Hugging Face directory the architectures written are those
 //! llama.cpp runs as `llama`, `qwen2` and `qwen3`, with byte-level BPE
@@ -18,10 +19,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use kiln_formats::gguf_hf::{gguf_name, permute_qk};
-use kiln_formats::quantizing::target_format;
 use kiln_formats::{
-    write_gguf, GgmlType, GgufFile, GgufTensorPlan, MetaValue, Quantizing, SafetensorsDir,
-    WeightSource,
+    write_gguf, GgmlType, GgufFile, GgufTensorPlan, MetaValue, QuantMix, Quantizing,
+    SafetensorsDir, WeightSource,
 };
 use kiln_models::config::FamilyConfig;
 use kiln_models::{ModelConfig, RopeScaling};
@@ -42,8 +42,11 @@ pub struct QuantizeReport {
     pub tensor_bytes: u64,
 }
 
-/// llama.cpp's `general.file_type` for a file mostly in `format`.
-fn file_type(format: QuantFormat) -> u32 {
+/// llama.cpp's `general.file_type` for a file in `mix`.
+fn file_type(mix: QuantMix) -> u32 {
+    let QuantMix::Uniform(format) = mix else {
+        return 15; // MOSTLY_Q4_K_M
+    };
     match format {
         QuantFormat::F16 => 1,
         QuantFormat::Q8_0 => 7,
@@ -69,35 +72,33 @@ fn u32_of(path: &Path, key: &str, v: usize) -> Result<MetaValue> {
 }
 
 /// Write `input` (a Hugging Face directory or a GGUF file) as the GGUF
-/// file `output` with its float matrices in `format`.
-pub fn quantize_to_gguf(
-    input: &Path,
-    output: &Path,
-    format: QuantFormat,
-) -> Result<QuantizeReport> {
-    if !kiln_quant::QUANTIZE_FORMATS.contains(&format) {
-        return Err(refuse(
-            input,
-            format!(
-                "cannot quantize to {format} (supported: {})",
-                kiln_quant::QUANTIZE_FORMATS.map(|f| f.name()).join(", ")
-            ),
-        ));
-    }
-    if kiln_formats::GgmlType::from_quant_format(format).is_none() {
-        return Err(refuse(
-            input,
-            format!(
-                "{format} has no GGUF type, so no GGUF file can hold it: load the float \
-                 checkpoint with `--quantize {}` instead",
-                format.name().to_lowercase()
-            ),
-        ));
+/// file `output` with its float matrices in `mix`.
+pub fn quantize_to_gguf(input: &Path, output: &Path, mix: QuantMix) -> Result<QuantizeReport> {
+    for format in mix.formats() {
+        if !kiln_quant::QUANTIZE_FORMATS.contains(&format) {
+            return Err(refuse(
+                input,
+                format!(
+                    "cannot quantize to {format} (supported: {})",
+                    kiln_quant::QUANTIZE_FORMATS.map(|f| f.name()).join(", ")
+                ),
+            ));
+        }
+        if GgmlType::from_quant_format(format).is_none() {
+            return Err(refuse(
+                input,
+                format!(
+                    "{format} has no GGUF type, so no GGUF file can hold it: load the float \
+                     checkpoint with `--quantize {}` instead",
+                    format.name().to_lowercase()
+                ),
+            ));
+        }
     }
     if input.is_dir() {
-        from_hf_dir(input, output, format)
+        from_hf_dir(input, output, mix)
     } else if input.is_file() {
-        from_gguf(input, output, format)
+        from_gguf(input, output, mix)
     } else {
         Err(refuse(input, "no such file or directory"))
     }
@@ -227,7 +228,7 @@ fn f32_bytes(data: &[f32]) -> Vec<u8> {
     data.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-fn from_hf_dir(input: &Path, output: &Path, format: QuantFormat) -> Result<QuantizeReport> {
+fn from_hf_dir(input: &Path, output: &Path, mix: QuantMix) -> Result<QuantizeReport> {
     let weights = SafetensorsDir::open(input)?;
     let config = ModelConfig::from_hf(weights.config())?;
     let (arch, model_meta) = model_metadata(input, &config)?;
@@ -244,7 +245,7 @@ fn from_hf_dir(input: &Path, output: &Path, format: QuantFormat) -> Result<Quant
         ("general.name".to_string(), MetaValue::String(name)),
         (
             "general.file_type".to_string(),
-            MetaValue::U32(file_type(format)),
+            MetaValue::U32(file_type(mix)),
         ),
         (
             "general.quantization_version".to_string(),
@@ -256,7 +257,8 @@ fn from_hf_dir(input: &Path, output: &Path, format: QuantFormat) -> Result<Quant
     meta.extend(tokenizer.gguf_metadata(config.vocab_size)?);
 
     let stored = weights.tensors();
-    let source = Quantizing::new(weights, format)?;
+    let layers = config.num_layers;
+    let source = Quantizing::with_mix(weights, mix, layers)?;
     let mut plans = Vec::new();
     let mut names = Vec::new();
     for t in &stored {
@@ -269,7 +271,8 @@ fn from_hf_dir(input: &Path, output: &Path, format: QuantFormat) -> Result<Quant
                 format!("tensor {} has no name in a {arch} GGUF", t.name),
             )
         })?;
-        let ty = target_format(format, t)
+        let ty = mix
+            .target(t, layers)
             .and_then(GgmlType::from_quant_format)
             .unwrap_or(GgmlType::F32);
         plans.push(GgufTensorPlan::new(g, &t.shape, ty));
@@ -330,12 +333,16 @@ fn report(arch: String, plans: &[GgufTensorPlan]) -> QuantizeReport {
     }
 }
 
-/// A GGUF's float matrices re-stored in `format`; its metadata and every
+/// A GGUF's float matrices re-stored in `mix`; its metadata and every
 /// other tensor copied. Rows keep the file's order (quantization is per
 /// row, so llama's permuted q/k rows need no undoing).
-fn from_gguf(input: &Path, output: &Path, format: QuantFormat) -> Result<QuantizeReport> {
+fn from_gguf(input: &Path, output: &Path, mix: QuantMix) -> Result<QuantizeReport> {
     let file = GgufFile::open(input)?;
     let arch = file.metadata.architecture()?.to_string();
+    let layers = file
+        .metadata
+        .u64(&format!("{arch}.block_count"))?
+        .unwrap_or(0) as usize;
     let mut meta: Vec<(String, MetaValue)> = file
         .metadata
         .entries
@@ -343,10 +350,7 @@ fn from_gguf(input: &Path, output: &Path, format: QuantFormat) -> Result<Quantiz
         .filter(|(k, _)| !matches!(k.as_str(), "general.file_type" | "general.alignment"))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    meta.push((
-        "general.file_type".into(),
-        MetaValue::U32(file_type(format)),
-    ));
+    meta.push(("general.file_type".into(), MetaValue::U32(file_type(mix))));
     let mut plans = Vec::new();
     let mut targets = Vec::new();
     for t in &file.tensors {
@@ -356,7 +360,7 @@ fn from_gguf(input: &Path, output: &Path, format: QuantFormat) -> Result<Quantiz
             dtype: t.ggml_type.name().to_string(),
             num_bytes: 0,
         };
-        let target = target_format(format, &stored);
+        let target = mix.target(&stored, layers);
         let ty = target
             .and_then(GgmlType::from_quant_format)
             .unwrap_or(t.ggml_type);
@@ -385,57 +389,6 @@ fn from_gguf(input: &Path, output: &Path, format: QuantFormat) -> Result<Quantiz
     Ok(report(arch, &plans))
 }
 
-/// The block types of a random GGUF ([`random_gguf`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RandomMix {
-    /// Every matrix in one format where its rows are whole blocks of it.
-    Uniform(QuantFormat),
-    /// llama.cpp's Q4_K_M: Q4_K, with `attn_v` and `ffn_down` in Q6_K on the
-    /// first and last eighth of the layers and every third between, and
-    /// the output matrix in Q6_K.
-    Q4KM,
-}
-
-impl RandomMix {
-    /// `q4_k_m`, or a block format's name.
-    pub fn parse(s: &str) -> Option<RandomMix> {
-        if s.eq_ignore_ascii_case("q4_k_m") {
-            return Some(RandomMix::Q4KM);
-        }
-        QuantFormat::ALL
-            .into_iter()
-            .find(|f| f.name().eq_ignore_ascii_case(s) && GgmlType::from_quant_format(*f).is_some())
-            .map(RandomMix::Uniform)
-    }
-
-    /// The format of matrix `hf_name` (`[rows, cols]`) in a model of `layers`.
-    fn format(self, hf_name: &str, cols: usize, layers: usize) -> QuantFormat {
-        let layer = hf_name
-            .strip_prefix("model.layers.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|i| i.parse::<usize>().ok());
-        let f = match self {
-            RandomMix::Uniform(f) => f,
-            RandomMix::Q4KM => {
-                let more_bits =
-                    |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2;
-                let wide =
-                    hf_name.ends_with("v_proj.weight") || hf_name.ends_with("down_proj.weight");
-                if hf_name == "lm_head.weight" || layer.is_some_and(|i| wide && more_bits(i)) {
-                    QuantFormat::Q6K
-                } else {
-                    QuantFormat::Q4K
-                }
-            }
-        };
-        if cols % f.block_size() == 0 {
-            f
-        } else {
-            QuantFormat::Q8_0
-        }
-    }
-}
-
 /// A GGUF of `config`'s shape (a llama-layout family) with random blocks as
 /// its matrices (`kiln_quant::random_blocks`: codes uniform, scales in
 /// ±[1e-4, 0.05)) in `mix`, norms 1 and biases 0, and `tokenizer`'s
@@ -445,7 +398,7 @@ impl RandomMix {
 pub fn random_gguf(
     config: &Value,
     tokenizer: &Tokenizer,
-    mix: RandomMix,
+    mix: QuantMix,
     seed: u64,
     output: &Path,
 ) -> Result<QuantizeReport> {
@@ -480,8 +433,15 @@ pub fn random_gguf(
             )
         })?;
         let ty = match t.shape[..] {
-            [_, cols] => GgmlType::from_quant_format(mix.format(&t.name, cols, cfg.num_layers))
-                .unwrap_or(GgmlType::F32),
+            [_, cols] => {
+                let f = mix.format_of(&t.name, cfg.num_layers);
+                let f = if cols % f.block_size() == 0 {
+                    f
+                } else {
+                    QuantFormat::Q8_0
+                };
+                GgmlType::from_quant_format(f).unwrap_or(GgmlType::F32)
+            }
             _ => GgmlType::F32,
         };
         plans.push((GgufTensorPlan::new(g, &t.shape, ty), t.name.clone()));

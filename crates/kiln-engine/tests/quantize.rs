@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use kiln_engine::LoadedModel;
-use kiln_formats::{GgufFile, SafetensorsDtype};
+use kiln_formats::{GgufFile, QuantMix, SafetensorsDtype};
 use kiln_quant::QuantFormat;
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::ForwardBatch;
@@ -106,7 +106,8 @@ fn quantized_gguf_reads_back_as_the_quantized_checkpoint() {
         ),
     ] {
         let out = tmp.path().join(format!("smollm2-{format}.gguf"));
-        let report = kiln_engine::quantize::quantize_to_gguf(&hf, &out, format).unwrap();
+        let report =
+            kiln_engine::quantize::quantize_to_gguf(&hf, &out, QuantMix::Uniform(format)).unwrap();
         assert_eq!(report.arch, "llama");
         let want: std::collections::BTreeMap<String, usize> =
             types.iter().map(|(t, n)| (t.to_string(), *n)).collect();
@@ -182,6 +183,44 @@ fn quantized_gguf_reads_back_as_the_quantized_checkpoint() {
         assert_eq!(argmaxes(&lf).last(), argmaxes(&original).last(), "{format}");
     }
 
+    // llama.cpp's Q4_K_M mix: of the 256-wide-block matrices (the 30 down
+    // projections) those of the first and last eighth of the layers and of
+    // every third between are Q6_K, the rest Q4_K; the 576-wide rest Q8_0.
+    let out = tmp.path().join("smollm2-q4_k_m.gguf");
+    let report =
+        kiln_engine::quantize::quantize_to_gguf(&hf, &out, QuantMix::parse("Q4_K_M").unwrap())
+            .unwrap();
+    let want: std::collections::BTreeMap<String, usize> =
+        [("F32", 61), ("Q4_K", 16), ("Q6_K", 14), ("Q8_0", 181)]
+            .iter()
+            .map(|(t, n)| (t.to_string(), *n))
+            .collect();
+    assert_eq!(report.tensors_by_type, want);
+    let file = GgufFile::open(&out).unwrap();
+    assert_eq!(file.metadata.u64("general.file_type").unwrap(), Some(15));
+    let q6: std::collections::BTreeSet<String> = file
+        .tensors
+        .iter()
+        .filter(|t| t.ggml_type.name() == "Q6_K")
+        .map(|t| t.name.clone())
+        .collect();
+    let more_bits = [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29];
+    assert_eq!(
+        q6,
+        more_bits
+            .iter()
+            .map(|i| format!("blk.{i}.ffn_down.weight"))
+            .collect()
+    );
+    drop(file);
+    let lm = logits(&LoadedModel::load(&out, cpu()).unwrap(), &prompt);
+    let mean = mean_abs_diff(&lm, &original);
+    assert!(
+        mean > bf16_error && mean < 0.45,
+        "q4_k_m: logits move by {mean} on average"
+    );
+    assert_eq!(argmaxes(&lm).last(), argmaxes(&original).last(), "q4_k_m");
+
     // FP8 (no GGUF type: at load only) where rows are whole runs of 128 (the
     // down projection), Q8_0 for the 576-wide rest: held as E4M3 bytes and
     // scales, and close to the original (bounds about 1.3× the measured
@@ -208,16 +247,27 @@ fn quantized_gguf_reads_back_as_the_quantized_checkpoint() {
 fn refusals_name_the_problem() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("x.gguf");
-    let e =
-        kiln_engine::quantize::quantize_to_gguf(&tmp.path().join("nope"), &out, QuantFormat::Q8_0)
-            .unwrap_err();
+    let e = kiln_engine::quantize::quantize_to_gguf(
+        &tmp.path().join("nope"),
+        &out,
+        QuantMix::Uniform(QuantFormat::Q8_0),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("no such file"), "{e}");
-    let e = kiln_engine::quantize::quantize_to_gguf(&model_path(SMOLLM2), &out, QuantFormat::Q2K)
-        .unwrap_err();
+    let e = kiln_engine::quantize::quantize_to_gguf(
+        &model_path(SMOLLM2),
+        &out,
+        QuantMix::Uniform(QuantFormat::Q2K),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("Q4_K"), "{e}");
     // FP8 blocks have no GGUF type: they are made at load.
-    let e = kiln_engine::quantize::quantize_to_gguf(&model_path(SMOLLM2), &out, QuantFormat::FP8)
-        .unwrap_err();
+    let e = kiln_engine::quantize::quantize_to_gguf(
+        &model_path(SMOLLM2),
+        &out,
+        QuantMix::Uniform(QuantFormat::FP8),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("--quantize fp8"), "{e}");
     assert!(!out.exists());
 }

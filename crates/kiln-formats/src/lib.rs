@@ -29,7 +29,7 @@ pub use error::{FormatError, Result};
 pub use gguf::{GgufFile, GgufMetadata, GgufTensorInfo, MetaValue};
 pub use gguf_hf::GgufWeights;
 pub use gguf_write::{write_gguf, write_gguf_shapes, GgufTensorPlan};
-pub use quantizing::Quantizing;
+pub use quantizing::{QuantMix, Quantizing};
 pub use safetensors_dir::SafetensorsDir;
 pub use safetensors_write::{
     write_hf_dir, write_hf_dir_with, write_safetensors, HfDirOptions, SafetensorsDtype,

@@ -28,6 +28,93 @@ pub fn target_format(format: QuantFormat, stored: &StoredTensor) -> Option<Quant
         .find(|f| cols % f.block_size() == 0)
 }
 
+/// The formats of a quantized file's matrices: one format throughout, or
+/// llama.cpp's Q4_K_M mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantMix {
+    /// Every matrix in one format where its rows are whole blocks of it.
+    Uniform(QuantFormat),
+    /// llama.cpp's Q4_K_M: Q4_K, with the value and MLP-down matrices in
+    /// Q6_K on the first and last eighth of the layers and every third
+    /// layer between, and the output matrix in Q6_K.
+    Q4KM,
+}
+
+impl QuantMix {
+    /// `q4_k_m`, or a format `kiln quantize` writes (`kiln_quant::parse_quantize_type`).
+    pub fn parse(s: &str) -> std::result::Result<QuantMix, String> {
+        if s.eq_ignore_ascii_case("q4_k_m") {
+            return Ok(QuantMix::Q4KM);
+        }
+        kiln_quant::parse_quantize_type(s)
+            .map(QuantMix::Uniform)
+            .map_err(|e| format!("{e}, or q4_k_m"))
+    }
+
+    /// `q4_k_m`, or any GGUF block format by name (random blocks need no quantizer).
+    pub fn parse_ggml(s: &str) -> Option<QuantMix> {
+        if s.eq_ignore_ascii_case("q4_k_m") {
+            return Some(QuantMix::Q4KM);
+        }
+        QuantFormat::ALL
+            .into_iter()
+            .find(|f| {
+                f.name().eq_ignore_ascii_case(s) && crate::GgmlType::from_quant_format(*f).is_some()
+            })
+            .map(QuantMix::Uniform)
+    }
+
+    /// The formats the mix writes (before the Q8_0 fallback).
+    pub fn formats(self) -> Vec<QuantFormat> {
+        match self {
+            QuantMix::Uniform(f) => vec![f],
+            QuantMix::Q4KM => vec![QuantFormat::Q4K, QuantFormat::Q6K],
+        }
+    }
+
+    /// The format most of the file's matrices get.
+    pub fn main_format(self) -> QuantFormat {
+        self.formats()[0]
+    }
+
+    /// The format asked for matrix `name` (a Hugging Face or a GGUF name) of
+    /// a model of `layers` layers, before the Q8_0 fallback.
+    pub fn format_of(self, name: &str, layers: usize) -> QuantFormat {
+        match self {
+            QuantMix::Uniform(f) => f,
+            QuantMix::Q4KM => {
+                let layer = name
+                    .strip_prefix("model.layers.")
+                    .or_else(|| name.strip_prefix("blk."))
+                    .and_then(|r| r.split('.').next())
+                    .and_then(|i| i.parse::<usize>().ok());
+                let more_bits =
+                    |i: usize| i < layers / 8 || i >= 7 * layers / 8 || (i - layers / 8) % 3 == 2;
+                let wide = [
+                    "v_proj.weight",
+                    "attn_v.weight",
+                    "down_proj.weight",
+                    "ffn_down.weight",
+                ]
+                .iter()
+                .any(|s| name.ends_with(s));
+                let head = name == "lm_head.weight" || name == "output.weight";
+                if head || layer.is_some_and(|i| wide && more_bits(i)) {
+                    QuantFormat::Q6K
+                } else {
+                    QuantFormat::Q4K
+                }
+            }
+        }
+    }
+
+    /// The format `stored` is quantized to ([`target_format`] of
+    /// [`QuantMix::format_of`]), `None` where it stays as it is.
+    pub fn target(self, stored: &StoredTensor, layers: usize) -> Option<QuantFormat> {
+        target_format(self.format_of(&stored.name, layers), stored)
+    }
+}
+
 /// `inner` with every float matrix quantized to `format` (by
 /// [`target_format`]) as it is loaded: [`WeightSource::load_blocks`] gives
 /// its blocks, [`WeightSource::load_f32`] their dequantized values (so a
@@ -51,10 +138,29 @@ impl<S: WeightSource> Quantizing<S> {
                 ),
             });
         }
+        Self::with_mix(inner, QuantMix::Uniform(format), 0)
+    }
+
+    /// Every float matrix in `mix`'s format for it ([`QuantMix::target`]) in
+    /// a model of `layers` layers.
+    pub fn with_mix(inner: S, mix: QuantMix, layers: usize) -> Result<Self> {
+        if let Some(f) = mix
+            .formats()
+            .into_iter()
+            .find(|f| !kiln_quant::QUANTIZE_FORMATS.contains(f))
+        {
+            return Err(FormatError::Invalid {
+                path: inner.path().to_path_buf(),
+                what: format!(
+                    "cannot quantize to {f} (supported: {})",
+                    kiln_quant::QUANTIZE_FORMATS.map(|f| f.name()).join(", ")
+                ),
+            });
+        }
         let targets = inner
             .tensors()
             .iter()
-            .filter_map(|t| target_format(format, t).map(|f| (t.name.clone(), f)))
+            .filter_map(|t| mix.target(t, layers).map(|f| (t.name.clone(), f)))
             .collect();
         Ok(Quantizing { inner, targets })
     }

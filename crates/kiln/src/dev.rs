@@ -202,7 +202,7 @@ fn random_config(shape: &RandomShape) -> Result<(serde_json::Value, Tokenizer)> 
 }
 
 fn random_gguf(a: RandomGgufArgs) -> Result<()> {
-    let mix = kiln_engine::quantize::RandomMix::parse(&a.mix).with_context(|| {
+    let mix = kiln_formats::QuantMix::parse_ggml(&a.mix).with_context(|| {
         format!(
             "unknown --type {:?} (q4_k_m, or a GGUF block format)",
             a.mix

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::Args;
-use kiln_quant::QuantFormat;
+use kiln_formats::QuantMix;
 
 #[derive(Args, Debug)]
 pub struct QuantizeArgs {
@@ -15,13 +15,14 @@ pub struct QuantizeArgs {
     /// The GGUF file to write.
     pub output: PathBuf,
     /// The block format of the matrices: q8_0, q4_0, q4_k, q5_k, q6_k (or
-    /// f16, bf16; int8 and int4 name q8_0 and q4_0).
-    #[arg(long = "type", value_parser = parse_quant_type)]
-    pub quant_type: QuantFormat,
+    /// f16, bf16; int8 and int4 name q8_0 and q4_0), or q4_k_m (llama.cpp's
+    /// mix of Q4_K and Q6_K).
+    #[arg(long = "type", value_parser = QuantMix::parse)]
+    pub quant_type: QuantMix,
 }
 
 /// A format `kiln quantize` and `--quantize` write, by its GGML name.
-pub fn parse_quant_type(s: &str) -> Result<QuantFormat, String> {
+pub fn parse_quant_type(s: &str) -> Result<kiln_quant::QuantFormat, String> {
     kiln_quant::parse_quantize_type(s)
 }
 
