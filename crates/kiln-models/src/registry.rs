@@ -18,6 +18,7 @@ pub static FAMILIES: &[&Family] = &[
     &families::gpt_oss::FAMILY,
     &families::gemma3::FAMILY,
     &families::gemma4::FAMILY,
+    &families::qwen3_5::FAMILY,
     &families::bert::FAMILY,
 ];
 

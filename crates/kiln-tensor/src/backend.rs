@@ -17,6 +17,8 @@ pub enum Activation {
     Silu,
     /// GELU with the tanh approximation (Gemma).
     GeluTanh,
+    /// `sigmoid(x)`: a gate (Qwen3.5's gated attention output).
+    Sigmoid,
 }
 
 /// Rotary embedding applied by [`Ops::rope`]: Hugging Face's rotate-half
@@ -198,6 +200,9 @@ pub struct ForwardBatch {
     /// Which rows run with which LoRA adapter (none: every row the base
     /// model's).
     pub lora: crate::lora::LoraBatch,
+    /// Each sequence's recurrent-state slot in the cache
+    /// ([`crate::recurrent`]; empty: sequence `i` uses slot `i`).
+    pub state_slots: Vec<u32>,
 }
 
 impl ForwardBatch {
@@ -276,13 +281,20 @@ impl ForwardBatch {
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
     }
+
+    /// Sequence `i`'s recurrent-state slot.
+    pub fn state_slot(&self, i: usize) -> usize {
+        self.state_slots.get(i).map_or(i, |&s| s as usize)
+    }
 }
 
-/// A paged KV cache whose storage belongs to a backend.
+/// A paged KV cache whose storage belongs to a backend, and the
+/// recurrent state of a hybrid model's recurrent layers beside it.
 pub struct KvCache {
     pub spec: KvPoolShape,
     id: u64,
     storage: Box<dyn Any + Send>,
+    state: Option<(crate::recurrent::StateShape, Box<dyn Any + Send>)>,
 }
 
 impl KvCache {
@@ -292,7 +304,29 @@ impl KvCache {
             spec,
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             storage,
+            state: None,
         }
+    }
+
+    /// This cache with recurrent state of `shape` in `storage` (a
+    /// backend's [`Memory::alloc_state`]).
+    pub fn with_state(
+        mut self,
+        shape: crate::recurrent::StateShape,
+        storage: Box<dyn Any + Send>,
+    ) -> Self {
+        self.state = Some((shape, storage));
+        self
+    }
+
+    /// The recurrent state's shape, if the cache has one.
+    pub fn state_shape(&self) -> Option<crate::recurrent::StateShape> {
+        self.state.as_ref().map(|s| s.0)
+    }
+
+    /// The recurrent state's shape and storage.
+    pub fn state_mut(&mut self) -> Option<(crate::recurrent::StateShape, &mut (dyn Any + Send))> {
+        self.state.as_mut().map(|(s, b)| (*s, b.as_mut()))
     }
 
     /// Unique for the life of the process: what a backend's recordings of
@@ -390,6 +424,15 @@ pub trait Memory {
 
     /// Allocate a zeroed paged KV cache.
     fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache>;
+
+    /// Allocate zeroed recurrent state ([`KvCache::with_state`]).
+    fn alloc_state(&self, shape: crate::recurrent::StateShape) -> Result<Box<dyn Any + Send>> {
+        let _ = shape;
+        Err(TensorError::Unsupported {
+            backend: "running",
+            what: "recurrent (linear-attention) layers".into(),
+        })
+    }
 }
 
 /// The ops a forward pass is made of. A new backend implements the basic
@@ -598,6 +641,29 @@ pub trait Ops {
         Err(TensorError::Unsupported {
             backend: "running",
             what: "Mixture-of-Experts layers".into(),
+        })
+    }
+
+    /// Whether [`Ops::gated_delta_net`] runs here; models check it at load.
+    fn supports_gated_delta_net(&self) -> bool {
+        false
+    }
+
+    /// A gated DeltaNet layer's token mixing over the batch's packed
+    /// in-projections `x [n, layer.in_dim()]`, each sequence from and into
+    /// its state slot in `cache` ([`crate::recurrent`]) → `[n,
+    /// layer.out_dim()]`.
+    fn gated_delta_net(
+        &self,
+        x: &Tensor,
+        layer: &crate::recurrent::GatedDeltaNet,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let _ = (x, layer, batch, cache);
+        Err(TensorError::Unsupported {
+            backend: "running",
+            what: "gated DeltaNet layers".into(),
         })
     }
 

@@ -23,6 +23,7 @@ pub mod lora;
 pub mod matmul;
 pub mod moe;
 pub mod profile;
+pub mod recurrent;
 pub mod tensor;
 pub mod weight;
 
@@ -37,6 +38,7 @@ pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
 pub use lora::{LoraAdapter, LoraBatch, LoraDelta, LoraGroup, LoraProj};
 pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
 pub use moe::{Expert, ExpertActivation, ExpertLoad, MoeLayer, Routing, Scoring, SharedExpert};
+pub use recurrent::{GatedDeltaNet, StateShape};
 pub use tensor::{DType, Tensor};
 pub use weight::{BlockPart, BlockWeight, Weight, WeightKind};
 

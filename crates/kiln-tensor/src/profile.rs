@@ -130,6 +130,13 @@ impl Memory for ProfilingBackend {
     fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         self.timed("alloc_kv_cache", || self.inner.alloc_kv_cache(spec))
     }
+
+    fn alloc_state(
+        &self,
+        shape: crate::recurrent::StateShape,
+    ) -> Result<Box<dyn std::any::Any + Send>> {
+        self.inner.alloc_state(shape)
+    }
 }
 
 impl Ops for ProfilingBackend {
@@ -288,6 +295,22 @@ impl Ops for ProfilingBackend {
 
     fn moe(&self, x: &Tensor, layer: &crate::moe::MoeLayer) -> Result<Tensor> {
         self.timed("moe", || self.inner.moe(x, layer))
+    }
+
+    fn supports_gated_delta_net(&self) -> bool {
+        self.inner.supports_gated_delta_net()
+    }
+
+    fn gated_delta_net(
+        &self,
+        x: &Tensor,
+        layer: &crate::recurrent::GatedDeltaNet,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        self.timed("gated_delta_net", || {
+            self.inner.gated_delta_net(x, layer, batch, cache)
+        })
     }
 
     fn has_extension(&self, name: &str) -> bool {

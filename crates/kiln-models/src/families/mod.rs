@@ -20,6 +20,7 @@ pub mod gemma4;
 pub mod gpt_oss;
 pub mod llama;
 pub mod moe;
+pub mod qwen3_5;
 
 /// The keys only one family reads, parsed by that family's file.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +31,7 @@ pub enum FamilyConfig {
     Gemma4(gemma4::Gemma4Config),
     Moe(moe::MoeConfig),
     GptOss(gpt_oss::GptOssConfig),
+    Qwen35(qwen3_5::Qwen35Config),
 }
 
 /// A family as the registry sees it: its name, the `model_type`s it

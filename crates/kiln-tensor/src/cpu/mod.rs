@@ -253,6 +253,19 @@ impl Memory for CpuBackend {
         };
         Ok(KvCache::from_storage(spec, storage))
     }
+
+    fn alloc_state(
+        &self,
+        shape: crate::recurrent::StateShape,
+    ) -> Result<Box<dyn std::any::Any + Send>> {
+        let n = shape.num_layers * shape.num_slots * shape.per_slot();
+        let v = zeroed::<f32>(n).ok_or_else(|| TensorError::OutOfMemory {
+            backend: "cpu",
+            bytes: shape.bytes(),
+            what: "recurrent state".into(),
+        })?;
+        Ok(Box::new(v))
+    }
 }
 
 /// The reference ops. `matmul` is the default composition
@@ -584,6 +597,58 @@ impl Ops for CpuBackend {
 
     fn moe(&self, x: &Tensor, layer: &crate::moe::MoeLayer) -> Result<Tensor> {
         self.moe_layer(x, layer)
+    }
+
+    fn supports_gated_delta_net(&self) -> bool {
+        true
+    }
+
+    fn gated_delta_net(
+        &self,
+        x: &Tensor,
+        layer: &crate::recurrent::GatedDeltaNet,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let (n, d) = x.dims2("gated_delta_net")?;
+        if d != layer.in_dim() || n != batch.num_tokens() {
+            return Err(TensorError::Shape {
+                op: "gated_delta_net",
+                detail: format!(
+                    "input [{n}, {d}] for {} tokens of {} columns",
+                    batch.num_tokens(),
+                    layer.in_dim()
+                ),
+            });
+        }
+        let seqs: Vec<(usize, usize, bool, usize)> = batch
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                (
+                    s.token_start,
+                    s.num_tokens,
+                    s.num_computed == 0,
+                    batch.state_slot(i),
+                )
+            })
+            .collect();
+        let data = self.data(x, "gated_delta_net")?;
+        let Some((shape, storage)) = cache.state_mut() else {
+            return Err(TensorError::Shape {
+                op: "gated_delta_net",
+                detail: "a cache without recurrent state".into(),
+            });
+        };
+        let state = storage
+            .downcast_mut::<Vec<f32>>()
+            .ok_or_else(|| TensorError::Shape {
+                op: "gated_delta_net",
+                detail: "recurrent state of another backend".into(),
+            })?;
+        let out = crate::recurrent::gated_delta_net_reference(layer, data, &seqs, &shape, state)?;
+        Ok(Self::wrap(vec![n, layer.out_dim()], out))
     }
 
     fn has_extension(&self, _name: &str) -> bool {

@@ -61,7 +61,7 @@ pub fn gated(gate: &[f32], up: &[f32], act: Activation) -> Vec<f32> {
 /// scalar functions below.
 fn gated_into(o: &mut [f32], g: &[f32], u: &[f32], act: Activation) {
     #[cfg(target_arch = "x86_64")]
-    if crate::cpu::matmul::runs_avx512() {
+    if act != Activation::Sigmoid && crate::cpu::matmul::runs_avx512() {
         // SAFETY: AVX-512F was detected.
         unsafe { gated_avx512(o, g, u, act) };
         return;
@@ -69,6 +69,7 @@ fn gated_into(o: &mut [f32], g: &[f32], u: &[f32], act: Activation) {
     let f = match act {
         Activation::Silu => silu,
         Activation::GeluTanh => gelu_tanh,
+        Activation::Sigmoid => sigmoid,
     };
     for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
         *o = f(g) * u;
@@ -94,6 +95,8 @@ unsafe fn gated_avx512(o: &mut [f32], g: &[f32], u: &[f32], act: Activation) {
             let a = match act {
                 Activation::Silu => silu16(gv),
                 Activation::GeluTanh => gelu_tanh16(gv),
+                // (Not reached: sigmoid gates take the scalar loop.)
+                Activation::Sigmoid => gv,
             };
             _mm512_mask_storeu_ps(o.as_mut_ptr().add(c), mask, _mm512_mul_ps(a, uv));
         }
@@ -102,6 +105,10 @@ unsafe fn gated_avx512(o: &mut [f32], g: &[f32], u: &[f32], act: Activation) {
 
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
 }
 
 fn gelu_tanh(x: f32) -> f32 {
@@ -193,12 +200,13 @@ mod tests {
         let mut g: Vec<f32> = (0..4001).map(|k| (k as f32 - 2000.0) / 40.0).collect();
         g.extend([-200.0, -88.0, 88.0, 200.0, 1e-30, -1e-30, 0.0]);
         let u: Vec<f32> = (0..g.len()).map(|k| 1.0 + (k % 7) as f32 / 8.0).collect();
-        for act in [Activation::Silu, Activation::GeluTanh] {
+        for act in [Activation::Silu, Activation::GeluTanh, Activation::Sigmoid] {
             let got = gated(&g, &u, act);
             for ((&x, &uu), &o) in g.iter().zip(&u).zip(&got) {
                 let x64 = x as f64;
                 let a = match act {
                     Activation::Silu => x64 / (1.0 + (-x64).exp()),
+                    Activation::Sigmoid => 1.0 / (1.0 + (-x64).exp()),
                     Activation::GeluTanh => {
                         let c = (2.0 / std::f64::consts::PI).sqrt();
                         0.5 * x64 * (1.0 + (c * (x64 + 0.044715 * x64.powi(3))).tanh())

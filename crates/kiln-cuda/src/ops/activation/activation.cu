@@ -5,30 +5,24 @@
 
 namespace activation_detail {
 
-// Same activations as gated_act_bf16 (act 0 = SiLU, 1 = GELU tanh approximation).
+// Same activations as gated_act_bf16 (act 0 = SiLU, 1 = GELU tanh approximation, 2 = sigmoid).
 __device__ __forceinline__ float act_fn(float g, int act) {
     if (act == 0) return g / (1.0f + __expf(-g));
+    if (act == 2) return 1.0f / (1.0f + __expf(-g));
     const float c = 0.7978845608f;
     return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
 }
 
 }  // namespace activation_detail
 
-// out = act(gate) * up over n elements; act 0 = SiLU, 1 = GELU (tanh approximation).
+// out = act(gate) * up over n elements; act 0 = SiLU, 1 = GELU (tanh approximation), 2 = sigmoid.
 extern "C" __global__ void gated_act_bf16(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                           bf16* __restrict__ out, long long n, int act) {
     kiln_pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const float g = to_f32(gate[i]);
-        float a;
-        if (act == 0) {
-            a = g / (1.0f + __expf(-g));
-        } else {
-            const float c = 0.7978845608f;
-            a = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
-        }
-        out[i] = to_bf16(a * to_f32(up[i]));
+        out[i] = to_bf16(activation_detail::act_fn(g, act) * to_f32(up[i]));
     }
 }
 

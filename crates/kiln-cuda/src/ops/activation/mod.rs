@@ -1,5 +1,5 @@
-//! Gated activations (`activation.cu`): act(gate) * up with SiLU or GELU
-//! (tanh), from separate tensors or packed [gate | up] rows.
+//! Gated activations (`activation.cu`): act(gate) * up with SiLU, GELU
+//! (tanh) or a sigmoid, from separate tensors or packed [gate | up] rows.
 
 use kiln_tensor::{Activation, Ops, Result, Tensor, TensorError};
 
@@ -10,6 +10,7 @@ pub(crate) fn act_code(act: Activation) -> i32 {
     match act {
         Activation::Silu => 0,
         Activation::GeluTanh => 1,
+        Activation::Sigmoid => 2,
     }
 }
 

@@ -1,0 +1,537 @@
+//! Qwen3.5 text decoders (`qwen3_5_text`; the text side of the `qwen3_5`
+//! multimodal checkpoints, whose `text_config` `kiln-formats` lifts): a
+//! hybrid of gated DeltaNet layers (linear attention with a fixed-size state,
+//! [`kiln_tensor::recurrent`]) and gated full-attention layers. Reference:
+//! transformers `models/qwen3_5/modeling_qwen3_5.py`.
+//!
+//! Quirks, each as transformers computes it:
+//! - `layer_types` names each layer `linear_attention` or `full_attention`
+//!   (else every `full_attention_interval`-th layer, 4 by default, is full).
+//! - RMSNorms scale by `1 + w` (zero-centred), q/k norms included; the
+//!   DeltaNet's output norm by `w` (and a SiLU gate).
+//! - Full attention: `q_proj` gives each head its query and then an output
+//!   gate (`[heads][2][head_dim]` rows); the attention output is multiplied
+//!   by `sigmoid(gate)` before `o_proj`. RoPE rotates the first
+//!   `partial_rotary_factor · head_dim` dims (multimodal RoPE's sections
+//!   coincide for text, where the three position ids are equal).
+//! - DeltaNet: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` are
+//!   one packed product here; the convolution, the delta rule and the gated
+//!   norm are [`kiln_tensor::Ops::gated_delta_net`].
+//! - Recurrent layers keep no KV: [`LayerKind::Recurrent`]; their state
+//!   lives beside the KV blocks ([`CausalLm::new_kv_cache`] allocates one
+//!   slot a sequence the cache can hold).
+
+use std::sync::Arc;
+
+use kiln_formats::WeightSource;
+use kiln_tensor::{
+    Activation, AttentionParams, Backend, ForwardBatch, GatedDeltaNet, KvCache, QkNorm, StateShape,
+    Tensor, Weight,
+};
+use serde_json::Value;
+
+use super::{Family, FamilyConfig, StepOutput};
+use crate::config::{err, opt_f32, opt_usize, FamilyLayers, LayerKind, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::layers::{Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, Rope, WeightLoader};
+use crate::CausalLm;
+
+/// The registry's entry for the family.
+pub static FAMILY: Family = Family {
+    name: "qwen3_5",
+    model_types: &["qwen3_5_text"],
+    tied_by_default: false,
+    parse,
+    tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
+    check_weights: |_, _| Ok(()),
+    load: |backend, source, cfg, progress| {
+        Ok(Box::new(Qwen35::load(backend, source, cfg, progress)?))
+    },
+};
+
+/// The keys of `config.json` only Qwen3.5 reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen35Config {
+    pub rope_theta: f32,
+    /// Dims of each head RoPE rotates (the rest pass through).
+    pub rotary_dim: usize,
+    /// Which layers are gated DeltaNet (`linear_attention`).
+    pub linear_layers: Vec<bool>,
+    pub linear_k_heads: usize,
+    pub linear_v_heads: usize,
+    pub linear_k_dim: usize,
+    pub linear_v_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl Qwen35Config {
+    /// Channels through a DeltaNet layer's convolution.
+    fn conv_dim(&self) -> usize {
+        2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+    }
+}
+
+fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> {
+    let rope = c.get("rope_parameters").filter(|v| v.is_object());
+    let from_rope = |key: &str| -> Result<Option<f32>> {
+        match opt_f32(c, key)? {
+            Some(v) => Ok(Some(v)),
+            None => rope
+                .map(|r| opt_f32(r, key))
+                .transpose()
+                .map(Option::flatten),
+        }
+    };
+    let rope_theta = from_rope("rope_theta")?.unwrap_or(1e7);
+    let partial = from_rope("partial_rotary_factor")?.unwrap_or(0.25);
+    let rotary_dim = (head_dim as f32 * partial) as usize;
+    if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+        return Err(err(
+            "partial_rotary_factor",
+            format!("{partial} of head_dim {head_dim} is no even number of rotated dims"),
+        ));
+    }
+    if let Some(t) = rope
+        .and_then(|r| r.get("rope_type"))
+        .and_then(Value::as_str)
+    {
+        if t != "default" {
+            return Err(err(
+                "rope_parameters",
+                format!("rope_type {t:?} (Qwen3.5 uses default)"),
+            ));
+        }
+    }
+    let linear_layers = match c.get("layer_types").and_then(Value::as_array) {
+        Some(types) => {
+            if types.len() != num_layers {
+                return Err(err(
+                    "layer_types",
+                    format!("{} entries for {num_layers} layers", types.len()),
+                ));
+            }
+            types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("linear_attention") => Ok(true),
+                    Some("full_attention") => Ok(false),
+                    other => Err(err("layer_types", format!("unknown layer type {other:?}"))),
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+        None => {
+            let interval = opt_usize(c, "full_attention_interval")?.unwrap_or(4);
+            if interval == 0 {
+                return Err(err("full_attention_interval", "must be positive"));
+            }
+            (0..num_layers).map(|i| (i + 1) % interval != 0).collect()
+        }
+    };
+    if c.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+        return Err(err("attention_bias", "Qwen3.5 attention has no biases"));
+    }
+    if !matches!(
+        c.get("hidden_act").and_then(Value::as_str),
+        None | Some("silu")
+    ) {
+        return Err(err("hidden_act", "Qwen3.5 uses silu"));
+    }
+    let cfg = Qwen35Config {
+        rope_theta,
+        rotary_dim,
+        linear_k_heads: opt_usize(c, "linear_num_key_heads")?.unwrap_or(16),
+        linear_v_heads: opt_usize(c, "linear_num_value_heads")?.unwrap_or(32),
+        linear_k_dim: opt_usize(c, "linear_key_head_dim")?.unwrap_or(128),
+        linear_v_dim: opt_usize(c, "linear_value_head_dim")?.unwrap_or(128),
+        conv_kernel: opt_usize(c, "linear_conv_kernel_dim")?.unwrap_or(4),
+        linear_layers,
+    };
+    if cfg.linear_k_heads == 0
+        || cfg.linear_v_heads % cfg.linear_k_heads != 0
+        || cfg.conv_kernel == 0
+        || cfg.linear_k_dim == 0
+        || cfg.linear_v_dim == 0
+    {
+        return Err(err(
+            "linear_num_value_heads",
+            format!(
+                "{} value heads over {} key heads of {}/{} dims, kernel {}",
+                cfg.linear_v_heads,
+                cfg.linear_k_heads,
+                cfg.linear_k_dim,
+                cfg.linear_v_dim,
+                cfg.conv_kernel
+            ),
+        ));
+    }
+    let layer_kinds = cfg
+        .linear_layers
+        .iter()
+        .map(|&l| {
+            if l {
+                LayerKind::Recurrent
+            } else {
+                LayerKind::FullAttention
+            }
+        })
+        .collect();
+    Ok(FamilyLayers {
+        family: FamilyConfig::Qwen35(cfg),
+        layer_kinds,
+        layer_kv: None,
+    })
+}
+
+fn qwen35_config(cfg: &ModelConfig) -> Result<&Qwen35Config> {
+    match &cfg.family {
+        FamilyConfig::Qwen35(q) => Ok(q),
+        _ => Err(super::wrong_family(cfg, "qwen3_5")),
+    }
+}
+
+/// Every weight a Qwen3.5 text checkpoint with `cfg` holds.
+pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let Ok(q) = qwen35_config(cfg) else {
+        return Vec::new();
+    };
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    let vdim = q.linear_v_heads * q.linear_v_dim;
+    for (l, &linear) in q.linear_layers.iter().enumerate() {
+        let p = format!("model.layers.{l}");
+        let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
+        add("input_layernorm.weight", vec![h]);
+        add("post_attention_layernorm.weight", vec![h]);
+        if linear {
+            add("linear_attn.in_proj_qkv.weight", vec![q.conv_dim(), h]);
+            add("linear_attn.in_proj_z.weight", vec![vdim, h]);
+            add("linear_attn.in_proj_b.weight", vec![q.linear_v_heads, h]);
+            add("linear_attn.in_proj_a.weight", vec![q.linear_v_heads, h]);
+            add(
+                "linear_attn.conv1d.weight",
+                vec![q.conv_dim(), 1, q.conv_kernel],
+            );
+            add("linear_attn.A_log", vec![q.linear_v_heads]);
+            add("linear_attn.dt_bias", vec![q.linear_v_heads]);
+            add("linear_attn.norm.weight", vec![q.linear_v_dim]);
+            add("linear_attn.out_proj.weight", vec![h, vdim]);
+        } else {
+            add("self_attn.q_proj.weight", vec![2 * cfg.num_heads * hd, h]);
+            add("self_attn.k_proj.weight", vec![cfg.num_kv_heads * hd, h]);
+            add("self_attn.v_proj.weight", vec![cfg.num_kv_heads * hd, h]);
+            add("self_attn.o_proj.weight", vec![h, cfg.num_heads * hd]);
+            add("self_attn.q_norm.weight", vec![hd]);
+            add("self_attn.k_norm.weight", vec![hd]);
+        }
+        add("mlp.gate_proj.weight", vec![i, h]);
+        add("mlp.up_proj.weight", vec![i, h]);
+        add("mlp.down_proj.weight", vec![h, i]);
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+/// A zero-centred RMSNorm (`1 + w`).
+fn norm(l: &WeightLoader, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
+    Ok(RmsNorm {
+        weight: l.tensor(name, &[dim])?,
+        eps,
+        weight_offset: 1.0,
+    })
+}
+
+enum Mixer {
+    /// Gated DeltaNet: the packed in-projections, the op, the out-projection.
+    Linear {
+        proj: Linear,
+        delta: GatedDeltaNet,
+        out: Linear,
+    },
+    /// Gated full attention: `q | k | v | gate` packed (queries and gates
+    /// de-interleaved at load).
+    Attention {
+        qkvg: Linear,
+        q_norm: RmsNorm,
+        k_norm: RmsNorm,
+        o: Linear,
+        params: AttentionParams,
+        kv_slot: usize,
+    },
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    mixer: Mixer,
+    post_norm: RmsNorm,
+    mlp: GatedMlp,
+}
+
+pub struct Qwen35 {
+    weight_bytes: crate::WeightBytes,
+    cfg: ModelConfig,
+    backend: Arc<dyn Backend>,
+    embed: Weight,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: Rope,
+    /// One slot's recurrent state, per recurrent layer (conv, recurrence).
+    state: (usize, usize),
+    recurrent_layers: usize,
+}
+
+impl Qwen35 {
+    pub fn load(
+        backend: Arc<dyn Backend>,
+        source: &dyn WeightSource,
+        cfg: ModelConfig,
+        progress: Option<LoadProgress<'_>>,
+    ) -> Result<Self> {
+        let q = qwen35_config(&cfg)?.clone();
+        if !backend.supports_gated_delta_net() {
+            return Err(ModelError::Tensor(kiln_tensor::TensorError::Unsupported {
+                backend: backend.name(),
+                what: "gated DeltaNet layers (Qwen3.5)".into(),
+            }));
+        }
+        let l = WeightLoader::with_progress(&backend, source, progress);
+        let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
+        let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let embed = l.embedding("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let kv_slots = cfg.kv_slots();
+        let vdim = q.linear_v_heads * q.linear_v_dim;
+        let mut recurrent = 0;
+        let mut blocks = Vec::with_capacity(cfg.num_layers);
+        for (i, &linear) in q.linear_layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let mixer = if linear {
+                let a = format!("{p}.linear_attn");
+                let cd = q.conv_dim();
+                let delta = GatedDeltaNet {
+                    k_heads: q.linear_k_heads,
+                    v_heads: q.linear_v_heads,
+                    k_dim: q.linear_k_dim,
+                    v_dim: q.linear_v_dim,
+                    kernel: q.conv_kernel,
+                    conv: l.host(&format!("{a}.conv1d.weight"), &[cd, 1, q.conv_kernel])?,
+                    a_log: l.host(&format!("{a}.A_log"), &[q.linear_v_heads])?,
+                    dt_bias: l.host(&format!("{a}.dt_bias"), &[q.linear_v_heads])?,
+                    norm: l.host(&format!("{a}.norm.weight"), &[q.linear_v_dim])?,
+                    eps,
+                    state_layer: recurrent,
+                };
+                recurrent += 1;
+                Mixer::Linear {
+                    proj: Linear::load_packed(
+                        &l,
+                        &[
+                            format!("{a}.in_proj_qkv"),
+                            format!("{a}.in_proj_z"),
+                            format!("{a}.in_proj_b"),
+                            format!("{a}.in_proj_a"),
+                        ],
+                        h,
+                        &[cd, vdim, q.linear_v_heads, q.linear_v_heads],
+                        false,
+                    )?,
+                    delta,
+                    out: Linear::load(&l, &format!("{a}.out_proj"), vdim, h, false)?,
+                }
+            } else {
+                let a = format!("{p}.self_attn");
+                // q_proj's rows are [head][query | gate][head_dim]: the
+                // queries of every head, k, v, then the gates.
+                let qg = l.host(&format!("{a}.q_proj.weight"), &[2 * nh * hd, h])?;
+                let kw = l.host(&format!("{a}.k_proj.weight"), &[nkv * hd, h])?;
+                let vw = l.host(&format!("{a}.v_proj.weight"), &[nkv * hd, h])?;
+                let row = |r: usize| &qg[r * h..(r + 1) * h];
+                let mut packed = Vec::with_capacity((2 * nh + 2 * nkv) * hd * h);
+                for head in 0..nh {
+                    for d in 0..hd {
+                        packed.extend_from_slice(row(head * 2 * hd + d));
+                    }
+                }
+                packed.extend_from_slice(&kw);
+                packed.extend_from_slice(&vw);
+                for head in 0..nh {
+                    for d in 0..hd {
+                        packed.extend_from_slice(row(head * 2 * hd + hd + d));
+                    }
+                }
+                let rows = (2 * nh + 2 * nkv) * hd;
+                let weight = Weight::Dense(backend.upload(&[rows, h], &packed)?);
+                l.note(&weight);
+                let slot = kv_slots[i];
+                Mixer::Attention {
+                    qkvg: Linear {
+                        weight,
+                        bias: None,
+                        parts: vec![
+                            (format!("{a}.q_proj"), 0..nh * hd),
+                            (format!("{a}.k_proj"), nh * hd..(nh + nkv) * hd),
+                            (format!("{a}.v_proj"), (nh + nkv) * hd..(nh + 2 * nkv) * hd),
+                        ],
+                    },
+                    q_norm: norm(&l, &format!("{a}.q_norm.weight"), hd, eps)?,
+                    k_norm: norm(&l, &format!("{a}.k_norm.weight"), hd, eps)?,
+                    o: Linear::load(&l, &format!("{a}.o_proj"), nh * hd, h, false)?,
+                    params: AttentionParams {
+                        num_heads: nh,
+                        num_kv_heads: nkv,
+                        head_dim: hd,
+                        scale: (hd as f32).powf(-0.5),
+                        sliding_window: None,
+                        softcap: None,
+                        kv_group: slot.group,
+                        causal: true,
+                    },
+                    kv_slot: slot.slot,
+                }
+            };
+            blocks.push(Block {
+                input_norm: norm(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
+                mixer,
+                post_norm: norm(&l, &format!("{p}.post_attention_layernorm.weight"), h, eps)?,
+                mlp: GatedMlp::load(
+                    &l,
+                    &format!("{p}.mlp"),
+                    h,
+                    cfg.intermediate_size,
+                    Activation::Silu,
+                )?,
+            });
+        }
+        let final_norm = norm(&l, "model.norm.weight", h, eps)?;
+        let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
+        let state = blocks
+            .iter()
+            .find_map(|b| match &b.mixer {
+                Mixer::Linear { delta, .. } => Some(delta.state()),
+                _ => None,
+            })
+            .unwrap_or((0, 0));
+        // Frequencies over the rotated dims only: `rotary_dim / 2` of them.
+        let rope = Rope::new(q.rotary_dim, q.rope_theta, &crate::RopeScaling::None);
+        Ok(Qwen35 {
+            weight_bytes: l.weight_bytes(),
+            backend,
+            embed,
+            blocks,
+            norm: final_norm,
+            lm_head,
+            rope,
+            state,
+            recurrent_layers: recurrent,
+            cfg,
+        })
+    }
+
+    /// The recurrent state of `num_slots` sequences.
+    pub fn state_shape(&self, num_slots: usize) -> StateShape {
+        StateShape {
+            num_layers: self.recurrent_layers,
+            num_slots,
+            conv: self.state.0,
+            recurrent: self.state.1,
+        }
+    }
+
+    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let mut x = b.embedding(&self.embed, &batch.token_ids)?;
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        for blk in &self.blocks {
+            let mixed = match &blk.mixer {
+                Mixer::Linear { proj, delta, out } => {
+                    let p = proj.forward(b, &x, Fuse::norm(&blk.input_norm))?;
+                    let core = b.gated_delta_net(&p, delta, batch, cache)?;
+                    out.forward(b, &core, Fuse::NONE.with_residual(&x))?
+                }
+                Mixer::Attention {
+                    qkvg,
+                    q_norm,
+                    k_norm,
+                    o,
+                    params,
+                    kv_slot,
+                } => {
+                    let y = qkvg.forward(b, &x, Fuse::norm(&blk.input_norm))?;
+                    let parts = b.split_cols(&y, &[(nh + 2 * nkv) * hd, nh * hd])?;
+                    let qk_norm = QkNorm {
+                        v_weight: None,
+                        q_weight: &q_norm.weight,
+                        k_weight: &k_norm.weight,
+                        eps: q_norm.eps,
+                        weight_offset: q_norm.weight_offset,
+                    };
+                    let attn = b.qkv_attention(
+                        &parts[0],
+                        cache,
+                        *kv_slot,
+                        batch,
+                        params,
+                        &self.rope.params(nh, hd),
+                        Some(qk_norm),
+                    )?;
+                    let gated = b.gated_activation(&parts[1], &attn, Activation::Sigmoid)?;
+                    o.forward(b, &gated, Fuse::NONE.with_residual(&x))?
+                }
+            };
+            x = blk
+                .mlp
+                .forward(b, &mixed, Fuse::norm(&blk.post_norm).with_residual(&mixed))?;
+        }
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
+        if out == StepOutput::Hidden {
+            return self.norm.forward(b, &x);
+        }
+        self.lm_head.forward(b, &x, Fuse::norm(&self.norm))
+    }
+}
+
+impl CausalLm for Qwen35 {
+    fn weight_bytes(&self) -> Option<&crate::WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The KV blocks of the attention layers, and recurrent state for as
+    /// many sequences as the blocks can hold (one block each at least).
+    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        let cfg = self.config();
+        let (spec, _) = cfg.kv_layout(block_size);
+        let kv = self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
+            num_layers: spec.layers_per_block(),
+            num_groups: spec.groups.len(),
+            num_blocks,
+            block_size,
+            kv_row: cfg.kv_row(),
+        })?;
+        let shape = self.state_shape((num_blocks / spec.groups.len().max(1)).max(1));
+        let state = self.backend.alloc_state(shape)?;
+        Ok(kv.with_state(shape, state))
+    }
+
+    fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        super::run_step(self.backend.as_ref(), batch, cache, |b, c| {
+            self.step(b, c, StepOutput::Logits)
+        })
+    }
+
+    fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.step(batch, cache, StepOutput::Hidden)
+    }
+}

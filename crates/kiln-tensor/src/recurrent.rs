@@ -1,0 +1,330 @@
+//! Token mixers with a fixed-size state a sequence instead of a growing KV
+//! cache: the gated DeltaNet of Qwen3.5 / Qwen3-Next (a short causal
+//! convolution, then the gated delta rule, a linear-attention recurrence).
+//!
+//! The state lives beside the KV blocks in the [`crate::KvCache`]
+//! ([`StateShape`]): for each recurrent layer and each sequence slot, the
+//! convolution's last `kernel - 1` inputs and the recurrence's matrices.
+//! A step reads a sequence's slot from [`crate::ForwardBatch::state_slot`];
+//! a sequence with nothing computed yet starts from zeros, so a slot needs
+//! no clearing when it passes to another request.
+//!
+//! [`gated_delta_net_reference`] is the op on host data, token by token in
+//! f32, each sequence on its own (so a row's result depends only on its own
+//! sequence: batched, chunked and alone are bit-identical); other backends
+//! are tested against it.
+
+use rayon::prelude::*;
+
+use crate::error::{Result, TensorError};
+
+/// The recurrent state a KV cache keeps: for each of `num_layers`
+/// recurrent layers and each of `num_slots` sequence slots, `conv` f32
+/// values (the convolution's past inputs) then `recurrent` ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateShape {
+    pub num_layers: usize,
+    pub num_slots: usize,
+    pub conv: usize,
+    pub recurrent: usize,
+}
+
+impl StateShape {
+    /// f32 values of one layer's state for one slot.
+    pub fn per_slot(&self) -> usize {
+        self.conv + self.recurrent
+    }
+
+    /// Bytes of the whole state.
+    pub fn bytes(&self) -> u64 {
+        (self.num_layers * self.num_slots * self.per_slot() * 4) as u64
+    }
+
+    /// Where layer `layer`'s state of slot `slot` starts.
+    pub fn offset(&self, layer: usize, slot: usize) -> usize {
+        (layer * self.num_slots + slot) * self.per_slot()
+    }
+}
+
+/// A gated DeltaNet layer (transformers' `Qwen3_5GatedDeltaNet`) as a
+/// backend sees it. Its input is the packed in-projections of the batch's
+/// rows, `qkv | z | b | a` (`conv_dim() + v_heads * v_dim + 2 * v_heads`
+/// columns); its output, `[n, v_heads * v_dim]`, goes to the out-projection.
+/// Per sequence, token by token:
+/// - `qkv` through the causal depthwise convolution of `kernel` taps
+///   (`conv [conv_dim][kernel]`, no bias) over the sequence's past inputs,
+///   then SiLU; split into `q`, `k` (`k_heads × k_dim` each), `v`
+///   (`v_heads × v_dim`);
+/// - `q` and `k` L2-normalized per head (`x / sqrt(Σx² + 1e-6)`), `q`
+///   scaled by `k_dim^-0.5`; value head `h` reads key head
+///   `h / (v_heads / k_heads)`;
+/// - `β = sigmoid(b)`, `g = -exp(a_log) · softplus(a + dt_bias)`;
+/// - the state `S [k_dim][v_dim]` of head `h`: `S ← e^g S`, then
+///   `S ← S + k (β (v − Sᵀk))ᵀ`; the output `Sᵀ q`;
+/// - each head's output RMS-normalized (`eps`), times `norm`, times
+///   `silu(z)`.
+#[derive(Debug, Clone)]
+pub struct GatedDeltaNet {
+    pub k_heads: usize,
+    pub v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    pub kernel: usize,
+    /// `[conv_dim][kernel]`.
+    pub conv: Vec<f32>,
+    /// `[v_heads]` each.
+    pub a_log: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    /// `[v_dim]`: the output norm's weight.
+    pub norm: Vec<f32>,
+    pub eps: f32,
+    /// The layer's index among the model's recurrent layers (its state's).
+    pub state_layer: usize,
+}
+
+impl GatedDeltaNet {
+    /// Channels through the convolution: `q`, `k` and `v`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+    }
+
+    /// Columns of the packed input.
+    pub fn in_dim(&self) -> usize {
+        self.conv_dim() + self.v_heads * self.v_dim + 2 * self.v_heads
+    }
+
+    /// Columns of the output.
+    pub fn out_dim(&self) -> usize {
+        self.v_heads * self.v_dim
+    }
+
+    /// f32 values of a slot's state: the convolution's past inputs, then
+    /// one `k_dim × v_dim` matrix a value head.
+    pub fn state(&self) -> (usize, usize) {
+        (
+            (self.kernel - 1) * self.conv_dim(),
+            self.v_heads * self.k_dim * self.v_dim,
+        )
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |detail: String| {
+            Err(TensorError::Shape {
+                op: "gated_delta_net",
+                detail,
+            })
+        };
+        if self.kernel == 0 || self.k_heads == 0 || self.v_heads % self.k_heads != 0 {
+            return bad(format!(
+                "{} key heads, {} value heads, kernel {}",
+                self.k_heads, self.v_heads, self.kernel
+            ));
+        }
+        if self.conv.len() != self.conv_dim() * self.kernel
+            || self.a_log.len() != self.v_heads
+            || self.dt_bias.len() != self.v_heads
+            || self.norm.len() != self.v_dim
+        {
+            return bad(format!(
+                "weights conv {} a_log {} dt_bias {} norm {}",
+                self.conv.len(),
+                self.a_log.len(),
+                self.dt_bias.len(),
+                self.norm.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `log(1 + e^x)`, linear past 20 (as `torch.nn.functional.softplus`).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+fn l2norm(x: &mut [f32]) {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// One sequence of a [`GatedDeltaNet`] step: `rows` its packed inputs
+/// (`rows.len() / in_dim` tokens), `state` its slot's state (zeroed first
+/// when `fresh`), its output rows into `out`.
+pub fn gated_delta_net_sequence(
+    layer: &GatedDeltaNet,
+    rows: &[f32],
+    state: &mut [f32],
+    fresh: bool,
+    out: &mut [f32],
+) -> Result<()> {
+    layer.check()?;
+    let (cd, kk, vd) = (layer.conv_dim(), layer.kernel, layer.v_dim);
+    let (kdim, kh, vh) = (layer.k_dim, layer.k_heads, layer.v_heads);
+    let in_dim = layer.in_dim();
+    let (conv_len, rec_len) = layer.state();
+    if rows.len() % in_dim != 0 || state.len() != conv_len + rec_len {
+        return Err(TensorError::Shape {
+            op: "gated_delta_net",
+            detail: format!(
+                "{} input values of rows {in_dim} wide, state {} of {}",
+                rows.len(),
+                state.len(),
+                conv_len + rec_len
+            ),
+        });
+    }
+    let n = rows.len() / in_dim;
+    if out.len() != n * layer.out_dim() {
+        return Err(TensorError::Shape {
+            op: "gated_delta_net",
+            detail: format!("{} output values for {n} rows", out.len()),
+        });
+    }
+    if fresh {
+        state.fill(0.0);
+    }
+    let (past, rec) = state.split_at_mut(conv_len);
+    let group = vh / kh;
+    let mut window = vec![0f32; kk * cd];
+    let mut mixed = vec![0f32; cd];
+    let mut kv_mem = vec![0f32; vd];
+    for (t, row) in rows.chunks_exact(in_dim).enumerate() {
+        // The convolution: the past kernel - 1 inputs, then this one.
+        window[..past.len()].copy_from_slice(past);
+        window[past.len()..].copy_from_slice(&row[..cd]);
+        for (c, m) in mixed.iter_mut().enumerate() {
+            let w = &layer.conv[c * kk..(c + 1) * kk];
+            let mut acc = 0f32;
+            for (j, &wj) in w.iter().enumerate() {
+                acc += wj * window[j * cd + c];
+            }
+            *m = silu(acc);
+        }
+        past.copy_from_slice(&window[cd..]);
+        let (q, rest) = mixed.split_at_mut(kh * kdim);
+        let (k, v) = rest.split_at_mut(kh * kdim);
+        let scale = 1.0 / (kdim as f32).sqrt();
+        for h in 0..kh {
+            l2norm(&mut q[h * kdim..(h + 1) * kdim]);
+            l2norm(&mut k[h * kdim..(h + 1) * kdim]);
+        }
+        q.iter_mut().for_each(|x| *x *= scale);
+        let z = &row[cd..cd + vh * vd];
+        let b = &row[cd + vh * vd..cd + vh * vd + vh];
+        let a = &row[cd + vh * vd + vh..];
+        let o = &mut out[t * vh * vd..(t + 1) * vh * vd];
+        for h in 0..vh {
+            let (qh, kh_) = (
+                &q[h / group * kdim..(h / group + 1) * kdim],
+                &k[h / group * kdim..(h / group + 1) * kdim],
+            );
+            let vh_ = &v[h * vd..(h + 1) * vd];
+            let beta = sigmoid(b[h]);
+            let decay = (-layer.a_log[h].exp() * softplus(a[h] + layer.dt_bias[h])).exp();
+            let s = &mut rec[h * kdim * vd..(h + 1) * kdim * vd];
+            s.iter_mut().for_each(|x| *x *= decay);
+            kv_mem.fill(0.0);
+            for (i, srow) in s.chunks_exact(vd).enumerate() {
+                for (m, &x) in kv_mem.iter_mut().zip(srow) {
+                    *m += x * kh_[i];
+                }
+            }
+            for (m, &x) in kv_mem.iter_mut().zip(vh_) {
+                *m = (x - *m) * beta;
+            }
+            let oh = &mut o[h * vd..(h + 1) * vd];
+            oh.fill(0.0);
+            for (i, srow) in s.chunks_exact_mut(vd).enumerate() {
+                for (x, &d) in srow.iter_mut().zip(kv_mem.iter()) {
+                    *x += kh_[i] * d;
+                }
+                for (y, &x) in oh.iter_mut().zip(srow.iter()) {
+                    *y += x * qh[i];
+                }
+            }
+            // The gated RMSNorm.
+            let var = oh.iter().map(|x| x * x).sum::<f32>() / vd as f32;
+            let inv = 1.0 / (var + layer.eps).sqrt();
+            for ((y, &w), &g) in oh.iter_mut().zip(&layer.norm).zip(&z[h * vd..(h + 1) * vd]) {
+                *y = w * (*y * inv) * silu(g);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A [`GatedDeltaNet`] step on host data: `x [n, in_dim]` of the batch's
+/// sequences (`seqs`: each sequence's first row, its row count, whether
+/// it starts fresh and its state slot), `state` the cache's whole state
+/// of `shape`. Sequences run in parallel, each on its own slot.
+pub fn gated_delta_net_reference(
+    layer: &GatedDeltaNet,
+    x: &[f32],
+    seqs: &[(usize, usize, bool, usize)],
+    shape: &StateShape,
+    state: &mut [f32],
+) -> Result<Vec<f32>> {
+    let (in_dim, od) = (layer.in_dim(), layer.out_dim());
+    let (conv, rec) = layer.state();
+    if shape.conv != conv || shape.recurrent != rec || layer.state_layer >= shape.num_layers {
+        return Err(TensorError::Shape {
+            op: "gated_delta_net",
+            detail: format!(
+                "layer {} state ({conv}, {rec}) against the cache's {shape:?}",
+                layer.state_layer
+            ),
+        });
+    }
+    let n = x.len() / in_dim.max(1);
+    let mut out = vec![0f32; n * od];
+    // Each sequence's state and output rows, split off so they run in parallel.
+    let mut slots: Vec<usize> = seqs.iter().map(|s| s.3).collect();
+    slots.sort_unstable();
+    if slots.windows(2).any(|w| w[0] == w[1]) || slots.last().is_some_and(|&s| s >= shape.num_slots)
+    {
+        return Err(TensorError::Shape {
+            op: "gated_delta_net",
+            detail: format!("state slots {slots:?} of {}", shape.num_slots),
+        });
+    }
+    let base = shape.offset(layer.state_layer, 0);
+    let layer_state = &mut state[base..base + shape.num_slots * shape.per_slot()];
+    let mut by_slot: Vec<Option<&mut [f32]>> = layer_state
+        .chunks_exact_mut(shape.per_slot())
+        .map(Some)
+        .collect();
+    let mut out_rest: &mut [f32] = &mut out;
+    let mut consumed = 0;
+    let mut work = Vec::new();
+    let mut order: Vec<&(usize, usize, bool, usize)> = seqs.iter().collect();
+    order.sort_by_key(|s| s.0);
+    for &&(start, len, fresh, slot) in &order {
+        if start < consumed || start + len > n {
+            return Err(TensorError::Shape {
+                op: "gated_delta_net",
+                detail: format!("rows {start}..{} of {n}", start + len),
+            });
+        }
+        let (_, rest) = out_rest.split_at_mut((start - consumed) * od);
+        let (mine, rest) = rest.split_at_mut(len * od);
+        out_rest = rest;
+        consumed = start + len;
+        let st = by_slot[slot].take().expect("slots are distinct");
+        work.push((&x[start * in_dim..(start + len) * in_dim], st, fresh, mine));
+    }
+    work.into_par_iter()
+        .try_for_each(|(rows, st, fresh, o)| gated_delta_net_sequence(layer, rows, st, fresh, o))?;
+    Ok(out)
+}

@@ -1,0 +1,107 @@
+"""A random Qwen3.5 (gated DeltaNet hybrid) text checkpoint and what transformers
+computes on it.
+
+Makes the test data of `crates/kiln-models/tests/qwen3_5.rs`: a small random
+`Qwen3_5ForCausalLM` (`qwen3_5_text`: three gated-DeltaNet layers, then a gated
+full-attention layer with partial RoPE, every weight randomised, norms around
+their centre), saved with `save_pretrained` as f32 safetensors, and the
+log-softmax of transformers' logits (eager attention, float64, no cache) over a
+prompt; also the logits of decoding the prompt's last 5 tokens one at a time
+after a cached prefill of the rest (the recurrent form of the delta rule).
+
+Run once with transformers >= 5.24 and CPU torch; the outputs are committed
+and tests never run this:
+
+    python3 scripts/goldens/hybrid_random.py crates/kiln-models/tests/data/hybrid
+"""
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from common import write_tokenizer  # scripts/goldens/common.py
+
+CONFIG = {
+    "vocab_size": 96,
+    "hidden_size": 48,
+    "intermediate_size": 40,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
+
+
+def randomise(model, gen):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                # Zero-centred norms scale by 1 + w.
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty(p.shape).uniform_(0.5, 4.0, generator=gen)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.4 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+
+
+def main(out):
+    torch.set_num_threads(2)
+    cfg = Qwen3_5TextConfig(**CONFIG, attn_implementation="eager")
+    gen = torch.Generator().manual_seed(20261206)
+    model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
+    randomise(model, gen)
+    model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out, cfg.vocab_size)
+    model = model.to(torch.float64)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits[0]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        # Prefill all but the last 5 tokens with a cache, then one token a step.
+        split = len(PROMPT) - 5
+        o = model(ids[:, :split], use_cache=True)
+        cache = o.past_key_values
+        steps = []
+        for t in PROMPT[split:]:
+            o = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            cache = o.past_key_values
+            steps.append(torch.log_softmax(o.logits[0, -1], dim=-1).tolist())
+    with open(os.path.join(out, "golden.json"), "w") as f:
+        json.dump({
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "prompt": PROMPT,
+            "logprobs": [[round(v, 7) for v in row] for row in logprobs.tolist()],
+            "decode_from": split,
+            "decode_logprobs": [[round(v, 7) for v in row] for row in steps],
+        }, f)
+    print("saved to", out, "argmax", logits.argmax(-1).tolist())
+    print("decode vs full max diff", max(abs(a - b) for s, r in zip(steps, logprobs[split:].tolist())
+                                          for a, b in zip(s, r)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
