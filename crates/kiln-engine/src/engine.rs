@@ -388,18 +388,34 @@ fn fresh_state(
     config: EngineConfig,
 ) -> Result<(Scheduler, kiln_tensor::KvCache)> {
     let cfg = model.model.config();
+    // A hybrid's recurrent state (a slot a running request) comes out of the
+    // pool's bytes: at most half of them, so fewer requests run at once when
+    // the state is large; the blocks it takes leave the pool.
+    let (mut num_blocks, mut max_num_seqs, mut state_slots) =
+        (config.num_blocks, config.max_num_seqs, 0);
+    let per_seq = model.model.state_bytes_per_seq();
+    if per_seq > 0 {
+        let elem = model.model.backend().kv_bytes_per_element();
+        let per_block = cfg.kv_bytes_per_block(config.block_size, elem).max(1) as u64;
+        let pool = num_blocks as u64 * per_block;
+        max_num_seqs = max_num_seqs.min((pool / 2 / per_seq).max(1) as usize);
+        state_slots = max_num_seqs;
+        let state_blocks = (state_slots as u64 * per_seq).div_ceil(per_block) as usize;
+        num_blocks = num_blocks.saturating_sub(state_blocks).max(1);
+    }
     let sched_cfg = SchedulerConfig {
         kv_cache: cfg.kv_layout(config.block_size).0,
-        num_blocks: config.num_blocks,
+        num_blocks,
         max_model_len: served_context(model, &config),
         max_num_batched_tokens: config.max_num_batched_tokens,
-        max_num_seqs: config.max_num_seqs,
+        max_num_seqs,
         max_waiting: config.max_waiting,
+        state_slots,
     };
     let scheduler = Scheduler::new(sched_cfg).map_err(|e| EngineError::Config(e.to_string()))?;
     let cache = model
         .model
-        .new_kv_cache(config.num_blocks, config.block_size)?;
+        .new_cache(num_blocks, config.block_size, state_slots)?;
     Ok((scheduler, cache))
 }
 

@@ -293,12 +293,18 @@ impl ModelConfig {
     /// (one group when every layer attends alike), and each layer's group
     /// and place in a block (see [`kiln_scheduler::KvCacheSpec::for_layers`]);
     /// a layer that reads another layer's cache gets that layer's place.
+    /// Recurrent layers keep no KV (their state is a slot a sequence,
+    /// [`ModelConfig::has_recurrent_layers`]): they are in no group, and their
+    /// place (group 0, slot 0) is never read.
     pub fn kv_layout(
         &self,
         block_size: usize,
     ) -> (kiln_scheduler::KvCacheSpec, Vec<kiln_scheduler::LayerSlot>) {
         let owners: Vec<usize> = (0..self.num_layers)
-            .filter(|&i| self.layer_kv[i].shared_from.is_none())
+            .filter(|&i| {
+                self.layer_kv[i].shared_from.is_none()
+                    && self.layer_kinds[i] != LayerKind::Recurrent
+            })
             .collect();
         let kinds: Vec<LayerKind> = owners.iter().map(|&i| self.layer_kinds[i]).collect();
         let (spec, owner_slots) = kiln_scheduler::KvCacheSpec::for_layers(&kinds, block_size);
@@ -308,11 +314,19 @@ impl ModelConfig {
         }
         let slots = (0..self.num_layers)
             .map(|i| {
+                if self.layer_kinds[i] == LayerKind::Recurrent {
+                    return kiln_scheduler::LayerSlot { group: 0, slot: 0 };
+                }
                 let from = self.layer_kv[i].shared_from.unwrap_or(i);
                 slots[from].expect("a shared cache's layer keeps its own (checked at parse)")
             })
             .collect();
         (spec, slots)
+    }
+
+    /// Whether some layers keep recurrent state instead of KV (hybrids).
+    pub fn has_recurrent_layers(&self) -> bool {
+        self.layer_kinds.contains(&LayerKind::Recurrent)
     }
 
     /// Where each layer's keys and values live (its group and place in a

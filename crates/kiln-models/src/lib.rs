@@ -53,6 +53,19 @@ pub trait CausalLm: Send + Sync {
         })?)
     }
 
+    /// [`CausalLm::new_kv_cache`] with room for the recurrent state of
+    /// `max_seqs` sequences when the model has recurrent layers (by default
+    /// it has none, and this is `new_kv_cache`).
+    fn new_cache(&self, num_blocks: usize, block_size: usize, max_seqs: usize) -> Result<KvCache> {
+        let _ = max_seqs;
+        self.new_kv_cache(num_blocks, block_size)
+    }
+
+    /// Bytes of recurrent state one sequence holds (0: no recurrent layers).
+    fn state_bytes_per_seq(&self) -> u64 {
+        0
+    }
+
     /// A KV cache for one sequence of up to `max_tokens` tokens run with
     /// [`ForwardBatch::single`] batches.
     fn kv_cache_for_tokens(&self, max_tokens: usize, block_size: usize) -> Result<KvCache> {

@@ -25,6 +25,12 @@ pub struct SchedulerConfig {
     /// The most waiting requests accepted by `submit`; preempted requests return to
     /// the queue even beyond it.
     pub max_waiting: usize,
+    /// Recurrent-state slots (a hybrid model's recurrent layers keep a fixed-size
+    /// state a request beside the KV blocks): 0 for a model without recurrent
+    /// layers, else at least `max_num_seqs`. Each running request holds one
+    /// ([`crate::ScheduledRequest::state_slot`]); a request that has one finds no
+    /// prefix-cache hits (a hit would skip tokens whose state no block holds).
+    pub state_slots: usize,
 }
 
 impl SchedulerConfig {
@@ -37,6 +43,7 @@ impl SchedulerConfig {
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
             max_waiting: DEFAULT_MAX_WAITING,
+            state_slots: 0,
         }
     }
 }

@@ -26,6 +26,14 @@ pub enum ConfigError {
         /// The requested number of blocks.
         num_blocks: usize,
     },
+    /// Fewer recurrent-state slots than running requests.
+    #[error("{state_slots} recurrent-state slots for up to {max_num_seqs} running requests")]
+    TooFewStateSlots {
+        /// The configured slots.
+        state_slots: usize,
+        /// The running cap.
+        max_num_seqs: usize,
+    },
     /// The KV cache spec lists no layer groups.
     #[error("the KV cache spec has no layer groups")]
     NoLayerGroups,

@@ -112,21 +112,38 @@ pub struct KvManager {
     seqs: BTreeMap<RequestId, SeqBlocks>,
     stats: PrefixCacheStats,
     chain_hash: ChainHash,
+    /// Recurrent-state slots: free ones (taken from the back) and each
+    /// admitted request's; `None` for a model without recurrent layers.
+    states: Option<(Vec<u32>, BTreeMap<RequestId, u32>)>,
 }
 
 impl KvManager {
     /// A manager over `num_blocks` blocks laid out as `spec` says. Fails if the spec
     /// cannot be served (see [`KvCacheSpec::validate`]) or the pool size is invalid.
-    pub(crate) fn new(spec: KvCacheSpec, num_blocks: usize) -> Result<Self, ConfigError> {
+    /// With `state_slots` > 0, each admitted request also holds one of that many
+    /// recurrent-state slots, and admission looks up no prefix.
+    pub(crate) fn new(
+        spec: KvCacheSpec,
+        num_blocks: usize,
+        state_slots: usize,
+    ) -> Result<Self, ConfigError> {
         spec.validate()?;
         let pool = BlockPool::new(num_blocks, spec.block_size)?;
+        let states =
+            (state_slots > 0).then(|| ((0..state_slots as u32).rev().collect(), BTreeMap::new()));
         Ok(KvManager {
             spec,
             pool,
             seqs: BTreeMap::new(),
             stats: PrefixCacheStats::default(),
             chain_hash: BlockHash::chain,
+            states,
         })
+    }
+
+    /// Request `id`'s recurrent-state slot, while it is admitted.
+    pub fn state_slot(&self, id: RequestId) -> Option<u32> {
+        self.states.as_ref()?.1.get(&id).copied()
     }
 
     /// Replaces the block hash function (tests force collisions with it).
@@ -226,7 +243,23 @@ impl KvManager {
             "request {id} admitted twice; this is a bug"
         );
         let bs = self.spec.block_size;
-        let mut num_hit = token_ids.len().saturating_sub(1) / bs;
+        if self
+            .states
+            .as_ref()
+            .is_some_and(|(free, _)| free.is_empty())
+        {
+            // (The scheduler runs at most as many requests as there are slots.)
+            return Err(OutOfBlocks {
+                needed: 0,
+                free: self.pool.num_free_blocks(),
+            });
+        }
+        // A recurrent model's state is not in any block: no prefix hits.
+        let mut num_hit = if self.states.is_some() {
+            0
+        } else {
+            token_ids.len().saturating_sub(1) / bs
+        };
         let mut collided = false;
         let mut walks = Vec::with_capacity(self.spec.groups.len());
         for g in 0..self.spec.groups.len() {
@@ -291,6 +324,12 @@ impl KvManager {
         self.stats.num_hit_tokens += num_cached_tokens as u64;
         self.stats.num_collisions += u64::from(collided);
         self.seqs.insert(id, SeqBlocks { tables, chains });
+        if let Some((free, held)) = &mut self.states {
+            let slot = free
+                .pop()
+                .expect("a free slot was checked above; this is a bug");
+            held.insert(id, slot);
+        }
         Ok(Admission {
             num_cached_tokens,
             num_new_tokens,
@@ -399,6 +438,11 @@ impl KvManager {
     /// Releases every block of request `id` (tail first, so the tail is evicted
     /// first). Returns false if it held none.
     pub(crate) fn free(&mut self, id: RequestId) -> bool {
+        if let Some((free, held)) = &mut self.states {
+            if let Some(slot) = held.remove(&id) {
+                free.push(slot);
+            }
+        }
         match self.seqs.remove(&id) {
             Some(seq) => {
                 for table in &seq.tables {

@@ -29,6 +29,11 @@ pub struct ScheduledRequest {
     /// every position up to `num_computed_tokens + num_new_tokens`; a sliding-window
     /// group's entries before its window are freed (see [`BlockTable::first`]).
     pub block_tables: Vec<BlockTable>,
+    /// The request's recurrent-state slot (a model with recurrent layers:
+    /// [`crate::SchedulerConfig::state_slots`]), held from admission until the
+    /// request finishes or is preempted (a preempted request recomputes from its
+    /// first token, so its next slot starts from zeros).
+    pub state_slot: Option<u32>,
     /// True when this step computes the request's last known token: the engine
     /// samples one token from the last row's logits and passes it to
     /// [`crate::Scheduler::update`]. False for a prompt chunk that is not the last

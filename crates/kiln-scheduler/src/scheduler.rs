@@ -91,7 +91,17 @@ impl Scheduler {
                 return Err(ConfigError::MustBePositive { name });
             }
         }
-        let kv = KvManager::new(config.kv_cache.clone(), config.num_blocks)?;
+        if config.state_slots != 0 && config.state_slots < config.max_num_seqs {
+            return Err(ConfigError::TooFewStateSlots {
+                state_slots: config.state_slots,
+                max_num_seqs: config.max_num_seqs,
+            });
+        }
+        let kv = KvManager::new(
+            config.kv_cache.clone(),
+            config.num_blocks,
+            config.state_slots,
+        )?;
         Ok(Scheduler {
             config,
             kv,
@@ -344,6 +354,7 @@ impl Scheduler {
                 num_new_tokens,
                 new_token_ids: req.token_ids[start..end].to_vec(),
                 block_tables: self.kv.block_tables(id).unwrap_or_default().to_vec(),
+                state_slot: self.kv.state_slot(id),
                 wants_logits,
             });
             req.num_computed_tokens = end;

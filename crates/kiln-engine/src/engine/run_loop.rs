@@ -396,6 +396,9 @@ impl<'m> Loop<'m> {
             let tables = s.block_tables.iter().map(backend_table).collect();
             let start = batch.token_ids.len();
             batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, s.wants_logits);
+            if let Some(slot) = s.state_slot {
+                batch.state_slots.push(slot);
+            }
             if let Some(adapter) = self.active.get(&s.id).and_then(|a| a.adapter.as_ref()) {
                 batch.lora.push(adapter, start..start + tokens.len());
             }

@@ -508,9 +508,13 @@ impl CausalLm for Qwen35 {
         &self.backend
     }
 
-    /// The KV blocks of the attention layers, and recurrent state for as
-    /// many sequences as the blocks can hold (one block each at least).
+    /// The attention layers' KV blocks and one sequence's recurrent state.
     fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        self.new_cache(num_blocks, block_size, 1)
+    }
+
+    /// The attention layers' KV blocks and `max_seqs` sequences' recurrent state.
+    fn new_cache(&self, num_blocks: usize, block_size: usize, max_seqs: usize) -> Result<KvCache> {
         let cfg = self.config();
         let (spec, _) = cfg.kv_layout(block_size);
         let kv = self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
@@ -520,9 +524,13 @@ impl CausalLm for Qwen35 {
             block_size,
             kv_row: cfg.kv_row(),
         })?;
-        let shape = self.state_shape((num_blocks / spec.groups.len().max(1)).max(1));
+        let shape = self.state_shape(max_seqs.max(1));
         let state = self.backend.alloc_state(shape)?;
         Ok(kv.with_state(shape, state))
+    }
+
+    fn state_bytes_per_seq(&self) -> u64 {
+        self.state_shape(1).bytes()
     }
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {

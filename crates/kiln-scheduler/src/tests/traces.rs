@@ -460,7 +460,72 @@ fn sliding_window_groups_free_blocks_that_leave_the_window_and_still_hit() {
 }
 
 #[test]
-fn recurrent_layers_are_refused_when_the_scheduler_is_built() {
+fn recurrent_state_slots_are_held_while_running_and_find_no_prefix() {
+    use crate::{Request, RequestId, TokenId};
+    let mut config = SchedulerConfig::new(KvCacheSpec::uniform(2), 16, 128);
+    config.max_num_seqs = 2;
+    // Fewer slots than running requests is refused.
+    config.state_slots = 1;
+    assert_eq!(
+        Scheduler::new(config.clone()).unwrap_err(),
+        ConfigError::TooFewStateSlots {
+            state_slots: 1,
+            max_num_seqs: 2
+        }
+    );
+    config.state_slots = 2;
+    let mut sched = Scheduler::new(config).unwrap();
+    let prompt: Vec<TokenId> = (0..40).map(TokenId).collect();
+    for id in 1..=3 {
+        sched
+            .submit(Request::new(RequestId(id), prompt.clone(), 2))
+            .unwrap();
+    }
+    let results = |out: &crate::SchedulerOutput| -> Vec<(RequestId, Vec<TokenId>)> {
+        out.scheduled
+            .iter()
+            .filter(|s| s.wants_logits)
+            .map(|s| (s.id, vec![TokenId(7)]))
+            .collect()
+    };
+    // Two run, each on its own slot; the third waits for one.
+    let out = sched.schedule().unwrap();
+    let slots: Vec<_> = out
+        .scheduled
+        .iter()
+        .map(|s| (s.id.0, s.state_slot))
+        .collect();
+    assert_eq!(slots, [(1, Some(0)), (2, Some(1))]);
+    sched.update(&results(&out)).unwrap();
+    let out = sched.schedule().unwrap();
+    assert!(out.scheduled.iter().all(|s| s.id.0 != 3));
+    let done = sched.update(&results(&out)).unwrap().finished_by_length;
+    assert_eq!(done.len(), 2);
+    // Request 3 shares request 1's whole prompt, yet computes all of it (no
+    // block holds its recurrent state), on a slot the finished ones gave back.
+    let out = sched.schedule().unwrap();
+    let s = &out.scheduled[0];
+    assert_eq!((s.id.0, s.num_computed_tokens), (3, 0));
+    assert!(matches!(s.state_slot, Some(0 | 1)));
+    // Without state slots the same prompt hits the prefix cache.
+    let mut sched = Scheduler::new(SchedulerConfig::new(KvCacheSpec::uniform(2), 16, 128)).unwrap();
+    for id in 1..=2 {
+        sched
+            .submit(Request::new(RequestId(id), prompt.clone(), 1))
+            .unwrap();
+        let out = sched.schedule().unwrap();
+        assert_eq!(out.scheduled[0].state_slot, None);
+        assert_eq!(
+            out.scheduled[0].num_computed_tokens,
+            if id == 1 { 0 } else { 32 }
+        );
+        sched.update(&results(&out)).unwrap();
+    }
+}
+
+#[test]
+fn recurrent_groups_are_refused_in_a_kv_spec() {
+    // Recurrent layers keep state slots, not blocks: a KV spec naming them is a bug.
     let mut kv_cache = KvCacheSpec::uniform(2);
     kv_cache.groups.push(LayerGroup {
         kind: LayerKind::Recurrent,
