@@ -1,13 +1,15 @@
-"""A random Qwen3.5 (gated DeltaNet hybrid) text checkpoint and what transformers
-computes on it.
+"""Random hybrid (recurrent + attention) text checkpoints and what transformers
+computes on them.
 
-Makes the test data of `crates/kiln-models/tests/qwen3_5.rs`: a small random
-`Qwen3_5ForCausalLM` (`qwen3_5_text`: three gated-DeltaNet layers, then a gated
-full-attention layer with partial RoPE, every weight randomised, norms around
-their centre), saved with `save_pretrained` as f32 safetensors, and the
-log-softmax of transformers' logits (eager attention, float64, no cache) over a
-prompt; also the logits of decoding the prompt's last 5 tokens one at a time
-after a cached prefill of the rest (the recurrent form of the delta rule).
+Makes the test data of `crates/kiln-models/tests/qwen3_5.rs` and `lfm2.rs`:
+- `qwen3_5`: a small random `Qwen3_5ForCausalLM` (`qwen3_5_text`: three
+  gated-DeltaNet layers, then a gated full-attention layer with partial RoPE);
+- `lfm2`: a small random `Lfm2ForCausalLM` (gated short convolutions and GQA
+  attention layers interleaved, the feed-forward size auto-adjusted);
+every weight randomised, norms around their centre, saved with `save_pretrained`
+as f32 safetensors, and the log-softmax of transformers' logits (eager
+attention, float64, no cache) over a prompt; also the logits of decoding the
+prompt's last 5 tokens one at a time after a cached prefill of the rest.
 
 Run once with transformers >= 5.24 and CPU torch; the outputs are committed
 and tests never run this:
@@ -21,7 +23,7 @@ import sys
 
 import torch
 import transformers
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 from common import write_tokenizer  # scripts/goldens/common.py
 
 CONFIG = {
@@ -46,13 +48,34 @@ CONFIG = {
     "eos_token_id": 2,
 }
 
+LFM2 = {
+    "vocab_size": 96,
+    "hidden_size": 48,
+    "intermediate_size": 96,
+    "block_multiple_of": 16,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_auto_adjust_ff_dim": True,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "conv_L_cache": 3,
+    "layer_types": ["conv", "conv", "full_attention", "conv", "full_attention"],
+    "max_position_embeddings": 256,
+    "norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
 
 
-def randomise(model, gen):
+def randomise(model, gen, lfm2=False):
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
+            if name.endswith("linear_attn.norm.weight") or (lfm2 and name.endswith("norm.weight")):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith("norm.weight"):
                 # Zero-centred norms scale by 1 + w.
@@ -61,18 +84,14 @@ def randomise(model, gen):
                 p.copy_(torch.log(torch.empty(p.shape).uniform_(0.5, 4.0, generator=gen)))
             elif name.endswith("dt_bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("conv1d.weight"):
+            elif name.endswith(("conv1d.weight", "conv.conv.weight")):
                 p.copy_(0.4 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
 
 
-def main(out):
-    torch.set_num_threads(2)
-    cfg = Qwen3_5TextConfig(**CONFIG, attn_implementation="eager")
-    gen = torch.Generator().manual_seed(20261206)
-    model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
-    randomise(model, gen)
+def save(model, cfg, out):
+    os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(out, cfg.vocab_size)
     model = model.to(torch.float64)
@@ -101,6 +120,23 @@ def main(out):
     print("saved to", out, "argmax", logits.argmax(-1).tolist())
     print("decode vs full max diff", max(abs(a - b) for s, r in zip(steps, logprobs[split:].tolist())
                                           for a, b in zip(s, r)))
+
+
+def main(root):
+    torch.set_num_threads(2)
+    which = sys.argv[2:] or ["qwen3_5", "lfm2"]
+    if "qwen3_5" in which:
+        cfg = Qwen3_5TextConfig(**CONFIG, attn_implementation="eager")
+        gen = torch.Generator().manual_seed(20261206)
+        model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
+        randomise(model, gen)
+        save(model, cfg, os.path.join(root, "qwen3_5"))
+    if "lfm2" in which:
+        cfg = Lfm2Config(**LFM2, attn_implementation="eager")
+        gen = torch.Generator().manual_seed(20261207)
+        model = Lfm2ForCausalLM(cfg).to(torch.float32).eval()
+        randomise(model, gen, lfm2=True)
+        save(model, cfg, os.path.join(root, "lfm2"))
 
 
 if __name__ == "__main__":

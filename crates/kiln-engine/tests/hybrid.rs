@@ -1,4 +1,4 @@
-//! A gated DeltaNet hybrid (the random Qwen3.5 checkpoint of
+//! Hybrids (the random Qwen3.5 and LFM2 checkpoints of
 //! `kiln-models/tests/data/hybrid`) through the engine: concurrent requests,
 //! prefilled in chunks and decoded together, each on its own recurrent-state
 //! slot, give the tokens the model gives run alone; slots pass from finished
@@ -12,8 +12,10 @@ use kiln_engine::{Engine, EngineConfig, Event, GenerationRequest, LoadedModel, R
 use kiln_sampling::SamplingParams;
 use kiln_tensor::cpu::CpuBackend;
 
-fn checkpoint() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kiln-models/tests/data/hybrid")
+fn checkpoint(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../kiln-models/tests/data/hybrid")
+        .join(case)
 }
 
 fn collect(stream: RequestStream) -> (Vec<u32>, usize) {
@@ -38,8 +40,17 @@ fn greedy(n: usize) -> SamplingParams {
 }
 
 #[test]
-fn hybrid_requests_batched_in_the_engine_match_each_alone() {
-    let model = LoadedModel::load(&checkpoint(), Arc::new(CpuBackend::new())).unwrap();
+fn qwen3_5_requests_batched_in_the_engine_match_each_alone() {
+    requests_batched_in_the_engine_match_each_alone("qwen3_5");
+}
+
+#[test]
+fn lfm2_requests_batched_in_the_engine_match_each_alone() {
+    requests_batched_in_the_engine_match_each_alone("lfm2");
+}
+
+fn requests_batched_in_the_engine_match_each_alone(case: &str) {
+    let model = LoadedModel::load(&checkpoint(case), Arc::new(CpuBackend::new())).unwrap();
     let vocab = model.model.config().vocab_size as u32;
     let prompts: Vec<Vec<u32>> = (0..6)
         .map(|r| {
@@ -86,8 +97,11 @@ fn hybrid_requests_batched_in_the_engine_match_each_alone() {
         .collect();
     for (i, (stream, want)) in streams.into_iter().zip(&want).enumerate() {
         let (got, cached) = collect(stream);
-        assert_eq!(&got, want, "request {i}");
+        assert_eq!(&got, want, "{case}: request {i}");
         // (The last prompt starts with the first's 9 tokens and more.)
-        assert_eq!(cached, 0, "request {i}: no prefix of a hybrid is cached");
+        assert_eq!(
+            cached, 0,
+            "{case}: request {i}: no prefix of a hybrid is cached"
+        );
     }
 }

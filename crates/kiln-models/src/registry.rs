@@ -19,6 +19,7 @@ pub static FAMILIES: &[&Family] = &[
     &families::gemma3::FAMILY,
     &families::gemma4::FAMILY,
     &families::qwen3_5::FAMILY,
+    &families::lfm2::FAMILY,
     &families::bert::FAMILY,
 ];
 

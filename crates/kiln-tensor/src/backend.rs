@@ -644,26 +644,28 @@ pub trait Ops {
         })
     }
 
-    /// Whether [`Ops::gated_delta_net`] runs here; models check it at load.
-    fn supports_gated_delta_net(&self) -> bool {
+    /// Whether [`Ops::recurrent_mixer`] runs `mixer` here; models check
+    /// it at load.
+    fn supports_recurrent(&self, mixer: &crate::recurrent::RecurrentMixer) -> bool {
+        let _ = mixer;
         false
     }
 
-    /// A gated DeltaNet layer's token mixing over the batch's packed
-    /// in-projections `x [n, layer.in_dim()]`, each sequence from and into
+    /// A recurrent layer's token mixing over the batch's packed
+    /// in-projections `x [n, mixer.in_dim()]`, each sequence from and into
     /// its state slot in `cache` ([`crate::recurrent`]) → `[n,
-    /// layer.out_dim()]`.
-    fn gated_delta_net(
+    /// mixer.out_dim()]`.
+    fn recurrent_mixer(
         &self,
         x: &Tensor,
-        layer: &crate::recurrent::GatedDeltaNet,
+        mixer: &crate::recurrent::RecurrentMixer,
         batch: &ForwardBatch,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let _ = (x, layer, batch, cache);
+        let _ = (x, batch, cache);
         Err(TensorError::Unsupported {
             backend: "running",
-            what: "gated DeltaNet layers".into(),
+            what: format!("{} layers", mixer.name()),
         })
     }
 

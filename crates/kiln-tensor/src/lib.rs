@@ -38,7 +38,7 @@ pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
 pub use lora::{LoraAdapter, LoraBatch, LoraDelta, LoraGroup, LoraProj};
 pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
 pub use moe::{Expert, ExpertActivation, ExpertLoad, MoeLayer, Routing, Scoring, SharedExpert};
-pub use recurrent::{GatedDeltaNet, StateShape};
+pub use recurrent::{GatedDeltaNet, RecurrentMixer, ShortConv, StateShape};
 pub use tensor::{DType, Tensor};
 pub use weight::{BlockPart, BlockWeight, Weight, WeightKind};
 

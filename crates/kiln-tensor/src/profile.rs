@@ -297,19 +297,19 @@ impl Ops for ProfilingBackend {
         self.timed("moe", || self.inner.moe(x, layer))
     }
 
-    fn supports_gated_delta_net(&self) -> bool {
-        self.inner.supports_gated_delta_net()
+    fn supports_recurrent(&self, mixer: &crate::recurrent::RecurrentMixer) -> bool {
+        self.inner.supports_recurrent(mixer)
     }
 
-    fn gated_delta_net(
+    fn recurrent_mixer(
         &self,
         x: &Tensor,
-        layer: &crate::recurrent::GatedDeltaNet,
+        mixer: &crate::recurrent::RecurrentMixer,
         batch: &ForwardBatch,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        self.timed("gated_delta_net", || {
-            self.inner.gated_delta_net(x, layer, batch, cache)
+        self.timed("recurrent_mixer", || {
+            self.inner.recurrent_mixer(x, mixer, batch, cache)
         })
     }
 

@@ -1,6 +1,7 @@
 //! Token mixers with a fixed-size state a sequence instead of a growing KV
-//! cache: the gated DeltaNet of Qwen3.5 / Qwen3-Next (a short causal
-//! convolution, then the gated delta rule, a linear-attention recurrence).
+//! cache ([`RecurrentMixer`]): the gated DeltaNet of Qwen3.5 / Qwen3-Next (a
+//! short causal convolution, then the gated delta rule, a linear-attention
+//! recurrence) and LFM2's gated short convolution.
 //!
 //! The state lives beside the KV blocks in the [`crate::KvCache`]
 //! ([`StateShape`]): for each recurrent layer and each sequence slot, the
@@ -9,7 +10,7 @@
 //! a sequence with nothing computed yet starts from zeros, so a slot needs
 //! no clearing when it passes to another request.
 //!
-//! [`gated_delta_net_reference`] is the op on host data, token by token in
+//! [`recurrent_reference`] is the op on host data, token by token in
 //! f32, each sequence on its own (so a row's result depends only on its own
 //! sequence: batched, chunked and alone are bit-identical); other backends
 //! are tested against it.
@@ -137,6 +138,153 @@ impl GatedDeltaNet {
     }
 }
 
+/// LFM2's gated short convolution (transformers' `Lfm2ShortConv`): the
+/// packed in-projection `b | c | x` (`3 · dim` columns) of each row;
+/// `c ⊙ conv(b ⊙ x)`, the convolution causal and depthwise over the
+/// sequence's last `kernel` values of `b ⊙ x` (`conv [dim][kernel]`, no
+/// bias), no activation; `[n, dim]` out.
+#[derive(Debug, Clone)]
+pub struct ShortConv {
+    pub dim: usize,
+    pub kernel: usize,
+    pub conv: Vec<f32>,
+    /// The layer's index among the model's recurrent layers.
+    pub state_layer: usize,
+}
+
+/// A recurrent token mixer, as [`crate::Ops::recurrent_mixer`] runs it.
+#[derive(Debug, Clone)]
+pub enum RecurrentMixer {
+    GatedDeltaNet(GatedDeltaNet),
+    ShortConv(ShortConv),
+}
+
+impl RecurrentMixer {
+    /// Columns of the packed input.
+    pub fn in_dim(&self) -> usize {
+        match self {
+            RecurrentMixer::GatedDeltaNet(g) => g.in_dim(),
+            RecurrentMixer::ShortConv(c) => 3 * c.dim,
+        }
+    }
+
+    /// Columns of the output.
+    pub fn out_dim(&self) -> usize {
+        match self {
+            RecurrentMixer::GatedDeltaNet(g) => g.out_dim(),
+            RecurrentMixer::ShortConv(c) => c.dim,
+        }
+    }
+
+    /// f32 values of a slot's state: (convolution, recurrence).
+    pub fn state(&self) -> (usize, usize) {
+        match self {
+            RecurrentMixer::GatedDeltaNet(g) => g.state(),
+            RecurrentMixer::ShortConv(c) => ((c.kernel.max(1) - 1) * c.dim, 0),
+        }
+    }
+
+    /// The layer's index among the model's recurrent layers.
+    pub fn state_layer(&self) -> usize {
+        match self {
+            RecurrentMixer::GatedDeltaNet(g) => g.state_layer,
+            RecurrentMixer::ShortConv(c) => c.state_layer,
+        }
+    }
+
+    /// The mixer's name, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            RecurrentMixer::GatedDeltaNet(_) => "gated DeltaNet",
+            RecurrentMixer::ShortConv(_) => "gated short convolution",
+        }
+    }
+
+    fn sequence(
+        &self,
+        rows: &[f32],
+        state: &mut [f32],
+        fresh: bool,
+        out: &mut [f32],
+    ) -> Result<()> {
+        match self {
+            RecurrentMixer::GatedDeltaNet(g) => {
+                gated_delta_net_sequence(g, rows, state, fresh, out)
+            }
+            RecurrentMixer::ShortConv(c) => short_conv_sequence(c, rows, state, fresh, out),
+        }
+    }
+}
+
+/// One step of a causal depthwise convolution over `dim` channels: `past`
+/// the last `kernel - 1` inputs (oldest first), `input` this one; the sum
+/// over taps in order into `out`, then `past` moves on by one.
+fn conv_step(
+    w: &[f32],
+    kernel: usize,
+    past: &mut [f32],
+    input: &[f32],
+    window: &mut [f32],
+    out: &mut [f32],
+) {
+    let dim = input.len();
+    window[..past.len()].copy_from_slice(past);
+    window[past.len()..].copy_from_slice(input);
+    for (c, o) in out.iter_mut().enumerate() {
+        let mut acc = 0f32;
+        for (j, &wj) in w[c * kernel..(c + 1) * kernel].iter().enumerate() {
+            acc += wj * window[j * dim + c];
+        }
+        *o = acc;
+    }
+    past.copy_from_slice(&window[dim..]);
+}
+
+/// One sequence of a [`ShortConv`] step (as [`gated_delta_net_sequence`]).
+pub fn short_conv_sequence(
+    layer: &ShortConv,
+    rows: &[f32],
+    state: &mut [f32],
+    fresh: bool,
+    out: &mut [f32],
+) -> Result<()> {
+    let (d, kk) = (layer.dim, layer.kernel);
+    if kk == 0
+        || layer.conv.len() != d * kk
+        || rows.len() % (3 * d) != 0
+        || state.len() != (kk - 1) * d
+        || out.len() != rows.len() / 3
+    {
+        return Err(TensorError::Shape {
+            op: "short_conv",
+            detail: format!(
+                "dim {d} kernel {kk}: conv {} rows {} state {} out {}",
+                layer.conv.len(),
+                rows.len(),
+                state.len(),
+                out.len()
+            ),
+        });
+    }
+    if fresh {
+        state.fill(0.0);
+    }
+    let mut window = vec![0f32; kk * d];
+    let mut bx = vec![0f32; d];
+    for (row, o) in rows.chunks_exact(3 * d).zip(out.chunks_exact_mut(d)) {
+        let (b, rest) = row.split_at(d);
+        let (c, x) = rest.split_at(d);
+        for ((v, &b), &x) in bx.iter_mut().zip(b).zip(x) {
+            *v = b * x;
+        }
+        conv_step(&layer.conv, kk, state, &bx, &mut window, o);
+        for (o, &c) in o.iter_mut().zip(c) {
+            *o *= c;
+        }
+    }
+    Ok(())
+}
+
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
@@ -202,17 +350,8 @@ pub fn gated_delta_net_sequence(
     let mut kv_mem = vec![0f32; vd];
     for (t, row) in rows.chunks_exact(in_dim).enumerate() {
         // The convolution: the past kernel - 1 inputs, then this one.
-        window[..past.len()].copy_from_slice(past);
-        window[past.len()..].copy_from_slice(&row[..cd]);
-        for (c, m) in mixed.iter_mut().enumerate() {
-            let w = &layer.conv[c * kk..(c + 1) * kk];
-            let mut acc = 0f32;
-            for (j, &wj) in w.iter().enumerate() {
-                acc += wj * window[j * cd + c];
-            }
-            *m = silu(acc);
-        }
-        past.copy_from_slice(&window[cd..]);
+        conv_step(&layer.conv, kk, past, &row[..cd], &mut window, &mut mixed);
+        mixed.iter_mut().for_each(|m| *m = silu(*m));
         let (q, rest) = mixed.split_at_mut(kh * kdim);
         let (k, v) = rest.split_at_mut(kh * kdim);
         let scale = 1.0 / (kdim as f32).sqrt();
@@ -265,12 +404,12 @@ pub fn gated_delta_net_sequence(
     Ok(())
 }
 
-/// A [`GatedDeltaNet`] step on host data: `x [n, in_dim]` of the batch's
+/// A [`RecurrentMixer`] step on host data: `x [n, in_dim]` of the batch's
 /// sequences (`seqs`: each sequence's first row, its row count, whether
 /// it starts fresh and its state slot), `state` the cache's whole state
 /// of `shape`. Sequences run in parallel, each on its own slot.
-pub fn gated_delta_net_reference(
-    layer: &GatedDeltaNet,
+pub fn recurrent_reference(
+    layer: &RecurrentMixer,
     x: &[f32],
     seqs: &[(usize, usize, bool, usize)],
     shape: &StateShape,
@@ -278,12 +417,12 @@ pub fn gated_delta_net_reference(
 ) -> Result<Vec<f32>> {
     let (in_dim, od) = (layer.in_dim(), layer.out_dim());
     let (conv, rec) = layer.state();
-    if shape.conv != conv || shape.recurrent != rec || layer.state_layer >= shape.num_layers {
+    if shape.conv != conv || shape.recurrent != rec || layer.state_layer() >= shape.num_layers {
         return Err(TensorError::Shape {
-            op: "gated_delta_net",
+            op: "recurrent_mixer",
             detail: format!(
                 "layer {} state ({conv}, {rec}) against the cache's {shape:?}",
-                layer.state_layer
+                layer.state_layer()
             ),
         });
     }
@@ -295,11 +434,11 @@ pub fn gated_delta_net_reference(
     if slots.windows(2).any(|w| w[0] == w[1]) || slots.last().is_some_and(|&s| s >= shape.num_slots)
     {
         return Err(TensorError::Shape {
-            op: "gated_delta_net",
+            op: "recurrent_mixer",
             detail: format!("state slots {slots:?} of {}", shape.num_slots),
         });
     }
-    let base = shape.offset(layer.state_layer, 0);
+    let base = shape.offset(layer.state_layer(), 0);
     let layer_state = &mut state[base..base + shape.num_slots * shape.per_slot()];
     let mut by_slot: Vec<Option<&mut [f32]>> = layer_state
         .chunks_exact_mut(shape.per_slot())
@@ -313,7 +452,7 @@ pub fn gated_delta_net_reference(
     for &&(start, len, fresh, slot) in &order {
         if start < consumed || start + len > n {
             return Err(TensorError::Shape {
-                op: "gated_delta_net",
+                op: "recurrent_mixer",
                 detail: format!("rows {start}..{} of {n}", start + len),
             });
         }
@@ -325,6 +464,6 @@ pub fn gated_delta_net_reference(
         work.push((&x[start * in_dim..(start + len) * in_dim], st, fresh, mine));
     }
     work.into_par_iter()
-        .try_for_each(|(rows, st, fresh, o)| gated_delta_net_sequence(layer, rows, st, fresh, o))?;
+        .try_for_each(|(rows, st, fresh, o)| layer.sequence(rows, st, fresh, o))?;
     Ok(out)
 }

@@ -18,6 +18,7 @@ pub mod bert;
 pub mod gemma3;
 pub mod gemma4;
 pub mod gpt_oss;
+pub mod lfm2;
 pub mod llama;
 pub mod moe;
 pub mod qwen3_5;
@@ -32,6 +33,7 @@ pub enum FamilyConfig {
     Moe(moe::MoeConfig),
     GptOss(gpt_oss::GptOssConfig),
     Qwen35(qwen3_5::Qwen35Config),
+    Lfm2(lfm2::Lfm2Config),
 }
 
 /// A family as the registry sees it: its name, the `model_type`s it

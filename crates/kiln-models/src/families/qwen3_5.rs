@@ -16,7 +16,7 @@
 //!   coincide for text, where the three position ids are equal).
 //! - DeltaNet: `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` are
 //!   one packed product here; the convolution, the delta rule and the gated
-//!   norm are [`kiln_tensor::Ops::gated_delta_net`].
+//!   norm are [`kiln_tensor::Ops::recurrent_mixer`].
 //! - Recurrent layers keep no KV: [`LayerKind::Recurrent`]; their state
 //!   lives beside the KV blocks ([`CausalLm::new_kv_cache`] allocates one
 //!   slot a sequence the cache can hold).
@@ -25,8 +25,8 @@ use std::sync::Arc;
 
 use kiln_formats::WeightSource;
 use kiln_tensor::{
-    Activation, AttentionParams, Backend, ForwardBatch, GatedDeltaNet, KvCache, QkNorm, StateShape,
-    Tensor, Weight,
+    Activation, AttentionParams, Backend, ForwardBatch, GatedDeltaNet, KvCache, QkNorm,
+    RecurrentMixer, StateShape, Tensor, Weight,
 };
 use serde_json::Value;
 
@@ -250,7 +250,7 @@ enum Mixer {
     /// Gated DeltaNet: the packed in-projections, the op, the out-projection.
     Linear {
         proj: Linear,
-        delta: GatedDeltaNet,
+        delta: RecurrentMixer,
         out: Linear,
     },
     /// Gated full attention: `q | k | v | gate` packed (queries and gates
@@ -294,12 +294,6 @@ impl Qwen35 {
         progress: Option<LoadProgress<'_>>,
     ) -> Result<Self> {
         let q = qwen35_config(&cfg)?.clone();
-        if !backend.supports_gated_delta_net() {
-            return Err(ModelError::Tensor(kiln_tensor::TensorError::Unsupported {
-                backend: backend.name(),
-                what: "gated DeltaNet layers (Qwen3.5)".into(),
-            }));
-        }
         let l = WeightLoader::with_progress(&backend, source, progress);
         let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
         let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
@@ -327,6 +321,13 @@ impl Qwen35 {
                     state_layer: recurrent,
                 };
                 recurrent += 1;
+                let delta = RecurrentMixer::GatedDeltaNet(delta);
+                if !backend.supports_recurrent(&delta) {
+                    return Err(ModelError::Tensor(kiln_tensor::TensorError::Unsupported {
+                        backend: backend.name(),
+                        what: "gated DeltaNet layers (Qwen3.5)".into(),
+                    }));
+                }
                 Mixer::Linear {
                     proj: Linear::load_packed(
                         &l,
@@ -450,7 +451,7 @@ impl Qwen35 {
             let mixed = match &blk.mixer {
                 Mixer::Linear { proj, delta, out } => {
                     let p = proj.forward(b, &x, Fuse::norm(&blk.input_norm))?;
-                    let core = b.gated_delta_net(&p, delta, batch, cache)?;
+                    let core = b.recurrent_mixer(&p, delta, batch, cache)?;
                     out.forward(b, &core, Fuse::NONE.with_residual(&x))?
                 }
                 Mixer::Attention {

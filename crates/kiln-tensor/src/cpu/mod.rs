@@ -599,21 +599,21 @@ impl Ops for CpuBackend {
         self.moe_layer(x, layer)
     }
 
-    fn supports_gated_delta_net(&self) -> bool {
+    fn supports_recurrent(&self, _mixer: &crate::recurrent::RecurrentMixer) -> bool {
         true
     }
 
-    fn gated_delta_net(
+    fn recurrent_mixer(
         &self,
         x: &Tensor,
-        layer: &crate::recurrent::GatedDeltaNet,
+        layer: &crate::recurrent::RecurrentMixer,
         batch: &ForwardBatch,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let (n, d) = x.dims2("gated_delta_net")?;
+        let (n, d) = x.dims2("recurrent_mixer")?;
         if d != layer.in_dim() || n != batch.num_tokens() {
             return Err(TensorError::Shape {
-                op: "gated_delta_net",
+                op: "recurrent_mixer",
                 detail: format!(
                     "input [{n}, {d}] for {} tokens of {} columns",
                     batch.num_tokens(),
@@ -634,20 +634,20 @@ impl Ops for CpuBackend {
                 )
             })
             .collect();
-        let data = self.data(x, "gated_delta_net")?;
+        let data = self.data(x, "recurrent_mixer")?;
         let Some((shape, storage)) = cache.state_mut() else {
             return Err(TensorError::Shape {
-                op: "gated_delta_net",
+                op: "recurrent_mixer",
                 detail: "a cache without recurrent state".into(),
             });
         };
         let state = storage
             .downcast_mut::<Vec<f32>>()
             .ok_or_else(|| TensorError::Shape {
-                op: "gated_delta_net",
+                op: "recurrent_mixer",
                 detail: "recurrent state of another backend".into(),
             })?;
-        let out = crate::recurrent::gated_delta_net_reference(layer, data, &seqs, &shape, state)?;
+        let out = crate::recurrent::recurrent_reference(layer, data, &seqs, &shape, state)?;
         Ok(Self::wrap(vec![n, layer.out_dim()], out))
     }
 
