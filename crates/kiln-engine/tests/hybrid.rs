@@ -105,3 +105,91 @@ fn requests_batched_in_the_engine_match_each_alone(case: &str) {
         );
     }
 }
+
+/// Prefix reuse through state snapshots: a request sharing a 300-token prefix
+/// with a finished one resumes from the snapshot at that prompt's end
+/// (`cached_tokens` ≥ 256) and gives the tokens of an uncached run; the next
+/// turn of a chat (prompt, answer, new message) resumes at least from the
+/// previous prompt; a prompt whose prefix no snapshot covers computes all.
+fn prefixes_resume_from_state_snapshots(case: &str) {
+    let model = LoadedModel::load(&checkpoint(case), Arc::new(CpuBackend::new())).unwrap();
+    let vocab = model.model.config().vocab_size as u32;
+    let shared: Vec<u32> = (0..300).map(|i| (i * 7 + 5) % vocab).collect();
+    let first: Vec<u32> = shared.iter().copied().chain([3, 9, 27]).collect();
+    let second: Vec<u32> = shared
+        .iter()
+        .copied()
+        .chain((0..40).map(|i| (i * 13 + 1) % vocab))
+        .collect();
+    let n = 8;
+    let alone = |p: &[u32]| {
+        let req = GenerationRequest::new(p.to_vec(), greedy(n));
+        model
+            .generate(&req, &mut |_| std::ops::ControlFlow::Continue(()))
+            .unwrap()
+            .token_ids
+    };
+    let (want_first, want_second) = (alone(&first), alone(&second));
+    let turn2: Vec<u32> = first
+        .iter()
+        .chain(&want_first)
+        .copied()
+        .chain([11, 12, 13, 14, 15])
+        .collect();
+    let want_turn2 = alone(&turn2);
+    let other: Vec<u32> = (0..200).map(|i| (i * 5 + 2) % vocab).collect();
+    let want_other = alone(&other);
+    let engine = Engine::start(
+        model,
+        EngineConfig {
+            block_size: 4,
+            num_blocks: 2000,
+            max_num_seqs: 2,
+            max_num_batched_tokens: 64,
+            max_waiting: 8,
+            context_length: None,
+        },
+    )
+    .unwrap();
+    let h = engine.handle();
+    let run = |p: &[u32]| {
+        collect(
+            h.submit(GenerationRequest::new(p.to_vec(), greedy(n)))
+                .unwrap(),
+        )
+    };
+    let (got, cached) = run(&first);
+    assert_eq!(
+        (got, cached),
+        (want_first.clone(), 0),
+        "{case}: first request"
+    );
+    let (got, cached) = run(&second);
+    assert_eq!(got, want_second, "{case}: second request");
+    assert!(
+        cached >= 256,
+        "{case}: second request reused {cached} tokens"
+    );
+    let (got, cached) = run(&turn2);
+    assert_eq!(got, want_turn2, "{case}: next turn");
+    eprintln!(
+        "{case}: the next turn ({} tokens) resumed after {cached}",
+        turn2.len()
+    );
+    assert!(
+        cached >= first.len() / 4 * 4,
+        "{case}: next turn reused {cached} tokens"
+    );
+    let (got, cached) = run(&other);
+    assert_eq!((got, cached), (want_other, 0), "{case}: unrelated prompt");
+}
+
+#[test]
+fn qwen3_5_prefixes_resume_from_state_snapshots() {
+    prefixes_resume_from_state_snapshots("qwen3_5");
+}
+
+#[test]
+fn lfm2_prefixes_resume_from_state_snapshots() {
+    prefixes_resume_from_state_snapshots("lfm2");
+}

@@ -235,7 +235,13 @@ fn a_batch_gives_each_sequence_its_bits_alone() {
                 batch.push_seq_groups(s, 0, tables, false);
             }
             batch.logits_rows = (0..batch.token_ids.len() as u32).collect();
-            batch.state_slots = slots;
+            batch.states = slots
+                .into_iter()
+                .map(|slot| kiln_tensor::SeqState {
+                    slot,
+                    ..Default::default()
+                })
+                .collect();
             logits(m.as_ref(), &batch, cache)
         };
         // Slots in another order the second time: the first run's states are

@@ -9,6 +9,9 @@ pub const DEFAULT_MAX_NUM_SEQS: usize = 256;
 /// The default bound on the waiting queue.
 pub const DEFAULT_MAX_WAITING: usize = 1024;
 
+/// Tokens between recurrent-state snapshots by default (eight 16-token blocks).
+pub const DEFAULT_STATE_CHECKPOINT_TOKENS: usize = 128;
+
 /// What the scheduler serves and its limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchedulerConfig {
@@ -29,8 +32,17 @@ pub struct SchedulerConfig {
     /// state a request beside the KV blocks): 0 for a model without recurrent
     /// layers, else at least `max_num_seqs`. Each running request holds one
     /// ([`crate::ScheduledRequest::state_slot`]); a request that has one finds no
-    /// prefix-cache hits (a hit would skip tokens whose state no block holds).
+    /// prefix-cache hits unless a snapshot of the state at the hit's end was kept
+    /// (`state_snapshots`).
     pub state_slots: usize,
+    /// Recurrent-state snapshot slots beside the running ones: the state of a
+    /// request after every `state_checkpoint_tokens` tokens and at its prompt's
+    /// last full block, kept for later requests with the same prefix, which
+    /// resume from the deepest one their block hits reach (least recently used
+    /// first out).
+    pub state_snapshots: usize,
+    /// Tokens between snapshots, a multiple of the block size.
+    pub state_checkpoint_tokens: usize,
 }
 
 impl SchedulerConfig {
@@ -44,6 +56,8 @@ impl SchedulerConfig {
             max_num_seqs: DEFAULT_MAX_NUM_SEQS,
             max_waiting: DEFAULT_MAX_WAITING,
             state_slots: 0,
+            state_snapshots: 0,
+            state_checkpoint_tokens: DEFAULT_STATE_CHECKPOINT_TOKENS,
         }
     }
 }

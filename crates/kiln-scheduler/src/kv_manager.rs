@@ -112,25 +112,96 @@ pub struct KvManager {
     seqs: BTreeMap<RequestId, SeqBlocks>,
     stats: PrefixCacheStats,
     chain_hash: ChainHash,
-    /// Recurrent-state slots: free ones (taken from the back) and each
-    /// admitted request's; `None` for a model without recurrent layers.
-    states: Option<(Vec<u32>, BTreeMap<RequestId, u32>)>,
+    /// Recurrent-state slots; `None` for a model without recurrent layers.
+    states: Option<StateSlots>,
+}
+
+/// A hybrid model's recurrent-state slots: one a running request, and
+/// snapshots of states at block boundaries, keyed by the hash of the block
+/// that ends there (group 0's chain), which a later request with the same
+/// prefix restores instead of recomputing it.
+#[derive(Debug, Clone)]
+struct StateSlots {
+    /// Free running slots (taken from the back).
+    free: Vec<u32>,
+    held: BTreeMap<RequestId, u32>,
+    /// Snapshot slots are `running..running + snapshots`; free ones.
+    snap_free: Vec<u32>,
+    /// Published snapshots: the boundary block's hash → slot, and back.
+    by_hash: std::collections::HashMap<BlockHash, u32>,
+    hash_of: std::collections::HashMap<u32, BlockHash>,
+    /// Last use of each published snapshot (eviction takes the oldest).
+    last_use: std::collections::HashMap<u32, u64>,
+    tick: u64,
+    /// Snapshots the step in flight writes, published when it completes.
+    pending: Vec<(u32, BlockHash)>,
+    /// Snapshots this step restores (not evicted before it runs).
+    pinned: Vec<u32>,
+    /// A request's restore for its first step after admission.
+    restores: BTreeMap<RequestId, u32>,
+    /// Snapshots are taken every `interval` tokens (a multiple of the block
+    /// size) and at the last block boundary of the prompt.
+    interval: usize,
+}
+
+impl StateSlots {
+    /// A snapshot slot: a free one, else the least recently used published
+    /// one not restored or written by the step being planned.
+    fn take_snapshot_slot(&mut self) -> Option<u32> {
+        if let Some(s) = self.snap_free.pop() {
+            return Some(s);
+        }
+        let busy = |s: &u32| self.pinned.contains(s) || self.pending.iter().any(|p| p.0 == *s);
+        let (&victim, _) = self
+            .last_use
+            .iter()
+            .filter(|(s, _)| !busy(s))
+            .min_by_key(|(s, &t)| (t, **s))?;
+        if let Some(h) = self.hash_of.remove(&victim) {
+            self.by_hash.remove(&h);
+        }
+        self.last_use.remove(&victim);
+        Some(victim)
+    }
+}
+
+/// How a hybrid model's recurrent state is kept (see
+/// [`crate::SchedulerConfig::state_slots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StateConfig {
+    pub(crate) running: usize,
+    pub(crate) snapshots: usize,
+    pub(crate) interval: usize,
 }
 
 impl KvManager {
     /// A manager over `num_blocks` blocks laid out as `spec` says. Fails if the spec
     /// cannot be served (see [`KvCacheSpec::validate`]) or the pool size is invalid.
-    /// With `state_slots` > 0, each admitted request also holds one of that many
-    /// recurrent-state slots, and admission looks up no prefix.
+    /// With `states`, each admitted request also holds a recurrent-state slot,
+    /// and prefix hits resume from state snapshots.
     pub(crate) fn new(
         spec: KvCacheSpec,
         num_blocks: usize,
-        state_slots: usize,
+        states: Option<StateConfig>,
     ) -> Result<Self, ConfigError> {
         spec.validate()?;
         let pool = BlockPool::new(num_blocks, spec.block_size)?;
-        let states =
-            (state_slots > 0).then(|| ((0..state_slots as u32).rev().collect(), BTreeMap::new()));
+        let states = states.map(|c| {
+            let running = c.running as u32;
+            StateSlots {
+                free: (0..running).rev().collect(),
+                held: BTreeMap::new(),
+                snap_free: (running..running + c.snapshots as u32).rev().collect(),
+                by_hash: Default::default(),
+                hash_of: Default::default(),
+                last_use: Default::default(),
+                tick: 0,
+                pending: Vec::new(),
+                pinned: Vec::new(),
+                restores: BTreeMap::new(),
+                interval: c.interval.max(1),
+            }
+        });
         Ok(KvManager {
             spec,
             pool,
@@ -143,7 +214,71 @@ impl KvManager {
 
     /// Request `id`'s recurrent-state slot, while it is admitted.
     pub fn state_slot(&self, id: RequestId) -> Option<u32> {
-        self.states.as_ref()?.1.get(&id).copied()
+        self.states.as_ref()?.held.get(&id).copied()
+    }
+
+    /// The snapshot request `id`'s first step restores (once).
+    pub(crate) fn take_restore(&mut self, id: RequestId) -> Option<u32> {
+        self.states.as_mut()?.restores.remove(&id)
+    }
+
+    /// Snapshots of request `id`'s state for a step computing its tokens
+    /// `start..end` (`token_ids` its known tokens, `num_prompt` of them the
+    /// prompt): at each block boundary past `start` up to `end` that is a
+    /// multiple of the interval or the prompt's last full block, whose block
+    /// is not snapshotted yet — `(tokens into the step, slot)`. They are
+    /// published when the step completes ([`KvManager::publish_snapshots`]).
+    pub(crate) fn plan_snapshots(
+        &mut self,
+        root_hash: BlockHash,
+        token_ids: &[TokenId],
+        num_prompt: usize,
+        start: usize,
+        end: usize,
+    ) -> Vec<(usize, u32)> {
+        let bs = self.spec.block_size;
+        let chain_hash = self.chain_hash;
+        let Some(st) = self.states.as_mut() else {
+            return Vec::new();
+        };
+        let prompt_end = num_prompt / bs * bs;
+        let mut out = Vec::new();
+        let mut hash = root_hash.group_root(0);
+        let mut hashed = 0;
+        let mut c = (start / bs + 1) * bs;
+        while c <= end.min(token_ids.len()) {
+            if c % st.interval == 0 || c == prompt_end {
+                while hashed < c {
+                    hash = chain_hash(hash, &token_ids[hashed..hashed + bs]);
+                    hashed += bs;
+                }
+                let known =
+                    st.by_hash.contains_key(&hash) || st.pending.iter().any(|p| p.1 == hash);
+                if !known {
+                    let Some(slot) = st.take_snapshot_slot() else {
+                        break;
+                    };
+                    st.pending.push((slot, hash));
+                    out.push((c - start, slot));
+                }
+            }
+            c += bs;
+        }
+        out
+    }
+
+    /// The step in flight completed: its snapshots hold their states.
+    pub(crate) fn publish_snapshots(&mut self) {
+        let Some(st) = self.states.as_mut() else {
+            return;
+        };
+        st.pinned.clear();
+        for (slot, hash) in std::mem::take(&mut st.pending) {
+            st.tick += 1;
+            st.by_hash.insert(hash, slot);
+            st.hash_of.insert(slot, hash);
+            st.last_use.insert(slot, st.tick);
+        }
     }
 
     /// Replaces the block hash function (tests force collisions with it).
@@ -243,23 +378,14 @@ impl KvManager {
             "request {id} admitted twice; this is a bug"
         );
         let bs = self.spec.block_size;
-        if self
-            .states
-            .as_ref()
-            .is_some_and(|(free, _)| free.is_empty())
-        {
+        if self.states.as_ref().is_some_and(|st| st.free.is_empty()) {
             // (The scheduler runs at most as many requests as there are slots.)
             return Err(OutOfBlocks {
                 needed: 0,
                 free: self.pool.num_free_blocks(),
             });
         }
-        // A recurrent model's state is not in any block: no prefix hits.
-        let mut num_hit = if self.states.is_some() {
-            0
-        } else {
-            token_ids.len().saturating_sub(1) / bs
-        };
+        let mut num_hit = token_ids.len().saturating_sub(1) / bs;
         let mut collided = false;
         let mut walks = Vec::with_capacity(self.spec.groups.len());
         for g in 0..self.spec.groups.len() {
@@ -267,6 +393,17 @@ impl KvManager {
             num_hit = num_hit.min(walk.0.len());
             collided |= walk.2;
             walks.push(walk);
+        }
+        // A hybrid resumes from the deepest snapshot its hits reach (the
+        // recurrent state of a prefix is in no block).
+        let mut restore = None;
+        if let Some(st) = &self.states {
+            let hashes = &walks[0].1.block_hashes;
+            let found = (1..=num_hit)
+                .rev()
+                .find_map(|b| st.by_hash.get(&hashes[b - 1]).map(|&slot| (b, slot)));
+            num_hit = found.map_or(0, |(b, _)| b);
+            restore = found.map(|(_, slot)| slot);
         }
         let num_cached_tokens = num_hit * bs;
         let num_new_tokens = (token_ids.len() - num_cached_tokens).min(max_new_tokens);
@@ -324,11 +461,18 @@ impl KvManager {
         self.stats.num_hit_tokens += num_cached_tokens as u64;
         self.stats.num_collisions += u64::from(collided);
         self.seqs.insert(id, SeqBlocks { tables, chains });
-        if let Some((free, held)) = &mut self.states {
-            let slot = free
+        if let Some(st) = &mut self.states {
+            let slot = st
+                .free
                 .pop()
                 .expect("a free slot was checked above; this is a bug");
-            held.insert(id, slot);
+            st.held.insert(id, slot);
+            if let Some(from) = restore {
+                st.tick += 1;
+                st.last_use.insert(from, st.tick);
+                st.pinned.push(from);
+                st.restores.insert(id, from);
+            }
         }
         Ok(Admission {
             num_cached_tokens,
@@ -438,10 +582,11 @@ impl KvManager {
     /// Releases every block of request `id` (tail first, so the tail is evicted
     /// first). Returns false if it held none.
     pub(crate) fn free(&mut self, id: RequestId) -> bool {
-        if let Some((free, held)) = &mut self.states {
-            if let Some(slot) = held.remove(&id) {
-                free.push(slot);
+        if let Some(st) = &mut self.states {
+            if let Some(slot) = st.held.remove(&id) {
+                st.free.push(slot);
             }
+            st.restores.remove(&id);
         }
         match self.seqs.remove(&id) {
             Some(seq) => {

@@ -51,6 +51,7 @@ mod tests;
 pub use block_pool::{BlockId, BlockPool, BlockPoolStats};
 pub use config::{
     SchedulerConfig, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DEFAULT_MAX_WAITING,
+    DEFAULT_STATE_CHECKPOINT_TOKENS,
 };
 pub use error::{ConfigError, SchedulerError, SubmitError};
 pub use hash::{AdapterId, BlockHash};

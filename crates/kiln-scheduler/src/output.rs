@@ -34,6 +34,12 @@ pub struct ScheduledRequest {
     /// request finishes or is preempted (a preempted request recomputes from its
     /// first token, so its next slot starts from zeros).
     pub state_slot: Option<u32>,
+    /// The snapshot slot whose state this step starts the request from (its
+    /// first step after a prefix hit that resumes from a snapshot).
+    pub state_restore: Option<u32>,
+    /// `(tokens into this step, slot)`: snapshots of the request's state this
+    /// step keeps ([`crate::SchedulerConfig::state_snapshots`]).
+    pub state_snapshots: Vec<(usize, u32)>,
     /// True when this step computes the request's last known token: the engine
     /// samples one token from the last row's logits and passes it to
     /// [`crate::Scheduler::update`]. False for a prompt chunk that is not the last

@@ -97,11 +97,18 @@ impl Scheduler {
                 max_num_seqs: config.max_num_seqs,
             });
         }
-        let kv = KvManager::new(
-            config.kv_cache.clone(),
-            config.num_blocks,
-            config.state_slots,
-        )?;
+        let bs = config.kv_cache.block_size.max(1);
+        if config.state_slots > 0 && config.state_checkpoint_tokens % bs != 0 {
+            return Err(ConfigError::MustBePositive {
+                name: "state_checkpoint_tokens (a positive multiple of the block size)",
+            });
+        }
+        let states = (config.state_slots > 0).then_some(crate::kv_manager::StateConfig {
+            running: config.state_slots,
+            snapshots: config.state_snapshots,
+            interval: config.state_checkpoint_tokens,
+        });
+        let kv = KvManager::new(config.kv_cache.clone(), config.num_blocks, states)?;
         Ok(Scheduler {
             config,
             kv,
@@ -348,6 +355,14 @@ impl Scheduler {
             let start = req.num_computed_tokens;
             let end = start + num_new_tokens;
             let wants_logits = end == req.token_ids.len();
+            let state_restore = self.kv.take_restore(id);
+            let state_snapshots = self.kv.plan_snapshots(
+                req.root_hash,
+                &req.token_ids,
+                req.num_prompt_tokens,
+                start,
+                end,
+            );
             scheduled.push(ScheduledRequest {
                 id,
                 num_computed_tokens: start,
@@ -355,6 +370,8 @@ impl Scheduler {
                 new_token_ids: req.token_ids[start..end].to_vec(),
                 block_tables: self.kv.block_tables(id).unwrap_or_default().to_vec(),
                 state_slot: self.kv.state_slot(id),
+                state_restore,
+                state_snapshots,
                 wants_logits,
             });
             req.num_computed_tokens = end;
@@ -424,6 +441,7 @@ impl Scheduler {
             });
         }
         let step = self.in_flight.take().unwrap_or_default();
+        self.kv.publish_snapshots();
         let mut out = UpdateOutput::default();
         for id in step.into_keys() {
             if !self.is_running(id) {

@@ -200,9 +200,24 @@ pub struct ForwardBatch {
     /// Which rows run with which LoRA adapter (none: every row the base
     /// model's).
     pub lora: crate::lora::LoraBatch,
-    /// Each sequence's recurrent-state slot in the cache
-    /// ([`crate::recurrent`]; empty: sequence `i` uses slot `i`).
-    pub state_slots: Vec<u32>,
+    /// Each sequence's recurrent state in the cache ([`crate::recurrent`];
+    /// empty: sequence `i` uses slot `i`, nothing restored or kept).
+    pub states: Vec<SeqState>,
+}
+
+/// Where a sequence's recurrent state lives for a step, where it starts from,
+/// and which snapshots of it the step keeps.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SeqState {
+    /// The sequence's slot.
+    pub slot: u32,
+    /// A slot whose state the sequence starts from (a prefix-cache hit's
+    /// snapshot, taken after its `num_computed` tokens); `None`: zeros when
+    /// nothing is computed yet, else the slot's own state.
+    pub restore_from: Option<u32>,
+    /// `(tokens, slot)`: after the sequence's first `tokens` tokens (within
+    /// this step's), copy its state into `slot`.
+    pub snapshots: Vec<(usize, u32)>,
 }
 
 impl ForwardBatch {
@@ -282,9 +297,13 @@ impl ForwardBatch {
         self.token_ids.len()
     }
 
-    /// Sequence `i`'s recurrent-state slot.
-    pub fn state_slot(&self, i: usize) -> usize {
-        self.state_slots.get(i).map_or(i, |&s| s as usize)
+    /// Sequence `i`'s recurrent state (slot `i` when [`ForwardBatch::states`]
+    /// is empty).
+    pub fn seq_state(&self, i: usize) -> SeqState {
+        self.states.get(i).cloned().unwrap_or(SeqState {
+            slot: i as u32,
+            ..SeqState::default()
+        })
     }
 }
 

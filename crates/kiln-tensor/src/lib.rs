@@ -30,7 +30,7 @@ pub mod weight;
 pub use backend::{
     check_attention_args, check_attention_shapes, check_rope_args, qkv_rope, Activation,
     AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, Memory, Ops,
-    QkNorm, RopeParams, SampleRow, SampledRow, Sampling, SeqSlice, StepFn, StepRecording,
+    QkNorm, RopeParams, SampleRow, SampledRow, Sampling, SeqSlice, SeqState, StepFn, StepRecording,
 };
 pub use error::{Result, TensorError};
 pub use extension::{require_extensions, ExtensionOp, GeluErf, LayerNorm, SoftCap};

@@ -6,9 +6,12 @@
 //! The state lives beside the KV blocks in the [`crate::KvCache`]
 //! ([`StateShape`]): for each recurrent layer and each sequence slot, the
 //! convolution's last `kernel - 1` inputs and the recurrence's matrices.
-//! A step reads a sequence's slot from [`crate::ForwardBatch::state_slot`];
-//! a sequence with nothing computed yet starts from zeros, so a slot needs
-//! no clearing when it passes to another request.
+//! A step reads a sequence's slot from [`crate::ForwardBatch::seq_state`]; a
+//! sequence with nothing computed yet starts from zeros (so a slot needs no
+//! clearing when it passes to another request), one restored from a prefix
+//! cache hit from the snapshot slot it names; and a step copies the state
+//! after given token counts into snapshot slots (the prefix cache's
+//! checkpoints).
 //!
 //! [`recurrent_reference`] is the op on host data, token by token in
 //! f32, each sequence on its own (so a row's result depends only on its own
@@ -206,12 +209,13 @@ impl RecurrentMixer {
         state: &mut [f32],
         fresh: bool,
         out: &mut [f32],
-    ) -> Result<()> {
+        snaps: &[usize],
+    ) -> Result<Vec<(usize, Vec<f32>)>> {
         match self {
             RecurrentMixer::GatedDeltaNet(g) => {
-                gated_delta_net_sequence(g, rows, state, fresh, out)
+                gated_delta_net_sequence(g, rows, state, fresh, out, snaps)
             }
-            RecurrentMixer::ShortConv(c) => short_conv_sequence(c, rows, state, fresh, out),
+            RecurrentMixer::ShortConv(c) => short_conv_sequence(c, rows, state, fresh, out, snaps),
         }
     }
 }
@@ -247,7 +251,8 @@ pub fn short_conv_sequence(
     state: &mut [f32],
     fresh: bool,
     out: &mut [f32],
-) -> Result<()> {
+    snaps: &[usize],
+) -> Result<Vec<(usize, Vec<f32>)>> {
     let (d, kk) = (layer.dim, layer.kernel);
     if kk == 0
         || layer.conv.len() != d * kk
@@ -269,9 +274,14 @@ pub fn short_conv_sequence(
     if fresh {
         state.fill(0.0);
     }
+    let mut kept = Vec::new();
     let mut window = vec![0f32; kk * d];
     let mut bx = vec![0f32; d];
-    for (row, o) in rows.chunks_exact(3 * d).zip(out.chunks_exact_mut(d)) {
+    for (t, (row, o)) in rows
+        .chunks_exact(3 * d)
+        .zip(out.chunks_exact_mut(d))
+        .enumerate()
+    {
         let (b, rest) = row.split_at(d);
         let (c, x) = rest.split_at(d);
         for ((v, &b), &x) in bx.iter_mut().zip(b).zip(x) {
@@ -281,8 +291,11 @@ pub fn short_conv_sequence(
         for (o, &c) in o.iter_mut().zip(c) {
             *o *= c;
         }
+        if snaps.contains(&(t + 1)) {
+            kept.push((t + 1, state.to_vec()));
+        }
     }
-    Ok(())
+    Ok(kept)
 }
 
 fn silu(x: f32) -> f32 {
@@ -316,7 +329,8 @@ pub fn gated_delta_net_sequence(
     state: &mut [f32],
     fresh: bool,
     out: &mut [f32],
-) -> Result<()> {
+    snaps: &[usize],
+) -> Result<Vec<(usize, Vec<f32>)>> {
     layer.check()?;
     let (cd, kk, vd) = (layer.conv_dim(), layer.kernel, layer.v_dim);
     let (kdim, kh, vh) = (layer.k_dim, layer.k_heads, layer.v_heads);
@@ -343,6 +357,7 @@ pub fn gated_delta_net_sequence(
     if fresh {
         state.fill(0.0);
     }
+    let mut kept = Vec::new();
     let (past, rec) = state.split_at_mut(conv_len);
     let group = vh / kh;
     let mut window = vec![0f32; kk * cd];
@@ -400,70 +415,127 @@ pub fn gated_delta_net_sequence(
                 *y = w * (*y * inv) * silu(g);
             }
         }
+        if snaps.contains(&(t + 1)) {
+            kept.push((t + 1, [&past[..], &rec[..]].concat()));
+        }
     }
-    Ok(())
+    Ok(kept)
+}
+
+/// One sequence of a step for [`recurrent_reference`]: its rows of the
+/// batch, the tokens computed before them, and its state's slots.
+#[derive(Debug, Clone)]
+pub struct SeqRun {
+    pub rows: std::ops::Range<usize>,
+    pub num_computed: usize,
+    pub state: crate::backend::SeqState,
 }
 
 /// A [`RecurrentMixer`] step on host data: `x [n, in_dim]` of the batch's
-/// sequences (`seqs`: each sequence's first row, its row count, whether
-/// it starts fresh and its state slot), `state` the cache's whole state
-/// of `shape`. Sequences run in parallel, each on its own slot.
+/// sequences `seqs`, `state` the cache's whole state of `shape`. Each
+/// sequence starts from its restore slot's state, from zeros when nothing is
+/// computed yet, else from its own slot's; sequences run in parallel, each on
+/// its own slot; then the snapshots are copied into their slots.
 pub fn recurrent_reference(
     layer: &RecurrentMixer,
     x: &[f32],
-    seqs: &[(usize, usize, bool, usize)],
+    seqs: &[SeqRun],
     shape: &StateShape,
     state: &mut [f32],
 ) -> Result<Vec<f32>> {
+    let bad = |detail: String| {
+        Err(TensorError::Shape {
+            op: "recurrent_mixer",
+            detail,
+        })
+    };
     let (in_dim, od) = (layer.in_dim(), layer.out_dim());
     let (conv, rec) = layer.state();
     if shape.conv != conv || shape.recurrent != rec || layer.state_layer() >= shape.num_layers {
-        return Err(TensorError::Shape {
-            op: "recurrent_mixer",
-            detail: format!(
-                "layer {} state ({conv}, {rec}) against the cache's {shape:?}",
-                layer.state_layer()
-            ),
-        });
+        return bad(format!(
+            "layer {} state ({conv}, {rec}) against the cache's {shape:?}",
+            layer.state_layer()
+        ));
     }
     let n = x.len() / in_dim.max(1);
-    let mut out = vec![0f32; n * od];
-    // Each sequence's state and output rows, split off so they run in parallel.
-    let mut slots: Vec<usize> = seqs.iter().map(|s| s.3).collect();
-    slots.sort_unstable();
-    if slots.windows(2).any(|w| w[0] == w[1]) || slots.last().is_some_and(|&s| s >= shape.num_slots)
-    {
-        return Err(TensorError::Shape {
-            op: "recurrent_mixer",
-            detail: format!("state slots {slots:?} of {}", shape.num_slots),
-        });
-    }
+    let per = shape.per_slot();
     let base = shape.offset(layer.state_layer(), 0);
-    let layer_state = &mut state[base..base + shape.num_slots * shape.per_slot()];
-    let mut by_slot: Vec<Option<&mut [f32]>> = layer_state
-        .chunks_exact_mut(shape.per_slot())
-        .map(Some)
-        .collect();
+    let layer_state = &mut state[base..base + shape.num_slots * per];
+    // Every slot named once at most, snapshots included.
+    let mut named: Vec<u32> = seqs.iter().map(|s| s.state.slot).collect();
+    named.extend(
+        seqs.iter()
+            .flat_map(|s| s.state.snapshots.iter().map(|&(_, slot)| slot)),
+    );
+    let mut sorted = named.clone();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1])
+        || sorted
+            .last()
+            .is_some_and(|&s| s as usize >= shape.num_slots)
+    {
+        return bad(format!("state slots {named:?} of {}", shape.num_slots));
+    }
+    // Restores first (a restore source is no sequence's own slot).
+    for s in seqs {
+        if let Some(from) = s.state.restore_from {
+            let (from, to) = (from as usize, s.state.slot as usize);
+            if from >= shape.num_slots || from == to || named.contains(&(from as u32)) {
+                return bad(format!("restore of slot {to} from {from}"));
+            }
+            layer_state.copy_within(from * per..(from + 1) * per, to * per);
+        }
+    }
+    let mut out = vec![0f32; n * od];
+    let mut order: Vec<&SeqRun> = seqs.iter().collect();
+    order.sort_by_key(|s| s.rows.start);
+    let mut by_slot: Vec<Option<&mut [f32]>> =
+        layer_state.chunks_exact_mut(per).map(Some).collect();
     let mut out_rest: &mut [f32] = &mut out;
     let mut consumed = 0;
     let mut work = Vec::new();
-    let mut order: Vec<&(usize, usize, bool, usize)> = seqs.iter().collect();
-    order.sort_by_key(|s| s.0);
-    for &&(start, len, fresh, slot) in &order {
+    for s in order {
+        let (start, len) = (s.rows.start, s.rows.len());
         if start < consumed || start + len > n {
-            return Err(TensorError::Shape {
-                op: "recurrent_mixer",
-                detail: format!("rows {start}..{} of {n}", start + len),
-            });
+            return bad(format!("rows {start}..{} of {n}", start + len));
         }
         let (_, rest) = out_rest.split_at_mut((start - consumed) * od);
         let (mine, rest) = rest.split_at_mut(len * od);
         out_rest = rest;
         consumed = start + len;
-        let st = by_slot[slot].take().expect("slots are distinct");
-        work.push((&x[start * in_dim..(start + len) * in_dim], st, fresh, mine));
+        let st = by_slot[s.state.slot as usize]
+            .take()
+            .expect("slots are distinct");
+        let fresh = s.num_computed == 0 && s.state.restore_from.is_none();
+        work.push((
+            &x[start * in_dim..(start + len) * in_dim],
+            st,
+            fresh,
+            mine,
+            s,
+        ));
     }
-    work.into_par_iter()
-        .try_for_each(|(rows, st, fresh, o)| layer.sequence(rows, st, fresh, o))?;
+    let snapshots = work
+        .into_par_iter()
+        .map(|(rows, st, fresh, o, s)| {
+            let at: Vec<usize> = s.state.snapshots.iter().map(|&(t, _)| t).collect();
+            let kept = layer.sequence(rows, st, fresh, o, &at)?;
+            Ok(kept
+                .into_iter()
+                .flat_map(|(t, values)| {
+                    s.state
+                        .snapshots
+                        .iter()
+                        .filter(move |&&(after, _)| after == t)
+                        .map(move |&(_, slot)| (slot, values.clone()))
+                })
+                .collect::<Vec<_>>())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    drop(by_slot);
+    for (slot, values) in snapshots.into_iter().flatten() {
+        let slot = slot as usize;
+        layer_state[slot * per..(slot + 1) * per].copy_from_slice(&values);
+    }
     Ok(out)
 }

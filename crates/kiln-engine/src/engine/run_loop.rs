@@ -397,7 +397,11 @@ impl<'m> Loop<'m> {
             let start = batch.token_ids.len();
             batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, s.wants_logits);
             if let Some(slot) = s.state_slot {
-                batch.state_slots.push(slot);
+                batch.states.push(kiln_tensor::SeqState {
+                    slot,
+                    restore_from: s.state_restore,
+                    snapshots: s.state_snapshots.clone(),
+                });
             }
             if let Some(adapter) = self.active.get(&s.id).and_then(|a| a.adapter.as_ref()) {
                 batch.lora.push(adapter, start..start + tokens.len());

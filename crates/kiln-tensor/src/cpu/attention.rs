@@ -725,7 +725,7 @@ mod tests {
             block_size,
             logits_rows: Vec::new(),
             lora: Default::default(),
-            state_slots: Vec::new(),
+            states: Vec::new(),
         }
     }
 
@@ -927,7 +927,7 @@ mod tests {
                 block_size: bs,
                 logits_rows: Vec::new(),
                 lora: Default::default(),
-                state_slots: Vec::new(),
+                states: Vec::new(),
             };
             let batched = attend(&qb, &batch, &kv.k[0], &kv.v[0], kv_row, &p);
             assert_eq!(&batched[..3 * q_row], &alone[..3 * q_row], "hd {hd}");

@@ -621,17 +621,14 @@ impl Ops for CpuBackend {
                 ),
             });
         }
-        let seqs: Vec<(usize, usize, bool, usize)> = batch
+        let seqs: Vec<crate::recurrent::SeqRun> = batch
             .seqs
             .iter()
             .enumerate()
-            .map(|(i, s)| {
-                (
-                    s.token_start,
-                    s.num_tokens,
-                    s.num_computed == 0,
-                    batch.state_slot(i),
-                )
+            .map(|(i, s)| crate::recurrent::SeqRun {
+                rows: s.token_start..s.token_start + s.num_tokens,
+                num_computed: s.num_computed,
+                state: batch.seq_state(i),
             })
             .collect();
         let data = self.data(x, "recurrent_mixer")?;
