@@ -329,6 +329,24 @@ impl ModelConfig {
         self.layer_kinds.contains(&LayerKind::Recurrent)
     }
 
+    /// Bytes of recurrent state one sequence holds (f32, every recurrent
+    /// layer; 0 without them): what the family's `new_cache` allocates a slot.
+    pub fn state_bytes_per_seq(&self) -> u64 {
+        let layers = self
+            .layer_kinds
+            .iter()
+            .filter(|k| **k == LayerKind::Recurrent)
+            .count() as u64;
+        let per_layer = match &self.family {
+            crate::families::FamilyConfig::Qwen35(q) => q.state_values() as u64,
+            crate::families::FamilyConfig::Lfm2(l) => {
+                ((l.conv_kernel - 1) * self.hidden_size) as u64
+            }
+            _ => 0,
+        };
+        4 * layers * per_layer
+    }
+
     /// Where each layer's keys and values live (its group and place in a
     /// block; the same for every block size).
     pub fn kv_slots(&self) -> Vec<kiln_scheduler::LayerSlot> {

@@ -130,6 +130,29 @@ fn lfm2_config_reads_conv_layers_and_the_feed_forward_size() {
     );
 }
 
+/// The state a sequence holds, as the config prices it (`kiln fit`) and as
+/// the model allocates it: Qwen3.5's three DeltaNet layers each keep 3 past
+/// inputs of 80 channels and 4 value heads of 8 × 12; LFM2's three
+/// convolutions 2 past inputs of 48 channels.
+#[test]
+fn the_state_a_sequence_holds_is_priced_as_allocated() {
+    for (case, values) in [("qwen3_5", 3 * (3 * 80 + 4 * 8 * 12)), ("lfm2", 3 * 2 * 48)] {
+        let m = load(case);
+        assert_eq!(
+            m.config().state_bytes_per_seq(),
+            4 * values as u64,
+            "{case}"
+        );
+        assert_eq!(m.state_bytes_per_seq(), 4 * values as u64, "{case}");
+        let cache = m.new_cache(4, 16, 5).unwrap();
+        assert_eq!(
+            cache.state_shape().unwrap().bytes(),
+            5 * 4 * values as u64,
+            "{case}"
+        );
+    }
+}
+
 #[test]
 fn prefill_matches_transformers() {
     for case in CASES {

@@ -69,6 +69,13 @@ impl Qwen35Config {
     fn conv_dim(&self) -> usize {
         2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
     }
+
+    /// f32 values of one DeltaNet layer's state a sequence: the
+    /// convolution's past inputs and one `k_dim × v_dim` matrix a value head.
+    pub fn state_values(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim()
+            + self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
+    }
 }
 
 fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> {
