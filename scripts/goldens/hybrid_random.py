@@ -4,6 +4,10 @@ computes on them.
 Makes the test data of `crates/kiln-models/tests/qwen3_5.rs` and `lfm2.rs`:
 - `qwen3_5`: a small random `Qwen3_5ForCausalLM` (`qwen3_5_text`: three
   gated-DeltaNet layers, then a gated full-attention layer with partial RoPE);
+- `qwen3_5_moe`: the same layers with every feed-forward a sparse block (8
+  experts, top 2 renormalized, a shared expert under a sigmoid gate; routers
+  scaled so each token's experts are clearly apart: the script prints the
+  smallest margin);
 - `lfm2`: a small random `Lfm2ForCausalLM` (gated short convolutions and GQA
   attention layers interleaved, the feed-forward size auto-adjusted);
 every weight randomised, norms around their centre, saved with `save_pretrained`
@@ -23,7 +27,8 @@ import sys
 
 import torch
 import transformers
-from transformers import Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import (Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
 from common import write_tokenizer  # scripts/goldens/common.py
 
 CONFIG = {
@@ -47,6 +52,10 @@ CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+MOE = {**{k: v for k, v in CONFIG.items() if k != "intermediate_size"},
+       "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+       "shared_expert_intermediate_size": 36}
 
 LFM2 = {
     "vocab_size": 96,
@@ -77,6 +86,9 @@ def randomise(model, gen, lfm2=False):
         for name, p in model.named_parameters():
             if name.endswith("linear_attn.norm.weight") or (lfm2 and name.endswith("norm.weight")):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):
+                # Routers: wide logits, so the top k is decided by a margin.
+                p.copy_(1.0 * torch.randn(p.shape, generator=gen))
             elif name.endswith("norm.weight"):
                 # Zero-centred norms scale by 1 + w.
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
@@ -124,13 +136,29 @@ def save(model, cfg, out):
 
 def main(root):
     torch.set_num_threads(2)
-    which = sys.argv[2:] or ["qwen3_5", "lfm2"]
+    which = sys.argv[2:] or ["qwen3_5", "qwen3_5_moe", "lfm2"]
     if "qwen3_5" in which:
         cfg = Qwen3_5TextConfig(**CONFIG, attn_implementation="eager")
         gen = torch.Generator().manual_seed(20261206)
         model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
         randomise(model, gen)
         save(model, cfg, os.path.join(root, "qwen3_5"))
+    if "qwen3_5_moe" in which:
+        cfg = Qwen3_5MoeTextConfig(**MOE, attn_implementation="eager", experts_implementation="eager")
+        gen = torch.Generator().manual_seed(20261208)
+        model = Qwen3_5MoeForCausalLM(cfg).to(torch.float32).eval()
+        randomise(model, gen)
+        gaps = []
+        hooks = [m.register_forward_hook(lambda mod, inp, out: gaps.append(
+                     (lambda t: (t[..., 1] - t[..., 2]).min().item())(
+                         torch.topk((out[0] if isinstance(out, tuple) else out).double(), 3, dim=-1).values)))
+                 for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        with torch.no_grad():
+            model(torch.tensor([PROMPT]), use_cache=False)
+        for h in hooks:
+            h.remove()
+        print("qwen3_5_moe routing margin", min(gaps))
+        save(model, cfg, os.path.join(root, "qwen3_5_moe"))
     if "lfm2" in which:
         cfg = Lfm2Config(**LFM2, attn_implementation="eager")
         gen = torch.Generator().manual_seed(20261207)

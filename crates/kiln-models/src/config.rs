@@ -237,7 +237,12 @@ impl ModelConfig {
         Ok(ModelConfig {
             model_type,
             hidden_size,
-            intermediate_size: req_usize(c, "intermediate_size")?,
+            // (A model whose every feed-forward is sparse, such as
+            // Qwen3.5-MoE, has only its experts' size.)
+            intermediate_size: match opt_usize(c, "intermediate_size")? {
+                Some(i) => i,
+                None => req_usize(c, "moe_intermediate_size")?,
+            },
             num_layers,
             num_heads,
             num_kv_heads,

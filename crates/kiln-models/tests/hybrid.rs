@@ -3,8 +3,9 @@
 //! `scripts/goldens/hybrid_random.py`; transformers' log-softmax in float64,
 //! and the logits of decoding the last 5 prompt tokens one at a time after a
 //! cached prefill). `qwen3_5`: three gated-DeltaNet layers then a gated
-//! full-attention layer with partial RoPE; `lfm2`: gated short convolutions
-//! and GQA attention layers interleaved.
+//! full-attention layer with partial RoPE; `qwen3_5_moe`: the same with
+//! sparse feed-forwards (8 experts, top 2, a gated shared expert); `lfm2`:
+//! gated short convolutions and GQA attention layers interleaved.
 
 mod common;
 
@@ -18,7 +19,7 @@ use kiln_tensor::ForwardBatch;
 
 use common::{compare_logprobs as compare, host_logits as logits};
 
-const CASES: [&str; 2] = ["qwen3_5", "lfm2"];
+const CASES: [&str; 3] = ["qwen3_5", "qwen3_5_moe", "lfm2"];
 
 fn case_dir(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -105,6 +106,40 @@ fn config_reads_layer_types_and_the_delta_net_shape() {
 }
 
 #[test]
+fn qwen3_5_moe_config_reads_the_sparse_feed_forward() {
+    let cfg = ModelConfig::from_hf(
+        SafetensorsDir::open(case_dir("qwen3_5_moe"))
+            .unwrap()
+            .config(),
+    )
+    .unwrap();
+    let FamilyConfig::Qwen35(q) = &cfg.family else {
+        panic!("{:?}", cfg.family)
+    };
+    let m = q.moe.unwrap();
+    assert_eq!(
+        (
+            m.num_experts,
+            m.top_k,
+            m.expert_intermediate,
+            m.shared_intermediate
+        ),
+        (8, 2, 24, 36)
+    );
+    // A decode token reads 2 of 8 experts.
+    assert_eq!(
+        kiln_models::decode_share(&cfg, "model.layers.0.mlp.experts.3.up_proj.weight"),
+        0.25
+    );
+    let experts = kiln_models::tensor_shapes(&cfg)
+        .unwrap()
+        .iter()
+        .filter(|s| s.0.contains(".experts."))
+        .count();
+    assert_eq!(experts, 4 * 8 * 3);
+}
+
+#[test]
 fn lfm2_config_reads_conv_layers_and_the_feed_forward_size() {
     let d = SafetensorsDir::open(case_dir("lfm2")).unwrap();
     let cfg = ModelConfig::from_hf(d.config()).unwrap();
@@ -136,7 +171,11 @@ fn lfm2_config_reads_conv_layers_and_the_feed_forward_size() {
 /// convolutions 2 past inputs of 48 channels.
 #[test]
 fn the_state_a_sequence_holds_is_priced_as_allocated() {
-    for (case, values) in [("qwen3_5", 3 * (3 * 80 + 4 * 8 * 12)), ("lfm2", 3 * 2 * 48)] {
+    for (case, values) in [
+        ("qwen3_5", 3 * (3 * 80 + 4 * 8 * 12)),
+        ("qwen3_5_moe", 3 * (3 * 80 + 4 * 8 * 12)),
+        ("lfm2", 3 * 2 * 48),
+    ] {
         let m = load(case);
         assert_eq!(
             m.config().state_bytes_per_seq(),

@@ -1,8 +1,11 @@
-//! Qwen3.5 text decoders (`qwen3_5_text`; the text side of the `qwen3_5`
-//! multimodal checkpoints, whose `text_config` `kiln-formats` lifts): a
-//! hybrid of gated DeltaNet layers (linear attention with a fixed-size state,
-//! [`kiln_tensor::recurrent`]) and gated full-attention layers. Reference:
-//! transformers `models/qwen3_5/modeling_qwen3_5.py`.
+//! Qwen3.5 text decoders (`qwen3_5_text`, `qwen3_5_moe_text`; the text side
+//! of the `qwen3_5` / `qwen3_5_moe` multimodal checkpoints, whose
+//! `text_config` `kiln-formats` lifts): a hybrid of gated DeltaNet layers
+//! (linear attention with a fixed-size state, [`kiln_tensor::recurrent`])
+//! and gated full-attention layers; the MoE models' every feed-forward is a
+//! sparse block (softmax top-k renormalized, a shared expert under a sigmoid
+//! gate). Reference: transformers `models/qwen3_5/modeling_qwen3_5.py` and
+//! `models/qwen3_5_moe/modeling_qwen3_5_moe.py`.
 //!
 //! Quirks, each as transformers computes it:
 //! - `layer_types` names each layer `linear_attention` or `full_attention`
@@ -39,7 +42,7 @@ use crate::CausalLm;
 /// The registry's entry for the family.
 pub static FAMILY: Family = Family {
     name: "qwen3_5",
-    model_types: &["qwen3_5_text"],
+    model_types: &["qwen3_5_text", "qwen3_5_moe_text"],
     tied_by_default: false,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
@@ -62,6 +65,35 @@ pub struct Qwen35Config {
     pub linear_k_dim: usize,
     pub linear_v_dim: usize,
     pub conv_kernel: usize,
+    /// The sparse feed-forward of the MoE models (`None`: dense).
+    pub moe: Option<Qwen35Moe>,
+}
+
+/// The sparse feed-forward of `qwen3_5_moe_text`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Qwen35Moe {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    pub shared_intermediate: usize,
+}
+
+impl Qwen35Moe {
+    fn shape(&self, hidden: usize) -> crate::layers::MoeShape {
+        crate::layers::MoeShape {
+            hidden,
+            num_experts: self.num_experts,
+            intermediate: self.expert_intermediate,
+            shared_intermediate: Some(self.shared_intermediate),
+            routing: kiln_tensor::Routing {
+                top_k: self.top_k,
+                scoring: kiln_tensor::Scoring::Softmax,
+                normalize: true,
+            },
+            activation: kiln_tensor::ExpertActivation::Gated(Activation::Silu),
+            names: crate::layers::ExpertNames::Proj,
+        }
+    }
 }
 
 impl Qwen35Config {
@@ -151,8 +183,26 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> 
         linear_k_dim: opt_usize(c, "linear_key_head_dim")?.unwrap_or(128),
         linear_v_dim: opt_usize(c, "linear_value_head_dim")?.unwrap_or(128),
         conv_kernel: opt_usize(c, "linear_conv_kernel_dim")?.unwrap_or(4),
+        moe: match c.get("model_type").and_then(Value::as_str) {
+            Some("qwen3_5_moe_text") => Some(Qwen35Moe {
+                num_experts: opt_usize(c, "num_experts")?.unwrap_or(256),
+                top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(8),
+                expert_intermediate: opt_usize(c, "moe_intermediate_size")?.unwrap_or(512),
+                shared_intermediate: opt_usize(c, "shared_expert_intermediate_size")?
+                    .unwrap_or(512),
+            }),
+            _ => None,
+        },
         linear_layers,
     };
+    if let Some(m) = &cfg.moe {
+        if m.num_experts == 0 || m.top_k == 0 || m.top_k > m.num_experts {
+            return Err(err(
+                "num_experts_per_tok",
+                format!("{} of {} experts", m.top_k, m.num_experts),
+            ));
+        }
+    }
     if cfg.linear_k_heads == 0
         || cfg.linear_v_heads % cfg.linear_k_heads != 0
         || cfg.conv_kernel == 0
@@ -233,9 +283,20 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             add("self_attn.q_norm.weight", vec![hd]);
             add("self_attn.k_norm.weight", vec![hd]);
         }
-        add("mlp.gate_proj.weight", vec![i, h]);
-        add("mlp.up_proj.weight", vec![i, h]);
-        add("mlp.down_proj.weight", vec![h, i]);
+        match &q.moe {
+            Some(m) => {
+                let prefix = format!("{p}.mlp");
+                out.extend(
+                    m.shape(h)
+                        .tensor_shapes(&prefix, &format!("{prefix}.gate.weight")),
+                );
+            }
+            None => {
+                add("mlp.gate_proj.weight", vec![i, h]);
+                add("mlp.up_proj.weight", vec![i, h]);
+                add("mlp.down_proj.weight", vec![h, i]);
+            }
+        }
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
@@ -272,11 +333,16 @@ enum Mixer {
     },
 }
 
+enum Ffn {
+    Dense(GatedMlp),
+    Sparse(crate::layers::SparseMoe),
+}
+
 struct Block {
     input_norm: RmsNorm,
     mixer: Mixer,
     post_norm: RmsNorm,
-    mlp: GatedMlp,
+    mlp: Ffn,
 }
 
 pub struct Qwen35 {
@@ -406,13 +472,24 @@ impl Qwen35 {
                 input_norm: norm(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
                 mixer,
                 post_norm: norm(&l, &format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-                mlp: GatedMlp::load(
-                    &l,
-                    &format!("{p}.mlp"),
-                    h,
-                    cfg.intermediate_size,
-                    Activation::Silu,
-                )?,
+                mlp: match &q.moe {
+                    Some(m) => {
+                        let prefix = format!("{p}.mlp");
+                        Ffn::Sparse(crate::layers::SparseMoe::load(
+                            &l,
+                            &prefix,
+                            &format!("{prefix}.gate.weight"),
+                            &m.shape(h),
+                        )?)
+                    }
+                    None => Ffn::Dense(GatedMlp::load(
+                        &l,
+                        &format!("{p}.mlp"),
+                        h,
+                        cfg.intermediate_size,
+                        Activation::Silu,
+                    )?),
+                },
             });
         }
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
@@ -491,9 +568,15 @@ impl Qwen35 {
                     o.forward(b, &gated, Fuse::NONE.with_residual(&x))?
                 }
             };
-            x = blk
-                .mlp
-                .forward(b, &mixed, Fuse::norm(&blk.post_norm).with_residual(&mixed))?;
+            x = match &blk.mlp {
+                Ffn::Dense(mlp) => {
+                    mlp.forward(b, &mixed, Fuse::norm(&blk.post_norm).with_residual(&mixed))?
+                }
+                Ffn::Sparse(moe) => {
+                    let h = blk.post_norm.forward(b, &mixed)?;
+                    b.add(&mixed, &moe.forward(b, &h)?)?
+                }
+            };
         }
         let x = b.gather_rows(&x, &batch.logits_rows)?;
         if out == StepOutput::Hidden {
@@ -539,6 +622,16 @@ impl CausalLm for Qwen35 {
 
     fn state_bytes_per_seq(&self) -> u64 {
         self.state_shape(1).bytes()
+    }
+
+    fn expert_load(&self) -> Vec<Vec<u64>> {
+        self.blocks
+            .iter()
+            .filter_map(|b| match &b.mlp {
+                Ffn::Sparse(m) => Some(m.layer.load.snapshot()),
+                Ffn::Dense(_) => None,
+            })
+            .collect()
     }
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
