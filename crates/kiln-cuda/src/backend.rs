@@ -301,6 +301,10 @@ impl Memory for CudaBackend {
     fn alloc_kv_cache(&self, spec: KvPoolShape) -> Result<KvCache> {
         crate::ops::attention::cache::alloc_kv_cache(self, spec)
     }
+
+    fn alloc_state(&self, shape: kiln_tensor::StateShape) -> Result<Box<dyn std::any::Any + Send>> {
+        crate::ops::recurrent::alloc_state(self, shape)
+    }
 }
 
 impl Ops for CudaBackend {
@@ -421,6 +425,32 @@ impl Ops for CudaBackend {
     }
 
     /// Soft-capping, LayerNorm and erf GELU have kernels.
+    fn supports_recurrent(&self, mixer: &kiln_tensor::RecurrentMixer) -> bool {
+        if !self.options.recurrent {
+            return false;
+        }
+        match mixer {
+            kiln_tensor::RecurrentMixer::ShortConv(_) => self.dev.has("recurrent_conv"),
+            kiln_tensor::RecurrentMixer::GatedDeltaNet(g) => {
+                self.dev.has("recurrent_conv")
+                    && self.dev.has("gated_delta_rule")
+                    && (g.k_dim * g.v_dim + 2 * g.k_dim) * 4
+                        <= crate::ops::recurrent::DELTA_MAX_SMEM
+                    && g.v_dim <= 1024
+            }
+        }
+    }
+
+    fn recurrent_mixer(
+        &self,
+        x: &Tensor,
+        mixer: &kiln_tensor::RecurrentMixer,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        crate::ops::recurrent::recurrent_mixer(self, x, mixer, batch, cache)
+    }
+
     fn has_extension(&self, name: &str) -> bool {
         let kernel = match name {
             kiln_tensor::SoftCap::NAME => "softcap_bf16",

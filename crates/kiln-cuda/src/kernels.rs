@@ -61,6 +61,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("argmax", include_str!("ops/argmax/argmax.cu")),
     ("sample", include_str!("ops/sample/sample.cu")),
     ("lora", include_str!("ops/lora/lora.cu")),
+    ("recurrent", include_str!("ops/recurrent/recurrent.cu")),
 ];
 
 /// Every kernel the backend launches by name (the CI compile test checks
@@ -127,6 +128,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_fp8_hd64",
     "flash_prefill_fp8_hd128",
     "flash_prefill_fp8_hd256",
+    "recurrent_conv",
+    "gated_delta_rule",
 ];
 
 /// The block formats with kernels, by kernel name: `qgemv_<fmt>_m1` …

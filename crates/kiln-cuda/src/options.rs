@@ -51,6 +51,11 @@ pub struct CudaOptions {
     /// FP8 does) where the GPU has them. Default `true`; `false` keeps the
     /// activations exact (W8A16: dequantized slabs through bf16 cuBLAS).
     pub fp8_activations: bool,
+    /// Run hybrid models' recurrent layers (`ops/recurrent`: the
+    /// convolution with its state, the gated delta rule). Default `false`
+    /// until `kiln dev cuda-check` has checked the kernels on a GPU: a
+    /// hybrid model is refused at load, by name.
+    pub recurrent: bool,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -73,6 +78,7 @@ impl Default for CudaOptions {
             qgemv_blocks_per_sm: 2,
             kv_cache_fp8: false,
             fp8_activations: true,
+            recurrent: false,
             kernel_defines: String::new(),
         }
     }

@@ -22,6 +22,10 @@ use rayon::prelude::*;
 
 use crate::error::{Result, TensorError};
 
+/// A backend's own copy of a layer's small parameters (the convolution
+/// taps, gates and norm), made on first use and kept with the layer.
+pub type DeviceCopy = std::sync::Arc<std::sync::OnceLock<Box<dyn std::any::Any + Send + Sync>>>;
+
 /// The recurrent state a KV cache keeps: for each of `num_layers`
 /// recurrent layers and each of `num_slots` sequence slots, `conv` f32
 /// values (the convolution's past inputs) then `recurrent` ones.
@@ -84,6 +88,8 @@ pub struct GatedDeltaNet {
     pub eps: f32,
     /// The layer's index among the model's recurrent layers (its state's).
     pub state_layer: usize,
+    /// A backend's copy of `conv`, `a_log`, `dt_bias` and `norm`.
+    pub device: DeviceCopy,
 }
 
 impl GatedDeltaNet {
@@ -153,6 +159,8 @@ pub struct ShortConv {
     pub conv: Vec<f32>,
     /// The layer's index among the model's recurrent layers.
     pub state_layer: usize,
+    /// A backend's copy of `conv`.
+    pub device: DeviceCopy,
 }
 
 /// A recurrent token mixer, as [`crate::Ops::recurrent_mixer`] runs it.

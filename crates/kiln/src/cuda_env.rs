@@ -109,6 +109,12 @@ pub const KNOBS: &[Knob] = &[
         set: Set::Switch(|o| &mut o.fp8_activations),
     },
     Knob {
+        var: "KILN_CUDA_RECURRENT",
+        default: "0",
+        help: "hybrid models' recurrent layers (DeltaNet, short convolutions) on the GPU; 0 refuses such models until their kernels are checked on a GPU (kiln dev cuda-check)",
+        set: Set::Switch(|o| &mut o.recurrent),
+    },
+    Knob {
         var: "KILN_KERNEL_DEFINES",
         default: "",
         help: "NAME=VALUE overrides of kernels' #ifndef tuning macros, separated by blanks or +, for timing experiments",
@@ -279,6 +285,7 @@ mod tests {
             ("KILN_DECODE_TARGET_BLOCKS", "64"),
             ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
             ("KILN_FP8_ACTIVATIONS", "0"),
+            ("KILN_CUDA_RECURRENT", "1"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -298,11 +305,12 @@ mod tests {
                 // Set by --kv-cache-dtype, not by a variable.
                 kv_cache_fp8: false,
                 fp8_activations: false,
+                recurrent: true,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 12);
+        assert_eq!(KNOBS.len(), 13);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 

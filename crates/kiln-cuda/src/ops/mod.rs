@@ -10,6 +10,7 @@ pub(crate) mod gather;
 pub(crate) mod lora;
 pub(crate) mod matmul;
 pub(crate) mod norm;
+pub(crate) mod recurrent;
 pub(crate) mod rope_kv_write;
 pub(crate) mod sample;
 
@@ -22,5 +23,6 @@ use crate::CudaError;
 pub(crate) fn configure(dev: &mut Device, warnings: &mut Vec<String>) -> Result<(), CudaError> {
     attention::configure(dev)?;
     matmul::configure(dev, warnings);
+    recurrent::configure(dev, warnings);
     Ok(())
 }

@@ -152,6 +152,7 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
     lora_ops(&mut p, &mut rng)?;
     blocks::block_ops(&mut p, &mut rng)?;
+    recurrent::recurrent_ops(&mut p, &mut rng)?;
     recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
     p.checks.extend(crate::ops::sample::check::checks(p.gpu)?);
     Ok(p.checks)
@@ -355,6 +356,7 @@ fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
 /// A sequence of steps over one shared KV history on both backends.
 mod attention;
 mod blocks;
+mod recurrent;
 mod steps;
 
 use attention::{attention_ops, bidirectional_ops};

@@ -84,7 +84,12 @@ pub(crate) fn run_step(
     forward: Forward,
 ) -> Result<Tensor> {
     let bucket = bucket_for(batch.seqs.len());
-    let (true, true, Some(bucket)) = (b.graphs_enabled(), is_graphable(batch), bucket) else {
+    // (Steps of a model with recurrent state run eagerly: their state slots
+    // are not in the recorded metadata.)
+    let stateless = cache.state_shape().is_none();
+    let (true, true, true, Some(bucket)) =
+        (b.graphs_enabled(), is_graphable(batch), stateless, bucket)
+    else {
         return eager(b, batch, cache, forward);
     };
     let width = table_width(batch);

@@ -269,6 +269,7 @@ impl Lfm2 {
                     kernel: f.conv_kernel,
                     conv: l.host(&format!("{p}.conv.conv.weight"), &[h, 1, f.conv_kernel])?,
                     state_layer: recurrent,
+                    device: Default::default(),
                 });
                 recurrent += 1;
                 if !backend.supports_recurrent(&conv) {

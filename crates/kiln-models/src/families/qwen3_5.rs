@@ -392,6 +392,7 @@ impl Qwen35 {
                     norm: l.host(&format!("{a}.norm.weight"), &[q.linear_v_dim])?,
                     eps,
                     state_layer: recurrent,
+                    device: Default::default(),
                 };
                 recurrent += 1;
                 let delta = RecurrentMixer::GatedDeltaNet(delta);

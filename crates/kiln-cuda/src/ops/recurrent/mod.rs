@@ -1,0 +1,305 @@
+//! Recurrent token mixers (`recurrent.cu`): the state beside the KV blocks
+//! (f32, [`kiln_tensor::StateShape`]), the convolution with its past
+//! inputs, and the gated delta rule — each sequence's tokens in order, as
+//! the CPU reference runs them; restores from and snapshots into other
+//! slots as [`kiln_tensor::SeqState`] says.
+
+use cudarc::driver::LaunchConfig;
+use kiln_tensor::recurrent::{GatedDeltaNet, RecurrentMixer, ShortConv};
+use kiln_tensor::{ForwardBatch, KvCache, Result, StateShape, Tensor, TensorError};
+
+use crate::backend::CudaBackend;
+use crate::driver::device::{dev_err, ptr, wrap};
+use crate::driver::pool::DevBuf;
+
+/// Most taps a convolution may have (`KILN_CONV_MAX_K`).
+const MAX_KERNEL: usize = 8;
+/// Threads of a conv block.
+const CONV_THREADS: u32 = 128;
+/// The most dynamic shared memory the delta rule asks for.
+pub(crate) const DELTA_MAX_SMEM: usize = 200 * 1024;
+
+/// A cache's recurrent state on the device.
+pub(crate) struct CudaState {
+    pub(crate) buf: DevBuf,
+}
+
+pub(crate) fn alloc_state(
+    cuda: &CudaBackend,
+    shape: StateShape,
+) -> Result<Box<dyn std::any::Any + Send>> {
+    let bytes = shape.bytes() as usize;
+    let buf = cuda.dev.alloc_exact(bytes.max(4), "recurrent state")?;
+    // SAFETY: buf holds at least `bytes` bytes; zero is 0.0f.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(
+            buf.ptr,
+            0,
+            bytes.max(4),
+            cuda.dev.stream.cu_stream(),
+        )
+    }
+    .map_err(dev_err)?;
+    Ok(Box::new(CudaState { buf }))
+}
+
+/// A layer's small parameters on the device, uploaded on first use: conv
+/// (then a_log, dt_bias and norm for a DeltaNet, [`delta_offsets`]), f32.
+struct Params {
+    buf: DevBuf,
+}
+
+fn params(cuda: &CudaBackend, mixer: &RecurrentMixer) -> Result<u64> {
+    let (copy, parts): (_, Vec<&[f32]>) = match mixer {
+        RecurrentMixer::GatedDeltaNet(g) => {
+            (&g.device, vec![&g.conv, &g.a_log, &g.dt_bias, &g.norm])
+        }
+        RecurrentMixer::ShortConv(c) => (&c.device, vec![&c.conv]),
+    };
+    if let Some(p) = copy.get().and_then(|b| b.downcast_ref::<Params>()) {
+        return Ok(p.buf.ptr);
+    }
+    let data: Vec<f32> = parts.concat();
+    let buf = cuda
+        .dev
+        .alloc_exact(data.len().max(1) * 4, "recurrent layer parameters")?;
+    cuda.dev.htod(buf.ptr, &data)?;
+    let p = buf.ptr;
+    // (A racing first use keeps the other copy; both hold the same values.)
+    let _ = copy.set(Box::new(Params { buf }));
+    Ok(copy
+        .get()
+        .and_then(|b| b.downcast_ref::<Params>())
+        .map_or(p, |p| p.buf.ptr))
+}
+
+/// The offsets of a delta-rule layer's parameters in its copy.
+fn delta_offsets(g: &GatedDeltaNet) -> [usize; 4] {
+    let a = g.conv.len();
+    [0, a, a + g.a_log.len(), a + g.a_log.len() + g.dt_bias.len()]
+}
+
+/// The sequences' metadata (6 i32 a sequence, then the snapshot count)
+/// and their snapshots (2 i32 each), on the device.
+fn upload_seqs(cuda: &CudaBackend, batch: &ForwardBatch, slots: usize) -> Result<(DevBuf, DevBuf)> {
+    let mut seqs = Vec::with_capacity(6 * batch.seqs.len() + 1);
+    let mut snaps: Vec<i32> = Vec::new();
+    let mut named = Vec::new();
+    for (i, s) in batch.seqs.iter().enumerate() {
+        let st = batch.seq_state(i);
+        let src = st.restore_from.unwrap_or(st.slot);
+        named.push(st.slot);
+        named.extend(st.snapshots.iter().map(|x| x.1));
+        if src as usize >= slots || st.slot as usize >= slots {
+            return Err(TensorError::Shape {
+                op: "recurrent_mixer",
+                detail: format!("state slot {} (from {src}) of {slots}", st.slot),
+            });
+        }
+        let fresh = s.num_computed == 0 && st.restore_from.is_none();
+        seqs.extend([
+            s.token_start as i32,
+            s.num_tokens as i32,
+            st.slot as i32,
+            src as i32,
+            fresh as i32,
+            (snaps.len() / 2) as i32,
+        ]);
+        for &(t, slot) in &st.snapshots {
+            snaps.extend([t as i32, slot as i32]);
+        }
+    }
+    seqs.push((snaps.len() / 2) as i32);
+    let mut sorted = named.clone();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1])
+        || sorted.last().is_some_and(|&s| s as usize >= slots)
+    {
+        return Err(TensorError::Shape {
+            op: "recurrent_mixer",
+            detail: format!("state slots {named:?} of {slots}"),
+        });
+    }
+    snaps.push(0);
+    let sb = cuda.dev.alloc(seqs.len(), 4, "recurrent step metadata")?;
+    cuda.dev.htod(sb.ptr, &seqs)?;
+    let nb = cuda.dev.alloc(snaps.len(), 4, "recurrent snapshots")?;
+    cuda.dev.htod(nb.ptr, &snaps)?;
+    Ok((sb, nb))
+}
+
+pub(crate) fn recurrent_mixer(
+    cuda: &CudaBackend,
+    x: &Tensor,
+    mixer: &RecurrentMixer,
+    batch: &ForwardBatch,
+    cache: &mut KvCache,
+) -> Result<Tensor> {
+    let (n, d) = x.dims2("recurrent_mixer")?;
+    if d != mixer.in_dim() || n != batch.num_tokens() {
+        return Err(TensorError::Shape {
+            op: "recurrent_mixer",
+            detail: format!(
+                "input [{n}, {d}] for {} tokens of {} columns",
+                batch.num_tokens(),
+                mixer.in_dim()
+            ),
+        });
+    }
+    let Some((shape, storage)) = cache.state_mut() else {
+        return Err(TensorError::Shape {
+            op: "recurrent_mixer",
+            detail: "a cache without recurrent state".into(),
+        });
+    };
+    let state = storage
+        .downcast_ref::<CudaState>()
+        .ok_or(TensorError::WrongBackend {
+            op: "recurrent_mixer",
+            expected: "cuda",
+        })?
+        .buf
+        .ptr;
+    let (conv, rec) = mixer.state();
+    if shape.conv != conv || shape.recurrent != rec || mixer.state_layer() >= shape.num_layers {
+        return Err(TensorError::Shape {
+            op: "recurrent_mixer",
+            detail: format!("{} state ({conv}, {rec}) against {shape:?}", mixer.name()),
+        });
+    }
+    let layer_state = state + 4 * shape.offset(mixer.state_layer(), 0) as u64;
+    let slot_len = shape.per_slot() as i64;
+    let out = cuda.alloc(n * mixer.out_dim(), "a recurrent mixer's output")?;
+    if n == 0 {
+        return Ok(wrap(vec![0, mixer.out_dim()], out));
+    }
+    let (seqs, snaps) = upload_seqs(cuda, batch, shape.num_slots)?;
+    let num_seqs = batch.seqs.len() as i32;
+    let p = params(cuda, mixer)?;
+    let xp = ptr(x, "recurrent_mixer")?;
+    let x_stride = d as i64;
+    let conv_launch = |k: usize, channels: usize, mode: i32, f32_out: u64, bf16_out: u64| {
+        if k == 0 || k > MAX_KERNEL {
+            return Err(TensorError::Shape {
+                op: "recurrent_mixer",
+                detail: format!("a convolution of {k} taps (at most {MAX_KERNEL})"),
+            });
+        }
+        let func = cuda.dev.func("recurrent_conv")?;
+        let (ki, ci) = (k as i32, channels as i32);
+        let snaps_ptr = snaps.ptr;
+        let mut b = cuda.dev.launch(func);
+        b.arg(&xp)
+            .arg(&x_stride)
+            .arg(&p)
+            .arg(&ki)
+            .arg(&ci)
+            .arg(&mode)
+            .arg(&layer_state)
+            .arg(&slot_len)
+            .arg(&seqs.ptr)
+            .arg(&snaps_ptr)
+            .arg(&num_seqs)
+            .arg(&f32_out)
+            .arg(&bf16_out);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                batch.seqs.len() as u32,
+                (channels as u32).div_ceil(CONV_THREADS),
+                1,
+            ),
+            block_dim: (CONV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: x [n, d] bf16 with rows of b | c | x (mode 1) or the
+        // conv's channels first (mode 0); the params' first `channels * k`
+        // f32 are the taps; the state of `shape` at `layer_state`; the
+        // metadata as `upload_seqs` laid it out; the output [n, channels].
+        unsafe { b.launch(cfg) }.map_err(dev_err)
+    };
+    match mixer {
+        RecurrentMixer::ShortConv(ShortConv { dim, kernel, .. }) => {
+            conv_launch(*kernel, *dim, 1, 0, out.ptr)?;
+        }
+        RecurrentMixer::GatedDeltaNet(g) => {
+            let cd = g.conv_dim();
+            let mixed = cuda.dev.alloc(n * cd, 4, "the DeltaNet's convolution")?;
+            conv_launch(g.kernel, cd, 0, mixed.ptr, 0)?;
+            let at = delta_offsets(g);
+            let threads = (g.v_dim as u32).div_ceil(32).max(1) * 32;
+            let smem = (g.k_dim * g.v_dim + 2 * g.k_dim) * 4;
+            if threads > 1024 || smem > DELTA_MAX_SMEM {
+                return Err(TensorError::Unsupported {
+                    backend: "cuda",
+                    what: format!(
+                        "DeltaNet heads of {} x {} (at most 1024 value dims and {} KiB of state)",
+                        g.k_dim,
+                        g.v_dim,
+                        DELTA_MAX_SMEM / 1024
+                    ),
+                });
+            }
+            let func = cuda.dev.func("gated_delta_rule")?;
+            let (mstride, vh, vd) = (cd as i32, g.v_heads as i32, g.v_dim as i32);
+            let z_col = cd as i32;
+            let b_col = z_col + vh * vd;
+            let a_col = b_col + vh;
+            let [_, a_log, dt_bias, norm] = at.map(|o| p + 4 * o as u64);
+            let (kh, kd) = (g.k_heads as i32, g.k_dim as i32);
+            let conv_len = conv as i64;
+            let mut b = cuda.dev.launch(func);
+            b.arg(&mixed.ptr)
+                .arg(&mstride)
+                .arg(&xp)
+                .arg(&x_stride)
+                .arg(&z_col)
+                .arg(&b_col)
+                .arg(&a_col)
+                .arg(&a_log)
+                .arg(&dt_bias)
+                .arg(&norm)
+                .arg(&g.eps)
+                .arg(&kh)
+                .arg(&vh)
+                .arg(&kd)
+                .arg(&vd)
+                .arg(&layer_state)
+                .arg(&slot_len)
+                .arg(&conv_len)
+                .arg(&seqs.ptr)
+                .arg(&snaps.ptr)
+                .arg(&num_seqs)
+                .arg(&out.ptr);
+            let cfg = LaunchConfig {
+                grid_dim: (batch.seqs.len() as u32, g.v_heads as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // SAFETY: mixed [n, cd] f32 written above; x [n, in_dim] bf16
+            // with z, b, a at their columns; the params at their offsets;
+            // the state and metadata as above; out [n, v_heads * v_dim].
+            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+        }
+    }
+    Ok(wrap(vec![n, mixer.out_dim()], out))
+}
+
+/// Raises the delta rule's dynamic shared memory limit; a GPU that cannot
+/// give it loses the kernel (hybrid models then refuse to load), with a
+/// warning.
+pub(crate) fn configure(dev: &mut crate::driver::device::Device, warnings: &mut Vec<String>) {
+    let attr =
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    dev.funcs.retain(|entry, f| {
+        if entry != "gated_delta_rule" {
+            return true;
+        }
+        match f.set_attribute(attr, DELTA_MAX_SMEM as i32) {
+            Ok(()) => true,
+            Err(e) => {
+                warnings.push(format!("{entry} unavailable: {e:?}"));
+                false
+            }
+        }
+    });
+}

@@ -1,0 +1,147 @@
+//! The recurrent mixers (`ops/recurrent`) against the CPU reference: the
+//! gated DeltaNet at Qwen3.5's head shape (16 key heads of 128, 32 value
+//! heads of 128, a 4-tap convolution) and a small odd one, LFM2's short
+//! convolution; three sequences in one step (one fresh, one continuing a
+//! state, one restored from a snapshot slot), snapshots taken mid-step;
+//! the outputs and every slot's state afterwards.
+
+use kiln_tensor::recurrent::{GatedDeltaNet, RecurrentMixer, ShortConv};
+use kiln_tensor::{ForwardBatch, KvPoolShape, SeqState, StateShape};
+
+use super::{e, Pair, Rng, R, TOL};
+
+/// The state's tolerance: f32 on both sides, the kernels' sums in another
+/// order (and exp/rsqrt intrinsics), through a few tokens of recurrence.
+const TOL_STATE: f64 = 2e-3;
+
+fn delta(
+    rng: &mut Rng,
+    (kh, vh, kd, vd, k): (usize, usize, usize, usize, usize),
+) -> RecurrentMixer {
+    let cd = 2 * kh * kd + vh * vd;
+    RecurrentMixer::GatedDeltaNet(GatedDeltaNet {
+        k_heads: kh,
+        v_heads: vh,
+        k_dim: kd,
+        v_dim: vd,
+        kernel: k,
+        conv: rng.vec(cd * k, 0.5),
+        a_log: rng.vec(vh, 1.0),
+        dt_bias: rng.vec(vh, 0.5),
+        norm: rng.vec(vd, 1.0).iter().map(|x| 1.0 + 0.3 * x).collect(),
+        eps: 1e-6,
+        state_layer: 1,
+        device: Default::default(),
+    })
+}
+
+pub(super) fn recurrent_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    let cases = [
+        (
+            "gated_delta_net 16x128/32x128 k4",
+            delta(rng, (16, 32, 128, 128, 4)),
+        ),
+        ("gated_delta_net 2x8/6x12 k3", delta(rng, (2, 6, 8, 12, 3))),
+        (
+            "short_conv 96 k3",
+            RecurrentMixer::ShortConv(ShortConv {
+                dim: 96,
+                kernel: 3,
+                conv: rng.vec(96 * 3, 0.5),
+                state_layer: 1,
+                device: Default::default(),
+            }),
+        ),
+    ];
+    for (name, mixer) in cases {
+        let (conv, rec) = mixer.state();
+        let shape = StateShape {
+            num_layers: 2,
+            num_slots: 6,
+            conv,
+            recurrent: rec,
+        };
+        // Sequences: 5 fresh tokens on slot 0 (snapshots after 2 and 5 into
+        // slots 3 and 4), 1 token continuing slot 1's state, 7 tokens on
+        // slot 2 restored from slot 5's after 11 computed tokens; layer 0's
+        // state (another layer's) stays as it was.
+        let lens = [5usize, 1, 7];
+        let n: usize = lens.iter().sum();
+        let mut batch = ForwardBatch {
+            block_size: 16,
+            ..ForwardBatch::default()
+        };
+        for (i, (&len, computed)) in lens.iter().zip([0usize, 9, 11]).enumerate() {
+            batch.push_seq(&vec![1; len], computed, vec![i as u32], true);
+        }
+        batch.states = vec![
+            SeqState {
+                slot: 0,
+                restore_from: None,
+                snapshots: vec![(2, 3), (5, 4)],
+            },
+            SeqState {
+                slot: 1,
+                ..SeqState::default()
+            },
+            SeqState {
+                slot: 2,
+                restore_from: Some(5),
+                snapshots: Vec::new(),
+            },
+        ];
+        let x = rng.vec(n * mixer.in_dim(), 1.0);
+        let start = rng.vec(shape.num_layers * shape.num_slots * shape.per_slot(), 0.5);
+        let kv = KvPoolShape {
+            num_layers: 1,
+            num_groups: 1,
+            num_blocks: 4,
+            block_size: 16,
+            kv_row: 8,
+        };
+        let gpu = p.gpu;
+        let run = |b: &dyn kiln_tensor::Backend| -> R<(Vec<f32>, Vec<f32>)> {
+            let mut cache = b.alloc_kv_cache(kv).map_err(e)?;
+            let st = b.alloc_state(shape).map_err(e)?;
+            cache = cache.with_state(shape, st);
+            state_io(gpu, &mut cache, Some(&start))?;
+            let xt = b.upload(&[n, mixer.in_dim()], &x).map_err(e)?;
+            let y = b
+                .recurrent_mixer(&xt, &mixer, &batch, &mut cache)
+                .map_err(e)?;
+            Ok((b.to_host(&y).map_err(e)?, state_io(gpu, &mut cache, None)?))
+        };
+        let (gy, gs) = run(p.gpu)?;
+        let (cy, cs) = run(&p.cpu)?;
+        p.push(format!("recurrent {name}: output"), &gy, &cy, TOL);
+        p.push(format!("recurrent {name}: state"), &gs, &cs, TOL_STATE);
+    }
+    Ok(())
+}
+
+/// Write a cache's whole state (f32, slot order) from `values`, or read
+/// it: host storage (the CPU's) or the device's.
+fn state_io(
+    gpu: &crate::CudaBackend,
+    cache: &mut kiln_tensor::KvCache,
+    values: Option<&[f32]>,
+) -> R<Vec<f32>> {
+    let (shape, st) = cache.state_mut().ok_or("no state")?;
+    let n = shape.num_layers * shape.num_slots * shape.per_slot();
+    if let Some(v) = st.downcast_mut::<Vec<f32>>() {
+        if let Some(values) = values {
+            v.copy_from_slice(values);
+        }
+        return Ok(v.clone());
+    }
+    let s = st
+        .downcast_ref::<crate::ops::recurrent::CudaState>()
+        .ok_or("unknown state storage")?;
+    match values {
+        Some(values) => {
+            gpu.dev.htod(s.buf.ptr, values).map_err(e)?;
+            Ok(values.to_vec())
+        }
+        None => gpu.dev.dtoh::<f32>(s.buf.ptr, n).map_err(e),
+    }
+}
