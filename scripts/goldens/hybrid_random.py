@@ -27,8 +27,9 @@ import sys
 
 import torch
 import transformers
-from transformers import (Lfm2Config, Lfm2ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
-                          Qwen3_5MoeTextConfig, Qwen3_5TextConfig)
+from transformers import (Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM,
+                          Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                          Qwen3_5TextConfig)
 from common import write_tokenizer  # scripts/goldens/common.py
 
 CONFIG = {
@@ -78,6 +79,11 @@ LFM2 = {
     "eos_token_id": 2,
 }
 
+LFM2_MOE = {**{k: v for k, v in LFM2.items() if not k.startswith("block_")},
+            "intermediate_size": 64, "moe_intermediate_size": 24, "num_dense_layers": 1,
+            "num_experts": 8, "num_experts_per_tok": 2, "use_expert_bias": True,
+            "routed_scaling_factor": 1.5, "norm_topk_prob": True}
+
 PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
 
 
@@ -86,7 +92,9 @@ def randomise(model, gen, lfm2=False):
         for name, p in model.named_parameters():
             if name.endswith("linear_attn.norm.weight") or (lfm2 and name.endswith("norm.weight")):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("expert_bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("mlp.gate.weight", "feed_forward.gate.weight")):
                 # Routers: wide logits, so the top k is decided by a margin.
                 p.copy_(1.0 * torch.randn(p.shape, generator=gen))
             elif name.endswith("norm.weight"):
@@ -136,7 +144,7 @@ def save(model, cfg, out):
 
 def main(root):
     torch.set_num_threads(2)
-    which = sys.argv[2:] or ["qwen3_5", "qwen3_5_moe", "lfm2"]
+    which = sys.argv[2:] or ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"]
     if "qwen3_5" in which:
         cfg = Qwen3_5TextConfig(**CONFIG, attn_implementation="eager")
         gen = torch.Generator().manual_seed(20261206)
@@ -159,6 +167,16 @@ def main(root):
             h.remove()
         print("qwen3_5_moe routing margin", min(gaps))
         save(model, cfg, os.path.join(root, "qwen3_5_moe"))
+    if "lfm2_moe" in which:
+        cfg = Lfm2MoeConfig(**LFM2_MOE, attn_implementation="eager", experts_implementation="eager")
+        gen = torch.Generator().manual_seed(20261209)
+        model = Lfm2MoeForCausalLM(cfg).to(torch.float32).eval()
+        randomise(model, gen, lfm2=True)
+        with torch.no_grad():  # (a buffer, not a parameter)
+            for n, b in model.named_buffers():
+                if n.endswith("expert_bias"):
+                    b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+        save(model, cfg, os.path.join(root, "lfm2_moe"))
     if "lfm2" in which:
         cfg = Lfm2Config(**LFM2, attn_implementation="eager")
         gen = torch.Generator().manual_seed(20261207)

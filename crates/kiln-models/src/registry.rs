@@ -92,6 +92,9 @@ pub fn decode_share(config: &ModelConfig, name: &str) -> f64 {
         families::FamilyConfig::GptOss(g) if name.contains(".experts.") => {
             g.top_k as f64 / g.num_experts as f64
         }
+        families::FamilyConfig::Lfm2(l) if name.contains(".experts.") => {
+            l.moe.map_or(1.0, |m| m.top_k as f64 / m.num_experts as f64)
+        }
         families::FamilyConfig::Qwen35(q) if name.contains(".experts.") => {
             q.moe.map_or(1.0, |m| m.top_k as f64 / m.num_experts as f64)
         }

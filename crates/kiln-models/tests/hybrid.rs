@@ -5,7 +5,9 @@
 //! cached prefill). `qwen3_5`: three gated-DeltaNet layers then a gated
 //! full-attention layer with partial RoPE; `qwen3_5_moe`: the same with
 //! sparse feed-forwards (8 experts, top 2, a gated shared expert); `lfm2`:
-//! gated short convolutions and GQA attention layers interleaved.
+//! gated short convolutions and GQA attention layers interleaved;
+//! `lfm2_moe`: the same with sparse feed-forwards past the first (a sigmoid
+//! router with a selection bias, scaled weights).
 
 mod common;
 
@@ -19,7 +21,7 @@ use kiln_tensor::ForwardBatch;
 
 use common::{compare_logprobs as compare, host_logits as logits};
 
-const CASES: [&str; 3] = ["qwen3_5", "qwen3_5_moe", "lfm2"];
+const CASES: [&str; 4] = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"];
 
 fn case_dir(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -140,6 +142,37 @@ fn qwen3_5_moe_config_reads_the_sparse_feed_forward() {
 }
 
 #[test]
+fn lfm2_moe_config_reads_the_sparse_layers_and_router() {
+    let cfg =
+        ModelConfig::from_hf(SafetensorsDir::open(case_dir("lfm2_moe")).unwrap().config()).unwrap();
+    let FamilyConfig::Lfm2(f) = &cfg.family else {
+        panic!("{:?}", cfg.family)
+    };
+    let m = f.moe.unwrap();
+    assert_eq!(
+        (
+            m.num_experts,
+            m.top_k,
+            m.expert_intermediate,
+            m.num_dense_layers
+        ),
+        (8, 2, 24, 1)
+    );
+    assert!(m.expert_bias && m.normalize && m.scale == 1.5);
+    // The dense layer's feed-forward is intermediate_size wide, not adjusted.
+    assert_eq!(f.ff_dim, 64);
+    assert!(!m.sparse(0) && m.sparse(1));
+    let shapes = kiln_models::tensor_shapes(&cfg).unwrap();
+    assert_eq!(
+        shapes
+            .iter()
+            .filter(|s| s.0.ends_with("expert_bias"))
+            .count(),
+        4
+    );
+}
+
+#[test]
 fn lfm2_config_reads_conv_layers_and_the_feed_forward_size() {
     let d = SafetensorsDir::open(case_dir("lfm2")).unwrap();
     let cfg = ModelConfig::from_hf(d.config()).unwrap();
@@ -175,6 +208,7 @@ fn the_state_a_sequence_holds_is_priced_as_allocated() {
         ("qwen3_5", 3 * (3 * 80 + 4 * 8 * 12)),
         ("qwen3_5_moe", 3 * (3 * 80 + 4 * 8 * 12)),
         ("lfm2", 3 * 2 * 48),
+        ("lfm2_moe", 3 * 2 * 48),
     ] {
         let m = load(case);
         assert_eq!(

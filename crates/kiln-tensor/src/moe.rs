@@ -24,16 +24,24 @@ pub enum Scoring {
     /// The `top_k` largest logits, then a softmax over those alone
     /// (gpt-oss).
     TopKSoftmax,
+    /// Each logit's sigmoid; the `top_k` largest of sigmoid plus the
+    /// layer's selection bias ([`MoeLayer::selection_bias`], which picks but
+    /// does not weigh), weighted by their sigmoids, renormalized over the
+    /// kept ones with `1e-6` added to the sum (LFM2-MoE).
+    Sigmoid,
 }
 
 /// Which experts a token runs and with what weights.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Routing {
     pub top_k: usize,
     pub scoring: Scoring,
     /// Divide the kept weights by their sum (Mixtral always; Qwen's
     /// `norm_topk_prob`).
     pub normalize: bool,
+    /// Multiplies every kept weight after that (`routed_scaling_factor`; 1
+    /// for most families).
+    pub scale: f32,
 }
 
 /// One expert: a gated MLP `down(act(gate(x) + b) · (up(x) + b)) + b`.
@@ -137,6 +145,9 @@ pub struct MoeLayer {
     pub router: Weight,
     /// `[num_experts]`, added to the logits (gpt-oss).
     pub router_bias: Option<Tensor>,
+    /// `[num_experts]`, added to the scores only to pick the experts
+    /// ([`Scoring::Sigmoid`]).
+    pub selection_bias: Option<Vec<f32>>,
     pub experts: Vec<Expert>,
     pub shared: Option<SharedExpert>,
     pub activation: ExpertActivation,
@@ -154,12 +165,25 @@ impl MoeLayer {
 /// The experts a token with router `logits` runs, with their weights,
 /// largest first (ties: the lower expert id first), as transformers'
 /// routers compute them in f32.
-pub fn route(logits: &[f32], r: &Routing) -> Vec<(usize, f32)> {
+pub fn route(logits: &[f32], r: &Routing, selection_bias: Option<&[f32]>) -> Vec<(usize, f32)> {
     let k = r.top_k.min(logits.len());
     let mut order: Vec<usize> = (0..logits.len()).collect();
+    let sigmoids: Vec<f32> = match r.scoring {
+        Scoring::Sigmoid => logits.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect(),
+        _ => Vec::new(),
+    };
     // A NaN logit sorts last, so a poisoned row still routes somewhere.
     let key = |i: usize| {
-        let v = logits[i];
+        let v = match r.scoring {
+            Scoring::Sigmoid => {
+                sigmoids[i]
+                    + selection_bias
+                        .and_then(|b| b.get(i))
+                        .copied()
+                        .unwrap_or(0.0)
+            }
+            _ => logits[i],
+        };
         if v.is_nan() {
             f32::NEG_INFINITY
         } else {
@@ -185,13 +209,22 @@ pub fn route(logits: &[f32], r: &Routing) -> Vec<(usize, f32)> {
                 .map(|&e| (e, (logits[e] - max).exp() / sum))
                 .collect()
         }
+        Scoring::Sigmoid => order.iter().map(|&e| (e, sigmoids[e])).collect(),
     };
     if r.normalize {
-        let sum: f32 = picked.iter().map(|p| p.1).sum();
+        let mut sum: f32 = picked.iter().map(|p| p.1).sum();
+        if r.scoring == Scoring::Sigmoid {
+            sum += 1e-6;
+        }
         if sum > 0.0 {
             for p in &mut picked {
                 p.1 /= sum;
             }
+        }
+    }
+    if r.scale != 1.0 {
+        for p in &mut picked {
+            p.1 *= r.scale;
         }
     }
     picked
@@ -212,8 +245,9 @@ mod tests {
             top_k: 2,
             scoring: Scoring::Softmax,
             normalize: false,
+            scale: 1.0,
         };
-        let got = route(&logits, &r);
+        let got = route(&logits, &r, None);
         let z: f32 = logits.iter().map(|v| v.exp()).sum();
         assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), [1, 2]);
         assert!(close(got[0].1, 2f32.exp() / z) && close(got[1].1, 1f32.exp() / z));
@@ -224,6 +258,7 @@ mod tests {
                 normalize: true,
                 ..r
             },
+            None,
         );
         assert!(close(n[0].1 + n[1].1, 1.0));
         assert!(close(n[0].1 / n[1].1, 1f32.exp()));
@@ -235,9 +270,10 @@ mod tests {
             top_k: 2,
             scoring: Scoring::TopKSoftmax,
             normalize: false,
+            scale: 1.0,
         };
-        let a = route(&[3.0, 1.0, 0.0, -5.0], &r);
-        let b = route(&[3.0, 1.0, 0.5, 0.9], &r);
+        let a = route(&[3.0, 1.0, 0.0, -5.0], &r, None);
+        let b = route(&[3.0, 1.0, 0.5, 0.9], &r, None);
         assert_eq!(a.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 1]);
         assert!(close(a[0].1, b[0].1) && close(a[1].1, b[1].1));
         assert!(close(a[0].1, 1.0 / (1.0 + (-2f32).exp())));
@@ -249,11 +285,34 @@ mod tests {
             top_k: 2,
             scoring: Scoring::Softmax,
             normalize: true,
+            scale: 1.0,
         };
-        let got = route(&[1.0, f32::NAN, 1.0, 1.0], &r);
+        let got = route(&[1.0, f32::NAN, 1.0, 1.0], &r, None);
         assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2]);
         // More experts asked for than exist: every one, once.
-        let all = route(&[0.5, 0.25], &Routing { top_k: 8, ..r });
+        let all = route(&[0.5, 0.25], &Routing { top_k: 8, ..r }, None);
         assert_eq!(all.len(), 2);
+    }
+
+    #[test]
+    fn sigmoid_routing_picks_with_the_bias_and_weighs_without_it() {
+        let r = Routing {
+            top_k: 2,
+            scoring: Scoring::Sigmoid,
+            normalize: true,
+            scale: 1.5,
+        };
+        let logits = [2.0f32, 1.0, 0.0, -1.0];
+        let sig = |v: f32| 1.0 / (1.0 + (-v).exp());
+        // Without a bias, the two largest logits.
+        let plain = route(&logits, &r, None);
+        assert_eq!(plain.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 1]);
+        // A bias lifts expert 3 past experts 1 and 0 for the choice (the
+        // order is by biased score) but not in the weights.
+        let biased = route(&logits, &r, Some(&[0.0, 0.0, 0.0, 0.9]));
+        assert_eq!(biased.iter().map(|p| p.0).collect::<Vec<_>>(), [3, 0]);
+        let sum = sig(2.0) + sig(-1.0) + 1e-6;
+        assert!(close(biased[0].1, sig(-1.0) / sum * 1.5));
+        assert!(close(biased[1].1, sig(2.0) / sum * 1.5));
     }
 }

@@ -310,6 +310,7 @@ impl GptOss {
             layer: MoeLayer {
                 router: l.weight(&format!("{p}.router.weight"), &[e, h])?,
                 router_bias: Some(l.tensor(&format!("{p}.router.bias"), &[e])?),
+                selection_bias: None,
                 experts,
                 shared: None,
                 activation: ExpertActivation::ClampedSwiglu {
@@ -320,6 +321,7 @@ impl GptOss {
                     top_k: g.top_k,
                     scoring: Scoring::TopKSoftmax,
                     normalize: false,
+                    scale: 1.0,
                 },
                 load: Arc::new(kiln_tensor::ExpertLoad::new(e)),
             },

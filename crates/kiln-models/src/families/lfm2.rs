@@ -1,4 +1,4 @@
-//! LFM2 (`lfm2`, Liquid AI): gated short convolutions
+//! LFM2 (`lfm2`, `lfm2_moe`, Liquid AI): gated short convolutions
 //! ([`kiln_tensor::ShortConv`], a state of the last `conv_L_cache - 1`
 //! inputs a sequence) interleaved with GQA attention layers. Reference:
 //! transformers `models/lfm2/modeling_lfm2.py`.
@@ -14,6 +14,10 @@
 //!   `intermediate_size`, times `block_ffn_dim_multiplier`, rounded up to
 //!   `block_multiple_of`, when `block_auto_adjust_ff_dim`.
 //! - The embedding is the output head unless untied.
+//! - `lfm2_moe`: the feed-forwards past the first `num_dense_layers` are
+//!   sparse (`w1`/`w3`/`w2` experts; a sigmoid router whose `expert_bias`
+//!   picks but does not weigh, renormalized, times
+//!   `routed_scaling_factor`); its dense ones are `intermediate_size` wide.
 
 use std::sync::Arc;
 
@@ -33,7 +37,7 @@ use crate::CausalLm;
 /// The registry's entry for the family.
 pub static FAMILY: Family = Family {
     name: "lfm2",
-    model_types: &["lfm2"],
+    model_types: &["lfm2", "lfm2_moe"],
     tied_by_default: true,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
@@ -54,6 +58,45 @@ pub struct Lfm2Config {
     pub conv_kernel: usize,
     /// The feed-forward's inner size, after the auto-adjustment.
     pub ff_dim: usize,
+    /// `lfm2_moe`'s sparse feed-forwards.
+    pub moe: Option<Lfm2Moe>,
+}
+
+/// LFM2-MoE's sparse feed-forwards.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Lfm2Moe {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    /// Layers before this one keep a dense feed-forward.
+    pub num_dense_layers: usize,
+    pub expert_bias: bool,
+    pub normalize: bool,
+    pub scale: f32,
+}
+
+impl Lfm2Moe {
+    fn shape(&self, hidden: usize) -> crate::layers::MoeShape {
+        crate::layers::MoeShape {
+            hidden,
+            num_experts: self.num_experts,
+            intermediate: self.expert_intermediate,
+            shared_intermediate: None,
+            routing: kiln_tensor::Routing {
+                top_k: self.top_k,
+                scoring: kiln_tensor::Scoring::Sigmoid,
+                normalize: self.normalize,
+                scale: self.scale,
+            },
+            activation: kiln_tensor::ExpertActivation::Gated(Activation::Silu),
+            names: crate::layers::ExpertNames::W1W3W2,
+        }
+    }
+
+    /// Whether layer `i`'s feed-forward is sparse.
+    pub fn sparse(&self, i: usize) -> bool {
+        i >= self.num_dense_layers
+    }
 }
 
 fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
@@ -112,11 +155,33 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
             "biased short convolutions are not supported",
         ));
     }
+    let is_moe = c.get("model_type").and_then(Value::as_str) == Some("lfm2_moe");
+    let moe = if is_moe {
+        let flag = |k: &str| c.get(k).and_then(Value::as_bool).unwrap_or(true);
+        let m = Lfm2Moe {
+            num_experts: opt_usize(c, "num_experts")?.unwrap_or(32),
+            top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(4),
+            expert_intermediate: opt_usize(c, "moe_intermediate_size")?.unwrap_or(1792),
+            num_dense_layers: opt_usize(c, "num_dense_layers")?.unwrap_or(2),
+            expert_bias: flag("use_expert_bias"),
+            normalize: flag("norm_topk_prob"),
+            scale: opt_f32(c, "routed_scaling_factor")?.unwrap_or(1.0),
+        };
+        if m.num_experts == 0 || m.top_k == 0 || m.top_k > m.num_experts {
+            return Err(err(
+                "num_experts_per_tok",
+                format!("{} of {} experts", m.top_k, m.num_experts),
+            ));
+        }
+        Some(m)
+    } else {
+        None
+    };
     let intermediate = opt_usize(c, "intermediate_size")?.unwrap_or(12288);
-    let ff_dim = if c
-        .get("block_auto_adjust_ff_dim")
-        .and_then(Value::as_bool)
-        .unwrap_or(true)
+    let ff_dim = if !is_moe
+        && c.get("block_auto_adjust_ff_dim")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
     {
         let mut d = 2 * intermediate / 3;
         if let Some(m) = opt_f32(c, "block_ffn_dim_multiplier")? {
@@ -132,6 +197,7 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
         norm_eps: opt_f32(c, "norm_eps")?.unwrap_or(1e-5),
         conv_kernel: opt_usize(c, "conv_L_cache")?.unwrap_or(3),
         ff_dim,
+        moe,
         conv_layers,
     };
     if cfg.conv_kernel == 0 || cfg.ff_dim == 0 {
@@ -192,9 +258,23 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             add("self_attn.q_layernorm.weight", vec![hd]);
             add("self_attn.k_layernorm.weight", vec![hd]);
         }
-        add("feed_forward.w1.weight", vec![f.ff_dim, h]);
-        add("feed_forward.w3.weight", vec![f.ff_dim, h]);
-        add("feed_forward.w2.weight", vec![h, f.ff_dim]);
+        match f.moe.filter(|m| m.sparse(l)) {
+            Some(m) => {
+                let prefix = format!("{p}.feed_forward");
+                out.extend(
+                    m.shape(h)
+                        .tensor_shapes(&prefix, &format!("{prefix}.gate.weight")),
+                );
+                if m.expert_bias {
+                    out.push((format!("{prefix}.expert_bias"), vec![m.num_experts]));
+                }
+            }
+            None => {
+                add("feed_forward.w1.weight", vec![f.ff_dim, h]);
+                add("feed_forward.w3.weight", vec![f.ff_dim, h]);
+                add("feed_forward.w2.weight", vec![h, f.ff_dim]);
+            }
+        }
     }
     out.push(("model.embedding_norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
@@ -219,11 +299,16 @@ enum Mixer {
     },
 }
 
+enum Ffn {
+    Dense(GatedMlp),
+    Sparse(crate::layers::SparseMoe),
+}
+
 struct Block {
     operator_norm: RmsNorm,
     mixer: Mixer,
     ffn_norm: RmsNorm,
-    mlp: GatedMlp,
+    mlp: Ffn,
 }
 
 pub struct Lfm2 {
@@ -315,11 +400,21 @@ impl Lfm2 {
                 }
             };
             let ff = format!("{p}.feed_forward");
-            blocks.push(Block {
-                operator_norm: norm(&format!("{p}.operator_norm.weight"), h)?,
-                mixer,
-                ffn_norm: norm(&format!("{p}.ffn_norm.weight"), h)?,
-                mlp: GatedMlp {
+            let mlp = match f.moe.filter(|m| m.sparse(i)) {
+                Some(m) => {
+                    let mut moe = crate::layers::SparseMoe::load(
+                        &l,
+                        &ff,
+                        &format!("{ff}.gate.weight"),
+                        &m.shape(h),
+                    )?;
+                    if m.expert_bias {
+                        moe.layer.selection_bias =
+                            Some(l.host(&format!("{ff}.expert_bias"), &[m.num_experts])?);
+                    }
+                    Ffn::Sparse(moe)
+                }
+                None => Ffn::Dense(GatedMlp {
                     gate_up: Linear::load_packed(
                         &l,
                         &[format!("{ff}.w1"), format!("{ff}.w3")],
@@ -329,7 +424,13 @@ impl Lfm2 {
                     )?,
                     down: Linear::load(&l, &format!("{ff}.w2"), f.ff_dim, h, false)?,
                     activation: Activation::Silu,
-                },
+                }),
+            };
+            blocks.push(Block {
+                operator_norm: norm(&format!("{p}.operator_norm.weight"), h)?,
+                mixer,
+                ffn_norm: norm(&format!("{p}.ffn_norm.weight"), h)?,
+                mlp,
             });
         }
         let final_norm = norm("model.embedding_norm.weight", h)?;
@@ -400,9 +501,15 @@ impl Lfm2 {
                     o.forward(b, &attn, Fuse::NONE.with_residual(&x))?
                 }
             };
-            x = blk
-                .mlp
-                .forward(b, &mixed, Fuse::norm(&blk.ffn_norm).with_residual(&mixed))?;
+            x = match &blk.mlp {
+                Ffn::Dense(mlp) => {
+                    mlp.forward(b, &mixed, Fuse::norm(&blk.ffn_norm).with_residual(&mixed))?
+                }
+                Ffn::Sparse(moe) => {
+                    let h = blk.ffn_norm.forward(b, &mixed)?;
+                    b.add(&mixed, &moe.forward(b, &h)?)?
+                }
+            };
         }
         let x = b.gather_rows(&x, &batch.logits_rows)?;
         if out == StepOutput::Hidden {
@@ -448,6 +555,16 @@ impl CausalLm for Lfm2 {
 
     fn state_bytes_per_seq(&self) -> u64 {
         self.state_shape(1).bytes()
+    }
+
+    fn expert_load(&self) -> Vec<Vec<u64>> {
+        self.blocks
+            .iter()
+            .filter_map(|b| match &b.mlp {
+                Ffn::Sparse(m) => Some(m.layer.load.snapshot()),
+                Ffn::Dense(_) => None,
+            })
+            .collect()
     }
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {

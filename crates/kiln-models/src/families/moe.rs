@@ -70,6 +70,7 @@ impl MoeConfig {
                 top_k: self.top_k,
                 scoring: Scoring::Softmax,
                 normalize: self.normalize,
+                scale: 1.0,
             },
             activation: ExpertActivation::Gated(self.attention.activation),
             names: self.names,

@@ -89,6 +89,7 @@ impl Qwen35Moe {
                 top_k: self.top_k,
                 scoring: kiln_tensor::Scoring::Softmax,
                 normalize: true,
+                scale: 1.0,
             },
             activation: kiln_tensor::ExpertActivation::Gated(Activation::Silu),
             names: crate::layers::ExpertNames::Proj,

@@ -118,6 +118,7 @@ impl SparseMoe {
             layer: MoeLayer {
                 router: l.weight(router, &[shape.num_experts, h])?,
                 router_bias: None,
+                selection_bias: None,
                 experts,
                 shared,
                 activation: shape.activation,

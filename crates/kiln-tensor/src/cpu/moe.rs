@@ -67,7 +67,7 @@ impl CpuBackend {
         let logits = self.data(&logits, "moe")?;
         let routes: Vec<Vec<(usize, f32)>> = logits
             .chunks(num_experts)
-            .map(|row| route(row, &layer.routing))
+            .map(|row| route(row, &layer.routing, layer.selection_bias.as_deref()))
             .collect();
         // Each expert's rows, and where each (row, pick) finds its output.
         let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); num_experts];
