@@ -8,6 +8,8 @@ Makes the test data of `crates/kiln-models/tests/qwen3_5.rs` and `lfm2.rs`:
   experts, top 2 renormalized, a shared expert under a sigmoid gate; routers
   scaled so each token's experts are clearly apart: the script prints the
   smallest margin);
+- `qwen3_next`: Qwen3-Next, the same layers with its DeltaNet projections
+  grouped by key head and layer 1's feed-forward dense (`mlp_only_layers`);
 - `lfm2`: a small random `Lfm2ForCausalLM` (gated short convolutions and GQA
   attention layers interleaved, the feed-forward size auto-adjusted);
 every weight randomised, norms around their centre, saved with `save_pretrained`
@@ -29,7 +31,7 @@ import torch
 import transformers
 from transformers import (Lfm2Config, Lfm2ForCausalLM, Lfm2MoeConfig, Lfm2MoeForCausalLM,
                           Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
-                          Qwen3_5TextConfig)
+                          Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 from common import write_tokenizer  # scripts/goldens/common.py
 
 CONFIG = {
@@ -57,6 +59,10 @@ CONFIG = {
 MOE = {**{k: v for k, v in CONFIG.items() if k != "intermediate_size"},
        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
        "shared_expert_intermediate_size": 36}
+
+NEXT = {**CONFIG, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 36, "mlp_only_layers": [1], "decoder_sparse_step": 1,
+        "norm_topk_prob": True}
 
 LFM2 = {
     "vocab_size": 96,
@@ -144,7 +150,7 @@ def save(model, cfg, out):
 
 def main(root):
     torch.set_num_threads(2)
-    which = sys.argv[2:] or ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"]
+    which = sys.argv[2:] or ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"]
     if "qwen3_5" in which:
         cfg = Qwen3_5TextConfig(**CONFIG, attn_implementation="eager")
         gen = torch.Generator().manual_seed(20261206)
@@ -167,6 +173,12 @@ def main(root):
             h.remove()
         print("qwen3_5_moe routing margin", min(gaps))
         save(model, cfg, os.path.join(root, "qwen3_5_moe"))
+    if "qwen3_next" in which:
+        cfg = Qwen3NextConfig(**NEXT, attn_implementation="eager", experts_implementation="eager")
+        gen = torch.Generator().manual_seed(20261210)
+        model = Qwen3NextForCausalLM(cfg).to(torch.float32).eval()
+        randomise(model, gen)
+        save(model, cfg, os.path.join(root, "qwen3_next"))
     if "lfm2_moe" in which:
         cfg = Lfm2MoeConfig(**LFM2_MOE, attn_implementation="eager", experts_implementation="eager")
         gen = torch.Generator().manual_seed(20261209)

@@ -1,4 +1,4 @@
-//! Hybrids (the random Qwen3.5, Qwen3.5-MoE, LFM2 and LFM2-MoE checkpoints of
+//! Hybrids (the random Qwen3.5, Qwen3.5-MoE, Qwen3-Next, LFM2 and LFM2-MoE checkpoints of
 //! `kiln-models/tests/data/hybrid`) through the engine: concurrent requests,
 //! prefilled in chunks and decoded together, each on its own recurrent-state
 //! slot, give the tokens the model gives run alone; slots pass from finished
@@ -47,6 +47,11 @@ fn qwen3_5_requests_batched_in_the_engine_match_each_alone() {
 #[test]
 fn qwen3_5_moe_requests_batched_in_the_engine_match_each_alone() {
     requests_batched_in_the_engine_match_each_alone("qwen3_5_moe");
+}
+
+#[test]
+fn qwen3_next_requests_batched_in_the_engine_match_each_alone() {
+    requests_batched_in_the_engine_match_each_alone("qwen3_next");
 }
 
 #[test]

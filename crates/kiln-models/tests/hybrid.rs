@@ -4,7 +4,9 @@
 //! and the logits of decoding the last 5 prompt tokens one at a time after a
 //! cached prefill). `qwen3_5`: three gated-DeltaNet layers then a gated
 //! full-attention layer with partial RoPE; `qwen3_5_moe`: the same with
-//! sparse feed-forwards (8 experts, top 2, a gated shared expert); `lfm2`:
+//! sparse feed-forwards (8 experts, top 2, a gated shared expert);
+//! `qwen3_next`: the same with its projections grouped by key head and layer
+//! 1 dense; `lfm2`:
 //! gated short convolutions and GQA attention layers interleaved;
 //! `lfm2_moe`: the same with sparse feed-forwards past the first (a sigmoid
 //! router with a selection bias, scaled weights).
@@ -21,7 +23,7 @@ use kiln_tensor::ForwardBatch;
 
 use common::{compare_logprobs as compare, host_logits as logits};
 
-const CASES: [&str; 4] = ["qwen3_5", "qwen3_5_moe", "lfm2", "lfm2_moe"];
+const CASES: [&str; 5] = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"];
 
 fn case_dir(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -142,6 +144,31 @@ fn qwen3_5_moe_config_reads_the_sparse_feed_forward() {
 }
 
 #[test]
+fn qwen3_next_config_reads_its_sparse_layers_and_projections() {
+    let cfg = ModelConfig::from_hf(
+        SafetensorsDir::open(case_dir("qwen3_next"))
+            .unwrap()
+            .config(),
+    )
+    .unwrap();
+    let FamilyConfig::Qwen35(q) = &cfg.family else {
+        panic!("{:?}", cfg.family)
+    };
+    assert!(q.next);
+    assert_eq!(q.sparse_layers, [true, false, true, true]);
+    let names: Vec<String> = kiln_models::tensor_shapes(&cfg)
+        .unwrap()
+        .into_iter()
+        .map(|s| s.0)
+        .collect();
+    assert!(names.contains(&"model.layers.0.linear_attn.in_proj_qkvz.weight".to_string()));
+    assert!(names.contains(&"model.layers.1.mlp.gate_proj.weight".to_string()));
+    assert!(!names
+        .iter()
+        .any(|n| n.starts_with("model.layers.1.mlp.experts")));
+}
+
+#[test]
 fn lfm2_moe_config_reads_the_sparse_layers_and_router() {
     let cfg =
         ModelConfig::from_hf(SafetensorsDir::open(case_dir("lfm2_moe")).unwrap().config()).unwrap();
@@ -207,6 +234,7 @@ fn the_state_a_sequence_holds_is_priced_as_allocated() {
     for (case, values) in [
         ("qwen3_5", 3 * (3 * 80 + 4 * 8 * 12)),
         ("qwen3_5_moe", 3 * (3 * 80 + 4 * 8 * 12)),
+        ("qwen3_next", 3 * (3 * 80 + 4 * 8 * 12)),
         ("lfm2", 3 * 2 * 48),
         ("lfm2_moe", 3 * 2 * 48),
     ] {

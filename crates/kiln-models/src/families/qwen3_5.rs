@@ -1,11 +1,17 @@
-//! Qwen3.5 text decoders (`qwen3_5_text`, `qwen3_5_moe_text`; the text side
+//! Qwen3.5 text decoders (`qwen3_5_text`, `qwen3_5_moe_text`) and Qwen3-Next
+//! (`qwen3_next`, their forerunner: the same layers, its DeltaNet
+//! projections grouped by key head, sparse layers by `decoder_sparse_step`
+//! and `mlp_only_layers`; the text side
 //! of the `qwen3_5` / `qwen3_5_moe` multimodal checkpoints, whose
 //! `text_config` `kiln-formats` lifts): a hybrid of gated DeltaNet layers
 //! (linear attention with a fixed-size state, [`kiln_tensor::recurrent`])
 //! and gated full-attention layers; the MoE models' every feed-forward is a
 //! sparse block (softmax top-k renormalized, a shared expert under a sigmoid
-//! gate). Reference: transformers `models/qwen3_5/modeling_qwen3_5.py` and
-//! `models/qwen3_5_moe/modeling_qwen3_5_moe.py`.
+//! gate). Reference: transformers `models/qwen3_5/modeling_qwen3_5.py`,
+//! `models/qwen3_5_moe/modeling_qwen3_5_moe.py` and
+//! `models/qwen3_next/modeling_qwen3_next.py` (whose `in_proj_qkvz` rows are
+//! `[key head][q | k | v | z of its value heads]` and `in_proj_ba` rows
+//! `[key head][b | a]`: regrouped at load into the packed `qkv | z | b | a`).
 //!
 //! Quirks, each as transformers computes it:
 //! - `layer_types` names each layer `linear_attention` or `full_attention`
@@ -42,7 +48,7 @@ use crate::CausalLm;
 /// The registry's entry for the family.
 pub static FAMILY: Family = Family {
     name: "qwen3_5",
-    model_types: &["qwen3_5_text", "qwen3_5_moe_text"],
+    model_types: &["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"],
     tied_by_default: false,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
@@ -67,15 +73,23 @@ pub struct Qwen35Config {
     pub conv_kernel: usize,
     /// The sparse feed-forward of the MoE models (`None`: dense).
     pub moe: Option<Qwen35Moe>,
+    /// Which layers' feed-forwards are sparse (all of a MoE model's but
+    /// Qwen3-Next's `mlp_only_layers` and off-step ones).
+    pub sparse_layers: Vec<bool>,
+    /// Qwen3-Next's projection layout (`in_proj_qkvz`, `in_proj_ba`).
+    pub next: bool,
 }
 
-/// The sparse feed-forward of `qwen3_5_moe_text`.
+/// The sparse feed-forward of `qwen3_5_moe_text` and `qwen3_next`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Qwen35Moe {
     pub num_experts: usize,
     pub top_k: usize,
     pub expert_intermediate: usize,
     pub shared_intermediate: usize,
+    /// Renormalize the kept weights (always for Qwen3.5-MoE; Qwen3-Next's
+    /// `norm_topk_prob`).
+    pub normalize: bool,
 }
 
 impl Qwen35Moe {
@@ -88,7 +102,7 @@ impl Qwen35Moe {
             routing: kiln_tensor::Routing {
                 top_k: self.top_k,
                 scoring: kiln_tensor::Scoring::Softmax,
-                normalize: true,
+                normalize: self.normalize,
                 scale: 1.0,
             },
             activation: kiln_tensor::ExpertActivation::Gated(Activation::Silu),
@@ -167,6 +181,26 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> 
             (0..num_layers).map(|i| (i + 1) % interval != 0).collect()
         }
     };
+    let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let next = model_type == "qwen3_next";
+    let sparse_layers: Vec<bool> = {
+        let step = opt_usize(c, "decoder_sparse_step")?.unwrap_or(1).max(1);
+        let dense_only: Vec<usize> = c
+            .get("mlp_only_layers")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|v| v as usize)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let moe = matches!(model_type, "qwen3_5_moe_text" | "qwen3_next")
+            && opt_usize(c, "num_experts")? != Some(0);
+        (0..num_layers)
+            .map(|l| moe && !dense_only.contains(&l) && (l + 1) % step == 0)
+            .collect()
+    };
     if c.get("attention_bias").and_then(Value::as_bool) == Some(true) {
         return Err(err("attention_bias", "Qwen3.5 attention has no biases"));
     }
@@ -184,16 +218,23 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> 
         linear_k_dim: opt_usize(c, "linear_key_head_dim")?.unwrap_or(128),
         linear_v_dim: opt_usize(c, "linear_value_head_dim")?.unwrap_or(128),
         conv_kernel: opt_usize(c, "linear_conv_kernel_dim")?.unwrap_or(4),
-        moe: match c.get("model_type").and_then(Value::as_str) {
-            Some("qwen3_5_moe_text") => Some(Qwen35Moe {
-                num_experts: opt_usize(c, "num_experts")?.unwrap_or(256),
-                top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(8),
+        moe: match model_type {
+            "qwen3_5_moe_text" | "qwen3_next" => Some(Qwen35Moe {
+                num_experts: opt_usize(c, "num_experts")?.unwrap_or(if next { 512 } else { 256 }),
+                top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(if next { 10 } else { 8 }),
                 expert_intermediate: opt_usize(c, "moe_intermediate_size")?.unwrap_or(512),
                 shared_intermediate: opt_usize(c, "shared_expert_intermediate_size")?
                     .unwrap_or(512),
-            }),
+                normalize: !next
+                    || c.get("norm_topk_prob")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true),
+            })
+            .filter(|m| m.num_experts > 0),
             _ => None,
         },
+        sparse_layers,
+        next,
         linear_layers,
     };
     if let Some(m) = &cfg.moe {
@@ -263,11 +304,22 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
         add("input_layernorm.weight", vec![h]);
         add("post_attention_layernorm.weight", vec![h]);
-        if linear {
+        if linear && q.next {
+            add(
+                "linear_attn.in_proj_qkvz.weight",
+                vec![q.conv_dim() + vdim, h],
+            );
+            add(
+                "linear_attn.in_proj_ba.weight",
+                vec![2 * q.linear_v_heads, h],
+            );
+        } else if linear {
             add("linear_attn.in_proj_qkv.weight", vec![q.conv_dim(), h]);
             add("linear_attn.in_proj_z.weight", vec![vdim, h]);
             add("linear_attn.in_proj_b.weight", vec![q.linear_v_heads, h]);
             add("linear_attn.in_proj_a.weight", vec![q.linear_v_heads, h]);
+        }
+        if linear {
             add(
                 "linear_attn.conv1d.weight",
                 vec![q.conv_dim(), 1, q.conv_kernel],
@@ -284,7 +336,7 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             add("self_attn.q_norm.weight", vec![hd]);
             add("self_attn.k_norm.weight", vec![hd]);
         }
-        match &q.moe {
+        match q.moe.filter(|_| q.sparse_layers[l]) {
             Some(m) => {
                 let prefix = format!("{p}.mlp");
                 out.extend(
@@ -312,6 +364,62 @@ fn norm(l: &WeightLoader, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
         weight: l.tensor(name, &[dim])?,
         eps,
         weight_offset: 1.0,
+    })
+}
+
+/// Qwen3-Next's `in_proj_qkvz` (`[key head][q | k | v | z]`) and
+/// `in_proj_ba` (`[key head][b | a]`) regrouped into the packed `q | k | v |
+/// z | b | a` rows the DeltaNet op reads (a row permutation, on the host).
+fn next_projections(
+    l: &WeightLoader,
+    backend: &dyn Backend,
+    a: &str,
+    q: &Qwen35Config,
+    h: usize,
+) -> Result<Linear> {
+    let (kh, vh, kd, vd) = (
+        q.linear_k_heads,
+        q.linear_v_heads,
+        q.linear_k_dim,
+        q.linear_v_dim,
+    );
+    let g = vh / kh;
+    let qkvz = l.host(
+        &format!("{a}.in_proj_qkvz.weight"),
+        &[q.conv_dim() + vh * vd, h],
+    )?;
+    let ba = l.host(&format!("{a}.in_proj_ba.weight"), &[2 * vh, h])?;
+    let per_head = 2 * kd + 2 * g * vd;
+    let rows = |m: &[f32], r: std::ops::Range<usize>| m[r.start * h..r.end * h].to_vec();
+    let mut out = Vec::with_capacity((q.conv_dim() + vh * vd + 2 * vh) * h);
+    // q, k, v, z: each part of every key head in turn.
+    for (off, len) in [
+        (0, kd),
+        (kd, kd),
+        (2 * kd, g * vd),
+        (2 * kd + g * vd, g * vd),
+    ] {
+        for head in 0..kh {
+            let r0 = head * per_head + off;
+            out.extend(rows(&qkvz, r0..r0 + len));
+        }
+    }
+    for off in [0, g] {
+        for head in 0..kh {
+            let r0 = head * 2 * g + off;
+            out.extend(rows(&ba, r0..r0 + g));
+        }
+    }
+    let n = out.len() / h;
+    let weight = Weight::Dense(backend.upload(&[n, h], &out)?);
+    l.note(&weight);
+    Ok(Linear {
+        weight,
+        bias: None,
+        parts: vec![
+            (format!("{a}.in_proj_qkvz"), 0..q.conv_dim() + vh * vd),
+            (format!("{a}.in_proj_ba"), q.conv_dim() + vh * vd..n),
+        ],
     })
 }
 
@@ -403,8 +511,10 @@ impl Qwen35 {
                         what: "gated DeltaNet layers (Qwen3.5)".into(),
                     }));
                 }
-                Mixer::Linear {
-                    proj: Linear::load_packed(
+                let proj = if q.next {
+                    next_projections(&l, backend.as_ref(), &a, &q, h)?
+                } else {
+                    Linear::load_packed(
                         &l,
                         &[
                             format!("{a}.in_proj_qkv"),
@@ -415,7 +525,10 @@ impl Qwen35 {
                         h,
                         &[cd, vdim, q.linear_v_heads, q.linear_v_heads],
                         false,
-                    )?,
+                    )?
+                };
+                Mixer::Linear {
+                    proj,
                     delta,
                     out: Linear::load(&l, &format!("{a}.out_proj"), vdim, h, false)?,
                 }
@@ -474,7 +587,7 @@ impl Qwen35 {
                 input_norm: norm(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
                 mixer,
                 post_norm: norm(&l, &format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-                mlp: match &q.moe {
+                mlp: match q.moe.filter(|_| q.sparse_layers[i]) {
                     Some(m) => {
                         let prefix = format!("{p}.mlp");
                         Ffn::Sparse(crate::layers::SparseMoe::load(
