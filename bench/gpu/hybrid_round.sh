@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 21 on the GPU, first round: the recurrent mixers' kernels (ops/recurrent) against the CPU
+# reference (`kiln dev cuda-check`'s "recurrent ..." checks: Qwen3.5's head shape and a small
+# odd one, LFM2's short convolution; fresh, continued and restored sequences, mid-step
+# snapshots; outputs and every slot's state), then the random hybrid checkpoints of
+# crates/kiln-models/tests/data/hybrid (the dense ones: the CUDA backend runs no MoE yet) —
+# CUDA logits against Kiln CPU's, 20 tokens in one prefill step then 12 decode steps, with the
+# kernels let on by KILN_CUDA_RECURRENT=1 (off by default until this round passes).
+#   KILN=.device/kiln bench/gpu/hybrid_round.sh OUT_DIR
+set -uo pipefail
+OUT=${1:?usage: bench/gpu/hybrid_round.sh OUT_DIR}; K=${KILN:-.device/kiln}
+mkdir -p "$OUT"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+timeout 300 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; echo "cuda-check rc=$?"
+python3 - "$OUT/cuda-check.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); cs = d.get("checks", [])
+print("checks", len(cs), "failed", [(c["op"], round(c["rel_err"], 4)) for c in cs if not c["pass"]][:30])
+for c in cs:
+    if c["op"].startswith("recurrent"):
+        print("  ", c["op"], round(c["rel_err"], 6), c["pass"])
+PY
+IDS=1,17,93,5,64,11,33,8,77,90,45,3,88,19,56,60,27,71,9,42,7,7,13,21,34,55,89,2,4,8,16,32
+for c in qwen3_5 lfm2; do
+  for d in cpu cuda; do
+    KILN_CUDA_RECURRENT=1 timeout 60 "$K" dev logits -m "crates/kiln-models/tests/data/hybrid/$c" --device $d \
+      --ids $IDS --prefill 20 -o "$OUT/logits-$c-$d.npy" > /dev/null 2> "$OUT/logits-$c-$d.err" || tail -2 "$OUT/logits-$c-$d.err"
+  done
+  python3 - "$OUT" "$c" <<'PY'
+import sys
+import numpy as np
+out, c = sys.argv[1:3]
+a = np.load(f"{out}/logits-{c}-cpu.npy").astype(np.float64)
+b = np.load(f"{out}/logits-{c}-cuda.npy").astype(np.float64)
+cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+print(f"{c}: CUDA vs CPU logits cosine min {cos.min():.6f} (prefill rows {cos[:20].min():.6f}, "
+      f"decode rows {cos[20:].min():.6f}), argmax agreement {(a.argmax(1) == b.argmax(1)).mean():.3f}")
+PY
+done
