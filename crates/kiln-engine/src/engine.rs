@@ -389,9 +389,10 @@ fn fresh_state(
 ) -> Result<(Scheduler, kiln_tensor::KvCache)> {
     let cfg = model.model.config();
     // A hybrid's recurrent state comes out of the pool's bytes: a slot a
-    // running request and as many snapshot slots (the prefix cache's
-    // checkpoints), together at most half the pool, so fewer requests run at
-    // once when the state is large; the blocks it takes leave the pool.
+    // running request and twice as many snapshot slots (each running
+    // request's tail and the prefix cache's checkpoints), together at most
+    // half the pool, so fewer requests run at once when the state is large;
+    // the blocks it takes leave the pool.
     let (mut num_blocks, mut max_num_seqs, mut state_slots) =
         (config.num_blocks, config.max_num_seqs, 0);
     let per_seq = model.model.state_bytes_per_seq();
@@ -399,9 +400,9 @@ fn fresh_state(
         let elem = model.model.backend().kv_bytes_per_element();
         let per_block = cfg.kv_bytes_per_block(config.block_size, elem).max(1) as u64;
         let pool = num_blocks as u64 * per_block;
-        max_num_seqs = max_num_seqs.min((pool / 4 / per_seq).max(1) as usize);
+        max_num_seqs = max_num_seqs.min((pool / 6 / per_seq).max(1) as usize);
         state_slots = max_num_seqs;
-        let state_blocks = (2 * state_slots as u64 * per_seq).div_ceil(per_block) as usize;
+        let state_blocks = (3 * state_slots as u64 * per_seq).div_ceil(per_block) as usize;
         num_blocks = num_blocks.saturating_sub(state_blocks).max(1);
     }
     let sched_cfg = SchedulerConfig {
@@ -412,7 +413,7 @@ fn fresh_state(
         max_num_seqs,
         max_waiting: config.max_waiting,
         state_slots,
-        state_snapshots: state_slots,
+        state_snapshots: 2 * state_slots,
         state_checkpoint_tokens: kiln_scheduler::DEFAULT_STATE_CHECKPOINT_TOKENS
             .div_ceil(config.block_size)
             * config.block_size,
@@ -420,7 +421,7 @@ fn fresh_state(
     let scheduler = Scheduler::new(sched_cfg).map_err(|e| EngineError::Config(e.to_string()))?;
     let cache = model
         .model
-        .new_cache(num_blocks, config.block_size, 2 * state_slots)?;
+        .new_cache(num_blocks, config.block_size, 3 * state_slots)?;
     Ok((scheduler, cache))
 }
 

@@ -63,7 +63,8 @@ pub const CPU_PROCESS_BYTES: u64 = 32 * MIB;
 /// sequence's blocks in every layer group (a sliding-window group only
 /// those its window reads), plus the blocks a step's chunk spans in the
 /// sliding groups beyond the window (none when `max_chunk` is 0), and a
-/// hybrid's recurrent state (two slots a sequence: its own and a snapshot).
+/// hybrid's recurrent state (three slots a sequence: its own and two
+/// snapshots').
 pub fn kv_bytes_for(
     cfg: &ModelConfig,
     context: usize,
@@ -88,9 +89,9 @@ pub fn kv_bytes_for(
         };
         blocks += (steady * batch + extra) as u64;
     }
-    // A hybrid's recurrent state: a slot a sequence and as many snapshot
-    // slots (what the engine allocates), in the pool's bytes.
-    blocks * per_block + 2 * batch as u64 * cfg.state_bytes_per_seq()
+    // A hybrid's recurrent state: a slot a sequence and two snapshot slots
+    // (what the engine allocates), in the pool's bytes.
+    blocks * per_block + 3 * batch as u64 * cfg.state_bytes_per_seq()
 }
 
 /// Tokens a CPU prefill step takes at most: 1024 keeps a 1.5B model's

@@ -36,10 +36,11 @@ pub struct SchedulerConfig {
     /// (`state_snapshots`).
     pub state_slots: usize,
     /// Recurrent-state snapshot slots beside the running ones: the state of a
-    /// request after every `state_checkpoint_tokens` tokens and at its prompt's
-    /// last full block, kept for later requests with the same prefix, which
-    /// resume from the deepest one their block hits reach (least recently used
-    /// first out).
+    /// request after every `state_checkpoint_tokens` tokens, at its prompt's
+    /// last full block and (a slot it holds while it runs) at the last block
+    /// boundary it passed before leaving, kept for later requests with the same
+    /// prefix, which resume from the deepest one their block hits reach (least
+    /// recently used first out).
     pub state_snapshots: usize,
     /// Tokens between snapshots, a multiple of the block size.
     pub state_checkpoint_tokens: usize,

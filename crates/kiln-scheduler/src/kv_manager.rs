@@ -142,6 +142,21 @@ struct StateSlots {
     /// Snapshots are taken every `interval` tokens (a multiple of the block
     /// size) and at the last block boundary of the prompt.
     interval: usize,
+    /// Each running request's tail: a snapshot slot holding its state at
+    /// the last block boundary it passed, published when it leaves (so the
+    /// next turn of a chat resumes after the previous answer too).
+    tails: BTreeMap<RequestId, Tail>,
+}
+
+/// A running request's tail snapshot ([`StateSlots::tails`]).
+#[derive(Debug, Clone, Copy)]
+struct Tail {
+    slot: u32,
+    /// The boundary block whose state the slot holds (after the step that
+    /// wrote it completed).
+    hash: Option<BlockHash>,
+    /// The boundary the step in flight writes.
+    pending: Option<BlockHash>,
 }
 
 impl StateSlots {
@@ -200,6 +215,7 @@ impl KvManager {
                 pinned: Vec::new(),
                 restores: BTreeMap::new(),
                 interval: c.interval.max(1),
+                tails: BTreeMap::new(),
             }
         });
         Ok(KvManager {
@@ -230,6 +246,7 @@ impl KvManager {
     /// published when the step completes ([`KvManager::publish_snapshots`]).
     pub(crate) fn plan_snapshots(
         &mut self,
+        id: RequestId,
         root_hash: BlockHash,
         token_ids: &[TokenId],
         num_prompt: usize,
@@ -264,6 +281,28 @@ impl KvManager {
             }
             c += bs;
         }
+        // The tail: the last boundary this step passes, unless a checkpoint
+        // above keeps it.
+        let last = end.min(token_ids.len()) / bs * bs;
+        if last > start && last >= bs && !out.iter().any(|&(t, _)| t == last - start) {
+            while hashed < last {
+                hash = chain_hash(hash, &token_ids[hashed..hashed + bs]);
+                hashed += bs;
+            }
+            let tail = match st.tails.get(&id) {
+                Some(t) => Some(t.slot),
+                None => st.take_snapshot_slot(),
+            };
+            if let Some(slot) = tail {
+                let t = st.tails.entry(id).or_insert(Tail {
+                    slot,
+                    hash: None,
+                    pending: None,
+                });
+                t.pending = Some(hash);
+                out.push((last - start, slot));
+            }
+        }
         out
     }
 
@@ -278,6 +317,11 @@ impl KvManager {
             st.by_hash.insert(hash, slot);
             st.hash_of.insert(slot, hash);
             st.last_use.insert(slot, st.tick);
+        }
+        for t in st.tails.values_mut() {
+            if let Some(h) = t.pending.take() {
+                t.hash = Some(h);
+            }
         }
     }
 
@@ -587,6 +631,19 @@ impl KvManager {
                 st.free.push(slot);
             }
             st.restores.remove(&id);
+            // The tail becomes a snapshot of its boundary, unless a step in
+            // flight is still writing it or that boundary is kept already.
+            if let Some(t) = st.tails.remove(&id) {
+                match t.hash {
+                    Some(h) if t.pending.is_none() && !st.by_hash.contains_key(&h) => {
+                        st.tick += 1;
+                        st.by_hash.insert(h, t.slot);
+                        st.hash_of.insert(t.slot, h);
+                        st.last_use.insert(t.slot, st.tick);
+                    }
+                    _ => st.snap_free.push(t.slot),
+                }
+            }
         }
         match self.seqs.remove(&id) {
             Some(seq) => {

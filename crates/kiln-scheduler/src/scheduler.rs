@@ -357,6 +357,7 @@ impl Scheduler {
             let wants_logits = end == req.token_ids.len();
             let state_restore = self.kv.take_restore(id);
             let state_snapshots = self.kv.plan_snapshots(
+                id,
                 req.root_hash,
                 &req.token_ids,
                 req.num_prompt_tokens,
