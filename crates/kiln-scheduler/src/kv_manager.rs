@@ -122,6 +122,9 @@ pub struct KvManager {
 /// prefix restores instead of recomputing it.
 #[derive(Debug, Clone)]
 struct StateSlots {
+    /// Running slots are `0..running`, snapshot slots `running..total`.
+    running: u32,
+    total: u32,
     /// Free running slots (taken from the back).
     free: Vec<u32>,
     held: BTreeMap<RequestId, u32>,
@@ -160,6 +163,62 @@ struct Tail {
 }
 
 impl StateSlots {
+    /// Every running slot is free or held by one admitted request; every
+    /// snapshot slot is free, published, a tail or written by the step in
+    /// flight, exactly one of them; the maps agree.
+    #[cfg(test)]
+    fn check_invariants<V>(&self, admitted: &BTreeMap<RequestId, V>) -> Result<(), String> {
+        let mut running: Vec<u32> = self
+            .free
+            .iter()
+            .chain(self.held.values())
+            .copied()
+            .collect();
+        running.sort_unstable();
+        if running != (0..self.running).collect::<Vec<_>>() {
+            return Err(format!(
+                "running state slots {running:?} of {}",
+                self.running
+            ));
+        }
+        if let Some(id) = self.held.keys().find(|id| !admitted.contains_key(id)) {
+            return Err(format!("request {id} holds a state slot but no blocks"));
+        }
+        for (what, ids) in [
+            ("tail", self.tails.keys().collect::<Vec<_>>()),
+            ("restore", self.restores.keys().collect()),
+        ] {
+            if let Some(id) = ids.iter().find(|id| !self.held.contains_key(id)) {
+                return Err(format!("request {id} has a {what} but no running slot"));
+            }
+        }
+        let mut snaps: Vec<u32> = self
+            .snap_free
+            .iter()
+            .chain(self.hash_of.keys())
+            .chain(self.tails.values().map(|t| &t.slot))
+            .chain(self.pending.iter().map(|p| &p.0))
+            .copied()
+            .collect();
+        snaps.sort_unstable();
+        if snaps != (self.running..self.total).collect::<Vec<_>>() {
+            return Err(format!(
+                "snapshot slots {snaps:?} of {}..{}",
+                self.running, self.total
+            ));
+        }
+        if self.by_hash.len() != self.hash_of.len()
+            || self
+                .by_hash
+                .iter()
+                .any(|(h, s)| self.hash_of.get(s) != Some(h))
+            || self.last_use.len() != self.hash_of.len()
+        {
+            return Err("published snapshots' maps disagree".into());
+        }
+        Ok(())
+    }
+
     /// A snapshot slot: a free one, else the least recently used published
     /// one not restored or written by the step being planned.
     fn take_snapshot_slot(&mut self) -> Option<u32> {
@@ -204,6 +263,8 @@ impl KvManager {
         let states = states.map(|c| {
             let running = c.running as u32;
             StateSlots {
+                running,
+                total: running + c.snapshots as u32,
                 free: (0..running).rev().collect(),
                 held: BTreeMap::new(),
                 snap_free: (running..running + c.snapshots as u32).rev().collect(),
@@ -686,6 +747,9 @@ impl KvManager {
                     "block {idx}: ref_count {actual}, {expected} tables name it"
                 ));
             }
+        }
+        if let Some(st) = &self.states {
+            st.check_invariants(&self.seqs)?;
         }
         Ok(())
     }

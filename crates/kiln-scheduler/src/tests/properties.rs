@@ -46,6 +46,12 @@ fn random_config(rng: &mut Rng) -> SchedulerConfig {
     config.max_num_batched_tokens = rng.range(1, 48);
     config.max_num_seqs = rng.range(1, 8);
     config.max_waiting = rng.range(1, 12);
+    // Some models are hybrids: state slots, snapshots, checkpoints.
+    if rng.chance(30) {
+        config.state_slots = config.max_num_seqs + rng.below(3);
+        config.state_snapshots = rng.below(6);
+        config.state_checkpoint_tokens = block_size * rng.range(1, 4);
+    }
     config
 }
 
