@@ -71,8 +71,10 @@ pub(super) fn recurrent_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             block_size: 16,
             ..ForwardBatch::default()
         };
+        // (Two blocks a sequence: the last reaches position 17.)
         for (i, (&len, computed)) in lens.iter().zip([0usize, 9, 11]).enumerate() {
-            batch.push_seq(&vec![1; len], computed, vec![i as u32], true);
+            let i = i as u32;
+            batch.push_seq(&vec![1; len], computed, vec![2 * i, 2 * i + 1], true);
         }
         batch.states = vec![
             SeqState {
@@ -95,7 +97,7 @@ pub(super) fn recurrent_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         let kv = KvPoolShape {
             num_layers: 1,
             num_groups: 1,
-            num_blocks: 4,
+            num_blocks: 8,
             block_size: 16,
             kv_row: 8,
         };
