@@ -329,6 +329,19 @@ impl ModelConfig {
         (spec, slots)
     }
 
+    /// The backend pool of `num_blocks` blocks of `block_size` tokens for
+    /// [`ModelConfig::kv_layout`] (a block holds one group's layers).
+    pub fn kv_pool_shape(&self, num_blocks: usize, block_size: usize) -> kiln_tensor::KvPoolShape {
+        let (spec, _) = self.kv_layout(block_size);
+        kiln_tensor::KvPoolShape {
+            num_layers: spec.layers_per_block(),
+            num_groups: spec.groups.len(),
+            num_blocks,
+            block_size,
+            kv_row: self.kv_row(),
+        }
+    }
+
     /// Whether some layers keep recurrent state instead of KV (hybrids).
     pub fn has_recurrent_layers(&self) -> bool {
         self.layer_kinds.contains(&LayerKind::Recurrent)

@@ -42,15 +42,9 @@ pub trait CausalLm: Send + Sync {
     /// default laid out as [`ModelConfig::kv_layout`] says: a block holds
     /// one group's layers).
     fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        let cfg = self.config();
-        let (spec, _) = cfg.kv_layout(block_size);
-        Ok(self.backend().alloc_kv_cache(kiln_tensor::KvPoolShape {
-            num_layers: spec.layers_per_block(),
-            num_groups: spec.groups.len(),
-            num_blocks,
-            block_size,
-            kv_row: cfg.kv_row(),
-        })?)
+        Ok(self
+            .backend()
+            .alloc_kv_cache(self.config().kv_pool_shape(num_blocks, block_size))?)
     }
 
     /// [`CausalLm::new_kv_cache`] with room for the recurrent state of

@@ -122,8 +122,11 @@ pub struct KvManager {
 /// prefix restores instead of recomputing it.
 #[derive(Debug, Clone)]
 struct StateSlots {
-    /// Running slots are `0..running`, snapshot slots `running..total`.
+    /// Running slots are `0..running`, snapshot slots `running..total`
+    /// (what the invariant check holds the lists to).
+    #[cfg(test)]
     running: u32,
+    #[cfg(test)]
     total: u32,
     /// Free running slots (taken from the back).
     free: Vec<u32>,
@@ -263,7 +266,9 @@ impl KvManager {
         let states = states.map(|c| {
             let running = c.running as u32;
             StateSlots {
+                #[cfg(test)]
                 running,
+                #[cfg(test)]
                 total: running + c.snapshots as u32,
                 free: (0..running).rev().collect(),
                 held: BTreeMap::new(),
@@ -316,13 +321,24 @@ impl KvManager {
     ) -> Vec<(usize, u32)> {
         let bs = self.spec.block_size;
         let chain_hash = self.chain_hash;
+        // Hashing resumes after the blocks the request has registered (group
+        // 0's chain, the same hashes), not from its first token.
+        let (mut hash, mut hashed) = self
+            .seqs
+            .get(&id)
+            .and_then(|s| s.chains.first())
+            .and_then(|c| {
+                c.block_hashes
+                    .last()
+                    .map(|&h| (h, c.block_hashes.len() * bs))
+            })
+            .filter(|&(_, n)| n <= start)
+            .unwrap_or((root_hash.group_root(0), 0));
         let Some(st) = self.states.as_mut() else {
             return Vec::new();
         };
         let prompt_end = num_prompt / bs * bs;
         let mut out = Vec::new();
-        let mut hash = root_hash.group_root(0);
-        let mut hashed = 0;
         let mut c = (start / bs + 1) * bs;
         while c <= end.min(token_ids.len()) {
             if c % st.interval == 0 || c == prompt_end {

@@ -28,6 +28,7 @@ use kiln_tensor::{
 };
 use serde_json::Value;
 
+use super::llama::Ffn;
 use super::{Family, FamilyConfig, StepOutput};
 use crate::config::{err, opt_f32, opt_usize, FamilyLayers, LayerKind, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -299,11 +300,6 @@ enum Mixer {
     },
 }
 
-enum Ffn {
-    Dense(GatedMlp),
-    Sparse(crate::layers::SparseMoe),
-}
-
 struct Block {
     operator_norm: RmsNorm,
     mixer: Mixer,
@@ -501,15 +497,9 @@ impl Lfm2 {
                     o.forward(b, &attn, Fuse::NONE.with_residual(&x))?
                 }
             };
-            x = match &blk.mlp {
-                Ffn::Dense(mlp) => {
-                    mlp.forward(b, &mixed, Fuse::norm(&blk.ffn_norm).with_residual(&mixed))?
-                }
-                Ffn::Sparse(moe) => {
-                    let h = blk.ffn_norm.forward(b, &mixed)?;
-                    b.add(&mixed, &moe.forward(b, &h)?)?
-                }
-            };
+            x = blk
+                .mlp
+                .forward_pre_norm(b, &mixed, &blk.ffn_norm, &batch.lora)?;
         }
         let x = b.gather_rows(&x, &batch.logits_rows)?;
         if out == StepOutput::Hidden {
@@ -539,18 +529,11 @@ impl CausalLm for Lfm2 {
 
     /// The attention layers' KV blocks and `max_seqs` sequences' state.
     fn new_cache(&self, num_blocks: usize, block_size: usize, max_seqs: usize) -> Result<KvCache> {
-        let cfg = self.config();
-        let (spec, _) = cfg.kv_layout(block_size);
-        let kv = self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
-            num_layers: spec.layers_per_block(),
-            num_groups: spec.groups.len(),
-            num_blocks,
-            block_size,
-            kv_row: cfg.kv_row(),
-        })?;
+        let kv = self
+            .backend
+            .alloc_kv_cache(self.cfg.kv_pool_shape(num_blocks, block_size))?;
         let shape = self.state_shape(max_seqs.max(1));
-        let state = self.backend.alloc_state(shape)?;
-        Ok(kv.with_state(shape, state))
+        Ok(kv.with_state(shape, self.backend.alloc_state(shape)?))
     }
 
     fn state_bytes_per_seq(&self) -> u64 {
@@ -560,10 +543,7 @@ impl CausalLm for Lfm2 {
     fn expert_load(&self) -> Vec<Vec<u64>> {
         self.blocks
             .iter()
-            .filter_map(|b| match &b.mlp {
-                Ffn::Sparse(m) => Some(m.layer.load.snapshot()),
-                Ffn::Dense(_) => None,
-            })
+            .filter_map(|b| b.mlp.expert_load())
             .collect()
     }
 

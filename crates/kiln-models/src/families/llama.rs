@@ -139,6 +139,34 @@ pub(crate) enum Ffn {
     Sparse(SparseMoe),
 }
 
+impl Ffn {
+    /// `x + ffn(norm(x))`: the dense MLP with the norm and residual fused
+    /// (and the step's LoRA deltas), the sparse one after the norm.
+    pub(crate) fn forward_pre_norm(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        norm: &RmsNorm,
+        lora: &kiln_tensor::LoraBatch,
+    ) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(mlp) => mlp.forward(b, x, Fuse::norm(norm).with_residual(x).with_lora(lora)),
+            Ffn::Sparse(moe) => {
+                let h = norm.forward(b, x)?;
+                Ok(b.add(x, &moe.forward(b, &h)?)?)
+            }
+        }
+    }
+
+    /// Tokens routed to each expert so far (a sparse layer only).
+    pub(crate) fn expert_load(&self) -> Option<Vec<u64>> {
+        match self {
+            Ffn::Sparse(m) => Some(m.layer.load.snapshot()),
+            Ffn::Dense(_) => None,
+        }
+    }
+}
+
 /// Loads layer `i`'s feed-forward part.
 pub(crate) type FfnLoader<'f> = &'f dyn Fn(&WeightLoader, usize) -> Result<Ffn>;
 
@@ -400,10 +428,7 @@ impl CausalLm for Llama {
     fn expert_load(&self) -> Vec<Vec<u64>> {
         self.blocks
             .iter()
-            .filter_map(|b| match &b.mlp {
-                Ffn::Sparse(m) => Some(m.layer.load.snapshot()),
-                Ffn::Dense(_) => None,
-            })
+            .filter_map(|b| b.mlp.expert_load())
             .collect()
     }
 
@@ -463,18 +488,9 @@ impl Llama {
             x = blk
                 .attn
                 .forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
-            x = match &blk.mlp {
-                Ffn::Dense(mlp) => {
-                    let fuse = Fuse::norm(&blk.post_attn_norm)
-                        .with_residual(&x)
-                        .with_lora(&batch.lora);
-                    mlp.forward(b, &x, fuse)?
-                }
-                Ffn::Sparse(moe) => {
-                    let h = blk.post_attn_norm.forward(b, &x)?;
-                    b.add(&x, &moe.forward(b, &h)?)?
-                }
-            };
+            x = blk
+                .mlp
+                .forward_pre_norm(b, &x, &blk.post_attn_norm, &batch.lora)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
