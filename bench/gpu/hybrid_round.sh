@@ -6,13 +6,21 @@
 # crates/kiln-models/tests/data/hybrid (the dense ones: the CUDA backend runs no MoE yet) —
 # CUDA logits against Kiln CPU's, 20 tokens in one prefill step then 12 decode steps, with the
 # kernels let on by KILN_CUDA_RECURRENT=1 (off by default until this round passes).
-#   KILN=.device/kiln bench/gpu/hybrid_round.sh OUT_DIR
+# Then random checkpoints at real releases' head sizes (bench/gpu/hybrid_ckpt.py: Qwen3.5's
+# 256-wide attention heads and 128-wide DeltaNet heads, LFM2's 64-wide heads) against
+# transformers on the GPU (bench/gpu/parity.py: 300 tokens, past two state checkpoints;
+# CUDA prefill, CUDA prefill + decode steps, Kiln CPU), and batch-1 decode of a
+# Qwen3.5-9B-shaped checkpoint made on the GPU (STAGES: check tiny parity decode).
+#   KILN=.device/kiln bench/gpu/hybrid_round.sh OUT_DIR [STAGES]
 set -uo pipefail
-OUT=${1:?usage: bench/gpu/hybrid_round.sh OUT_DIR}; K=${KILN:-.device/kiln}
+OUT=${1:?usage: bench/gpu/hybrid_round.sh OUT_DIR [STAGES]}; K=${KILN:-.device/kiln}
+STAGES=${2:-check tiny parity decode}; W=${WORK:-$PWD/target/kiln-w}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if has check; then
 timeout 300 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; echo "cuda-check rc=$?"
 python3 - "$OUT/cuda-check.json" <<'PY'
 import json, sys
@@ -22,6 +30,8 @@ for c in cs:
     if c["op"].startswith("recurrent"):
         print("  ", c["op"], round(c["rel_err"], 6), c["pass"])
 PY
+fi
+if has tiny; then
 IDS=1,17,93,5,64,11,33,8,77,90,45,3,88,19,56,60,27,71,9,42,7,7,13,21,34,55,89,2,4,8,16,32
 for c in qwen3_5 lfm2; do
   for d in cpu cuda; do
@@ -39,3 +49,19 @@ print(f"{c}: CUDA vs CPU logits cosine min {cos.min():.6f} (prefill rows {cos[:2
       f"decode rows {cos[20:].min():.6f}), argmax agreement {(a.argmax(1) == b.argmax(1)).mean():.3f}")
 PY
 done
+fi
+export KILN_CUDA_RECURRENT=1
+if has parity; then
+  for s in qwen3_5-small lfm2-small; do
+    [ -d "$W/$s" ] || python3 bench/gpu/hybrid_ckpt.py $s "$W/$s" > /dev/null 2> "$OUT/ckpt-$s.err" || tail -3 "$OUT/ckpt-$s.err"
+    timeout 240 python3 bench/gpu/parity.py --kiln "$K" --ckpt "$W/$s" --out "$OUT/parity-$s.json" \
+      --tokens 300 --prefill 200 --cpu 2> "$OUT/parity-$s.err" | sed "s/^/$s /"; echo "parity $s rc=$?"
+    tail -2 "$OUT/parity-$s.err"
+  done
+fi
+if has decode; then
+  [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
+  timeout 200 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 512 --gen-tokens 128 --runs 3 \
+    > "$OUT/decode512-qwen3_5-9b.json" 2> "$OUT/decode512-qwen3_5-9b.err"; echo "decode 9b rc=$?"
+  tail -c 1500 "$OUT/decode512-qwen3_5-9b.json"; tail -3 "$OUT/decode512-qwen3_5-9b.err"
+fi
