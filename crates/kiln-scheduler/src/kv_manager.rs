@@ -693,6 +693,23 @@ impl KvManager {
         }
     }
 
+    /// Gives back request `id`'s blocks past those its first `num_tokens`
+    /// tokens need (the end of a speculative step whose drafts were
+    /// rejected: their slots were written but nothing registered them).
+    pub(crate) fn truncate(&mut self, id: RequestId, num_tokens: usize) {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        let keep = num_tokens.div_ceil(self.spec.block_size);
+        for table in &mut seq.tables {
+            if table.len() > keep {
+                let cut = keep.saturating_sub(table.first);
+                let gone: Vec<BlockId> = table.blocks.split_off(cut);
+                self.pool.free(&gone);
+            }
+        }
+    }
+
     /// Blocks request `id` holds over all groups (0 if it holds none).
     pub fn num_held_blocks(&self, id: RequestId) -> usize {
         self.seqs
@@ -752,7 +769,7 @@ impl KvManager {
                     return Err(format!("request {id} has more hashes than blocks"));
                 }
                 if chain.block_hashes.len() < table.first {
-                    return Err(format!("request {id} freed an unregistered block"));
+                    return Err(format!("request {id} freed an unregistered block: first {} hashes {} len {}", table.first, chain.block_hashes.len(), table.len()));
                 }
             }
         }

@@ -45,6 +45,11 @@ pub struct ScheduledRequest {
     /// [`crate::Scheduler::update`]. False for a prompt chunk that is not the last
     /// one, whose logits are discarded.
     pub wants_logits: bool,
+    /// Draft tokens at the end of `new_token_ids` ([`crate::Scheduler::propose`]):
+    /// a speculative decode computes the request's last known token and these
+    /// guesses after it, and the engine wants the logits of all
+    /// `num_draft_tokens + 1` last rows to verify them. 0 for every other step.
+    pub num_draft_tokens: usize,
 }
 
 impl ScheduledRequest {
@@ -147,4 +152,10 @@ pub struct SchedulerStats {
     pub num_finished: u64,
     /// Requests cancelled.
     pub num_cancelled: u64,
+    /// Draft tokens scheduled for verification.
+    pub num_draft_tokens: u64,
+    /// Draft tokens the verification accepted.
+    pub num_accepted_draft_tokens: u64,
+    /// Speculative decodes (steps of one request with drafts).
+    pub num_speculative_decodes: u64,
 }

@@ -46,11 +46,27 @@ struct Counters {
     num_steps: u64,
     num_finished: u64,
     num_cancelled: u64,
+    num_draft_tokens: u64,
+    num_accepted_draft_tokens: u64,
+    num_speculative_decodes: u64,
+}
+
+/// What the step in flight asked of one request.
+#[derive(Debug, Clone)]
+struct InFlight {
+    wants_logits: bool,
+    /// The request's first position in the step.
+    start: usize,
+    /// The drafts verified in the step (after the request's last known token).
+    draft: Vec<TokenId>,
 }
 
 /// A step being planned.
 struct StepPlan {
     entries: Vec<(RequestId, usize)>,
+    /// The drafts of the speculative decodes among the entries (their
+    /// counts include them).
+    drafts: BTreeMap<RequestId, Vec<TokenId>>,
     budget: usize,
     preempted: Vec<RequestId>,
 }
@@ -70,9 +86,8 @@ pub struct Scheduler {
     requests: BTreeMap<RequestId, RequestState>,
     waiting: BTreeSet<QueueKey>,
     running: BTreeSet<QueueKey>,
-    /// The step awaiting its update: each scheduled request and whether it wants
-    /// logits.
-    in_flight: Option<BTreeMap<RequestId, bool>>,
+    /// The step awaiting its update: what each scheduled request computes.
+    in_flight: Option<BTreeMap<RequestId, InFlight>>,
     next_arrival: u64,
     counters: Counters,
 }
@@ -220,9 +235,30 @@ impl Scheduler {
                 num_preemptions: 0,
                 status: RequestStatus::Waiting,
                 order,
+                draft: Vec::new(),
             },
         );
         Ok(())
+    }
+
+    /// Proposes `draft`, guessed tokens after the last one of running request
+    /// `id`, for verification in its next decode: that step computes the last
+    /// known token and the drafts (cut to what the budget, `max_tokens` and the
+    /// free blocks allow — drafts never preempt anything; with none left the
+    /// decode is plain), and [`Scheduler::update`] takes the sampled tokens,
+    /// keeps the KV of the drafts they confirm and gives back the rest. A
+    /// request with a prompt chunk still to compute, a waiting one, and the
+    /// requests of a model with recurrent layers (whose state cannot step
+    /// back) ignore proposals. A later proposal replaces an earlier one.
+    pub fn propose(&mut self, id: RequestId, draft: Vec<TokenId>) {
+        if self.config.state_slots > 0 || self.in_flight.is_some() {
+            return;
+        }
+        if let Some(req) = self.requests.get_mut(&id) {
+            if req.status == RequestStatus::Running && req.num_remaining_tokens() == 1 {
+                req.draft = draft;
+            }
+        }
     }
 
     /// Plans the next step (see the module docs). An empty output starts no step;
@@ -236,6 +272,7 @@ impl Scheduler {
             entries: Vec::new(),
             budget: self.config.max_num_batched_tokens,
             preempted: Vec::new(),
+            drafts: BTreeMap::new(),
         };
         let order: Vec<QueueKey> = self.running.iter().copied().collect();
         for key in &order {
@@ -260,10 +297,26 @@ impl Scheduler {
                 self.schedule_running(*key, num_new_tokens, &mut plan);
             }
         }
+        // Drafts extend the decodes with what the running requests' own
+        // tokens left of the budget and the free blocks, before admissions.
+        for key in &order {
+            if plan.budget == 0 {
+                break;
+            }
+            let has_draft = self.requests.get(&key.id).is_some_and(|r| !r.draft.is_empty());
+            if has_draft && self.running.contains(key) && plan.contains(key.id) {
+                self.schedule_speculative(*key, &mut plan);
+            }
+        }
         if plan.preempted.is_empty() {
             self.admit_waiting(&mut plan);
         }
-        Ok(self.emit(plan))
+        let out = self.emit(plan);
+        // Drafts are for one step: those no decode took are dropped.
+        for req in self.requests.values_mut() {
+            req.draft.clear();
+        }
+        Ok(out)
     }
 
     /// Schedules `num_new_tokens` for running request `key`, preempting from the
@@ -288,6 +341,43 @@ impl Scheduler {
             if victim == key {
                 return;
             }
+        }
+    }
+
+    /// Extends decode `key` (planned with its one token) by its drafts, cut
+    /// to the budget, its `max_tokens` and the blocks free now (drafts never
+    /// preempt); the drafts that do not fit are dropped.
+    fn schedule_speculative(&mut self, key: QueueKey, plan: &mut StepPlan) {
+        let req = self
+            .requests
+            .get_mut(&key.id)
+            .expect("running requests are known; this is a bug");
+        let mut draft = std::mem::take(&mut req.draft);
+        // Accepting every draft gives one more token: at most max_tokens.
+        let room = req.max_tokens - req.num_output_tokens();
+        draft.truncate(room.saturating_sub(1).min(plan.budget));
+        let num_computed = req.num_computed_tokens;
+        // The blocks the decode holds already have room for this many.
+        let bs = self.kv.block_size();
+        let held = (num_computed + 1).div_ceil(bs) * bs - num_computed - 1;
+        while !draft.is_empty() {
+            if draft.len() <= held
+                || self
+                    .kv
+                    .allocate_for(key.id, num_computed, 1 + draft.len())
+                    .is_ok()
+            {
+                let entry = plan
+                    .entries
+                    .iter_mut()
+                    .find(|(id, _)| *id == key.id)
+                    .expect("the decode is planned; this is a bug");
+                entry.1 += draft.len();
+                plan.budget -= draft.len();
+                plan.drafts.insert(key.id, draft);
+                return;
+            }
+            draft.truncate(held);
         }
     }
 
@@ -343,7 +433,7 @@ impl Scheduler {
     }
 
     /// Turns the plan into the output and marks its tokens computed.
-    fn emit(&mut self, plan: StepPlan) -> SchedulerOutput {
+    fn emit(&mut self, mut plan: StepPlan) -> SchedulerOutput {
         let mut scheduled = Vec::with_capacity(plan.entries.len());
         let mut in_flight = BTreeMap::new();
         let mut num_batched_tokens = 0;
@@ -353,7 +443,8 @@ impl Scheduler {
                 .get_mut(&id)
                 .expect("planned requests are known; this is a bug");
             let start = req.num_computed_tokens;
-            let end = start + num_new_tokens;
+            let draft = plan.drafts.remove(&id).unwrap_or_default();
+            let end = start + num_new_tokens - draft.len();
             let wants_logits = end == req.token_ids.len();
             let state_restore = self.kv.take_restore(id);
             let state_snapshots = self.kv.plan_snapshots(
@@ -368,15 +459,31 @@ impl Scheduler {
                 id,
                 num_computed_tokens: start,
                 num_new_tokens,
-                new_token_ids: req.token_ids[start..end].to_vec(),
+                new_token_ids: req.token_ids[start..end]
+                    .iter()
+                    .chain(&draft)
+                    .copied()
+                    .collect(),
                 block_tables: self.kv.block_tables(id).unwrap_or_default().to_vec(),
                 state_slot: self.kv.state_slot(id),
                 state_restore,
                 state_snapshots,
                 wants_logits,
+                num_draft_tokens: draft.len(),
             });
-            req.num_computed_tokens = end;
-            in_flight.insert(id, wants_logits);
+            req.num_computed_tokens = end + draft.len();
+            if !draft.is_empty() {
+                self.counters.num_speculative_decodes += 1;
+                self.counters.num_draft_tokens += draft.len() as u64;
+            }
+            in_flight.insert(
+                id,
+                InFlight {
+                    wants_logits,
+                    start,
+                    draft,
+                },
+            );
             num_batched_tokens += num_new_tokens;
         }
         if !scheduled.is_empty() {
@@ -407,7 +514,7 @@ impl Scheduler {
             .ok_or(SchedulerError::NoStepInFlight)?;
         let mut sampled: BTreeMap<RequestId, &[TokenId]> = BTreeMap::new();
         for (id, token_ids) in results {
-            let Some(&wants_logits) = step.get(id) else {
+            let Some(&InFlight { wants_logits, .. }) = step.get(id) else {
                 return Err(SchedulerError::NotScheduled { id: *id });
             };
             if sampled.insert(*id, token_ids).is_some() {
@@ -433,7 +540,7 @@ impl Scheduler {
         }
         if let Some((&id, _)) = step
             .iter()
-            .find(|&(id, &wants)| wants && self.is_running(*id) && !sampled.contains_key(id))
+            .find(|&(id, f)| f.wants_logits && self.is_running(*id) && !sampled.contains_key(id))
         {
             return Err(SchedulerError::WrongTokenCount {
                 id,
@@ -444,7 +551,7 @@ impl Scheduler {
         let step = self.in_flight.take().unwrap_or_default();
         self.kv.publish_snapshots();
         let mut out = UpdateOutput::default();
-        for id in step.into_keys() {
+        for (id, flight) in step {
             if !self.is_running(id) {
                 continue;
             }
@@ -452,13 +559,30 @@ impl Scheduler {
                 .requests
                 .get_mut(&id)
                 .expect("running requests are known; this is a bug");
-            self.kv
-                .register_full_blocks(id, &req.token_ids, req.num_computed_tokens);
-            self.kv.free_out_of_window(id, req.num_computed_tokens);
+            if !flight.draft.is_empty() {
+                // The sampled tokens confirm the drafts they repeat (the last
+                // one is always new: it was never computed); the KV of the
+                // rest was written but is dropped.
+                let tokens = sampled.get(&id).copied().unwrap_or_default();
+                let accepted = tokens
+                    .iter()
+                    .zip(&flight.draft)
+                    .take_while(|(t, d)| t == d)
+                    .count()
+                    .min(tokens.len().saturating_sub(1));
+                req.num_computed_tokens = flight.start + 1 + accepted;
+                self.kv.truncate(id, req.num_computed_tokens);
+                self.counters.num_accepted_draft_tokens += accepted as u64;
+            }
+            // The sampled tokens first: a speculative decode's accepted
+            // drafts are among them and computed.
             if let Some(token_ids) = sampled.get(&id) {
                 req.token_ids.extend_from_slice(token_ids);
                 self.counters.num_generated_tokens += token_ids.len() as u64;
             }
+            self.kv
+                .register_full_blocks(id, &req.token_ids, req.num_computed_tokens);
+            self.kv.free_out_of_window(id, req.num_computed_tokens);
             if req.num_output_tokens() >= req.max_tokens {
                 let finished = self
                     .remove(id, false)
@@ -566,6 +690,9 @@ impl Scheduler {
             num_steps: self.counters.num_steps,
             num_finished: self.counters.num_finished,
             num_cancelled: self.counters.num_cancelled,
+            num_draft_tokens: self.counters.num_draft_tokens,
+            num_accepted_draft_tokens: self.counters.num_accepted_draft_tokens,
+            num_speculative_decodes: self.counters.num_speculative_decodes,
         }
     }
 

@@ -9,7 +9,10 @@
 //!   sliding-window layer group),
 //! * `submit 1 prompt=0..10,99 max=4 prio=1 salt=a adapter=2`
 //!   (token ranges and single ids, comma-separated),
-//! * `schedule`, `update 1:42 2:43` (one sampled token per listed request),
+//! * `schedule`, `update 1:42 2:43,44` (the sampled tokens of each listed
+//!   request: one, or a speculative decode's accepted drafts and its next),
+//! * `propose 1 7,8,9` (drafts for request 1's next decode; a plan shows them
+//!   as `+d3`),
 //! * `step` (schedule, then update with token `500 + id` for each request that
 //!   wants logits), `run` (steps until nothing is scheduled),
 //! * `finish 1`, `cancel 1`, `stats`, `free` (free blocks in eviction order, `*`
@@ -168,11 +171,7 @@ fn run_command(sched: &mut Scheduler, line: &str) -> String {
             let results: Vec<(RequestId, Vec<TokenId>)> = words
                 .map(|w| {
                     let (id, tok) = w.split_once(':').expect("id:token");
-                    let tokens = if tok.is_empty() {
-                        vec![]
-                    } else {
-                        vec![TokenId(tok.parse().unwrap())]
-                    };
+                    let tokens = parse_tokens(tok);
                     (RequestId(id.parse().unwrap()), tokens)
                 })
                 .collect();
@@ -182,6 +181,11 @@ fn run_command(sched: &mut Scheduler, line: &str) -> String {
             }
         }
         "step" => step(sched),
+        "propose" => {
+            let id = parse_id(words.next());
+            sched.propose(id, parse_tokens(words.next().unwrap_or("")));
+            "ok".to_string()
+        }
         "run" => {
             let mut num_steps = 0;
             let mut finished = Vec::new();
@@ -218,7 +222,7 @@ fn run_command(sched: &mut Scheduler, line: &str) -> String {
             format!(
                 "waiting={} running={} used={}/{} cached={} lookups={} queried={} \
                  hit_blocks={} hit_tokens={} collisions={} evictions={} preemptions={} \
-                 prompt={} generated={} finished={} cancelled={}",
+                 prompt={} generated={} finished={} cancelled={}{}",
                 s.num_waiting,
                 s.num_running,
                 s.num_blocks_used,
@@ -234,7 +238,11 @@ fn run_command(sched: &mut Scheduler, line: &str) -> String {
                 s.num_prompt_tokens,
                 s.num_generated_tokens,
                 s.num_finished,
-                s.num_cancelled
+                s.num_cancelled,
+                match s.num_draft_tokens {
+                    0 => String::new(),
+                    n => format!(" drafts={n} accepted={}", s.num_accepted_draft_tokens),
+                }
             )
         }
         "free" => {
@@ -315,11 +323,15 @@ fn render_plan(output: &SchedulerOutput) -> String {
         .iter()
         .map(|s| {
             let logits = if s.wants_logits { " logits" } else { "" };
+            let drafts = match s.num_draft_tokens {
+                0 => String::new(),
+                n => format!("+d{n}"),
+            };
             format!(
-                "r{} {}+{} {}{logits}",
+                "r{} {}+{}{drafts} {}{logits}",
                 s.id,
                 s.num_computed_tokens,
-                s.num_new_tokens,
+                s.num_new_tokens - s.num_draft_tokens,
                 render_blocks(&s.block_tables)
             )
         })

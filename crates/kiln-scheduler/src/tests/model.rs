@@ -7,12 +7,19 @@
 //! references), and samples the next token greedily from the last fingerprint. A
 //! wrong block table, a wrongly shared block or a stale cache hit changes what is
 //! read, so outputs equal [`reference_output`] only if the bookkeeping is right.
+//!
+//! Speculative decodes verify their drafts as an engine does: row `j` samples a
+//! token from the fingerprint after the last known token and the first `j`
+//! drafts, and the drafts are taken while they equal what is sampled; the KV a
+//! rejected draft wrote holds a wrong fingerprint, which a later read catches
+//! unless the scheduler gave its slot back and the next step rewrote it.
 
 use std::collections::{BTreeMap, HashMap};
 
 use kiln_sampling::TokenId;
 
-use crate::{Request, RequestId, Scheduler, SchedulerOutput};
+use super::rng::Rng;
+use crate::{Request, RequestId, RequestStatus, Scheduler, SchedulerOutput};
 
 /// Tokens the simulated model can sample.
 const VOCAB: u64 = 40;
@@ -116,10 +123,20 @@ impl SimEngine {
             let groups = &sched.kv_manager().spec().groups;
             assert_eq!(s.block_tables.len(), groups.len());
             let end = s.num_computed_tokens + s.num_new_tokens;
+            // Positions from `known_end` on hold drafts.
+            let known_end = end - s.num_draft_tokens;
+            assert!(s.num_draft_tokens == 0 || s.wants_logits);
+            let token = |pos: usize| {
+                if pos < known_end {
+                    req.token(pos)
+                } else {
+                    s.new_token_ids[pos - s.num_computed_tokens]
+                }
+            };
             let mut fingerprint = req.root;
             let mut fingerprints = Vec::with_capacity(end);
             for pos in 0..end {
-                fingerprint = mix(fingerprint, req.token(pos));
+                fingerprint = mix(fingerprint, token(pos));
                 fingerprints.push(fingerprint);
             }
             for (g, (table, group)) in s.block_tables.iter().zip(groups).enumerate() {
@@ -150,16 +167,49 @@ impl SimEngine {
                         let block_id = table.get(pos / bs).expect("new tokens' blocks are held");
                         assert_eq!(pool.ref_count(block_id), 1, "write to a shared block");
                         assert_eq!(pool.block_hash(block_id), None, "write to a cached block");
-                        assert_eq!(req.token(pos), s.new_token_ids[pos - s.num_computed_tokens]);
+                        if pos < known_end {
+                            assert_eq!(req.token(pos), s.new_token_ids[pos - s.num_computed_tokens]);
+                        }
                         self.slots.insert(slot(pos), fingerprints[pos]);
                     }
                 }
             }
             if s.wants_logits {
-                results.push((s.id, vec![sample(fingerprint)]));
+                // Verify the drafts: take them while they are what is sampled.
+                let mut tokens = Vec::new();
+                for j in 0..=s.num_draft_tokens {
+                    let t = sample(fingerprints[known_end - 1 + j]);
+                    tokens.push(t);
+                    if j == s.num_draft_tokens || t != token(known_end + j) {
+                        break;
+                    }
+                }
+                results.push((s.id, tokens));
             }
         }
         results
+    }
+
+    /// Proposes drafts of 1 to 5 tokens for running decodes: the oracle's
+    /// next tokens, one of them sometimes wrong.
+    pub(crate) fn propose(&self, sched: &mut Scheduler, rng: &mut Rng) {
+        for (&id, req) in &self.requests {
+            let Some(info) = sched.request(id) else {
+                continue;
+            };
+            let known = req.prompt.len() + req.output.len();
+            if info.status != RequestStatus::Running || info.num_computed_tokens + 1 != known {
+                continue;
+            }
+            let reference = reference_output(req.root, &req.prompt, req.max_tokens + 5);
+            let k = rng.range(1, 6);
+            let mut draft = reference[req.output.len()..req.output.len() + k].to_vec();
+            if rng.chance(50) {
+                let i = rng.below(k);
+                draft[i] = TokenId((draft[i].0 + 1 + rng.below(3) as u32) % VOCAB as u32);
+            }
+            sched.propose(id, draft);
+        }
     }
 
     /// Schedules, runs and updates one step, mirroring sampled tokens and checking

@@ -98,7 +98,7 @@ impl TableLog {
     }
 }
 
-fn random_session(seed: u64, num_ops: usize) {
+fn random_session(seed: u64, num_ops: usize) -> crate::SchedulerStats {
     let mut rng = Rng::new(seed);
     let mut sched = Scheduler::new(random_config(&mut rng)).unwrap();
     if rng.chance(20) {
@@ -109,6 +109,7 @@ fn random_session(seed: u64, num_ops: usize) {
     let mut tables = TableLog::default();
     let mut next_id = 0;
     let mut num_accepted = 0u64;
+    let speculative = rng.chance(40);
     for _ in 0..num_ops {
         let tracked: Vec<RequestId> = engine.requests.keys().copied().collect();
         match rng.below(100) {
@@ -122,6 +123,9 @@ fn random_session(seed: u64, num_ops: usize) {
                 }
             }
             30..=74 => {
+                if speculative && rng.chance(60) {
+                    engine.propose(&mut sched, &mut rng);
+                }
                 let output = sched.schedule().unwrap();
                 tables.observe(&output);
                 if output.is_empty() {
@@ -137,6 +141,14 @@ fn random_session(seed: u64, num_ops: usize) {
                 }
                 let results = engine.run_model(&sched, &output);
                 engine.apply(&mut sched, &results);
+                // A speculative decode's table gave back what its rejected
+                // drafts took.
+                for s in output.scheduled.iter().filter(|s| s.num_draft_tokens > 0) {
+                    match sched.kv_manager().block_tables(s.id) {
+                        Some(t) => tables.0.insert(s.id, t.to_vec()),
+                        None => tables.0.remove(&s.id),
+                    };
+                }
                 for (id, _) in results {
                     if engine.requests.contains_key(&id) && rng.chance(10) {
                         engine.end(&mut sched, id, false);
@@ -157,7 +169,12 @@ fn random_session(seed: u64, num_ops: usize) {
     }
     // Drain: everything left completes with the oracle's output.
     let mut num_steps = 0;
-    while engine.step(&mut sched) {
+    while {
+        if speculative {
+            engine.propose(&mut sched, &mut rng);
+        }
+        engine.step(&mut sched)
+    } {
         sched.check_invariants().unwrap();
         num_steps += 1;
         assert!(num_steps < 10_000, "seed {seed}: no progress");
@@ -170,13 +187,19 @@ fn random_session(seed: u64, num_ops: usize) {
         stats.num_blocks_total
     );
     assert_eq!(stats.num_finished + stats.num_cancelled, num_accepted);
+    stats
 }
 
 #[test]
 fn random_sessions_keep_every_invariant() {
+    let (mut drafted, mut accepted) = (0, 0);
     for seed in 0..2000 {
-        random_session(seed, 200);
+        let stats = random_session(seed, 200);
+        drafted += stats.num_draft_tokens;
+        accepted += stats.num_accepted_draft_tokens;
     }
+    // Speculative sessions verified drafts, accepting some and rejecting some.
+    assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted} drafts accepted");
 }
 
 /// 32 requests with shared system prompts through a pool that holds about 4 at

@@ -5,6 +5,54 @@ use super::harness::check;
 use crate::{ConfigError, KvCacheSpec, LayerGroup, LayerKind, Scheduler, SchedulerConfig};
 
 #[test]
+fn speculative_decodes_keep_the_accepted_drafts_and_give_back_the_rest() {
+    check(
+        "
+        config blocks=8 block_size=4 budget=16
+        submit 1 prompt=0..6 max=10
+        step
+        # Five drafts after token 501: positions 6..12, one more block.
+        propose 1 7,8,9,10,11
+        schedule
+        table 1
+        # Two drafts confirmed, the third sampled differently: 501, 7, 8 are
+        # computed, 99 is the next token, the block past position 11 goes back.
+        update 1:7,8,99
+        table 1
+        free
+        # Four of five confirmed (max_tokens 10 leaves room for five drafts).
+        propose 1 3,4,5,6,7,8,9
+        schedule
+        update 1:3,4,5,6,60
+        table 1
+        # A request that is not decoding ignores proposals.
+        submit 2 prompt=0..3 max=2
+        propose 2 1,2
+        step
+        stats
+        ",
+        "
+        submit r1: ok
+        step: r1 0+6 [0 1] logits | batched 6
+        propose r1: ok
+        schedule: r1 6+1+d5 [0 1 2] logits | batched 6
+        table r1: [0 1 2] computed=12
+        update: ok
+        table r1: [0 1 2] computed=9
+        free: 3 4 5 6 7
+        propose r1: ok
+        schedule: r1 9+1+d5 [0 1 2 3] logits | batched 6
+        update: ok
+        table r1: [0 1 2 3] computed=14
+        submit r2: ok
+        propose r2: ok
+        step: r1 14+1 [0 1 2 3] logits, r2 0+3 [4] logits | batched 4 | finished r1 prompt=6 cached=0 output=10
+        stats: waiting=0 running=1 used=1/8 cached=3 lookups=2 queried=9 hit_blocks=0 hit_tokens=0 collisions=0 evictions=0 preemptions=0 prompt=9 generated=11 finished=1 cancelled=0 drafts=10 accepted=6
+        ",
+    );
+}
+
+#[test]
 fn prefix_hit_on_a_finished_request_and_last_token_recompute() {
     check(
         "
