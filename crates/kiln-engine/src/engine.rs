@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use kiln_sampling::{DeviceStep, FinishReason, SamplingError, TokenId};
 use kiln_scheduler::{
-    AdapterId, Priority, Request, RequestId, Scheduler, SchedulerConfig, SchedulerStats,
+    AdapterId, Priority, Request, RequestId, RequestStatus, Scheduler, SchedulerConfig,
+    SchedulerStats,
 };
 use kiln_tensor::{ForwardBatch, SampleRow, SampledRow};
 use rayon::prelude::*;
@@ -25,6 +26,7 @@ use crate::events::{Event, RequestTimings, Usage};
 use crate::generate::{entropy, GenerationRequest};
 use crate::load::LoadedModel;
 use crate::process::{sample_row, PreparedRequest, TokenOutcome, TokenProcessor};
+use crate::speculative::{SpecState, SpeculativeConfig, SpeculativeMethod};
 
 mod config;
 mod run_loop;
@@ -338,6 +340,24 @@ impl Engine {
     /// supervised: if it panics, the requests it held fail and it starts
     /// again with a fresh scheduler and KV pool (see [`EngineStatus`]).
     pub fn start(model: LoadedModel, config: EngineConfig) -> Result<Engine> {
+        Engine::start_with(model, config, SpeculativeConfig::default())
+    }
+
+    /// [`Engine::start`] with speculative decoding as `speculative` says
+    /// (requests with a prediction verify it under any setting). Refused
+    /// for a model with recurrent layers, whose state cannot step back.
+    pub fn start_with(
+        model: LoadedModel,
+        config: EngineConfig,
+        speculative: SpeculativeConfig,
+    ) -> Result<Engine> {
+        if speculative.method != SpeculativeMethod::Off && model.model.state_bytes_per_seq() > 0 {
+            return Err(EngineError::Config(
+                "speculative decoding needs a model whose cache can step back; this model's \
+                 recurrent layers keep a state that cannot (use --speculative off)"
+                    .to_string(),
+            ));
+        }
         let model = Arc::new(model);
         let context = served_context(&model, &config);
         // The first pool is made here, so a configuration that cannot work
@@ -349,7 +369,7 @@ impl Engine {
         let loop_status = status.clone();
         let thread = std::thread::Builder::new()
             .name("kiln-engine".into())
-            .spawn(move || supervise::run(&model, config, first, &rx, &loop_status))
+            .spawn(move || supervise::run(&model, (config, speculative), first, &rx, &loop_status))
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
         Ok(Engine {
             handle: EngineHandle {

@@ -9,6 +9,10 @@ pub struct Usage {
     /// Prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: usize,
     pub completion_tokens: usize,
+    /// Draft tokens verified for the request (speculative decoding) and
+    /// how many of them were accepted.
+    pub draft_tokens: usize,
+    pub accepted_draft_tokens: usize,
 }
 
 /// Where a request's time went, in seconds.

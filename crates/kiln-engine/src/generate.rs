@@ -37,6 +37,10 @@ pub struct GenerationRequest {
     /// The LoRA adapter the request runs with (none: the base model). Its
     /// id keys the request's prefix-cache blocks.
     pub adapter: Option<std::sync::Arc<kiln_tensor::LoraAdapter>>,
+    /// The output the caller expects, tokenized (OpenAI's Predicted
+    /// Outputs): the engine verifies it as draft tokens, so a close
+    /// prediction makes decoding faster and never changes the output.
+    pub prediction: Option<Vec<u32>>,
 }
 
 impl GenerationRequest {

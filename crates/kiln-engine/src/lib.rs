@@ -25,6 +25,7 @@ pub mod memory;
 mod process;
 pub mod quantize;
 mod session;
+pub mod speculative;
 
 pub use adapters::{AdapterInfo, Adapters};
 pub use embed::{EmbedInput, Embedder, EmbeddingHead, Pooling};
@@ -42,3 +43,4 @@ pub use load::LoadedModel;
 pub use memory::{FitInput, FitReport, MemoryTarget};
 pub use process::ReasoningTags;
 pub use session::{ChatSession, ChatTurn, TOOL_ERROR_MARKER};
+pub use speculative::{SpeculativeConfig, SpeculativeMethod};

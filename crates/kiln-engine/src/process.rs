@@ -228,6 +228,10 @@ impl<'m> TokenProcessor<'m> {
         &self.generated
     }
 
+    pub fn prompt(&self) -> &[TokenId] {
+        &self.prompt
+    }
+
     pub fn prompt_len(&self) -> usize {
         self.prompt.len()
     }

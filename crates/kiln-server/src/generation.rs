@@ -185,6 +185,8 @@ pub fn total_usage<'a>(usages: impl IntoIterator<Item = &'a Usage>) -> Usage {
             total.cached_tokens = u.cached_tokens;
         }
         total.completion_tokens += u.completion_tokens;
+        total.draft_tokens += u.draft_tokens;
+        total.accepted_draft_tokens += u.accepted_draft_tokens;
     }
     total
 }
@@ -526,6 +528,7 @@ mod tests {
             prompt_tokens: p,
             cached_tokens: c,
             completion_tokens: k,
+            ..Usage::default()
         };
         let total = total_usage(&[u(10, 0, 3), u(10, 8, 5)]);
         assert_eq!(total, u(10, 0, 8));

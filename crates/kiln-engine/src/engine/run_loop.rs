@@ -40,6 +40,8 @@ struct Active<'m> {
     submitted: Instant,
     first_step: Option<Instant>,
     first_token: Option<Instant>,
+    /// Its speculation: prediction, draft length, counts.
+    spec: SpecState,
 }
 
 pub(in crate::engine) struct Loop<'m> {
@@ -67,6 +69,8 @@ pub(in crate::engine) struct Loop<'m> {
     /// Whether the backend samples rows where the logits are (until it
     /// first says it cannot).
     device_sampler: bool,
+    /// How requests speculate.
+    pub(in crate::engine) speculative: SpeculativeConfig,
     /// After an injected fault, the supervisor restarts the loop once this
     /// is released (the test hook's gate).
     #[cfg(feature = "fault-injection")]
@@ -118,6 +122,7 @@ impl<'m> Loop<'m> {
                 }
             },
             device_sampler: true,
+            speculative: SpeculativeConfig::default(),
             #[cfg(feature = "fault-injection")]
             restart_hold: None,
         }
@@ -322,6 +327,11 @@ impl<'m> Loop<'m> {
                 submitted: Instant::now(),
                 first_step: None,
                 first_token: None,
+                spec: SpecState::new(
+                    request
+                        .prediction
+                        .map(|p| p.into_iter().map(TokenId).collect()),
+                ),
             },
         );
         Ok(id.0)
@@ -352,9 +362,40 @@ impl<'m> Loop<'m> {
         }
     }
 
+    /// Proposes draft tokens for the decodes of requests that speculate,
+    /// unless more requests run than speculation pays for.
+    fn propose_drafts(&mut self) {
+        let running = self.scheduler.num_running();
+        if running == 0
+            || running > self.speculative.max_batch
+            || self.model.model.state_bytes_per_seq() > 0
+        {
+            return;
+        }
+        for (id, a) in self.active.iter_mut() {
+            if !a.spec.active(self.speculative.method) {
+                continue;
+            }
+            let Some(info) = self.scheduler.request(*id) else {
+                continue;
+            };
+            let known = info.num_prompt_tokens + info.num_output_tokens;
+            if info.status != RequestStatus::Running || info.num_computed_tokens + 1 != known {
+                continue;
+            }
+            let draft = a
+                .spec
+                .propose(&self.speculative, a.proc.prompt(), a.proc.generated());
+            if !draft.is_empty() {
+                self.scheduler.propose(*id, draft);
+            }
+        }
+    }
+
     /// One step; returns the number of sequences when it was a pure decode step.
     fn step_inner(&mut self) -> Option<usize> {
         self.drop_abandoned();
+        self.propose_drafts();
         let mut out = match self.scheduler.schedule() {
             Ok(o) => o,
             Err(e) => {
@@ -395,7 +436,16 @@ impl<'m> Loop<'m> {
             let tokens: Vec<u32> = s.new_token_ids.iter().map(|t| t.0).collect();
             let tables = s.block_tables.iter().map(backend_table).collect();
             let start = batch.token_ids.len();
-            batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, s.wants_logits);
+            let last_rows = s.wants_logits && s.num_draft_tokens == 0;
+            batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, last_rows);
+            if s.wants_logits && s.num_draft_tokens > 0 {
+                // A speculative decode: the logits after its last known
+                // token and after each draft.
+                let end = start + tokens.len();
+                batch
+                    .logits_rows
+                    .extend((end - 1 - s.num_draft_tokens..end).map(|r| r as u32));
+            }
             if let Some(slot) = s.state_slot {
                 batch.states.push(kiln_tensor::SeqState {
                     slot,
@@ -410,23 +460,24 @@ impl<'m> Loop<'m> {
         // Rows the device can sample (the (masked) argmax, or any
         // parameters its sampler takes) are sampled there: only ids cross to
         // the host; the others' logits are copied.
-        let mut kinds: Vec<RowKind> = out
-            .scheduled
-            .iter()
-            .filter(|s| s.wants_logits)
-            .map(|s| match self.active.get(&s.id) {
+        // A row of logits for each request that samples, and one more for
+        // each draft of a speculative decode (verified by the argmax
+        // kernels or on the host, row after row).
+        let mut kinds: Vec<RowKind> = Vec::new();
+        let mut row_ids: Vec<RequestId> = Vec::new();
+        for s in out.scheduled.iter().filter(|s| s.wants_logits) {
+            let kind = match self.active.get(&s.id) {
                 Some(a) if a.proc.wants_plain_argmax() => RowKind::Argmax,
+                _ if s.num_draft_tokens > 0 => RowKind::Host,
                 Some(a) if a.proc.wants_masked_argmax() => RowKind::Masked,
                 Some(a) if self.device_sampler && a.proc.wants_device_sample() => RowKind::Sampled,
                 _ => RowKind::Host,
-            })
-            .collect();
-        let row_ids: Vec<RequestId> = out
-            .scheduled
-            .iter()
-            .filter(|s| s.wants_logits)
-            .map(|s| s.id)
-            .collect();
+            };
+            for _ in 0..=s.num_draft_tokens {
+                kinds.push(kind);
+                row_ids.push(s.id);
+            }
+        }
         // The masks of constrained requests are computed on other threads
         // while the forward pass runs.
         let mask_ids: Vec<RequestId> = out
@@ -511,34 +562,34 @@ impl<'m> Loop<'m> {
         self.step_seconds_total += step_seconds;
         self.last_step_seconds = step_seconds;
         let vocab = self.model.model.config().vocab_size;
-        // Sample every row (rows sampled on the host in parallel).
-        let row_of: HashMap<RequestId, usize> = out
-            .scheduled
-            .iter()
-            .filter(|s| s.wants_logits)
-            .enumerate()
-            .map(|(row, s)| (s.id, row))
-            .collect();
-        let mut outcomes: Vec<Option<Result<TokenOutcome>>> =
-            (0..row_of.len()).map(|_| None).collect();
-        let mut rows: Vec<(usize, &mut Active<'m>)> = self
+        // Sample every request's rows (requests on the host in parallel):
+        // a speculative decode's rows in order while its drafts are what
+        // is sampled.
+        let mut row_of: HashMap<RequestId, (usize, &[TokenId])> = HashMap::new();
+        let mut next_row = 0;
+        for s in out.scheduled.iter().filter(|s| s.wants_logits) {
+            let drafts = &s.new_token_ids[s.new_token_ids.len() - s.num_draft_tokens..];
+            row_of.insert(s.id, (next_row, drafts));
+            next_row += 1 + s.num_draft_tokens;
+        }
+        let mut rows: Vec<(RequestId, usize, &[TokenId], &mut Active<'m>)> = self
             .active
             .iter_mut()
-            .filter_map(|(id, a)| row_of.get(id).map(|&row| (row, a)))
+            .filter_map(|(id, a)| row_of.get(id).map(|&(row, d)| (*id, row, d, a)))
             .collect();
-        let sampled: Vec<(usize, Result<TokenOutcome>)> = rows
+        let sampled: Vec<(RequestId, Vec<Result<TokenOutcome>>)> = rows
             .par_iter_mut()
-            .map(|(row, a)| {
-                let row = *row;
-                let take = |a: &mut Active<'m>, pick: &Option<SampledRow>| match (kinds[row], pick)
-                {
+            .map(|(id, first, drafts, a)| {
+                let take = |a: &mut Active<'m>, pick: &Option<SampledRow>, row: usize| match (
+                    kinds[row], pick,
+                ) {
                     (_, None) => Err(SamplingError::NoCandidates.into()),
                     (RowKind::Masked, Some(p)) => a.proc.on_masked_argmax(p.token, p.logprob),
                     (RowKind::Sampled, Some(p)) => a.proc.on_device_sample(p.clone()),
                     (_, Some(p)) => a.proc.on_argmax(p.token, p.logprob),
                 };
-                let outcome = match &logits {
-                    Logits::Picked(p) => take(a, &p[row]),
+                let row_outcome = |a: &mut Active<'m>, row: usize| match &logits {
+                    Logits::Picked(p) => take(a, &p[row], row),
                     Logits::Full(l) => a
                         .proc
                         .on_logits(&mut l[row * vocab..(row + 1) * vocab].to_vec()),
@@ -550,56 +601,86 @@ impl<'m> Loop<'m> {
                         Some(k) => a
                             .proc
                             .on_logits(&mut host[k * vocab..(k + 1) * vocab].to_vec()),
-                        None => take(a, &picked[row]),
+                        None => take(a, &picked[row], row),
                     },
                 };
-                (row, outcome)
-            })
-            .collect();
-        for (row, o) in sampled {
-            outcomes[row] = Some(o);
-        }
-        let mut results = Vec::new();
-        let mut finished = Vec::new();
-        for (row, s) in out.scheduled.iter().filter(|s| s.wants_logits).enumerate() {
-            let (Some(a), Some(outcome)) = (self.active.get_mut(&s.id), outcomes[row].take())
-            else {
-                continue;
-            };
-            match outcome {
-                Ok(o) => {
-                    a.first_token.get_or_insert_with(Instant::now);
-                    let mut tokens = vec![o.sampled.token];
-                    tokens.extend(o.forced.iter().map(|(t, _)| *t));
-                    results.push((s.id, tokens));
-                    let event = Event::Token {
-                        token_id: o.sampled.token.0,
-                        text: o.text,
-                        logprobs: a.want_logprobs.then_some(o.sampled),
-                    };
-                    // Tokens the format forced follow as events of their own.
-                    let forced = o.forced.into_iter().map(|(t, text)| Event::Token {
-                        token_id: t.0,
-                        text,
-                        logprobs: None,
-                    });
-                    let sent = std::iter::once(event)
-                        .chain(forced)
-                        .all(|e| a.events.send(e).is_ok());
-                    if !sent {
-                        // The client dropped its stream: cancel.
-                        finished.push((s.id, FinishReason::Cancelled));
-                    } else if let Some(f) = o.finish {
-                        finished.push((s.id, f));
+                let mut list = Vec::with_capacity(1);
+                for j in 0..=drafts.len() {
+                    let outcome = row_outcome(a, *first + j);
+                    let more = matches!(&outcome, Ok(o) if o.finish.is_none()
+                        && o.forced.is_empty()
+                        && j < drafts.len()
+                        && o.sampled.token == drafts[j]);
+                    list.push(outcome);
+                    if !more {
+                        break;
                     }
                 }
-                Err(e) => {
-                    let _ = a.events.send(Event::Failed {
-                        message: e.to_string(),
-                    });
-                    finished.push((s.id, FinishReason::Cancelled));
-                    results.push((s.id, vec![TokenId(0)]));
-                }
+                (*id, list)
+            })
+            .collect();
+        let mut outcomes: HashMap<RequestId, Vec<Result<TokenOutcome>>> =
+            sampled.into_iter().collect();
+        let mut results = Vec::new();
+        let mut finished = Vec::new();
+        for s in out.scheduled.iter().filter(|s| s.wants_logits) {
+            let (Some(a), Some(list)) = (self.active.get_mut(&s.id), outcomes.remove(&s.id)) else {
+                continue;
+            };
+            let mut tokens = Vec::new();
+            let (mut sent, mut finish, mut failed) = (true, None, None);
+            for outcome in list {
+                let o = match outcome {
+                    Ok(o) => o,
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                };
+                a.first_token.get_or_insert_with(Instant::now);
+                tokens.push(o.sampled.token);
+                tokens.extend(o.forced.iter().map(|(t, _)| *t));
+                let event = Event::Token {
+                    token_id: o.sampled.token.0,
+                    text: o.text,
+                    logprobs: a.want_logprobs.then_some(o.sampled),
+                };
+                // Tokens the format forced follow as events of their own.
+                let forced = o.forced.into_iter().map(|(t, text)| Event::Token {
+                    token_id: t.0,
+                    text,
+                    logprobs: None,
+                });
+                sent = sent
+                    && std::iter::once(event)
+                        .chain(forced)
+                        .all(|e| a.events.send(e).is_ok());
+                finish = o.finish;
+            }
+            if s.num_draft_tokens > 0 {
+                let drafts = &s.new_token_ids[s.new_token_ids.len() - s.num_draft_tokens..];
+                let accepted = tokens
+                    .iter()
+                    .zip(drafts)
+                    .take_while(|(t, d)| t == d)
+                    .count()
+                    .min(tokens.len().saturating_sub(1));
+                a.spec.verified(s.num_draft_tokens, accepted);
+            }
+            if let Some(e) = failed {
+                let _ = a.events.send(Event::Failed {
+                    message: e.to_string(),
+                });
+                finished.push((s.id, FinishReason::Cancelled));
+                results.push((s.id, vec![TokenId(0)]));
+                continue;
+            }
+            results.push((s.id, tokens));
+            if !sent {
+                // The client dropped its stream: cancel.
+                finished.push((s.id, FinishReason::Cancelled));
+            } else if let Some(f) = finish {
+                finished.push((s.id, f));
             }
         }
         // Requests whose client went away while their prompt is still being
@@ -657,6 +738,8 @@ impl<'m> Loop<'m> {
                 prompt_tokens: a.proc.prompt_len(),
                 cached_tokens: cached,
                 completion_tokens: a.proc.generated().len(),
+                draft_tokens: a.spec.proposed,
+                accepted_draft_tokens: a.spec.accepted,
             },
             timings: RequestTimings {
                 queue_seconds: (first_step - a.submitted).as_secs_f64(),

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use kiln_scheduler::Scheduler;
 
-use super::{fresh_state, Command, EngineConfig, Loop};
+use super::{fresh_state, Command, EngineConfig, Loop, SpeculativeConfig};
 use crate::load::LoadedModel;
 
 /// Where the engine loop stands.
@@ -78,7 +78,7 @@ const RESTART_PAUSE: Duration = Duration::from_millis(50);
 /// (every handle dropped, or [`Command::Shutdown`]).
 pub(super) fn run(
     model: &LoadedModel,
-    config: EngineConfig,
+    (config, speculative): (EngineConfig, SpeculativeConfig),
     first: (Scheduler, kiln_tensor::KvCache),
     commands: &Receiver<Command>,
     status: &StatusCell,
@@ -99,6 +99,7 @@ pub(super) fn run(
             },
         };
         let mut lp = Loop::new(model, parts, config.block_size, next_id);
+        lp.speculative = speculative;
         status.set(StatusCell::RUNNING);
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| lp.run(commands)));
         let Err(payload) = outcome else {

@@ -574,6 +574,7 @@ mod tests {
             prompt_tokens: 10,
             cached_tokens: 4,
             completion_tokens: 20,
+            ..Usage::default()
         };
         frames.extend(s.on_finish(0, FinishReason::Stop, &usage));
         let evs = parse(&frames);

@@ -648,6 +648,8 @@ mod tests {
         prompt_tokens: 10,
         cached_tokens: 4,
         completion_tokens: 20,
+        draft_tokens: 0,
+        accepted_draft_tokens: 0,
     };
 
     const CALL: &str =

@@ -1,0 +1,295 @@
+//! Speculative decoding: a proposer guesses a request's next tokens, the
+//! scheduler computes them after the request's last known token in its
+//! decode step ([`kiln_scheduler::Scheduler::propose`]), and the engine
+//! verifies them with the request's own sampler, row by row: row `j`'s token
+//! is sampled from the logits after the first `j` drafts, exactly as a plain
+//! decode would sample it, and the drafts are taken while they equal what is
+//! sampled. Every proposer here is deterministic (a point mass on its
+//! guess), for which this is the standard accept/resample rule: a draft `x`
+//! is kept with probability `p(x)`, and otherwise the token comes from `p`
+//! without `x`, renormalized — so the output is distributed as without
+//! speculation, and with greedy or seeded sampling it is the same tokens.
+//!
+//! Proposers: n-gram lookup over the request's prompt and output
+//! (`--speculative ngram`), and the request's own predicted output (OpenAI's
+//! `prediction`), which any request may bring.
+//!
+//! The draft length adapts per request to its recent acceptance, and no
+//! request speculates in a step while more than
+//! [`SpeculativeConfig::max_batch`] requests run (a batch that large is
+//! compute-bound, where verifying guesses costs more than it saves).
+
+use kiln_sampling::TokenId;
+
+/// Which proposer guesses the tokens of requests without a prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SpeculativeMethod {
+    /// No speculation (requests with a prediction still use it).
+    #[default]
+    Off,
+    /// Prompt lookup: the continuation of the latest earlier occurrence of
+    /// the last few tokens, in the prompt and the output so far.
+    Ngram,
+}
+
+impl std::str::FromStr for SpeculativeMethod {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" | "none" => Ok(SpeculativeMethod::Off),
+            "ngram" => Ok(SpeculativeMethod::Ngram),
+            other => Err(format!(
+                "unknown speculative method {other:?} (expected ngram or off)"
+            )),
+        }
+    }
+}
+
+/// How the engine speculates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpeculativeConfig {
+    pub method: SpeculativeMethod,
+    /// The most draft tokens a request verifies in one step.
+    pub num_tokens: usize,
+    /// Requests speculate only in steps where at most this many run.
+    pub max_batch: usize,
+    /// The longest and shortest suffix the n-gram lookup matches.
+    pub ngram_max: usize,
+    pub ngram_min: usize,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        SpeculativeConfig {
+            method: SpeculativeMethod::Off,
+            num_tokens: DEFAULT_NUM_TOKENS,
+            max_batch: DEFAULT_MAX_BATCH,
+            ngram_max: 4,
+            ngram_min: 2,
+        }
+    }
+}
+
+/// Draft tokens a step by default.
+pub const DEFAULT_NUM_TOKENS: usize = 5;
+/// Running requests above which no one speculates, by default.
+pub const DEFAULT_MAX_BATCH: usize = 16;
+
+/// One request's speculation: its prediction, its draft length and counts.
+#[derive(Debug, Clone)]
+pub(crate) struct SpecState {
+    /// The predicted output, tokenized (OpenAI's `prediction`).
+    prediction: Option<Vec<TokenId>>,
+    /// Where the output stands in the prediction: the end of the last
+    /// match used, moved by what was accepted.
+    prediction_pos: usize,
+    /// The smoothed fraction of drafts accepted, which sets the length.
+    acceptance: f64,
+    /// Drafts proposed and accepted over the request.
+    pub(crate) proposed: usize,
+    pub(crate) accepted: usize,
+    /// The drafts in flight and the prediction position they came from.
+    pending: Option<(usize, Option<usize>)>,
+}
+
+impl SpecState {
+    pub(crate) fn new(prediction: Option<Vec<TokenId>>) -> Self {
+        SpecState {
+            prediction: prediction.filter(|p| !p.is_empty()),
+            prediction_pos: 0,
+            acceptance: 0.8,
+            proposed: 0,
+            accepted: 0,
+            pending: None,
+        }
+    }
+
+    /// Whether this request guesses at all under `method`.
+    pub(crate) fn active(&self, method: SpeculativeMethod) -> bool {
+        self.prediction.is_some() || method != SpeculativeMethod::Off
+    }
+
+    /// The draft length its recent acceptance `a` pays for: about the
+    /// expected run of accepted tokens, `a / (1 - a)`, plus one.
+    fn length(&self, max: usize) -> usize {
+        let a = self.acceptance.min(0.95);
+        ((a / (1.0 - a)).round() as usize + 1).clamp(1, max)
+    }
+
+    /// Guesses the tokens after `context` (the prompt and the output so
+    /// far): from the prediction when there is one, else by n-gram lookup
+    /// when `config` asks for it. Empty when nothing matches.
+    pub(crate) fn propose(
+        &mut self,
+        config: &SpeculativeConfig,
+        prompt: &[TokenId],
+        output: &[TokenId],
+    ) -> Vec<TokenId> {
+        let k = self.length(config.num_tokens.max(1));
+        self.pending = None;
+        if let Some(pred) = &self.prediction {
+            if let Some(end) = match_in(pred, output, config.ngram_max, 1, self.prediction_pos) {
+                let draft: Vec<TokenId> = pred[end..(end + k).min(pred.len())].to_vec();
+                if !draft.is_empty() {
+                    self.pending = Some((draft.len(), Some(end)));
+                    return draft;
+                }
+            }
+        }
+        if config.method != SpeculativeMethod::Ngram {
+            return Vec::new();
+        }
+        let draft = ngram_lookup(prompt, output, config.ngram_max, config.ngram_min.max(1), k);
+        if !draft.is_empty() {
+            self.pending = Some((draft.len(), None));
+        }
+        draft
+    }
+
+    /// Records the verification of the drafts in flight: `accepted` of them
+    /// were taken (a step that scheduled fewer than proposed counts those).
+    pub(crate) fn verified(&mut self, scheduled: usize, accepted: usize) {
+        let Some((_, from)) = self.pending.take() else {
+            return;
+        };
+        if scheduled == 0 {
+            return;
+        }
+        self.proposed += scheduled;
+        self.accepted += accepted;
+        let rate = accepted as f64 / scheduled as f64;
+        self.acceptance = 0.7 * self.acceptance + 0.3 * rate;
+        if let Some(end) = from {
+            self.prediction_pos = end + accepted;
+        }
+    }
+}
+
+/// The end of the occurrence of the last tokens of `output` in `corpus`
+/// (the longest suffix of `ngram_max` down to `ngram_min` tokens that
+/// occurs): the first one ending at or after `hint`, else the last one.
+/// With an empty output, the corpus start.
+fn match_in(
+    corpus: &[TokenId],
+    output: &[TokenId],
+    ngram_max: usize,
+    ngram_min: usize,
+    hint: usize,
+) -> Option<usize> {
+    if output.is_empty() {
+        return Some(0);
+    }
+    for n in (ngram_min..=ngram_max.min(output.len())).rev() {
+        let suffix = &output[output.len() - n..];
+        let mut best: Option<usize> = None;
+        for start in 0..corpus.len().saturating_sub(n - 1) {
+            if &corpus[start..start + n] == suffix {
+                let end = start + n;
+                if end >= hint {
+                    best = Some(end);
+                    break;
+                }
+                best = Some(end);
+            }
+        }
+        if best.is_some() {
+            return best;
+        }
+    }
+    None
+}
+
+/// Prompt lookup: the `k` tokens after the latest earlier occurrence of the
+/// longest suffix (`ngram_max` down to `ngram_min` tokens) of the prompt
+/// and output, searched in both.
+pub(crate) fn ngram_lookup(
+    prompt: &[TokenId],
+    output: &[TokenId],
+    ngram_max: usize,
+    ngram_min: usize,
+    k: usize,
+) -> Vec<TokenId> {
+    let len = prompt.len() + output.len();
+    let at = |i: usize| {
+        if i < prompt.len() {
+            prompt[i]
+        } else {
+            output[i - prompt.len()]
+        }
+    };
+    for n in (ngram_min..=ngram_max.min(len.saturating_sub(1))).rev() {
+        // The latest occurrence that ends before the suffix itself.
+        let suffix_start = len - n;
+        let found = (0..suffix_start)
+            .rev()
+            .find(|&start| (0..n).all(|i| at(start + i) == at(suffix_start + i)));
+        if let Some(start) = found {
+            let end = start + n;
+            return (end..(end + k).min(len)).map(at).collect();
+        }
+    }
+    Vec::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(v: &[u32]) -> Vec<TokenId> {
+        v.iter().map(|&t| TokenId(t)).collect()
+    }
+
+    #[test]
+    fn ngram_lookup_continues_the_latest_longest_match() {
+        // "1 2 3 9 ... 1 2 3 7 ... 2 3" : the suffix "2 3" last occurred
+        // before "7", and the 3-gram "x 2 3" does not occur.
+        let prompt = ids(&[1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5]);
+        let output = ids(&[6, 2, 3]);
+        assert_eq!(ngram_lookup(&prompt, &output, 4, 2, 3), ids(&[7, 8, 5]));
+        // A 3-gram match beats the later 2-gram one.
+        let output = ids(&[9, 1, 2, 3]);
+        assert_eq!(ngram_lookup(&prompt, &output, 4, 2, 2), ids(&[7, 8]));
+        // No match of at least ngram_min tokens: nothing.
+        assert!(ngram_lookup(&prompt, &ids(&[42, 43]), 4, 2, 3).is_empty());
+        // The continuation stops at the context's end.
+        let output = ids(&[7, 8]);
+        assert_eq!(ngram_lookup(&prompt, &output, 4, 2, 5), ids(&[5, 7, 8]));
+    }
+
+    #[test]
+    fn predictions_follow_the_output_and_resync_after_an_edit() {
+        let config = SpeculativeConfig::default();
+        let pred = ids(&[10, 11, 12, 13, 14, 15, 16, 17, 18, 19]);
+        let mut s = SpecState::new(Some(pred));
+        // First token 10 was sampled: the rest of the prediction follows.
+        let d = s.propose(&config, &[], &ids(&[10]));
+        assert_eq!(d[..3], ids(&[11, 12, 13])[..]);
+        s.verified(d.len(), 2);
+        // The output replaced 13 by 99, then went on with 14: resync.
+        let d = s.propose(&config, &[], &ids(&[10, 11, 12, 99, 14]));
+        assert_eq!(d[0], TokenId(15));
+        // An output that left the prediction proposes nothing (method off).
+        assert!(s.propose(&config, &[], &ids(&[10, 42, 43])).is_empty());
+        assert!(SpecState::new(None)
+            .propose(&config, &[], &ids(&[1]))
+            .is_empty());
+    }
+
+    #[test]
+    fn the_length_follows_acceptance() {
+        let mut s = SpecState::new(None);
+        let start = s.length(8);
+        for _ in 0..10 {
+            s.pending = Some((8, None));
+            s.verified(8, 0);
+        }
+        assert_eq!(s.length(8), 1);
+        for _ in 0..30 {
+            s.pending = Some((8, None));
+            s.verified(8, 8);
+        }
+        assert!(s.length(8) > start.min(7), "{}", s.length(8));
+        assert_eq!(s.proposed, 320);
+        assert_eq!(s.accepted, 240);
+    }
+}
