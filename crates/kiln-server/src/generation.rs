@@ -334,6 +334,9 @@ pub struct Generate {
     pub format: Option<kiln_structured::Format>,
     /// The LoRA adapter the request's `model` names, if any.
     pub adapter: Option<std::sync::Arc<kiln_engine::LoraAdapter>>,
+    /// The output the client predicts (OpenAI's `prediction`), verified
+    /// as draft tokens.
+    pub prediction: Option<String>,
 }
 
 /// Most choices one request may ask for (`n`).
@@ -451,6 +454,10 @@ where
         reasoning,
     } = prepare(model)?;
     check_context(prompt.len(), engine.context_length())?;
+    let prediction = match &generate.prediction {
+        Some(p) => Some(model.tokenizer.encode(p, false)?),
+        None => None,
+    };
     let mut streams = Vec::with_capacity(n);
     for i in 0..n {
         let mut params = generate.params.clone();
@@ -461,6 +468,7 @@ where
             format: generate.format.clone(),
             reasoning: reasoning.clone(),
             adapter: generate.adapter.clone(),
+            prediction: prediction.clone(),
             ..GenerationRequest::new(prompt.clone(), params)
         })?);
     }

@@ -171,6 +171,24 @@ impl Metrics {
             s.num_preemptions as f64,
         );
         metric(
+            "kiln_spec_decode_num_draft_tokens_total",
+            "counter",
+            "Draft tokens verified by speculative decoding (n-gram lookup, predictions).",
+            s.num_draft_tokens as f64,
+        );
+        metric(
+            "kiln_spec_decode_num_accepted_tokens_total",
+            "counter",
+            "Draft tokens speculative decoding accepted.",
+            s.num_accepted_draft_tokens as f64,
+        );
+        metric(
+            "kiln_spec_decode_num_drafts_total",
+            "counter",
+            "Speculative decodes: a request's step with draft tokens.",
+            s.num_speculative_decodes as f64,
+        );
+        metric(
             "kiln_prefix_cache_queried_tokens_total",
             "counter",
             "Prompt tokens looked up in the prefix cache.",

@@ -260,3 +260,76 @@ fn a_prompt_over_the_context_is_refused_with_the_numbers() {
     assert_eq!(assert_error(&r, 404)["code"], "model_not_found");
     assert_error(&get(addr, "/v2/nothing"), 404);
 }
+
+#[test]
+fn predicted_outputs_keep_the_answer_and_report_accepted_tokens() {
+    let plain = post(server(), "/v1/chat/completions", &france(json!({})));
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    let answer = plain.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(plain.json()["usage"]
+        .get("completion_tokens_details")
+        .is_none());
+    // The answer itself as the prediction, as text parts, and an edited one.
+    let edited = answer.replace("Paris", "Lyon");
+    for prediction in [
+        json!({"type": "content", "content": answer}),
+        json!({"type": "content", "content": [{"type": "text", "text": answer}]}),
+        json!({"type": "content", "content": edited}),
+    ] {
+        let r = post(
+            server(),
+            "/v1/chat/completions",
+            &france(json!({"prediction": prediction})),
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["choices"][0]["message"]["content"], answer.as_str());
+        let d = &v["usage"]["completion_tokens_details"];
+        let accepted = d["accepted_prediction_tokens"].as_u64().unwrap();
+        assert!(accepted > 0, "{v}");
+        assert!(d["rejected_prediction_tokens"].as_u64().is_some(), "{v}");
+    }
+    // Streamed: the same text.
+    let r = post(
+        server(),
+        "/v1/chat/completions",
+        &france(json!({"stream": true, "prediction": {"type": "content", "content": answer}})),
+    );
+    let text: String = r
+        .sse_data()
+        .iter()
+        .filter(|d| d.as_str() != "[DONE]")
+        .filter_map(|d| {
+            let v: Value = serde_json::from_str(d).ok()?;
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(text, answer);
+    // Metrics count the verified drafts.
+    let m = get(server(), "/metrics").text();
+    let accepted = m
+        .lines()
+        .find(|l| l.starts_with("kiln_spec_decode_num_accepted_tokens_total"))
+        .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .unwrap();
+    assert!(accepted > 0.0, "{m}");
+    // A malformed prediction is a 400 naming the parameter.
+    for bad in [
+        json!("Paris"),
+        json!({"type": "text", "content": "x"}),
+        json!({"type": "content", "content": 5}),
+    ] {
+        let r = post(
+            server(),
+            "/v1/chat/completions",
+            &france(json!({"prediction": bad})),
+        );
+        let e = assert_error(&r, 400);
+        assert_eq!(e["param"], "prediction", "{e}");
+    }
+}

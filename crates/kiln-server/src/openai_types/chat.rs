@@ -54,6 +54,9 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
     /// Passed to the template; `none` also turns thinking off.
     pub reasoning_effort: Option<String>,
+    /// Predicted Outputs: `{"type": "content", "content": ...}`, the
+    /// answer the client expects (verified as draft tokens).
+    pub prediction: Option<Value>,
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }

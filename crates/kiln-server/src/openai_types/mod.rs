@@ -36,6 +36,16 @@ pub struct UsageOut {
     pub completion_tokens: usize,
     pub total_tokens: usize,
     pub prompt_tokens_details: PromptTokensDetails,
+    /// Present when drafts were verified (a `prediction`, or the server's
+    /// speculative decoding): how many were accepted and rejected.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionTokensDetails {
+    pub accepted_prediction_tokens: usize,
+    pub rejected_prediction_tokens: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -53,7 +63,47 @@ impl From<&Usage> for UsageOut {
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: u.cached_tokens,
             },
+            completion_tokens_details: (u.draft_tokens > 0).then(|| CompletionTokensDetails {
+                accepted_prediction_tokens: u.accepted_draft_tokens,
+                rejected_prediction_tokens: u.draft_tokens - u.accepted_draft_tokens,
+            }),
         }
+    }
+}
+
+/// The text of OpenAI's `prediction` (Predicted Outputs): `{"type":
+/// "content", "content": ...}` with a string or a list of text parts.
+pub fn prediction_text(v: &Value) -> Result<String, crate::errors::ApiError> {
+    let bad = |why: &str| crate::errors::ApiError::invalid("prediction", why.to_string());
+    let o = v
+        .as_object()
+        .ok_or_else(|| bad("`prediction` must be an object"))?;
+    if o.get("type").and_then(Value::as_str) != Some("content") {
+        return Err(bad("`prediction.type` must be \"content\""));
+    }
+    if let Some(k) = o.keys().find(|k| !matches!(k.as_str(), "type" | "content")) {
+        return Err(crate::errors::ApiError::invalid(
+            &format!("prediction.{k}"),
+            format!("unknown field `prediction.{k}`"),
+        ));
+    }
+    match o.get("content") {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(
+                |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
+                    _ => Err(bad(
+                        "`prediction.content` parts must be {\"type\": \"text\", \"text\": ...}",
+                    )),
+                },
+            )
+            .collect::<Result<Vec<&str>, _>>()
+            .map(|t| t.concat()),
+        _ => Err(bad(
+            "`prediction.content` must be a string or a list of text parts",
+        )),
     }
 }
 

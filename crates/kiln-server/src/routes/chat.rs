@@ -46,12 +46,18 @@ struct ValidChat {
     format: Option<kiln_structured::Format>,
     /// `tool_choice` forces a call (the format makes the answer one).
     forced_call: bool,
+    /// The text of `prediction`.
+    prediction: Option<String>,
 }
 
 fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     let format = crate::structured::take_format(&mut req.extra)
         .map_err(|(param, reason)| ApiError::invalid(&param, reason))?;
     reject_unknown(&req.extra, "")?;
+    let prediction = match req.prediction.as_ref().filter(|v| !v.is_null()) {
+        Some(v) => Some(crate::openai_types::prediction_text(v)?),
+        None => None,
+    };
     state.check_model(req.model.as_deref())?;
     state.check_generates()?;
     let n = generation::choices(req.n)?;
@@ -181,6 +187,7 @@ fn validate(state: &AppState, mut req: ChatCompletionRequest) -> Result<ValidCha
         n,
         format,
         forced_call,
+        prediction,
     })
 }
 
@@ -198,6 +205,7 @@ pub async fn handle(
         skip_special_tokens: !parses,
         format: v.format,
         adapter,
+        prediction: v.prediction,
     };
     let (messages, render) = (v.messages, v.render);
     let admitted = generation::start_choices(&state, generate, v.n, move |model: &LoadedModel| {

@@ -142,6 +142,7 @@ pub async fn handle(
         skip_special_tokens: true,
         format,
         adapter,
+        prediction: None,
     };
     let admitted = generation::start_choices(&state, generate, n, move |model: &LoadedModel| {
         let (ids, text) = match prompt {

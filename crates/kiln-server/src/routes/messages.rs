@@ -168,6 +168,7 @@ pub async fn handle(
         skip_special_tokens: !parses,
         format: conv.format,
         adapter,
+        prediction: None,
     };
     let (messages, render) = (conv.messages, conv.render);
     let admitted = generation::start(&state, generate, move |model: &LoadedModel| {

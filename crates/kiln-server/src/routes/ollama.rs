@@ -519,6 +519,7 @@ async fn answer(
         skip_special_tokens: !parses,
         format,
         adapter: None,
+        prediction: None,
     };
     let admitted = generation::start(state, generate, prepare).await?;
     let syntax: OutputSyntax = admitted.extra;

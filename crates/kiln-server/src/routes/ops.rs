@@ -109,6 +109,16 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
             "num_cancelled": s.num_cancelled,
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_generated_tokens": s.num_generated_tokens,
+            "speculative": {
+                "num_speculative_decodes": s.num_speculative_decodes,
+                "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_draft_tokens": s.num_accepted_draft_tokens,
+                "acceptance_rate": if s.num_draft_tokens == 0 {
+                    0.0
+                } else {
+                    s.num_accepted_draft_tokens as f64 / s.num_draft_tokens as f64
+                },
+            },
             "prefix_cache": {
                 "num_lookups": s.prefix_cache.num_lookups,
                 "num_queried_tokens": s.prefix_cache.num_queried_tokens,

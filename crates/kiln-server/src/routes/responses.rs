@@ -159,6 +159,7 @@ pub async fn handle(
         skip_special_tokens: !parses,
         format: v.format,
         adapter,
+        prediction: None,
     };
     let render = ChatRender {
         tools: v.tools,
