@@ -26,7 +26,7 @@ use crate::events::{Event, RequestTimings, Usage};
 use crate::generate::{entropy, GenerationRequest};
 use crate::load::LoadedModel;
 use crate::process::{sample_row, PreparedRequest, TokenOutcome, TokenProcessor};
-use crate::speculative::{SpecState, SpeculativeConfig, SpeculativeMethod};
+use crate::speculative::{DraftModel, SpecState, SpeculativeConfig, SpeculativeMethod};
 
 mod config;
 mod run_loop;
@@ -351,6 +351,34 @@ impl Engine {
         config: EngineConfig,
         speculative: SpeculativeConfig,
     ) -> Result<Engine> {
+        Engine::start_with_draft(model, config, speculative, None)
+    }
+
+    /// [`Engine::start_with`] with a draft model for
+    /// [`SpeculativeMethod::Draft`]: it must share the target's tokenizer
+    /// and attend fully in every layer ([`crate::speculative::check_draft`]);
+    /// its KV pool holds as many tokens as the target's, at most what
+    /// `max_batch` requests of the served context need.
+    pub fn start_with_draft(
+        model: LoadedModel,
+        config: EngineConfig,
+        speculative: SpeculativeConfig,
+        draft: Option<LoadedModel>,
+    ) -> Result<Engine> {
+        match (&draft, speculative.method) {
+            (None, SpeculativeMethod::Draft) => {
+                return Err(EngineError::Config(
+                    "--speculative draft needs a draft model (--draft-model PATH)".to_string(),
+                ))
+            }
+            (Some(d), SpeculativeMethod::Draft) => crate::speculative::check_draft(&model, d)?,
+            (Some(_), _) => {
+                return Err(EngineError::Config(
+                    "a draft model is used only with --speculative draft".to_string(),
+                ))
+            }
+            _ => {}
+        }
         if speculative.method != SpeculativeMethod::Off && model.model.state_bytes_per_seq() > 0 {
             return Err(EngineError::Config(
                 "speculative decoding needs a model whose cache can step back; this model's \
@@ -359,6 +387,7 @@ impl Engine {
             ));
         }
         let model = Arc::new(model);
+        let draft = draft.map(Arc::new);
         let context = served_context(&model, &config);
         // The first pool is made here, so a configuration that cannot work
         // is refused at once.
@@ -369,7 +398,16 @@ impl Engine {
         let loop_status = status.clone();
         let thread = std::thread::Builder::new()
             .name("kiln-engine".into())
-            .spawn(move || supervise::run(&model, (config, speculative), first, &rx, &loop_status))
+            .spawn(move || {
+                let draft = draft.as_deref();
+                supervise::run(
+                    &model,
+                    (config, speculative, draft),
+                    first,
+                    &rx,
+                    &loop_status,
+                )
+            })
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
         Ok(Engine {
             handle: EngineHandle {

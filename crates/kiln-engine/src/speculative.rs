@@ -11,7 +11,9 @@
 //! speculation, and with greedy or seeded sampling it is the same tokens.
 //!
 //! Proposers: n-gram lookup over the request's prompt and output
-//! (`--speculative ngram`), and the request's own predicted output (OpenAI's
+//! (`--speculative ngram`), a draft model sharing the target's tokenizer
+//! (`--speculative draft`: [`DraftModel`], greedy guesses, its own paged KV
+//! in the same engine), and the request's own predicted output (OpenAI's
 //! `prediction`), which any request may bring.
 //!
 //! The draft length adapts per request to its recent acceptance, and no
@@ -19,7 +21,13 @@
 //! [`SpeculativeConfig::max_batch`] requests run (a batch that large is
 //! compute-bound, where verifying guesses costs more than it saves).
 
+use std::collections::HashMap;
+
 use kiln_sampling::TokenId;
+use kiln_scheduler::RequestId;
+use kiln_tensor::ForwardBatch;
+
+use crate::load::LoadedModel;
 
 /// Which proposer guesses the tokens of requests without a prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -30,6 +38,8 @@ pub enum SpeculativeMethod {
     /// Prompt lookup: the continuation of the latest earlier occurrence of
     /// the last few tokens, in the prompt and the output so far.
     Ngram,
+    /// A smaller model with the same tokenizer guesses greedily.
+    Draft,
 }
 
 impl std::str::FromStr for SpeculativeMethod {
@@ -38,8 +48,9 @@ impl std::str::FromStr for SpeculativeMethod {
         match s {
             "off" | "none" => Ok(SpeculativeMethod::Off),
             "ngram" => Ok(SpeculativeMethod::Ngram),
+            "draft" => Ok(SpeculativeMethod::Draft),
             other => Err(format!(
-                "unknown speculative method {other:?} (expected ngram or off)"
+                "unknown speculative method {other:?} (expected ngram, draft or off)"
             )),
         }
     }
@@ -144,6 +155,16 @@ impl SpecState {
             self.pending = Some((draft.len(), None));
         }
         draft
+    }
+
+    /// The draft length for the next step, at most `max`.
+    pub(crate) fn next_length(&self, max: usize) -> usize {
+        self.length(max.max(1))
+    }
+
+    /// Notes `n` drafts a draft model proposed for the next step.
+    pub(crate) fn drafted(&mut self, n: usize) {
+        self.pending = (n > 0).then_some((n, None));
     }
 
     /// Records the verification of the drafts in flight: `accepted` of them
@@ -292,4 +313,224 @@ mod tests {
         assert_eq!(s.proposed, 320);
         assert_eq!(s.accepted, 240);
     }
+}
+
+/// A draft model running beside the target in the same engine, with its
+/// own paged KV: each step it catches every speculating request up on the
+/// tokens it has not seen (the prompt the first time, then what the target
+/// accepted) and guesses `k` tokens greedily, one batched forward pass per
+/// guess over all those requests. A request's draft KV is kept between
+/// steps; only the positions after the first token that differs from the
+/// request's tokens are recomputed.
+pub(crate) struct DraftModel<'m> {
+    model: &'m LoadedModel,
+    cache: kiln_tensor::KvCache,
+    block_size: usize,
+    free: Vec<u32>,
+    seqs: HashMap<RequestId, DraftSeq>,
+    /// Tokens one forward pass takes at most.
+    budget: usize,
+}
+
+#[derive(Default)]
+struct DraftSeq {
+    blocks: Vec<u32>,
+    /// The tokens whose KV the draft cache holds, in order.
+    tokens: Vec<TokenId>,
+}
+
+impl<'m> DraftModel<'m> {
+    /// A draft model with a pool of `num_blocks` blocks of `block_size`.
+    pub(crate) fn new(
+        model: &'m LoadedModel,
+        num_blocks: usize,
+        block_size: usize,
+        budget: usize,
+    ) -> crate::Result<Self> {
+        let cache = model.model.new_cache(num_blocks, block_size, 0)?;
+        Ok(DraftModel {
+            model,
+            cache,
+            block_size,
+            free: (0..num_blocks as u32).rev().collect(),
+            seqs: HashMap::new(),
+            budget: budget.max(1),
+        })
+    }
+
+    /// Forgets the requests not in `live` (their blocks return to the pool).
+    pub(crate) fn retain(&mut self, live: impl Fn(&RequestId) -> bool) {
+        let free = &mut self.free;
+        self.seqs.retain(|id, s| {
+            let keep = live(id);
+            if !keep {
+                free.append(&mut s.blocks);
+            }
+            keep
+        });
+    }
+
+    /// Guesses up to `k` tokens after each request's `context` (its prompt
+    /// and output): the draft's greedy continuation. A request whose
+    /// blocks the pool cannot give gets none.
+    pub(crate) fn propose(
+        &mut self,
+        requests: &[(RequestId, Vec<TokenId>, usize)],
+    ) -> crate::Result<HashMap<RequestId, Vec<TokenId>>> {
+        let bs = self.block_size;
+        // (id, context, k) of the requests that run, their seen prefix
+        // made to agree with the context.
+        let mut runs: Vec<(RequestId, &[TokenId], usize)> = Vec::new();
+        for (id, context, k) in requests {
+            if context.is_empty() || *k == 0 {
+                continue;
+            }
+            let seq = self.seqs.entry(*id).or_default();
+            let same = seq
+                .tokens
+                .iter()
+                .zip(context.iter())
+                .take_while(|(a, b)| a == b)
+                .count();
+            // The last context token is always fed, for its logits.
+            seq.tokens.truncate(same.min(context.len() - 1));
+            // Positions up to the last guess but one are written.
+            let need = (context.len() + k - 1).div_ceil(bs);
+            while seq.blocks.len() < need {
+                match self.free.pop() {
+                    Some(b) => seq.blocks.push(b),
+                    None => break,
+                }
+            }
+            if seq.blocks.len() >= need {
+                runs.push((*id, context, *k));
+            } else {
+                // Not now: its blocks go back for the others.
+                self.free.append(&mut seq.blocks);
+                seq.tokens.clear();
+            }
+        }
+        // Catch up on all but the last context token, in passes of the budget.
+        loop {
+            let mut batch = ForwardBatch {
+                block_size: bs,
+                ..ForwardBatch::default()
+            };
+            let mut fed = Vec::new();
+            let mut room = self.budget;
+            for (id, context, _) in &runs {
+                let seq = &self.seqs[id];
+                let behind = context.len() - 1 - seq.tokens.len();
+                if behind == 0 || room == 0 {
+                    continue;
+                }
+                let n = behind.min(room);
+                room -= n;
+                let start = seq.tokens.len();
+                let toks: Vec<u32> = context[start..start + n].iter().map(|t| t.0).collect();
+                batch.push_seq_groups(&toks, start, vec![seq.blocks.clone()], false);
+                fed.push((*id, start + n));
+            }
+            if fed.is_empty() {
+                break;
+            }
+            self.model.model.forward(&batch, &mut self.cache)?;
+            for (id, end) in fed {
+                let context = runs.iter().find(|r| r.0 == id).map(|r| r.1).unwrap_or(&[]);
+                self.seqs
+                    .get_mut(&id)
+                    .map(|s| s.tokens = context[..end].to_vec());
+            }
+        }
+        // Then one token a pass: the last context token, then each guess.
+        let mut out: HashMap<RequestId, Vec<TokenId>> = HashMap::new();
+        let mut next: HashMap<RequestId, TokenId> = runs
+            .iter()
+            .map(|(id, c, _)| (*id, *c.last().expect("non-empty")))
+            .collect();
+        let max_k = runs.iter().map(|r| r.2).max().unwrap_or(0);
+        for j in 0..max_k {
+            let mut batch = ForwardBatch {
+                block_size: bs,
+                ..ForwardBatch::default()
+            };
+            let mut rows = Vec::new();
+            for (id, _, k) in &runs {
+                if j >= *k {
+                    continue;
+                }
+                let seq = &self.seqs[id];
+                let t = next[id];
+                batch.push_seq_groups(&[t.0], seq.tokens.len(), vec![seq.blocks.clone()], true);
+                rows.push(*id);
+            }
+            if rows.is_empty() {
+                break;
+            }
+            let logits = self.model.model.forward(&batch, &mut self.cache)?;
+            let picks = self.argmax(&logits, rows.len())?;
+            for (id, pick) in rows.into_iter().zip(picks) {
+                let seq = self.seqs.get_mut(&id).expect("a running draft");
+                seq.tokens.push(next[&id]);
+                out.entry(id).or_default().push(TokenId(pick));
+                next.insert(id, TokenId(pick));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The argmax of each of `rows` rows of `logits`.
+    fn argmax(&self, logits: &kiln_tensor::Tensor, rows: usize) -> crate::Result<Vec<u32>> {
+        let backend = self.model.model.backend();
+        if let Some(p) = backend.argmax_rows(logits)?.filter(|p| p.len() == rows) {
+            return Ok(p.into_iter().map(|(t, _)| t).collect());
+        }
+        let host = backend.to_host(logits)?;
+        let vocab = host.len() / rows.max(1);
+        Ok(host
+            .chunks(vocab.max(1))
+            .map(|r| {
+                r.iter()
+                    .enumerate()
+                    .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
+                        if v > b.1 {
+                            (i, v)
+                        } else {
+                            b
+                        }
+                    })
+                    .0 as u32
+            })
+            .collect())
+    }
+}
+
+/// Whether `draft` can propose tokens for `target`: the same vocabulary,
+/// token for token, and a KV layout of one group (no sliding-window or
+/// recurrent layers).
+pub fn check_draft(target: &LoadedModel, draft: &LoadedModel) -> crate::Result<()> {
+    let (t, d) = (&target.tokenizer, &draft.tokenizer);
+    let bad = |why: String| Err(crate::EngineError::Config(format!("the draft model {why}")));
+    if t.vocab_size() != d.vocab_size() {
+        return bad(format!(
+            "has a vocabulary of {} tokens, the target {}: they must share a tokenizer",
+            d.vocab_size(),
+            t.vocab_size()
+        ));
+    }
+    if let Some(id) = (0..t.vocab_size() as u32).find(|&i| t.token_bytes(i) != d.token_bytes(i)) {
+        return bad(format!(
+            "spells token {id} {:?}, the target {:?}: they must share a tokenizer",
+            d.id_to_token(id),
+            t.id_to_token(id)
+        ));
+    }
+    let groups = draft.model.config().kv_layout(16).0.groups.len();
+    if groups != 1 || draft.model.state_bytes_per_seq() > 0 {
+        return bad(
+            "has sliding-window or recurrent layers; a draft model needs full attention throughout"
+                .to_string(),
+        );
+    }
+    Ok(())
 }

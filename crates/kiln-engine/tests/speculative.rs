@@ -294,3 +294,65 @@ fn sampled_tokens_are_distributed_as_without_speculation() {
     assert!(bins >= 4, "too few bins: {counts:?}");
     assert!(chi2 < limit, "chi-square {chi2:.1} over {bins} bins");
 }
+
+#[test]
+fn a_draft_model_gives_the_plain_outputs_and_a_foreign_tokenizer_is_refused() {
+    let plain = engine(SpeculativeMethod::Off);
+    let hp = plain.handle();
+    let n = 8;
+    let want: Vec<Done> = (0..n)
+        .map(|i| collect(hp.submit(request(hp.model(), i)).unwrap()))
+        .collect();
+    // The model drafts for itself: greedy requests accept nearly every
+    // guess, sampled ones reject many; every output is the plain one.
+    let config = EngineConfig {
+        block_size: 16,
+        num_blocks: 512,
+        max_num_seqs: 32,
+        max_num_batched_tokens: 512,
+        max_waiting: 64,
+        context_length: None,
+    };
+    let spec = SpeculativeConfig {
+        method: SpeculativeMethod::Draft,
+        num_tokens: 4,
+        ..SpeculativeConfig::default()
+    };
+    let e = Engine::start_with_draft(load(), config, spec, Some(load())).unwrap();
+    let h = e.handle();
+    for round in 0..2 {
+        let streams: Vec<RequestStream> = (0..n)
+            .map(|i| h.submit(request(h.model(), i)).unwrap())
+            .collect();
+        for (i, s) in streams.into_iter().enumerate() {
+            let got = collect(s);
+            assert_eq!(got.ids, want[i].ids, "request {i}, round {round}");
+            assert_eq!(
+                (&got.text, &got.logprobs, got.finish),
+                (&want[i].text, &want[i].logprobs, want[i].finish)
+            );
+        }
+    }
+    let st = h.stats().unwrap();
+    eprintln!(
+        "draft: {} drafts in {} speculative decodes, {} accepted",
+        st.num_draft_tokens, st.num_speculative_decodes, st.num_accepted_draft_tokens
+    );
+    assert!(st.num_accepted_draft_tokens > 0);
+    assert!(st.num_accepted_draft_tokens < st.num_draft_tokens);
+    assert_eq!(st.num_blocks_used, 0);
+    // A draft whose tokenizer differs, or none at all, is refused at start.
+    let qwen = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    let other = LoadedModel::load(&qwen, Arc::new(CpuBackend::new())).unwrap();
+    let err = Engine::start_with_draft(load(), config, spec, Some(other))
+        .err()
+        .expect("a foreign draft is refused")
+        .to_string();
+    assert!(err.contains("tokenizer"), "{err}");
+    let err = Engine::start_with_draft(load(), config, spec, None)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("--draft-model"), "{err}");
+}

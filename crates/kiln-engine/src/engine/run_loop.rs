@@ -71,6 +71,8 @@ pub(in crate::engine) struct Loop<'m> {
     device_sampler: bool,
     /// How requests speculate.
     pub(in crate::engine) speculative: SpeculativeConfig,
+    /// The draft model (`--speculative draft`).
+    pub(in crate::engine) draft: Option<DraftModel<'m>>,
     /// After an injected fault, the supervisor restarts the loop once this
     /// is released (the test hook's gate).
     #[cfg(feature = "fault-injection")]
@@ -123,6 +125,7 @@ impl<'m> Loop<'m> {
             },
             device_sampler: true,
             speculative: SpeculativeConfig::default(),
+            draft: None,
             #[cfg(feature = "fault-injection")]
             restart_hold: None,
         }
@@ -372,6 +375,8 @@ impl<'m> Loop<'m> {
         {
             return;
         }
+        // Requests the draft model guesses for: id, context, length.
+        let mut for_draft = Vec::new();
         for (id, a) in self.active.iter_mut() {
             if !a.spec.active(self.speculative.method) {
                 continue;
@@ -388,7 +393,38 @@ impl<'m> Loop<'m> {
                 .propose(&self.speculative, a.proc.prompt(), a.proc.generated());
             if !draft.is_empty() {
                 self.scheduler.propose(*id, draft);
+            } else if self.draft.is_some() {
+                let context: Vec<TokenId> = a
+                    .proc
+                    .prompt()
+                    .iter()
+                    .chain(a.proc.generated())
+                    .copied()
+                    .collect();
+                let k = a.spec.next_length(self.speculative.num_tokens);
+                for_draft.push((*id, context, k));
             }
+        }
+        let Some(draft) = self.draft.as_mut() else {
+            return;
+        };
+        let active = &self.active;
+        draft.retain(|id| active.contains_key(id));
+        if for_draft.is_empty() {
+            return;
+        }
+        match draft.propose(&for_draft) {
+            Ok(drafts) => {
+                for (id, tokens) in drafts {
+                    if let Some(a) = self.active.get_mut(&id) {
+                        a.spec.drafted(tokens.len());
+                    }
+                    self.scheduler.propose(id, tokens);
+                }
+            }
+            // The target decodes without guesses; the draft's failure is
+            // its own (its cache starts over).
+            Err(_) => draft.retain(|_| false),
         }
     }
 

@@ -78,7 +78,7 @@ const RESTART_PAUSE: Duration = Duration::from_millis(50);
 /// (every handle dropped, or [`Command::Shutdown`]).
 pub(super) fn run(
     model: &LoadedModel,
-    (config, speculative): (EngineConfig, SpeculativeConfig),
+    (config, speculative, draft): (EngineConfig, SpeculativeConfig, Option<&LoadedModel>),
     first: (Scheduler, kiln_tensor::KvCache),
     commands: &Receiver<Command>,
     status: &StatusCell,
@@ -100,6 +100,22 @@ pub(super) fn run(
         };
         let mut lp = Loop::new(model, parts, config.block_size, next_id);
         lp.speculative = speculative;
+        if let Some(d) = draft {
+            let per_seq = super::served_context(model, &config).div_ceil(config.block_size);
+            let blocks = config
+                .num_blocks
+                .min(speculative.max_batch.max(1) * per_seq);
+            match super::DraftModel::new(
+                d,
+                blocks,
+                config.block_size,
+                config.max_num_batched_tokens,
+            ) {
+                Ok(dm) => lp.draft = Some(dm),
+                // Without its cache the engine runs without guesses.
+                Err(_) => lp.speculative.method = super::SpeculativeMethod::Off,
+            }
+        }
         status.set(StatusCell::RUNNING);
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| lp.run(commands)));
         let Err(payload) = outcome else {
