@@ -82,7 +82,7 @@ impl Default for SpeculativeConfig {
 }
 
 /// Draft tokens a step by default.
-pub const DEFAULT_NUM_TOKENS: usize = 5;
+pub const DEFAULT_NUM_TOKENS: usize = 16;
 /// Running requests above which no one speculates, by default.
 pub const DEFAULT_MAX_BATCH: usize = 16;
 

@@ -55,6 +55,8 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
     /// Measure the engine loop: throughput under concurrency, cached-prefix TTFT.
     BenchEngine(crate::bench_engine::BenchEngineArgs),
+    /// Measure speculative decoding against plain decoding on one workload.
+    BenchSpec(crate::bench_spec::BenchSpecArgs),
     /// Serve the OpenAI API over HTTP.
     Serve(crate::serve::ServeArgs),
     /// Convert a GGUF file to a Hugging Face safetensors directory.
@@ -402,5 +404,57 @@ impl SamplingArgs {
                     num_repeats,
                 }),
         }
+    }
+}
+
+/// Speculative decoding flags (`serve`, `generate`, `bench`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct SpeculativeArgs {
+    /// Guess tokens and verify them in the decode step: ngram (prompt
+    /// lookup), draft (a smaller model, --draft-model), or off. Requests
+    /// with an OpenAI `prediction` verify it under any setting. Outputs are
+    /// the same as without.
+    #[arg(long, default_value = "off")]
+    pub speculative: kiln_engine::SpeculativeMethod,
+    /// The draft model for --speculative draft: a GGUF file, a Hugging Face
+    /// directory or a registry query, with the target's tokenizer.
+    #[arg(long)]
+    pub draft_model: Option<String>,
+    /// The most guessed tokens a request verifies in one step (the length
+    /// adapts to each request's acceptance below it).
+    #[arg(long, default_value_t = kiln_engine::speculative::DEFAULT_NUM_TOKENS)]
+    pub speculative_tokens: usize,
+    /// No request speculates in a step while more than this many run.
+    #[arg(long, default_value_t = kiln_engine::speculative::DEFAULT_MAX_BATCH)]
+    pub speculative_max_batch: usize,
+}
+
+impl SpeculativeArgs {
+    pub fn config(&self) -> kiln_engine::SpeculativeConfig {
+        kiln_engine::SpeculativeConfig {
+            method: self.speculative,
+            num_tokens: self.speculative_tokens.max(1),
+            max_batch: self.speculative_max_batch,
+            ..kiln_engine::SpeculativeConfig::default()
+        }
+    }
+
+    /// Whether requests go through the engine to speculate.
+    pub fn on(&self) -> bool {
+        self.speculative != kiln_engine::SpeculativeMethod::Off
+    }
+
+    /// The draft model, loaded on `backend` (none without --draft-model).
+    pub fn load_draft(
+        &self,
+        backend: Arc<dyn kiln_tensor::Backend>,
+    ) -> Result<Option<LoadedModel>> {
+        let Some(q) = &self.draft_model else {
+            return Ok(None);
+        };
+        let path = crate::registry::resolve_model(q)?;
+        let m = LoadedModel::load(&path, backend)
+            .with_context(|| format!("loading the draft model {}", path.display()))?;
+        Ok(Some(m))
     }
 }

@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_engine;
+mod bench_spec;
 mod chat;
 mod chat_input;
 mod cli;
@@ -89,6 +90,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run(a) => run::run(a),
         Command::Bench(a) => bench::run(a),
         Command::BenchEngine(a) => bench_engine::run(a),
+        Command::BenchSpec(a) => bench_spec::run(a),
         Command::Serve(a) => serve::run(a),
         Command::Convert(a) => convert::run(a),
         Command::Quantize(a) => quantize::run(a),

@@ -22,6 +22,8 @@ pub struct ServeArgs {
     /// model's name (`kiln ls`). Default: the SmolLM2 model in
     /// $KILN_MODELS_DIR (or ./models).
     pub model: Option<String>,
+    #[command(flatten)]
+    pub speculative: crate::cli::SpeculativeArgs,
     /// Tokens one sequence may reach, prompt and output (default: the
     /// longest the KV pool holds, at most the model's trained length — the
     /// plan `kiln fit` prints); serve refuses to start when it cannot fit.
@@ -343,8 +345,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let context = fit.context;
     let server_config = config.clone();
     let load_path = path.clone();
+    let speculative = a.speculative.clone();
     let load = move || {
-        load_engine(&model_args, &load_path, backend, kv_bytes, context, &loras)
+        load_engine(&model_args, &load_path, backend, kv_bytes, context, &loras, &speculative)
             .map(|(engine, loaded)| {
                 let handle = engine.handle();
                 if handle.model().model.generates() {
@@ -389,8 +392,11 @@ fn load_engine(
     kv_bytes: Option<usize>,
     context: usize,
     loras: &Loras,
+    speculative: &crate::cli::SpeculativeArgs,
 ) -> Result<(Engine, String)> {
-    let model = model_args.load_on(backend)?;
+    let model = model_args.load_on(backend.clone())?;
+    // The draft's weights are on the device before the pool is sized.
+    let draft = speculative.load_draft(backend)?;
     let plan = EngineConfig::plan(&model, kv_bytes, context)?;
     let engine_config = EngineConfig {
         context_length: Some(context),
@@ -408,7 +414,8 @@ fn load_engine(
             parts.join(", ")
         )
     });
-    let engine = Engine::start(model, engine_config).context("starting the engine")?;
+    let engine = Engine::start_with_draft(model, engine_config, speculative.config(), draft)
+        .context("starting the engine")?;
     let adapters = engine.handle().adapters().clone();
     adapters.set_max_loaded(loras.max_loaded);
     adapters.set_max_bytes(loras.max_bytes);

@@ -238,7 +238,72 @@ pub(crate) fn attend_sinks<E: KvElem>(
     // (Measured on Qwen2.5-1.5B's decode shape, 12 heads over 2 KV heads,
     // 2 threads: grouped 40–60 µs a layer, per head 63–116.)
     let group = p.num_heads / p.num_kv_heads.max(1);
-    let per_head = n * p.num_kv_heads < rayon::current_num_threads() && group > 1;
+    // A step of few rows a sequence (decodes, speculative decodes): a
+    // sequence's rows in one task per KV head, so each run of keys and
+    // values is read once for all of them — in chunks small enough to give
+    // every thread a task. Each (row, head) computes exactly what it does
+    // alone (`rows_group`), so this changes no bits.
+    let threads = rayon::current_num_threads().max(1);
+    if n > batch.seqs.len() && batch.seqs.iter().all(|s| s.num_tokens <= ROWS_TOGETHER) {
+        let chunk = (n * p.num_kv_heads)
+            .div_ceil(threads)
+            .clamp(1, ROWS_TOGETHER);
+        let mut tasks = Vec::new();
+        for (si, seq) in batch.seqs.iter().enumerate() {
+            let rows = seq.token_start..seq.token_start + seq.num_tokens;
+            for r0 in rows.clone().step_by(chunk) {
+                for kvh in 0..p.num_kv_heads {
+                    tasks.push((si, r0..(r0 + chunk).min(rows.end), kvh));
+                }
+            }
+        }
+        let out_addr = out.as_mut_ptr() as usize;
+        tasks.into_par_iter().for_each_init(
+            || (Vec::new(), Vec::new(), Vec::new()),
+            |(scores, inv, local): &mut (Vec<f32>, Vec<f32>, Vec<f32>), (si, rows, kvh)| {
+                let seq = &batch.seqs[si];
+                let first_head = kvh * group;
+                let qs: Vec<&[f32]> = rows
+                    .clone()
+                    .map(|r| &q[r * q_row + first_head * hd..r * q_row + (first_head + group) * hd])
+                    .collect();
+                let ranges: Vec<(usize, usize)> = rows
+                    .clone()
+                    .map(|r| {
+                        let pos = seq.num_computed + (r - seq.token_start);
+                        key_range(pos, seq.num_computed + seq.num_tokens, p)
+                    })
+                    .collect();
+                let head = HeadCache {
+                    k: k_cache,
+                    v: v_cache,
+                    block_table: seq.block_tables[p.kv_group].as_slice(),
+                    block_size: batch.block_size,
+                    kv_row,
+                    kvh,
+                    hd,
+                };
+                local.clear();
+                local.resize(rows.len() * group * hd, 0.0);
+                let sinks = sinks.map(|s| &s[first_head..first_head + group]);
+                rows_group(&qs, &head, &ranges, p, kern, (scores, inv), sinks, local);
+                for (i, r) in rows.enumerate() {
+                    let dst = r * q_row + first_head * hd;
+                    // SAFETY: each task alone writes its rows' columns of
+                    // its KV head's query heads, inside `out`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            local[i * group * hd..].as_ptr(),
+                            (out_addr as *mut f32).add(dst),
+                            group * hd,
+                        );
+                    }
+                }
+            },
+        );
+        return out;
+    }
+    let per_head = n * p.num_kv_heads < threads && group > 1;
     let (task_heads, tasks_per_row) = if per_head {
         (1, p.num_heads)
     } else {
@@ -358,6 +423,101 @@ fn row_group<E>(
             v,
             o,
         );
+    });
+}
+
+/// Rows of one sequence taken together: at most this many a task.
+const ROWS_TOGETHER: usize = 32;
+
+/// [`row_group`] for several rows of one sequence (`qs[r]`: row `r`'s
+/// query heads sharing `head`'s KV head; `ranges[r]` its keys), into
+/// `outs` (row after row, as wide as `qs[r]`): each run of keys and values
+/// is read once for every row, and each row's runs and their arithmetic are
+/// those it has alone (runs are cut at the same block boundaries).
+#[allow(clippy::too_many_arguments)]
+fn rows_group<E>(
+    qs: &[&[f32]],
+    head: &HeadCache<E>,
+    ranges: &[(usize, usize)],
+    p: &AttentionParams,
+    kern: &Kernels<E>,
+    (scores, inv): (&mut Vec<f32>, &mut Vec<f32>),
+    sinks: Option<&[f32]>,
+    outs: &mut [f32],
+) {
+    let hd = p.head_dim;
+    let heads = qs.first().map_or(0, |q| q.len() / hd);
+    let mut base = Vec::with_capacity(ranges.len());
+    let mut total = 0;
+    for &(f, l) in ranges {
+        base.push(total);
+        total += heads * (l + 1 - f);
+    }
+    scores.clear();
+    scores.resize(total, 0.0);
+    let union = (
+        ranges.iter().map(|r| r.0).min().unwrap_or(0),
+        ranges.iter().map(|r| r.1).max().unwrap_or(0),
+    );
+    // The part of a run (its first key `a`, `n` keys) in a row's keys.
+    let part = |a: usize, n: usize, (f, l): (usize, usize)| {
+        let (s, e) = (a.max(f), (a + n - 1).min(l));
+        (s <= e).then_some((s, e))
+    };
+    head.runs(union, |j, k, _| {
+        let (a, n) = (union.0 + j, k.len() / hd);
+        for (r, &range) in ranges.iter().enumerate() {
+            let Some((s, e)) = part(a, n, range) else {
+                continue;
+            };
+            let nk = range.1 + 1 - range.0;
+            let ks = &k[(s - a) * hd..(e + 1 - a) * hd];
+            for (h, qv) in qs[r].chunks_exact(hd).enumerate() {
+                let sh = &mut scores[base[r] + h * nk..base[r] + (h + 1) * nk];
+                (kern.scores)(qv, ks, p.scale, &mut sh[s - range.0..e + 1 - range.0]);
+            }
+        }
+    });
+    inv.clear();
+    for (r, &(f, l)) in ranges.iter().enumerate() {
+        let nk = l + 1 - f;
+        for h in 0..heads {
+            let sh = &mut scores[base[r] + h * nk..base[r] + (h + 1) * nk];
+            if let Some(c) = p.softcap {
+                for s in sh.iter_mut() {
+                    *s = (*s / c).tanh() * c;
+                }
+            }
+            let sink = sinks.map(|s| s[h]);
+            let max = sh
+                .iter()
+                .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &s| m.max(s));
+            let mut sum = (kern.exp_sum)(sh, max);
+            if let Some(s) = sink {
+                sum += (s - max).exp();
+            }
+            inv.push(1.0 / sum);
+        }
+    }
+    outs.fill(0.0);
+    head.runs(union, |j, _, v| {
+        let (a, n) = (union.0 + j, v.len() / hd);
+        for (r, &range) in ranges.iter().enumerate() {
+            let Some((s, e)) = part(a, n, range) else {
+                continue;
+            };
+            let nk = range.1 + 1 - range.0;
+            (kern.weighted_sum)(
+                Weights {
+                    w: &scores[base[r]..base[r] + heads * nk],
+                    nk,
+                    j: s - range.0,
+                    inv: &inv[r * heads..(r + 1) * heads],
+                },
+                &v[(s - a) * hd..(e + 1 - a) * hd],
+                &mut outs[r * heads * hd..(r + 1) * heads * hd],
+            );
+        }
     });
 }
 
@@ -812,6 +972,70 @@ mod tests {
         wide_heads::<f32>();
         wide_heads::<f16>();
         wide_heads::<E4m3>();
+    }
+
+    /// A sequence's few rows taken together (a speculative decode) give
+    /// each row the bits it has as a one-row step: causal, windowed,
+    /// soft-capped, with sinks, bidirectional.
+    #[test]
+    fn rows_taken_together_equal_rows_alone() {
+        let (hd, heads, kv_heads, bs, len) = (64, 6, 2, 16, 45);
+        let kv_row = kv_heads * hd;
+        let mut kv = CpuKv::<f32> {
+            k: vec![vec![0.0; 4 * bs * kv_row]],
+            v: vec![vec![0.0; 4 * bs * kv_row]],
+            block_size: bs,
+            kv_row,
+        };
+        let table = vec![2u32, 0, 3];
+        let slots: Vec<u32> = (0..len)
+            .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
+            .collect();
+        kv.write(
+            0,
+            &slots,
+            &noise(len * kv_row, 7),
+            &noise(len * kv_row, 8),
+            (kv_heads, hd),
+        );
+        let q = noise(len * heads * hd, 9);
+        let q_row = heads * hd;
+        let sinks = noise(heads, 10);
+        for (window, softcap, causal, sink) in [
+            (None, None, true, false),
+            (Some(7), None, true, false),
+            (Some(20), Some(5.0), true, true),
+            (Some(9), None, false, false),
+        ] {
+            let p = AttentionParams {
+                scale: 0.125,
+                sliding_window: window,
+                softcap,
+                causal,
+                ..params(heads, kv_heads, hd)
+            };
+            // Rows 30..39 of the sequence (computed after 30 tokens) in one
+            // step.
+            let (start, n) = (30, 9);
+            let batch = one_seq(n, start, table.clone(), bs);
+            let seq_len = start + n;
+            let qs = &q[start * q_row..(start + n) * q_row];
+            let sk = sink.then_some(&sinks[..]);
+            let together = attend_sinks(qs, &batch, &kv.k[0], &kv.v[0], kv_row, &p, sk);
+            // The reference: the same rows as the last of a 20-row chunk
+            // ending at the same place, which runs row by row.
+            let lead = 20 - n;
+            let mut long = one_seq(20, start - lead, table.clone(), bs);
+            long.seqs[0].num_computed = start - lead;
+            let ql = &q[(start - lead) * q_row..(start + n) * q_row];
+            let alone = attend_sinks(ql, &long, &kv.k[0], &kv.v[0], kv_row, &p, sk);
+            assert!(key_range(start + n - 1, seq_len, &p).1 < len);
+            assert_eq!(
+                together,
+                alone[lead * q_row..].to_vec(),
+                "window {window:?}, causal {causal}"
+            );
+        }
     }
 
     /// An f16 cache moves outputs by about the rounding of its values.
