@@ -336,6 +336,23 @@ impl<'m> TokenProcessor<'m> {
         self.jump(outcome)
     }
 
+    /// Cuts guessed next tokens where the output format stops allowing
+    /// them (a speculative decode verifies only what could be accepted).
+    /// Left whole while a reasoning block decides where the format starts.
+    pub fn trim_draft(&mut self, draft: &mut Vec<TokenId>) {
+        let gated = self
+            .gate
+            .as_ref()
+            .is_some_and(|g| g.state != GateState::Answer);
+        if gated {
+            return;
+        }
+        if let Some(c) = self.constraint.as_mut() {
+            let ids: Vec<u32> = draft.iter().map(|t| t.0).collect();
+            draft.truncate(c.valid_prefix(&ids));
+        }
+    }
+
     /// Whether [`TokenProcessor::prepare_mask`] has work to do.
     pub fn needs_mask(&self) -> bool {
         self.active_constraint().is_some() && self.mask.is_none()

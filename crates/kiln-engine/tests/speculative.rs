@@ -356,3 +356,35 @@ fn a_draft_model_gives_the_plain_outputs_and_a_foreign_tokenizer_is_refused() {
         .to_string();
     assert!(err.contains("--draft-model"), "{err}");
 }
+
+#[test]
+fn drafts_a_format_forbids_are_never_verified() {
+    let e = engine(SpeculativeMethod::Off);
+    let h = e.handle();
+    let model = h.model();
+    let schema = kiln_structured::Format::JsonSchema(json!({
+        "type": "object",
+        "properties": {"fruit": {"type": "string"}, "count": {"type": "integer"}},
+        "required": ["fruit", "count"],
+        "additionalProperties": false
+    }));
+    let constrained = |prediction: Option<Vec<u32>>| {
+        let mut r = request(model, 0);
+        r.format = Some(schema.clone());
+        r.params.max_tokens = Some(40);
+        r.prediction = prediction;
+        collect(h.submit(r).unwrap())
+    };
+    let want = constrained(None);
+    assert!(want.text.starts_with('{'), "{}", want.text);
+    // The answer as the prediction: verified and accepted.
+    let got = constrained(Some(want.ids.clone()));
+    assert_eq!((&got.ids, &got.text), (&want.ids, &want.text));
+    assert!(got.usage.accepted_draft_tokens > 0, "{:?}", got.usage);
+    // Plain prose as the prediction: the grammar refuses its first token,
+    // so nothing is ever scheduled for verification.
+    let prose = model.tokenizer.encode("hello there, no JSON here", false).unwrap();
+    let got = constrained(Some(prose));
+    assert_eq!(got.ids, want.ids);
+    assert_eq!(got.usage.draft_tokens, 0, "{:?}", got.usage);
+}

@@ -486,6 +486,26 @@ impl Constraint {
             .map_err(|e| StructuredError::Step(e.to_string()))
     }
 
+    /// How many of `tokens`, in order from the current state, the grammar
+    /// accepts (nothing is consumed): guessed tokens are cut there before
+    /// a model verifies them. A stop id counts as end of sequence.
+    pub fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        if self.is_finished() {
+            return 0;
+        }
+        let mapped: Vec<u32> = tokens
+            .iter()
+            .map(|t| {
+                if self.vocab.stop_ids.contains(t) {
+                    self.vocab.eos
+                } else {
+                    *t
+                }
+            })
+            .collect();
+        self.matcher.validate_tokens(&mapped).unwrap_or(0)
+    }
+
     /// Whether the grammar has reached its end (nothing but end of sequence
     /// may follow) or a stop token was committed.
     pub fn is_finished(&self) -> bool {

@@ -388,9 +388,10 @@ impl<'m> Loop<'m> {
             if info.status != RequestStatus::Running || info.num_computed_tokens + 1 != known {
                 continue;
             }
-            let draft = a
+            let mut draft = a
                 .spec
                 .propose(&self.speculative, a.proc.prompt(), a.proc.generated());
+            a.proc.trim_draft(&mut draft);
             if !draft.is_empty() {
                 self.scheduler.propose(*id, draft);
             } else if self.draft.is_some() {
@@ -415,8 +416,9 @@ impl<'m> Loop<'m> {
         }
         match draft.propose(&for_draft) {
             Ok(drafts) => {
-                for (id, tokens) in drafts {
+                for (id, mut tokens) in drafts {
                     if let Some(a) = self.active.get_mut(&id) {
+                        a.proc.trim_draft(&mut tokens);
                         a.spec.drafted(tokens.len());
                     }
                     self.scheduler.propose(id, tokens);
