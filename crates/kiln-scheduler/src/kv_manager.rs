@@ -769,7 +769,12 @@ impl KvManager {
                     return Err(format!("request {id} has more hashes than blocks"));
                 }
                 if chain.block_hashes.len() < table.first {
-                    return Err(format!("request {id} freed an unregistered block: first {} hashes {} len {}", table.first, chain.block_hashes.len(), table.len()));
+                    return Err(format!(
+                        "request {id} freed an unregistered block: first {} hashes {} len {}",
+                        table.first,
+                        chain.block_hashes.len(),
+                        table.len()
+                    ));
                 }
             }
         }

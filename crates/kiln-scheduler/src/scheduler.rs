@@ -303,7 +303,10 @@ impl Scheduler {
             if plan.budget == 0 {
                 break;
             }
-            let has_draft = self.requests.get(&key.id).is_some_and(|r| !r.draft.is_empty());
+            let has_draft = self
+                .requests
+                .get(&key.id)
+                .is_some_and(|r| !r.draft.is_empty());
             if has_draft && self.running.contains(key) && plan.contains(key.id) {
                 self.schedule_speculative(*key, &mut plan);
             }

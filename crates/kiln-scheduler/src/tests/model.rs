@@ -168,7 +168,10 @@ impl SimEngine {
                         assert_eq!(pool.ref_count(block_id), 1, "write to a shared block");
                         assert_eq!(pool.block_hash(block_id), None, "write to a cached block");
                         if pos < known_end {
-                            assert_eq!(req.token(pos), s.new_token_ids[pos - s.num_computed_tokens]);
+                            assert_eq!(
+                                req.token(pos),
+                                s.new_token_ids[pos - s.num_computed_tokens]
+                            );
                         }
                         self.slots.insert(slot(pos), fingerprints[pos]);
                     }

@@ -199,7 +199,10 @@ fn random_sessions_keep_every_invariant() {
         accepted += stats.num_accepted_draft_tokens;
     }
     // Speculative sessions verified drafts, accepting some and rejecting some.
-    assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted} drafts accepted");
+    assert!(
+        accepted > 0 && accepted < drafted,
+        "{accepted} of {drafted} drafts accepted"
+    );
 }
 
 /// 32 requests with shared system prompts through a pool that holds about 4 at
