@@ -49,6 +49,11 @@ impl std::str::FromStr for SpeculativeMethod {
             "off" | "none" => Ok(SpeculativeMethod::Off),
             "ngram" => Ok(SpeculativeMethod::Ngram),
             "draft" => Ok(SpeculativeMethod::Draft),
+            "mtp" => Err(
+                "mtp: no model Kiln loads has multi-token-prediction heads yet \
+                 (Qwen3.5's are not read); use ngram or draft"
+                    .to_string(),
+            ),
             other => Err(format!(
                 "unknown speculative method {other:?} (expected ngram, draft or off)"
             )),

@@ -383,7 +383,10 @@ fn drafts_a_format_forbids_are_never_verified() {
     assert!(got.usage.accepted_draft_tokens > 0, "{:?}", got.usage);
     // Plain prose as the prediction: the grammar refuses its first token,
     // so nothing is ever scheduled for verification.
-    let prose = model.tokenizer.encode("hello there, no JSON here", false).unwrap();
+    let prose = model
+        .tokenizer
+        .encode("hello there, no JSON here", false)
+        .unwrap();
     let got = constrained(Some(prose));
     assert_eq!(got.ids, want.ids);
     assert_eq!(got.usage.draft_tokens, 0, "{:?}", got.usage);

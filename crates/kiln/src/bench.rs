@@ -31,6 +31,65 @@ pub struct BenchArgs {
     /// Also time every backend op, for prefill and for decode separately.
     #[arg(long)]
     pub profile: bool,
+    #[command(flatten)]
+    pub speculative: crate::cli::SpeculativeArgs,
+}
+
+/// `kiln bench --speculative ...`: the same prompt through the engine,
+/// which speculates; decode speed and acceptance of each run.
+fn run_speculative(a: BenchArgs) -> Result<()> {
+    let backend = a.model.backend()?;
+    let model = a.model.load_on(backend.clone())?;
+    let draft = a.speculative.load_draft(backend)?;
+    let prompt = bench_prompt(&model, a.prompt_tokens)?;
+    let path = model.path.display().to_string();
+    let engine = crate::generate::speculative_engine(
+        model,
+        draft,
+        &a.speculative,
+        a.prompt_tokens + a.gen_tokens,
+    )?;
+    let h = engine.handle();
+    let (mut decode, mut rates) = (Vec::new(), Vec::new());
+    for run in 0..=a.runs {
+        let mut req = GenerationRequest::new(
+            prompt.clone(),
+            SamplingParams {
+                max_tokens: Some(a.gen_tokens),
+                ignore_eos: true,
+                ..SamplingParams::greedy()
+            },
+        );
+        // Each run computes its prompt: no prefix hits across runs.
+        req.cache_salt = Some(format!("run{run}"));
+        let r = crate::generate::run_on_engine(&h, req, &mut |_| {})?;
+        let tps = r.ids.len().saturating_sub(1) as f64 / r.timings.decode_seconds.max(1e-9);
+        let rate = r.usage.accepted_draft_tokens as f64 / r.usage.draft_tokens.max(1) as f64;
+        eprintln!(
+            "{} {run}: decode {tps:.1} tok/s, {} of {} drafts accepted",
+            if run == 0 { "warm-up" } else { "run" },
+            r.usage.accepted_draft_tokens,
+            r.usage.draft_tokens
+        );
+        if run > 0 {
+            decode.push(tps);
+            rates.push(rate);
+        }
+    }
+    println!(
+        "{}",
+        json!({
+            "engine": "kiln",
+            "model": path,
+            "speculative": format!("{:?}", a.speculative.speculative).to_lowercase(),
+            "speculative_tokens": a.speculative.speculative_tokens,
+            "prompt_tokens": a.prompt_tokens,
+            "gen_tokens": a.gen_tokens,
+            "decode_tokens_per_second": stats(decode),
+            "acceptance_rate": stats(rates),
+        })
+    );
+    Ok(())
 }
 
 /// A prompt of exactly `n` tokens: ordinary English text, repeated.
@@ -150,6 +209,9 @@ fn profile_ops(
 pub fn run(a: BenchArgs) -> Result<()> {
     // Load-time lines (kernel compile and load times) on stderr; the report is stdout's.
     crate::logging::init(crate::logging::LogFormat::Text);
+    if a.speculative.on() {
+        return run_speculative(a);
+    }
     let (model, prof) = if a.profile {
         let p = Arc::new(ProfilingBackend::new(a.model.backend()?));
         (a.model.load_on(p.clone())?, Some(p))

@@ -761,3 +761,62 @@ fn random_gguf_writes_the_q4_k_m_mix_and_loads() {
         "{held} vs {stored}"
     );
 }
+
+/// `kiln generate` with --speculative ngram and with --prediction gives the
+/// plain answer and says how many drafts were accepted; a draft method
+/// without a draft model, and mtp, are clear errors.
+#[test]
+fn speculative_generate_keeps_the_answer_and_reports_acceptance() {
+    let run = |extra: &[&str]| {
+        let mut c = kiln();
+        c.args([
+            "generate",
+            "--device",
+            "cpu",
+            "--json",
+            "--chat",
+            "--max-tokens",
+            "40",
+            "-m",
+        ])
+        .arg(smollm2())
+        .args([
+            "-p",
+            "Repeat exactly: one two three four five six seven eight nine ten",
+        ])
+        .args(extra);
+        json_of(&c.output().unwrap())
+    };
+    let plain = run(&[]);
+    let text = plain["text"].as_str().unwrap().to_string();
+    for extra in [
+        vec!["--speculative", "ngram"],
+        vec!["--prediction", text.as_str()],
+    ] {
+        let got = run(&extra);
+        assert_eq!(got["text"], plain["text"], "{extra:?}");
+        assert_eq!(got["token_ids"], plain["token_ids"], "{extra:?}");
+        let s = &got["speculative"];
+        assert!(
+            s["accepted_draft_tokens"].as_u64().unwrap() > 0,
+            "{extra:?}: {got}"
+        );
+    }
+    for (extra, needle) in [
+        (vec!["--speculative", "draft"], "--draft-model"),
+        (vec!["--speculative", "mtp"], "multi-token-prediction"),
+    ] {
+        let mut c = kiln();
+        let out = c
+            .args(["generate", "--device", "cpu", "-p", "hi", "-m"])
+            .arg(smollm2())
+            .args(&extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(needle),
+            "{extra:?}: {err}"
+        );
+    }
+}
