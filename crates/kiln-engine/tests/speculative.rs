@@ -318,7 +318,11 @@ fn a_draft_model_gives_the_plain_outputs_and_a_foreign_tokenizer_is_refused() {
         num_tokens: 4,
         ..SpeculativeConfig::default()
     };
-    let e = Engine::start_with_draft(load(), config, spec, Some(load())).unwrap();
+    // The draft's KV comes out of the planned pool: the same model halves it.
+    let (target, draft) = (load(), load());
+    let shared = config.with_draft(&target, &draft, spec.max_batch);
+    assert_eq!(shared.num_blocks, config.num_blocks / 2);
+    let e = Engine::start_with_draft(target, config, spec, Some(draft)).unwrap();
     let h = e.handle();
     for round in 0..2 {
         let streams: Vec<RequestStream> = (0..n)

@@ -161,10 +161,13 @@ pub fn speculative_engine(
 ) -> Result<kiln_engine::Engine> {
     let context = tokens.min(model.context_length());
     let plan = kiln_engine::EngineConfig::plan(&model, None, context)?;
-    let config = kiln_engine::EngineConfig {
+    let mut config = kiln_engine::EngineConfig {
         context_length: Some(context),
         ..plan.config
     };
+    if let Some(d) = &draft {
+        config = config.with_draft(&model, d, spec.speculative_max_batch);
+    }
     Ok(kiln_engine::Engine::start_with_draft(
         model,
         config,

@@ -414,6 +414,10 @@ fn load_engine(
             parts.join(", ")
         )
     });
+    let engine_config = match &draft {
+        Some(d) => engine_config.with_draft(&model, d, speculative.speculative_max_batch),
+        None => engine_config,
+    };
     let engine = Engine::start_with_draft(model, engine_config, speculative.config(), draft)
         .context("starting the engine")?;
     let adapters = engine.handle().adapters().clone();

@@ -40,6 +40,43 @@ impl EngineConfig {
     }
 }
 
+impl EngineConfig {
+    /// This configuration with a draft model's KV carved out of the pool:
+    /// the draft keeps as many blocks as the target (at most what
+    /// `max_batch` sequences of the served context need), and the two
+    /// pools together take the bytes planned for the target's alone.
+    pub fn with_draft(
+        self,
+        target: &LoadedModel,
+        draft: &LoadedModel,
+        max_batch: usize,
+    ) -> EngineConfig {
+        let bs = self.block_size;
+        let per_block = |m: &LoadedModel| {
+            let elem = m.model.backend().kv_bytes_per_element();
+            m.model.config().kv_bytes_per_block(bs, elem).max(1)
+        };
+        let (t, d) = (per_block(target), per_block(draft));
+        let context = self
+            .context_length
+            .unwrap_or(target.context_length())
+            .min(target.context_length());
+        let cap = max_batch.max(1) * context.div_ceil(bs);
+        let budget = self.num_blocks * t;
+        // n target blocks and min(n, cap) draft blocks within the budget.
+        let even = budget / (t + d);
+        let n = if even <= cap {
+            even
+        } else {
+            budget.saturating_sub(cap * d) / t
+        };
+        EngineConfig {
+            num_blocks: n.max(1),
+            ..self
+        }
+    }
+}
+
 /// How the KV pool was sized, for the start-up log.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvPlan {
