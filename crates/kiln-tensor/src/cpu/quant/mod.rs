@@ -127,7 +127,7 @@ pub enum CpuMatmul {
     /// (batch-invariant, the goldens' numerics).
     #[default]
     Exact,
-    /// Products of more than [`GEMV_ROWS`] rows (prefill, large batches)
+    /// Products of at least [`FAST_MIN_ROWS`] rows (prefill, batches)
     /// in bf16 ([`FastKernel`]): weights dequantized to bf16 and
     /// activations rounded to bf16, products summed in f32; decode rows
     /// stay exact. A row's result then depends on how many rows share its
@@ -193,8 +193,18 @@ impl FastKernel {
 }
 
 /// Rows of `x` up to which a packed product runs the decode kernel (codes
-/// converted in registers, per row of `x`); above, the GEMM over panels.
-const GEMV_ROWS: usize = 2;
+/// converted in registers, per row of `x`); above, the GEMM over panels,
+/// whose unpacking of each pair of groups costs about two decode rows.
+/// Measured on the Sapphire Rapids dev VM (2 threads, 8960 × 1536 from
+/// DRAM, `examples/cpu_quant_gemv`), decode kernel vs GEMM in µs: Q4_K
+/// 497/750 at 3 rows, 649/935 at 4, 932/1050 at 6, 1349/1370 at 9; Q6_K
+/// 928/1166 at 5, 1516/1534 at 8; Q5_K 975/1154 at 5, 1614/1511 at 8;
+/// Q8_0 789/1116 at 5. Speculative decodes verify a few rows a request.
+const GEMV_ROWS: usize = 6;
+/// Rows from which `--cpu-matmul fast` takes the bf16 kernels (the
+/// threshold it had when the exact decode kernel stopped at two rows; not
+/// re-measured against the wider exact decode path).
+const FAST_MIN_ROWS: usize = 3;
 
 /// The instruction sets a packed product runs on; each gives the same
 /// bits (the order is [`packed`]'s).
@@ -277,7 +287,7 @@ pub(crate) unsafe fn packed_matmul_on(
     if n == 0 || k == 0 {
         return;
     }
-    if mode == CpuMatmul::Fast && n > GEMV_ROWS && isa == Isa::Avx512 {
+    if mode == CpuMatmul::Fast && n >= FAST_MIN_ROWS && isa == Isa::Avx512 {
         if let Some(kernel) = FastKernel::best() {
             // SAFETY: passed through; the kernel runs here.
             unsafe { fast_matmul(kernel, parts, x, n, out, out_stride) };

@@ -489,7 +489,7 @@ fn fast_products_are_the_product_in_bf16() {
                 }
                 assert!(fast != exact, "{format} {kernel:?}: the fast path ran");
             }
-            // Decode rows (at most GEMV_ROWS) keep the exact path's bits.
+            // Decode rows (fewer than FAST_MIN_ROWS) keep the exact path's bits.
             let (f2, e2) = (run(CpuMatmul::Fast, 2), run(CpuMatmul::Exact, 2));
             assert!(f2.iter().zip(&e2).all(|(a, b)| a.to_bits() == b.to_bits()));
         }
