@@ -92,6 +92,19 @@ fn run_speculative(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
+/// The CPU's model name from /proc/cpuinfo (empty where there is none).
+pub(crate) fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_default()
+}
+
 /// A prompt of exactly `n` tokens: ordinary English text, repeated.
 fn bench_prompt(model: &LoadedModel, n: usize) -> Result<Vec<u32>> {
     const TEXT: &str = "The history of the printing press begins in the fifteenth century, when \
@@ -255,15 +268,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             decode.push(t.decode_tokens_per_second());
         }
     }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_default();
+    let cpu = cpu_model();
     let profile = match &prof {
         Some(p) => Some(profile_ops(&model, p, &req)?),
         None => None,

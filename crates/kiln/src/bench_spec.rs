@@ -288,15 +288,7 @@ pub fn run(a: BenchSpecArgs) -> Result<()> {
             }
         }
     }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split(':').nth(1))
-                .map(|m| m.trim().to_string())
-        })
-        .unwrap_or_default();
+    let cpu = crate::bench::cpu_model();
     let report = json!({
         "engine": "kiln",
         "workload": a.workload,

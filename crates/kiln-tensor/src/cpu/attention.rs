@@ -396,20 +396,7 @@ fn row_group<E>(
     });
     inv.clear();
     for (h, sh) in scores.chunks_exact_mut(nk).enumerate() {
-        if let Some(c) = p.softcap {
-            for s in sh.iter_mut() {
-                *s = (*s / c).tanh() * c;
-            }
-        }
-        let sink = sinks.map(|s| s[h]);
-        let max = sh
-            .iter()
-            .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &s| m.max(s));
-        let mut sum = (kern.exp_sum)(sh, max);
-        if let Some(s) = sink {
-            sum += (s - max).exp();
-        }
-        inv.push(1.0 / sum);
+        inv.push(softmax(sh, p, kern, sinks.map(|s| s[h])));
     }
     o.fill(0.0);
     head.runs(keys, |j, _, v| {
@@ -424,6 +411,25 @@ fn row_group<E>(
             o,
         );
     });
+}
+
+/// One head's scores `sh` made softmax numerators in place (soft-capped
+/// first where the layer asks, `exp(s - max)`), returning `1 / sum` — with
+/// a sink, one more logit in the sum whose weight is dropped.
+fn softmax<E>(sh: &mut [f32], p: &AttentionParams, kern: &Kernels<E>, sink: Option<f32>) -> f32 {
+    if let Some(c) = p.softcap {
+        for s in sh.iter_mut() {
+            *s = (*s / c).tanh() * c;
+        }
+    }
+    let max = sh
+        .iter()
+        .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &s| m.max(s));
+    let mut sum = (kern.exp_sum)(sh, max);
+    if let Some(s) = sink {
+        sum += (s - max).exp();
+    }
+    1.0 / sum
 }
 
 /// Rows of one sequence taken together: at most this many a task.
@@ -483,20 +489,7 @@ fn rows_group<E>(
         let nk = l + 1 - f;
         for h in 0..heads {
             let sh = &mut scores[base[r] + h * nk..base[r] + (h + 1) * nk];
-            if let Some(c) = p.softcap {
-                for s in sh.iter_mut() {
-                    *s = (*s / c).tanh() * c;
-                }
-            }
-            let sink = sinks.map(|s| s[h]);
-            let max = sh
-                .iter()
-                .fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &s| m.max(s));
-            let mut sum = (kern.exp_sum)(sh, max);
-            if let Some(s) = sink {
-                sum += (s - max).exp();
-            }
-            inv.push(1.0 / sum);
+            inv.push(softmax(sh, p, kern, sinks.map(|s| s[h])));
         }
     }
     outs.fill(0.0);
