@@ -95,10 +95,6 @@ pub(crate) struct RequestState {
     pub(crate) status: RequestStatus,
     /// The queue order: priority class, then submission order.
     pub(crate) order: QueueKey,
-    /// Guessed next tokens the engine proposed for the request's next decode
-    /// ([`crate::Scheduler::propose`]): verified in that step, taken out by
-    /// its scheduling.
-    pub(crate) draft: Vec<TokenId>,
 }
 
 impl RequestState {

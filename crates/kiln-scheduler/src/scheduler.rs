@@ -88,6 +88,8 @@ pub struct Scheduler {
     running: BTreeSet<QueueKey>,
     /// The step awaiting its update: what each scheduled request computes.
     in_flight: Option<BTreeMap<RequestId, InFlight>>,
+    /// Draft tokens proposed for the next step's decodes ([`Scheduler::propose`]).
+    proposals: BTreeMap<RequestId, Vec<TokenId>>,
     next_arrival: u64,
     counters: Counters,
 }
@@ -131,6 +133,7 @@ impl Scheduler {
             waiting: BTreeSet::new(),
             running: BTreeSet::new(),
             in_flight: None,
+            proposals: BTreeMap::new(),
             next_arrival: 0,
             counters: Counters::default(),
         })
@@ -235,7 +238,6 @@ impl Scheduler {
                 num_preemptions: 0,
                 status: RequestStatus::Waiting,
                 order,
-                draft: Vec::new(),
             },
         );
         Ok(())
@@ -254,10 +256,12 @@ impl Scheduler {
         if self.config.state_slots > 0 || self.in_flight.is_some() {
             return;
         }
-        if let Some(req) = self.requests.get_mut(&id) {
-            if req.status == RequestStatus::Running && req.num_remaining_tokens() == 1 {
-                req.draft = draft;
-            }
+        let decoding = self
+            .requests
+            .get(&id)
+            .is_some_and(|r| r.status == RequestStatus::Running && r.num_remaining_tokens() == 1);
+        if decoding && !draft.is_empty() {
+            self.proposals.insert(id, draft);
         }
     }
 
@@ -299,27 +303,22 @@ impl Scheduler {
         }
         // Drafts extend the decodes with what the running requests' own
         // tokens left of the budget and the free blocks, before admissions.
+        // (Proposals are for one step: those no decode takes are dropped.)
+        let mut proposals = std::mem::take(&mut self.proposals);
         for key in &order {
-            if plan.budget == 0 {
+            if plan.budget == 0 || proposals.is_empty() {
                 break;
             }
-            let has_draft = self
-                .requests
-                .get(&key.id)
-                .is_some_and(|r| !r.draft.is_empty());
-            if has_draft && self.running.contains(key) && plan.contains(key.id) {
-                self.schedule_speculative(*key, &mut plan);
+            if let Some(draft) = proposals.remove(&key.id) {
+                if self.running.contains(key) && plan.contains(key.id) {
+                    self.schedule_speculative(*key, draft, &mut plan);
+                }
             }
         }
         if plan.preempted.is_empty() {
             self.admit_waiting(&mut plan);
         }
-        let out = self.emit(plan);
-        // Drafts are for one step: those no decode took are dropped.
-        for req in self.requests.values_mut() {
-            req.draft.clear();
-        }
-        Ok(out)
+        Ok(self.emit(plan))
     }
 
     /// Schedules `num_new_tokens` for running request `key`, preempting from the
@@ -350,12 +349,13 @@ impl Scheduler {
     /// Extends decode `key` (planned with its one token) by its drafts, cut
     /// to the budget, its `max_tokens` and the blocks free now (drafts never
     /// preempt); the drafts that do not fit are dropped.
-    fn schedule_speculative(&mut self, key: QueueKey, plan: &mut StepPlan) {
-        let req = self
-            .requests
-            .get_mut(&key.id)
-            .expect("running requests are known; this is a bug");
-        let mut draft = std::mem::take(&mut req.draft);
+    fn schedule_speculative(
+        &mut self,
+        key: QueueKey,
+        mut draft: Vec<TokenId>,
+        plan: &mut StepPlan,
+    ) {
+        let req = &self.requests[&key.id];
         // Accepting every draft gives one more token: at most max_tokens.
         let room = req.max_tokens - req.num_output_tokens();
         draft.truncate(room.saturating_sub(1).min(plan.budget));
