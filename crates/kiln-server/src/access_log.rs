@@ -49,6 +49,15 @@ impl AccessLog {
         }
     }
 
+    /// The log of one model of a pool: its lines name `model_name`; the
+    /// requests in flight are counted with every other model's.
+    pub(crate) fn for_model(&self, model_name: &str) -> Self {
+        AccessLog {
+            model_name: model_name.into(),
+            in_flight: self.in_flight.clone(),
+        }
+    }
+
     /// Requests received and not yet answered in full (streams included).
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)

@@ -60,9 +60,10 @@ pub enum ApiError {
         message: String,
         param: Option<String>,
     },
-    /// The request names a model this server does not serve (404).
-    #[error("the model `{0}` does not exist; GET /v1/models lists the one served here")]
-    ModelNotFound(String),
+    /// The request names a model this server does not serve (404), and
+    /// what it does serve.
+    #[error("the model `{name}` does not exist; available: {}", available.join(", "))]
+    ModelNotFound { name: String, available: Vec<String> },
     /// No route for this path (404).
     #[error("no route for {0}")]
     NotFound(String),
@@ -128,7 +129,7 @@ impl ApiError {
             | ApiError::InvalidJson(_)
             | ApiError::UnsupportedParam { .. }
             | ApiError::ContextLengthExceeded { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound { .. } | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::HostNotAllowed(_) => StatusCode::FORBIDDEN,
@@ -160,7 +161,7 @@ impl ApiError {
                 param.as_deref(),
                 Some("context_length_exceeded"),
             ),
-            ApiError::ModelNotFound(_) => (
+            ApiError::ModelNotFound { .. } => (
                 "invalid_request_error",
                 Some("model"),
                 Some("model_not_found"),
@@ -196,7 +197,7 @@ impl ApiError {
             ApiError::Unauthorized => "authentication_error",
             ApiError::HostNotAllowed(_) => "permission_error",
             ApiError::UriTooLong { .. } | ApiError::HeadersTooLarge { .. } => "request_too_large",
-            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => "not_found_error",
+            ApiError::ModelNotFound { .. } | ApiError::NotFound(_) => "not_found_error",
             ApiError::Busy(_) => "rate_limit_error",
             ApiError::Unavailable(_) => "overloaded_error",
             ApiError::Internal(_) => "api_error",

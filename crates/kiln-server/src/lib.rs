@@ -34,6 +34,7 @@ mod access_log;
 mod anthropic_messages;
 mod anthropic_types;
 mod connections;
+mod dispatch;
 mod errors;
 mod generation;
 mod guard;
@@ -46,6 +47,7 @@ mod messages;
 mod metrics;
 mod openai_types;
 mod parse;
+pub mod pool;
 mod responses_input;
 mod routes;
 mod sampling;
@@ -59,6 +61,8 @@ pub use errors::ApiError;
 pub use loading::Readiness;
 pub use metrics::Metrics;
 pub use parse::{OutputOverrides, ToolSyntax};
+pub use dispatch::ServedModel;
 pub use server::{
-    bind, run, serve, serve_loading, serve_on, shutdown_signal, ServerConfig, ServerError,
+    bind, run, serve, serve_loading, serve_on, shutdown_signal, PoolSpec, ServerConfig,
+    ServerError,
 };

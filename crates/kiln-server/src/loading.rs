@@ -3,7 +3,8 @@
 //! hands over the engine, `/health` answers 503 `{"status": "loading"}` and
 //! every other route 503 in its API's error shape with `Retry-After`; after
 //! [`Readiness::failed`], 503 `{"status": "failed", "error": ...}`. Once
-//! ready, every request goes to the full router, built on the first one.
+//! ready (an engine handed over, or the model pool with its default model
+//! loaded), every request goes to the full router, built on the first one.
 
 use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
@@ -17,6 +18,7 @@ use serde_json::json;
 use tokio::sync::watch;
 use tower::ServiceExt;
 
+use crate::dispatch::Pool;
 use crate::errors::{ApiError, ErrorShape};
 
 /// Seconds a client is asked to wait while the model loads.
@@ -31,8 +33,29 @@ pub struct Readiness {
 #[derive(Clone)]
 enum Phase {
     Loading,
-    Ready(EngineHandle),
+    Ready(Ready),
     Failed(Arc<str>),
+}
+
+/// What a ready server serves: one engine handed over, or a pool.
+#[derive(Clone)]
+pub(crate) enum Ready {
+    Engine(EngineHandle),
+    Pool(Arc<Pool>),
+}
+
+impl Ready {
+    /// The engines running now, by model name.
+    pub(crate) fn engines(&self) -> Vec<(String, EngineHandle)> {
+        match self {
+            Ready::Engine(e) => vec![(String::new(), e.clone())],
+            Ready::Pool(pool) => pool
+                .loaded()
+                .into_iter()
+                .map(|(name, served)| (name, served.engine().clone()))
+                .collect(),
+        }
+    }
 }
 
 impl Default for Readiness {
@@ -52,7 +75,12 @@ impl Readiness {
 
     /// The model is loaded and its engine runs: serve it.
     pub fn ready(&self, engine: EngineHandle) {
-        self.phase.send_replace(Phase::Ready(engine));
+        self.phase.send_replace(Phase::Ready(Ready::Engine(engine)));
+    }
+
+    /// The pool's default model is loaded: serve the pool.
+    pub(crate) fn ready_pool(&self, pool: Arc<Pool>) {
+        self.phase.send_replace(Phase::Ready(Ready::Pool(pool)));
     }
 
     /// The model could not be loaded: say so until the process ends.
@@ -61,8 +89,8 @@ impl Readiness {
             .send_replace(Phase::Failed(message.into().into()));
     }
 
-    /// The engine once it is ready; `None` if the load failed.
-    pub(crate) async fn engine(&self) -> Option<EngineHandle> {
+    /// What is served once it is ready; `None` if the load failed.
+    pub(crate) async fn served(&self) -> Option<Ready> {
         let mut rx = self.phase.subscribe();
         let phase = rx
             .wait_for(|p| !matches!(p, Phase::Loading))
@@ -70,7 +98,7 @@ impl Readiness {
             .ok()?
             .clone();
         match phase {
-            Phase::Ready(engine) => Some(engine),
+            Phase::Ready(ready) => Some(ready),
             _ => None,
         }
     }
@@ -81,10 +109,10 @@ impl Readiness {
 }
 
 /// A router that answers "not ready" until `readiness` is ready, then
-/// passes every request to the router `build` makes from the engine.
+/// passes every request to the router `build` makes of what is served.
 pub(crate) fn gate<B>(readiness: Readiness, build: B) -> Router
 where
-    B: Fn(EngineHandle) -> Router + Clone + Send + Sync + 'static,
+    B: Fn(Ready) -> Router + Clone + Send + Sync + 'static,
 {
     let app: Arc<OnceLock<Router>> = Arc::default();
     let service = tower::service_fn(move |req: Request| {
@@ -92,8 +120,8 @@ where
         let (app, build) = (app.clone(), build.clone());
         async move {
             match phase {
-                Phase::Ready(engine) => {
-                    let router = app.get_or_init(|| build(engine)).clone();
+                Phase::Ready(ready) => {
+                    let router = app.get_or_init(|| build(ready)).clone();
                     router.oneshot(req).await
                 }
                 Phase::Loading => Ok::<_, Infallible>(not_ready(&req, None)),

@@ -21,7 +21,9 @@ use crate::access_log::{self, AccessLog};
 use crate::connections::ConnectionLimits;
 use crate::errors::{ApiError, ErrorShape};
 use crate::guard::Guard;
-use crate::loading::{gate, Readiness};
+use crate::dispatch::{Pool, ServedModel, Shared};
+use crate::loading::{gate, Readiness, Ready};
+use crate::pool::{Catalog, ModelPool, ModelSource, PoolConfig};
 use crate::metrics::Metrics;
 use crate::openai_types::unix_now;
 use crate::routes::{chat, completions, messages, ops, tokenize};
@@ -184,9 +186,11 @@ pub async fn serve_loading(
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
+    let (shared, cancel) = Shared::new(config)?;
     serve_until(
         listener,
-        config,
+        shared,
+        cancel,
         readiness,
         shutdown,
         std::future::pending(),
@@ -194,57 +198,55 @@ pub async fn serve_loading(
     .await
 }
 
+impl Shared {
+    /// The parts every model's router shares, and the sender that cancels
+    /// the requests still running at shutdown.
+    fn new(config: ServerConfig) -> Result<(Shared, watch::Sender<bool>), ServerError> {
+        if config
+            .api_key
+            .as_deref()
+            .is_some_and(|k| k.trim().is_empty())
+        {
+            return Err(ServerError::Config(
+                "the API key is empty; give a non-empty key or none".into(),
+            ));
+        }
+        let (cancel_tx, cancel_rx) = watch::channel(false);
+        let shared = Shared {
+            access: AccessLog::new(&config.model_name),
+            config,
+            metrics: Arc::new(Metrics::default()),
+            cancel: cancel_rx,
+            started_at: unix_now(),
+        };
+        Ok((shared, cancel_tx))
+    }
+}
+
 /// [`serve_loading`], where `force` resolving during the grace period
 /// cancels the requests still running and returns at once.
 async fn serve_until(
     listener: TcpListener,
-    config: ServerConfig,
+    shared: Shared,
+    cancel_tx: watch::Sender<bool>,
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
     force: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServerError> {
-    if config
-        .api_key
-        .as_deref()
-        .is_some_and(|k| k.trim().is_empty())
-    {
-        return Err(ServerError::Config(
-            "the API key is empty; give a non-empty key or none".into(),
-        ));
-    }
-    let (cancel_tx, cancel_rx) = watch::channel(false);
-    let access = AccessLog::new(&config.model_name);
+    let config = shared.config.clone();
+    let access = shared.access.clone();
     let _throughput = (!config.throughput_log_interval.is_zero()).then(|| {
         AbortOnDrop(tokio::spawn(crate::throughput::report(
             readiness.clone(),
             config.throughput_log_interval,
         )))
     });
-    let mut app = gate(readiness, {
-        let access = access.clone();
-        let config = config.clone();
-        let metrics = Arc::new(Metrics::default());
-        let started_at = unix_now();
-        move |engine| {
-            router(
-                AppState {
-                    model_name: config.model_name.as_str().into(),
-                    api_key: config.api_key.as_deref().map(Arc::from),
-                    max_body_bytes: config.max_body_bytes,
-                    metrics: metrics.clone(),
-                    cancel: cancel_rx.clone(),
-                    started_at,
-                    sse_keepalive: config.sse_keepalive,
-                    output: config.output,
-                    sampling_defaults: Arc::new(config.sampling_defaults(engine.model())),
-                    strict_params: config.strict_params,
-                    matryoshka_dimensions: config.matryoshka_dimensions.clone().map(Arc::from),
-                    lora_runtime: config.enable_lora_runtime,
-                    engine,
-                },
-                access.clone(),
-            )
-        }
+    let mut app = gate(readiness, move |ready| {
+        let pool = match ready {
+            Ready::Pool(pool) => pool,
+            Ready::Engine(handle) => single(&shared, handle),
+        };
+        crate::dispatch::router(pool, &shared)
     })
     .layer(DefaultBodyLimit::max(config.max_body_bytes));
     if !config.cors_origins.is_empty() {
@@ -309,22 +311,27 @@ async fn serve_until(
     Ok(())
 }
 
+/// The models `kiln serve` serves: the configured ones (the first is the
+/// default, loaded before the server reports ready), others found by name
+/// in `catalog`, under `config`'s budgets.
+pub struct PoolSpec {
+    pub sources: Vec<ModelSource<Engine>>,
+    pub catalog: Option<Box<dyn Catalog<Engine>>>,
+    pub config: PoolConfig,
+}
+
 /// Starts a runtime, binds, calls `on_listening` with the bound address,
-/// runs `load` on a blocking thread while answering 503, calls `on_ready`
-/// with what the load returned beside its engine once requests reach the
-/// engine, and serves it until SIGINT or SIGTERM. A load that fails ends
-/// this with [`ServerError::Load`] (`/health` says `failed` until the
+/// loads the pool's default model on a blocking thread while answering
+/// 503, calls `on_ready` with its name once requests reach it, and serves
+/// the pool until SIGINT or SIGTERM. A default model that fails to load
+/// ends this with [`ServerError::Load`] (`/health` says `failed` until the
 /// process exits). For the `kiln serve` command.
-pub fn run<L, T>(
+pub fn run(
     config: ServerConfig,
-    load: L,
+    spec: PoolSpec,
     on_listening: impl FnOnce(SocketAddr),
-    on_ready: impl FnOnce(T),
-) -> Result<(), ServerError>
-where
-    L: FnOnce() -> Result<(Engine, T), String> + Send + 'static,
-    T: Send + 'static,
-{
+    on_ready: impl FnOnce(&str),
+) -> Result<(), ServerError> {
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1)
@@ -342,8 +349,27 @@ where
         .enable_all()
         .build()
         .map_err(ServerError::Runtime)?;
-    let (result, engine) = runtime.block_on(async move {
-        let listener = match bind(&config).await {
+    let (result, pool) = runtime.block_on(async move {
+        let (shared, cancel) = match Shared::new(config) {
+            Ok(s) => s,
+            Err(e) => return (Err(e), None),
+        };
+        let sources = spec
+            .sources
+            .into_iter()
+            .map(|s| crate::dispatch::served_source(&shared, s))
+            .collect();
+        let catalog = spec.catalog.map(|inner| {
+            Box::new(crate::dispatch::ServedCatalog {
+                shared: shared.clone(),
+                inner,
+            }) as Box<dyn Catalog<ServedModel>>
+        });
+        let pool = match ModelPool::new(sources, catalog, spec.config) {
+            Ok(p) => p,
+            Err(e) => return (Err(ServerError::Config(e)), None),
+        };
+        let listener = match bind(&shared.config).await {
             Ok(l) => l,
             Err(e) => return (Err(e), None),
         };
@@ -353,33 +379,48 @@ where
         }
         let readiness = Readiness::new();
         let (first, second) = signals();
-        let serving = serve_until(listener, config, readiness.clone(), first, second);
+        let serving = serve_until(listener, shared, cancel, readiness.clone(), first, second);
         tokio::pin!(serving);
-        let loading = tokio::task::spawn_blocking(load);
-        let engine = tokio::select! {
-            r = &mut serving => return (r, None),
-            loaded = loading => match loaded {
-                Ok(Ok(loaded)) => loaded,
-                Ok(Err(message)) => {
-                    readiness.failed(message.clone());
-                    return (Err(ServerError::Load(message)), None);
-                }
-                Err(e) => {
-                    let message = format!("the loading thread ended: {e}");
-                    readiness.failed(message.clone());
-                    return (Err(ServerError::Load(message)), None);
-                }
+        let default = pool.default_name();
+        let loading = pool.acquire_within(&default, None);
+        tokio::select! {
+            r = &mut serving => return (r, Some(pool)),
+            loaded = loading => if let Err(e) = loaded {
+                let message = match e {
+                    crate::pool::PoolError::LoadFailed { message, .. } => message,
+                    e => e.to_string(),
+                };
+                readiness.failed(message.clone());
+                return (Err(ServerError::Load(message)), Some(pool));
             },
-        };
-        let (engine, note) = engine;
-        readiness.ready(engine.handle());
-        on_ready(note);
-        (serving.await, Some(engine))
+        }
+        let _idle = pool.spawn_idle_unloader().map(AbortOnDrop);
+        readiness.ready_pool(pool.clone());
+        on_ready(&default);
+        (serving.await, Some(pool))
     });
-    // Tasks still blocked on a request end when the engine stops; don't wait.
+    // Tasks still blocked on a request end when the engines stop; don't wait.
     runtime.shutdown_background();
-    drop(engine);
+    drop(pool);
     result
+}
+
+/// A pool of the one engine handed over, loaded and pinned, under the
+/// configured model name.
+fn single(shared: &Shared, handle: EngineHandle) -> Arc<Pool> {
+    let name = shared.config.model_name.clone();
+    let source = ModelSource {
+        name: name.clone(),
+        device: String::new(),
+        memory_bytes: 0,
+        pinned: true,
+        path: handle.model().path.clone(),
+        load: Arc::new(|| Err("this engine was handed over; it cannot be loaded again".to_string())),
+    };
+    let pool = ModelPool::new(vec![source], None, PoolConfig::default())
+        .expect("one model, named once");
+    pool.insert_loaded(&name, ServedModel::new(shared, &name, handle, None));
+    pool
 }
 
 /// Resolves on SIGINT (Ctrl-C) or SIGTERM.
@@ -453,7 +494,7 @@ impl Drop for AbortOnDrop {
     }
 }
 
-fn router(state: AppState, access: AccessLog) -> Router {
+pub(crate) fn router(state: AppState, access: AccessLog) -> Router {
     let mut api = Router::new();
     if state.lora_runtime {
         api = api
@@ -465,22 +506,18 @@ fn router(state: AppState, access: AccessLog) -> Router {
         .route("/v1/completions", post(completions::handle))
         .route("/v1/responses", post(crate::routes::responses::handle))
         .route("/v1/embeddings", post(crate::routes::embeddings::handle))
-        .route("/v1/models", get(ops::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/messages", post(messages::handle))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/stats", get(ops::stats))
         .route("/api/version", get(crate::routes::ollama::version))
-        .route("/api/tags", get(crate::routes::ollama::tags))
-        .route("/api/ps", get(crate::routes::ollama::ps))
         .route("/api/show", post(crate::routes::ollama::show))
         .route("/api/chat", post(crate::routes::ollama::chat))
         .route("/api/generate", post(crate::routes::ollama::generate))
         .route("/api/embed", post(crate::routes::ollama::embed))
         .route_layer(middleware::from_fn_with_state(state.clone(), authenticate));
-    api.route("/health", get(ops::health))
-        .route("/metrics", get(ops::metrics))
+    api.route("/metrics", get(ops::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(
@@ -488,7 +525,7 @@ fn router(state: AppState, access: AccessLog) -> Router {
             crate::json_body::track_ignored,
         ))
         .layer(middleware::from_fn_with_state(
-            state.clone(),
+            state.metrics.clone(),
             count_requests,
         ))
         .layer(middleware::from_fn_with_state(access, access_log::record))
@@ -517,7 +554,17 @@ fn cors(origins: &[String]) -> Result<CorsLayer, ServerError> {
 }
 
 async fn authenticate(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.api_key {
+    require_key(State(state.api_key.clone()), req, next).await
+}
+
+/// 401 in the path's error shape unless the request carries `key` (when
+/// one is set).
+pub(crate) async fn require_key(
+    State(key): State<Option<Arc<str>>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Some(key) = &key {
         if !presents_key(req.headers(), key) {
             let shape = ErrorShape::for_path(req.uri().path());
             return ApiError::Unauthorized.response_in(shape);
@@ -558,16 +605,18 @@ fn keys_match(given: &str, key: &str) -> bool {
         == 0
 }
 
-async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+pub(crate) async fn count_requests(
+    State(metrics): State<Arc<Metrics>>,
+    req: Request,
+    next: Next,
+) -> Response {
     let endpoint = req
         .extensions()
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| "unmatched".into());
     let response = next.run(req).await;
-    state
-        .metrics
-        .record_request(&endpoint, response.status().as_u16());
+    metrics.record_request(&endpoint, response.status().as_u16());
     response
 }
 

@@ -107,6 +107,16 @@ impl AppState {
         Ok(d)
     }
 
+    /// The 404 for `name`, listing this model and its adapters.
+    fn not_found(&self, name: &str) -> ApiError {
+        let mut available = vec![self.model_name.to_string()];
+        available.extend(self.engine.adapters().list().into_iter().map(|a| a.name));
+        ApiError::ModelNotFound {
+            name: name.to_string(),
+            available,
+        }
+    }
+
     /// Refuses a request that names a model other than the one served or
     /// one of its LoRA adapters.
     pub fn check_model(&self, requested: Option<&str>) -> Result<(), ApiError> {
@@ -115,7 +125,7 @@ impl AppState {
                 if m != &*self.model_name
                     && !self.engine.adapters().list().iter().any(|a| a.name == m) =>
             {
-                Err(ApiError::ModelNotFound(m.to_string()))
+                Err(self.not_found(m))
             }
             _ => Ok(()),
         }
@@ -137,6 +147,6 @@ impl AppState {
             .map_err(|e| ApiError::Internal(format!("adapter task: {e}")))??;
         found
             .map(Some)
-            .ok_or_else(|| ApiError::ModelNotFound(name.to_string()))
+            .ok_or_else(|| self.not_found(name))
     }
 }

@@ -3,6 +3,7 @@
 //! prompt and generation tokens per second over the interval, and KV-cache
 //! use. Idle intervals write nothing.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use kiln_engine::EngineHandle;
@@ -10,27 +11,36 @@ use kiln_scheduler::SchedulerStats;
 
 use crate::loading::Readiness;
 
-/// Writes the throughput line every `interval` once the engine is ready,
-/// until the task is dropped.
+/// Writes the throughput line every `interval` once the server is ready,
+/// for each engine running (each model of a pool), until the task is
+/// dropped.
 pub(crate) async fn report(readiness: Readiness, interval: Duration) {
-    let Some(engine) = readiness.engine().await else {
+    let Some(served) = readiness.served().await else {
         return;
     };
-    let Some(mut last) = stats(&engine).await else {
-        return;
-    };
-    let mut last_at = Instant::now();
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    let mut last: HashMap<String, (SchedulerStats, Instant)> = HashMap::new();
+    let mut ticks = tokio::time::interval(interval);
     loop {
         ticks.tick().await;
-        let Some(now) = stats(&engine).await else {
-            return;
-        };
-        let now_at = Instant::now();
-        if let Some(line) = Throughput::between(&last, &now, (now_at - last_at).as_secs_f64()) {
-            line.log();
+        let mut seen = HashMap::new();
+        for (name, engine) in served.engines() {
+            let Some(now) = stats(&engine).await else {
+                continue;
+            };
+            let now_at = Instant::now();
+            if let Some((before, at)) = last.get(&name) {
+                // A model loaded again starts its counters from zero.
+                if before.num_finished <= now.num_finished {
+                    if let Some(line) =
+                        Throughput::between(before, &now, (now_at - *at).as_secs_f64())
+                    {
+                        line.log(&name);
+                    }
+                }
+            }
+            seen.insert(name, (now, now_at));
         }
-        (last, last_at) = (now, now_at);
+        last = seen;
     }
 }
 
@@ -79,9 +89,12 @@ impl Throughput {
         })
     }
 
-    fn log(&self) {
+    /// Logs the line; `model` names the model when a pool serves several
+    /// (empty for a single engine).
+    fn log(&self, model: &str) {
         tracing::info!(
             target: "kiln::throughput",
+            model = (!model.is_empty()).then_some(model),
             running = self.num_running,
             queued = self.num_waiting,
             prompt_tok_s = self.prompt_tok_s,

@@ -22,6 +22,7 @@ mod quantize;
 mod registry;
 mod run;
 mod serve;
+mod serve_pool;
 
 use anyhow::Result;
 use clap::Parser;

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln_engine::memory::ContextSource;
 use kiln_engine::{Engine, EngineConfig};
 use kiln_server::ServerConfig;
 
@@ -22,6 +21,29 @@ pub struct ServeArgs {
     /// model's name (`kiln ls`). Default: the SmolLM2 model in
     /// $KILN_MODELS_DIR (or ./models).
     pub model: Option<String>,
+    /// Another model to serve: `[NAME=]MODEL` (repeatable). The first
+    /// model given is the default for requests that name none; the others
+    /// load when a request first names them.
+    #[arg(long = "model", value_parser = crate::serve_pool::parse_model)]
+    pub models: Vec<crate::serve_pool::ModelEntry>,
+    /// Models to serve from a TOML file (`[[model]]` tables: name, path,
+    /// device, context, kv_mib, quantize, pinned; see the README).
+    #[arg(long = "models")]
+    pub models_file: Option<std::path::PathBuf>,
+    /// Memory each device may hold in models, in MiB (default: what it has
+    /// free at start); the least recently used idle model is unloaded to
+    /// make room for another.
+    #[arg(long)]
+    pub memory_budget_mib: Option<u64>,
+    /// Unload a model (not pinned) after this many seconds without a
+    /// request (0: never).
+    #[arg(long)]
+    pub idle_unload_secs: Option<u64>,
+    /// Seconds a request waits for its model to load, or for room, before
+    /// a 503.
+    #[arg(long, default_value_t = 120)]
+    pub load_wait_secs: u64,
+    /// Speculative decoding for the default model.
     #[command(flatten)]
     pub speculative: crate::cli::SpeculativeArgs,
     /// Tokens one sequence may reach, prompt and output (default: the
@@ -266,43 +288,20 @@ pub fn run(a: ServeArgs) -> Result<()> {
     crate::logging::init(a.log_format);
     let output = output_overrides(&a)?;
     let api_key = api_key(&a)?;
-    let model_args = ModelArgs {
-        model: a.model.clone(),
-        device: a.device.clone(),
-        quantize: a.quantize,
-    };
-    let mut model_args = model_args;
-    let path = model_args.path()?;
-    // Resolved once: the loader takes the path.
-    model_args.model = Some(path.to_string_lossy().into_owned());
-    // The plan before anything loads (the one `kiln fit` prints): the
-    // context and the KV pool; one sequence of the context must fit.
-    let backend = model_args.backend()?;
-    let (target, available_bytes) =
-        crate::fit::target_for(&a.device, Some(&backend), a.memory_bytes)?;
-    let query = crate::fit::FitQuery {
-        target,
-        available_bytes,
-        context: a.context,
-        batch: 1,
-        kv_pool_bytes: a.kv_mib.map(|m| (m as u64) << 20),
-        quantize: a.quantize,
-        adapter_bytes: adapter_budget(&a)?,
-    };
-    let fit = crate::fit::check(&path, &query)?;
-    if !fit.fits {
-        anyhow::bail!(
-            "{} does not fit one sequence of {} tokens:\n{fit}use --context, a smaller model or quantization, or another device",
-            path.display(),
-            fit.context
-        );
-    }
     let sampling = a.defaults.partial()?;
-    let model_name = a.served_model_name.clone().unwrap_or_else(|| {
-        path.file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "kiln".into())
-    });
+    let loras = Loras {
+        startup: a.lora.clone(),
+        max_loaded: a.max_loras,
+        max_bytes: adapter_budget(&a)?,
+    };
+    let loader = Arc::new(crate::serve_pool::Loader::new(
+        a.speculative.clone(),
+        loras,
+        a.memory_bytes,
+    ));
+    // Every model planned (the plan `kiln fit` prints) before the server
+    // binds: one sequence of each one's context must fit.
+    let (spec, default_name) = crate::serve_pool::spec(&a, loader)?;
     let config = ServerConfig {
         host: a.host,
         port: a.port,
@@ -311,7 +310,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         allowed_hosts: a.allowed_hosts,
         max_connections: a.max_connections,
         max_body_bytes: a.max_body_mib << 20,
-        model_name: model_name.clone(),
+        model_name: default_name.clone(),
         shutdown_grace: Duration::from_secs(a.shutdown_grace_secs),
         output,
         sampling,
@@ -322,81 +321,43 @@ pub fn run(a: ServeArgs) -> Result<()> {
         enable_lora_runtime: a.enable_lora_runtime,
         ..ServerConfig::default()
     };
-    let loras = Loras {
-        startup: a.lora.clone(),
-        max_loaded: a.max_loras,
-        max_bytes: query.adapter_bytes,
-    };
-    // A device measures what is free once the weights are there; the CPU
-    // pool is the plan's.
-    let kv_bytes = match (a.kv_mib, target.on_device) {
-        (Some(m), _) => Some(m << 20),
-        (None, true) => None,
-        (None, false) => Some(fit.kv_pool_bytes as usize),
-    };
-    let context_note = match fit.context_source {
-        ContextSource::Requested => "--context".to_string(),
-        ContextSource::Trained => "the model's trained length".to_string(),
-        ContextSource::Memory => format!(
-            "the longest the KV pool holds; trained {}",
-            fit.trained_context
-        ),
-    };
-    let context = fit.context;
-    let server_config = config.clone();
-    let load_path = path.clone();
-    let speculative = a.speculative.clone();
-    let load = move || {
-        load_engine(&model_args, &load_path, backend, kv_bytes, context, &loras, &speculative)
-            .map(|(engine, loaded)| {
-                let handle = engine.handle();
-                if handle.model().model.generates() {
-                    let defaults = server_config.sampling_defaults(handle.model());
-                    eprintln!(
-                        "kiln serve: context {context} tokens ({context_note}); sampling defaults: {defaults}"
-                    );
-                } else if let Ok(head) = handle.embedding_head() {
-                    eprintln!(
-                        "kiln serve: an embedding model (POST /v1/embeddings): {:?} pooling, {} values a vector, \
-                         inputs of up to {} tokens",
-                        head.pooling, head.dimension, head.max_seq_length
-                    );
-                }
-                (engine, loaded)
-            })
-            .map_err(|e| format!("{e:#}"))
-    };
+    let models = spec.sources.len();
     kiln_server::run(
         config,
-        load,
+        spec,
         |addr| {
+            let others = match models {
+                1 => String::new(),
+                n => format!(" and {} other model{}", n - 1, if n == 2 { "" } else { "s" }),
+            };
             eprintln!(
-                "kiln serve: `{model_name}` on http://{addr} (Ctrl-C to stop); loading {}",
-                path.display()
+                "kiln serve: `{default_name}`{others} on http://{addr} (Ctrl-C to stop); loading `{default_name}`"
             );
         },
-        // Printed once requests reach the engine (not when the load
-        // returns, which is a moment earlier).
-        |loaded: String| eprintln!("kiln serve: {loaded}; ready"),
+        |name: &str| eprintln!("kiln serve: `{name}` loaded; ready"),
     )?;
     eprintln!("kiln serve: stopped");
     Ok(())
 }
 
-/// Loads the model and starts its engine (on a background thread while the
-/// server already answers); the engine and what to say of the load.
-fn load_engine(
+/// Loads a model and starts its engine (on a blocking thread while the
+/// server already answers), with the default model's LoRA adapters and
+/// speculation; the engine and what to say of the load.
+pub(crate) fn load_engine(
     model_args: &ModelArgs,
     path: &std::path::Path,
     backend: Arc<dyn kiln_tensor::Backend>,
     kv_bytes: Option<usize>,
     context: usize,
-    loras: &Loras,
-    speculative: &crate::cli::SpeculativeArgs,
+    loras: Option<&Loras>,
+    speculative: Option<&crate::cli::SpeculativeArgs>,
 ) -> Result<(Engine, String)> {
     let model = model_args.load_on(backend.clone())?;
     // The draft's weights are on the device before the pool is sized.
-    let draft = speculative.load_draft(backend)?;
+    let draft = match speculative {
+        Some(s) => s.load_draft(backend)?,
+        None => None,
+    };
     let plan = EngineConfig::plan(&model, kv_bytes, context)?;
     let engine_config = EngineConfig {
         context_length: Some(context),
@@ -414,28 +375,44 @@ fn load_engine(
             parts.join(", ")
         )
     });
-    let engine_config = match &draft {
-        Some(d) => engine_config.with_draft(&model, d, speculative.speculative_max_batch),
-        None => engine_config,
+    let engine_config = match (&draft, speculative) {
+        (Some(d), Some(s)) => engine_config.with_draft(&model, d, s.speculative_max_batch),
+        _ => engine_config,
     };
-    let engine = Engine::start_with_draft(model, engine_config, speculative.config(), draft)
+    let generates = model.model.generates();
+    let spec_config = speculative.map(|s| s.config()).unwrap_or_default();
+    let engine = Engine::start_with_draft(model, engine_config, spec_config, draft)
         .context("starting the engine")?;
-    let adapters = engine.handle().adapters().clone();
-    adapters.set_max_loaded(loras.max_loaded);
-    adapters.set_max_bytes(loras.max_bytes);
-    for (name, dir) in &loras.startup {
-        adapters
-            .add(name, dir)
-            .with_context(|| format!("loading the LoRA adapter {name} ({})", dir.display()))?;
+    let handle = engine.handle();
+    let mut note = String::new();
+    if let Some(loras) = loras {
+        let adapters = handle.adapters().clone();
+        adapters.set_max_loaded(loras.max_loaded);
+        adapters.set_max_bytes(loras.max_bytes);
+        for (name, dir) in &loras.startup {
+            adapters
+                .add(name, dir)
+                .with_context(|| format!("loading the LoRA adapter {name} ({})", dir.display()))?;
+        }
+        note = match loras.startup.len() {
+            0 => String::new(),
+            n => format!("; {n} LoRA adapter{}", if n == 1 { "" } else { "s" }),
+        };
     }
-    let note = match loras.startup.len() {
-        0 => String::new(),
-        n => format!("; {n} LoRA adapter{}", if n == 1 { "" } else { "s" }),
+    let kind = if generates {
+        format!("context {context} tokens")
+    } else if let Ok(head) = handle.embedding_head() {
+        format!(
+            "an embedding model (POST /v1/embeddings): {:?} pooling, {} values a vector, inputs of up to {} tokens",
+            head.pooling, head.dimension, head.max_seq_length
+        )
+    } else {
+        String::new()
     };
     Ok((
         engine,
         format!(
-            "{} loaded in {load_seconds:.1}s{}; {plan}{note}",
+            "{} loaded in {load_seconds:.1}s{}; {plan}{note}; {kind}",
             path.display(),
             weights.unwrap_or_default()
         ),
@@ -443,10 +420,10 @@ fn load_engine(
 }
 
 /// The LoRA adapters `kiln serve` starts with and their bounds.
-struct Loras {
-    startup: Vec<(String, std::path::PathBuf)>,
-    max_loaded: usize,
-    max_bytes: u64,
+pub struct Loras {
+    pub startup: Vec<(String, std::path::PathBuf)>,
+    pub max_loaded: usize,
+    pub max_bytes: u64,
 }
 
 /// Memory the plan gives adapters: those of --lora, and with

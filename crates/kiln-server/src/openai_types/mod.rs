@@ -137,13 +137,6 @@ pub struct CompletionLogprobs {
     pub text_offset: Vec<usize>,
 }
 
-/// `GET /v1/models`.
-#[derive(Debug, Serialize)]
-pub struct ModelList {
-    pub object: &'static str,
-    pub data: Vec<ModelCard>,
-}
-
 #[derive(Debug, Serialize)]
 pub struct ModelCard {
     pub id: String,

@@ -1,15 +1,17 @@
 //! Ollama's API for the tools that speak it (Open WebUI, Continue, the
 //! `ollama` client libraries): `/api/version`, `/api/tags`, `/api/ps`,
 //! `/api/show`, `/api/chat` and `/api/generate` (newline-delimited JSON
-//! streams, or one object with `"stream": false`) and `/api/embed`, with
+//! streams, or one object with `"stream": false`) and `/api/embed` (the
+//! pool's routes answer `/api/tags` and `/api/ps` from `dispatch`), with
 //! Ollama's field names (`options.num_predict`, `temperature`, `top_p`,
 //! `top_k`, `seed`, `stop`, `num_ctx`; `think`; `keep_alive`) and its error
-//! body `{"error": "..."}`. The model is the one served, named as
-//! `/api/tags` lists it (with or without `:latest`). Tools are the chat
+//! body `{"error": "..."}`. Models are named as `/api/tags` lists them
+//! (with or without `:latest`). Tools are the chat
 //! template's, their calls read in the model's syntax and answered with the
 //! arguments as an object; `format` (`"json"` or a JSON schema) constrains
 //! the answer as `response_format` does; images are refused by name.
 
+use std::path::Path;
 use std::time::Instant;
 
 use axum::body::Bytes;
@@ -20,7 +22,9 @@ use kiln_engine::{EmbedInput, LoadedModel, Usage};
 use kiln_sampling::{FinishReason, Sampled};
 use serde_json::{json, Map, Value};
 
+use crate::dispatch::ServedModel;
 use crate::errors::{ApiError, ErrorShape};
+use crate::pool::ModelStatus;
 use crate::generation::{self, ChatRender, Generate, Prepared};
 use crate::parse::{OutputParser, OutputSyntax, Piece};
 use crate::sampling::{SamplingFields, OPENAI_MAX_TEMPERATURE};
@@ -95,11 +99,11 @@ fn rfc3339(secs: u64) -> String {
     )
 }
 
-/// `details` of the served model, as `/api/tags` and `/api/show` give them.
-fn details(model: &LoadedModel) -> Value {
-    let cfg = model.model.config();
-    let family = cfg.model_type.as_str();
-    let format = match model.path.is_dir() {
+/// `details` of a model, as `/api/tags` and `/api/show` give them (the
+/// family is known once it is loaded).
+fn details(path: &Path, model: Option<&LoadedModel>) -> Value {
+    let family = model.map_or("", |m| m.model.config().model_type.as_str());
+    let format = match path.is_dir() {
         true => "safetensors",
         false => "gguf",
     };
@@ -113,42 +117,44 @@ fn details(model: &LoadedModel) -> Value {
     })
 }
 
-fn file_bytes(model: &LoadedModel) -> u64 {
-    let meta = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
-    match std::fs::read_dir(&model.path) {
+fn file_bytes(path: &Path) -> u64 {
+    let meta = |p: &Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    match std::fs::read_dir(path) {
         Ok(entries) => entries.flatten().map(|e| meta(&e.path())).sum(),
-        Err(_) => meta(&model.path),
+        Err(_) => meta(path),
     }
 }
 
-fn model_entry(state: &AppState) -> Value {
-    let model = state.engine.model();
-    let modified = std::fs::metadata(&model.path)
+fn modified_at(path: &Path) -> String {
+    let modified = std::fs::metadata(path)
         .and_then(|m| m.modified())
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_secs());
+    rfc3339(modified)
+}
+
+/// A model's entry in `/api/tags` (and the start of one in `/api/ps`).
+pub(crate) fn pool_entry(s: &ModelStatus<ServedModel>) -> Value {
+    let model = s.value.as_ref().map(|v| v.state.engine.model());
     json!({
-        "name": &*state.model_name,
-        "model": &*state.model_name,
-        "modified_at": rfc3339(modified),
-        "size": file_bytes(model),
+        "name": s.name,
+        "model": s.name,
+        "modified_at": modified_at(&s.path),
+        "size": file_bytes(&s.path),
         "digest": "",
-        "details": details(model),
+        "details": details(&s.path, model.map(|m| &**m)),
     })
 }
 
-pub async fn version() -> Json<Value> {
-    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
-}
-
-pub async fn tags(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({"models": [model_entry(&state)]}))
-}
-
-/// The loaded models: the served one, never unloaded.
-pub async fn ps(State(state): State<AppState>) -> Json<Value> {
-    let mut entry = model_entry(&state);
+/// What `/api/ps` adds for a loaded model: when it will be unloaded if
+/// left idle, its device memory and context.
+pub(crate) fn running_fields(
+    entry: &mut Value,
+    state: &AppState,
+    s: &ModelStatus<ServedModel>,
+    idle_unload: Option<std::time::Duration>,
+) {
     let vram = state
         .engine
         .model()
@@ -156,10 +162,23 @@ pub async fn ps(State(state): State<AppState>) -> Json<Value> {
         .backend()
         .device_memory()
         .map_or(0, |m| m.active_bytes);
-    entry["expires_at"] = json!("9999-12-31T23:59:59Z");
+    let expires = match (s.pinned, idle_unload) {
+        (false, Some(idle)) => {
+            let left = idle.saturating_sub(s.idle.unwrap_or_default());
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            rfc3339(now + left.as_secs())
+        }
+        _ => "9999-12-31T23:59:59Z".to_string(),
+    };
+    entry["expires_at"] = json!(expires);
     entry["size_vram"] = json!(vram);
     entry["context_length"] = json!(state.context_length());
-    Json(json!({"models": [entry]}))
+}
+
+pub async fn version() -> Json<Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
 pub async fn show(State(state): State<AppState>, bytes: Bytes) -> Result<Json<Value>> {
@@ -183,7 +202,7 @@ pub async fn show(State(state): State<AppState>, bytes: Bytes) -> Result<Json<Va
         "modelfile": "",
         "parameters": "",
         "template": template,
-        "details": details(model),
+        "details": details(&model.path, Some(model)),
         "model_info": {
             "general.architecture": family,
             format!("{family}.context_length"): state.context_length(),
@@ -191,7 +210,7 @@ pub async fn show(State(state): State<AppState>, bytes: Bytes) -> Result<Json<Va
             format!("{family}.block_count"): cfg.num_layers,
         },
         "capabilities": capabilities,
-        "modified_at": model_entry(&state)["modified_at"],
+        "modified_at": modified_at(&model.path),
     })))
 }
 

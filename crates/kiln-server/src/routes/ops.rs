@@ -1,5 +1,6 @@
-//! Operations: `GET /health`, `GET /stats` (JSON), `GET /metrics`
-//! (Prometheus text), and `GET /v1/models`.
+//! Operations: `GET /stats` (JSON), `GET /metrics` (Prometheus text), and
+//! what `/health` and `/v1/models` say of one model (the pool's routes in
+//! `dispatch` answer them).
 
 use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
@@ -9,13 +10,13 @@ use kiln_engine::{EngineStats, EngineStatus};
 use serde_json::{json, Value};
 
 use crate::errors::ApiError;
-use crate::openai_types::{ModelCard, ModelList};
+use crate::openai_types::ModelCard;
 use crate::state::AppState;
 
 /// 200 once the model is loaded and the engine runs (before that, the
 /// loading gate answers 503); 503 while the engine restarts after a
 /// failure, or after it stopped.
-pub async fn health(State(state): State<AppState>) -> Response {
+pub(crate) fn health_of(state: &AppState) -> Response {
     let restarts = state.engine.num_restarts();
     let status = match state.engine.status() {
         EngineStatus::Running => {
@@ -184,8 +185,9 @@ pub async fn metrics(State(state): State<AppState>) -> Result<Response, ApiError
         .into_response())
 }
 
-/// The served model, then its LoRA adapters (each with `parent`).
-pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
+/// A model's `/v1/models` entries: the model, then its LoRA adapters
+/// (each with `parent`).
+pub(crate) fn model_cards(state: &AppState) -> Vec<ModelCard> {
     let card = |id: String, parent: Option<String>, root: Option<String>| ModelCard {
         id,
         object: "model",
@@ -204,8 +206,5 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
             Some(a.path.display().to_string()),
         ));
     }
-    Json(ModelList {
-        object: "list",
-        data,
-    })
+    data
 }

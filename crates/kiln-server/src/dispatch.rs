@@ -1,0 +1,495 @@
+//! One server, several models: every request reaches the router of the
+//! model it names, through the [`ModelPool`].
+//!
+//! Each loaded model has its own router over its own [`AppState`] (the
+//! routes are the single-model server's, unchanged). The dispatcher reads
+//! the model a request names — the body's `model` (Ollama's `/api/show`
+//! also `name`), or `?model=` on a GET such as `/stats` and `/metrics`;
+//! none names the default model, the first configured — takes a lease on
+//! it from the pool (loading it first, and waiting for it up to the pool's
+//! wait), and passes the request on. The lease lives in the response body,
+//! so a model is never unloaded under a stream. A name that is no model but
+//! one of a loaded model's LoRA adapters goes to that model.
+//!
+//! The pool's own routes answer here: `GET /v1/models`, `/api/tags` and
+//! `/api/ps` list every model with its state; `POST /models/load` and
+//! `/models/unload` (`{"model": NAME}`) load and unload one; `/health`
+//! answers for the default model; `/` is the chat page.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes};
+use hyper::body::{Body as HttpBody, Frame, SizeHint};
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kiln_engine::{Engine, EngineHandle};
+use serde_json::{json, Value};
+use tokio::sync::watch;
+use futures_util::FutureExt;
+use tower::ServiceExt;
+
+use crate::access_log::AccessLog;
+use crate::errors::{ApiError, ErrorShape};
+use crate::metrics::Metrics;
+use crate::pool::{Catalog, Lease, ModelPool, ModelSource, ModelState, PoolError};
+use crate::server::ServerConfig;
+use crate::state::AppState;
+
+/// What every model's router shares: the server's configuration, metrics,
+/// shutdown signal and access log.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) config: ServerConfig,
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) cancel: watch::Receiver<bool>,
+    pub(crate) started_at: u64,
+    pub(crate) access: AccessLog,
+}
+
+/// A loaded model as the server serves it: its state and router, and the
+/// engine when the pool started it (stopped when this is dropped).
+pub struct ServedModel {
+    pub(crate) state: AppState,
+    router: Router,
+    _engine: Option<Engine>,
+}
+
+impl ServedModel {
+    pub(crate) fn new(
+        shared: &Shared,
+        name: &str,
+        handle: EngineHandle,
+        engine: Option<Engine>,
+    ) -> Self {
+        let config = &shared.config;
+        let state = AppState {
+            model_name: name.into(),
+            api_key: config.api_key.as_deref().map(Arc::from),
+            max_body_bytes: config.max_body_bytes,
+            metrics: shared.metrics.clone(),
+            cancel: shared.cancel.clone(),
+            started_at: shared.started_at,
+            sse_keepalive: config.sse_keepalive,
+            output: config.output,
+            sampling_defaults: Arc::new(config.sampling_defaults(handle.model())),
+            strict_params: config.strict_params,
+            matryoshka_dimensions: config.matryoshka_dimensions.clone().map(Arc::from),
+            lora_runtime: config.enable_lora_runtime,
+            engine: handle,
+        };
+        let router = crate::server::router(state.clone(), shared.access.for_model(name));
+        ServedModel {
+            state,
+            router,
+            _engine: engine,
+        }
+    }
+
+    /// The engine's handle.
+    pub fn engine(&self) -> &EngineHandle {
+        &self.state.engine
+    }
+}
+
+/// The pool the server serves from.
+pub type Pool = ModelPool<ServedModel>;
+
+/// A source of engines as a source of served models.
+pub(crate) fn served_source(shared: &Shared, source: ModelSource<Engine>) -> ModelSource<ServedModel> {
+    let (shared, load, name) = (shared.clone(), source.load.clone(), source.name.clone());
+    ModelSource {
+        load: Arc::new(move || {
+            let engine = load()?;
+            Ok(ServedModel::new(&shared, &name, engine.handle(), Some(engine)))
+        }),
+        name: source.name,
+        device: source.device,
+        memory_bytes: source.memory_bytes,
+        pinned: source.pinned,
+        path: source.path,
+    }
+}
+
+/// A catalog of engines as one of served models.
+pub(crate) struct ServedCatalog {
+    pub(crate) shared: Shared,
+    pub(crate) inner: Box<dyn Catalog<Engine>>,
+}
+
+impl Catalog<ServedModel> for ServedCatalog {
+    fn find(&self, name: &str) -> Option<Result<ModelSource<ServedModel>, String>> {
+        self.inner
+            .find(name)
+            .map(|r| r.map(|s| served_source(&self.shared, s)))
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.inner.names()
+    }
+}
+
+/// The server's router over `pool`.
+pub(crate) fn router(pool: Arc<Pool>, shared: &Shared) -> Router {
+    let own = Router::new()
+        .route("/v1/models", get(models))
+        .route("/api/tags", get(tags))
+        .route("/api/ps", get(ps))
+        .route("/models/load", post(load))
+        .route("/models/unload", post(unload))
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.config.api_key.as_deref().map(Arc::<str>::from),
+            crate::server::require_key,
+        ))
+        .route("/health", get(health))
+        .route("/", get(page))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.metrics.clone(),
+            crate::server::count_requests,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.access.clone(),
+            crate::access_log::record,
+        ))
+        .with_state(pool.clone());
+    let limit = shared.config.max_body_bytes;
+    let metrics = shared.metrics.clone();
+    Router::new().fallback_service(tower::service_fn(move |req: Request| {
+        let (pool, own, metrics) = (pool.clone(), own.clone(), metrics.clone());
+        async move {
+            let response = dispatch(pool, own, limit, req).await;
+            Ok::<_, std::convert::Infallible>(response)
+        }
+        .inspect(move |r: &Result<Response, _>| {
+            // The model's router counts what reaches it; what the
+            // dispatcher refuses itself (no such model, no room) counts
+            // here, under no route (its paths are the client's).
+            if let Ok(r) = r {
+                if r.extensions().get::<Refused>().is_some() {
+                    metrics.record_request("unmatched", r.status().as_u16());
+                }
+            }
+        })
+    }))
+}
+
+/// Marks a response the dispatcher made itself.
+#[derive(Clone, Copy)]
+struct Refused;
+
+/// Whether the pool answers `path` itself.
+fn pool_route(method: &Method, path: &str) -> bool {
+    match *method {
+        Method::GET => matches!(path, "/" | "/v1/models" | "/api/tags" | "/api/ps" | "/health"),
+        Method::POST => matches!(path, "/models/load" | "/models/unload"),
+        _ => false,
+    }
+}
+
+async fn dispatch(pool: Arc<Pool>, own: Router, limit: usize, req: Request) -> Response {
+    if pool_route(req.method(), req.uri().path()) {
+        return own.oneshot(req).await.unwrap_or_else(|e| match e {});
+    }
+    let shape = ErrorShape::for_path(req.uri().path());
+    let (parts, body) = req.into_parts();
+    // The body is read here to find the model, then handed on whole.
+    let (bytes, named) = if parts.method == Method::POST {
+        match axum::body::to_bytes(body, limit).await {
+            Ok(bytes) => {
+                let named = named_in_body(&bytes);
+                (bytes, named)
+            }
+            Err(_) => return refused(ApiError::BodyTooLarge { limit }.response_in(shape)),
+        }
+    } else {
+        (Bytes::new(), named_in_query(parts.uri.query()))
+    };
+    let name = match named {
+        Some(n) => owner_of(&pool, &n).unwrap_or(n),
+        None => pool.default_name(),
+    };
+    let lease = match pool.acquire(&name).await {
+        Ok(lease) => lease,
+        Err(e) => return refused(pool_error(e).response_in(shape)),
+    };
+    let router = lease.value().router.clone();
+    let response = router
+        .oneshot(Request::from_parts(parts, Body::from(bytes)))
+        .await
+        .unwrap_or_else(|e| match e {});
+    response.map(|body| Body::new(Leased { body, _lease: lease }))
+}
+
+fn refused(mut response: Response) -> Response {
+    response.extensions_mut().insert(Refused);
+    response
+}
+
+/// The body's `model` (or `name`, as Ollama's `/api/show` may send it).
+fn named_in_body(bytes: &Bytes) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: Option<Value>,
+        name: Option<Value>,
+    }
+    let named: Named = serde_json::from_slice(bytes).ok()?;
+    match named.model.or(named.name)? {
+        Value::String(s) if !s.is_empty() => Some(s),
+        _ => None,
+    }
+}
+
+fn named_in_query(query: Option<&str>) -> Option<String> {
+    query?.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == "model" && !v.is_empty()).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push(h << 4 | l);
+                i += 3;
+            }
+            (b'+', ..) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (c, ..) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The loaded model one of whose LoRA adapters is called `name`, when no
+/// model is.
+fn owner_of(pool: &Pool, name: &str) -> Option<String> {
+    if pool.names().iter().any(|n| n == name) {
+        return None;
+    }
+    pool.loaded().into_iter().find_map(|(model, served)| {
+        served
+            .engine()
+            .adapters()
+            .list()
+            .iter()
+            .any(|a| a.name == name)
+            .then_some(model)
+    })
+}
+
+/// A pool error as the APIs answer it.
+pub(crate) fn pool_error(e: PoolError) -> ApiError {
+    match e {
+        PoolError::NotFound { name, available } => ApiError::ModelNotFound { name, available },
+        PoolError::Unservable(m) => ApiError::invalid("model", m),
+        e @ (PoolError::TooLarge { .. }
+        | PoolError::Timeout(_)
+        | PoolError::LoadFailed { .. }
+        | PoolError::InUse { .. }) => ApiError::Unavailable(e.to_string()),
+    }
+}
+
+/// A response body that holds its model's lease until it ends.
+struct Leased {
+    body: Body,
+    _lease: Lease<ServedModel>,
+}
+
+impl HttpBody for Leased {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The chat page (`web/index.html`, in the binary): model picker,
+/// streamed markdown, reasoning and tool calls, stop, per-message speed,
+/// conversations in the browser's storage. It calls the OpenAI routes
+/// from the same origin and nothing else.
+async fn page() -> Response {
+    use axum::http::header;
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; \
+                 frame-ancestors 'none'",
+            ),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        include_str!("web/index.html"),
+    )
+        .into_response()
+}
+
+/// `/health`: the default model's engine, and every model's state.
+async fn health(State(pool): State<Arc<Pool>>) -> Response {
+    let default = pool.default_name();
+    let list = pool.list();
+    let states: serde_json::Map<String, Value> = list
+        .iter()
+        .map(|s| (s.name.clone(), json!(s.state.as_str())))
+        .collect();
+    let served = list
+        .into_iter()
+        .find(|s| s.name == default)
+        .and_then(|s| s.value);
+    let mut response = match served {
+        Some(served) => crate::routes::ops::health_of(&served.state),
+        None => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+    };
+    if states.len() > 1 {
+        // The body is small JSON made just above; add the models to it.
+        let (parts, body) = response.into_parts();
+        let bytes = axum::body::to_bytes(body, 1 << 16).await.unwrap_or_default();
+        let mut v: Value = serde_json::from_slice(&bytes).unwrap_or(json!({}));
+        v["models"] = Value::Object(states);
+        response = (parts.status, parts.headers, Json(v)).into_response();
+    }
+    response
+}
+
+/// Each model's entry in `/v1/models`.
+async fn models(State(pool): State<Arc<Pool>>) -> Json<Value> {
+    let mut data = Vec::new();
+    for s in pool.list() {
+        let status = json!({
+            "status": s.state.as_str(),
+            "device": s.device,
+            "memory_bytes": s.memory_bytes,
+            "pinned": s.pinned,
+            "in_flight": s.in_flight,
+            "error": s.error,
+        });
+        match &s.value {
+            Some(served) => {
+                for card in crate::routes::ops::model_cards(&served.state) {
+                    let mut card = serde_json::to_value(card).unwrap_or_default();
+                    merge(&mut card, &status);
+                    data.push(card);
+                }
+            }
+            None => {
+                let mut card = json!({
+                    "id": s.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kiln",
+                    "root": s.path.display().to_string(),
+                });
+                merge(&mut card, &status);
+                data.push(card);
+            }
+        }
+    }
+    Json(json!({"object": "list", "data": data}))
+}
+
+fn merge(into: &mut Value, from: &Value) {
+    if let (Value::Object(a), Value::Object(b)) = (into, from) {
+        for (k, v) in b {
+            a.insert(k.clone(), v.clone());
+        }
+    }
+}
+
+/// Ollama's list of models: every model the pool serves.
+async fn tags(State(pool): State<Arc<Pool>>) -> Json<Value> {
+    let models: Vec<Value> = pool
+        .list()
+        .iter()
+        .map(|s| crate::routes::ollama::pool_entry(s))
+        .collect();
+    Json(json!({"models": models}))
+}
+
+/// Ollama's running models: the loaded ones.
+async fn ps(State(pool): State<Arc<Pool>>) -> Json<Value> {
+    let models: Vec<Value> = pool
+        .list()
+        .iter()
+        .filter(|s| s.state == ModelState::Loaded)
+        .map(|s| {
+            let mut entry = crate::routes::ollama::pool_entry(s);
+            if let Some(served) = &s.value {
+                crate::routes::ollama::running_fields(&mut entry, &served.state, s, pool.config().idle_unload);
+            }
+            entry
+        })
+        .collect();
+    Json(json!({"models": models}))
+}
+
+#[derive(serde::Deserialize)]
+struct Named {
+    model: String,
+}
+
+fn named(bytes: &Bytes) -> Result<String, ApiError> {
+    serde_json::from_slice::<Named>(bytes)
+        .map(|n| n.model)
+        .map_err(|e| ApiError::invalid("model", format!("expected {{\"model\": NAME}}: {e}")))
+}
+
+/// `POST /models/load {"model": NAME}`: loads it (waiting for it).
+async fn load(State(pool): State<Arc<Pool>>, bytes: Bytes) -> Result<Json<Value>, ApiError> {
+    let name = named(&bytes)?;
+    pool.load(&name).await.map_err(pool_error)?;
+    Ok(Json(json!({"model": name, "status": "loaded"})))
+}
+
+/// `POST /models/unload {"model": NAME}`: unloads it once its requests in
+/// flight have ended.
+async fn unload(State(pool): State<Arc<Pool>>, bytes: Bytes) -> Result<Json<Value>, ApiError> {
+    let name = named(&bytes)?;
+    let was_loaded = pool.unload(&name).await.map_err(pool_error)?;
+    Ok(Json(json!({"model": name, "status": "unloaded", "was_loaded": was_loaded})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_model_is_read_from_the_body_or_the_query() {
+        assert_eq!(named_in_body(&Bytes::from_static(br#"{"model":"a","x":[1]}"#)), Some("a".into()));
+        assert_eq!(named_in_body(&Bytes::from_static(br#"{"name":"b"}"#)), Some("b".into()));
+        assert_eq!(named_in_body(&Bytes::from_static(br#"{"model":""}"#)), None);
+        assert_eq!(named_in_body(&Bytes::from_static(br#"{"model":7}"#)), None);
+        assert_eq!(named_in_body(&Bytes::from_static(b"not json")), None);
+        assert_eq!(named_in_query(Some("x=1&model=qwen%3A0.5b")), Some("qwen:0.5b".into()));
+        assert_eq!(named_in_query(Some("model=")), None);
+        assert_eq!(named_in_query(None), None);
+        assert_eq!(percent_decode("a%2"), "a%2");
+    }
+}
