@@ -22,6 +22,11 @@ if ! command -v tmux >/dev/null; then
   apt-get install -y tmux >&2 || { apt-get update >&2 && apt-get install -y tmux >&2; } || {
     echo "test.sh: tmux is missing and could not be installed (apt-get install -y tmux)" >&2; exit 1; }
 fi
+# Headless Chromium drives the chat page (tests/web/chat_page.py).
+if ! command -v chromium >/dev/null; then
+  apt-get install -y chromium >&2 || { apt-get update >&2 && apt-get install -y chromium >&2; } || {
+    echo "test.sh: chromium is missing and could not be installed (apt-get install -y chromium)" >&2; exit 1; }
+fi
 # NVRTC and the CUDA headers, so the kernel-compile tests run without a GPU.
 KILN_CUDA_HOME=$(scripts/install-nvrtc.sh) || exit 1
 export KILN_CUDA_HOME
@@ -57,6 +62,9 @@ PYTHONPATH="$pysdk" python3 tests/tools/qwen_tools.py "${CARGO_TARGET_DIR:-targe
 # bench/serve_bench.py (the vllm-bench-serve-style client) against `kiln serve`: what it counts.
 python3 tests/bench/serve_bench_test.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
   models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1 | tee -a "$log" || status=1
+# The chat page at / in headless Chromium: key, model list, a streamed answer, Stop, reload.
+python3 tests/web/chat_page.py "${CARGO_TARGET_DIR:-target}/debug/kiln" \
+  models/SmolLM2-135M-Instruct.Q4_1.gguf "${CARGO_TARGET_DIR:-target}/chat-page.png" 2>&1 | tee -a "$log" || status=1
 # `kiln get` and the official huggingface_hub package share one cache (mock hub on loopback).
 pyhub=$(scripts/install-hfhub.sh) || exit 1
 PYTHONPATH="$pyhub" python3 tests/hub/hub_interop.py "${CARGO_TARGET_DIR:-target}/debug/kiln" 2>&1 | tee -a "$log" || status=1

@@ -322,7 +322,8 @@ pub struct PoolSpec {
 
 /// Starts a runtime, binds, calls `on_listening` with the bound address,
 /// loads the pool's default model on a blocking thread while answering
-/// 503, calls `on_ready` with its name once requests reach it, and serves
+/// 503, calls `on_ready` with its name and sampling defaults (none for an
+/// embedding model) once requests reach it, and serves
 /// the pool until SIGINT or SIGTERM. A default model that fails to load
 /// ends this with [`ServerError::Load`] (`/health` says `failed` until the
 /// process exits). For the `kiln serve` command.
@@ -330,7 +331,7 @@ pub fn run(
     config: ServerConfig,
     spec: PoolSpec,
     on_listening: impl FnOnce(SocketAddr),
-    on_ready: impl FnOnce(&str),
+    on_ready: impl FnOnce(&str, Option<&kiln_sampling::SamplingDefaults>),
 ) -> Result<(), ServerError> {
     let workers = std::thread::available_parallelism()
         .map(|n| n.get())
@@ -383,20 +384,26 @@ pub fn run(
         tokio::pin!(serving);
         let default = pool.default_name();
         let loading = pool.acquire_within(&default, None);
-        tokio::select! {
+        let lease = tokio::select! {
             r = &mut serving => return (r, Some(pool)),
-            loaded = loading => if let Err(e) = loaded {
-                let message = match e {
-                    crate::pool::PoolError::LoadFailed { message, .. } => message,
-                    e => e.to_string(),
-                };
-                readiness.failed(message.clone());
-                return (Err(ServerError::Load(message)), Some(pool));
+            loaded = loading => match loaded {
+                Ok(lease) => lease,
+                Err(e) => {
+                    let message = match e {
+                        crate::pool::PoolError::LoadFailed { message, .. } => message,
+                        e => e.to_string(),
+                    };
+                    readiness.failed(message.clone());
+                    return (Err(ServerError::Load(message)), Some(pool));
+                }
             },
-        }
+        };
         let _idle = pool.spawn_idle_unloader().map(AbortOnDrop);
         readiness.ready_pool(pool.clone());
-        on_ready(&default);
+        let state = &lease.value().state;
+        let generates = state.engine.model().model.generates();
+        on_ready(&default, generates.then_some(&*state.sampling_defaults));
+        drop(lease);
         (serving.await, Some(pool))
     });
     // Tasks still blocked on a request end when the engines stop; don't wait.

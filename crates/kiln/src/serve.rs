@@ -334,7 +334,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 "kiln serve: `{default_name}`{others} on http://{addr} (Ctrl-C to stop); loading `{default_name}`"
             );
         },
-        |name: &str| eprintln!("kiln serve: `{name}` loaded; ready"),
+        |name: &str, defaults: Option<&kiln_sampling::SamplingDefaults>| match defaults {
+            Some(d) => eprintln!("kiln serve: `{name}` loaded; sampling defaults: {d}; ready"),
+            None => eprintln!("kiln serve: `{name}` loaded; ready"),
+        },
     )?;
     eprintln!("kiln serve: stopped");
     Ok(())

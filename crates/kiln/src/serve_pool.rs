@@ -439,3 +439,31 @@ impl RegistryCatalog {
         Some(plan.source(&self.loader).map_err(|e| format!("{e:#}")))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_flags_parse() {
+        let e = parse_model("coder=models/q.gguf").unwrap();
+        assert_eq!((e.name.as_deref(), e.path.as_str()), (Some("coder"), "models/q.gguf"));
+        let e = parse_model("models/q.gguf").unwrap();
+        assert_eq!((e.name, e.path.as_str()), (None, "models/q.gguf"));
+        assert!(parse_model("=x").is_err() && parse_model("x=").is_err());
+    }
+
+    #[test]
+    fn the_readme_pool_file_parses() {
+        let readme = include_str!("../../../README.md");
+        let start = readme.find("```toml\n").expect("a TOML example in the README") + 8;
+        let end = start + readme[start..].find("```").unwrap();
+        let file: PoolFile = toml::from_str(&readme[start..end]).unwrap();
+        assert_eq!((file.memory_budget_mib, file.idle_unload_secs), (Some(4096), Some(600)));
+        assert_eq!(file.model.len(), 2);
+        assert!(file.model[0].pinned && !file.model[1].pinned);
+        assert_eq!(file.model[1].context, Some(8192));
+        // A misspelt key is an error, not a silent default.
+        assert!(toml::from_str::<PoolFile>("[[model]]\npath = \"x\"\npined = true\n").is_err());
+    }
+}
