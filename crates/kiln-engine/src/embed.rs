@@ -346,7 +346,7 @@ fn dense(dir: &Path, in_width: usize) -> Result<DenseLayer> {
 
 /// One input to embed: its token ids and how many of them are the
 /// prompt's (special tokens at the front included).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EmbedInput {
     pub ids: Vec<u32>,
     pub prompt_tokens: usize,

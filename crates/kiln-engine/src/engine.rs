@@ -29,6 +29,7 @@ use crate::process::{sample_row, PreparedRequest, TokenOutcome, TokenProcessor};
 use crate::speculative::{DraftModel, SpecState, SpeculativeConfig, SpeculativeMethod};
 
 mod config;
+pub mod remote;
 mod run_loop;
 mod supervise;
 
@@ -72,7 +73,7 @@ struct EmbedJob {
 }
 
 /// What the engine loop counts: the scheduler's counters plus step times.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct EngineStats {
     pub scheduler: SchedulerStats,
     /// Forward steps run and their total and last wall time (forward pass

@@ -3,7 +3,7 @@
 use kiln_sampling::{FinishReason, Sampled};
 
 /// Token counts of a finished request, as the APIs report them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     pub prompt_tokens: usize,
     /// Prompt tokens whose KV came from the prefix cache.
@@ -16,7 +16,7 @@ pub struct Usage {
 }
 
 /// Where a request's time went, in seconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RequestTimings {
     /// Submission until its first step.
     pub queue_seconds: f64,
@@ -27,7 +27,7 @@ pub struct RequestTimings {
 }
 
 /// One streamed event of a request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Event {
     /// A generated token and the text it released (possibly empty).
     Token {
@@ -45,6 +45,8 @@ pub enum Event {
         usage: Usage,
         timings: RequestTimings,
     },
-    /// The request failed inside the engine; nothing follows.
-    Failed { message: String },
+    /// The request failed inside the engine; nothing follows. `retryable`
+    /// when the engine itself failed and is restarting (the same request
+    /// may succeed again), not for a failure of this request alone.
+    Failed { message: String, retryable: bool },
 }

@@ -31,6 +31,7 @@ pub use adapters::{AdapterInfo, Adapters};
 pub use embed::{EmbedInput, Embedder, EmbeddingHead, Pooling};
 #[cfg(feature = "fault-injection")]
 pub use engine::FaultGate;
+pub use engine::remote::{report_load_failure, serve_worker, WorkerCommand};
 pub use engine::{
     Engine, EngineConfig, EngineHandle, EngineStats, EngineStatus, KvPlan, RequestStream,
     EXPERT_WINDOW_STEPS,

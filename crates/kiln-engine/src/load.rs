@@ -36,6 +36,21 @@ pub struct LoadedModel {
     structured: OnceLock<std::result::Result<Arc<StructuredVocab>, String>>,
 }
 
+/// An opened model's weights, not read yet.
+enum Opened {
+    Gguf(GgufWeights),
+    Dir(SafetensorsDir),
+}
+
+/// What a model is besides its weights.
+struct Parts {
+    config: ModelConfig,
+    tokenizer: Tokenizer,
+    /// `eos_token_id` of the config (and generation config).
+    eos: Vec<u32>,
+    sampling_defaults: kiln_sampling::PartialSampling,
+}
+
 impl LoadedModel {
     /// Load `path`: a `.gguf` file, or a directory with `config.json`,
     /// safetensors weights and `tokenizer.json`.
@@ -64,85 +79,90 @@ impl LoadedModel {
         quantize: Option<QuantFormat>,
     ) -> Result<Self> {
         let start = Instant::now();
-        let mut loaded = if path.is_dir() {
-            Self::load_hf_dir(path, backend, progress, quantize)?
-        } else if path.is_file() {
-            Self::load_gguf(path, backend, progress, quantize)?
-        } else {
-            return Err(EngineError::BadModelPath {
-                path: path.display().to_string(),
-                what: "no such file or directory".into(),
-            });
+        let (weights, parts) = Self::open(path)?;
+        let config = parts.config.clone();
+        let model = match (weights, quantize) {
+            (Opened::Gguf(w), None) => load_model_with_progress(backend, &w, config, progress)?,
+            (Opened::Gguf(w), Some(f)) => {
+                load_model_with_progress(backend, &Quantizing::new(w, f)?, config, progress)?
+            }
+            (Opened::Dir(w), None) => load_model_with_progress(backend, &w, config, progress)?,
+            (Opened::Dir(w), Some(f)) => {
+                load_model_with_progress(backend, &Quantizing::new(w, f)?, config, progress)?
+            }
         };
+        let mut loaded = Self::assemble(path, model, parts)?;
         loaded.load_seconds = start.elapsed().as_secs_f64();
         loaded.quantized = quantize;
         Ok(loaded)
     }
 
-    fn load_gguf(
+    /// `path`'s headers and tokenizer, with a model `make` builds from its
+    /// configuration instead of its weights.
+    pub(crate) fn load_parts(
         path: &Path,
-        backend: Arc<dyn Backend>,
-        progress: Option<LoadProgress<'_>>,
-        quantize: Option<QuantFormat>,
+        make: impl FnOnce(ModelConfig) -> Result<Box<dyn CausalLm>>,
     ) -> Result<Self> {
-        let weights = GgufWeights::open(path)?;
-        let config = ModelConfig::from_hf(&weights.hf_config()?)?;
-        let tokenizer = Tokenizer::from_gguf(weights.metadata())?;
-        let eos = config.eos_token_ids.clone();
-        let defaults = crate::gen_defaults::from_gguf(weights.metadata());
-        let model = match quantize {
-            None => load_model_with_progress(backend, &weights, config, progress)?,
-            Some(f) => {
-                let q = Quantizing::new(weights, f)?;
-                load_model_with_progress(backend, &q, config, progress)?
-            }
-        };
-        let mut loaded = Self::assemble(path, model, tokenizer, eos)?;
-        loaded.sampling_defaults = defaults;
-        Ok(loaded)
+        let (_, parts) = Self::open(path)?;
+        let model = make(parts.config.clone())?;
+        Self::assemble(path, model, parts)
     }
 
-    fn load_hf_dir(
-        dir: &Path,
-        backend: Arc<dyn Backend>,
-        progress: Option<LoadProgress<'_>>,
-        quantize: Option<QuantFormat>,
-    ) -> Result<Self> {
-        let weights = SafetensorsDir::open(dir)?;
-        let config = ModelConfig::from_hf(weights.config())?;
-        let mut eos = config.eos_token_ids.clone();
-        if let Some(gen) = weights.generation_config() {
-            match gen.get("eos_token_id") {
-                Some(serde_json::Value::Number(n)) => eos.extend(n.as_u64().map(|v| v as u32)),
-                Some(serde_json::Value::Array(a)) => {
-                    eos.extend(a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)))
+    /// Opens `path` (a `.gguf` file, or a directory with `config.json`,
+    /// safetensors weights and `tokenizer.json`) and reads everything but
+    /// the weights.
+    fn open(path: &Path) -> Result<(Opened, Parts)> {
+        if path.is_dir() {
+            let weights = SafetensorsDir::open(path)?;
+            let config = ModelConfig::from_hf(weights.config())?;
+            let mut eos = config.eos_token_ids.clone();
+            if let Some(gen) = weights.generation_config() {
+                match gen.get("eos_token_id") {
+                    Some(serde_json::Value::Number(n)) => eos.extend(n.as_u64().map(|v| v as u32)),
+                    Some(serde_json::Value::Array(a)) => {
+                        eos.extend(a.iter().filter_map(|v| v.as_u64().map(|v| v as u32)))
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
+            let sampling_defaults = weights
+                .generation_config()
+                .map(crate::gen_defaults::from_generation_config)
+                .unwrap_or_default();
+            let tokenizer = Tokenizer::from_hf_dir(path)?;
+            let parts = Parts {
+                config,
+                tokenizer,
+                eos,
+                sampling_defaults,
+            };
+            Ok((Opened::Dir(weights), parts))
+        } else if path.is_file() {
+            let weights = GgufWeights::open(path)?;
+            let config = ModelConfig::from_hf(&weights.hf_config()?)?;
+            let tokenizer = Tokenizer::from_gguf(weights.metadata())?;
+            let parts = Parts {
+                eos: config.eos_token_ids.clone(),
+                sampling_defaults: crate::gen_defaults::from_gguf(weights.metadata()),
+                config,
+                tokenizer,
+            };
+            Ok((Opened::Gguf(weights), parts))
+        } else {
+            Err(EngineError::BadModelPath {
+                path: path.display().to_string(),
+                what: "no such file or directory".into(),
+            })
         }
-        let defaults = weights
-            .generation_config()
-            .map(crate::gen_defaults::from_generation_config)
-            .unwrap_or_default();
-        let tokenizer = Tokenizer::from_hf_dir(dir)?;
-        let model = match quantize {
-            None => load_model_with_progress(backend, &weights, config, progress)?,
-            Some(f) => {
-                let q = Quantizing::new(weights, f)?;
-                load_model_with_progress(backend, &q, config, progress)?
-            }
-        };
-        let mut loaded = Self::assemble(dir, model, tokenizer, eos)?;
-        loaded.sampling_defaults = defaults;
-        Ok(loaded)
     }
 
-    fn assemble(
-        path: &Path,
-        model: Box<dyn CausalLm>,
-        tokenizer: Tokenizer,
-        config_eos: Vec<u32>,
-    ) -> Result<Self> {
+    fn assemble(path: &Path, model: Box<dyn CausalLm>, parts: Parts) -> Result<Self> {
+        let Parts {
+            tokenizer,
+            eos: config_eos,
+            sampling_defaults,
+            ..
+        } = parts;
         let chat_template = tokenizer
             .chat_template()
             .map(ChatTemplate::new)
@@ -160,7 +180,7 @@ impl LoadedModel {
             eos_token_ids: eos.into_iter().map(TokenId).collect(),
             load_seconds: 0.0,
             quantized: None,
-            sampling_defaults: kiln_sampling::PartialSampling::default(),
+            sampling_defaults,
             structured: OnceLock::new(),
         })
     }

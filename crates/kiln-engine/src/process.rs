@@ -52,7 +52,7 @@ pub struct TokenProcessor<'m> {
 }
 
 /// The tags of a reasoning block that an output format does not cover.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReasoningTags {
     pub open: String,
     pub close: String,

@@ -167,7 +167,7 @@ impl ChatSession {
                         timings,
                     });
                 }
-                Event::Failed { message } => return Err(EngineError::Failed(message)),
+                Event::Failed { message, .. } => return Err(EngineError::Failed(message)),
             }
         }
         Err(EngineError::EngineStopped)

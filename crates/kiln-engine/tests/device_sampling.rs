@@ -324,7 +324,7 @@ fn run(stream: kiln_engine::RequestStream) -> (Vec<u32>, String, Vec<Sampled>) {
                 lps.extend(logprobs);
             }
             Event::Finished { .. } => return (ids, text, lps),
-            Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
             Event::Progress => {}
         }
     }

@@ -226,7 +226,7 @@ fn embedding_passes_leave_running_generations_unchanged() {
         stream
             .filter_map(|ev| match ev {
                 kiln_engine::Event::Token { token_id, .. } => Some(token_id),
-                kiln_engine::Event::Failed { message } => panic!("{message}"),
+                kiln_engine::Event::Failed { message, .. } => panic!("{message}"),
                 _ => None,
             })
             .collect()

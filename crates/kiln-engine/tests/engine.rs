@@ -75,7 +75,7 @@ fn collect(stream: RequestStream) -> Done {
                     usage,
                 }
             }
-            Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
         }
     }
     panic!("stream ended without a Finished event");

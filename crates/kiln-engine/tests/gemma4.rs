@@ -26,7 +26,7 @@ fn collect(stream: RequestStream, mut on_token: impl FnMut()) -> (Vec<u32>, usiz
                 ids.push(token_id);
             }
             Event::Finished { usage, .. } => return (ids, usage.cached_tokens),
-            Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
             _ => {}
         }
     }

@@ -68,7 +68,7 @@ fn prefix_hits_never_cross_adapters() {
                     token_id, logprobs, ..
                 } => ids.push((token_id, logprobs.expect("asked for logprobs").logprob)),
                 Event::Finished { usage, .. } => cached = usage.cached_tokens,
-                Event::Failed { message } => panic!("{message}"),
+                Event::Failed { message, .. } => panic!("{message}"),
                 _ => {}
             }
         }

@@ -24,7 +24,7 @@ fn collect(stream: RequestStream) -> Vec<u32> {
         match ev {
             Event::Token { token_id, .. } => ids.push(token_id),
             Event::Finished { .. } => return ids,
-            Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
             _ => {}
         }
     }

@@ -38,7 +38,7 @@ fn collect(stream: RequestStream, mut on_first: impl FnMut()) -> (Vec<u32>, usiz
                 ids.push(token_id);
             }
             Event::Finished { usage, .. } => return (ids, usage.cached_tokens),
-            Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
             _ => {}
         }
     }

@@ -36,7 +36,7 @@ fn run(stream: kiln_engine::RequestStream) -> (String, FinishReason) {
         match ev {
             Event::Token { text: t, .. } => text.push_str(&t),
             Event::Finished { finish_reason, .. } => return (text, finish_reason),
-            Event::Failed { message } => panic!("request failed: {message}"),
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
             Event::Progress => {}
         }
     }
@@ -215,7 +215,7 @@ fn jump_forward_is_lossless_and_saves_steps() {
                     tokens += 1;
                 }
                 Event::Finished { usage, .. } => assert_eq!(usage.completion_tokens, tokens),
-                Event::Failed { message } => panic!("{message}"),
+                Event::Failed { message, .. } => panic!("{message}"),
                 Event::Progress => {}
             }
         }

@@ -8,7 +8,7 @@ use std::fmt;
 /// sent on the OpenAI wire: `stop` or `length` for the reasons OpenAI knows. Reasons
 /// OpenAI has no name for are mapped as documented on each variant; the server keeps
 /// the precise variant for logs and for fields such as vLLM's `stop_reason`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum FinishReason {
     /// The model produced an end-of-sequence token or one of `stop_token_ids`.
     /// Sent as `stop`.

@@ -14,7 +14,7 @@ pub const MAX_TEMPERATURE: f32 = 100.0;
 
 /// The id of a token in a model's vocabulary. This is the only token id type that
 /// crosses crate boundaries in Kiln.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize)]
 pub struct TokenId(pub u32);
 
 impl TokenId {
@@ -33,7 +33,7 @@ impl fmt::Display for TokenId {
 /// The n-gram repetition guard: generation stops when the last
 /// `ngram_len * num_repeats` tokens repeat with a period of at most `ngram_len`
 /// tokens (a loop of up to `ngram_len` tokens fills that window).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NgramRepeat {
     /// The longest repeated n-gram looked for, in tokens (at least 1).
     pub ngram_len: usize,
@@ -47,7 +47,7 @@ pub struct NgramRepeat {
 /// no bias, no stop conditions other than end-of-sequence, no logprobs, no guards.
 /// Build one, then call [`SamplingParams::validate`] at the API boundary; the
 /// [`crate::Sampler`] validates again and refuses bad parameters.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     /// Divides the logits before softmax. 0 means greedy: the highest logit wins,
     /// ties go to the lowest token id. Allowed range is [0, 100].

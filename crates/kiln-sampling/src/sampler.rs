@@ -84,7 +84,7 @@ impl<'a> History<'a> {
 }
 
 /// The outcome of one sampling step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampled {
     /// The chosen token.
     pub token: TokenId,

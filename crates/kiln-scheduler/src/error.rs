@@ -48,7 +48,7 @@ pub enum ConfigError {
 }
 
 /// Why a request was refused at submission.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[derive(Debug, Clone, PartialEq, Eq, Error, serde::Serialize, serde::Deserialize)]
 #[non_exhaustive]
 pub enum SubmitError {
     /// The prompt and the most tokens it may generate exceed the model's context.

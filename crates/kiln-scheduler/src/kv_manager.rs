@@ -32,7 +32,7 @@ pub(crate) type ChainHash = fn(BlockHash, &[TokenId]) -> BlockHash;
 
 /// Counters of the prefix cache since the manager was created. Lookups happen at
 /// each admission, including re-admissions after preemption.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PrefixCacheStats {
     /// Admissions that looked up their prefix.
     pub num_lookups: u64,

@@ -124,7 +124,7 @@ pub struct UpdateOutput {
 
 /// Counters for the server's metrics, all since the scheduler was created except
 /// the gauges (requests and blocks now).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct SchedulerStats {
     /// Requests waiting now (new or preempted).
     pub num_waiting: usize,

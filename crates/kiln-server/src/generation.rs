@@ -168,7 +168,7 @@ impl EventReceiver {
                         usage,
                     })
                 }
-                Event::Failed { message } => return Err(ApiError::Internal(message)),
+                Event::Failed { message, retryable } => return Err(failure(message, retryable)),
             }
         }
         Ok(done.into_iter().flatten().collect())
@@ -541,5 +541,14 @@ mod tests {
         let total = total_usage(&[u(10, 0, 3), u(10, 8, 5)]);
         assert_eq!(total, u(10, 0, 8));
         assert_eq!(total_usage(&[]), Usage::default());
+    }
+}
+
+/// A request the engine failed: 503 when the engine failed and restarts
+/// (retrying may succeed), 500 for this request alone.
+pub(crate) fn failure(message: String, retryable: bool) -> ApiError {
+    match retryable {
+        true => ApiError::Unavailable(message),
+        false => ApiError::Internal(message),
     }
 }

@@ -144,8 +144,8 @@ impl<F: StreamFormat> SseState<F> {
                         self.end();
                     }
                 }
-                Some((_, Event::Failed { message })) => {
-                    let e = ApiError::Internal(message);
+                Some((_, Event::Failed { message, retryable })) => {
+                    let e = crate::generation::failure(message, retryable);
                     self.queue.push_back(self.format.error_frame(&e));
                     self.end();
                 }

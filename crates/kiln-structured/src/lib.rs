@@ -51,7 +51,7 @@ pub enum StructuredError {
 pub type Result<T, E = StructuredError> = std::result::Result<T, E>;
 
 /// An output format a request asks for.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Format {
     /// Any JSON object (`response_format: {"type": "json_object"}`).
     JsonObject,
@@ -83,7 +83,7 @@ pub enum Format {
 /// A marker the vocabulary has as one special token is that token (text
 /// cannot spell it); any other is text, and the free text around calls
 /// cannot contain it except as the opening of a call.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TaggedJson {
     pub begin: String,
     pub schema: Value,

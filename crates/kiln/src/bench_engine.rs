@@ -108,7 +108,7 @@ fn drain(stream: RequestStream, start: Instant) -> Result<(f64, f64, usize)> {
                     n,
                 ))
             }
-            Event::Failed { message } => anyhow::bail!("request failed: {message}"),
+            Event::Failed { message, .. } => anyhow::bail!("request failed: {message}"),
             _ => {}
         }
     }

@@ -300,7 +300,7 @@ fn answer(
                 usage,
                 timings,
             })) => break Some((finish_reason, usage, timings)),
-            Ok(Some(Event::Failed { message })) => anyhow::bail!("{message}"),
+            Ok(Some(Event::Failed { message, .. })) => anyhow::bail!("{message}"),
             Ok(None) => anyhow::bail!("the engine stopped"),
         }
     };

@@ -77,6 +77,9 @@ pub enum Command {
     /// Developer tools.
     #[command(subcommand)]
     Dev(crate::dev::DevCommand),
+    /// The engine process `kiln serve` starts for each model (internal).
+    #[command(hide = true)]
+    EngineWorker(crate::engine_worker::WorkerArgs),
 }
 
 /// Which model to load.

@@ -14,6 +14,7 @@ mod convert;
 mod cuda_env;
 mod dev;
 mod embed;
+mod engine_worker;
 mod fit;
 mod generate;
 mod get;
@@ -101,5 +102,6 @@ fn run(cli: Cli) -> Result<()> {
         Command::Rm(a) => registry::rm(a),
         Command::Fit(a) => fit::run(a),
         Command::Dev(d) => dev::run(d),
+        Command::EngineWorker(a) => engine_worker::run(a),
     }
 }

@@ -43,6 +43,12 @@ pub struct ServeArgs {
     /// a 503.
     #[arg(long, default_value_t = 120)]
     pub load_wait_secs: u64,
+    /// Where each model's engine runs: `process` (its own child process,
+    /// supervised: a crash fails only that model's requests in flight and
+    /// the engine restarts) or `thread` (in the server's process). The
+    /// default model runs in a thread when it serves LoRA adapters.
+    #[arg(long, value_enum, default_value = "process")]
+    pub isolation: Isolation,
     /// Speculative decoding for the default model.
     #[command(flatten)]
     pub speculative: crate::cli::SpeculativeArgs,
@@ -151,6 +157,13 @@ fn parse_lora(s: &str) -> Result<(String, std::path::PathBuf), String> {
         }
         _ => Err(format!("{s:?}: give NAME=PATH")),
     }
+}
+
+/// `--isolation`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Isolation {
+    Process,
+    Thread,
 }
 
 /// `--matryoshka-dimensions`: an empty list means any length.
@@ -298,6 +311,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         a.speculative.clone(),
         loras,
         a.memory_bytes,
+        a.isolation,
     ));
     // Every model planned (the plan `kiln fit` prints) before the server
     // binds: one sequence of each one's context must fit.

@@ -116,6 +116,7 @@ pub struct Loader {
     pub speculative: crate::cli::SpeculativeArgs,
     pub loras: crate::serve::Loras,
     pub memory_bytes: Option<u64>,
+    pub isolation: crate::serve::Isolation,
     backends: Mutex<HashMap<String, Arc<dyn Backend>>>,
 }
 
@@ -124,13 +125,21 @@ impl Loader {
         speculative: crate::cli::SpeculativeArgs,
         loras: crate::serve::Loras,
         memory_bytes: Option<u64>,
+        isolation: crate::serve::Isolation,
     ) -> Self {
         Loader {
             speculative,
             loras,
             memory_bytes,
+            isolation,
             backends: Mutex::default(),
         }
+    }
+
+    /// Whether the default model serves LoRA adapters (which stay in the
+    /// server's process).
+    fn has_loras(&self) -> bool {
+        !self.loras.startup.is_empty() || self.loras.max_bytes > 0
     }
 
     /// One backend a device string, shared by the models on it.
@@ -339,6 +348,9 @@ impl Plan {
         );
         let (loader, load_path, default_model) = (loader.clone(), path.clone(), self.default_model);
         let load_name = name.clone();
+        let in_process = loader.isolation == crate::serve::Isolation::Thread
+            || (default_model && loader.has_loras());
+        let device = self.device.clone();
         Ok(ModelSource {
             name,
             device: self.key,
@@ -346,20 +358,38 @@ impl Plan {
             pinned: e.pinned,
             path,
             load: Arc::new(move || {
-                crate::serve::load_engine(
-                    &model_args,
-                    &load_path,
-                    backend.clone(),
-                    kv_bytes,
-                    context,
-                    default_model.then_some(&loader.loras),
-                    default_model.then_some(&loader.speculative),
-                )
-                .map(|(engine, note)| {
-                    eprintln!("kiln serve: `{load_name}`: {note}");
-                    engine
-                })
-                .map_err(|e| format!("{e:#}"))
+                let speculative = default_model.then_some(&loader.speculative);
+                let loaded = if in_process {
+                    crate::serve::load_engine(
+                        &model_args,
+                        &load_path,
+                        backend.clone(),
+                        kv_bytes,
+                        context,
+                        default_model.then_some(&loader.loras),
+                        speculative,
+                    )
+                    .map(|(engine, note)| {
+                        eprintln!("kiln serve: `{load_name}`: {note}");
+                        engine
+                    })
+                } else {
+                    crate::engine_worker::command(
+                        &load_name,
+                        &load_path,
+                        &device,
+                        model_args.quantize,
+                        context,
+                        kv_bytes,
+                        speculative,
+                    )
+                    .and_then(|cmd| Ok(Engine::start_process(&load_path, cmd)?))
+                    .map(|engine| {
+                        eprintln!("kiln serve: `{load_name}` runs in its own process");
+                        engine
+                    })
+                };
+                loaded.map_err(|e| format!("{e:#}"))
             }),
         })
     }

@@ -708,6 +708,7 @@ impl<'m> Loop<'m> {
             if let Some(e) = failed {
                 let _ = a.events.send(Event::Failed {
                     message: e.to_string(),
+                    retryable: false,
                 });
                 finished.push((s.id, FinishReason::Cancelled));
                 results.push((s.id, vec![TokenId(0)]));
@@ -791,6 +792,7 @@ impl<'m> Loop<'m> {
         for (id, a) in self.active.drain() {
             let _ = a.events.send(Event::Failed {
                 message: message.to_string(),
+                retryable: true,
             });
             let _ = self.scheduler.cancel(id);
         }

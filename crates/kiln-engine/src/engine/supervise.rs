@@ -31,13 +31,13 @@ pub enum EngineStatus {
 #[derive(Debug, Default)]
 pub(super) struct StatusCell {
     status: AtomicU8,
-    num_restarts: AtomicU64,
+    pub(super) num_restarts: AtomicU64,
 }
 
 impl StatusCell {
-    const RUNNING: u8 = 0;
-    const RESTARTING: u8 = 1;
-    const STOPPED: u8 = 2;
+    pub(super) const RUNNING: u8 = 0;
+    pub(super) const RESTARTING: u8 = 1;
+    pub(super) const STOPPED: u8 = 2;
 
     pub(super) fn get(&self) -> EngineStatus {
         match self.status.load(Ordering::Acquire) {
@@ -51,7 +51,7 @@ impl StatusCell {
         self.num_restarts.load(Ordering::Relaxed)
     }
 
-    fn set(&self, status: u8) {
+    pub(super) fn set(&self, status: u8) {
         self.status.store(status, Ordering::Release);
     }
 }

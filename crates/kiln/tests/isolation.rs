@@ -1,0 +1,207 @@
+//! `kiln serve` runs each model's engine in its own process: killing one
+//! (SIGKILL) or crashing it (SIGABRT, as an abort or a panic that aborts
+//! would) mid-stream ends that engine's requests in flight with a clear
+//! error event, leaves the other model's stream running, and the next
+//! request to the crashed model succeeds once its engine has restarted;
+//! no request is left hanging.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+fn smollm2() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve() -> Server {
+    let model = smollm2();
+    assert!(model.exists(), "run scripts/fetch-models.sh");
+    let home = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .arg("serve")
+        .arg(format!("--model=a={}", model.display()))
+        .arg(format!("--model=b={}", model.display()))
+        .args(["--device", "cpu", "--port", "0", "--throughput-log-secs", "0"])
+        .env("KILN_HOME", home.path())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut addr = None;
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.split_once(" on http://") {
+            addr = rest.1.split_whitespace().next().map(str::to_string);
+        }
+        let done = line.ends_with("; ready");
+        seen.push(line);
+        if done || seen.len() > 60 {
+            break;
+        }
+    }
+    std::thread::spawn(move || {
+        for l in lines.map_while(Result::ok) {
+            eprintln!("server: {l}");
+        }
+    });
+    let addr = addr.unwrap_or_else(|| panic!("kiln serve did not start: {seen:#?}"));
+    Server { child, addr }
+}
+
+fn request(addr: &str, method: &str, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+fn whole(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = request(addr, method, path, body);
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    (out[9..12].parse().unwrap(), out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string())
+}
+
+/// Reads until `text` has arrived (true) or the stream ended (false).
+fn read_until(s: &mut TcpStream, got: &mut String, text: &str) -> bool {
+    let mut buf = [0u8; 4096];
+    while !got.contains(text) {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => got.push_str(&String::from_utf8_lossy(&buf[..n])),
+        }
+    }
+    true
+}
+
+fn stream(addr: &str, model: &str, max_tokens: usize) -> TcpStream {
+    let body = json!({
+        "model": model, "stream": true, "max_tokens": max_tokens, "ignore_eos": true, "temperature": 0,
+        "messages": [{"role": "user", "content": "Count to one thousand."}],
+    });
+    request(addr, "POST", "/v1/chat/completions", &body.to_string())
+}
+
+/// The engine processes the server started, by served name.
+fn engines(server: u32) -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // The parent pid is the second field after the parenthesised name.
+        let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1));
+        if ppid != Some(&server.to_string()) {
+            continue;
+        }
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if let Some(i) = args.iter().position(|a| a == "--name") {
+            if args.iter().any(|a| a == "engine-worker") {
+                out.push((args[i + 1].clone(), pid));
+            }
+        }
+    }
+    out
+}
+
+fn engine_of(server: &Server, name: &str) -> u32 {
+    engines(server.child.id())
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("no engine process for {name}: {:?}", engines(server.child.id())))
+        .1
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill").args([sig, &pid.to_string()]).status().unwrap().success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// A stream that must end with an error event naming the engine's end.
+fn assert_failed(s: &mut TcpStream, got: &mut String, how: &str) {
+    let started = Instant::now();
+    assert!(read_until(s, got, "\"error\""), "the stream ended without an error event: {got}");
+    let mut rest = String::new();
+    let _ = s.read_to_string(&mut rest);
+    got.push_str(&rest);
+    assert!(started.elapsed() < Duration::from_secs(30), "the stream hung");
+    let line = got.lines().find(|l| l.contains("\"error\"")).unwrap();
+    let event: Value = serde_json::from_str(line.trim_start_matches("data: ")).unwrap();
+    let message = event["error"]["message"].as_str().unwrap();
+    assert!(message.contains("restarting") && message.contains(how), "{message}");
+    assert_eq!(event["error"]["code"], "service_unavailable", "{event}");
+}
+
+/// Retries until the model answers again (each refusal meanwhile a 503).
+fn answers_again(addr: &str, model: &str) {
+    let body = json!({"model": model, "prompt": "Hello", "max_tokens": 3}).to_string();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let (status, text) = whole(addr, "POST", "/v1/completions", &body);
+        if status == 200 {
+            return;
+        }
+        assert_eq!(status, 503, "{text}");
+        assert!(text.contains("restart"), "{text}");
+        assert!(Instant::now() < deadline, "{model} did not come back");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_crashed_engine_fails_only_its_own_requests_and_restarts() {
+    let server = serve();
+    let addr = server.addr.as_str();
+    answers_again(addr, "b");
+    assert_eq!(engines(server.child.id()).len(), 2, "one engine process a model");
+
+    // Both models streaming; b's engine is killed.
+    let (mut a, mut b) = (stream(addr, "a", 200), stream(addr, "b", 2000));
+    let (mut got_a, mut got_b) = (String::new(), String::new());
+    assert!(read_until(&mut a, &mut got_a, "\"content\""));
+    assert!(read_until(&mut b, &mut got_b, "\"content\""));
+    let killed = engine_of(&server, "b");
+    signal(killed, "-KILL");
+    assert_failed(&mut b, &mut got_b, "signal 9");
+    // a's stream runs on to its end.
+    assert!(read_until(&mut a, &mut got_a, "data: [DONE]"), "{got_a}");
+    assert!(got_a.contains("\"finish_reason\":\"length\""), "{got_a}");
+    assert!(!got_a.contains("\"error\""), "{got_a}");
+    answers_again(addr, "b");
+    assert_ne!(engine_of(&server, "b"), killed, "a fresh engine process");
+
+    // An engine that aborts (as a panic that aborts, or a failed assertion
+    // in native code, would): the same.
+    let mut a = stream(addr, "a", 2000);
+    let mut got = String::new();
+    assert!(read_until(&mut a, &mut got, "\"content\""));
+    signal(engine_of(&server, "a"), "-ABRT");
+    assert_failed(&mut a, &mut got, "signal 6");
+    answers_again(addr, "a");
+    let (status, health) = whole(addr, "GET", "/health", "");
+    assert_eq!(status, 200, "{health}");
+    let (_, stats) = whole(addr, "GET", "/stats?model=b", "");
+    assert!(stats.contains("\"model\":\"b\""), "{stats}");
+}
