@@ -19,6 +19,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
@@ -212,10 +213,20 @@ async fn dispatch(pool: Arc<Pool>, own: Router, limit: usize, req: Request) -> R
         Some(n) => owner_of(&pool, &n).unwrap_or(n),
         None => pool.default_name(),
     };
+    let ollama = ollama_request(&parts.method, parts.uri.path(), &bytes);
+    if let Some(o) = &ollama {
+        if let Some(r) = ollama_load_or_unload(&pool, &name, o).await {
+            return r;
+        }
+    }
     let lease = match pool.acquire(&name).await {
         Ok(lease) => lease,
         Err(e) => return refused(pool_error(e).response_in(shape)),
     };
+    // Ollama's `keep_alive`: how long the model stays loaded after this.
+    if let Some(Some(Ok(keep))) = ollama.map(|o| o.keep_alive) {
+        let _ = pool.keep_alive(lease.name(), keep);
+    }
     let router = lease.value().router.clone();
     let response = router
         .oneshot(Request::from_parts(parts, Body::from(bytes)))
@@ -227,6 +238,138 @@ async fn dispatch(pool: Arc<Pool>, own: Router, limit: usize, req: Request) -> R
 fn refused(mut response: Response) -> Response {
     response.extensions_mut().insert(Refused);
     response
+}
+
+/// What the pool reads of an Ollama request.
+struct OllamaRequest {
+    /// `keep_alive`, when given (`Ok(None)`: forever).
+    keep_alive: Option<Result<Option<Duration>, String>>,
+    /// A generate or chat request with nothing to answer: Ollama's way to
+    /// load a model (or, with `keep_alive: 0`, unload it).
+    empty: bool,
+    chat: bool,
+}
+
+fn ollama_request(method: &Method, path: &str, bytes: &Bytes) -> Option<OllamaRequest> {
+    if method != Method::POST || !matches!(path, "/api/generate" | "/api/chat" | "/api/embed") {
+        return None;
+    }
+    let body: serde_json::Map<String, Value> = serde_json::from_slice(bytes).ok()?;
+    let blank = |k: &str| match body.get(k) {
+        None | Some(Value::Null) => true,
+        Some(Value::String(s)) => s.is_empty(),
+        Some(Value::Array(a)) => a.is_empty(),
+        _ => false,
+    };
+    Some(OllamaRequest {
+        keep_alive: body.get("keep_alive").filter(|v| !v.is_null()).map(keep_alive),
+        empty: match path {
+            "/api/generate" => blank("prompt") && blank("images"),
+            "/api/chat" => blank("messages"),
+            _ => false,
+        },
+        chat: path == "/api/chat",
+    })
+}
+
+/// Ollama's `keep_alive`: seconds as a number, or a duration such as
+/// `"5m"`, `"1h30m"`, `"90s"`; negative keeps the model loaded.
+fn keep_alive(v: &Value) -> Result<Option<Duration>, String> {
+    let seconds = match v {
+        Value::Number(n) => n.as_f64().ok_or("keep_alive is not a number")?,
+        Value::String(s) => {
+            let s = s.trim();
+            if let Ok(n) = s.parse::<f64>() {
+                n
+            } else {
+                let (neg, mut rest) = match s.strip_prefix('-') {
+                    Some(r) => (true, r),
+                    None => (false, s),
+                };
+                let mut total = 0.0;
+                while !rest.is_empty() {
+                    let digits = rest
+                        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+                        .ok_or(format!("keep_alive {s:?}: a number without a unit"))?;
+                    let n: f64 = rest[..digits]
+                        .parse()
+                        .map_err(|_| format!("keep_alive {s:?} is not a duration"))?;
+                    rest = &rest[digits..];
+                    let unit_len = rest
+                        .find(|c: char| c.is_ascii_digit() || c == '.')
+                        .unwrap_or(rest.len());
+                    let scale = match &rest[..unit_len] {
+                        "h" => 3600.0,
+                        "m" => 60.0,
+                        "s" => 1.0,
+                        "ms" => 1e-3,
+                        "us" | "µs" => 1e-6,
+                        "ns" => 1e-9,
+                        u => return Err(format!("keep_alive {s:?}: unknown unit {u:?}")),
+                    };
+                    total += n * scale;
+                    rest = &rest[unit_len..];
+                }
+                if neg {
+                    -total
+                } else {
+                    total
+                }
+            }
+        }
+        _ => return Err("keep_alive must be a number or a duration string".into()),
+    };
+    if seconds < 0.0 {
+        return Ok(None);
+    }
+    Ok(Some(Duration::from_secs_f64(seconds.min(1e9))))
+}
+
+/// Ollama's empty generate/chat: load the model, or unload it with
+/// `keep_alive: 0`, and say so as Ollama does.
+async fn ollama_load_or_unload(pool: &Arc<Pool>, name: &str, o: &OllamaRequest) -> Option<Response> {
+    if !o.empty {
+        return None;
+    }
+    let shape = ErrorShape::Ollama;
+    let keep = match &o.keep_alive {
+        Some(Err(e)) => return Some(refused(ApiError::invalid("keep_alive", e.clone()).response_in(shape))),
+        Some(Ok(k)) => Some(*k),
+        None => None,
+    };
+    let reason = if keep == Some(Some(Duration::ZERO)) {
+        if pool.list().iter().any(|s| s.name == name && s.pinned) {
+            let e = ApiError::invalid(
+                "keep_alive",
+                format!("the model `{name}` is pinned: it stays loaded (POST /models/unload unloads it)"),
+            );
+            return Some(refused(e.response_in(shape)));
+        }
+        if let Err(e) = pool.unload(name).await {
+            return Some(refused(pool_error(e).response_in(shape)));
+        }
+        "unload"
+    } else {
+        if let Err(e) = pool.load(name).await {
+            return Some(refused(pool_error(e).response_in(shape)));
+        }
+        if let Some(k) = keep {
+            let _ = pool.keep_alive(name, k);
+        }
+        "load"
+    };
+    let mut body = json!({
+        "model": name,
+        "created_at": crate::routes::ollama::now_rfc3339(),
+        "done": true,
+        "done_reason": reason,
+    });
+    if o.chat {
+        body["message"] = json!({"role": "assistant", "content": ""});
+    } else {
+        body["response"] = json!("");
+    }
+    Some(Json(body).into_response())
 }
 
 /// The body's `model` (or `name`, as Ollama's `/api/show` may send it).
@@ -442,7 +585,7 @@ async fn ps(State(pool): State<Arc<Pool>>) -> Json<Value> {
         .map(|s| {
             let mut entry = crate::routes::ollama::pool_entry(s);
             if let Some(served) = &s.value {
-                crate::routes::ollama::running_fields(&mut entry, &served.state, s, pool.config().idle_unload);
+                crate::routes::ollama::running_fields(&mut entry, &served.state, pool.unloads_in(&s.name));
             }
             entry
         })
@@ -491,5 +634,20 @@ mod tests {
         assert_eq!(named_in_query(Some("model=")), None);
         assert_eq!(named_in_query(None), None);
         assert_eq!(percent_decode("a%2"), "a%2");
+    }
+
+    #[test]
+    fn keep_alive_reads_as_ollama_writes_it() {
+        let k = |v: Value| keep_alive(&v);
+        assert_eq!(k(json!(0)), Ok(Some(Duration::ZERO)));
+        assert_eq!(k(json!(30)), Ok(Some(Duration::from_secs(30))));
+        assert_eq!(k(json!("5m")), Ok(Some(Duration::from_secs(300))));
+        assert_eq!(k(json!("1h30m")), Ok(Some(Duration::from_secs(5400))));
+        assert_eq!(k(json!("90s")), Ok(Some(Duration::from_secs(90))));
+        assert_eq!(k(json!("0")), Ok(Some(Duration::ZERO)));
+        assert_eq!(k(json!(-1)), Ok(None));
+        assert_eq!(k(json!("-1m")), Ok(None));
+        assert!(k(json!("5 minutes")).is_err() && k(json!("5")).is_ok() && k(json!(true)).is_err());
+        assert!(k(json!("12")).is_ok() && k(json!("3x")).is_err());
     }
 }

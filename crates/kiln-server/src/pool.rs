@@ -169,6 +169,10 @@ struct Entry<T> {
     source: ModelSource<T>,
     slot: Slot<T>,
     last_used: Instant,
+    /// How long it stays loaded when idle, as its last request asked
+    /// (Ollama's `keep_alive`; `Some(None)`: until asked otherwise), over
+    /// the pool's idle time.
+    keep_alive: Option<Option<Duration>>,
     /// One clone a lease: the strong count less one is the leases held.
     leases: Arc<()>,
 }
@@ -259,6 +263,7 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
                 source,
                 slot: Slot::Unloaded,
                 last_used: Instant::now(),
+                keep_alive: None,
                 leases: Arc::new(()),
             });
         }
@@ -390,6 +395,7 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
                             source,
                             slot: Slot::Unloaded,
                             last_used: Instant::now(),
+                            keep_alive: None,
                             leases: Arc::new(()),
                         });
                         return Ok(inner.entries.len() - 1);
@@ -643,21 +649,37 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
         }
     }
 
-    /// Unloads every unpinned model idle longer than the pool's idle time;
-    /// how many.
+    /// How long `name` stays loaded once idle, from now on (`None`: until
+    /// asked otherwise; zero: unloaded as soon as its requests end) —
+    /// Ollama's `keep_alive`. Pinned models stay regardless.
+    pub fn keep_alive(&self, name: &str, keep: Option<Duration>) -> Result<(), PoolError> {
+        let mut guard = self.lock();
+        let i = self.index_of(&mut guard, name)?;
+        guard.entries[i].keep_alive = Some(keep);
+        Ok(())
+    }
+
+    /// When `e` is unloaded once idle (`None`: never).
+    fn idle_limit(&self, e: &Entry<T>) -> Option<Duration> {
+        match e.keep_alive {
+            _ if e.source.pinned => None,
+            Some(keep) => keep,
+            None => self.config.idle_unload,
+        }
+    }
+
+    /// Unloads every unpinned model idle longer than its keep-alive (its
+    /// last request's, else the pool's idle time); how many.
     pub fn unload_idle(&self) -> usize {
-        let Some(idle) = self.config.idle_unload else {
-            return 0;
-        };
         let now = Instant::now();
         let mut dropped = Vec::new();
         {
             let mut inner = self.lock();
-            for e in inner.entries.iter_mut() {
-                if !e.source.pinned
-                    && e.in_flight() == 0
-                    && matches!(e.slot, Slot::Loaded(_))
-                    && now - e.last_used >= idle
+            for i in 0..inner.entries.len() {
+                let limit = self.idle_limit(&inner.entries[i]);
+                let e = &mut inner.entries[i];
+                let Some(idle) = limit else { continue };
+                if e.in_flight() == 0 && matches!(e.slot, Slot::Loaded(_)) && now - e.last_used >= idle
                 {
                     tracing::info!(
                         target: "kiln::pool",
@@ -681,18 +703,33 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
         n
     }
 
-    /// A task that unloads idle models (none without an idle time).
-    pub fn spawn_idle_unloader(self: &Arc<Self>) -> Option<tokio::task::JoinHandle<()>> {
-        let idle = self.config.idle_unload?;
-        let period = (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(5));
+    /// A task that unloads idle models (keep-alives can ask for it even
+    /// when the pool has no idle time).
+    pub fn spawn_idle_unloader(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let period = match self.config.idle_unload {
+            Some(idle) => (idle / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+            None => Duration::from_secs(1),
+        };
         let pool = Arc::downgrade(self);
-        Some(tokio::spawn(async move {
+        tokio::spawn(async move {
             loop {
                 tokio::time::sleep(period).await;
                 let Some(pool) = pool.upgrade() else { return };
                 pool.unload_idle();
             }
-        }))
+        })
+    }
+
+    /// When `name`, loaded and idle, will be unloaded (`None`: not loaded,
+    /// or never).
+    pub fn unloads_in(&self, name: &str) -> Option<Duration> {
+        let inner = self.lock();
+        let e = inner.entries.iter().find(|e| e.source.name == name)?;
+        if !matches!(e.slot, Slot::Loaded(_)) {
+            return None;
+        }
+        let limit = self.idle_limit(e)?;
+        Some(limit.saturating_sub(e.last_used.elapsed()))
     }
 
     /// Bytes the loaded and loading models hold on `device`.

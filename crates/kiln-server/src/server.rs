@@ -398,7 +398,7 @@ pub fn run(
                 }
             },
         };
-        let _idle = pool.spawn_idle_unloader().map(AbortOnDrop);
+        let _idle = AbortOnDrop(pool.spawn_idle_unloader());
         readiness.ready_pool(pool.clone());
         let state = &lease.value().state;
         let generates = state.engine.model().model.generates();

@@ -217,6 +217,34 @@ fn three_models_under_a_budget_for_two() {
     }
     assert_eq!(v["error"]["code"], "model_not_found");
 
+    // Ollama's ways: an empty generate loads, with `keep_alive: 0` it
+    // unloads; `keep_alive` on a request sets how long the model stays.
+    let gen = |body: Value| http(addr, "POST", "/api/generate", &body.to_string());
+    let (status, v) = gen(json!({"model": "qwen", "keep_alive": 0}));
+    assert_eq!((status, v["done_reason"].as_str()), (200, Some("unload")), "{v}");
+    assert!(!loaded(addr).contains(&"qwen".to_string()));
+    let (status, v) = gen(json!({"model": "qwen"}));
+    assert_eq!((status, v["done_reason"].as_str()), (200, Some("load")), "{v}");
+    assert!(loaded(addr).contains(&"qwen".to_string()));
+    let (status, v) = gen(json!({"model": "qwen", "prompt": "Hi", "stream": false, "keep_alive": 0,
+                                 "options": {"num_predict": 2}}));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["eval_count"], 2, "{v}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while loaded(addr).contains(&"qwen".to_string()) {
+        assert!(std::time::Instant::now() < deadline, "keep_alive 0 did not unload qwen");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (status, _) = gen(json!({"model": "gemma", "prompt": "Hi", "stream": false, "keep_alive": "10m",
+                                 "options": {"num_predict": 1}}));
+    assert_eq!(status, 200);
+    let (_, ps) = http(addr, "GET", "/api/ps", "");
+    let gemma = ps["models"].as_array().unwrap().iter().find(|m| m["name"] == "gemma").cloned().unwrap();
+    assert!(!gemma["expires_at"].as_str().unwrap().starts_with("9999"), "{gemma}");
+    let (status, v) = gen(json!({"model": "gemma", "keep_alive": "5 minutes"}));
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("keep_alive"), "{v}");
+
     // Unload and load on request.
     let victim = loaded(addr)[0].clone();
     let (status, v) = http(addr, "POST", "/models/unload", &json!({"model": victim}).to_string());

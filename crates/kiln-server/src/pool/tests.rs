@@ -226,7 +226,7 @@ async fn idle_models_are_unloaded_unless_pinned_or_in_use() {
     assert_eq!(state_of(&pool, "b"), ModelState::Loaded);
     drop(held);
     // The background task takes `b` once it has been idle.
-    let task = pool.spawn_idle_unloader().unwrap();
+    let task = pool.spawn_idle_unloader();
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert_eq!(state_of(&pool, "b"), ModelState::Unloaded);
     assert_eq!(state_of(&pool, "p"), ModelState::Loaded);
@@ -288,4 +288,36 @@ async fn the_catalog_adds_models_by_name() {
         _ => panic!("expected Unservable"),
     }
     assert!(ModelPool::new(vec![source("a", 1, &c), source("a", 1, &c)], None, config(1)).is_err());
+}
+
+#[tokio::test]
+async fn keep_alive_overrides_the_idle_time() {
+    let c = Arc::new(Counts::default());
+    let mut pinned = source("p", 10, &c);
+    pinned.pinned = true;
+    let pool = ModelPool::new(vec![pinned, source("a", 10, &c), source("b", 10, &c)], None, config(100))
+        .unwrap();
+    for n in ["p", "a", "b"] {
+        drop(pool.acquire(n).await.unwrap());
+    }
+    // No idle time: nothing goes by itself.
+    assert_eq!(pool.unload_idle(), 0);
+    assert_eq!(pool.unloads_in("a"), None);
+    // `keep_alive: 0` on `a`: unloaded once idle; a long one on `b` and
+    // any on the pinned model keep them.
+    pool.keep_alive("a", Some(Duration::ZERO)).unwrap();
+    pool.keep_alive("b", Some(Duration::from_secs(600))).unwrap();
+    pool.keep_alive("p", Some(Duration::ZERO)).unwrap();
+    let held = pool.acquire("a").await.unwrap();
+    assert_eq!(pool.unload_idle(), 0, "in use");
+    drop(held);
+    assert_eq!(pool.unload_idle(), 1);
+    assert_eq!(state_of(&pool, "a"), ModelState::Unloaded);
+    assert_eq!(state_of(&pool, "p"), ModelState::Loaded);
+    let left = pool.unloads_in("b").unwrap();
+    assert!(left > Duration::from_secs(590) && left <= Duration::from_secs(600), "{left:?}");
+    // Forever.
+    pool.keep_alive("b", None).unwrap();
+    assert_eq!(pool.unloads_in("b"), None);
+    assert!(pool.keep_alive("nope", None).is_err());
 }

@@ -70,7 +70,7 @@ fn check_model(state: &AppState, req: &Map<String, Value>) -> Result<()> {
     Ok(())
 }
 
-fn now_rfc3339() -> String {
+pub(crate) fn now_rfc3339() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -148,13 +148,9 @@ pub(crate) fn pool_entry(s: &ModelStatus<ServedModel>) -> Value {
 }
 
 /// What `/api/ps` adds for a loaded model: when it will be unloaded if
-/// left idle, its device memory and context.
-pub(crate) fn running_fields(
-    entry: &mut Value,
-    state: &AppState,
-    s: &ModelStatus<ServedModel>,
-    idle_unload: Option<std::time::Duration>,
-) {
+/// left idle (`unloads_in`; never: far in the future), its device memory
+/// and context.
+pub(crate) fn running_fields(entry: &mut Value, state: &AppState, unloads_in: Option<std::time::Duration>) {
     let vram = state
         .engine
         .model()
@@ -162,15 +158,14 @@ pub(crate) fn running_fields(
         .backend()
         .device_memory()
         .map_or(0, |m| m.active_bytes);
-    let expires = match (s.pinned, idle_unload) {
-        (false, Some(idle)) => {
-            let left = idle.saturating_sub(s.idle.unwrap_or_default());
+    let expires = match unloads_in {
+        Some(left) => {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());
             rfc3339(now + left.as_secs())
         }
-        _ => "9999-12-31T23:59:59Z".to_string(),
+        None => "9999-12-31T23:59:59Z".to_string(),
     };
     entry["expires_at"] = json!(expires);
     entry["size_vram"] = json!(vram);
