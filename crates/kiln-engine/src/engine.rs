@@ -102,6 +102,12 @@ pub struct EngineStats {
     /// the load balance `/stats` shows. Empty for a dense model.
     pub expert_tokens: Vec<Vec<u64>>,
     pub expert_steps: u64,
+    /// Where the engine runs (the backend's name), what its weight
+    /// matrices take by storage (empty: not counted), and the device's
+    /// memory (none on the CPU) — read in the engine's process.
+    pub device: String,
+    pub weight_bytes: std::collections::BTreeMap<String, u64>,
+    pub device_memory: Option<kiln_tensor::DeviceMemory>,
 }
 
 /// The forward steps the expert load balance covers.

@@ -37,7 +37,7 @@ use tower::ServiceExt;
 use crate::access_log::AccessLog;
 use crate::errors::{ApiError, ErrorShape};
 use crate::metrics::Metrics;
-use crate::pool::{Catalog, Lease, ModelPool, ModelSource, ModelState, PoolError};
+use crate::pool::{Catalog, Lease, ModelPool, ModelSource, PoolError};
 use crate::server::ServerConfig;
 use crate::state::AppState;
 
@@ -536,10 +536,19 @@ async fn models(State(pool): State<Arc<Pool>>) -> Json<Value> {
         });
         match &s.value {
             Some(served) => {
+                // Flattened rather than merged as values, so the card's
+                // f32 fields keep their shortest spelling (0.8, not
+                // 0.800000011920929).
+                #[derive(serde::Serialize)]
+                struct Listed<'a> {
+                    #[serde(flatten)]
+                    card: crate::openai_types::ModelCard,
+                    #[serde(flatten)]
+                    status: &'a Value,
+                }
                 for card in crate::routes::ops::model_cards(&served.state) {
-                    let mut card = serde_json::to_value(card).unwrap_or_default();
-                    merge(&mut card, &status);
-                    data.push(card);
+                    let text = serde_json::to_string(&Listed { card, status: &status }).unwrap_or_default();
+                    data.push(serde_json::from_str(&text).unwrap_or_default());
                 }
             }
             None => {
@@ -578,18 +587,14 @@ async fn tags(State(pool): State<Arc<Pool>>) -> Json<Value> {
 
 /// Ollama's running models: the loaded ones.
 async fn ps(State(pool): State<Arc<Pool>>) -> Json<Value> {
-    let models: Vec<Value> = pool
-        .list()
-        .iter()
-        .filter(|s| s.state == ModelState::Loaded)
-        .map(|s| {
-            let mut entry = crate::routes::ollama::pool_entry(s);
-            if let Some(served) = &s.value {
-                crate::routes::ollama::running_fields(&mut entry, &served.state, pool.unloads_in(&s.name));
-            }
-            entry
-        })
-        .collect();
+    let mut models = Vec::new();
+    for s in pool.list() {
+        let Some(served) = &s.value else { continue };
+        let mut entry = crate::routes::ollama::pool_entry(&s);
+        crate::routes::ollama::running_fields(&mut entry, &served.state, pool.unloads_in(&s.name))
+            .await;
+        models.push(entry);
+    }
     Json(json!({"models": models}))
 }
 

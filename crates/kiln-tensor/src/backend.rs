@@ -59,7 +59,7 @@ pub struct AttentionParams {
 /// Device memory as a backend sees it (as the reference's
 /// `getMemorySnapshot`): the driver's free/total and the backend's own
 /// active (live buffers), peak active and reserved (held, incl. cached) bytes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DeviceMemory {
     pub free_bytes: u64,
     pub total_bytes: u64,

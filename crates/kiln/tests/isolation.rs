@@ -202,6 +202,10 @@ fn a_crashed_engine_fails_only_its_own_requests_and_restarts() {
     answers_again(addr, "a");
     let (status, health) = whole(addr, "GET", "/health", "");
     assert_eq!(status, 200, "{health}");
+    // `/stats` is read in the engine's process: its device and weights.
     let (_, stats) = whole(addr, "GET", "/stats?model=b", "");
-    assert!(stats.contains("\"model\":\"b\""), "{stats}");
+    let stats: Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(stats["model"], "b", "{stats}");
+    assert_eq!(stats["device"], "cpu", "{stats}");
+    assert!(stats["weights"]["bytes"].as_u64().unwrap() > 50_000_000, "{stats}");
 }

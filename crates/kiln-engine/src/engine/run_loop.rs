@@ -200,6 +200,14 @@ impl<'m> Loop<'m> {
                             embed_seconds_total: self.embed_seconds,
                             expert_tokens: self.recent_expert_tokens(),
                             expert_steps: self.expert_loads.len().saturating_sub(1) as u64,
+                            device: self.model.model.backend().name().to_string(),
+                            weight_bytes: self
+                                .model
+                                .model
+                                .weight_bytes()
+                                .map(|w| w.0.clone())
+                                .unwrap_or_default(),
+                            device_memory: self.model.model.backend().device_memory(),
                         });
                     }
                     Command::Embed(job) => self.queue_embed(job),

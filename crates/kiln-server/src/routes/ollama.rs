@@ -150,13 +150,18 @@ pub(crate) fn pool_entry(s: &ModelStatus<ServedModel>) -> Value {
 /// What `/api/ps` adds for a loaded model: when it will be unloaded if
 /// left idle (`unloads_in`; never: far in the future), its device memory
 /// and context.
-pub(crate) fn running_fields(entry: &mut Value, state: &AppState, unloads_in: Option<std::time::Duration>) {
-    let vram = state
-        .engine
-        .model()
-        .model
-        .backend()
-        .device_memory()
+pub(crate) async fn running_fields(
+    entry: &mut Value,
+    state: &AppState,
+    unloads_in: Option<std::time::Duration>,
+) {
+    // Read in the engine's process (its own, under isolation).
+    let engine = state.engine.clone();
+    let vram = tokio::task::spawn_blocking(move || engine.stats())
+        .await
+        .ok()
+        .and_then(|s| s.ok())
+        .and_then(|s| s.device_memory)
         .map_or(0, |m| m.active_bytes);
     let expires = match unloads_in {
         Some(left) => {

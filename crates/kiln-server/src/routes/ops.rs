@@ -94,7 +94,7 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
     Ok(Json(json!({
         "model": &*state.model_name,
         "model_path": model.path.display().to_string(),
-        "device": model.model.backend().name(),
+        "device": &stats.device,
         "context_length": state.context_length(),
         "trained_context_length": model.context_length(),
         "sampling_defaults": crate::openai_types::SamplingDefaultsOut::from(&*state.sampling_defaults),
@@ -147,13 +147,13 @@ pub async fn stats(State(state): State<AppState>) -> Result<Json<Value>, ApiErro
         "experts": expert_balance(&stats.expert_tokens, stats.expert_steps),
         // The weight matrices' bytes on the device as they are stored
         // (quantized blocks counted at their size), by storage.
-        "weights": model.model.weight_bytes().map(|w| json!({
-            "bytes": w.total(),
-            "by_storage": &w.0,
+        "weights": (!stats.weight_bytes.is_empty()).then(|| json!({
+            "bytes": stats.weight_bytes.values().sum::<u64>(),
+            "by_storage": &stats.weight_bytes,
         })),
         // Device memory (null on the CPU): driver free/total and the
         // backend's active, peak and reserved bytes.
-        "memory": model.model.backend().device_memory().map(|m| json!({
+        "memory": stats.device_memory.map(|m| json!({
             "free_bytes": m.free_bytes,
             "total_bytes": m.total_bytes,
             "active_bytes": m.active_bytes,
