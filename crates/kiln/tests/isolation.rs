@@ -5,83 +5,25 @@
 //! request to the crashed model succeeds once its engine has restarted;
 //! no request is left hanging.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::Read;
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::{http as whole, request, Server};
 use serde_json::{json, Value};
 
-fn smollm2() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-}
-
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve() -> Server {
-    let model = smollm2();
-    assert!(model.exists(), "run scripts/fetch-models.sh");
-    let home = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .arg("serve")
-        .arg(format!("--model=a={}", model.display()))
-        .arg(format!("--model=b={}", model.display()))
-        .args(["--device", "cpu", "--port", "0", "--throughput-log-secs", "0"])
-        .env("KILN_HOME", home.path())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut addr = None;
-    let mut seen = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(rest) = line.split_once(" on http://") {
-            addr = rest.1.split_whitespace().next().map(str::to_string);
-        }
-        let done = line.ends_with("; ready");
-        seen.push(line);
-        if done || seen.len() > 60 {
-            break;
-        }
-    }
-    std::thread::spawn(move || {
-        for l in lines.map_while(Result::ok) {
-            eprintln!("server: {l}");
-        }
-    });
-    let addr = addr.unwrap_or_else(|| panic!("kiln serve did not start: {seen:#?}"));
-    Server { child, addr }
-}
-
-fn request(addr: &str, method: &str, path: &str, body: &str) -> TcpStream {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    s
-}
-
-fn whole(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = request(addr, method, path, body);
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    (out[9..12].parse().unwrap(), out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string())
+fn serve(home: &std::path::Path) -> Server {
+    let model = common::model("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let args = [
+        format!("--model=a={}", model.display()),
+        format!("--model=b={}", model.display()),
+        "--device=cpu".into(),
+        "--throughput-log-secs=0".into(),
+    ];
+    Server::start(&args, home)
 }
 
 /// Reads until `text` has arrived (true) or the stream ended (false).
@@ -172,7 +114,8 @@ fn answers_again(addr: &str, model: &str) {
 
 #[test]
 fn a_crashed_engine_fails_only_its_own_requests_and_restarts() {
-    let server = serve();
+    let home = tempfile::tempdir().unwrap();
+    let server = serve(home.path());
     let addr = server.addr.as_str();
     answers_again(addr, "b");
     assert_eq!(engines(server.child.id()).len(), 2, "one engine process a model");

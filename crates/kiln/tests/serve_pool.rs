@@ -5,78 +5,25 @@
 //! the truth throughout, an unknown model is a 404 listing the three, and
 //! `/models/unload` and `/models/load` do what they say.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::path::Path;
 use std::time::Duration;
 
+use common::Server;
 use serde_json::{json, Value};
 
-fn models_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models")
-}
-
-/// One HTTP/1.1 request on loopback: status and body.
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, Value) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out[9..12].parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map_or("", |x| x.1);
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
-}
-
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    let (status, body) = common::http(addr, method, path, body);
+    (status, serde_json::from_str(&body).unwrap_or(Value::Null))
 }
 
 /// `kiln serve --models FILE` plus `extra`, once its default model is ready.
 fn serve(file: &Path, extra: &[&str], home: &Path) -> Server {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["serve", "--models"])
-        .arg(file)
-        .args(["--device", "cpu", "--port", "0", "--throughput-log-secs", "0"])
-        .args(extra)
-        .env("KILN_HOME", home)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut addr = None;
-    let mut seen = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        if let Some(rest) = line.split_once(" on http://") {
-            addr = rest.1.split_whitespace().next().map(str::to_string);
-        }
-        let done = line.ends_with("; ready");
-        seen.push(line);
-        if done || seen.len() > 60 {
-            break;
-        }
-    }
-    std::thread::spawn(move || for _ in lines {});
-    let Some(addr) = addr.filter(|_| seen.last().is_some_and(|l| l.ends_with("; ready"))) else {
-        let _ = child.kill();
-        panic!("kiln serve did not get ready: {seen:#?}");
-    };
-    Server { child, addr }
+    let mut args = vec!["--models".to_string(), file.display().to_string()];
+    args.extend(["--device", "cpu", "--throughput-log-secs", "0"].map(String::from));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Server::start(&args, home)
 }
 
 /// `/v1/models` by name: (status, memory_bytes).
@@ -107,25 +54,18 @@ fn loaded(addr: &str) -> Vec<String> {
 
 #[test]
 fn three_models_under_a_budget_for_two() {
-    let dir = models_dir();
     let files = [
         ("smol", "SmolLM2-135M-Instruct.Q4_1.gguf"),
         ("qwen", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
         ("gemma", "gemma-3-270m-q4_k_m.gguf"),
     ];
-    for (_, f) in files {
-        assert!(
-            dir.join(f).exists(),
-            "{f} is missing: run scripts/fetch-models.sh"
-        );
-    }
     let home = tempfile::tempdir().unwrap();
     let toml_path = home.path().join("models.toml");
     let mut toml = String::new();
     for (name, f) in files {
         toml += &format!(
             "[[model]]\nname = \"{name}\"\npath = \"{}\"\ncontext = 512\nkv_mib = 48\n\n",
-            dir.join(f).display()
+            common::model(f).display()
         );
     }
     std::fs::write(&toml_path, toml).unwrap();
