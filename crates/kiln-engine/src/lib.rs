@@ -29,9 +29,9 @@ pub mod speculative;
 
 pub use adapters::{AdapterInfo, Adapters};
 pub use embed::{EmbedInput, Embedder, EmbeddingHead, Pooling};
+pub use engine::remote::{report_load_failure, serve_worker, WorkerCommand};
 #[cfg(feature = "fault-injection")]
 pub use engine::FaultGate;
-pub use engine::remote::{report_load_failure, serve_worker, WorkerCommand};
 pub use engine::{
     Engine, EngineConfig, EngineHandle, EngineStats, EngineStatus, KvPlan, RequestStream,
     EXPERT_WINDOW_STEPS,

@@ -14,7 +14,19 @@ pub const MAX_TEMPERATURE: f32 = 100.0;
 
 /// The id of a token in a model's vocabulary. This is the only token id type that
 /// crosses crate boundaries in Kiln.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct TokenId(pub u32);
 
 impl TokenId {

@@ -8,7 +8,9 @@ use kiln_sampling::TokenId;
 use crate::hash::{AdapterId, BlockHash};
 
 /// The id of a request, chosen by the caller and unique among unfinished requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct RequestId(pub u64);
 
 impl fmt::Display for RequestId {

@@ -22,16 +22,16 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use hyper::body::{Body as HttpBody, Frame, SizeHint};
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures_util::FutureExt;
+use hyper::body::{Body as HttpBody, Frame, SizeHint};
 use kiln_engine::{Engine, EngineHandle};
 use serde_json::{json, Value};
 use tokio::sync::watch;
-use futures_util::FutureExt;
 use tower::ServiceExt;
 
 use crate::access_log::AccessLog;
@@ -101,12 +101,20 @@ impl ServedModel {
 pub type Pool = ModelPool<ServedModel>;
 
 /// A source of engines as a source of served models.
-pub(crate) fn served_source(shared: &Shared, source: ModelSource<Engine>) -> ModelSource<ServedModel> {
+pub(crate) fn served_source(
+    shared: &Shared,
+    source: ModelSource<Engine>,
+) -> ModelSource<ServedModel> {
     let (shared, load, name) = (shared.clone(), source.load.clone(), source.name.clone());
     ModelSource {
         load: Arc::new(move || {
             let engine = load()?;
-            Ok(ServedModel::new(&shared, &name, engine.handle(), Some(engine)))
+            Ok(ServedModel::new(
+                &shared,
+                &name,
+                engine.handle(),
+                Some(engine),
+            ))
         }),
         name: source.name,
         device: source.device,
@@ -185,7 +193,10 @@ struct Refused;
 /// Whether the pool answers `path` itself.
 fn pool_route(method: &Method, path: &str) -> bool {
     match *method {
-        Method::GET => matches!(path, "/" | "/v1/models" | "/api/tags" | "/api/ps" | "/health"),
+        Method::GET => matches!(
+            path,
+            "/" | "/v1/models" | "/api/tags" | "/api/ps" | "/health"
+        ),
         Method::POST => matches!(path, "/models/load" | "/models/unload"),
         _ => false,
     }
@@ -232,7 +243,12 @@ async fn dispatch(pool: Arc<Pool>, own: Router, limit: usize, req: Request) -> R
         .oneshot(Request::from_parts(parts, Body::from(bytes)))
         .await
         .unwrap_or_else(|e| match e {});
-    response.map(|body| Body::new(Leased { body, _lease: lease }))
+    response.map(|body| {
+        Body::new(Leased {
+            body,
+            _lease: lease,
+        })
+    })
 }
 
 fn refused(mut response: Response) -> Response {
@@ -262,7 +278,10 @@ fn ollama_request(method: &Method, path: &str, bytes: &Bytes) -> Option<OllamaRe
         _ => false,
     };
     Some(OllamaRequest {
-        keep_alive: body.get("keep_alive").filter(|v| !v.is_null()).map(keep_alive),
+        keep_alive: body
+            .get("keep_alive")
+            .filter(|v| !v.is_null())
+            .map(keep_alive),
         empty: match path {
             "/api/generate" => blank("prompt") && blank("images"),
             "/api/chat" => blank("messages"),
@@ -327,13 +346,21 @@ fn keep_alive(v: &Value) -> Result<Option<Duration>, String> {
 
 /// Ollama's empty generate/chat: load the model, or unload it with
 /// `keep_alive: 0`, and say so as Ollama does.
-async fn ollama_load_or_unload(pool: &Arc<Pool>, name: &str, o: &OllamaRequest) -> Option<Response> {
+async fn ollama_load_or_unload(
+    pool: &Arc<Pool>,
+    name: &str,
+    o: &OllamaRequest,
+) -> Option<Response> {
     if !o.empty {
         return None;
     }
     let shape = ErrorShape::Ollama;
     let keep = match &o.keep_alive {
-        Some(Err(e)) => return Some(refused(ApiError::invalid("keep_alive", e.clone()).response_in(shape))),
+        Some(Err(e)) => {
+            return Some(refused(
+                ApiError::invalid("keep_alive", e.clone()).response_in(shape),
+            ))
+        }
         Some(Ok(k)) => Some(*k),
         None => None,
     };
@@ -399,7 +426,11 @@ fn percent_decode(s: &str) -> String {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
             (b'%', Some(h), Some(l)) => {
                 out.push(h << 4 | l);
                 i += 3;
@@ -514,7 +545,9 @@ async fn health(State(pool): State<Arc<Pool>>) -> Response {
     if states.len() > 1 {
         // The body is small JSON made just above; add the models to it.
         let (parts, body) = response.into_parts();
-        let bytes = axum::body::to_bytes(body, 1 << 16).await.unwrap_or_default();
+        let bytes = axum::body::to_bytes(body, 1 << 16)
+            .await
+            .unwrap_or_default();
         let mut v: Value = serde_json::from_slice(&bytes).unwrap_or(json!({}));
         v["models"] = Value::Object(states);
         response = (parts.status, parts.headers, Json(v)).into_response();
@@ -547,7 +580,11 @@ async fn models(State(pool): State<Arc<Pool>>) -> Json<Value> {
                     status: &'a Value,
                 }
                 for card in crate::routes::ops::model_cards(&served.state) {
-                    let text = serde_json::to_string(&Listed { card, status: &status }).unwrap_or_default();
+                    let text = serde_json::to_string(&Listed {
+                        card,
+                        status: &status,
+                    })
+                    .unwrap_or_default();
                     data.push(serde_json::from_str(&text).unwrap_or_default());
                 }
             }
@@ -621,7 +658,9 @@ async fn load(State(pool): State<Arc<Pool>>, bytes: Bytes) -> Result<Json<Value>
 async fn unload(State(pool): State<Arc<Pool>>, bytes: Bytes) -> Result<Json<Value>, ApiError> {
     let name = named(&bytes)?;
     let was_loaded = pool.unload(&name).await.map_err(pool_error)?;
-    Ok(Json(json!({"model": name, "status": "unloaded", "was_loaded": was_loaded})))
+    Ok(Json(
+        json!({"model": name, "status": "unloaded", "was_loaded": was_loaded}),
+    ))
 }
 
 #[cfg(test)]
@@ -630,12 +669,21 @@ mod tests {
 
     #[test]
     fn the_model_is_read_from_the_body_or_the_query() {
-        assert_eq!(named_in_body(&Bytes::from_static(br#"{"model":"a","x":[1]}"#)), Some("a".into()));
-        assert_eq!(named_in_body(&Bytes::from_static(br#"{"name":"b"}"#)), Some("b".into()));
+        assert_eq!(
+            named_in_body(&Bytes::from_static(br#"{"model":"a","x":[1]}"#)),
+            Some("a".into())
+        );
+        assert_eq!(
+            named_in_body(&Bytes::from_static(br#"{"name":"b"}"#)),
+            Some("b".into())
+        );
         assert_eq!(named_in_body(&Bytes::from_static(br#"{"model":""}"#)), None);
         assert_eq!(named_in_body(&Bytes::from_static(br#"{"model":7}"#)), None);
         assert_eq!(named_in_body(&Bytes::from_static(b"not json")), None);
-        assert_eq!(named_in_query(Some("x=1&model=qwen%3A0.5b")), Some("qwen:0.5b".into()));
+        assert_eq!(
+            named_in_query(Some("x=1&model=qwen%3A0.5b")),
+            Some("qwen:0.5b".into())
+        );
         assert_eq!(named_in_query(Some("model=")), None);
         assert_eq!(named_in_query(None), None);
         assert_eq!(percent_decode("a%2"), "a%2");

@@ -63,7 +63,10 @@ pub enum ApiError {
     /// The request names a model this server does not serve (404), and
     /// what it does serve.
     #[error("the model `{name}` does not exist; available: {}", available.join(", "))]
-    ModelNotFound { name: String, available: Vec<String> },
+    ModelNotFound {
+        name: String,
+        available: Vec<String>,
+    },
     /// No route for this path (404).
     #[error("no route for {0}")]
     NotFound(String),

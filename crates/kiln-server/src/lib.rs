@@ -57,12 +57,11 @@ mod state;
 mod structured;
 mod throughput;
 
+pub use dispatch::ServedModel;
 pub use errors::ApiError;
 pub use loading::Readiness;
 pub use metrics::Metrics;
 pub use parse::{OutputOverrides, ToolSyntax};
-pub use dispatch::ServedModel;
 pub use server::{
-    bind, run, serve, serve_loading, serve_on, shutdown_signal, PoolSpec, ServerConfig,
-    ServerError,
+    bind, run, serve, serve_loading, serve_on, shutdown_signal, PoolSpec, ServerConfig, ServerError,
 };

@@ -94,7 +94,10 @@ impl Default for PoolConfig {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum PoolError {
     #[error("the model `{name}` does not exist")]
-    NotFound { name: String, available: Vec<String> },
+    NotFound {
+        name: String,
+        available: Vec<String>,
+    },
     /// It can never fit its device's budget.
     #[error(
         "the model `{name}` needs {need_mib} MiB on {device}, more than the {budget_mib} MiB budget"
@@ -303,7 +306,11 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
     }
 
     fn names_in(&self, inner: &Inner<T>) -> Vec<String> {
-        let mut names: Vec<String> = inner.entries.iter().map(|e| e.source.name.clone()).collect();
+        let mut names: Vec<String> = inner
+            .entries
+            .iter()
+            .map(|e| e.source.name.clone())
+            .collect();
         if let Some(c) = &self.catalog {
             for n in c.names() {
                 if !names.contains(&n) {
@@ -436,18 +443,16 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
                 Step::Load(source, evicted) => {
                     self.start_load(source, evicted);
                 }
-                Step::Wait(why) => {
-                    match tokio::time::timeout_at(deadline, rx.changed()).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(_)) => return Err(PoolError::Timeout(why)),
-                        Err(_) => {
-                            return Err(PoolError::Timeout(format!(
-                                "{why} after waiting {:.0} s",
-                                wait.as_secs_f64()
-                            )))
-                        }
+                Step::Wait(why) => match tokio::time::timeout_at(deadline, rx.changed()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => return Err(PoolError::Timeout(why)),
+                    Err(_) => {
+                        return Err(PoolError::Timeout(format!(
+                            "{why} after waiting {:.0} s",
+                            wait.as_secs_f64()
+                        )))
                     }
-                }
+                },
             }
         }
     }
@@ -530,7 +535,8 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
                         busy.join(", ")
                     )));
                 };
-                if let Slot::Loaded(v) = std::mem::replace(&mut inner.entries[j].slot, Slot::Unloaded)
+                if let Slot::Loaded(v) =
+                    std::mem::replace(&mut inner.entries[j].slot, Slot::Unloaded)
                 {
                     tracing::info!(
                         target: "kiln::pool",
@@ -561,7 +567,11 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
             let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (source.load)()))
                 .unwrap_or_else(|_| Err("the load panicked".to_string()));
             let mut inner = pool.lock();
-            if let Some(e) = inner.entries.iter_mut().find(|e| e.source.name == source.name) {
+            if let Some(e) = inner
+                .entries
+                .iter_mut()
+                .find(|e| e.source.name == source.name)
+            {
                 e.last_used = Instant::now();
                 e.slot = match loaded {
                     Ok(v) => {
@@ -638,7 +648,10 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
                     return Ok(true);
                 }
                 Some(Err(in_flight)) => {
-                    if tokio::time::timeout_at(deadline, rx.changed()).await.is_err() {
+                    if tokio::time::timeout_at(deadline, rx.changed())
+                        .await
+                        .is_err()
+                    {
                         return Err(PoolError::InUse {
                             name: name.to_string(),
                             in_flight,
@@ -679,7 +692,9 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
                 let limit = self.idle_limit(&inner.entries[i]);
                 let e = &mut inner.entries[i];
                 let Some(idle) = limit else { continue };
-                if e.in_flight() == 0 && matches!(e.slot, Slot::Loaded(_)) && now - e.last_used >= idle
+                if e.in_flight() == 0
+                    && matches!(e.slot, Slot::Loaded(_))
+                    && now - e.last_used >= idle
                 {
                     tracing::info!(
                         target: "kiln::pool",

@@ -19,13 +19,13 @@ use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::access_log::{self, AccessLog};
 use crate::connections::ConnectionLimits;
+use crate::dispatch::{Pool, ServedModel, Shared};
 use crate::errors::{ApiError, ErrorShape};
 use crate::guard::Guard;
-use crate::dispatch::{Pool, ServedModel, Shared};
 use crate::loading::{gate, Readiness, Ready};
-use crate::pool::{Catalog, ModelPool, ModelSource, PoolConfig};
 use crate::metrics::Metrics;
 use crate::openai_types::unix_now;
+use crate::pool::{Catalog, ModelPool, ModelSource, PoolConfig};
 use crate::routes::{chat, completions, messages, ops, tokenize};
 use crate::state::AppState;
 
@@ -422,10 +422,12 @@ fn single(shared: &Shared, handle: EngineHandle) -> Arc<Pool> {
         memory_bytes: 0,
         pinned: true,
         path: handle.model().path.clone(),
-        load: Arc::new(|| Err("this engine was handed over; it cannot be loaded again".to_string())),
+        load: Arc::new(
+            || Err("this engine was handed over; it cannot be loaded again".to_string()),
+        ),
     };
-    let pool = ModelPool::new(vec![source], None, PoolConfig::default())
-        .expect("one model, named once");
+    let pool =
+        ModelPool::new(vec![source], None, PoolConfig::default()).expect("one model, named once");
     pool.insert_loaded(&name, ServedModel::new(shared, &name, handle, None));
     pool
 }

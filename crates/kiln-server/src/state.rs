@@ -145,8 +145,6 @@ impl AppState {
         let found = tokio::task::spawn_blocking(move || adapters.get(&owned))
             .await
             .map_err(|e| ApiError::Internal(format!("adapter task: {e}")))??;
-        found
-            .map(Some)
-            .ok_or_else(|| self.not_found(name))
+        found.map(Some).ok_or_else(|| self.not_found(name))
     }
 }

@@ -115,18 +115,30 @@ pub fn command(
             s.speculative_max_batch.to_string().into(),
         ]);
     }
-    Ok(kiln_engine::WorkerCommand { program, args })
+    Ok(kiln_engine::WorkerCommand {
+        program,
+        args,
+        watchdog: None,
+    })
 }
 
 /// The global flags among `args` (each with its value), in order.
 fn global_flags(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
-    const GLOBAL: [&str; 4] = ["--threads", "--cuda-option", "--cpu-matmul", "--kv-cache-dtype"];
+    const GLOBAL: [&str; 4] = [
+        "--threads",
+        "--cuda-option",
+        "--cpu-matmul",
+        "--kv-cache-dtype",
+    ];
     let args: Vec<OsString> = args.collect();
     let mut out = Vec::new();
     let mut i = 0;
     while i < args.len() {
         let a = args[i].to_string_lossy();
-        if let Some(flag) = GLOBAL.iter().find(|f| a == **f || a.starts_with(&format!("{f}="))) {
+        if let Some(flag) = GLOBAL
+            .iter()
+            .find(|f| a == **f || a.starts_with(&format!("{f}=")))
+        {
             out.push(args[i].clone());
             if a == *flag && i + 1 < args.len() {
                 out.push(args[i + 1].clone());
@@ -144,11 +156,30 @@ mod tests {
 
     #[test]
     fn global_flags_are_passed_on() {
-        let args = ["serve", "m.gguf", "--threads", "2", "--port", "0", "--cpu-matmul=fast", "--cuda-option", "A=1"];
+        let args = [
+            "serve",
+            "m.gguf",
+            "--threads",
+            "2",
+            "--port",
+            "0",
+            "--cpu-matmul=fast",
+            "--cuda-option",
+            "A=1",
+        ];
         let got: Vec<String> = global_flags(args.iter().map(OsString::from))
             .into_iter()
             .map(|s| s.to_string_lossy().into_owned())
             .collect();
-        assert_eq!(got, ["--threads", "2", "--cpu-matmul=fast", "--cuda-option", "A=1"]);
+        assert_eq!(
+            got,
+            [
+                "--threads",
+                "2",
+                "--cpu-matmul=fast",
+                "--cuda-option",
+                "A=1"
+            ]
+        );
     }
 }

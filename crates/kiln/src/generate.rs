@@ -145,7 +145,9 @@ pub fn run_on_engine(
                     timings,
                 })
             }
-            kiln_engine::Event::Failed { message, .. } => anyhow::bail!("generation failed: {message}"),
+            kiln_engine::Event::Failed { message, .. } => {
+                anyhow::bail!("generation failed: {message}")
+            }
             kiln_engine::Event::Progress => {}
         }
     }

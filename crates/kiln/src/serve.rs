@@ -49,6 +49,11 @@ pub struct ServeArgs {
     /// default model runs in a thread when it serves LoRA adapters.
     #[arg(long, value_enum, default_value = "process")]
     pub isolation: Isolation,
+    /// An engine process that holds requests and says nothing for this
+    /// many seconds (no token, no progress, no answer to a ping) is taken
+    /// for hung, killed and restarted (0: never).
+    #[arg(long, default_value_t = 300)]
+    pub engine_watchdog_secs: u64,
     /// Speculative decoding for the default model.
     #[command(flatten)]
     pub speculative: crate::cli::SpeculativeArgs,
@@ -312,6 +317,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         loras,
         a.memory_bytes,
         a.isolation,
+        (a.engine_watchdog_secs > 0).then(|| Duration::from_secs(a.engine_watchdog_secs)),
     ));
     // Every model planned (the plan `kiln fit` prints) before the server
     // binds: one sequence of each one's context must fit.
@@ -342,7 +348,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
         |addr| {
             let others = match models {
                 1 => String::new(),
-                n => format!(" and {} other model{}", n - 1, if n == 2 { "" } else { "s" }),
+                n => format!(
+                    " and {} other model{}",
+                    n - 1,
+                    if n == 2 { "" } else { "s" }
+                ),
             };
             eprintln!(
                 "kiln serve: `{default_name}`{others} on http://{addr} (Ctrl-C to stop); loading `{default_name}`"

@@ -117,6 +117,7 @@ pub struct Loader {
     pub loras: crate::serve::Loras,
     pub memory_bytes: Option<u64>,
     pub isolation: crate::serve::Isolation,
+    pub watchdog: Option<Duration>,
     backends: Mutex<HashMap<String, Arc<dyn Backend>>>,
 }
 
@@ -126,12 +127,14 @@ impl Loader {
         loras: crate::serve::Loras,
         memory_bytes: Option<u64>,
         isolation: crate::serve::Isolation,
+        watchdog: Option<Duration>,
     ) -> Self {
         Loader {
             speculative,
             loras,
             memory_bytes,
             isolation,
+            watchdog,
             backends: Mutex::default(),
         }
     }
@@ -167,7 +170,10 @@ fn device_key(device: &str, backend: &Arc<dyn Backend>) -> String {
 /// default model's name and what to print of it.
 pub fn spec(a: &ServeArgs, loader: Arc<Loader>) -> Result<(kiln_server::PoolSpec, String)> {
     let (entries, file) = entries(a)?;
-    let budget_flag = a.memory_budget_mib.or(file.memory_budget_mib).map(|m| m << 20);
+    let budget_flag = a
+        .memory_budget_mib
+        .or(file.memory_budget_mib)
+        .map(|m| m << 20);
     // Devices first: their budgets and how many models share each.
     let mut per_device: BTreeMap<String, (u64, usize)> = BTreeMap::new();
     let mut devices = Vec::new();
@@ -383,7 +389,10 @@ impl Plan {
                         kv_bytes,
                         speculative,
                     )
-                    .and_then(|cmd| Ok(Engine::start_process(&load_path, cmd)?))
+                    .and_then(|mut cmd| {
+                        cmd.watchdog = loader.watchdog;
+                        Ok(Engine::start_process(&load_path, cmd)?)
+                    })
                     .map(|engine| {
                         eprintln!("kiln serve: `{load_name}` runs in its own process");
                         engine
@@ -477,7 +486,10 @@ mod tests {
     #[test]
     fn model_flags_parse() {
         let e = parse_model("coder=models/q.gguf").unwrap();
-        assert_eq!((e.name.as_deref(), e.path.as_str()), (Some("coder"), "models/q.gguf"));
+        assert_eq!(
+            (e.name.as_deref(), e.path.as_str()),
+            (Some("coder"), "models/q.gguf")
+        );
         let e = parse_model("models/q.gguf").unwrap();
         assert_eq!((e.name, e.path.as_str()), (None, "models/q.gguf"));
         assert!(parse_model("=x").is_err() && parse_model("x=").is_err());
@@ -486,10 +498,16 @@ mod tests {
     #[test]
     fn the_readme_pool_file_parses() {
         let readme = include_str!("../../../README.md");
-        let start = readme.find("```toml\n").expect("a TOML example in the README") + 8;
+        let start = readme
+            .find("```toml\n")
+            .expect("a TOML example in the README")
+            + 8;
         let end = start + readme[start..].find("```").unwrap();
         let file: PoolFile = toml::from_str(&readme[start..end]).unwrap();
-        assert_eq!((file.memory_budget_mib, file.idle_unload_secs), (Some(4096), Some(600)));
+        assert_eq!(
+            (file.memory_budget_mib, file.idle_unload_secs),
+            (Some(4096), Some(600))
+        );
         assert_eq!(file.model.len(), 2);
         assert!(file.model[0].pinned && !file.model[1].pinned);
         assert_eq!(file.model[1].context, Some(8192));

@@ -14,7 +14,10 @@ use serde_json::Value;
 fn a_1_5b_model_serves_on_the_cpu_with_default_flags() {
     let model = common::model("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
     let home = tempfile::tempdir().unwrap();
-    let server = Server::start(&[model.as_os_str(), "--device".as_ref(), "cpu".as_ref()], home.path());
+    let server = Server::start(
+        &[model.as_os_str(), "--device".as_ref(), "cpu".as_ref()],
+        home.path(),
+    );
     let addr = server.addr.clone();
     // The context line comes when the plan is made, before the load.
     let context_line = server

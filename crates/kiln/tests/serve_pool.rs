@@ -78,7 +78,10 @@ fn three_models_under_a_budget_for_two() {
         let names: Vec<&str> = models.iter().map(|m| m.0.as_str()).collect();
         assert_eq!(names, ["smol", "qwen", "gemma"]);
         assert_eq!(models[0].1, "loaded", "the default model loads at start");
-        assert_eq!((models[1].1.as_str(), models[2].1.as_str()), ("unloaded", "unloaded"));
+        assert_eq!(
+            (models[1].1.as_str(), models[2].1.as_str()),
+            ("unloaded", "unloaded")
+        );
         models.into_iter().map(|m| (m.0, m.2)).collect()
     };
     let size = |n: &str| sizes.iter().find(|s| s.0 == n).unwrap().1;
@@ -108,24 +111,40 @@ fn three_models_under_a_budget_for_two() {
         assert_eq!(v["model"], name, "{v}");
         assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
         let now = loaded(addr);
-        assert!(now.contains(&name.to_string()), "{name} answered but is not listed loaded: {now:?}");
-        assert!(now.len() <= 2, "three models loaded under a budget for two: {now:?}");
+        assert!(
+            now.contains(&name.to_string()),
+            "{name} answered but is not listed loaded: {now:?}"
+        );
+        assert!(
+            now.len() <= 2,
+            "three models loaded under a budget for two: {now:?}"
+        );
         let used: u64 = now.iter().map(|n| size(n)).sum();
         assert!(used <= budget_mib << 20, "{now:?} hold {used} bytes");
         if !before.contains(&name.to_string()) {
             loads += 1;
-            assert_eq!(now.len(), (before.len() + 1).min(2), "{before:?} -> {now:?}");
+            assert_eq!(
+                now.len(),
+                (before.len() + 1).min(2),
+                "{before:?} -> {now:?}"
+            );
             if before.len() == 2 {
                 // The model that made room is the one used least recently.
                 let lru = recency.iter().find(|n| before.contains(n)).unwrap();
-                assert!(!now.contains(lru), "{before:?} -> {now:?}, {lru} was used least recently");
+                assert!(
+                    !now.contains(lru),
+                    "{before:?} -> {now:?}, {lru} was used least recently"
+                );
             }
         }
         recency.retain(|n| n != name);
         recency.push(name.to_string());
         before = now;
     }
-    assert!(loads >= 5, "alternating three models over two slots reloads ({loads})");
+    assert!(
+        loads >= 5,
+        "alternating three models over two slots reloads ({loads})"
+    );
 
     // Ollama's view agrees.
     let (status, ps) = http(addr, "GET", "/api/ps", "");
@@ -161,38 +180,81 @@ fn three_models_under_a_budget_for_two() {
     // unloads; `keep_alive` on a request sets how long the model stays.
     let gen = |body: Value| http(addr, "POST", "/api/generate", &body.to_string());
     let (status, v) = gen(json!({"model": "qwen", "keep_alive": 0}));
-    assert_eq!((status, v["done_reason"].as_str()), (200, Some("unload")), "{v}");
+    assert_eq!(
+        (status, v["done_reason"].as_str()),
+        (200, Some("unload")),
+        "{v}"
+    );
     assert!(!loaded(addr).contains(&"qwen".to_string()));
     let (status, v) = gen(json!({"model": "qwen"}));
-    assert_eq!((status, v["done_reason"].as_str()), (200, Some("load")), "{v}");
+    assert_eq!(
+        (status, v["done_reason"].as_str()),
+        (200, Some("load")),
+        "{v}"
+    );
     assert!(loaded(addr).contains(&"qwen".to_string()));
-    let (status, v) = gen(json!({"model": "qwen", "prompt": "Hi", "stream": false, "keep_alive": 0,
-                                 "options": {"num_predict": 2}}));
+    let (status, v) = gen(
+        json!({"model": "qwen", "prompt": "Hi", "stream": false, "keep_alive": 0,
+                                 "options": {"num_predict": 2}}),
+    );
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["eval_count"], 2, "{v}");
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while loaded(addr).contains(&"qwen".to_string()) {
-        assert!(std::time::Instant::now() < deadline, "keep_alive 0 did not unload qwen");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "keep_alive 0 did not unload qwen"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let (status, _) = gen(json!({"model": "gemma", "prompt": "Hi", "stream": false, "keep_alive": "10m",
-                                 "options": {"num_predict": 1}}));
+    let (status, _) = gen(
+        json!({"model": "gemma", "prompt": "Hi", "stream": false, "keep_alive": "10m",
+                                 "options": {"num_predict": 1}}),
+    );
     assert_eq!(status, 200);
     let (_, ps) = http(addr, "GET", "/api/ps", "");
-    let gemma = ps["models"].as_array().unwrap().iter().find(|m| m["name"] == "gemma").cloned().unwrap();
-    assert!(!gemma["expires_at"].as_str().unwrap().starts_with("9999"), "{gemma}");
+    let gemma = ps["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "gemma")
+        .cloned()
+        .unwrap();
+    assert!(
+        !gemma["expires_at"].as_str().unwrap().starts_with("9999"),
+        "{gemma}"
+    );
     let (status, v) = gen(json!({"model": "gemma", "keep_alive": "5 minutes"}));
     assert_eq!(status, 400, "{v}");
     assert!(v["error"].as_str().unwrap().contains("keep_alive"), "{v}");
 
     // Unload and load on request.
     let victim = loaded(addr)[0].clone();
-    let (status, v) = http(addr, "POST", "/models/unload", &json!({"model": victim}).to_string());
-    assert_eq!((status, v["was_loaded"].as_bool()), (200, Some(true)), "{v}");
+    let (status, v) = http(
+        addr,
+        "POST",
+        "/models/unload",
+        &json!({"model": victim}).to_string(),
+    );
+    assert_eq!(
+        (status, v["was_loaded"].as_bool()),
+        (200, Some(true)),
+        "{v}"
+    );
     assert!(!loaded(addr).contains(&victim));
-    let (status, v) = http(addr, "POST", "/models/load", &json!({"model": "gemma"}).to_string());
+    let (status, v) = http(
+        addr,
+        "POST",
+        "/models/load",
+        &json!({"model": "gemma"}).to_string(),
+    );
     assert_eq!(status, 200, "{v}");
     assert!(loaded(addr).contains(&"gemma".to_string()));
-    let (status, _) = http(addr, "POST", "/models/load", &json!({"model": "nope"}).to_string());
+    let (status, _) = http(
+        addr,
+        "POST",
+        "/models/load",
+        &json!({"model": "nope"}).to_string(),
+    );
     assert_eq!(status, 404);
 }

@@ -45,6 +45,10 @@ pub use worker::{report_load_failure, serve as serve_worker};
 pub struct WorkerCommand {
     pub program: PathBuf,
     pub args: Vec<OsString>,
+    /// A child that holds requests and says nothing (no token, no
+    /// progress, no answer to a ping) this long is taken for hung and
+    /// killed, failing its requests like a crash (`None`: never).
+    pub watchdog: Option<std::time::Duration>,
 }
 
 impl Engine {
@@ -54,7 +58,11 @@ impl Engine {
     /// Dropping the engine ends the process.
     pub fn start_process(path: &Path, worker: WorkerCommand) -> Result<Engine> {
         let (proxy, ready) = parent::Proxy::start(worker)?;
-        let model = Arc::new(LoadedModel::load_front(path, ready.generates, &ready.device)?);
+        let model = Arc::new(LoadedModel::load_front(
+            path,
+            ready.generates,
+            &ready.device,
+        )?);
         let (tx, rx) = std::sync::mpsc::channel();
         let status = Arc::new(supervise::StatusCell::default());
         status.set(supervise::StatusCell::RUNNING);

@@ -69,15 +69,25 @@ async fn settle(counts: &Counts, drops: usize) {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    panic!("expected {drops} drops, saw {}", counts.drops.load(Ordering::SeqCst));
+    panic!(
+        "expected {drops} drops, saw {}",
+        counts.drops.load(Ordering::SeqCst)
+    );
 }
 
 #[tokio::test]
 async fn loads_on_first_request_and_once_for_concurrent_ones() {
     let c = Arc::new(Counts::default());
-    let pool = ModelPool::new(vec![source("a", 10, &c), source("b", 10, &c)], None, config(100))
-        .unwrap();
-    assert_eq!(states(&pool), [("a".into(), "unloaded"), ("b".into(), "unloaded")]);
+    let pool = ModelPool::new(
+        vec![source("a", 10, &c), source("b", 10, &c)],
+        None,
+        config(100),
+    )
+    .unwrap();
+    assert_eq!(
+        states(&pool),
+        [("a".into(), "unloaded"), ("b".into(), "unloaded")]
+    );
     let (x, y, z) = tokio::join!(pool.acquire("a"), pool.acquire("a"), pool.acquire("a"));
     let (x, y, z) = (x.unwrap(), y.unwrap(), z.unwrap());
     assert!(Arc::ptr_eq(x.value(), y.value()) && Arc::ptr_eq(y.value(), z.value()));
@@ -94,7 +104,11 @@ async fn loads_on_first_request_and_once_for_concurrent_ones() {
 #[tokio::test]
 async fn the_least_recently_used_idle_model_makes_room() {
     let c = Arc::new(Counts::default());
-    let sources = vec![source("a", 40, &c), source("b", 40, &c), source("c", 40, &c)];
+    let sources = vec![
+        source("a", 40, &c),
+        source("b", 40, &c),
+        source("c", 40, &c),
+    ];
     let pool = ModelPool::new(sources, None, config(100)).unwrap();
     drop(pool.acquire("a").await.unwrap());
     drop(pool.acquire("b").await.unwrap());
@@ -145,7 +159,10 @@ async fn models_in_use_and_pinned_models_stay() {
     let held = pool.acquire("b").await.unwrap();
     match pool.acquire("a").await {
         Err(PoolError::Timeout(m)) => {
-            assert!(m.contains("no room") && m.contains("b (1 in flight)"), "{m}")
+            assert!(
+                m.contains("no room") && m.contains("b (1 in flight)"),
+                "{m}"
+            )
         }
         Err(e) => panic!("expected a timeout, got {e}"),
         Ok(_) => panic!("expected a timeout, got the model"),
@@ -156,8 +173,12 @@ async fn models_in_use_and_pinned_models_stay() {
 #[tokio::test]
 async fn too_large_and_unknown_models_are_refused_at_once() {
     let c = Arc::new(Counts::default());
-    let pool = ModelPool::new(vec![source("a", 40, &c), source("big", 400, &c)], None, config(100))
-        .unwrap();
+    let pool = ModelPool::new(
+        vec![source("a", 40, &c), source("big", 400, &c)],
+        None,
+        config(100),
+    )
+    .unwrap();
     match pool.acquire("big").await {
         Err(PoolError::TooLarge {
             need_mib,
@@ -198,7 +219,10 @@ async fn a_failed_load_is_reported_then_tried_again() {
     }
     assert_eq!(pool.list()[0].state, ModelState::Failed);
     // Within the pause: the same error, no new attempt.
-    assert!(matches!(pool.acquire("f").await, Err(PoolError::LoadFailed { .. })));
+    assert!(matches!(
+        pool.acquire("f").await,
+        Err(PoolError::LoadFailed { .. })
+    ));
     assert_eq!(tries.load(Ordering::SeqCst), 1);
     tokio::time::sleep(Duration::from_millis(120)).await;
     assert!(pool.acquire("f").await.is_ok());
@@ -212,8 +236,12 @@ async fn idle_models_are_unloaded_unless_pinned_or_in_use() {
     pinned.pinned = true;
     let mut cfg = config(100);
     cfg.idle_unload = Some(Duration::from_millis(50));
-    let pool = ModelPool::new(vec![pinned, source("a", 10, &c), source("b", 10, &c)], None, cfg)
-        .unwrap();
+    let pool = ModelPool::new(
+        vec![pinned, source("a", 10, &c), source("b", 10, &c)],
+        None,
+        cfg,
+    )
+    .unwrap();
     drop(pool.acquire("p").await.unwrap());
     drop(pool.acquire("a").await.unwrap());
     let held = pool.acquire("b").await.unwrap();
@@ -280,14 +308,26 @@ async fn the_catalog_adds_models_by_name() {
     )
     .unwrap();
     let names: Vec<String> = pool.list().into_iter().map(|s| s.name).collect();
-    assert_eq!(names, ["a", "shelf-model"], "unservable entries are not listed");
-    assert_eq!(pool.acquire("shelf-model").await.unwrap().name(), "shelf-model");
+    assert_eq!(
+        names,
+        ["a", "shelf-model"],
+        "unservable entries are not listed"
+    );
+    assert_eq!(
+        pool.acquire("shelf-model").await.unwrap().name(),
+        "shelf-model"
+    );
     assert_eq!(state_of(&pool, "shelf-model"), ModelState::Loaded);
     match pool.acquire("shelf-broken").await {
         Err(PoolError::Unservable(m)) => assert!(m.contains("no weights")),
         _ => panic!("expected Unservable"),
     }
-    assert!(ModelPool::new(vec![source("a", 1, &c), source("a", 1, &c)], None, config(1)).is_err());
+    assert!(ModelPool::new(
+        vec![source("a", 1, &c), source("a", 1, &c)],
+        None,
+        config(1)
+    )
+    .is_err());
 }
 
 #[tokio::test]
@@ -295,8 +335,12 @@ async fn keep_alive_overrides_the_idle_time() {
     let c = Arc::new(Counts::default());
     let mut pinned = source("p", 10, &c);
     pinned.pinned = true;
-    let pool = ModelPool::new(vec![pinned, source("a", 10, &c), source("b", 10, &c)], None, config(100))
-        .unwrap();
+    let pool = ModelPool::new(
+        vec![pinned, source("a", 10, &c), source("b", 10, &c)],
+        None,
+        config(100),
+    )
+    .unwrap();
     for n in ["p", "a", "b"] {
         drop(pool.acquire(n).await.unwrap());
     }
@@ -306,7 +350,8 @@ async fn keep_alive_overrides_the_idle_time() {
     // `keep_alive: 0` on `a`: unloaded once idle; a long one on `b` and
     // any on the pinned model keep them.
     pool.keep_alive("a", Some(Duration::ZERO)).unwrap();
-    pool.keep_alive("b", Some(Duration::from_secs(600))).unwrap();
+    pool.keep_alive("b", Some(Duration::from_secs(600)))
+        .unwrap();
     pool.keep_alive("p", Some(Duration::ZERO)).unwrap();
     let held = pool.acquire("a").await.unwrap();
     assert_eq!(pool.unload_idle(), 0, "in use");
@@ -315,7 +360,10 @@ async fn keep_alive_overrides_the_idle_time() {
     assert_eq!(state_of(&pool, "a"), ModelState::Unloaded);
     assert_eq!(state_of(&pool, "p"), ModelState::Loaded);
     let left = pool.unloads_in("b").unwrap();
-    assert!(left > Duration::from_secs(590) && left <= Duration::from_secs(600), "{left:?}");
+    assert!(
+        left > Duration::from_secs(590) && left <= Duration::from_secs(600),
+        "{left:?}"
+    );
     // Forever.
     pool.keep_alive("b", None).unwrap();
     assert_eq!(pool.unloads_in("b"), None);

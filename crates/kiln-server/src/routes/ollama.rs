@@ -24,9 +24,9 @@ use serde_json::{json, Map, Value};
 
 use crate::dispatch::ServedModel;
 use crate::errors::{ApiError, ErrorShape};
-use crate::pool::ModelStatus;
 use crate::generation::{self, ChatRender, Generate, Prepared};
 use crate::parse::{OutputParser, OutputSyntax, Piece};
+use crate::pool::ModelStatus;
 use crate::sampling::{SamplingFields, OPENAI_MAX_TEMPERATURE};
 use crate::sse::{self, StreamFormat};
 use crate::state::AppState;

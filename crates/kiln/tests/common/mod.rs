@@ -12,8 +12,14 @@ use std::time::Duration;
 
 /// A model under the repository's `models/` (fetched by scripts/fetch-models.sh).
 pub fn model(file: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models").join(file);
-    assert!(path.exists(), "{} is missing: run scripts/fetch-models.sh", path.display());
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models")
+        .join(file);
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh",
+        path.display()
+    );
     path
 }
 
@@ -96,5 +102,8 @@ pub fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     let status = out[9..12].parse().unwrap();
-    (status, out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string())
+    (
+        status,
+        out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string(),
+    )
 }

@@ -39,6 +39,12 @@ struct Worker {
     child: Child,
     socket: UnixStream,
     started: Instant,
+    /// When it last sent anything.
+    heard: Instant,
+    /// When the last ping went out (unanswered so far).
+    pinged: Option<Instant>,
+    /// Killed by the watchdog: why, for the failure message.
+    silenced: Option<String>,
 }
 
 /// What the proxy waits on: a command from a handle, a message from the
@@ -117,7 +123,10 @@ impl Proxy {
                         return;
                     }
                     Err(e) => {
-                        let _ = tx.send(Input::Closed(generation, format!("its messages broke off: {e}")));
+                        let _ = tx.send(Input::Closed(
+                            generation,
+                            format!("its messages broke off: {e}"),
+                        ));
                         return;
                     }
                 }
@@ -127,6 +136,9 @@ impl Proxy {
             child,
             socket: ours,
             started: Instant::now(),
+            heard: Instant::now(),
+            pinged: None,
+            silenced: None,
         });
         Ok(())
     }
@@ -135,16 +147,23 @@ impl Proxy {
     fn wait_ready(&mut self) -> Result<Ready> {
         loop {
             match self.inputs.1.recv() {
-                Ok(Input::Message(g, FromWorker::Ready { generates, context, device }))
-                    if g == self.generation =>
-                {
+                Ok(Input::Message(
+                    g,
+                    FromWorker::Ready {
+                        generates,
+                        context,
+                        device,
+                    },
+                )) if g == self.generation => {
                     return Ok(Ready {
                         generates,
                         context,
                         device,
                     })
                 }
-                Ok(Input::Message(g, FromWorker::LoadFailed { message })) if g == self.generation => {
+                Ok(Input::Message(g, FromWorker::LoadFailed { message }))
+                    if g == self.generation =>
+                {
                     self.reap();
                     return Err(EngineError::Config(message));
                 }
@@ -170,7 +189,9 @@ impl Proxy {
         let status = loop {
             match w.child.try_wait() {
                 Ok(Some(s)) => break s,
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
                 _ => {
                     let _ = w.child.kill();
                     match w.child.wait() {
@@ -234,6 +255,24 @@ impl Proxy {
                     }
                 }
             }
+            let busy = !(requests.is_empty() && stats.is_empty() && embeds.is_empty());
+            if let (Some(limit), Some(w), true) = (self.command.watchdog, &mut self.worker, busy) {
+                let quiet = w.heard.elapsed();
+                if w.silenced.is_none() && quiet >= limit {
+                    // Hung: a crash as far as its requests are concerned.
+                    w.silenced = Some(format!(
+                        "it answered nothing for {:.0} s",
+                        quiet.as_secs_f64()
+                    ));
+                    let _ = w.child.kill();
+                } else if quiet >= limit / 4 && w.pinged.is_none() {
+                    w.pinged = Some(Instant::now());
+                    let call = next_call;
+                    next_call += 1;
+                    // Answered between steps, so only a stuck engine stays silent.
+                    let _ = wire::write(&mut w.socket, &ToWorker::Stats { call });
+                }
+            }
             let input = match self.inputs.1.recv_timeout(CANCEL_POLL) {
                 Ok(i) => i,
                 Err(RecvTimeoutError::Timeout) => continue,
@@ -280,7 +319,10 @@ impl Proxy {
                 Input::Command(Command::Embed(job)) => {
                     let call = next_call;
                     next_call += 1;
-                    if self.send(&ToWorker::Embed { call, inputs: job.inputs }) {
+                    if self.send(&ToWorker::Embed {
+                        call,
+                        inputs: job.inputs,
+                    }) {
                         embeds.insert(call, job.reply);
                     } else {
                         let _ = job.reply.send(Err(EngineError::Restarting));
@@ -290,55 +332,67 @@ impl Proxy {
                 #[cfg(feature = "fault-injection")]
                 Input::Command(Command::InjectPanic { .. }) => {}
                 Input::Message(g, _) | Input::Closed(g, _) if g != self.generation => {}
-                Input::Message(_, message) => match message {
-                    FromWorker::Ready { .. } => {
-                        status.set(StatusCell::RUNNING);
-                        tracing::info!(target: "kiln::engine", "the engine process is back");
+                Input::Message(_, message) => {
+                    if let Some(w) = &mut self.worker {
+                        w.heard = Instant::now();
+                        w.pinged = None;
                     }
-                    FromWorker::LoadFailed { message } => {
-                        tracing::warn!(target: "kiln::engine", "the engine process could not load its model: {message}");
-                    }
-                    FromWorker::Admitted { id } => {
-                        if let Some(r) = requests.get_mut(&id) {
-                            if let Some(reply) = r.reply.take() {
-                                if reply.send(Ok(id)).is_err() {
-                                    requests.remove(&id);
+                    match message {
+                        FromWorker::Ready { .. } => {
+                            status.set(StatusCell::RUNNING);
+                            tracing::info!(target: "kiln::engine", "the engine process is back");
+                        }
+                        FromWorker::LoadFailed { message } => {
+                            tracing::warn!(target: "kiln::engine", "the engine process could not load its model: {message}");
+                        }
+                        FromWorker::Admitted { id } => {
+                            if let Some(r) = requests.get_mut(&id) {
+                                if let Some(reply) = r.reply.take() {
+                                    if reply.send(Ok(id)).is_err() {
+                                        requests.remove(&id);
+                                        self.send(&ToWorker::Cancel { id });
+                                    }
+                                }
+                            }
+                        }
+                        FromWorker::Refused { id, error } => {
+                            if let Some(r) = requests.remove(&id) {
+                                if let Some(reply) = r.reply {
+                                    let _ = reply.send(Err(error.into()));
+                                }
+                            }
+                        }
+                        FromWorker::Event { id, event } => {
+                            let last =
+                                matches!(event, Event::Finished { .. } | Event::Failed { .. });
+                            let delivered = requests
+                                .get(&id)
+                                .is_some_and(|r| r.events.send(event).is_ok());
+                            if last || !delivered {
+                                if requests.remove(&id).is_some() && !delivered {
                                     self.send(&ToWorker::Cancel { id });
                                 }
                             }
                         }
-                    }
-                    FromWorker::Refused { id, error } => {
-                        if let Some(r) = requests.remove(&id) {
-                            if let Some(reply) = r.reply {
-                                let _ = reply.send(Err(error.into()));
+                        FromWorker::Stats { call, stats: s } => {
+                            if let Some(reply) = stats.remove(&call) {
+                                let _ = reply.send(*s);
+                            }
+                        }
+                        FromWorker::Embedded { call, result } => {
+                            if let Some(reply) = embeds.remove(&call) {
+                                let _ = reply.send(result.map_err(EngineError::from));
                             }
                         }
                     }
-                    FromWorker::Event { id, event } => {
-                        let last = matches!(event, Event::Finished { .. } | Event::Failed { .. });
-                        let delivered = requests
-                            .get(&id)
-                            .is_some_and(|r| r.events.send(event).is_ok());
-                        if last || !delivered {
-                            if requests.remove(&id).is_some() && !delivered {
-                                self.send(&ToWorker::Cancel { id });
-                            }
-                        }
-                    }
-                    FromWorker::Stats { call, stats: s } => {
-                        if let Some(reply) = stats.remove(&call) {
-                            let _ = reply.send(*s);
-                        }
-                    }
-                    FromWorker::Embedded { call, result } => {
-                        if let Some(reply) = embeds.remove(&call) {
-                            let _ = reply.send(result.map_err(EngineError::from));
-                        }
-                    }
-                },
+                }
                 Input::Closed(_, why) => {
                     let ran = self.worker.as_ref().map(|w| w.started.elapsed());
+                    let why = self
+                        .worker
+                        .as_mut()
+                        .and_then(|w| w.silenced.take())
+                        .unwrap_or(why);
                     let ended = self.reap();
                     status.set(StatusCell::RESTARTING);
                     status.num_restarts.fetch_add(1, Ordering::Relaxed);

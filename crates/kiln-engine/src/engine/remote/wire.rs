@@ -20,11 +20,21 @@ const MAX_FRAME: usize = 256 << 20;
 /// To the engine process.
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) enum ToWorker {
-    Submit { id: u64, request: WireRequest },
+    Submit {
+        id: u64,
+        request: WireRequest,
+    },
     /// The caller went away: drop the request.
-    Cancel { id: u64 },
-    Stats { call: u64 },
-    Embed { call: u64, inputs: Vec<EmbedInput> },
+    Cancel {
+        id: u64,
+    },
+    Stats {
+        call: u64,
+    },
+    Embed {
+        call: u64,
+        inputs: Vec<EmbedInput>,
+    },
 }
 
 /// From the engine process.
@@ -37,11 +47,24 @@ pub(super) enum FromWorker {
         device: String,
     },
     /// The model could not be loaded; the process exits.
-    LoadFailed { message: String },
-    Admitted { id: u64 },
-    Refused { id: u64, error: WireError },
-    Event { id: u64, event: Event },
-    Stats { call: u64, stats: Box<EngineStats> },
+    LoadFailed {
+        message: String,
+    },
+    Admitted {
+        id: u64,
+    },
+    Refused {
+        id: u64,
+        error: WireError,
+    },
+    Event {
+        id: u64,
+        event: Event,
+    },
+    Stats {
+        call: u64,
+        stats: Box<EngineStats>,
+    },
     Embedded {
         call: u64,
         result: Result<Vec<Vec<f32>>, WireError>,
@@ -202,7 +225,14 @@ mod tests {
             ..GenerationRequest::new(vec![1, 2, 3], params.clone())
         };
         let mut buf = Vec::new();
-        write(&mut buf, &ToWorker::Submit { id: 9, request: WireRequest::new(request) }).unwrap();
+        write(
+            &mut buf,
+            &ToWorker::Submit {
+                id: 9,
+                request: WireRequest::new(request),
+            },
+        )
+        .unwrap();
         let event = Event::Finished {
             finish_reason: FinishReason::Length,
             usage: crate::events::Usage {
@@ -212,7 +242,14 @@ mod tests {
             },
             timings: Default::default(),
         };
-        write(&mut buf, &FromWorker::Event { id: 9, event: event.clone() }).unwrap();
+        write(
+            &mut buf,
+            &FromWorker::Event {
+                id: 9,
+                event: event.clone(),
+            },
+        )
+        .unwrap();
         let mut r = buf.as_slice();
         match read::<ToWorker>(&mut r).unwrap() {
             Some(ToWorker::Submit { id: 9, request }) => {
@@ -220,7 +257,9 @@ mod tests {
                 assert_eq!(back.prompt, [1, 2, 3]);
                 assert_eq!(back.params, params);
                 assert_eq!(back.prediction, Some(vec![5, 6]));
-                assert!(matches!(back.format, Some(kiln_structured::Format::Regex(ref s)) if s == "[a-z]+"));
+                assert!(
+                    matches!(back.format, Some(kiln_structured::Format::Regex(ref s)) if s == "[a-z]+")
+                );
             }
             other => panic!("{other:?}"),
         }
@@ -228,7 +267,10 @@ mod tests {
             Some(FromWorker::Event { id: 9, event: e }) => assert_eq!(e, event),
             other => panic!("{other:?}"),
         }
-        assert!(read::<FromWorker>(&mut r).unwrap().is_none(), "the end of the stream");
+        assert!(
+            read::<FromWorker>(&mut r).unwrap().is_none(),
+            "the end of the stream"
+        );
         // A corrupt length is refused, not allocated.
         let mut bad: &[u8] = &[0xff, 0xff, 0xff, 0xff];
         assert!(read::<FromWorker>(&mut bad).is_err());
@@ -242,7 +284,13 @@ mod tests {
             prompt_tokens: 9,
             context_length: 4,
         }));
-        assert!(matches!(long, EngineError::PromptTooLong { prompt_tokens: 9, .. }));
+        assert!(matches!(
+            long,
+            EngineError::PromptTooLong {
+                prompt_tokens: 9,
+                ..
+            }
+        ));
         assert!(matches!(
             EngineError::from(WireError::from(EngineError::Restarting)),
             EngineError::Restarting

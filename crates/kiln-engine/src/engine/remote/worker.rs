@@ -68,7 +68,10 @@ pub fn serve(engine: Engine, device: &str) -> io::Result<()> {
                 let (handle, send, cancelled) = (handle.clone(), send.clone(), cancelled.clone());
                 std::thread::spawn(move || {
                     run_request(&handle, id, request.into_request(), &flag, &send);
-                    cancelled.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                    cancelled
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id);
                 });
             }
             ToWorker::Cancel { id } => {
