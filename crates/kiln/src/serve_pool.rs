@@ -145,15 +145,25 @@ impl Loader {
         !self.loras.startup.is_empty() || self.loras.max_bytes > 0
     }
 
-    /// One backend a device string, shared by the models on it.
-    fn backend(&self, device: &str) -> Result<Arc<dyn Backend>> {
+    /// A backend for `device`: one a device, shared by the models that run
+    /// in this process (`keep`); otherwise (planning a model whose engine
+    /// runs in its own process) a passing one, so this process holds no
+    /// device context it does not use.
+    fn backend(&self, device: &str, keep: bool) -> Result<Arc<dyn Backend>> {
         let mut backends = self.backends.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(b) = backends.get(device) {
             return Ok(b.clone());
         }
         let b = crate::cli::backend_for(device)?;
-        backends.insert(device.to_string(), b.clone());
+        if keep {
+            backends.insert(device.to_string(), b.clone());
+        }
         Ok(b)
+    }
+
+    /// Whether a model's engine runs in this process.
+    fn in_process(&self, default_model: bool) -> bool {
+        self.isolation == crate::serve::Isolation::Thread || (default_model && self.has_loras())
     }
 }
 
@@ -179,7 +189,7 @@ pub fn spec(a: &ServeArgs, loader: Arc<Loader>) -> Result<(kiln_server::PoolSpec
     let mut devices = Vec::new();
     for e in &entries {
         let device = e.device.clone().unwrap_or_else(|| a.device.clone());
-        let backend = loader.backend(&device)?;
+        let backend = loader.backend(&device, false)?;
         let key = device_key(&device, &backend);
         let (_, available) = crate::fit::target_for(&device, Some(&backend), loader.memory_bytes)?;
         let slot = per_device
@@ -285,7 +295,8 @@ impl Plan {
         };
         let path = model_args.path()?;
         model_args.model = Some(path.to_string_lossy().into_owned());
-        let backend = loader.backend(&self.device)?;
+        let in_process = loader.in_process(self.default_model);
+        let backend = loader.backend(&self.device, in_process)?;
         let (target, measured) =
             crate::fit::target_for(&self.device, Some(&backend), loader.memory_bytes)?;
         let kv_mib = e.kv_mib.or(self.defaults.kv_mib);
@@ -354,9 +365,9 @@ impl Plan {
         );
         let (loader, load_path, default_model) = (loader.clone(), path.clone(), self.default_model);
         let load_name = name.clone();
-        let in_process = loader.isolation == crate::serve::Isolation::Thread
-            || (default_model && loader.has_loras());
         let device = self.device.clone();
+        // Only an engine in this process loads onto this process's backend.
+        let backend = in_process.then_some(backend);
         Ok(ModelSource {
             name,
             device: self.key,
@@ -365,7 +376,7 @@ impl Plan {
             path,
             load: Arc::new(move || {
                 let speculative = default_model.then_some(&loader.speculative);
-                let loaded = if in_process {
+                let loaded = if let Some(backend) = &backend {
                     crate::serve::load_engine(
                         &model_args,
                         &load_path,
@@ -457,7 +468,7 @@ impl Catalog<Engine> for RegistryCatalog {
 impl RegistryCatalog {
     fn plan(&self, name: &str) -> Option<Result<ModelSource<Engine>, String>> {
         let (_, path) = Self::registered().into_iter().find(|(n, _)| n == name)?;
-        let backend = self.loader.backend(&self.device);
+        let backend = self.loader.backend(&self.device, false);
         let key = match &backend {
             Ok(b) => device_key(&self.device, b),
             Err(e) => return Some(Err(format!("{e:#}"))),
