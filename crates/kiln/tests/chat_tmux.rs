@@ -312,7 +312,13 @@ fn a_second_turn_prefills_only_what_the_cache_lacks() {
     t.wait_for_prompt(1);
     t.type_line("Name a color.");
     // Typed ahead while the first answer is coming: the editor reads it
-    // whole when the next prompt opens (many keys in one read).
+    // whole when the next prompt opens (many keys in one read). Typed once
+    // the answer has begun: keys sent while the editor still held the
+    // terminal for the first line could be lost with its mode switch.
+    t.wait_for("the first answer to begin", |screen| {
+        let mut lines = screen.lines().skip_while(|l| !l.ends_with("Name a color."));
+        lines.next().is_some() && lines.next().is_some_and(|l| !l.trim().is_empty())
+    });
     t.type_line("Name another one.");
     let screen = t.wait_for_prompt(3);
     // `[N prompt tokens (C from the cache), ...]` after each answer.
