@@ -451,10 +451,10 @@ fn percent_decode(s: &str) -> String {
 /// The loaded model one of whose LoRA adapters is called `name`, when no
 /// model is.
 fn owner_of(pool: &Pool, name: &str) -> Option<String> {
-    if pool.names().iter().any(|n| n == name) {
+    if pool.has_entry(name) {
         return None;
     }
-    pool.loaded().into_iter().find_map(|(model, served)| {
+    let owner = pool.loaded().into_iter().find_map(|(model, served)| {
         served
             .engine()
             .adapters()
@@ -462,7 +462,10 @@ fn owner_of(pool: &Pool, name: &str) -> Option<String> {
             .iter()
             .any(|a| a.name == name)
             .then_some(model)
-    })
+    })?;
+    // A model the catalog knows by that name still wins (asked only here,
+    // not on every request: the catalog may read a database).
+    (!pool.names().iter().any(|n| n == name)).then_some(owner)
 }
 
 /// A pool error as the APIs answer it.
@@ -538,78 +541,93 @@ async fn health(State(pool): State<Arc<Pool>>) -> Response {
         .into_iter()
         .find(|s| s.name == default)
         .and_then(|s| s.value);
-    let mut response = match served {
+    let (code, mut body) = match served {
         Some(served) => crate::routes::ops::health_of(&served.state),
-        None => (StatusCode::OK, Json(json!({"status": "ok"}))).into_response(),
+        None => (StatusCode::OK, json!({"status": "ok"})),
     };
     if states.len() > 1 {
-        // The body is small JSON made just above; add the models to it.
-        let (parts, body) = response.into_parts();
-        let bytes = axum::body::to_bytes(body, 1 << 16)
-            .await
-            .unwrap_or_default();
-        let mut v: Value = serde_json::from_slice(&bytes).unwrap_or(json!({}));
-        v["models"] = Value::Object(states);
-        response = (parts.status, parts.headers, Json(v)).into_response();
+        body["models"] = Value::Object(states);
+    }
+    let mut response = (code, Json(body)).into_response();
+    if code != StatusCode::OK {
+        response.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        );
     }
     response
 }
 
-/// Each model's entry in `/v1/models`.
-async fn models(State(pool): State<Arc<Pool>>) -> Json<Value> {
-    let mut data = Vec::new();
-    for s in pool.list() {
-        let status = json!({
-            "status": s.state.as_str(),
-            "device": s.device,
-            "memory_bytes": s.memory_bytes,
-            "pinned": s.pinned,
-            "in_flight": s.in_flight,
-            "error": s.error,
-        });
-        match &s.value {
-            Some(served) => {
-                // Flattened rather than merged as values, so the card's
-                // f32 fields keep their shortest spelling (0.8, not
-                // 0.800000011920929).
-                #[derive(serde::Serialize)]
-                struct Listed<'a> {
-                    #[serde(flatten)]
-                    card: crate::openai_types::ModelCard,
-                    #[serde(flatten)]
-                    status: &'a Value,
-                }
-                for card in crate::routes::ops::model_cards(&served.state) {
-                    let text = serde_json::to_string(&Listed {
-                        card,
-                        status: &status,
-                    })
-                    .unwrap_or_default();
-                    data.push(serde_json::from_str(&text).unwrap_or_default());
-                }
-            }
-            None => {
-                let mut card = json!({
-                    "id": s.name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "kiln",
-                    "root": s.path.display().to_string(),
-                });
-                merge(&mut card, &status);
-                data.push(card);
-            }
-        }
-    }
-    Json(json!({"object": "list", "data": data}))
+/// A model's (or adapter's) entry in `/v1/models`: its card, then where
+/// it stands in the pool.
+#[derive(serde::Serialize)]
+struct Listed<'a> {
+    #[serde(flatten)]
+    card: Card,
+    status: &'static str,
+    device: &'a str,
+    memory_bytes: u64,
+    pinned: bool,
+    in_flight: usize,
+    error: Option<&'a str>,
 }
 
-fn merge(into: &mut Value, from: &Value) {
-    if let (Value::Object(a), Value::Object(b)) = (into, from) {
-        for (k, v) in b {
-            a.insert(k.clone(), v.clone());
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum Card {
+    /// A loaded model's card (its context and sampling defaults known).
+    Served(crate::openai_types::ModelCard),
+    /// A model not loaded: its name and where its weights are.
+    Unloaded {
+        id: String,
+        object: &'static str,
+        created: u64,
+        owned_by: &'static str,
+        root: String,
+    },
+}
+
+/// Every model's entries in `/v1/models` (a loaded one's adapters too).
+async fn models(State(pool): State<Arc<Pool>>) -> Response {
+    let list = pool.list();
+    let mut data = Vec::new();
+    for s in &list {
+        let listed = |card| Listed {
+            card,
+            status: s.state.as_str(),
+            device: &s.device,
+            memory_bytes: s.memory_bytes,
+            pinned: s.pinned,
+            in_flight: s.in_flight,
+            error: s.error.as_deref(),
+        };
+        match &s.value {
+            Some(served) => data.extend(
+                crate::routes::ops::model_cards(&served.state)
+                    .into_iter()
+                    .map(|c| listed(Card::Served(c))),
+            ),
+            None => data.push(listed(Card::Unloaded {
+                id: s.name.clone(),
+                object: "model",
+                created: 0,
+                owned_by: "kiln",
+                root: s.path.display().to_string(),
+            })),
         }
     }
+    // Typed all the way, so the cards' f32 fields keep their shortest
+    // spelling (0.8, not 0.800000011920929 as through a `Value`).
+    #[derive(serde::Serialize)]
+    struct List<'a> {
+        object: &'static str,
+        data: Vec<Listed<'a>>,
+    }
+    Json(List {
+        object: "list",
+        data,
+    })
+    .into_response()
 }
 
 /// Ollama's list of models: every model the pool serves.

@@ -299,6 +299,11 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
 
+    /// Whether `name` is a configured model (or one the catalog gave).
+    pub fn has_entry(&self, name: &str) -> bool {
+        self.lock().entries.iter().any(|e| e.source.name == name)
+    }
+
     /// Every name the pool serves or can load.
     pub fn names(&self) -> Vec<String> {
         let inner = self.lock();
@@ -499,15 +504,7 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
                     budget_mib: budget >> 20,
                 });
             }
-            let used = |inner: &Inner<T>| -> u64 {
-                inner
-                    .entries
-                    .iter()
-                    .filter(|e| e.source.device == device && e.holds_memory())
-                    .map(|e| e.source.memory_bytes)
-                    .sum()
-            };
-            while used(inner) + need > budget {
+            while inner.used_bytes(&device) + need > budget {
                 // The least recently used idle, unpinned, loaded model.
                 let victim = inner
                     .entries
@@ -749,8 +746,14 @@ impl<T: Send + Sync + 'static> ModelPool<T> {
 
     /// Bytes the loaded and loading models hold on `device`.
     pub fn used_bytes(&self, device: &str) -> u64 {
-        self.lock()
-            .entries
+        self.lock().used_bytes(device)
+    }
+}
+
+impl<T> Inner<T> {
+    /// Bytes the loaded and loading models hold on `device`.
+    fn used_bytes(&self, device: &str) -> u64 {
+        self.entries
             .iter()
             .filter(|e| e.source.device == device && e.holds_memory())
             .map(|e| e.source.memory_bytes)

@@ -46,7 +46,6 @@ pub fn run(a: WorkerArgs) -> Result<()> {
         quantize: a.quantize,
     };
     let loaded = model_args.backend().and_then(|backend| {
-        let device = backend.name().to_string();
         crate::serve::load_engine(
             &model_args,
             &path,
@@ -56,12 +55,11 @@ pub fn run(a: WorkerArgs) -> Result<()> {
             None,
             a.with_speculation.then_some(&a.speculative),
         )
-        .map(|(engine, note)| (engine, note, device))
     });
     match loaded {
-        Ok((engine, note, device)) => {
+        Ok((engine, note)) => {
             eprintln!("kiln engine `{}`: {note}", a.name);
-            kiln_engine::serve_worker(engine, &device)?;
+            kiln_engine::serve_worker(engine)?;
             Ok(())
         }
         Err(e) => {

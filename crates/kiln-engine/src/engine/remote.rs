@@ -58,11 +58,7 @@ impl Engine {
     /// Dropping the engine ends the process.
     pub fn start_process(path: &Path, worker: WorkerCommand) -> Result<Engine> {
         let (proxy, ready) = parent::Proxy::start(worker)?;
-        let model = Arc::new(LoadedModel::load_front(
-            path,
-            ready.generates,
-            &ready.device,
-        )?);
+        let model = Arc::new(LoadedModel::load_front(path, ready.generates)?);
         let (tx, rx) = std::sync::mpsc::channel();
         let status = Arc::new(supervise::StatusCell::default());
         status.set(supervise::StatusCell::RUNNING);
@@ -117,9 +113,8 @@ impl CausalLm for FrontModel {
 impl LoadedModel {
     /// `path`'s tokenizer, chat template, configuration and sampling
     /// defaults, without its weights (their engine runs in another
-    /// process, on `device`).
-    pub fn load_front(path: &Path, generates: bool, device: &str) -> Result<Self> {
-        let _ = device;
+    /// process; it reports its device in [`super::EngineStats`]).
+    pub fn load_front(path: &Path, generates: bool) -> Result<Self> {
         let mut front = LoadedModel::load_parts(path, |config| {
             Ok(Box::new(FrontModel {
                 config,

@@ -3,7 +3,7 @@
 //! `dispatch` answer them).
 
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kiln_engine::{EngineStats, EngineStatus};
@@ -16,21 +16,14 @@ use crate::state::AppState;
 /// 200 once the model is loaded and the engine runs (before that, the
 /// loading gate answers 503); 503 while the engine restarts after a
 /// failure, or after it stopped.
-pub(crate) fn health_of(state: &AppState) -> Response {
+pub(crate) fn health_of(state: &AppState) -> (StatusCode, Value) {
     let restarts = state.engine.num_restarts();
-    let status = match state.engine.status() {
-        EngineStatus::Running => {
-            return Json(json!({"status": "ok", "restarts": restarts})).into_response()
-        }
-        EngineStatus::Restarting => "restarting",
-        EngineStatus::Stopped => "stopped",
+    let (code, status) = match state.engine.status() {
+        EngineStatus::Running => (StatusCode::OK, "ok"),
+        EngineStatus::Restarting => (StatusCode::SERVICE_UNAVAILABLE, "restarting"),
+        EngineStatus::Stopped => (StatusCode::SERVICE_UNAVAILABLE, "stopped"),
     };
-    let body = json!({"status": status, "restarts": restarts});
-    let mut response = (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
-    response
-        .headers_mut()
-        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    response
+    (code, json!({"status": status, "restarts": restarts}))
 }
 
 /// The engine's counters, read off the async threads (the engine answers

@@ -30,7 +30,6 @@ const STABLE: Duration = Duration::from_secs(60);
 pub(super) struct Ready {
     pub(super) generates: bool,
     pub(super) context: usize,
-    pub(super) device: String,
 }
 
 /// One running child: its process, the socket to it, and the thread that
@@ -147,19 +146,10 @@ impl Proxy {
     fn wait_ready(&mut self) -> Result<Ready> {
         loop {
             match self.inputs.1.recv() {
-                Ok(Input::Message(
-                    g,
-                    FromWorker::Ready {
-                        generates,
-                        context,
-                        device,
-                    },
-                )) if g == self.generation => {
-                    return Ok(Ready {
-                        generates,
-                        context,
-                        device,
-                    })
+                Ok(Input::Message(g, FromWorker::Ready { generates, context }))
+                    if g == self.generation =>
+                {
+                    return Ok(Ready { generates, context })
                 }
                 Ok(Input::Message(g, FromWorker::LoadFailed { message }))
                     if g == self.generation =>
@@ -235,16 +225,23 @@ impl Proxy {
         // While the child restarts: when the next one starts, and the pause.
         let mut restart_at: Option<Instant> = None;
         let mut backoff = FIRST_BACKOFF;
+        let mut scanned = Instant::now();
         loop {
-            // Callers that went away: their requests end in the child.
-            let gone: Vec<u64> = requests
-                .iter()
-                .filter(|(_, r)| r.abandoned.load(Ordering::Acquire))
-                .map(|(&id, _)| id)
-                .collect();
-            for id in gone {
-                requests.remove(&id);
-                self.send(&ToWorker::Cancel { id });
+            // Callers that went away: their requests end in the child. Looked
+            // for once a poll period, not at every message (a request whose
+            // caller left is also cancelled when its next event finds no
+            // receiver).
+            if scanned.elapsed() >= CANCEL_POLL {
+                scanned = Instant::now();
+                let gone: Vec<u64> = requests
+                    .iter()
+                    .filter(|(_, r)| r.abandoned.load(Ordering::Acquire))
+                    .map(|(&id, _)| id)
+                    .collect();
+                for id in gone {
+                    requests.remove(&id);
+                    self.send(&ToWorker::Cancel { id });
+                }
             }
             if let Some(at) = restart_at {
                 if Instant::now() >= at {

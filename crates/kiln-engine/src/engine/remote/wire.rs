@@ -44,7 +44,6 @@ pub(super) enum FromWorker {
     Ready {
         generates: bool,
         context: usize,
-        device: String,
     },
     /// The model could not be loaded; the process exits.
     LoadFailed {

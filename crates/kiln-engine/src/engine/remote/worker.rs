@@ -37,9 +37,9 @@ pub fn report_load_failure(message: &str) {
     }
 }
 
-/// Serves `engine` (running on `device`) to the server that started this
+/// Serves `engine` to the server that started this
 /// process, until it closes the connection; then the engine stops.
-pub fn serve(engine: Engine, device: &str) -> io::Result<()> {
+pub fn serve(engine: Engine) -> io::Result<()> {
     let socket = socket()?;
     let mut reader = socket.try_clone()?;
     let writer = Arc::new(Mutex::new(socket));
@@ -54,7 +54,6 @@ pub fn serve(engine: Engine, device: &str) -> io::Result<()> {
     send(&FromWorker::Ready {
         generates: handle.model().model.generates(),
         context: handle.context_length(),
-        device: device.to_string(),
     });
     let cancelled: Arc<Mutex<HashMap<u64, Arc<AtomicBool>>>> = Arc::default();
     while let Some(message) = wire::read::<ToWorker>(&mut reader)? {
