@@ -90,7 +90,7 @@ if has kv32k; then
   for v in auto fp8 fp8-u8; do
     kv=${v%-u8}; defs=""; [ "$v" = fp8-u8 ] && defs="KILN_DECODE_FP8_U=8"
     KILN_KERNEL_DEFINES=$defs timeout 240 "$K" --kv-cache-dtype $kv bench --device cuda -m "$W/ck8b" --prompt-tokens 32512 --gen-tokens 128 --runs 2 > "$OUT/decode32k-kv-$v.json" 2> "$OUT/decode32k-kv-$v.err"; el "decode 32k kv=$v rc=$?"
-    bench_line "$OUT/decode32k-kv-$v.json" "decode32k kv=$v"
+    bench_line "$OUT/decode32k-kv-$v.json" "decode32k kv=$v" || tail -c 600 "$OUT/decode32k-kv-$v.err"
   done
 fi
 if has parity; then

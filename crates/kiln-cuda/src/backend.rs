@@ -541,6 +541,9 @@ impl Sampling for CudaBackend {
     }
 }
 
+/// In no tensor-parallel group yet: NCCL collectives are not built.
+impl kiln_tensor::Collectives for CudaBackend {}
+
 impl StepRecording for CudaBackend {
     fn run_step(
         &self,

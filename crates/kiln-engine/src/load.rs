@@ -78,18 +78,31 @@ impl LoadedModel {
         progress: Option<LoadProgress<'_>>,
         quantize: Option<QuantFormat>,
     ) -> Result<Self> {
+        Self::load_split(path, vec![backend], progress, quantize)
+    }
+
+    /// [`LoadedModel::load_with`] over several backends: the ranks of a
+    /// tensor-parallel group, rank `r` on `backends[r]`
+    /// ([`kiln_models::load_tensor_parallel`]); one backend is the whole
+    /// model on it.
+    pub fn load_split(
+        path: &Path,
+        mut backends: Vec<Arc<dyn Backend>>,
+        progress: Option<LoadProgress<'_>>,
+        quantize: Option<QuantFormat>,
+    ) -> Result<Self> {
         let start = Instant::now();
         let (weights, parts) = Self::open(path)?;
         let config = parts.config.clone();
+        let load = |source: &dyn kiln_formats::WeightSource| match backends.len() {
+            1 => load_model_with_progress(backends.remove(0), source, config, progress),
+            _ => kiln_models::load_tensor_parallel(backends, source, config, progress),
+        };
         let model = match (weights, quantize) {
-            (Opened::Gguf(w), None) => load_model_with_progress(backend, &w, config, progress)?,
-            (Opened::Gguf(w), Some(f)) => {
-                load_model_with_progress(backend, &Quantizing::new(w, f)?, config, progress)?
-            }
-            (Opened::Dir(w), None) => load_model_with_progress(backend, &w, config, progress)?,
-            (Opened::Dir(w), Some(f)) => {
-                load_model_with_progress(backend, &Quantizing::new(w, f)?, config, progress)?
-            }
+            (Opened::Gguf(w), None) => load(&w)?,
+            (Opened::Gguf(w), Some(f)) => load(&Quantizing::new(w, f)?)?,
+            (Opened::Dir(w), None) => load(&w)?,
+            (Opened::Dir(w), Some(f)) => load(&Quantizing::new(w, f)?)?,
         };
         let mut loaded = Self::assemble(path, model, parts)?;
         loaded.load_seconds = start.elapsed().as_secs_f64();

@@ -265,6 +265,7 @@ impl Sampling for DeviceSampling {
 }
 
 impl StepRecording for DeviceSampling {}
+impl kiln_tensor::Collectives for DeviceSampling {}
 
 fn load(device: bool) -> (LoadedModel, Option<Arc<DeviceSampling>>) {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

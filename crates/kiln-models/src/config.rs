@@ -73,6 +73,9 @@ pub struct ModelConfig {
     pub layer_kv: Vec<LayerKv>,
     /// The keys only the model's family reads.
     pub family: FamilyConfig,
+    /// The rank of a tensor-parallel model this config is a part of
+    /// (`crate::tp::shard_config`); `None` for a whole model.
+    pub tensor_parallel: Option<crate::tp::TpShard>,
 }
 
 /// One layer's keys and values: `num_kv_heads` heads of `head_dim` a token,
@@ -259,6 +262,7 @@ impl ModelConfig {
             layer_kinds,
             layer_kv,
             family,
+            tensor_parallel: None,
         })
     }
 

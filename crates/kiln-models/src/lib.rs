@@ -15,6 +15,7 @@ pub mod layers;
 pub mod lora;
 pub mod random;
 pub mod registry;
+pub mod tp;
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ pub use config::{ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use layers::{LoadProgress, WeightBytes};
 pub use registry::{decode_share, family, load_model, load_model_with_progress, tensor_shapes};
+pub use tp::{load_tensor_parallel, TensorParallelLm, TpShard};
 
 /// A decoder-only language model.
 pub trait CausalLm: Send + Sync {

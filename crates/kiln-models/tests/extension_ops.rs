@@ -104,6 +104,7 @@ impl Ops for Basics {
 impl Sampling for Basics {}
 
 impl StepRecording for Basics {}
+impl kiln_tensor::Collectives for Basics {}
 
 fn tiny() -> (ModelConfig, RandomWeights) {
     let mut c = preset("tiny").unwrap();

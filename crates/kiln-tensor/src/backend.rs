@@ -364,12 +364,15 @@ impl KvCache {
 }
 
 /// A backend: where tensors live and what computes on them, split by
-/// concern into [`Memory`], [`Ops`], [`Sampling`] and [`StepRecording`].
-/// Models hold an `Arc<dyn Backend>` and call the methods of all four on
+/// concern into [`Memory`], [`Ops`], [`Sampling`], [`StepRecording`] and
+/// [`crate::Collectives`] (tensor parallelism).
+/// Models hold an `Arc<dyn Backend>` and call the methods of all of them on
 /// it. Tensors are row-major; "rows" are tokens. Implementations must
 /// match the CPU backend within the tolerance their cross-backend tests
 /// state.
-pub trait Backend: Memory + Ops + Sampling + StepRecording + Send + Sync {
+pub trait Backend:
+    Memory + Ops + Sampling + StepRecording + crate::collective::Collectives + Send + Sync
+{
     /// A short name for logs and errors (`cpu`, `cuda:0`).
     fn name(&self) -> &'static str;
 

@@ -16,6 +16,7 @@
 //! [`AttentionParams`], [`TensorError`].
 
 pub mod backend;
+pub mod collective;
 pub mod cpu;
 pub mod error;
 pub mod extension;
@@ -32,6 +33,7 @@ pub use backend::{
     AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, Memory, Ops,
     QkNorm, RopeParams, SampleRow, SampledRow, Sampling, SeqSlice, SeqState, StepFn, StepRecording,
 };
+pub use collective::{Collectives, HostGroup, HostRank};
 pub use error::{Result, TensorError};
 pub use extension::{require_extensions, ExtensionOp, GeluErf, LayerNorm, SoftCap};
 pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
@@ -42,8 +44,9 @@ pub use recurrent::{GatedDeltaNet, RecurrentMixer, ShortConv, StateShape};
 pub use tensor::{DType, Tensor};
 pub use weight::{BlockPart, BlockWeight, Weight, WeightKind};
 
-/// The four traits a backend is made of, for code that calls their methods
+/// The traits a backend is made of, for code that calls their methods
 /// on a concrete backend type (`dyn Backend` needs no import).
 pub mod prelude {
     pub use crate::backend::{Backend, Memory, Ops, Sampling, StepRecording};
+    pub use crate::collective::Collectives;
 }

@@ -357,6 +357,30 @@ impl StepRecording for ProfilingBackend {
     }
 }
 
+impl crate::collective::Collectives for ProfilingBackend {
+    fn tp_rank(&self) -> (usize, usize) {
+        self.inner.tp_rank()
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        self.timed("all_reduce_sum", || self.inner.all_reduce_sum(x))
+    }
+
+    fn all_gather_columns(&self, x: &Tensor, keep: &[usize]) -> Result<Tensor> {
+        self.timed("all_gather_columns", || {
+            self.inner.all_gather_columns(x, keep)
+        })
+    }
+
+    fn abort_collectives(&self) {
+        self.inner.abort_collectives()
+    }
+
+    fn reset_collectives(&self) {
+        self.inner.reset_collectives()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

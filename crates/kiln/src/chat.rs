@@ -64,6 +64,7 @@ fn start_engine(a: &ChatArgs) -> Result<Engine> {
         kv_pool_bytes: None,
         quantize: a.model.quantize,
         adapter_bytes: 0,
+        tensor_parallel: a.model.tensor_parallel as usize,
     };
     let fit = crate::fit::check(&path, &query)?;
     if !fit.fits {

@@ -99,6 +99,11 @@ pub struct ModelArgs {
     /// keep their blocks.
     #[arg(long, value_parser = crate::quantize::parse_quant_type)]
     pub quantize: Option<kiln_quant::QuantFormat>,
+    /// Split the model over N ranks (tensor parallel; llama- and
+    /// moe-family models): on the CPU, N ranks sharing its threads, each
+    /// with its shard of the weights and the KV cache.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tensor_parallel: u32,
 }
 
 /// Include directories for NVRTC: $KILN_CUDA_HOME's wheel layout, then
@@ -239,6 +244,33 @@ pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
     }
 }
 
+/// The `n` ranks of a tensor-parallel group on `device`: on the CPU, ranks
+/// of an in-process group, each on its share of the threads.
+fn tensor_parallel_backends(device: &str, n: usize) -> Result<Vec<Arc<dyn kiln_tensor::Backend>>> {
+    let on_cpu = match device {
+        "cpu" => true,
+        "auto" => !kiln_cuda::driver_available(),
+        _ => false,
+    };
+    if !on_cpu {
+        anyhow::bail!(
+            "--tensor-parallel {n} on {device}: GPU tensor parallelism (NCCL) is not in this \
+             build yet; the CPU runs it (--device cpu)"
+        );
+    }
+    let group = kiln_tensor::HostGroup::new(n);
+    let threads = (rayon::current_num_threads() / n).max(1);
+    (0..n)
+        .map(|r| -> Result<Arc<dyn kiln_tensor::Backend>> {
+            Ok(Arc::new(cpu_backend().in_group(
+                group.clone(),
+                r,
+                threads,
+            )?))
+        })
+        .collect()
+}
+
 impl ModelArgs {
     /// The model's path: the default model, an existing path, or the one
     /// registered model the query names.
@@ -266,12 +298,17 @@ impl ModelArgs {
         backend_for(&self.device)
     }
 
-    /// Load onto a given backend (e.g. a profiling wrapper).
+    /// Load onto a given backend (e.g. a profiling wrapper), or with
+    /// `--tensor-parallel N` onto the N ranks of `--device` instead.
     pub fn load_on(&self, backend: Arc<dyn kiln_tensor::Backend>) -> Result<LoadedModel> {
         let path = self.path()?;
+        let backends = match self.tensor_parallel {
+            0 | 1 => vec![backend],
+            n => tensor_parallel_backends(&self.device, n as usize)?,
+        };
         let bar = LoadBar::new();
         let progress = |done: u64, total: u64| bar.update(done, total);
-        let loaded = LoadedModel::load_with(&path, backend, Some(&progress), self.quantize)
+        let loaded = LoadedModel::load_split(&path, backends, Some(&progress), self.quantize)
             .with_context(|| format!("loading {}", path.display()));
         bar.finish();
         loaded

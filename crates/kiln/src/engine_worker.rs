@@ -36,6 +36,8 @@ pub struct WorkerArgs {
     /// Whether `speculative` applies.
     #[arg(long)]
     pub with_speculation: bool,
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel: u32,
 }
 
 pub fn run(a: WorkerArgs) -> Result<()> {
@@ -44,6 +46,7 @@ pub fn run(a: WorkerArgs) -> Result<()> {
         model: Some(a.model.clone()),
         device: a.device.clone(),
         quantize: a.quantize,
+        tensor_parallel: a.tensor_parallel,
     };
     let loaded = model_args.backend().and_then(|backend| {
         crate::serve::load_engine(
@@ -77,6 +80,7 @@ pub fn command(
     path: &Path,
     device: &str,
     quantize: Option<kiln_quant::QuantFormat>,
+    tensor_parallel: u32,
     context: usize,
     kv_bytes: Option<usize>,
     speculative: Option<&SpeculativeArgs>,
@@ -92,6 +96,12 @@ pub fn command(
         args.extend(["--quantize".into(), q.name().into()]);
     }
     args.extend(["--context".into(), context.to_string().into()]);
+    if tensor_parallel > 1 {
+        args.extend([
+            "--tensor-parallel".into(),
+            tensor_parallel.to_string().into(),
+        ]);
+    }
     if let Some(b) = kv_bytes {
         args.extend(["--kv-bytes".into(), b.to_string().into()]);
     }

@@ -50,6 +50,11 @@ pub struct FitArgs {
     /// model (repeatable).
     #[arg(long)]
     pub lora: Vec<String>,
+    /// Plan one rank of a model split over N GPUs (tensor parallel): its
+    /// share of the weights and KV heads, on each device's memory; a
+    /// degree the model's heads or sizes do not split over is refused.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tensor_parallel: u32,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -190,6 +195,8 @@ pub struct FitQuery {
     pub quantize: Option<QuantFormat>,
     /// What LoRA adapters may hold.
     pub adapter_bytes: u64,
+    /// Ranks the model is split over (1: whole); the plan is one rank's.
+    pub tensor_parallel: usize,
 }
 
 /// The memory plan for the model at `path` (`kiln fit` prints it, `kiln
@@ -198,6 +205,16 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
     let config = kiln_registry::hf_config(path)?;
     let config = ModelConfig::from_hf(&config)
         .with_context(|| format!("reading the config of {}", path.display()))?;
+    let mut blocks = block_bytes(path, q.quantize, q.target.on_device)?;
+    let config = match q.tensor_parallel {
+        0 | 1 => config,
+        n => {
+            let rank = kiln_models::tp::shard_config(&config, 0, n)
+                .with_context(|| format!("splitting {} over {n} ranks", path.display()))?;
+            rank_share(&config, &rank, &mut blocks)?;
+            rank
+        }
+    };
     let input = FitInput {
         context: q.context,
         config: &config,
@@ -205,11 +222,30 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
         batch: q.batch,
         kv_pool_bytes: q.kv_pool_bytes,
         available_bytes: q.available_bytes,
-        file_bytes: file_bytes(path),
-        block_bytes: &block_bytes(path, q.quantize, q.target.on_device)?,
+        file_bytes: file_bytes(path) / q.tensor_parallel.max(1) as u64,
+        block_bytes: &blocks,
         adapter_bytes: q.adapter_bytes,
     };
     Ok(fit(&input)?)
+}
+
+/// `blocks` (a whole model's block weights' bytes, by name) cut to what
+/// one rank of `rank`'s split holds: each weight's bytes in the ratio of
+/// its rank shape to its whole shape.
+fn rank_share(
+    whole: &ModelConfig,
+    rank: &ModelConfig,
+    blocks: &mut HashMap<String, u64>,
+) -> Result<()> {
+    let full: HashMap<String, Vec<usize>> =
+        kiln_models::tensor_shapes(whole)?.into_iter().collect();
+    for (name, shape) in kiln_models::tensor_shapes(rank)? {
+        if let (Some(b), Some(f)) = (blocks.get_mut(&name), full.get(&name)) {
+            let (part, all) = (shape.iter().product::<usize>(), f.iter().product::<usize>());
+            *b = (*b as u128 * part as u128 / all.max(1) as u128) as u64;
+        }
+    }
+    Ok(())
 }
 
 pub fn report_json(path: &Path, r: &FitReport) -> serde_json::Value {
@@ -254,6 +290,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         model: a.model.clone(),
         device: a.device.clone(),
         quantize: a.quantize,
+        tensor_parallel: a.tensor_parallel,
     }
     .path()?;
     let (target, available_bytes) = target_for(&a.device, None, a.memory_bytes)?;
@@ -269,12 +306,21 @@ pub fn run(a: FitArgs) -> Result<()> {
             .iter()
             .map(|p| kiln_models::lora::peft_bytes(std::path::Path::new(p)))
             .sum::<Result<u64, _>>()?,
+        tensor_parallel: a.tensor_parallel as usize,
     };
     let report = check(&path, &query)?;
     if a.json {
-        println!("{}", report_json(&path, &report));
+        let mut j = report_json(&path, &report);
+        j["tensor_parallel"] = json!(a.tensor_parallel);
+        println!("{j}");
     } else {
-        println!("{}:", path.display());
+        match a.tensor_parallel {
+            1 => println!("{}:", path.display()),
+            n => println!(
+                "{} split over {n} ranks (tensor parallel); each rank's device:",
+                path.display()
+            ),
+        }
         print!("{report}");
     }
     if !report.fits {

@@ -75,6 +75,10 @@ pub struct ServeArgs {
     /// keep their blocks.
     #[arg(long, value_parser = crate::quantize::parse_quant_type)]
     pub quantize: Option<kiln_quant::QuantFormat>,
+    /// Split each model over N ranks (tensor parallel; llama- and
+    /// moe-family models): on the CPU, N ranks sharing its threads.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub tensor_parallel: u32,
     /// Address to listen on; loopback by default.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,

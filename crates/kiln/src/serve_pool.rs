@@ -253,6 +253,7 @@ struct Defaults {
     context: Option<usize>,
     kv_mib: Option<usize>,
     quantize: Option<kiln_quant::QuantFormat>,
+    tensor_parallel: u32,
 }
 
 impl Defaults {
@@ -261,6 +262,7 @@ impl Defaults {
             context: a.context,
             kv_mib: a.kv_mib,
             quantize: a.quantize,
+            tensor_parallel: a.tensor_parallel,
         }
     }
 }
@@ -292,6 +294,7 @@ impl Plan {
             model: (!e.path.is_empty()).then(|| e.path.clone()),
             device: self.device.clone(),
             quantize,
+            tensor_parallel: self.defaults.tensor_parallel,
         };
         let path = model_args.path()?;
         model_args.model = Some(path.to_string_lossy().into_owned());
@@ -318,6 +321,7 @@ impl Plan {
             kv_pool_bytes: kv_mib.map(|m| (m as u64) << 20),
             quantize,
             adapter_bytes,
+            tensor_parallel: self.defaults.tensor_parallel as usize,
         };
         let mut fit = crate::fit::check(&path, &query)?;
         if !fit.fits && query.available_bytes < budget {
@@ -396,6 +400,7 @@ impl Plan {
                         &load_path,
                         &device,
                         model_args.quantize,
+                        model_args.tensor_parallel,
                         context,
                         kv_bytes,
                         speculative,

@@ -53,6 +53,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, gpt_oss_config(cfg)?)),
     check_weights: super::llama::check_weights,
+    tensor_parallel: None,
     load: |backend, source, cfg, progress| {
         Ok(Box::new(GptOss::load(backend, source, cfg, progress)?))
     },

@@ -43,6 +43,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
     check_weights: |_, _| Ok(()),
+    tensor_parallel: None,
     load: |backend, source, cfg, progress| {
         Ok(Box::new(Lfm2::load(backend, source, cfg, progress)?))
     },
@@ -499,7 +500,7 @@ impl Lfm2 {
             };
             x = blk
                 .mlp
-                .forward_pre_norm(b, &mixed, &blk.ffn_norm, &batch.lora)?;
+                .forward_pre_norm(b, &mixed, &blk.ffn_norm, &batch.lora, true)?;
         }
         let x = b.gather_rows(&x, &batch.logits_rows)?;
         if out == StepOutput::Hidden {

@@ -24,6 +24,7 @@ use crate::layers::{
     Attention, AttentionConfig, Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, Rope, SparseMoe,
     WeightLoader,
 };
+use crate::tp::{TensorParallel, TpRole};
 use crate::CausalLm;
 
 /// The registry's entry for the family.
@@ -34,10 +35,41 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, llama_config(cfg)?)),
     check_weights,
+    tensor_parallel: Some(&TENSOR_PARALLEL),
     load: |backend, source, cfg, progress| {
         Ok(Box::new(Llama::load(backend, source, cfg, progress)?))
     },
 };
+
+/// Tensor parallelism: the Megatron split of [`crate::tp`] (the family's
+/// own keys hold no size that splits).
+static TENSOR_PARALLEL: TensorParallel = TensorParallel {
+    role: tp_role,
+    shard: |f, _| Ok(f.clone()),
+};
+
+/// How a Llama-family tensor (or a sparse family's: experts by either
+/// naming, fused stacks, a shared expert) splits over tensor-parallel
+/// ranks.
+pub(crate) fn tp_role(name: &str) -> TpRole {
+    let mut it = name.rsplit('.');
+    let last = it.next().unwrap_or("");
+    let (module, bias) = match last {
+        "weight" => (it.next().unwrap_or(""), false),
+        "bias" => (it.next().unwrap_or(""), true),
+        // transformers' fused expert stacks have no suffix.
+        fused => (fused, false),
+    };
+    match module {
+        "q_proj" | "gate_proj" | "up_proj" | "w1" | "w3" => TpRole::Column,
+        "k_proj" | "v_proj" => TpRole::KvColumn,
+        "gate_up_proj" => TpRole::ColumnHalves,
+        "o_proj" | "down_proj" | "w2" if bias => TpRole::FirstRank,
+        "o_proj" | "down_proj" | "w2" => TpRole::Row,
+        "embed_tokens" | "lm_head" => TpRole::Vocab,
+        _ => TpRole::Replicated,
+    }
+}
 
 /// The keys of `config.json` only the Llama family reads.
 #[derive(Debug, Clone, PartialEq)]
@@ -141,19 +173,33 @@ pub(crate) enum Ffn {
 
 impl Ffn {
     /// `x + ffn(norm(x))`: the dense MLP with the norm and residual fused
-    /// (and the step's LoRA deltas), the sparse one after the norm.
+    /// (and the step's LoRA deltas), the sparse one after the norm;
+    /// without `x +` unless `residual` (the tensor-parallel ranks past
+    /// the first, whose partial sums are all-reduced with rank 0's).
     pub(crate) fn forward_pre_norm(
         &self,
         b: &dyn Backend,
         x: &Tensor,
         norm: &RmsNorm,
         lora: &kiln_tensor::LoraBatch,
+        residual: bool,
     ) -> Result<Tensor> {
         match self {
-            Ffn::Dense(mlp) => mlp.forward(b, x, Fuse::norm(norm).with_residual(x).with_lora(lora)),
+            Ffn::Dense(mlp) => {
+                let fuse = Fuse::norm(norm).with_lora(lora);
+                let fuse = match residual {
+                    true => fuse.with_residual(x),
+                    false => fuse,
+                };
+                mlp.forward(b, x, fuse)
+            }
             Ffn::Sparse(moe) => {
                 let h = norm.forward(b, x)?;
-                Ok(b.add(x, &moe.forward(b, &h)?)?)
+                let y = moe.forward(b, &h)?;
+                match residual {
+                    true => Ok(b.add(x, &y)?),
+                    false => Ok(y),
+                }
             }
         }
     }
@@ -475,28 +521,62 @@ impl CausalLm for Llama {
 
 impl Llama {
     /// One forward step as backend ops; `run_step` may record it.
+    ///
+    /// A tensor-parallel rank ([`crate::tp`]) looks up its vocabulary
+    /// slice's rows, adds residuals only as rank 0, all-reduces each
+    /// sub-layer's output and all-gathers the logits.
     fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
-        let mut x = b.embedding(&self.embed, &batch.token_ids)?;
+        let tp = self.cfg.tensor_parallel;
+        let mut x = match tp {
+            None => b.embedding(&self.embed, &batch.token_ids)?,
+            Some(t) => {
+                let rows = b.embedding(&self.embed, &t.local_ids(&batch.token_ids))?;
+                b.all_reduce_sum(&rows)?
+            }
+        };
+        let residual = tp.is_none_or(|t| t.is_first());
+        let reduce = |y: Tensor| -> Result<Tensor> {
+            match tp {
+                None => Ok(y),
+                Some(_) => Ok(b.all_reduce_sum(&y)?),
+            }
+        };
         for (i, blk) in self.blocks.iter().enumerate() {
             // Pre-norm blocks: each norm runs fused into the projection that
             // consumes it, each residual add into the projection that ends
             // the sub-layer.
-            let attn = Fuse::norm(&blk.input_norm)
-                .with_residual(&x)
-                .with_lora(&batch.lora);
-            x = blk
-                .attn
-                .forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
-            x = blk
-                .mlp
-                .forward_pre_norm(b, &x, &blk.post_attn_norm, &batch.lora)?;
+            let attn = Fuse::norm(&blk.input_norm).with_lora(&batch.lora);
+            let attn = match residual {
+                true => attn.with_residual(&x),
+                false => attn,
+            };
+            x = reduce(blk.attn.forward(
+                b,
+                &x,
+                attn,
+                &self.rope,
+                batch,
+                cache,
+                self.kv_slots[i],
+            )?)?;
+            x = reduce(blk.mlp.forward_pre_norm(
+                b,
+                &x,
+                &blk.post_attn_norm,
+                &batch.lora,
+                residual,
+            )?)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        match out {
-            StepOutput::Logits => self.lm_head.forward(b, &x, Fuse::norm(&self.norm)),
-            StepOutput::Hidden => self.norm.forward(b, &x),
+        match (out, tp) {
+            (StepOutput::Logits, None) => self.lm_head.forward(b, &x, Fuse::norm(&self.norm)),
+            (StepOutput::Logits, Some(t)) => {
+                let local = self.lm_head.forward(b, &x, Fuse::norm(&self.norm))?;
+                Ok(b.all_gather_columns(&local, &t.vocab_widths())?)
+            }
+            (StepOutput::Hidden, _) => self.norm.forward(b, &x),
         }
     }
 }

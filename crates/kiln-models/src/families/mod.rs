@@ -54,6 +54,9 @@ pub struct Family {
     pub tensor_shapes: fn(&ModelConfig) -> Result<Vec<(String, Vec<usize>)>>,
     /// Check the config against a checkpoint's tensor table before loading.
     pub check_weights: fn(&ModelConfig, &[StoredTensor]) -> Result<()>,
+    /// How its tensors split over tensor-parallel ranks (`None`: it runs
+    /// on one backend only).
+    pub tensor_parallel: Option<&'static crate::tp::TensorParallel>,
     /// Load the model onto a backend.
     pub load: fn(
         Arc<dyn Backend>,

@@ -30,6 +30,7 @@ use super::{Family, FamilyConfig};
 use crate::config::{err, opt_usize, FamilyLayers, ModelConfig};
 use crate::error::Result;
 use crate::layers::{ExpertNames, GatedMlp, LoadProgress, MoeShape, SparseMoe, WeightLoader};
+use crate::tp::{self, TensorParallel};
 
 /// The registry's entry for the family.
 pub static FAMILY: Family = Family {
@@ -39,6 +40,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| tensor_shapes(cfg, moe_config(cfg)?),
     check_weights,
+    tensor_parallel: Some(&TENSOR_PARALLEL),
     load,
 };
 
@@ -102,6 +104,24 @@ impl MoeConfig {
 }
 
 /// Experts beyond any released model (Qwen3-MoE has 128, DeepSeek 256).
+/// Tensor parallelism: every expert (and the shared one) split like a
+/// dense MLP ([`crate::tp`]); the router is replicated.
+static TENSOR_PARALLEL: TensorParallel = TensorParallel {
+    role: llama::tp_role,
+    shard: |f, world| {
+        let FamilyConfig::Moe(m) = f else {
+            return Ok(f.clone());
+        };
+        let mut m = m.clone();
+        m.expert_intermediate = tp::split("moe_intermediate_size", m.expert_intermediate, world)?;
+        m.shared_intermediate = m
+            .shared_intermediate
+            .map(|s| tp::split("shared_expert_intermediate_size", s, world))
+            .transpose()?;
+        Ok(FamilyConfig::Moe(m))
+    },
+};
+
 const MAX_EXPERTS: usize = 1 << 12;
 
 fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {

@@ -54,6 +54,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
     check_weights: |_, _| Ok(()),
+    tensor_parallel: None,
     load: |backend, source, cfg, progress| {
         Ok(Box::new(Qwen35::load(backend, source, cfg, progress)?))
     },
@@ -681,7 +682,7 @@ impl Qwen35 {
             };
             x = blk
                 .mlp
-                .forward_pre_norm(b, &mixed, &blk.post_norm, &batch.lora)?;
+                .forward_pre_norm(b, &mixed, &blk.post_norm, &batch.lora, true)?;
         }
         let x = b.gather_rows(&x, &batch.logits_rows)?;
         if out == StepOutput::Hidden {

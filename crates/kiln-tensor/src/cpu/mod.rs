@@ -50,11 +50,19 @@ impl CpuKvDtype {
     }
 }
 
-/// The CPU backend. Threads come from the rayon pool the caller set up.
-#[derive(Debug, Default, Clone, Copy)]
+/// The CPU backend. Threads come from the rayon pool the caller set up,
+/// or, for a rank of a tensor-parallel group, from a pool of its own.
+#[derive(Debug, Default, Clone)]
 pub struct CpuBackend {
     matmul: quant::CpuMatmul,
     kv: CpuKvDtype,
+    /// Its rank of an in-process tensor-parallel group, if in one.
+    rank: Option<crate::collective::HostRank>,
+    /// The threads its steps run on (`None`: the global pool). A rank
+    /// needs its own: ranks wait for each other inside a step, and a rank
+    /// waiting on a shared pool's thread could hold the thread another
+    /// rank's work is queued for.
+    pool: Option<Arc<rayon::ThreadPool>>,
 }
 
 impl CpuBackend {
@@ -74,6 +82,36 @@ impl CpuBackend {
     /// This backend with its KV cache kept as `dtype`.
     pub fn with_kv_dtype(self, dtype: CpuKvDtype) -> Self {
         CpuBackend { kv: dtype, ..self }
+    }
+
+    /// This backend as rank `rank` of `group` (the CPU twin of one GPU of
+    /// a tensor-parallel group), its steps on a pool of `threads` threads
+    /// of its own.
+    pub fn in_group(
+        self,
+        group: Arc<crate::collective::HostGroup>,
+        rank: usize,
+        threads: usize,
+    ) -> Result<Self> {
+        if rank >= group.world() {
+            return Err(TensorError::Shape {
+                op: "in_group",
+                detail: format!("rank {rank} of a group of {}", group.world()),
+            });
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(move |i| format!("kiln-tp{rank}-{i}"))
+            .build()
+            .map_err(|e| TensorError::Device {
+                backend: "cpu",
+                message: format!("starting rank {rank}'s threads: {e}"),
+            })?;
+        Ok(CpuBackend {
+            rank: Some(crate::collective::HostRank { group, rank }),
+            pool: Some(Arc::new(pool)),
+            ..self
+        })
     }
 
     /// The mode its packed products run in.
@@ -679,10 +717,47 @@ impl StepRecording for CpuBackend {
         cache: &mut KvCache,
         forward: &mut StepFn<'_>,
     ) -> Result<Tensor> {
+        if let Some(pool) = &self.pool {
+            return pool.install(|| forward(batch, cache));
+        }
         if rayon::current_thread_index().is_some() {
             return forward(batch, cache);
         }
         rayon::scope(|_| forward(batch, cache))
+    }
+}
+
+impl crate::collective::Collectives for CpuBackend {
+    fn tp_rank(&self) -> (usize, usize) {
+        self.rank
+            .as_ref()
+            .map_or((0, 1), |r| (r.rank, r.group.world()))
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.rank {
+            Some(r) => r.all_reduce_sum(self, x),
+            None => Ok(x.clone()),
+        }
+    }
+
+    fn all_gather_columns(&self, x: &Tensor, keep: &[usize]) -> Result<Tensor> {
+        match &self.rank {
+            Some(r) => r.all_gather_columns(self, x, keep),
+            None => Ok(x.clone()),
+        }
+    }
+
+    fn abort_collectives(&self) {
+        if let Some(r) = &self.rank {
+            r.group.abort();
+        }
+    }
+
+    fn reset_collectives(&self) {
+        if let Some(r) = &self.rank {
+            r.group.reset();
+        }
     }
 }
 

@@ -1,0 +1,595 @@
+//! Tensor parallelism: one model split over the ranks of a group, each a
+//! backend with its [`kiln_tensor::Collectives`] (NCCL on GPUs, a
+//! [`kiln_tensor::HostGroup`] on the CPU — the twin CI checks).
+//!
+//! The split is Megatron's: q/k/v and gate/up are column-parallel (each
+//! rank holds a slice of the heads and of the intermediate size, whole
+//! heads; KV heads are replicated where there are fewer than ranks),
+//! o and down are row-parallel and end in one all-reduce each, whose
+//! residual is added by rank 0 alone (inside its fused epilogue, so the
+//! sum is `residual + Σ partials`); biases of row-parallel products are
+//! held by rank 0 alone. The embedding and the output head are
+//! vocabulary-parallel: rank `r` holds rows `[r·c, (r+1)·c)` (c = ⌈V/N⌉)
+//! and one zero row, a token outside its rows is looked up as the zero
+//! row, and the looked-up rows are all-reduced (a sum with one non-zero
+//! term: exact); the head's logits are all-gathered by columns. A Mixture
+//! of Experts splits every expert (and the shared one) like a dense MLP:
+//! the router is replicated, so every rank routes alike, and the layer's
+//! output is one all-reduce.
+//!
+//! A family opts in with [`TensorParallel`] on its registry entry: which
+//! role each of its tensors plays, and its own keys cut to one rank's
+//! share. [`load_tensor_parallel`] loads each rank through a
+//! [`ShardSource`] (the rank's slices of the checkpoint, read through the
+//! family's unchanged loader with the rank's config) and returns a
+//! [`TensorParallelLm`], which runs every rank's step on its own thread.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use kiln_formats::{HostTensor, StoredTensor, WeightSource};
+use kiln_tensor::{Backend, ForwardBatch, KvCache, Tensor};
+use kiln_tensor::{QuantMatrix, SharedBytes};
+
+use crate::config::{err, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::families::FamilyConfig;
+use crate::layers::{LoadProgress, WeightBytes};
+use crate::registry;
+use crate::CausalLm;
+
+/// One rank's place in a tensor-parallel model, kept in its
+/// [`ModelConfig::tensor_parallel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpShard {
+    pub rank: usize,
+    pub world: usize,
+    /// The whole vocabulary.
+    pub vocab_size: usize,
+}
+
+impl TpShard {
+    /// Rows of the vocabulary each rank holds (the last may hold fewer).
+    pub fn vocab_chunk(&self) -> usize {
+        self.vocab_size.div_ceil(self.world)
+    }
+
+    /// The vocabulary rows rank `rank` holds.
+    pub fn vocab_range(&self, rank: usize) -> std::ops::Range<usize> {
+        let c = self.vocab_chunk();
+        let start = (rank * c).min(self.vocab_size);
+        start..((rank + 1) * c).min(self.vocab_size)
+    }
+
+    /// Tokens as this rank's embedding rows: its own ids shifted to its
+    /// slice, every other id the zero row after it.
+    pub fn local_ids(&self, ids: &[u32]) -> Vec<u32> {
+        let r = self.vocab_range(self.rank);
+        let zero = self.vocab_chunk() as u32;
+        ids.iter()
+            .map(|&t| match r.contains(&(t as usize)) {
+                true => t - r.start as u32,
+                false => zero,
+            })
+            .collect()
+    }
+
+    /// Columns of each rank's logits that are real tokens.
+    pub fn vocab_widths(&self) -> Vec<usize> {
+        (0..self.world).map(|r| self.vocab_range(r).len()).collect()
+    }
+
+    /// Whether this rank adds what is added once (residuals, biases of
+    /// row-parallel products).
+    pub fn is_first(&self) -> bool {
+        self.rank == 0
+    }
+}
+
+/// How a tensor is split over the ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpRole {
+    /// Every rank holds all of it (norms, routers).
+    Replicated,
+    /// Output rows split (the second-to-last axis; a bias's only axis).
+    Column,
+    /// Output rows split by key/value heads, replicated where there are
+    /// fewer heads than ranks.
+    KvColumn,
+    /// A fused gate|up stack: each half's output rows split.
+    ColumnHalves,
+    /// Input columns split (the last axis).
+    Row,
+    /// Rank 0 holds it, the others zeros (a row-parallel product's bias).
+    FirstRank,
+    /// Vocabulary rows: this rank's slice and one zero row.
+    Vocab,
+}
+
+/// A family's support for tensor parallelism, on its registry entry.
+pub struct TensorParallel {
+    /// The role of each of its tensors, by Hugging Face name.
+    pub role: fn(&str) -> TpRole,
+    /// Its own config keys as one of `world` ranks holds them (sizes the
+    /// split divides), or an error naming the key that does not divide.
+    pub shard: fn(&FamilyConfig, usize) -> Result<FamilyConfig>,
+}
+
+/// The size `key` has on each of `world` ranks, or why it does not split.
+pub fn split(key: &str, size: usize, world: usize) -> Result<usize> {
+    if size % world != 0 {
+        return Err(err(
+            key,
+            format!("{size} does not split over a tensor-parallel degree of {world}"),
+        ));
+    }
+    Ok(size / world)
+}
+
+/// Checks that `cfg` splits over `world` ranks (its family supports it,
+/// the heads divide, the KV heads divide or are divided), naming the key
+/// that does not.
+pub fn check_degree(cfg: &ModelConfig, world: usize) -> Result<()> {
+    shard_config(cfg, 0, world).map(|_| ())
+}
+
+/// `cfg` as rank `rank` of `world` holds it: its share of the heads, KV
+/// heads (at least one), intermediate size and the family's own sizes,
+/// and a vocabulary of its slice and the zero row.
+pub fn shard_config(cfg: &ModelConfig, rank: usize, world: usize) -> Result<ModelConfig> {
+    let family = registry::find(&cfg.model_type).ok_or_else(|| ModelError::UnsupportedModel {
+        model_type: cfg.model_type.clone(),
+        supported: registry::supported_model_types(),
+    })?;
+    let Some(tp) = family.tensor_parallel else {
+        return Err(err(
+            "model_type",
+            format!(
+                "the {} family ({}) does not run tensor parallel yet \
+                 (the llama and moe families do)",
+                family.name, cfg.model_type
+            ),
+        ));
+    };
+    if world == 0 || world > 64 {
+        return Err(err(
+            "tensor_parallel",
+            format!("a degree of {world} (1 to 64)"),
+        ));
+    }
+    let mut out = cfg.clone();
+    if world == 1 {
+        return Ok(out);
+    }
+    out.num_heads = split("num_attention_heads", cfg.num_heads, world)?;
+    let kv = cfg.num_kv_heads;
+    if kv % world != 0 && world % kv != 0 {
+        return Err(err(
+            "num_key_value_heads",
+            format!(
+                "{kv} KV heads neither split over {world} ranks nor are replicated evenly \
+                 ({world} is not a multiple of {kv})"
+            ),
+        ));
+    }
+    out.num_kv_heads = (kv / world).max(1);
+    for l in &mut out.layer_kv {
+        l.num_kv_heads = out.num_kv_heads;
+    }
+    out.intermediate_size = split("intermediate_size", cfg.intermediate_size, world)?;
+    out.family = (tp.shard)(&cfg.family, world)?;
+    let shard = TpShard {
+        rank,
+        world,
+        vocab_size: cfg.vocab_size,
+    };
+    out.vocab_size = shard.vocab_chunk() + 1;
+    out.tensor_parallel = Some(shard);
+    Ok(out)
+}
+
+/// A checkpoint as one rank sees it: each tensor its family's role gives
+/// it, sliced to the rank's part.
+pub struct ShardSource<'a> {
+    inner: &'a dyn WeightSource,
+    role: fn(&str) -> TpRole,
+    shard: TpShard,
+    /// The whole model's KV heads (how k/v rows split).
+    kv_heads: usize,
+}
+
+/// One axis of a tensor cut to `pieces` (ranges of the axis, in order;
+/// `pad` zero entries after them).
+struct Cut {
+    axis: usize,
+    pieces: Vec<std::ops::Range<usize>>,
+    pad: usize,
+}
+
+impl<'a> ShardSource<'a> {
+    pub fn new(
+        inner: &'a dyn WeightSource,
+        tp: &TensorParallel,
+        shard: TpShard,
+        kv_heads: usize,
+    ) -> Self {
+        ShardSource {
+            inner,
+            role: tp.role,
+            shard,
+            kv_heads,
+        }
+    }
+
+    /// How `name` of `shape` is cut for this rank (`None`: whole).
+    fn cut(&self, name: &str, shape: &[usize]) -> Option<Cut> {
+        let TpShard { rank, world, .. } = self.shard;
+        let n = shape.len();
+        let out_axis = n.saturating_sub(2);
+        let part = |len: usize, parts: usize, i: usize| {
+            let c = len / parts;
+            i * c..(i + 1) * c
+        };
+        match (self.role)(name) {
+            TpRole::Replicated => None,
+            TpRole::FirstRank => Some(Cut {
+                axis: 0,
+                pieces: match rank {
+                    0 => vec![0..shape[0]],
+                    _ => Vec::new(),
+                },
+                pad: if rank == 0 { 0 } else { shape[0] },
+            }),
+            TpRole::Column => Some(Cut {
+                axis: out_axis,
+                pieces: vec![part(shape[out_axis], world, rank)],
+                pad: 0,
+            }),
+            TpRole::KvColumn => {
+                let parts = world.min(self.kv_heads);
+                Some(Cut {
+                    axis: out_axis,
+                    pieces: vec![part(shape[out_axis], parts, rank * parts / world)],
+                    pad: 0,
+                })
+            }
+            TpRole::ColumnHalves => {
+                let half = shape[out_axis] / 2;
+                let p = part(half, world, rank);
+                Some(Cut {
+                    axis: out_axis,
+                    pieces: vec![p.clone(), half + p.start..half + p.end],
+                    pad: 0,
+                })
+            }
+            TpRole::Row => Some(Cut {
+                axis: n - 1,
+                pieces: vec![part(shape[n - 1], world, rank)],
+                pad: 0,
+            }),
+            TpRole::Vocab => {
+                let r = self.shard.vocab_range(rank);
+                Some(Cut {
+                    axis: 0,
+                    pad: self.shard.vocab_chunk() + 1 - r.len(),
+                    pieces: vec![r],
+                })
+            }
+        }
+    }
+
+    fn local_shape(&self, name: &str, shape: &[usize]) -> Vec<usize> {
+        let mut s = shape.to_vec();
+        if let Some(c) = self.cut(name, shape) {
+            s[c.axis] = c.pieces.iter().map(|p| p.len()).sum::<usize>() + c.pad;
+        }
+        s
+    }
+
+    /// `data` (row-major, `shape`) cut as `c` says.
+    fn apply<T: Copy + Default>(c: &Cut, shape: &[usize], data: &[T]) -> Vec<T> {
+        let outer: usize = shape[..c.axis].iter().product();
+        let inner: usize = shape[c.axis + 1..].iter().product();
+        let dim = shape[c.axis];
+        let kept: usize = c.pieces.iter().map(|p| p.len()).sum::<usize>() + c.pad;
+        let mut out = Vec::with_capacity(outer * kept * inner);
+        for o in 0..outer {
+            let base = o * dim * inner;
+            for p in &c.pieces {
+                out.extend_from_slice(&data[base + p.start * inner..base + p.end * inner]);
+            }
+            out.resize(out.len() + c.pad * inner, T::default());
+        }
+        out
+    }
+
+    /// A block matrix cut by rows, or by columns on whole blocks (`None`:
+    /// the cut splits blocks, so the caller loads it dense).
+    fn cut_blocks(&self, name: &str, m: QuantMatrix) -> Result<Option<QuantMatrix>> {
+        let shape = [m.rows(), m.cols()];
+        let Some(c) = self.cut(name, &shape) else {
+            return Ok(Some(m));
+        };
+        let (rb, format) = (m.row_bytes(), m.format());
+        let bytes: Vec<u8> = if c.axis == 0 {
+            let mut b = Vec::new();
+            for p in &c.pieces {
+                b.extend_from_slice(m.rows_bytes(p.clone()));
+            }
+            b.resize(b.len() + c.pad * rb, 0);
+            b
+        } else {
+            let bs = format.block_size();
+            if c.pieces
+                .iter()
+                .any(|p| p.start % bs != 0 || p.end % bs != 0)
+            {
+                return Ok(None);
+            }
+            let block_bytes = rb / (m.cols() / bs);
+            let all = m.rows_bytes(0..m.rows());
+            let mut b = Vec::new();
+            for row in all.chunks(rb) {
+                for p in &c.pieces {
+                    b.extend_from_slice(&row[p.start / bs * block_bytes..p.end / bs * block_bytes]);
+                }
+            }
+            b
+        };
+        let local = self.local_shape(name, &shape);
+        QuantMatrix::new(format, local[0], local[1], SharedBytes::from_vec(bytes))
+            .map(Some)
+            .map_err(|what| {
+                kiln_formats::FormatError::Invalid {
+                    path: self.inner.path().to_path_buf(),
+                    what: format!("{name} for rank {}: {what}", self.shard.rank),
+                }
+                .into()
+            })
+    }
+}
+
+impl WeightSource for ShardSource<'_> {
+    fn path(&self) -> &Path {
+        self.inner.path()
+    }
+
+    fn tensors(&self) -> Vec<StoredTensor> {
+        self.inner
+            .tensors()
+            .into_iter()
+            .map(|mut t| {
+                let local = self.local_shape(&t.name, &t.shape);
+                let (full, part) = (
+                    t.shape.iter().product::<usize>().max(1) as u64,
+                    local.iter().product::<usize>() as u64,
+                );
+                t.num_bytes = t.num_bytes * part / full;
+                t.shape = local;
+                t
+            })
+            .collect()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+
+    fn load_f32(&self, name: &str) -> kiln_formats::Result<HostTensor> {
+        let t = self.inner.load_f32(name)?;
+        Ok(match self.cut(name, &t.shape) {
+            Some(c) => HostTensor::new(
+                self.local_shape(name, &t.shape),
+                Self::apply(&c, &t.shape, &t.data),
+            ),
+            None => t,
+        })
+    }
+
+    fn load_bf16(&self, name: &str) -> kiln_formats::Result<Option<(Vec<usize>, Vec<u16>)>> {
+        Ok(self
+            .inner
+            .load_bf16(name)?
+            .map(|(shape, bits)| match self.cut(name, &shape) {
+                Some(c) => (
+                    self.local_shape(name, &shape),
+                    Self::apply(&c, &shape, &bits),
+                ),
+                None => (shape, bits),
+            }))
+    }
+
+    fn load_blocks(&self, name: &str) -> kiln_formats::Result<Option<QuantMatrix>> {
+        match self.inner.load_blocks(name)? {
+            Some(m) => self.cut_blocks(name, m).map_err(|e| match e {
+                ModelError::Format(f) => f,
+                other => kiln_formats::FormatError::Invalid {
+                    path: self.inner.path().to_path_buf(),
+                    what: other.to_string(),
+                },
+            }),
+            None => Ok(None),
+        }
+    }
+
+    fn load_bytes(
+        &self,
+        name: &str,
+    ) -> kiln_formats::Result<Option<(String, Vec<usize>, Vec<u8>)>> {
+        match (self.role)(name) {
+            TpRole::Replicated => self.inner.load_bytes(name),
+            _ => Ok(None),
+        }
+    }
+}
+
+/// A model split over the ranks of a group: each rank's part is the
+/// family's own model with the rank's config; a step runs every rank at
+/// once (rank 0 on the caller's thread) and returns rank 0's logits,
+/// which hold the whole vocabulary.
+pub struct TensorParallelLm {
+    cfg: ModelConfig,
+    ranks: Vec<Box<dyn CausalLm>>,
+    weight_bytes: WeightBytes,
+}
+
+/// A tensor-parallel model's KV cache: one a rank.
+struct RankCaches(Vec<KvCache>);
+
+/// Loads the model `config` describes from `source` split over `backends`
+/// (rank `r` on `backends[r]`, whose [`kiln_tensor::Collectives::tp_rank`]
+/// must be `(r, backends.len())`).
+pub fn load_tensor_parallel(
+    backends: Vec<Arc<dyn Backend>>,
+    source: &dyn WeightSource,
+    config: ModelConfig,
+    progress: Option<LoadProgress<'_>>,
+) -> Result<Box<dyn CausalLm>> {
+    let world = backends.len();
+    check_degree(&config, world)?;
+    let family = registry::find(&config.model_type).expect("checked by check_degree");
+    let tp = family.tensor_parallel.expect("checked by check_degree");
+    (family.check_weights)(&config, &source.tensors())?;
+    let mut ranks = Vec::with_capacity(world);
+    let mut weight_bytes = WeightBytes::default();
+    for (rank, backend) in backends.into_iter().enumerate() {
+        if backend.tp_rank() != (rank, world) {
+            return Err(err(
+                "tensor_parallel",
+                format!(
+                    "backend {rank} is rank {:?} of a group, not rank {rank} of {world}",
+                    backend.tp_rank()
+                ),
+            ));
+        }
+        let local = shard_config(&config, rank, world)?;
+        let shard = local
+            .tensor_parallel
+            .expect("a shard of a group of several");
+        let src = ShardSource::new(source, tp, shard, config.num_kv_heads);
+        let model = registry::load_model_with_progress(backend, &src, local, progress)?;
+        for (k, v) in model
+            .weight_bytes()
+            .map(|w| w.0.clone())
+            .unwrap_or_default()
+        {
+            *weight_bytes.0.entry(k).or_default() += v;
+        }
+        ranks.push(model);
+    }
+    Ok(Box::new(TensorParallelLm {
+        cfg: config,
+        ranks,
+        weight_bytes,
+    }))
+}
+
+impl TensorParallelLm {
+    /// The group's size.
+    pub fn world(&self) -> usize {
+        self.ranks.len()
+    }
+
+    fn wrap(&self, caches: Vec<KvCache>) -> KvCache {
+        let spec = caches[0].spec.clone();
+        KvCache::from_storage(spec, Box::new(RankCaches(caches)))
+    }
+
+    /// `step` on every rank at once, each with its own cache; rank 0's
+    /// result. A rank that fails aborts the group's collectives, so the
+    /// others return too.
+    fn each(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        step: impl Fn(&dyn CausalLm, &ForwardBatch, &mut KvCache) -> Result<Tensor> + Sync,
+    ) -> Result<Tensor> {
+        let Some(RankCaches(caches)) = cache.storage_mut().downcast_mut::<RankCaches>() else {
+            return Err(err(
+                "tensor_parallel",
+                "a cache this tensor-parallel model did not make".to_string(),
+            ));
+        };
+        let first = self.ranks[0].backend();
+        first.reset_collectives();
+        let run = |m: &dyn CausalLm, c: &mut KvCache| {
+            let r = step(m, batch, c);
+            if r.is_err() {
+                m.backend().abort_collectives();
+            }
+            r
+        };
+        let (head, rest) = caches.split_at_mut(1);
+        std::thread::scope(|s| {
+            let others: Vec<_> = self.ranks[1..]
+                .iter()
+                .zip(rest.iter_mut())
+                .map(|(m, c)| s.spawn(move || run(m.as_ref(), c)))
+                .collect();
+            let mine = run(self.ranks[0].as_ref(), &mut head[0]);
+            let mut first_err = None;
+            for h in others {
+                match h.join() {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => {
+                        first_err.get_or_insert(e);
+                    }
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            match (mine, first_err) {
+                (Ok(t), None) => Ok(t),
+                (Err(e), _) | (Ok(_), Some(e)) => Err(e),
+            }
+        })
+    }
+}
+
+impl CausalLm for TensorParallelLm {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn backend(&self) -> &Arc<dyn Backend> {
+        self.ranks[0].backend()
+    }
+
+    fn weight_bytes(&self) -> Option<&WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
+    fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        let caches = self
+            .ranks
+            .iter()
+            .map(|m| m.new_kv_cache(num_blocks, block_size))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.wrap(caches))
+    }
+
+    fn new_cache(&self, num_blocks: usize, block_size: usize, max_seqs: usize) -> Result<KvCache> {
+        let caches = self
+            .ranks
+            .iter()
+            .map(|m| m.new_cache(num_blocks, block_size, max_seqs))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self.wrap(caches))
+    }
+
+    fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.each(batch, cache, |m, b, c| m.forward(b, c))
+    }
+
+    fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.each(batch, cache, |m, b, c| m.hidden_states(b, c))
+    }
+
+    fn generates(&self) -> bool {
+        self.ranks[0].generates()
+    }
+
+    fn expert_load(&self) -> Vec<Vec<u64>> {
+        // Every rank routes alike (the router is replicated).
+        self.ranks[0].expert_load()
+    }
+}
