@@ -142,6 +142,39 @@ fn generate_chat_json_carries_ids_text_finish_and_timings() {
     assert!(t["decode_tokens_per_second"].as_f64().unwrap() > 0.0);
 }
 
+/// `--tensor-parallel 2` on the CPU: the model split over two ranks of one
+/// process generates what the whole model does; a degree its 4 heads do
+/// not split over is refused, naming the key.
+#[test]
+fn generate_split_over_two_ranks_gives_the_whole_models_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = random_checkpoint(dir.path(), "f32");
+    let run = |tp: &str| {
+        kiln()
+            .args(["generate", "-p", "Hello there", "--max-tokens", "12"])
+            .args([
+                "--ignore-eos",
+                "--json",
+                "--device",
+                "cpu",
+                "--tensor-parallel",
+                tp,
+                "-m",
+            ])
+            .arg(&ckpt)
+            .output()
+            .unwrap()
+    };
+    let whole = json_of(&run("1"));
+    let split = json_of(&run("2"));
+    assert_eq!(whole["token_ids"].as_array().unwrap().len(), 12);
+    assert_eq!(split["token_ids"], whole["token_ids"]);
+    let o = run("3");
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("num_attention_heads"), "{err}");
+}
+
 #[test]
 fn random_checkpoint_then_generate_with_logprobs() {
     let dir = tempfile::tempdir().unwrap();
@@ -676,6 +709,38 @@ fn a_32b_q4_k_m_fits_a_24_gib_card_with_an_8k_context() {
         j["kv_bytes_per_token"].as_f64().unwrap(),
         "{j8}"
     );
+    // Split over two 16 GiB cards (`--tensor-parallel 2`): each rank holds
+    // half of every split matrix and half the KV heads, so it fits where
+    // the whole model did not; 40 heads do not split over three.
+    let split = |n: &str| {
+        kiln()
+            .arg("fit")
+            .arg(&path)
+            .args(["--device", "cuda", "--context", "8192", "--json"])
+            .args(["--memory-bytes", &(16u64 << 30).to_string()])
+            .args(["--tensor-parallel", n])
+            .output()
+            .unwrap()
+    };
+    let o = split("2");
+    let t2: serde_json::Value = serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&o.stderr)));
+    assert!(o.status.success(), "{t2}");
+    assert_eq!(
+        (t2["fits"].clone(), t2["tensor_parallel"].clone()),
+        (true.into(), 2.into())
+    );
+    let half = t2["weights_bytes"].as_f64().unwrap() / w;
+    assert!((0.49..0.52).contains(&half), "{half}: {t2}");
+    assert_eq!(
+        t2["kv_bytes_per_token"].as_f64().unwrap() * 2.0,
+        j["kv_bytes_per_token"].as_f64().unwrap(),
+        "{t2}"
+    );
+    let o = split("3");
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("num_attention_heads"), "{err}");
 }
 
 /// `kiln dev random-gguf`: a config's shape written block by block in
