@@ -46,6 +46,8 @@ pub struct CudaBackend {
     /// Split decode steps use the kernels that load values with keys
     /// (`decode_attention_vpre_hd*`; [`CudaOptions::decode_vpre_split`]).
     pub(crate) decode_vpre: AtomicBool,
+    /// Its tensor-parallel group, if in one.
+    pub(crate) group: Option<crate::collective::CudaGroup>,
 }
 
 impl CudaBackend {
@@ -130,7 +132,19 @@ impl CudaBackend {
             decode_vpre: AtomicBool::new(options.decode_vpre_split),
             uploader: Uploader::new(options.pinned_staging),
             options,
+            group: None,
         })
+    }
+
+    /// This backend as a rank of `group`. A host-memory group's steps run
+    /// eagerly (its exchanges wait on the host, which a recorded step
+    /// cannot).
+    pub fn in_group(mut self, group: crate::collective::CudaGroup) -> Self {
+        if matches!(group, crate::collective::CudaGroup::Host(_)) {
+            self.set_graphs_enabled(false);
+        }
+        self.group = Some(group);
+        self
     }
 
     /// Split decode steps (few rows, keys spread over many blocks) load each
@@ -541,8 +555,37 @@ impl Sampling for CudaBackend {
     }
 }
 
-/// In no tensor-parallel group yet: NCCL collectives are not built.
-impl kiln_tensor::Collectives for CudaBackend {}
+impl kiln_tensor::Collectives for CudaBackend {
+    fn tp_rank(&self) -> (usize, usize) {
+        self.group.as_ref().map_or((0, 1), |g| g.rank_world())
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.group {
+            Some(g) => self.group_all_reduce(g, x),
+            None => Ok(x.clone()),
+        }
+    }
+
+    fn all_gather_columns(&self, x: &Tensor, keep: &[usize]) -> Result<Tensor> {
+        match &self.group {
+            Some(g) => self.group_all_gather_columns(g, x, keep),
+            None => Ok(x.clone()),
+        }
+    }
+
+    fn abort_collectives(&self) {
+        if let Some(crate::collective::CudaGroup::Host(r)) = &self.group {
+            r.group.abort();
+        }
+    }
+
+    fn reset_collectives(&self) {
+        if let Some(crate::collective::CudaGroup::Host(r)) = &self.group {
+            r.group.reset();
+        }
+    }
+}
 
 impl StepRecording for CudaBackend {
     fn run_step(

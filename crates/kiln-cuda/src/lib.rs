@@ -19,6 +19,7 @@
 //! [`MemorySnapshot`], and [`kernels::SOURCES`].
 
 pub mod backend;
+pub mod collective;
 pub mod driver;
 pub mod kernels;
 mod ops;
@@ -27,7 +28,8 @@ pub mod selfcheck;
 mod step;
 
 pub use backend::CudaBackend;
+pub use collective::{nccl_available, nccl_ranks, CudaGroup, NcclRank};
 pub use driver::compile::{CompiledKernel, KernelCompiler};
 pub use driver::pool::MemorySnapshot;
-pub use driver::{driver_available, nvrtc_available, nvrtc_version, CudaError};
+pub use driver::{device_count, driver_available, nvrtc_available, nvrtc_version, CudaError};
 pub use options::CudaOptions;

@@ -100,10 +100,15 @@ pub struct ModelArgs {
     #[arg(long, value_parser = crate::quantize::parse_quant_type)]
     pub quantize: Option<kiln_quant::QuantFormat>,
     /// Split the model over N ranks (tensor parallel; llama- and
-    /// moe-family models): on the CPU, N ranks sharing its threads, each
-    /// with its shard of the weights and the KV cache.
+    /// moe-family models): N GPUs from --device's on, over NCCL; on the
+    /// CPU, N ranks sharing its threads. Each rank holds its shard of the
+    /// weights and of the KV cache.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub tensor_parallel: u32,
+    /// How GPU ranks exchange: nccl (one GPU a rank), or host (through
+    /// host memory, ranks may share a GPU; for checking the split).
+    #[arg(long, value_enum, default_value_t = TpTransport::Nccl)]
+    pub tp_transport: TpTransport,
 }
 
 /// Include directories for NVRTC: $KILN_CUDA_HOME's wheel layout, then
@@ -244,29 +249,83 @@ pub fn backend_for(device: &str) -> Result<Arc<dyn kiln_tensor::Backend>> {
     }
 }
 
+/// How the ranks of a tensor-parallel group on GPUs reach each other.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TpTransport {
+    /// NCCL, one GPU a rank (--device cuda:K: GPUs K to K+N-1).
+    #[default]
+    Nccl,
+    /// Host memory: ranks may share a GPU and steps run eagerly — to
+    /// check the split on a machine with fewer GPUs than ranks.
+    Host,
+}
+
 /// The `n` ranks of a tensor-parallel group on `device`: on the CPU, ranks
-/// of an in-process group, each on its share of the threads.
-fn tensor_parallel_backends(device: &str, n: usize) -> Result<Vec<Arc<dyn kiln_tensor::Backend>>> {
-    let on_cpu = match device {
-        "cpu" => true,
-        "auto" => !kiln_cuda::driver_available(),
-        _ => false,
+/// of an in-process group, each on its share of the threads; on GPUs, one
+/// backend a rank with NCCL communicators made together by this process.
+fn tensor_parallel_backends(
+    device: &str,
+    n: usize,
+    transport: TpTransport,
+) -> Result<Vec<Arc<dyn kiln_tensor::Backend>>> {
+    let first = match device {
+        "cpu" => None,
+        "auto" if !kiln_cuda::driver_available() => None,
+        "auto" | "cuda" => Some(0),
+        other => match other.strip_prefix("cuda:").and_then(|k| k.parse().ok()) {
+            Some(k) => Some(k),
+            None => anyhow::bail!("unknown --device {other:?} (cpu, cuda, cuda:N, auto)"),
+        },
     };
-    if !on_cpu {
-        anyhow::bail!(
-            "--tensor-parallel {n} on {device}: GPU tensor parallelism (NCCL) is not in this \
-             build yet; the CPU runs it (--device cpu)"
-        );
-    }
-    let group = kiln_tensor::HostGroup::new(n);
-    let threads = (rayon::current_num_threads() / n).max(1);
-    (0..n)
-        .map(|r| -> Result<Arc<dyn kiln_tensor::Backend>> {
-            Ok(Arc::new(cpu_backend().in_group(
-                group.clone(),
-                r,
-                threads,
-            )?))
+    let Some(first) = first else {
+        let group = kiln_tensor::HostGroup::new(n);
+        let threads = (rayon::current_num_threads() / n).max(1);
+        return (0..n)
+            .map(|r| -> Result<Arc<dyn kiln_tensor::Backend>> {
+                Ok(Arc::new(cpu_backend().in_group(
+                    group.clone(),
+                    r,
+                    threads,
+                )?))
+            })
+            .collect();
+    };
+    let gpus = kiln_cuda::device_count();
+    let ordinals: Vec<usize> = match transport {
+        TpTransport::Host => (0..n).map(|r| (first + r) % gpus.max(1)).collect(),
+        TpTransport::Nccl => {
+            if first + n > gpus {
+                anyhow::bail!(
+                    "--tensor-parallel {n} from cuda:{first} needs {} GPUs, this machine has {gpus} \
+                     (--tp-transport host puts several ranks on one GPU, to check the split)",
+                    first + n
+                );
+            }
+            (first..first + n).collect()
+        }
+    };
+    let mut groups: Vec<kiln_cuda::CudaGroup> = match transport {
+        TpTransport::Nccl => kiln_cuda::nccl_ranks(&ordinals)?
+            .into_iter()
+            .map(kiln_cuda::CudaGroup::Nccl)
+            .collect(),
+        TpTransport::Host => {
+            let g = kiln_tensor::HostGroup::new(n);
+            (0..n)
+                .map(|rank| {
+                    kiln_cuda::CudaGroup::Host(kiln_tensor::HostRank {
+                        group: g.clone(),
+                        rank,
+                    })
+                })
+                .collect()
+        }
+    };
+    ordinals
+        .iter()
+        .zip(groups.drain(..))
+        .map(|(&o, g)| -> Result<Arc<dyn kiln_tensor::Backend>> {
+            Ok(Arc::new(cuda_backend(o)?.in_group(g)))
         })
         .collect()
 }
@@ -304,7 +363,7 @@ impl ModelArgs {
         let path = self.path()?;
         let backends = match self.tensor_parallel {
             0 | 1 => vec![backend],
-            n => tensor_parallel_backends(&self.device, n as usize)?,
+            n => tensor_parallel_backends(&self.device, n as usize, self.tp_transport)?,
         };
         let bar = LoadBar::new();
         let progress = |done: u64, total: u64| bar.update(done, total);

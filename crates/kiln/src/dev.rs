@@ -3,6 +3,7 @@
 //! a given tokenizer, for fast tests and large-shape benchmarks.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
@@ -29,6 +30,13 @@ pub enum DevCommand {
     /// Check every CUDA op against the CPU backend on GPU `--gpu`; writes
     /// a JSON report and fails if any check does.
     CudaCheck(CudaCheckArgs),
+    /// NCCL on this machine's GPUs (all of them, or the first --gpus): one
+    /// rank a GPU, each rank's all-reduce and column all-gather against
+    /// the host's sums; prints JSON and fails if any differs.
+    NcclCheck {
+        #[arg(long)]
+        gpus: Option<usize>,
+    },
     /// List the CUDA backend's environment variables: each one's default,
     /// its value here, and what it does.
     CudaOptions,
@@ -132,11 +140,79 @@ pub fn run(cmd: DevCommand) -> Result<()> {
         DevCommand::Logits(a) => logits(a),
         DevCommand::LoraMix(a) => lora_mix(a),
         DevCommand::CudaCheck(a) => cuda_check(a),
+        DevCommand::NcclCheck { gpus } => nccl_check(gpus),
         DevCommand::CudaOptions => {
             print!("{}", crate::cuda_env::describe()?);
             Ok(())
         }
     }
+}
+
+fn nccl_check(gpus: Option<usize>) -> Result<()> {
+    use kiln_tensor::Backend;
+    let n = gpus.unwrap_or_else(kiln_cuda::device_count);
+    anyhow::ensure!(n >= 1, "no GPU");
+    let ordinals: Vec<usize> = (0..n).collect();
+    let ranks = kiln_cuda::nccl_ranks(&ordinals)?;
+    let backends: Vec<Arc<dyn Backend>> = ordinals
+        .iter()
+        .zip(ranks)
+        .map(|(&o, r)| -> Result<Arc<dyn Backend>> {
+            Ok(Arc::new(
+                crate::cli::cuda_backend(o)?.in_group(kiln_cuda::CudaGroup::Nccl(r)),
+            ))
+        })
+        .collect::<Result<_>>()?;
+    let (rows, width) = (5usize, 24usize);
+    // Values bf16 holds exactly, and sums of them: the check is exact.
+    let data = |r: usize| -> Vec<f32> {
+        (0..rows * width)
+            .map(|i| ((i * 7 + r * 13) % 64) as f32 - 32.0)
+            .collect()
+    };
+    let keep: Vec<usize> = (0..n).map(|r| width - r % 3).collect();
+    let results: Vec<Result<(Vec<f32>, Vec<f32>)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = backends
+            .iter()
+            .enumerate()
+            .map(|(r, b)| {
+                let keep = &keep;
+                s.spawn(move || -> Result<(Vec<f32>, Vec<f32>)> {
+                    let x = b.upload(&[rows, width], &data(r))?;
+                    let sum = b.to_host(&b.all_reduce_sum(&x)?)?;
+                    let gathered = b.to_host(&b.all_gather_columns(&x, keep)?)?;
+                    Ok((sum, gathered))
+                })
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))
+            })
+            .collect()
+    });
+    let want_sum: Vec<f32> = (0..rows * width)
+        .map(|i| (0..n).map(|r| data(r)[i]).sum())
+        .collect();
+    let mut want_gather = Vec::new();
+    for row in 0..rows {
+        for (r, &k) in keep.iter().enumerate() {
+            want_gather.extend_from_slice(&data(r)[row * width..row * width + k]);
+        }
+    }
+    let mut ok = true;
+    for (r, res) in results.iter().enumerate() {
+        let (sum, gathered) = res
+            .as_ref()
+            .map_err(|e| anyhow::anyhow!("rank {r}: {e:#}"))?;
+        let (s_ok, g_ok) = (sum == &want_sum, gathered == &want_gather);
+        println!("rank {r}: all_reduce_sum {s_ok}, all_gather_columns {g_ok}");
+        ok &= s_ok && g_ok;
+    }
+    println!("{}", json!({"ranks": n, "pass": ok}));
+    anyhow::ensure!(ok, "NCCL results differ from the host's");
+    Ok(())
 }
 
 fn cuda_check(a: CudaCheckArgs) -> Result<()> {

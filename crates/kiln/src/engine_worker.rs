@@ -47,6 +47,7 @@ pub fn run(a: WorkerArgs) -> Result<()> {
         device: a.device.clone(),
         quantize: a.quantize,
         tensor_parallel: a.tensor_parallel,
+        tp_transport: Default::default(),
     };
     let loaded = model_args.backend().and_then(|backend| {
         crate::serve::load_engine(

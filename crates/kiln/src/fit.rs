@@ -291,6 +291,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         device: a.device.clone(),
         quantize: a.quantize,
         tensor_parallel: a.tensor_parallel,
+        tp_transport: Default::default(),
     }
     .path()?;
     let (target, available_bytes) = target_for(&a.device, None, a.memory_bytes)?;

@@ -295,6 +295,7 @@ impl Plan {
             device: self.device.clone(),
             quantize,
             tensor_parallel: self.defaults.tensor_parallel,
+            tp_transport: Default::default(),
         };
         let path = model_args.path()?;
         model_args.model = Some(path.to_string_lossy().into_owned());

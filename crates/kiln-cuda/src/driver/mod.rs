@@ -38,6 +38,14 @@ pub fn driver_available() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// GPUs the driver sees (0 without a driver).
+pub fn device_count() -> usize {
+    if !driver_available() {
+        return 0;
+    }
+    cudarc::driver::CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
 /// Whether NVRTC can be loaded on this machine.
 pub fn nvrtc_available() -> bool {
     // SAFETY: only tries to dlopen the library.
