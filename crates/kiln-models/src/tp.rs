@@ -5,10 +5,10 @@
 //! The split is Megatron's: q/k/v and gate/up are column-parallel (each
 //! rank holds a slice of the heads and of the intermediate size, whole
 //! heads; KV heads are replicated where there are fewer than ranks),
-//! o and down are row-parallel and end in one all-reduce each, whose
-//! residual is added by rank 0 alone (inside its fused epilogue, so the
-//! sum is `residual + Σ partials`); biases of row-parallel products are
-//! held by rank 0 alone. The embedding and the output head are
+//! o and down are row-parallel and end in one all-reduce each, after
+//! which the residual is added (so it is rounded once, as in the whole
+//! model; a fused all-reduce + add is the next step); biases of
+//! row-parallel products are held by rank 0 alone. The embedding and the output head are
 //! vocabulary-parallel: rank `r` holds rows `[r·c, (r+1)·c)` (c = ⌈V/N⌉)
 //! and one zero row, a token outside its rows is looked up as the zero
 //! row, and the looked-up rows are all-reduced (a sum with one non-zero
@@ -77,12 +77,6 @@ impl TpShard {
     /// Columns of each rank's logits that are real tokens.
     pub fn vocab_widths(&self) -> Vec<usize> {
         (0..self.world).map(|r| self.vocab_range(r).len()).collect()
-    }
-
-    /// Whether this rank adds what is added once (residuals, biases of
-    /// row-parallel products).
-    pub fn is_first(&self) -> bool {
-        self.rank == 0
     }
 }
 

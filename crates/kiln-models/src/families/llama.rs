@@ -174,8 +174,8 @@ pub(crate) enum Ffn {
 impl Ffn {
     /// `x + ffn(norm(x))`: the dense MLP with the norm and residual fused
     /// (and the step's LoRA deltas), the sparse one after the norm;
-    /// without `x +` unless `residual` (the tensor-parallel ranks past
-    /// the first, whose partial sums are all-reduced with rank 0's).
+    /// without `x +` unless `residual` (a tensor-parallel rank, whose
+    /// partial output is all-reduced first).
     pub(crate) fn forward_pre_norm(
         &self,
         b: &dyn Backend,
@@ -523,8 +523,8 @@ impl Llama {
     /// One forward step as backend ops; `run_step` may record it.
     ///
     /// A tensor-parallel rank ([`crate::tp`]) looks up its vocabulary
-    /// slice's rows, adds residuals only as rank 0, all-reduces each
-    /// sub-layer's output and all-gathers the logits.
+    /// slice's rows, all-reduces each sub-layer's output before adding the
+    /// residual, and all-gathers the logits.
     fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
         let tp = self.cfg.tensor_parallel;
@@ -535,11 +535,15 @@ impl Llama {
                 b.all_reduce_sum(&rows)?
             }
         };
-        let residual = tp.is_none_or(|t| t.is_first());
-        let reduce = |y: Tensor| -> Result<Tensor> {
-            match tp {
-                None => Ok(y),
-                Some(_) => Ok(b.all_reduce_sum(&y)?),
+        // Whole, the residual adds run fused into each sub-layer's last
+        // product; split, each rank's partial output is all-reduced and the
+        // residual added after, so it is rounded once, as whole (in bf16 a
+        // rank-0 epilogue would round it twice: there and in the sum).
+        let whole = tp.is_none();
+        let join = |x: &Tensor, y: Tensor| -> Result<Tensor> {
+            match whole {
+                true => Ok(y),
+                false => Ok(b.add(x, &b.all_reduce_sum(&y)?)?),
             }
         };
         for (i, blk) in self.blocks.iter().enumerate() {
@@ -547,26 +551,18 @@ impl Llama {
             // consumes it, each residual add into the projection that ends
             // the sub-layer.
             let attn = Fuse::norm(&blk.input_norm).with_lora(&batch.lora);
-            let attn = match residual {
+            let attn = match whole {
                 true => attn.with_residual(&x),
                 false => attn,
             };
-            x = reduce(blk.attn.forward(
-                b,
-                &x,
-                attn,
-                &self.rope,
-                batch,
-                cache,
-                self.kv_slots[i],
-            )?)?;
-            x = reduce(blk.mlp.forward_pre_norm(
-                b,
-                &x,
-                &blk.post_attn_norm,
-                &batch.lora,
-                residual,
-            )?)?;
+            let y = blk
+                .attn
+                .forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
+            x = join(&x, y)?;
+            let y = blk
+                .mlp
+                .forward_pre_norm(b, &x, &blk.post_attn_norm, &batch.lora, whole)?;
+            x = join(&x, y)?;
         }
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
