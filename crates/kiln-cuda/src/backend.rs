@@ -576,7 +576,7 @@ impl kiln_tensor::Collectives for CudaBackend {
 
     fn abort_collectives(&self) {
         if let Some(crate::collective::CudaGroup::Host(r)) = &self.group {
-            r.group.abort();
+            r.group.abort(r.rank);
         }
     }
 

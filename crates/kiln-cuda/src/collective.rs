@@ -79,6 +79,57 @@ pub fn nccl_ranks(ordinals: &[usize]) -> Result<Vec<NcclRank>> {
         .collect())
 }
 
+/// A fresh NCCL unique id: what the node that leads sends the others.
+pub fn nccl_unique_id() -> Result<[u8; 128]> {
+    if !nccl_available() {
+        return Err(nccl_err(
+            "loading NCCL",
+            "libnccl.so is not on the library path",
+        ));
+    }
+    let id = nccl::get_uniqueid().map_err(|e| nccl_err("ncclGetUniqueId", e))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// This process's communicators in a group of `world` ranks spread over
+/// processes (nodes): GPU `ordinals[i]` is rank `first + i`; every process
+/// passes the same `id` ([`nccl_unique_id`] of the leading node).
+pub fn nccl_ranks_joining(
+    ordinals: &[usize],
+    world: usize,
+    first: usize,
+    id: [u8; 128],
+) -> Result<Vec<NcclRank>> {
+    if !nccl_available() {
+        return Err(nccl_err(
+            "loading NCCL",
+            "libnccl.so is not on the library path",
+        ));
+    }
+    let id = nccl_sys::ncclUniqueId {
+        internal: id.map(|b| b as ::core::ffi::c_char),
+    };
+    let mut out = Vec::with_capacity(ordinals.len());
+    nccl::group_start().map_err(|e| nccl_err("ncclGroupStart", e))?;
+    for (i, &o) in ordinals.iter().enumerate() {
+        let ctx =
+            cudarc::driver::CudaContext::new(o).map_err(|e| nccl_err("a GPU's context", e))?;
+        ctx.bind_to_thread()
+            .map_err(|e| nccl_err("a GPU's context", e))?;
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` receives the communicator; the id is the group's.
+        unsafe { nccl::comm_init_rank(&mut comm, world as i32, id, (first + i) as i32) }
+            .map_err(|e| nccl_err("ncclCommInitRank", e))?;
+        out.push(NcclRank {
+            comm,
+            rank: first + i,
+            world,
+        });
+    }
+    nccl::group_end().map_err(|e| nccl_err("ncclGroupEnd", e))?;
+    Ok(out)
+}
+
 impl CudaGroup {
     pub fn rank_world(&self) -> (usize, usize) {
         match self {

@@ -28,7 +28,9 @@ pub mod selfcheck;
 mod step;
 
 pub use backend::CudaBackend;
-pub use collective::{nccl_available, nccl_ranks, CudaGroup, NcclRank};
+pub use collective::{
+    nccl_available, nccl_ranks, nccl_ranks_joining, nccl_unique_id, CudaGroup, NcclRank,
+};
 pub use driver::compile::{CompiledKernel, KernelCompiler};
 pub use driver::pool::MemorySnapshot;
 pub use driver::{device_count, driver_available, nvrtc_available, nvrtc_version, CudaError};

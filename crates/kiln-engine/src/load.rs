@@ -87,17 +87,38 @@ impl LoadedModel {
     /// model on it.
     pub fn load_split(
         path: &Path,
+        backends: Vec<Arc<dyn Backend>>,
+        progress: Option<LoadProgress<'_>>,
+        quantize: Option<QuantFormat>,
+    ) -> Result<Self> {
+        Self::load_nodes(path, backends, None, progress, quantize)
+    }
+
+    /// [`LoadedModel::load_split`] with this node's ranks of a model split
+    /// over several nodes (processes), the others following its steps
+    /// through `followers` ([`kiln_models::tp::follow`] is their loop).
+    pub fn load_nodes(
+        path: &Path,
         mut backends: Vec<Arc<dyn Backend>>,
+        followers: Option<Arc<kiln_models::tp::Followers>>,
         progress: Option<LoadProgress<'_>>,
         quantize: Option<QuantFormat>,
     ) -> Result<Self> {
         let start = Instant::now();
         let (weights, parts) = Self::open(path)?;
         let config = parts.config.clone();
-        let load = |source: &dyn kiln_formats::WeightSource| match backends.len() {
-            1 => load_model_with_progress(backends.remove(0), source, config, progress),
-            _ => kiln_models::load_tensor_parallel(backends, source, config, progress),
-        };
+        let split = backends.len() > 1 || backends.first().is_some_and(|b| b.tp_rank().1 > 1);
+        let load =
+            |source: &dyn kiln_formats::WeightSource| -> kiln_models::Result<Box<dyn CausalLm>> {
+                if !split {
+                    return load_model_with_progress(backends.remove(0), source, config, progress);
+                }
+                let m = kiln_models::tp::load_ranks(backends, source, config, progress)?;
+                Ok(match followers {
+                    Some(f) => Box::new(m.with_followers(f)),
+                    None => Box::new(m),
+                })
+            };
         let model = match (weights, quantize) {
             (Opened::Gguf(w), None) => load(&w)?,
             (Opened::Gguf(w), Some(f)) => load(&Quantizing::new(w, f)?)?,

@@ -425,41 +425,188 @@ pub struct TensorParallelLm {
     cfg: ModelConfig,
     ranks: Vec<Box<dyn CausalLm>>,
     weight_bytes: WeightBytes,
+    /// The other nodes' ranks, which run every step this node runs.
+    followers: Option<Arc<Followers>>,
+    /// Names of this model's caches, for the followers.
+    next_cache: std::sync::atomic::AtomicU64,
 }
 
-/// A tensor-parallel model's KV cache: one a rank.
-struct RankCaches(Vec<KvCache>);
+/// A tensor-parallel model's KV cache: one a rank of this node, and the
+/// name its followers keep theirs by.
+struct RankCaches {
+    caches: Vec<KvCache>,
+    remote: Option<(Arc<Followers>, u64)>,
+}
 
-/// Loads the model `config` describes from `source` split over `backends`
-/// (rank `r` on `backends[r]`, whose [`kiln_tensor::Collectives::tp_rank`]
-/// must be `(r, backends.len())`).
+impl Drop for RankCaches {
+    fn drop(&mut self) {
+        if let Some((f, id)) = &self.remote {
+            let _ = f.send(&NodeCommand::DropCache { id: *id });
+        }
+    }
+}
+
+/// What the leading node tells the others' ranks, in step order.
+#[derive(serde::Serialize, serde::Deserialize)]
+enum NodeCommand {
+    /// Make a cache (`max_seqs`: with recurrent state for that many).
+    NewCache {
+        id: u64,
+        num_blocks: usize,
+        block_size: usize,
+        max_seqs: Option<usize>,
+    },
+    /// Run a step on a cache (`hidden`: the final hidden states).
+    Forward {
+        id: u64,
+        batch: ForwardBatch,
+        hidden: bool,
+    },
+    DropCache {
+        id: u64,
+    },
+}
+
+/// The connections to the other nodes of a tensor-parallel model, from
+/// the node that serves it.
+pub struct Followers {
+    nodes: Vec<std::sync::Mutex<std::net::TcpStream>>,
+}
+
+impl Followers {
+    pub fn new(nodes: Vec<std::net::TcpStream>) -> Arc<Self> {
+        Arc::new(Followers {
+            nodes: nodes.into_iter().map(std::sync::Mutex::new).collect(),
+        })
+    }
+
+    fn send(&self, c: &NodeCommand) -> Result<()> {
+        use std::io::Write;
+        let body = serde_json::to_vec(c).map_err(|e| err("tensor_parallel", e.to_string()))?;
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        for n in &self.nodes {
+            let mut n = n.lock().unwrap_or_else(|p| p.into_inner());
+            n.write_all(&frame).map_err(|e| {
+                err(
+                    "tensor_parallel",
+                    format!("a following node is gone ({e}); restart every node"),
+                )
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn read_command(r: &mut impl std::io::Read) -> std::io::Result<NodeCommand> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+    r.read_exact(&mut body)?;
+    serde_json::from_slice(&body)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// Runs the steps the leading node sends on `model` (this node's ranks)
+/// until it disconnects: the loop of every node but the one serving.
+pub fn follow(model: &dyn CausalLm, leader: &mut std::net::TcpStream) -> Result<()> {
+    let mut caches: std::collections::HashMap<u64, KvCache> = Default::default();
+    loop {
+        let cmd = match read_command(leader) {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(err("tensor_parallel", format!("the leading node: {e}"))),
+        };
+        match cmd {
+            NodeCommand::NewCache {
+                id,
+                num_blocks,
+                block_size,
+                max_seqs,
+            } => {
+                let c = match max_seqs {
+                    Some(m) => model.new_cache(num_blocks, block_size, m),
+                    None => model.new_kv_cache(num_blocks, block_size),
+                };
+                match c {
+                    Ok(c) => {
+                        caches.insert(id, c);
+                    }
+                    // Without it this node cannot follow; its going away
+                    // fails the leader's steps.
+                    Err(e) => return Err(e),
+                }
+            }
+            NodeCommand::Forward { id, batch, hidden } => {
+                let Some(c) = caches.get_mut(&id) else {
+                    return Err(err(
+                        "tensor_parallel",
+                        format!("the leader ran a cache {id} this node lacks"),
+                    ));
+                };
+                let r = match hidden {
+                    true => model.hidden_states(&batch, c),
+                    false => model.forward(&batch, c),
+                };
+                if let Err(e) = r {
+                    tracing::warn!("tensor parallel: a step failed here: {e}");
+                }
+            }
+            NodeCommand::DropCache { id } => {
+                caches.remove(&id);
+            }
+        }
+    }
+}
+
+/// Loads the model `config` describes from `source` split over a group:
+/// `backends` are consecutive ranks of it (their
+/// [`kiln_tensor::Collectives::tp_rank`]), all of the group's or, on one
+/// node of several, this node's (the others load theirs and follow this
+/// one's steps: [`TensorParallelLm::with_followers`], [`follow`]).
 pub fn load_tensor_parallel(
     backends: Vec<Arc<dyn Backend>>,
     source: &dyn WeightSource,
     config: ModelConfig,
     progress: Option<LoadProgress<'_>>,
 ) -> Result<Box<dyn CausalLm>> {
-    let world = backends.len();
+    Ok(Box::new(load_ranks(backends, source, config, progress)?))
+}
+
+/// [`load_tensor_parallel`], as the concrete model.
+pub fn load_ranks(
+    backends: Vec<Arc<dyn Backend>>,
+    source: &dyn WeightSource,
+    config: ModelConfig,
+    progress: Option<LoadProgress<'_>>,
+) -> Result<TensorParallelLm> {
+    let (first, world) = backends
+        .first()
+        .map(|b| b.tp_rank())
+        .ok_or_else(|| err("tensor_parallel", "no backends".to_string()))?;
     check_degree(&config, world)?;
     let family = registry::find(&config.model_type).expect("checked by check_degree");
     let tp = family.tensor_parallel.expect("checked by check_degree");
     (family.check_weights)(&config, &source.tensors())?;
-    let mut ranks = Vec::with_capacity(world);
+    let mut ranks = Vec::with_capacity(backends.len());
     let mut weight_bytes = WeightBytes::default();
-    for (rank, backend) in backends.into_iter().enumerate() {
+    for (i, backend) in backends.into_iter().enumerate() {
+        let rank = first + i;
         if backend.tp_rank() != (rank, world) {
             return Err(err(
                 "tensor_parallel",
                 format!(
-                    "backend {rank} is rank {:?} of a group, not rank {rank} of {world}",
+                    "backend {i} is rank {:?} of a group, not rank {rank} of {world}",
                     backend.tp_rank()
                 ),
             ));
         }
         let local = shard_config(&config, rank, world)?;
-        let shard = local
-            .tensor_parallel
-            .expect("a shard of a group of several");
+        let shard = local.tensor_parallel.unwrap_or(TpShard {
+            rank,
+            world,
+            vocab_size: config.vocab_size,
+        });
         let src = ShardSource::new(source, tp, shard, config.num_kv_heads);
         let model = registry::load_model_with_progress(backend, &src, local, progress)?;
         for (k, v) in model
@@ -471,11 +618,13 @@ pub fn load_tensor_parallel(
         }
         ranks.push(model);
     }
-    Ok(Box::new(TensorParallelLm {
+    Ok(TensorParallelLm {
         cfg: config,
         ranks,
         weight_bytes,
-    }))
+        followers: None,
+        next_cache: std::sync::atomic::AtomicU64::new(1),
+    })
 }
 
 impl TensorParallelLm {
@@ -484,9 +633,47 @@ impl TensorParallelLm {
         self.ranks.len()
     }
 
-    fn wrap(&self, caches: Vec<KvCache>) -> KvCache {
-        let spec = caches[0].spec.clone();
-        KvCache::from_storage(spec, Box::new(RankCaches(caches)))
+    /// This model, whose every step and cache the nodes behind
+    /// `followers` mirror with their ranks.
+    pub fn with_followers(mut self, followers: Arc<Followers>) -> Self {
+        self.followers = Some(followers);
+        self
+    }
+
+    /// Caches of every rank of this node, made as `make` makes them, and
+    /// the followers' made to match.
+    fn caches(
+        &self,
+        make: impl Fn(&dyn CausalLm) -> Result<KvCache>,
+        num_blocks: usize,
+        block_size: usize,
+        max_seqs: Option<usize>,
+    ) -> Result<KvCache> {
+        let caches = self
+            .ranks
+            .iter()
+            .map(|m| make(m.as_ref()))
+            .collect::<Result<Vec<_>>>()?;
+        let remote = match &self.followers {
+            Some(f) => {
+                let id = self
+                    .next_cache
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                f.send(&NodeCommand::NewCache {
+                    id,
+                    num_blocks,
+                    block_size,
+                    max_seqs,
+                })?;
+                Some((f.clone(), id))
+            }
+            None => None,
+        };
+        let spec = caches[0].spec;
+        Ok(KvCache::from_storage(
+            spec,
+            Box::new(RankCaches { caches, remote }),
+        ))
     }
 
     /// `step` on every rank at once, each with its own cache; rank 0's
@@ -496,14 +683,29 @@ impl TensorParallelLm {
         &self,
         batch: &ForwardBatch,
         cache: &mut KvCache,
+        hidden: bool,
         step: impl Fn(&dyn CausalLm, &ForwardBatch, &mut KvCache) -> Result<Tensor> + Sync,
     ) -> Result<Tensor> {
-        let Some(RankCaches(caches)) = cache.storage_mut().downcast_mut::<RankCaches>() else {
+        let Some(RankCaches { caches, remote }) = cache.storage_mut().downcast_mut::<RankCaches>()
+        else {
             return Err(err(
                 "tensor_parallel",
                 "a cache this tensor-parallel model did not make".to_string(),
             ));
         };
+        if let Some((f, id)) = remote {
+            if !batch.lora.is_empty() {
+                return Err(err(
+                    "tensor_parallel",
+                    "LoRA adapters do not run on a model split over nodes".to_string(),
+                ));
+            }
+            f.send(&NodeCommand::Forward {
+                id: *id,
+                batch: batch.clone(),
+                hidden,
+            })?;
+        }
         let first = self.ranks[0].backend();
         first.reset_collectives();
         let run = |m: &dyn CausalLm, c: &mut KvCache| {
@@ -553,29 +755,29 @@ impl CausalLm for TensorParallelLm {
     }
 
     fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        let caches = self
-            .ranks
-            .iter()
-            .map(|m| m.new_kv_cache(num_blocks, block_size))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(self.wrap(caches))
+        self.caches(
+            |m| m.new_kv_cache(num_blocks, block_size),
+            num_blocks,
+            block_size,
+            None,
+        )
     }
 
     fn new_cache(&self, num_blocks: usize, block_size: usize, max_seqs: usize) -> Result<KvCache> {
-        let caches = self
-            .ranks
-            .iter()
-            .map(|m| m.new_cache(num_blocks, block_size, max_seqs))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(self.wrap(caches))
+        self.caches(
+            |m| m.new_cache(num_blocks, block_size, max_seqs),
+            num_blocks,
+            block_size,
+            Some(max_seqs),
+        )
     }
 
     fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        self.each(batch, cache, |m, b, c| m.forward(b, c))
+        self.each(batch, cache, false, |m, b, c| m.forward(b, c))
     }
 
     fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
-        self.each(batch, cache, |m, b, c| m.hidden_states(b, c))
+        self.each(batch, cache, true, |m, b, c| m.hidden_states(b, c))
     }
 
     fn generates(&self) -> bool {

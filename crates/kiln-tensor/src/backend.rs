@@ -170,7 +170,7 @@ impl KvPoolShape {
 /// `token_start..token_start + num_tokens` of the batch, at positions
 /// `num_computed..`; its keys and values live in the blocks of its block
 /// tables, one per KV group.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SeqSlice {
     pub token_start: usize,
     pub num_tokens: usize,
@@ -186,7 +186,7 @@ pub struct SeqSlice {
 /// Everything one forward step needs, as plain host data: the new tokens of
 /// every sequence, concatenated, where their keys and values go, and which
 /// rows want logits.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct ForwardBatch {
     pub token_ids: Vec<u32>,
     pub positions: Vec<u32>,
@@ -198,7 +198,8 @@ pub struct ForwardBatch {
     /// Rows of the batch whose logits the step returns, in order.
     pub logits_rows: Vec<u32>,
     /// Which rows run with which LoRA adapter (none: every row the base
-    /// model's).
+    /// model's). Not sent to other processes: adapters stay in theirs.
+    #[serde(skip)]
     pub lora: crate::lora::LoraBatch,
     /// Each sequence's recurrent state in the cache ([`crate::recurrent`];
     /// empty: sequence `i` uses slot `i`, nothing restored or kept).
@@ -207,7 +208,7 @@ pub struct ForwardBatch {
 
 /// Where a sequence's recurrent state lives for a step, where it starts from,
 /// and which snapshots of it the step keeps.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct SeqState {
     /// The sequence's slot.
     pub slot: u32,

@@ -8,6 +8,7 @@
 //! exchange host buffers and sum them in rank order, so every rank gets the
 //! same bits — the CPU twin of NCCL on GPUs, which CI runs.
 
+use std::io::{Read, Write};
 use std::sync::{Arc, Condvar, Mutex};
 
 use crate::backend::Memory;
@@ -44,13 +45,33 @@ pub trait Collectives {
     fn reset_collectives(&self) {}
 }
 
-/// A group of ranks in one process: each [`HostGroup::exchange`] waits for
-/// every rank's buffer and hands each rank all of them.
+/// A group of ranks exchanging host buffers: each [`HostGroup::exchange`]
+/// waits for every rank's buffer and hands each rank all of them. The
+/// ranks are threads of one process, or (`HostGroup::tcp`) spread over
+/// processes, each rank connected to a hub ([`serve_hub`]) that relays
+/// every exchange.
 #[derive(Debug)]
 pub struct HostGroup {
     world: usize,
-    state: Mutex<Exchange>,
-    arrived: Condvar,
+    inner: Inner,
+}
+
+#[derive(Debug)]
+enum Inner {
+    Local {
+        state: Mutex<Exchange>,
+        arrived: Condvar,
+    },
+    /// This process's ranks' connections to the hub, by rank.
+    Tcp(std::collections::BTreeMap<usize, Mutex<Member>>),
+}
+
+#[derive(Debug)]
+struct Member {
+    stream: std::net::TcpStream,
+    /// This step's exchanges already ended in an abort (so the rank does
+    /// not send one of its own).
+    aborted: bool,
 }
 
 #[derive(Debug)]
@@ -64,18 +85,116 @@ struct Exchange {
     aborted: bool,
 }
 
+/// A frame's length word that means "this rank aborts the step".
+const ABORT: u32 = u32::MAX;
+
+fn write_frame(w: &mut impl Write, data: Option<&[f32]>) -> std::io::Result<()> {
+    match data {
+        None => w.write_all(&ABORT.to_le_bytes()),
+        Some(d) => {
+            let mut bytes = Vec::with_capacity(4 + d.len() * 4);
+            bytes.extend_from_slice(&(d.len() as u32).to_le_bytes());
+            d.iter()
+                .for_each(|x| bytes.extend_from_slice(&x.to_le_bytes()));
+            w.write_all(&bytes)
+        }
+    }
+}
+
+fn read_frame(r: &mut impl Read) -> std::io::Result<Option<Vec<f32>>> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len);
+    if len == ABORT {
+        return Ok(None);
+    }
+    let mut bytes = vec![0u8; len as usize * 4];
+    r.read_exact(&mut bytes)?;
+    Ok(Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    ))
+}
+
+/// Relays the exchanges of `world` ranks connected to `listener` (each
+/// opens with its rank, a little-endian `u32`): reads one frame from every
+/// rank, in rank order, and sends every rank all of them (or, if any rank
+/// aborted, an abort). Returns when a rank disconnects.
+pub fn serve_hub(listener: std::net::TcpListener, world: usize) -> std::io::Result<()> {
+    let mut ranks: Vec<Option<std::net::TcpStream>> = (0..world).map(|_| None).collect();
+    while ranks.iter().any(Option::is_none) {
+        let (mut s, _) = listener.accept()?;
+        let mut r = [0u8; 4];
+        s.read_exact(&mut r)?;
+        let r = u32::from_le_bytes(r) as usize;
+        if r >= world || ranks[r].is_some() {
+            continue;
+        }
+        s.set_nodelay(true)?;
+        ranks[r] = Some(s);
+    }
+    let mut ranks: Vec<std::net::TcpStream> = ranks.into_iter().flatten().collect();
+    loop {
+        let mut frames = Vec::with_capacity(world);
+        for s in ranks.iter_mut() {
+            frames.push(read_frame(s)?);
+        }
+        let aborted = frames.iter().any(Option::is_none);
+        let mut out = Vec::new();
+        for f in &frames {
+            match (aborted, f) {
+                (false, Some(d)) => write_frame(&mut out, Some(d))?,
+                _ => write_frame(&mut out, None)?,
+            }
+        }
+        for s in ranks.iter_mut() {
+            s.write_all(&out)?;
+        }
+    }
+}
+
 impl HostGroup {
     pub fn new(world: usize) -> Arc<Self> {
         Arc::new(HostGroup {
             world: world.max(1),
-            state: Mutex::new(Exchange {
-                generation: 0,
-                slots: vec![None; world.max(1)],
-                last: Arc::new(Vec::new()),
-                aborted: false,
-            }),
-            arrived: Condvar::new(),
+            inner: Inner::Local {
+                state: Mutex::new(Exchange {
+                    generation: 0,
+                    slots: vec![None; world.max(1)],
+                    last: Arc::new(Vec::new()),
+                    aborted: false,
+                }),
+                arrived: Condvar::new(),
+            },
         })
+    }
+
+    /// This process's `ranks` of a group of `world` spread over processes,
+    /// each connected to the hub at `hub`.
+    pub fn tcp(
+        world: usize,
+        ranks: std::ops::Range<usize>,
+        hub: std::net::SocketAddr,
+    ) -> std::io::Result<Arc<Self>> {
+        let mut members = std::collections::BTreeMap::new();
+        for r in ranks {
+            let mut s = connect_retrying(hub)?;
+            s.set_nodelay(true)?;
+            s.write_all(&(r as u32).to_le_bytes())?;
+            members.insert(
+                r,
+                Mutex::new(Member {
+                    stream: s,
+                    aborted: false,
+                }),
+            );
+        }
+        Ok(Arc::new(HostGroup {
+            world,
+            inner: Inner::Tcp(members),
+        }))
     }
 
     pub fn world(&self) -> usize {
@@ -92,7 +211,11 @@ impl HostGroup {
     /// Deposits `data` as `rank`'s and returns every rank's, once all
     /// have arrived.
     pub fn exchange(&self, rank: usize, data: Vec<f32>) -> Result<Arc<Vec<Vec<f32>>>> {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let (state, arrived) = match &self.inner {
+            Inner::Local { state, arrived } => (state, arrived),
+            Inner::Tcp(members) => return self.exchange_tcp(members, rank, &data),
+        };
+        let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
         if s.aborted {
             return Err(Self::aborted());
         }
@@ -111,12 +234,12 @@ impl HostGroup {
                 .collect();
             s.last = Arc::new(all);
             s.generation += 1;
-            self.arrived.notify_all();
+            arrived.notify_all();
             return Ok(s.last.clone());
         }
         let generation = s.generation;
         while s.generation == generation && !s.aborted {
-            s = self.arrived.wait(s).unwrap_or_else(|p| p.into_inner());
+            s = arrived.wait(s).unwrap_or_else(|p| p.into_inner());
         }
         if s.generation == generation {
             return Err(Self::aborted());
@@ -125,16 +248,94 @@ impl HostGroup {
         Ok(s.last.clone())
     }
 
-    pub fn abort(&self) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.aborted = true;
-        self.arrived.notify_all();
+    fn exchange_tcp(
+        &self,
+        members: &std::collections::BTreeMap<usize, Mutex<Member>>,
+        rank: usize,
+        data: &[f32],
+    ) -> Result<Arc<Vec<Vec<f32>>>> {
+        let io = |e: std::io::Error| TensorError::Device {
+            backend: "collective",
+            message: format!("rank {rank}'s connection to the group: {e}"),
+        };
+        let m = members.get(&rank).ok_or_else(|| TensorError::Device {
+            backend: "collective",
+            message: format!("rank {rank} is not in this process"),
+        })?;
+        let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+        if m.aborted {
+            return Err(Self::aborted());
+        }
+        write_frame(&mut m.stream, Some(data)).map_err(io)?;
+        let mut all = Vec::with_capacity(self.world);
+        for _ in 0..self.world {
+            match read_frame(&mut m.stream).map_err(io)? {
+                Some(d) => all.push(d),
+                None => {
+                    // The rest of the reply is aborts too.
+                    for _ in all.len() + 1..self.world {
+                        let _ = read_frame(&mut m.stream);
+                    }
+                    m.aborted = true;
+                    return Err(Self::aborted());
+                }
+            }
+        }
+        Ok(Arc::new(all))
+    }
+
+    /// `rank` gives up the step: every rank's pending and later exchanges
+    /// fail until [`HostGroup::reset`].
+    pub fn abort(&self, rank: usize) {
+        match &self.inner {
+            Inner::Local { state, arrived } => {
+                let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+                s.aborted = true;
+                arrived.notify_all();
+            }
+            Inner::Tcp(members) => {
+                if let Some(m) = members.get(&rank) {
+                    let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+                    if !m.aborted {
+                        // This rank's frame of the exchange the others wait
+                        // in; then the relayed aborts.
+                        let _ = write_frame(&mut m.stream, None);
+                        for _ in 0..self.world {
+                            let _ = read_frame(&mut m.stream);
+                        }
+                        m.aborted = true;
+                    }
+                }
+            }
+        }
     }
 
     pub fn reset(&self) {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        s.aborted = false;
-        s.slots.iter_mut().for_each(|d| *d = None);
+        match &self.inner {
+            Inner::Local { state, .. } => {
+                let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+                s.aborted = false;
+                s.slots.iter_mut().for_each(|d| *d = None);
+            }
+            Inner::Tcp(members) => {
+                for m in members.values() {
+                    m.lock().unwrap_or_else(|p| p.into_inner()).aborted = false;
+                }
+            }
+        }
+    }
+}
+
+/// Connects to `addr`, retrying for up to a minute while the other side
+/// starts.
+pub fn connect_retrying(addr: std::net::SocketAddr) -> std::io::Result<std::net::TcpStream> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        match std::net::TcpStream::connect(addr) {
+            Ok(s) => return Ok(s),
+            Err(e) if std::time::Instant::now() > deadline => return Err(e),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+        }
     }
 }
 
@@ -234,7 +435,7 @@ mod tests {
         std::thread::scope(|s| {
             let waiter = s.spawn(|| g.exchange(0, vec![1.0]));
             std::thread::sleep(std::time::Duration::from_millis(20));
-            g.abort();
+            g.abort(1);
             assert!(waiter.join().unwrap().is_err());
         });
         assert!(g.exchange(1, vec![1.0]).is_err());
@@ -244,5 +445,48 @@ mod tests {
             assert_eq!(g.exchange(1, vec![2.0]).unwrap().len(), 2);
             assert_eq!(a.join().unwrap().unwrap(), 2);
         });
+    }
+
+    /// Ranks in two "processes" (groups) through a hub on loopback: the
+    /// same exchanges, and an abort by one rank fails the others' step and
+    /// leaves the next one whole.
+    #[test]
+    fn tcp_groups_relay_exchanges_and_aborts() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || serve_hub(listener, 3));
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| HostGroup::tcp(3, 0..2, addr).unwrap());
+            let b = s.spawn(|| HostGroup::tcp(3, 2..3, addr).unwrap());
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let groups = [(&a, 0), (&a, 1), (&b, 2)];
+        let round = |abort: Option<usize>| -> Vec<Result<Vec<f32>>> {
+            std::thread::scope(|s| {
+                let hs: Vec<_> = groups
+                    .iter()
+                    .map(|&(g, r)| {
+                        s.spawn(move || {
+                            if abort == Some(r) {
+                                g.abort(r);
+                                return Err(HostGroup::aborted());
+                            }
+                            g.exchange(r, vec![r as f32, 10.0 * r as f32])
+                                .map(|all| all.iter().flatten().copied().collect())
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        for got in round(None) {
+            assert_eq!(got.unwrap(), vec![0.0, 0.0, 1.0, 10.0, 2.0, 20.0]);
+        }
+        assert!(round(Some(1)).iter().all(|r| r.is_err()));
+        a.reset();
+        b.reset();
+        for got in round(None) {
+            assert_eq!(got.unwrap(), vec![0.0, 0.0, 1.0, 10.0, 2.0, 20.0]);
+        }
     }
 }

@@ -109,6 +109,8 @@ pub struct ModelArgs {
     /// host memory, ranks may share a GPU; for checking the split).
     #[arg(long, value_enum, default_value_t = TpTransport::Nccl)]
     pub tp_transport: TpTransport,
+    #[command(flatten)]
+    pub nodes: crate::nodes::NodeArgs,
 }
 
 /// Include directories for NVRTC: $KILN_CUDA_HOME's wheel layout, then
@@ -203,7 +205,7 @@ fn kv_cache_dtype() -> KvCacheDtype {
 pub static CPU_MATMUL: std::sync::OnceLock<CpuMatmul> = std::sync::OnceLock::new();
 
 /// The CPU backend `--cpu-matmul` asks for (saying so when `fast` cannot run here).
-fn cpu_backend() -> CpuBackend {
+pub(crate) fn cpu_backend() -> CpuBackend {
     let mode = CPU_MATMUL.get().copied().unwrap_or_default();
     if mode == CpuMatmul::Fast && !CpuMatmul::fast_available() {
         eprintln!(
@@ -263,21 +265,36 @@ pub enum TpTransport {
 /// The `n` ranks of a tensor-parallel group on `device`: on the CPU, ranks
 /// of an in-process group, each on its share of the threads; on GPUs, one
 /// backend a rank with NCCL communicators made together by this process.
+/// Whether tensor-parallel ranks on `device` are CPU ranks.
+pub(crate) fn tensor_parallel_on_cpu(device: &str) -> Result<bool> {
+    Ok(match device {
+        "cpu" => true,
+        "auto" => !kiln_cuda::driver_available(),
+        "cuda" => false,
+        other => {
+            first_gpu(other)?;
+            false
+        }
+    })
+}
+
+/// The first GPU `device` names (`cuda`, `auto`: 0; `cuda:K`: K).
+pub(crate) fn first_gpu(device: &str) -> Result<usize> {
+    match device {
+        "cuda" | "auto" => Ok(0),
+        other => match other.strip_prefix("cuda:").and_then(|k| k.parse().ok()) {
+            Some(k) => Ok(k),
+            None => anyhow::bail!("unknown --device {other:?} (cpu, cuda, cuda:N, auto)"),
+        },
+    }
+}
+
 fn tensor_parallel_backends(
     device: &str,
     n: usize,
     transport: TpTransport,
 ) -> Result<Vec<Arc<dyn kiln_tensor::Backend>>> {
-    let first = match device {
-        "cpu" => None,
-        "auto" if !kiln_cuda::driver_available() => None,
-        "auto" | "cuda" => Some(0),
-        other => match other.strip_prefix("cuda:").and_then(|k| k.parse().ok()) {
-            Some(k) => Some(k),
-            None => anyhow::bail!("unknown --device {other:?} (cpu, cuda, cuda:N, auto)"),
-        },
-    };
-    let Some(first) = first else {
+    if tensor_parallel_on_cpu(device)? {
         let group = kiln_tensor::HostGroup::new(n);
         let threads = (rayon::current_num_threads() / n).max(1);
         return (0..n)
@@ -289,7 +306,8 @@ fn tensor_parallel_backends(
                 )?))
             })
             .collect();
-    };
+    }
+    let first = first_gpu(device)?;
     let gpus = kiln_cuda::device_count();
     let ordinals: Vec<usize> = match transport {
         TpTransport::Host => (0..n).map(|r| (first + r) % gpus.max(1)).collect(),
@@ -361,14 +379,31 @@ impl ModelArgs {
     /// `--tensor-parallel N` onto the N ranks of `--device` instead.
     pub fn load_on(&self, backend: Arc<dyn kiln_tensor::Backend>) -> Result<LoadedModel> {
         let path = self.path()?;
-        let backends = match self.tensor_parallel {
-            0 | 1 => vec![backend],
-            n => tensor_parallel_backends(&self.device, n as usize, self.tp_transport)?,
+        if self.nodes.nnodes > 1 && self.nodes.node_rank > 0 {
+            // A following node serves nothing: it runs node 0's steps.
+            crate::nodes::follow(self)?;
+            std::process::exit(0);
+        }
+        let (backends, followers) = match (self.tensor_parallel, self.nodes.nnodes) {
+            (0 | 1, _) => (vec![backend], None),
+            (n, 1) => (
+                tensor_parallel_backends(&self.device, n as usize, self.tp_transport)?,
+                None,
+            ),
+            (n, _) => {
+                let j =
+                    crate::nodes::join(&self.nodes, &self.device, n as usize, self.tp_transport)?;
+                match j.role {
+                    crate::nodes::Role::Leader(f) => (j.backends, Some(f)),
+                    crate::nodes::Role::Follower(_) => unreachable!("node 0 leads"),
+                }
+            }
         };
         let bar = LoadBar::new();
         let progress = |done: u64, total: u64| bar.update(done, total);
-        let loaded = LoadedModel::load_split(&path, backends, Some(&progress), self.quantize)
-            .with_context(|| format!("loading {}", path.display()));
+        let loaded =
+            LoadedModel::load_nodes(&path, backends, followers, Some(&progress), self.quantize)
+                .with_context(|| format!("loading {}", path.display()));
         bar.finish();
         loaded
     }

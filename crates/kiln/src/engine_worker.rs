@@ -48,6 +48,7 @@ pub fn run(a: WorkerArgs) -> Result<()> {
         quantize: a.quantize,
         tensor_parallel: a.tensor_parallel,
         tp_transport: Default::default(),
+        nodes: Default::default(),
     };
     let loaded = model_args.backend().and_then(|backend| {
         crate::serve::load_engine(

@@ -292,6 +292,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         quantize: a.quantize,
         tensor_parallel: a.tensor_parallel,
         tp_transport: Default::default(),
+        nodes: Default::default(),
     }
     .path()?;
     let (target, available_bytes) = target_for(&a.device, None, a.memory_bytes)?;

@@ -16,6 +16,7 @@ mod dev;
 mod embed;
 mod engine_worker;
 mod fit;
+mod nodes;
 mod generate;
 mod get;
 mod logging;

@@ -79,6 +79,8 @@ pub struct ServeArgs {
     /// moe-family models): on the CPU, N ranks sharing its threads.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub tensor_parallel: u32,
+    #[command(flatten)]
+    pub nodes: crate::nodes::NodeArgs,
     /// Address to listen on; loopback by default.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -306,8 +308,24 @@ fn api_key(a: &ServeArgs) -> Result<Option<String>> {
     Ok(Some(key))
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
+pub fn run(mut a: ServeArgs) -> Result<()> {
     crate::logging::init(a.log_format);
+    if a.nodes.nnodes > 1 {
+        if a.nodes.node_rank > 0 {
+            // A following node serves nothing: it runs node 0's steps.
+            let model = crate::cli::ModelArgs {
+                model: a.model.clone(),
+                device: a.device.clone(),
+                quantize: a.quantize,
+                tensor_parallel: a.tensor_parallel,
+                tp_transport: Default::default(),
+                nodes: a.nodes.clone(),
+            };
+            return crate::nodes::follow(&model);
+        }
+        // Node 0 leads the others from this process.
+        a.isolation = Isolation::Thread;
+    }
     let output = output_overrides(&a)?;
     let api_key = api_key(&a)?;
     let sampling = a.defaults.partial()?;

@@ -254,6 +254,7 @@ struct Defaults {
     kv_mib: Option<usize>,
     quantize: Option<kiln_quant::QuantFormat>,
     tensor_parallel: u32,
+    nodes: crate::nodes::NodeArgs,
 }
 
 impl Defaults {
@@ -263,6 +264,7 @@ impl Defaults {
             kv_mib: a.kv_mib,
             quantize: a.quantize,
             tensor_parallel: a.tensor_parallel,
+            nodes: a.nodes.clone(),
         }
     }
 }
@@ -296,6 +298,7 @@ impl Plan {
             quantize,
             tensor_parallel: self.defaults.tensor_parallel,
             tp_transport: Default::default(),
+            nodes: self.defaults.nodes.clone(),
         };
         let path = model_args.path()?;
         model_args.model = Some(path.to_string_lossy().into_owned());

@@ -750,7 +750,7 @@ impl crate::collective::Collectives for CpuBackend {
 
     fn abort_collectives(&self) {
         if let Some(r) = &self.rank {
-            r.group.abort();
+            r.group.abort(r.rank);
         }
     }
 
