@@ -3,7 +3,8 @@
 //! head each, half of every expert-free MLP, half the vocabulary — its
 //! quantized matrices cut by rows, or loaded dense where a cut would split
 //! a block), a batch of mixed greedy requests gives the tokens the whole
-//! model gives. A model whose heads do not split is refused at load.
+//! model gives, and a device's KV pool holds twice the blocks. A model
+//! whose heads do not split is refused at load.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -94,13 +95,19 @@ fn outputs(model: LoadedModel) -> Vec<Vec<u32>> {
 #[test]
 fn a_split_real_model_generates_the_whole_models_tokens() {
     let path = model_path("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    let whole = outputs(LoadedModel::load(&path, Arc::new(CpuBackend::new())).unwrap());
+    let whole = LoadedModel::load(&path, Arc::new(CpuBackend::new())).unwrap();
     let split = LoadedModel::load_split(&path, ranks(2), None, None).unwrap();
     assert_eq!(
         split.model.config().num_heads,
         14,
         "the engine sees the whole model"
     );
+    // A rank's pool holds a token in one KV head of two: the same bytes a
+    // device hold twice the blocks.
+    let blocks = |m: &LoadedModel| EngineConfig::for_memory(m, 64 << 20).num_blocks;
+    let (s, w) = (blocks(&split), blocks(&whole));
+    assert!(s.abs_diff(2 * w) <= 1, "{s} blocks split, {w} whole");
+    let whole = outputs(whole);
     let got = outputs(split);
     assert!(whole.iter().all(|ids| ids.len() >= 16));
     assert_eq!(got, whole);

@@ -34,6 +34,13 @@ pub trait CausalLm: Send + Sync {
     /// The backend the weights live on.
     fn backend(&self) -> &Arc<dyn Backend>;
 
+    /// The part of the model one device holds: [`CausalLm::config`], but
+    /// for a tensor-parallel model one rank's (its KV heads are what a
+    /// device's pool holds a token).
+    fn rank_config(&self) -> &ModelConfig {
+        self.config()
+    }
+
     /// What the weight matrices take on the backend, by storage (`None`:
     /// a model that does not count them, as a test's stand-in).
     fn weight_bytes(&self) -> Option<&WeightBytes> {

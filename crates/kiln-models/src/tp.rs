@@ -750,6 +750,10 @@ impl CausalLm for TensorParallelLm {
         self.ranks[0].backend()
     }
 
+    fn rank_config(&self) -> &ModelConfig {
+        self.ranks[0].config()
+    }
+
     fn weight_bytes(&self) -> Option<&WeightBytes> {
         Some(&self.weight_bytes)
     }

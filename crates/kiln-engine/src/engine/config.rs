@@ -25,7 +25,10 @@ impl EngineConfig {
     pub fn for_memory(model: &LoadedModel, kv_bytes: usize) -> Self {
         let block_size = 16;
         let elem = model.model.backend().kv_bytes_per_element();
-        let per_block = model.model.config().kv_bytes_per_block(block_size, elem);
+        let per_block = model
+            .model
+            .rank_config()
+            .kv_bytes_per_block(block_size, elem);
         // A device runs large prefill chunks near its GEMM peak; on the CPU
         // smaller chunks keep decode steps of other requests responsive.
         let on_device = model.model.backend().device_memory().is_some();
@@ -54,7 +57,7 @@ impl EngineConfig {
         let bs = self.block_size;
         let per_block = |m: &LoadedModel| {
             let elem = m.model.backend().kv_bytes_per_element();
-            m.model.config().kv_bytes_per_block(bs, elem).max(1)
+            m.model.rank_config().kv_bytes_per_block(bs, elem).max(1)
         };
         let (t, d) = (per_block(target), per_block(draft));
         let context = self
@@ -131,9 +134,13 @@ impl EngineConfig {
         let backend = model.model.backend();
         let probe = EngineConfig::for_memory(model, 0);
         let elem = backend.kv_bytes_per_element();
-        let one_seq =
-            crate::memory::kv_bytes_for(cfg, context, 1, probe.max_num_batched_tokens, elem)
-                as usize;
+        let one_seq = crate::memory::kv_bytes_for(
+            model.model.rank_config(),
+            context,
+            1,
+            probe.max_num_batched_tokens,
+            elem,
+        ) as usize;
         let mem = backend.device_memory();
         let reserve = crate::memory::step_reserve_bytes(
             cfg,
