@@ -181,3 +181,100 @@ fn degrees_that_do_not_split_are_refused_by_key() {
         .to_string();
     assert!(e.contains("gemma3"), "{e}");
 }
+
+/// A source of one Q8_0 matrix, `[rows, cols]`, by a name the Llama
+/// split gives `role`.
+struct Blocks(Vec<f32>, usize, usize, &'static str);
+
+impl WeightSource for Blocks {
+    fn path(&self) -> &std::path::Path {
+        std::path::Path::new("<blocks>")
+    }
+    fn tensors(&self) -> Vec<kiln_formats::StoredTensor> {
+        Vec::new()
+    }
+    fn contains(&self, name: &str) -> bool {
+        name == self.3
+    }
+    fn load_f32(&self, _: &str) -> kiln_formats::Result<kiln_formats::HostTensor> {
+        Ok(kiln_formats::HostTensor::new(
+            vec![self.1, self.2],
+            self.0.clone(),
+        ))
+    }
+    fn load_blocks(&self, _: &str) -> kiln_formats::Result<Option<kiln_tensor::QuantMatrix>> {
+        let q = kiln_tensor::QuantFormat::Q8_0;
+        let bytes = kiln_quant::quantize(q, &self.0).unwrap();
+        Ok(Some(
+            kiln_tensor::QuantMatrix::new(
+                q,
+                self.1,
+                self.2,
+                kiln_tensor::SharedBytes::from_vec(bytes),
+            )
+            .unwrap(),
+        ))
+    }
+}
+
+/// Quantized matrices stay blocks when a rank's cut falls on whole blocks
+/// — rows always, columns at multiples of the block — holding exactly the
+/// whole matrix's blocks of its part; a column cut inside a block leaves
+/// the matrix to load dense (`None`), where its f32 values are cut.
+#[test]
+fn block_matrices_are_cut_on_whole_blocks() {
+    let (rows, cols) = (8, 128);
+    let data: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+        .collect();
+    let llama = kiln_models::registry::find("llama")
+        .unwrap()
+        .tensor_parallel
+        .unwrap();
+    let shard = |rank, world| kiln_models::TpShard {
+        rank,
+        world,
+        vocab_size: 100,
+    };
+    let whole = Blocks(data.clone(), rows, cols, "")
+        .load_blocks("")
+        .unwrap()
+        .unwrap();
+    let whole = whole.dequantize();
+    // Columns (o_proj is row-parallel): 128 over 2 ranks, 64 each, two Q8_0 blocks.
+    let src = Blocks(
+        data.clone(),
+        rows,
+        cols,
+        "model.layers.0.self_attn.o_proj.weight",
+    );
+    for rank in 0..2 {
+        let s = kiln_models::tp::ShardSource::new(&src, llama, shard(rank, 2), 2);
+        let m = s
+            .load_blocks(src.3)
+            .unwrap()
+            .expect("a cut on whole blocks");
+        assert_eq!((m.rows(), m.cols()), (rows, 64));
+        let want: Vec<f32> = (0..rows)
+            .flat_map(|r| whole[r * cols + rank * 64..r * cols + rank * 64 + 64].to_vec())
+            .collect();
+        assert_eq!(m.dequantize(), want);
+    }
+    // Over 8 ranks a rank's 16 columns are half a block: loaded dense.
+    let s = kiln_models::tp::ShardSource::new(&src, llama, shard(3, 8), 8);
+    assert!(s.load_blocks(src.3).unwrap().is_none());
+    let dense = s.load_f32(src.3).unwrap();
+    assert_eq!(dense.shape, vec![rows, 16]);
+    assert_eq!(dense.data[..16], data[48..64]);
+    // Rows (q_proj is column-parallel): any cut.
+    let src = Blocks(
+        data.clone(),
+        rows,
+        cols,
+        "model.layers.0.self_attn.q_proj.weight",
+    );
+    let s = kiln_models::tp::ShardSource::new(&src, llama, shard(1, 4), 4);
+    let m = s.load_blocks(src.3).unwrap().unwrap();
+    assert_eq!((m.rows(), m.cols()), (2, cols));
+    assert_eq!(m.dequantize(), whole[2 * cols..4 * cols].to_vec());
+}
