@@ -91,16 +91,18 @@ impl LoadedModel {
         progress: Option<LoadProgress<'_>>,
         quantize: Option<QuantFormat>,
     ) -> Result<Self> {
-        Self::load_nodes(path, backends, None, progress, quantize)
+        Self::load_nodes(path, backends, None, false, progress, quantize)
     }
 
     /// [`LoadedModel::load_split`] with this node's ranks of a model split
     /// over several nodes (processes), the others following its steps
-    /// through `followers` ([`kiln_models::tp::follow`] is their loop).
+    /// through `followers` ([`kiln_models::tp::follow`] is their loop);
+    /// `expert_parallel`: each rank holds a run of whole experts.
     pub fn load_nodes(
         path: &Path,
         mut backends: Vec<Arc<dyn Backend>>,
         followers: Option<Arc<kiln_models::tp::Followers>>,
+        expert_parallel: bool,
         progress: Option<LoadProgress<'_>>,
         quantize: Option<QuantFormat>,
     ) -> Result<Self> {
@@ -113,7 +115,13 @@ impl LoadedModel {
                 if !split {
                     return load_model_with_progress(backends.remove(0), source, config, progress);
                 }
-                let m = kiln_models::tp::load_ranks(backends, source, config, progress)?;
+                let m = kiln_models::tp::load_ranks(
+                    backends,
+                    source,
+                    config,
+                    progress,
+                    expert_parallel,
+                )?;
                 Ok(match followers {
                     Some(f) => Box::new(m.with_followers(f)),
                     None => Box::new(m),

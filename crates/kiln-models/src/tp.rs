@@ -46,6 +46,10 @@ pub struct TpShard {
     pub world: usize,
     /// The whole vocabulary.
     pub vocab_size: usize,
+    /// Expert parallelism: the routed experts a layer has, which the ranks
+    /// hold whole, an equal run each (`None`: every expert split like a
+    /// dense MLP).
+    pub experts: Option<usize>,
 }
 
 impl TpShard {
@@ -72,6 +76,14 @@ impl TpShard {
                 false => zero,
             })
             .collect()
+    }
+
+    /// The routed experts this rank holds whole (expert parallelism).
+    pub fn held_experts(&self) -> Option<std::ops::Range<usize>> {
+        self.experts.map(|n| {
+            let per = n / self.world;
+            self.rank * per..(self.rank + 1) * per
+        })
     }
 
     /// Columns of each rank's logits that are real tokens.
@@ -105,8 +117,10 @@ pub struct TensorParallel {
     /// The role of each of its tensors, by Hugging Face name.
     pub role: fn(&str) -> TpRole,
     /// Its own config keys as one of `world` ranks holds them (sizes the
-    /// split divides), or an error naming the key that does not divide.
-    pub shard: fn(&FamilyConfig, usize) -> Result<FamilyConfig>,
+    /// split divides), or an error naming the key that does not divide;
+    /// with expert parallelism (the flag), also the routed experts a
+    /// layer has (which must split evenly), else an error.
+    pub shard: fn(&FamilyConfig, usize, bool) -> Result<(FamilyConfig, Option<usize>)>,
 }
 
 /// The size `key` has on each of `world` ranks, or why it does not split.
@@ -124,13 +138,19 @@ pub fn split(key: &str, size: usize, world: usize) -> Result<usize> {
 /// the heads divide, the KV heads divide or are divided), naming the key
 /// that does not.
 pub fn check_degree(cfg: &ModelConfig, world: usize) -> Result<()> {
-    shard_config(cfg, 0, world).map(|_| ())
+    shard_config(cfg, 0, world, false).map(|_| ())
 }
 
 /// `cfg` as rank `rank` of `world` holds it: its share of the heads, KV
 /// heads (at least one), intermediate size and the family's own sizes,
-/// and a vocabulary of its slice and the zero row.
-pub fn shard_config(cfg: &ModelConfig, rank: usize, world: usize) -> Result<ModelConfig> {
+/// and a vocabulary of its slice and the zero row; with
+/// `expert_parallel`, its run of whole experts instead of a slice of each.
+pub fn shard_config(
+    cfg: &ModelConfig,
+    rank: usize,
+    world: usize,
+    expert_parallel: bool,
+) -> Result<ModelConfig> {
     let family = registry::find(&cfg.model_type).ok_or_else(|| ModelError::UnsupportedModel {
         model_type: cfg.model_type.clone(),
         supported: registry::supported_model_types(),
@@ -171,11 +191,13 @@ pub fn shard_config(cfg: &ModelConfig, rank: usize, world: usize) -> Result<Mode
         l.num_kv_heads = out.num_kv_heads;
     }
     out.intermediate_size = split("intermediate_size", cfg.intermediate_size, world)?;
-    out.family = (tp.shard)(&cfg.family, world)?;
+    let (family, experts) = (tp.shard)(&cfg.family, world, expert_parallel)?;
+    out.family = family;
     let shard = TpShard {
         rank,
         world,
         vocab_size: cfg.vocab_size,
+        experts,
     };
     out.vocab_size = shard.vocab_chunk() + 1;
     out.tensor_parallel = Some(shard);
@@ -218,6 +240,22 @@ impl<'a> ShardSource<'a> {
     /// How `name` of `shape` is cut for this rank (`None`: whole).
     fn cut(&self, name: &str, shape: &[usize]) -> Option<Cut> {
         let TpShard { rank, world, .. } = self.shard;
+        if let Some(held) = self.shard.held_experts() {
+            // Expert parallel: a routed expert's tensors whole (the loader
+            // asks for the held ones only), a fused stack cut to them.
+            let mut parts = name.rsplit('.');
+            let (last, module) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            if module == "experts" && matches!(last, "gate_up_proj" | "down_proj") {
+                return Some(Cut {
+                    axis: 0,
+                    pieces: vec![held],
+                    pad: 0,
+                });
+            }
+            if name.contains(".experts.") {
+                return None;
+            }
+        }
         let n = shape.len();
         let out_axis = n.saturating_sub(2);
         let part = |len: usize, parts: usize, i: usize| {
@@ -570,23 +608,27 @@ pub fn load_tensor_parallel(
     config: ModelConfig,
     progress: Option<LoadProgress<'_>>,
 ) -> Result<Box<dyn CausalLm>> {
-    Ok(Box::new(load_ranks(backends, source, config, progress)?))
+    Ok(Box::new(load_ranks(
+        backends, source, config, progress, false,
+    )?))
 }
 
-/// [`load_tensor_parallel`], as the concrete model.
+/// [`load_tensor_parallel`], as the concrete model; `expert_parallel`
+/// gives each rank a run of whole experts instead of a slice of each.
 pub fn load_ranks(
     backends: Vec<Arc<dyn Backend>>,
     source: &dyn WeightSource,
     config: ModelConfig,
     progress: Option<LoadProgress<'_>>,
+    expert_parallel: bool,
 ) -> Result<TensorParallelLm> {
     let (first, world) = backends
         .first()
         .map(|b| b.tp_rank())
         .ok_or_else(|| err("tensor_parallel", "no backends".to_string()))?;
-    check_degree(&config, world)?;
-    let family = registry::find(&config.model_type).expect("checked by check_degree");
-    let tp = family.tensor_parallel.expect("checked by check_degree");
+    shard_config(&config, 0, world, expert_parallel)?;
+    let family = registry::find(&config.model_type).expect("checked by shard_config");
+    let tp = family.tensor_parallel.expect("checked by shard_config");
     (family.check_weights)(&config, &source.tensors())?;
     let mut ranks = Vec::with_capacity(backends.len());
     let mut weight_bytes = WeightBytes::default();
@@ -601,11 +643,12 @@ pub fn load_ranks(
                 ),
             ));
         }
-        let local = shard_config(&config, rank, world)?;
+        let local = shard_config(&config, rank, world, expert_parallel)?;
         let shard = local.tensor_parallel.unwrap_or(TpShard {
             rank,
             world,
             vocab_size: config.vocab_size,
+            experts: None,
         });
         let src = ShardSource::new(source, tp, shard, config.num_kv_heads);
         let model = registry::load_model_with_progress(backend, &src, local, progress)?;

@@ -121,7 +121,9 @@ fn moe_dir(case: &str) -> PathBuf {
 
 /// Mixtral (w1/w3/w2 experts), Qwen2-MoE (a gated shared expert, q/k/v
 /// biases) and Qwen3-MoE (QK-norm, a dense layer) split over 2 and 4
-/// ranks: every expert split like a dense MLP, the router replicated.
+/// ranks: every expert split like a dense MLP, or (expert parallel) each
+/// rank holding a run of whole experts and adding only theirs; the router
+/// replicated either way.
 #[test]
 fn moe_splits_give_the_whole_models_logits_and_match_transformers() {
     for case in ["mixtral", "qwen2_moe", "qwen3_moe"] {
@@ -130,12 +132,18 @@ fn moe_splits_give_the_whole_models_logits_and_match_transformers() {
         let (p, golden) = common::logprob_golden(&moe_dir(case).join("golden.json"));
         let vocab = cfg.vocab_size;
         let whole = run(load(&dir, &cfg, 1).as_ref(), &p);
-        for tp in [2, 4] {
-            let got = run(load(&dir, &cfg, tp).as_ref(), &p);
+        for (tp, ep) in [(2, false), (4, false), (2, true), (4, true)] {
+            let m: Box<dyn CausalLm> = match ep {
+                false => load(&dir, &cfg, tp),
+                true => Box::new(
+                    kiln_models::tp::load_ranks(ranks(tp), &dir, cfg.clone(), None, true).unwrap(),
+                ),
+            };
+            let got = run(m.as_ref(), &p);
             let (worst, same) = diff(&got, &whole, vocab);
             assert!(
                 worst <= BOUND && same,
-                "{case} tp={tp}: max |Δ log-softmax| {worst} against tp=1, argmax equal {same}"
+                "{case} tp={tp} ep={ep}: max |Δ log-softmax| {worst} against tp=1, argmax equal {same}"
             );
             let (hf, same) = common::compare_logprobs(&got, vocab, &golden);
             assert!(
@@ -180,6 +188,27 @@ fn degrees_that_do_not_split_are_refused_by_key() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("gemma3"), "{e}");
+    // Expert parallelism needs experts, and as many a rank.
+    let e = match kiln_models::tp::load_ranks(ranks(3), &w, cfg_dense(), None, true) {
+        Ok(_) => panic!("a dense model expert-parallel"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("dense"), "{e}");
+    let dir = SafetensorsDir::open(moe_dir("qwen3_moe")).unwrap();
+    let six = merge(dir.config().clone(), &json!({"num_experts": 6}));
+    let moe = ModelConfig::from_hf(&six).unwrap();
+    assert!(kiln_models::tp::shard_config(&moe, 0, 2, true).is_ok());
+    let e = kiln_models::tp::shard_config(&moe, 0, 4, true).unwrap_err();
+    assert!(e.to_string().contains("num_experts"), "{e}");
+}
+
+fn cfg_dense() -> ModelConfig {
+    let c = merge(
+        preset("tiny").unwrap(),
+        &json!({"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8,
+            "hidden_size": 48, "intermediate_size": 96, "vocab_size": 100}),
+    );
+    ModelConfig::from_hf(&c).unwrap()
 }
 
 /// A source of one Q8_0 matrix, `[rows, cols]`, by a name the Llama
@@ -235,6 +264,7 @@ fn block_matrices_are_cut_on_whole_blocks() {
         rank,
         world,
         vocab_size: 100,
+        experts: None,
     };
     let whole = Blocks(data.clone(), rows, cols, "")
         .load_blocks("")

@@ -148,7 +148,12 @@ pub struct MoeLayer {
     /// `[num_experts]`, added to the scores only to pick the experts
     /// ([`Scoring::Sigmoid`]).
     pub selection_bias: Option<Vec<f32>>,
+    /// The experts this layer holds: all of them, or (`held`) a range.
     pub experts: Vec<Expert>,
+    /// Expert parallelism: the experts `experts` are (a rank's share);
+    /// the others add nothing here — another rank adds them, and the
+    /// ranks' outputs are summed. `None`: every expert.
+    pub held: Option<std::ops::Range<usize>>,
     pub shared: Option<SharedExpert>,
     pub activation: ExpertActivation,
     pub routing: Routing,
@@ -157,8 +162,20 @@ pub struct MoeLayer {
 }
 
 impl MoeLayer {
+    /// Experts the router picks among.
     pub fn num_experts(&self) -> usize {
-        self.experts.len()
+        self.held
+            .as_ref()
+            .map_or(self.experts.len(), |_| self.router.shape()[0])
+    }
+
+    /// Expert `e`, if this layer holds it.
+    pub fn expert(&self, e: usize) -> Option<&Expert> {
+        match &self.held {
+            None => self.experts.get(e),
+            Some(r) if r.contains(&e) => self.experts.get(e - r.start),
+            Some(_) => None,
+        }
     }
 }
 

@@ -109,6 +109,10 @@ pub struct ModelArgs {
     /// host memory, ranks may share a GPU; for checking the split).
     #[arg(long, value_enum, default_value_t = TpTransport::Nccl)]
     pub tp_transport: TpTransport,
+    /// With --tensor-parallel on a Mixture-of-Experts model: each rank
+    /// holds a run of whole experts instead of a slice of every expert.
+    #[arg(long)]
+    pub expert_parallel: bool,
     #[command(flatten)]
     pub nodes: crate::nodes::NodeArgs,
 }
@@ -401,9 +405,15 @@ impl ModelArgs {
         };
         let bar = LoadBar::new();
         let progress = |done: u64, total: u64| bar.update(done, total);
-        let loaded =
-            LoadedModel::load_nodes(&path, backends, followers, Some(&progress), self.quantize)
-                .with_context(|| format!("loading {}", path.display()));
+        let loaded = LoadedModel::load_nodes(
+            &path,
+            backends,
+            followers,
+            self.expert_parallel,
+            Some(&progress),
+            self.quantize,
+        )
+        .with_context(|| format!("loading {}", path.display()));
         bar.finish();
         loaded
     }

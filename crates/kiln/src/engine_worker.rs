@@ -38,6 +38,8 @@ pub struct WorkerArgs {
     pub with_speculation: bool,
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: u32,
+    #[arg(long)]
+    pub expert_parallel: bool,
 }
 
 pub fn run(a: WorkerArgs) -> Result<()> {
@@ -48,6 +50,7 @@ pub fn run(a: WorkerArgs) -> Result<()> {
         quantize: a.quantize,
         tensor_parallel: a.tensor_parallel,
         tp_transport: Default::default(),
+        expert_parallel: a.expert_parallel,
         nodes: Default::default(),
     };
     let loaded = model_args.backend().and_then(|backend| {
@@ -80,9 +83,7 @@ pub fn run(a: WorkerArgs) -> Result<()> {
 pub fn command(
     name: &str,
     path: &Path,
-    device: &str,
-    quantize: Option<kiln_quant::QuantFormat>,
-    tensor_parallel: u32,
+    model: &ModelArgs,
     context: usize,
     kv_bytes: Option<usize>,
     speculative: Option<&SpeculativeArgs>,
@@ -93,16 +94,19 @@ pub fn command(
     args.extend(["--name".into(), name.into()]);
     args.push("--model".into());
     args.push(path.as_os_str().to_owned());
-    args.extend(["--device".into(), device.into()]);
-    if let Some(q) = quantize {
+    args.extend(["--device".into(), model.device.clone().into()]);
+    if let Some(q) = model.quantize {
         args.extend(["--quantize".into(), q.name().into()]);
     }
     args.extend(["--context".into(), context.to_string().into()]);
-    if tensor_parallel > 1 {
+    if model.tensor_parallel > 1 {
         args.extend([
             "--tensor-parallel".into(),
-            tensor_parallel.to_string().into(),
+            model.tensor_parallel.to_string().into(),
         ]);
+    }
+    if model.expert_parallel {
+        args.push("--expert-parallel".into());
     }
     if let Some(b) = kv_bytes {
         args.extend(["--kv-bytes".into(), b.to_string().into()]);

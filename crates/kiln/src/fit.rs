@@ -209,7 +209,7 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
     let config = match q.tensor_parallel {
         0 | 1 => config,
         n => {
-            let rank = kiln_models::tp::shard_config(&config, 0, n)
+            let rank = kiln_models::tp::shard_config(&config, 0, n, false)
                 .with_context(|| format!("splitting {} over {n} ranks", path.display()))?;
             rank_share(&config, &rank, &mut blocks)?;
             rank
@@ -292,6 +292,7 @@ pub fn run(a: FitArgs) -> Result<()> {
         quantize: a.quantize,
         tensor_parallel: a.tensor_parallel,
         tp_transport: Default::default(),
+        expert_parallel: false,
         nodes: Default::default(),
     }
     .path()?;

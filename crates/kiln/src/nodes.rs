@@ -181,8 +181,15 @@ pub fn follow(model: &crate::cli::ModelArgs) -> Result<()> {
     let Role::Follower(mut leader) = joined.role else {
         anyhow::bail!("node 0 serves; it does not follow");
     };
-    let loaded = kiln_engine::LoadedModel::load_split(&path, joined.backends, None, model.quantize)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let loaded = kiln_engine::LoadedModel::load_nodes(
+        &path,
+        joined.backends,
+        None,
+        model.expert_parallel,
+        None,
+        model.quantize,
+    )
+    .with_context(|| format!("loading {}", path.display()))?;
     eprintln!(
         "kiln: node {} of {} holds ranks of {} and follows node 0",
         model.nodes.node_rank,

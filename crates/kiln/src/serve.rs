@@ -79,6 +79,10 @@ pub struct ServeArgs {
     /// moe-family models): on the CPU, N ranks sharing its threads.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub tensor_parallel: u32,
+    /// With --tensor-parallel on a Mixture-of-Experts model: each rank
+    /// holds a run of whole experts instead of a slice of every expert.
+    #[arg(long)]
+    pub expert_parallel: bool,
     #[command(flatten)]
     pub nodes: crate::nodes::NodeArgs,
     /// Address to listen on; loopback by default.
@@ -319,6 +323,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
                 quantize: a.quantize,
                 tensor_parallel: a.tensor_parallel,
                 tp_transport: Default::default(),
+                expert_parallel: a.expert_parallel,
                 nodes: a.nodes.clone(),
             };
             return crate::nodes::follow(&model);

@@ -254,6 +254,7 @@ struct Defaults {
     kv_mib: Option<usize>,
     quantize: Option<kiln_quant::QuantFormat>,
     tensor_parallel: u32,
+    expert_parallel: bool,
     nodes: crate::nodes::NodeArgs,
 }
 
@@ -264,6 +265,7 @@ impl Defaults {
             kv_mib: a.kv_mib,
             quantize: a.quantize,
             tensor_parallel: a.tensor_parallel,
+            expert_parallel: a.expert_parallel,
             nodes: a.nodes.clone(),
         }
     }
@@ -298,6 +300,7 @@ impl Plan {
             quantize,
             tensor_parallel: self.defaults.tensor_parallel,
             tp_transport: Default::default(),
+            expert_parallel: self.defaults.expert_parallel,
             nodes: self.defaults.nodes.clone(),
         };
         let path = model_args.path()?;
@@ -373,7 +376,6 @@ impl Plan {
         );
         let (loader, load_path, default_model) = (loader.clone(), path.clone(), self.default_model);
         let load_name = name.clone();
-        let device = self.device.clone();
         // Only an engine in this process loads onto this process's backend.
         let backend = in_process.then_some(backend);
         Ok(ModelSource {
@@ -402,9 +404,7 @@ impl Plan {
                     crate::engine_worker::command(
                         &load_name,
                         &load_path,
-                        &device,
-                        model_args.quantize,
-                        model_args.tensor_parallel,
+                        &model_args,
                         context,
                         kv_bytes,
                         speculative,

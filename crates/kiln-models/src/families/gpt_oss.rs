@@ -313,6 +313,7 @@ impl GptOss {
                 router_bias: Some(l.tensor(&format!("{p}.router.bias"), &[e])?),
                 selection_bias: None,
                 experts,
+                held: None,
                 shared: None,
                 activation: ExpertActivation::ClampedSwiglu {
                     alpha: g.swiglu_alpha,

@@ -92,6 +92,7 @@ impl Lfm2Moe {
             },
             activation: kiln_tensor::ExpertActivation::Gated(Activation::Silu),
             names: crate::layers::ExpertNames::W1W3W2,
+            held: None,
         }
     }
 

@@ -45,7 +45,13 @@ pub static FAMILY: Family = Family {
 /// own keys hold no size that splits).
 static TENSOR_PARALLEL: TensorParallel = TensorParallel {
     role: tp_role,
-    shard: |f, _| Ok(f.clone()),
+    shard: |f, _, expert_parallel| match expert_parallel {
+        false => Ok((f.clone(), None)),
+        true => Err(crate::config::err(
+            "num_experts",
+            "expert parallelism needs a Mixture-of-Experts model; this one is dense",
+        )),
+    },
 };
 
 /// How a Llama-family tensor (or a sparse family's: experts by either

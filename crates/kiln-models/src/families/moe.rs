@@ -76,6 +76,7 @@ impl MoeConfig {
             },
             activation: ExpertActivation::Gated(self.attention.activation),
             names: self.names,
+            held: None,
         }
     }
 
@@ -108,17 +109,25 @@ impl MoeConfig {
 /// dense MLP ([`crate::tp`]); the router is replicated.
 static TENSOR_PARALLEL: TensorParallel = TensorParallel {
     role: llama::tp_role,
-    shard: |f, world| {
+    shard: |f, world, expert_parallel| {
         let FamilyConfig::Moe(m) = f else {
-            return Ok(f.clone());
+            return Ok((f.clone(), None));
         };
         let mut m = m.clone();
-        m.expert_intermediate = tp::split("moe_intermediate_size", m.expert_intermediate, world)?;
+        let experts = match expert_parallel {
+            // Whole experts, an equal run a rank.
+            true => Some(tp::split("num_experts", m.num_experts, world).map(|_| m.num_experts)?),
+            false => {
+                m.expert_intermediate =
+                    tp::split("moe_intermediate_size", m.expert_intermediate, world)?;
+                None
+            }
+        };
         m.shared_intermediate = m
             .shared_intermediate
             .map(|s| tp::split("shared_expert_intermediate_size", s, world))
             .transpose()?;
-        Ok(FamilyConfig::Moe(m))
+        Ok((FamilyConfig::Moe(m), experts))
     },
 };
 
@@ -280,7 +289,13 @@ fn load(
 ) -> Result<Box<dyn crate::CausalLm>> {
     let m = moe_config(&cfg)?.clone();
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let shape = m.shape(h);
+    let shape = MoeShape {
+        held: cfg
+            .tensor_parallel
+            .and_then(|t| t.held_experts())
+            .map(|r| (r.start, r.end)),
+        ..m.shape(h)
+    };
     let ffn = move |l: &WeightLoader, layer: usize| -> Result<Ffn> {
         if m.sparse_layers[layer] {
             let (prefix, router) = m.prefix(layer);

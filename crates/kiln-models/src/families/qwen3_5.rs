@@ -109,6 +109,7 @@ impl Qwen35Moe {
             },
             activation: kiln_tensor::ExpertActivation::Gated(Activation::Silu),
             names: crate::layers::ExpertNames::Proj,
+            held: None,
         }
     }
 }

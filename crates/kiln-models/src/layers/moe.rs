@@ -41,6 +41,9 @@ pub struct MoeShape {
     pub routing: Routing,
     pub activation: ExpertActivation,
     pub names: ExpertNames,
+    /// Expert parallelism: the routed experts this rank holds, `[start,
+    /// end)` (`None`: all).
+    pub held: Option<(usize, usize)>,
 }
 
 impl MoeShape {
@@ -96,10 +99,11 @@ impl SparseMoe {
             ))
         };
         let fused = format!("{prefix}.experts.gate_up_proj");
+        let (first, end) = shape.held.unwrap_or((0, shape.num_experts));
         let experts = if l.source.contains(&fused) {
-            Self::load_fused(l, prefix, shape)?
+            Self::load_fused(l, prefix, shape, end - first)?
         } else {
-            (0..shape.num_experts)
+            (first..end)
                 .map(|e| load_expert(&format!("{prefix}.experts.{e}"), i, [gate, up, down]))
                 .collect::<Result<Vec<_>>>()?
         };
@@ -120,6 +124,7 @@ impl SparseMoe {
                 router_bias: None,
                 selection_bias: None,
                 experts,
+                held: shape.held.map(|(a, b)| a..b),
                 shared,
                 activation: shape.activation,
                 routing: shape.routing,
@@ -131,8 +136,14 @@ impl SparseMoe {
     /// The experts as transformers holds them in memory (and some tools
     /// save them): `{prefix}.experts.gate_up_proj` `[n, 2i, h]` (each
     /// expert's gate rows, then its up rows) and `.down_proj` `[n, h, i]`.
-    fn load_fused(l: &WeightLoader, prefix: &str, shape: &MoeShape) -> Result<Vec<Expert>> {
-        let (n, h, i) = (shape.num_experts, shape.hidden, shape.intermediate);
+    /// (`n` of them: all, or the run a rank holds.)
+    fn load_fused(
+        l: &WeightLoader,
+        prefix: &str,
+        shape: &MoeShape,
+        n: usize,
+    ) -> Result<Vec<Expert>> {
+        let (h, i) = (shape.hidden, shape.intermediate);
         let gate_up = format!("{prefix}.experts.gate_up_proj");
         let down = format!("{prefix}.experts.down_proj");
         let gate_ups = l.stacked_slices(&gate_up, [n, 2 * i, h])?;

@@ -91,8 +91,12 @@ impl CpuBackend {
             if rows.is_empty() {
                 continue;
             }
+            // (An expert another rank holds adds nothing here.)
+            let Some(expert) = layer.expert(e) else {
+                continue;
+            };
             let xs = self.gather_rows(x, rows)?;
-            outs[e] = self.expert(&xs, &layer.experts[e], layer)?;
+            outs[e] = self.expert(&xs, expert, layer)?;
             if outs[e].len() != rows.len() * hidden {
                 return Err(TensorError::Shape {
                     op: "moe",
@@ -108,7 +112,9 @@ impl CpuBackend {
         for (row, (picks, at)) in routes.iter().zip(&at).enumerate() {
             let dst = &mut out[row * hidden..(row + 1) * hidden];
             for (&(e, w), &i) in picks.iter().zip(at) {
-                let src = &outs[e][i * hidden..(i + 1) * hidden];
+                let Some(src) = outs[e].get(i * hidden..(i + 1) * hidden) else {
+                    continue;
+                };
                 for (d, &v) in dst.iter_mut().zip(src) {
                     *d += w * v;
                 }
