@@ -492,6 +492,19 @@ impl Ops for CudaBackend {
     }
 
     /// LoRA deltas by the gathered shrink/expand kernels (`ops::lora`).
+    /// Mixture-of-Experts layers composed of the backend's products with
+    /// the routing and the weighted sums on the host
+    /// ([`kiln_tensor::moe::moe_composed`]): correct, not fast — a step
+    /// with one runs eagerly (its host round trips cannot be recorded).
+    fn supports_moe(&self) -> bool {
+        true
+    }
+
+    fn moe(&self, x: &Tensor, layer: &kiln_tensor::MoeLayer) -> Result<Tensor> {
+        self.no_upload_while_recording("a Mixture-of-Experts layer's host routing")?;
+        kiln_tensor::moe::moe_composed(self, x, layer)
+    }
+
     fn supports_lora(&self) -> bool {
         self.dev.has("lora_shrink_bf16") && self.dev.has("lora_expand_bf16")
     }

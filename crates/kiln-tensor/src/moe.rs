@@ -11,7 +11,9 @@
 //! token's sum is its own, so a token's result does not depend on which
 //! other tokens share the step.
 
-use crate::backend::Activation;
+use crate::backend::{Activation, Memory, Ops};
+use crate::error::{Result, TensorError};
+use crate::matmul::Epilogue;
 use crate::tensor::Tensor;
 use crate::weight::Weight;
 
@@ -245,6 +247,148 @@ pub fn route(logits: &[f32], r: &Routing, selection_bias: Option<&[f32]>) -> Vec
         }
     }
     picked
+}
+
+/// One expert's gated MLP over `x`'s rows, on the host.
+fn expert_rows<B: Ops + Memory + ?Sized>(
+    b: &B,
+    x: &Tensor,
+    e: &Expert,
+    layer: &MoeLayer,
+) -> Result<Vec<f32>> {
+    let bias = e.gate_up_bias.as_ref();
+    let h = match layer.activation {
+        ExpertActivation::Gated(act) => {
+            let epilogue = Epilogue {
+                bias,
+                gated: Some(act),
+                residual: None,
+            };
+            b.matmul(x, &e.gate_up, None, epilogue)?
+        }
+        ExpertActivation::ClampedSwiglu { alpha, limit } => {
+            let y = b.matmul(x, &e.gate_up, None, Epilogue::bias(bias))?;
+            let (n, two_i) = y.dims2("moe")?;
+            let h = ExpertActivation::clamped_swiglu(&b.to_host(&y)?, two_i / 2, alpha, limit);
+            b.upload(&[n, two_i / 2], &h)?
+        }
+    };
+    let y = b.matmul(&h, &e.down, None, Epilogue::bias(e.down_bias.as_ref()))?;
+    b.to_host(&y)
+}
+
+/// [`crate::Ops::moe`] composed of a backend's products and host
+/// arithmetic: the router is one product over all rows; each row is routed
+/// on the host ([`route`]); each expert multiplies the rows routed to it,
+/// gathered, by [`crate::Ops::matmul`] (only the experts some row picked
+/// are read); each row then sums its experts' outputs in its routing
+/// order, then the shared expert's. The CPU's layer (the reference every
+/// backend is checked against: a row's bits depend on its own input only,
+/// since the CPU's products are row-invariant), and CUDA's until it has
+/// kernels of its own (its products on the device, the routing and sums
+/// on the host: steps with it run eagerly).
+pub fn moe_composed<B: Ops + Memory + ?Sized>(
+    b: &B,
+    x: &Tensor,
+    layer: &MoeLayer,
+) -> Result<Tensor> {
+    let (n, hidden) = x.dims2("moe")?;
+    let num_experts = layer.num_experts();
+    let (re, rh) = layer.router.dims2("moe")?;
+    if re != num_experts || rh != hidden || num_experts == 0 || layer.routing.top_k == 0 {
+        return Err(TensorError::Shape {
+            op: "moe",
+            detail: format!(
+                "router [{re}, {rh}] for {num_experts} experts (top {}) over x [{n}, {hidden}]",
+                layer.routing.top_k
+            ),
+        });
+    }
+    let logits = b.matmul(
+        x,
+        &layer.router,
+        None,
+        Epilogue::bias(layer.router_bias.as_ref()),
+    )?;
+    let logits = b.to_host(&logits)?;
+    let routes: Vec<Vec<(usize, f32)>> = logits
+        .chunks(num_experts)
+        .map(|row| route(row, &layer.routing, layer.selection_bias.as_deref()))
+        .collect();
+    // Each expert's rows, and where each (row, pick) finds its output.
+    let mut rows_of: Vec<Vec<u32>> = vec![Vec::new(); num_experts];
+    let mut at: Vec<Vec<usize>> = Vec::with_capacity(n);
+    for (row, picks) in routes.iter().enumerate() {
+        at.push(
+            picks
+                .iter()
+                .map(|&(e, _)| {
+                    rows_of[e].push(row as u32);
+                    rows_of[e].len() - 1
+                })
+                .collect(),
+        );
+    }
+    for (e, rows) in rows_of.iter().enumerate() {
+        layer.load.add(e, rows.len() as u64);
+    }
+    let mut outs: Vec<Vec<f32>> = vec![Vec::new(); num_experts];
+    for (e, rows) in rows_of.iter().enumerate() {
+        if rows.is_empty() {
+            continue;
+        }
+        // (An expert another rank holds adds nothing here.)
+        let Some(expert) = layer.expert(e) else {
+            continue;
+        };
+        let xs = b.gather_rows(x, rows)?;
+        outs[e] = expert_rows(b, &xs, expert, layer)?;
+        if outs[e].len() != rows.len() * hidden {
+            return Err(TensorError::Shape {
+                op: "moe",
+                detail: format!(
+                    "expert {e} returned {} values for {} rows of {hidden}",
+                    outs[e].len(),
+                    rows.len()
+                ),
+            });
+        }
+    }
+    let mut out = vec![0f32; n * hidden];
+    for (row, (picks, at)) in routes.iter().zip(&at).enumerate() {
+        let dst = &mut out[row * hidden..(row + 1) * hidden];
+        for (&(e, w), &i) in picks.iter().zip(at) {
+            let Some(src) = outs[e].get(i * hidden..(i + 1) * hidden) else {
+                continue;
+            };
+            for (d, &v) in dst.iter_mut().zip(src) {
+                *d += w * v;
+            }
+        }
+    }
+    if let Some(shared) = &layer.shared {
+        let ys = expert_rows(b, x, &shared.expert, layer)?;
+        let gates = match &shared.gate {
+            Some(g) => {
+                let t = b.matmul(x, g, None, Epilogue::NONE)?;
+                let t = b.to_host(&t)?;
+                if t.len() != n {
+                    return Err(TensorError::Shape {
+                        op: "moe",
+                        detail: format!("shared expert gate {:?}", g.shape()),
+                    });
+                }
+                t.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect()
+            }
+            None => vec![1.0; n],
+        };
+        for ((dst, src), g) in out.chunks_mut(hidden).zip(ys.chunks(hidden)).zip(gates) {
+            for (d, &v) in dst.iter_mut().zip(src) {
+                *d += g * v;
+            }
+        }
+    }
+    b.upload(&[n, hidden], &out)
 }
 
 #[cfg(test)]

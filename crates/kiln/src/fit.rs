@@ -51,8 +51,9 @@ pub struct FitArgs {
     #[arg(long)]
     pub lora: Vec<String>,
     /// Plan one rank of a model split over N GPUs (tensor parallel): its
-    /// share of the weights and KV heads, on each device's memory; a
-    /// degree the model's heads or sizes do not split over is refused.
+    /// share of the weights and KV heads, on each device's memory (CPU
+    /// ranks share one memory: the whole model is planned); a degree the
+    /// model's heads or sizes do not split over is refused.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub tensor_parallel: u32,
     /// Print one JSON object.
@@ -208,6 +209,13 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
     let mut blocks = block_bytes(path, q.quantize, q.target.on_device)?;
     let config = match q.tensor_parallel {
         0 | 1 => config,
+        // CPU ranks share one memory: the whole model is what it holds
+        // (a rank's pool is its share of the planned one).
+        n if !q.target.on_device => {
+            kiln_models::tp::check_degree(&config, n)
+                .with_context(|| format!("splitting {} over {n} ranks", path.display()))?;
+            config
+        }
         n => {
             let rank = kiln_models::tp::shard_config(&config, 0, n, false)
                 .with_context(|| format!("splitting {} over {n} ranks", path.display()))?;
@@ -222,7 +230,10 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
         batch: q.batch,
         kv_pool_bytes: q.kv_pool_bytes,
         available_bytes: q.available_bytes,
-        file_bytes: file_bytes(path) / q.tensor_parallel.max(1) as u64,
+        file_bytes: match q.target.on_device {
+            true => file_bytes(path) / q.tensor_parallel.max(1) as u64,
+            false => file_bytes(path),
+        },
         block_bytes: &blocks,
         adapter_bytes: q.adapter_bytes,
     };

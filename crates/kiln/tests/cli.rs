@@ -1,8 +1,12 @@
 //! The `kiln` binary end to end: JSON output, random checkpoints, and clear
 //! errors with a non-zero exit code.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
+
+use common::random_checkpoint;
 
 fn kiln() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kiln"));
@@ -19,32 +23,6 @@ fn smollm2() -> PathBuf {
         p.display()
     );
     p
-}
-
-/// A tiny random checkpoint in `dtype` with SmolLM2's tokenizer, under `dir`.
-fn random_checkpoint(dir: &std::path::Path, dtype: &str) -> PathBuf {
-    let ckpt = dir.join("tiny");
-    let out = kiln()
-        .args([
-            "dev",
-            "random-checkpoint",
-            "--preset",
-            "tiny",
-            "--dtype",
-            dtype,
-            "--tokenizer",
-        ])
-        .arg(smollm2())
-        .arg("-o")
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ckpt
 }
 
 fn json_of(out: &std::process::Output) -> serde_json::Value {

@@ -5,35 +5,9 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 
 use common::{http, Server};
-
-fn random_checkpoint(dir: &Path) -> std::path::PathBuf {
-    let ckpt = dir.join("tiny");
-    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args([
-            "dev",
-            "random-checkpoint",
-            "--preset",
-            "tiny",
-            "--dtype",
-            "f32",
-        ])
-        .arg("--tokenizer")
-        .arg(common::model("SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .arg("-o")
-        .arg(&ckpt)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    ckpt
-}
 
 /// A port whose next one is free too (the meeting and the CPU's
 /// collectives).
@@ -60,7 +34,7 @@ fn complete(addr: &str, prompt: &str) -> String {
 #[test]
 fn two_nodes_serve_the_whole_models_answers() {
     let dir = tempfile::tempdir().unwrap();
-    let ckpt = random_checkpoint(dir.path());
+    let ckpt = common::random_checkpoint(dir.path(), "f32");
     let ckpt_arg = ckpt.to_str().unwrap();
     let whole = Server::start(&[ckpt_arg, "--device", "cpu"], dir.path());
     let prompts = ["Hello", "The capital of France is", "1, 2, 3,"];

@@ -5,7 +5,8 @@
 //! steps replayed against fresh metadata, and the device sampler against
 //! its host reference (`ops/sample/check.rs`); `qkv_attention` with and
 //! without QK-norm (`attention.rs`; recorded steps and the sampler in
-//! `steps.rs`). `kiln dev cuda-check` runs it on a GPU machine and writes
+//! `steps.rs`), the recurrent mixers (`recurrent.rs`) and Mixture-of-Experts
+//! layers (`moe.rs`). `kiln dev cuda-check` runs it on a GPU machine and writes
 //! the report.
 
 use half::bf16;
@@ -153,6 +154,7 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     lora_ops(&mut p, &mut rng)?;
     blocks::block_ops(&mut p, &mut rng)?;
     recurrent::recurrent_ops(&mut p, &mut rng)?;
+    moe::moe_ops(&mut p, &mut rng)?;
     recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
     p.checks.extend(crate::ops::sample::check::checks(p.gpu)?);
     Ok(p.checks)
@@ -356,6 +358,7 @@ fn norm_linear_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
 /// A sequence of steps over one shared KV history on both backends.
 mod attention;
 mod blocks;
+mod moe;
 mod recurrent;
 mod steps;
 

@@ -23,6 +23,33 @@ pub fn model(file: &str) -> PathBuf {
     path
 }
 
+/// A tiny random checkpoint in `dtype` (`f32`, `bf16`) with SmolLM2's
+/// tokenizer, under `dir`.
+pub fn random_checkpoint(dir: &Path, dtype: &str) -> PathBuf {
+    let ckpt = dir.join("tiny");
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args([
+            "dev",
+            "random-checkpoint",
+            "--preset",
+            "tiny",
+            "--dtype",
+            dtype,
+        ])
+        .arg("--tokenizer")
+        .arg(model("SmolLM2-135M-Instruct.Q4_1.gguf"))
+        .arg("-o")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ckpt
+}
+
 /// A running `kiln serve`, killed when dropped.
 pub struct Server {
     pub child: Child,

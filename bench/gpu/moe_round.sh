@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Mixture-of-Experts layers on CUDA (composed of the device's products, routing and sums on the
+# host: Ops::moe's first CUDA form) on the GPU machine lent:
+#   * (`check`) kiln dev cuda-check, its moe entries against the CPU reference printed;
+#   * (`parity`) random Qwen3-MoE and Mixtral checkpoints at real head sizes (bench/gpu/moe_ckpt.py,
+#     transformers on the GPU) against transformers bf16 and f32 (bench/gpu/parity.py: one prefill,
+#     and prefill + one token a step);
+#   * (`tp`) the Qwen3-MoE one split over two ranks on the one GPU (host collectives), experts split
+#     and expert-parallel, against the whole model's logits;
+#   * (`bench`) its batch-1 decode (tok/s; eager steps, two host round trips a layer).
+#   KILN=.device/kiln bench/gpu/moe_round.sh OUT_DIR [STAGES]
+set -uo pipefail
+OUT=${1:?usage: bench/gpu/moe_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check parity tp bench}
+K=${KILN:-.device/kiln}; W=${WORK:-$PWD/target/kiln-w}
+mkdir -p "$OUT" "$W"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s] $*"; }
+has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+if has check; then
+  timeout 240 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; el "cuda-check rc=$?"
+  python3 - "$OUT/cuda-check.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1])); cs = d.get("checks", [])
+print("checks", len(cs), "failed", [(c["op"], round(c["rel_err"], 4)) for c in cs if not c["pass"]][:20])
+for c in cs:
+    if c["op"].startswith("moe"):
+        print("  ", c["op"], round(c["rel_err"], 5), c["pass"])
+PY
+fi
+for s in qwen3_moe-small mixtral-small; do
+  [ -f "$W/$s/config.json" ] || { timeout 120 python3 bench/gpu/moe_ckpt.py $s "$W/$s" > "$OUT/ckpt-$s.log" 2>&1; el "checkpoint $s rc=$?"; tail -n 2 "$OUT/ckpt-$s.log"; }
+done
+if has parity; then
+  for s in qwen3_moe-small mixtral-small; do
+    timeout 200 python3 bench/gpu/parity.py --kiln "$K" --ckpt "$W/$s" --tokens 160 --prefill 100 --out "$OUT/parity-$s.json" > "$OUT/parity-$s.log" 2>&1; el "parity $s rc=$?"
+    grep -E "vs_hf|decode_vs_prefill|error" "$OUT/parity-$s.log" | head -8
+  done
+fi
+if has tp; then
+  IDS=$(python3 -c "import random; random.seed(20); print(','.join(str(random.randrange(3, 8192)) for _ in range(96)))")
+  timeout 120 "$K" dev logits --device cuda -m "$W/qwen3_moe-small" --ids "$IDS" --prefill 64 -o "$OUT/moe-tp1.npy" > /dev/null 2> "$OUT/moe-tp1.err"; el "tp=1 rc=$?"
+  timeout 200 "$K" dev logits --device cuda -m "$W/qwen3_moe-small" --ids "$IDS" --prefill 64 --tensor-parallel 2 --tp-transport host -o "$OUT/moe-tp2.npy" > /dev/null 2> "$OUT/moe-tp2.err"; el "tp=2 rc=$?"
+  timeout 200 "$K" dev logits --device cuda -m "$W/qwen3_moe-small" --ids "$IDS" --prefill 64 --tensor-parallel 2 --tp-transport host --expert-parallel -o "$OUT/moe-ep2.npy" > /dev/null 2> "$OUT/moe-ep2.err"; el "tp=2 expert-parallel rc=$?"
+  tail -n 2 "$OUT/moe-tp2.err" "$OUT/moe-ep2.err"
+  python3 - "$OUT" <<'PY' | tee "$OUT/tp.json"
+import json, os, sys
+import numpy as np
+sys.path.insert(0, "bench/gpu")
+from logit_compare import compare
+d = sys.argv[1]
+a = np.load(os.path.join(d, "moe-tp1.npy"))
+out = {}
+for k in ("tp2", "ep2"):
+    p = os.path.join(d, f"moe-{k}.npy")
+    if os.path.exists(p):
+        out[f"{k}_vs_tp1"] = compare(np.load(p), a)
+print(json.dumps(out))
+PY
+fi
+if has bench; then
+  timeout 200 "$K" bench --device cuda -m "$W/qwen3_moe-small" --prompt-tokens 256 --gen-tokens 64 --runs 2 > "$OUT/bench-qwen3_moe.json" 2> "$OUT/bench-qwen3_moe.err"; el "bench rc=$?"
+  python3 -c "
+import json; d=json.load(open('$OUT/bench-qwen3_moe.json'))
+print('qwen3_moe-small decode', round(d['decode_tokens_per_second']['median'],1), 'prefill', round(d['prefill_tokens_per_second']['median']))" || tail -c 600 "$OUT/bench-qwen3_moe.err"
+fi
