@@ -328,7 +328,12 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             };
             return crate::nodes::follow(&model);
         }
-        // Node 0 leads the others from this process.
+        // Node 0 leads the others from this process, for one model: the
+        // nodes meet once, when it loads.
+        anyhow::ensure!(
+            a.models.is_empty() && a.models_file.is_none(),
+            "a model split over nodes (--nnodes) is served alone: drop --model/--models"
+        );
         a.isolation = Isolation::Thread;
     }
     let output = output_overrides(&a)?;
