@@ -7,6 +7,8 @@ attention kernels route to their reference path).
 Shapes:
 - `qwen3_moe-small`: Qwen3-MoE's layer (128-wide heads with QK-norm, 16 experts, top 4,
   normalized) on a 1024-wide, 6-layer body;
+- `qwen3_moe-30b-a3b-12l`: Qwen3-30B-A3B's layer and vocabulary on 12 of its 48 layers (the
+  decode roofline's shape: active bytes a token over the copy bandwidth);
 - `mixtral-small`: Mixtral's layer (8 experts, top 2, w1/w3/w2) on a 1024-wide, 4-layer body.
 
 Weights are normal with spread 1/sqrt(fan-in), norms around 1; the router's spread is
@@ -27,6 +29,13 @@ SHAPES = {
         vocab_size=8192, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
         num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[])),
+    # Qwen3-30B-A3B's layer (2048 wide, 128 experts of 768, top 8, 32 query / 4 KV heads of 128,
+    # its vocabulary) on 12 of its 48 layers: 8.1B parameters, 16 GB in bf16.
+    "qwen3_moe-30b-a3b-12l": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[])),
     "mixtral-small": (MixtralConfig, MixtralForCausalLM, dict(
         vocab_size=8192, hidden_size=1024, intermediate_size=1536, num_hidden_layers=4,

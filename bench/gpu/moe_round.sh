@@ -7,7 +7,11 @@
 #     and prefill + one token a step);
 #   * (`tp`) the Qwen3-MoE one split over two ranks on the one GPU (host collectives), experts split
 #     and expert-parallel, against the whole model's logits;
-#   * (`bench`) its batch-1 decode (tok/s; eager steps, two host round trips a layer).
+#   * (`bench`) its batch-1 decode (tok/s);
+#   * (`big`) Qwen3-30B-A3B's layer on 12 layers (bench/gpu/moe_ckpt.py qwen3_moe-30b-a3b-12l):
+#     batch-1 decode against its active-weight roofline (kiln bench's decode_fraction_of_bandwidth:
+#     the bytes a token reads — attention, router, 8 of 128 experts, lm_head — over the copy
+#     bandwidth of the same run) and a 4,096-token prefill.
 #   KILN=.device/kiln bench/gpu/moe_round.sh OUT_DIR [STAGES]
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/moe_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check parity tp bench}
@@ -64,4 +68,24 @@ if has bench; then
   python3 -c "
 import json; d=json.load(open('$OUT/bench-qwen3_moe.json'))
 print('qwen3_moe-small decode', round(d['decode_tokens_per_second']['median'],1), 'prefill', round(d['prefill_tokens_per_second']['median']))" || tail -c 600 "$OUT/bench-qwen3_moe.err"
+fi
+if has big; then
+  B=qwen3_moe-30b-a3b-12l
+  [ -f "$W/$B/config.json" ] || { timeout 300 python3 bench/gpu/moe_ckpt.py $B "$W/$B" > "$OUT/ckpt-$B.log" 2>&1; el "checkpoint $B rc=$?"; tail -n 1 "$OUT/ckpt-$B.log"; }
+  timeout 240 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 2 > "$OUT/bench-$B.json" 2> "$OUT/bench-$B.err"; el "bench $B rc=$?"
+  timeout 200 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 4096 --gen-tokens 4 --runs 2 > "$OUT/prefill-$B.json" 2> "$OUT/prefill-$B.err"; el "prefill $B rc=$?"
+  python3 - "$OUT" $B <<'PY' || tail -c 800 "$OUT/bench-$B.err"
+import json, os, sys
+d, b = sys.argv[1], sys.argv[2]
+r = json.load(open(os.path.join(d, f"bench-{b}.json")))
+out = {"decode_tok_s": r["decode_tokens_per_second"]["median"],
+       "active_bytes_per_token": r["decode_weight_bytes_per_token"],
+       "bandwidth_gbs": r["bandwidth_gbs"], "fraction_of_roofline": r["decode_fraction_of_bandwidth"]}
+try:
+    p = json.load(open(os.path.join(d, f"prefill-{b}.json")))
+    out["prefill_4096_tok_s"] = p["prefill_tokens_per_second"]["median"]
+except Exception as e:
+    out["prefill_error"] = str(e)
+print(json.dumps(out))
+PY
 fi

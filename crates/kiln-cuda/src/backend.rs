@@ -48,6 +48,8 @@ pub struct CudaBackend {
     pub(crate) decode_vpre: AtomicBool,
     /// Its tensor-parallel group, if in one.
     pub(crate) group: Option<crate::collective::CudaGroup>,
+    /// Mixture-of-Experts layers' device tables (`ops::moe`).
+    pub(crate) moe: Mutex<crate::ops::moe::MoeTables>,
 }
 
 impl CudaBackend {
@@ -133,6 +135,7 @@ impl CudaBackend {
             uploader: Uploader::new(options.pinned_staging),
             options,
             group: None,
+            moe: Mutex::new(Default::default()),
         })
     }
 
@@ -491,20 +494,18 @@ impl Ops for CudaBackend {
         }
     }
 
-    /// LoRA deltas by the gathered shrink/expand kernels (`ops::lora`).
-    /// Mixture-of-Experts layers composed of the backend's products with
-    /// the routing and the weighted sums on the host
-    /// ([`kiln_tensor::moe::moe_composed`]): correct, not fast — a step
-    /// with one runs eagerly (its host round trips cannot be recorded).
+    /// Mixture-of-Experts layers (`ops::moe`): decode-sized steps on the
+    /// device (recorded as graphs), prefill composed of the device's
+    /// products with host routing.
     fn supports_moe(&self) -> bool {
         true
     }
 
     fn moe(&self, x: &Tensor, layer: &kiln_tensor::MoeLayer) -> Result<Tensor> {
-        self.no_upload_while_recording("a Mixture-of-Experts layer's host routing")?;
-        kiln_tensor::moe::moe_composed(self, x, layer)
+        crate::ops::moe::moe(self, x, layer)
     }
 
+    /// LoRA deltas by the gathered shrink/expand kernels (`ops::lora`).
     fn supports_lora(&self) -> bool {
         self.dev.has("lora_shrink_bf16") && self.dev.has("lora_expand_bf16")
     }
@@ -607,6 +608,9 @@ impl StepRecording for CudaBackend {
         cache: &mut KvCache,
         forward: &mut StepFn<'_>,
     ) -> Result<Tensor> {
-        crate::step::graphs::run_step(self, batch, cache, forward)
+        let out = crate::step::graphs::run_step(self, batch, cache, forward)?;
+        // Experts' token counts reach the layers' loads every few steps.
+        crate::ops::moe::drain_counts(self, false)?;
+        Ok(out)
     }
 }

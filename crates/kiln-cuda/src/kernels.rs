@@ -61,6 +61,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("argmax", include_str!("ops/argmax/argmax.cu")),
     ("sample", include_str!("ops/sample/sample.cu")),
     ("lora", include_str!("ops/lora/lora.cu")),
+    ("moe", include_str!("ops/moe/moe.cu")),
     ("recurrent", include_str!("ops/recurrent/recurrent.cu")),
 ];
 
@@ -78,6 +79,11 @@ pub const ENTRY_POINTS: &[&str] = &[
     "gelu_erf_bf16",
     "lora_shrink_bf16",
     "lora_expand_bf16",
+    "moe_route_bf16",
+    "moe_group",
+    "moe_gate_up_bf16",
+    "moe_down_bf16",
+    "moe_combine_bf16",
     "add_bias_bf16",
     "gather_rows_bf16",
     "copy_cols_bf16",

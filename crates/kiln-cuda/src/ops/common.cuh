@@ -33,6 +33,14 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
+// The gated activations' gate function: act 0 = SiLU, 1 = GELU (tanh approximation), 2 = sigmoid.
+__device__ __forceinline__ float kiln_act(float g, int act) {
+    if (act == 0) return g / (1.0f + __expf(-g));
+    if (act == 2) return 1.0f / (1.0f + __expf(-g));
+    const float c = 0.7978845608f;
+    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+}
+
 // Rotate-half RoPE of one pair (a, b) = (x[i], x[i + half]) with c, s = cos, sin (times the
 // attention scaling): a c - b s and b c + a s, every product and sum rounded once in f32 (no fused
 // multiply-add: the CPU backend's order), so each kernel that rotates gives the same bits.

@@ -1,9 +1,14 @@
-//! Mixture-of-Experts layers (`Ops::moe`, composed of the device's
-//! products with host routing) against the CPU reference: Qwen-style
-//! softmax top-k with a gated shared expert, and gpt-oss-style biased
-//! experts with the clamped SwiGLU and a router bias, over rows whose
-//! routing is clear (every row's k-th and (k+1)-th router logits at least
-//! a margin apart, so bf16 products cannot pick other experts).
+//! Mixture-of-Experts layers (`Ops::moe`: decode-sized steps routed and run
+//! on the device, larger ones composed of the device's products with host
+//! routing) against the CPU reference: Qwen-style softmax top-k with a
+//! gated shared expert, gpt-oss-style biased experts with the clamped
+//! SwiGLU and a router bias, LFM2-style sigmoid scores picked with a
+//! selection bias and scaled; each also with a rank's share of the experts
+//! (expert parallelism). Rows are ones whose routing is clear (every row's
+//! k-th and (k+1)-th keys at least a margin apart, so bf16 products cannot
+//! pick other experts). Also: a row's result on the device is the same bits
+//! alone as in a batch, and the experts' token counts the device keeps
+//! equal the CPU's.
 
 use kiln_tensor::{
     Activation, Expert, ExpertActivation, ExpertLoad, MoeLayer, Routing, Scoring, SharedExpert,
@@ -22,6 +27,7 @@ struct Case {
     top_k: usize,
     shared: Option<usize>,
     clamped: bool,
+    sigmoid: bool,
 }
 
 /// One layer on each backend from the same bf16-exact values.
@@ -78,21 +84,27 @@ fn layers(p: &Pair, rng: &mut Rng, c: &Case) -> R<(MoeLayer, MoeLayer, Vec<f32>,
             },
             true,
         ),
-        false => (None, ExpertActivation::Gated(Activation::Silu), false),
+        false => (None, ExpertActivation::Gated(Activation::Silu), c.sigmoid),
     };
+    // Sigmoid scores pick with a selection bias (held on the host).
+    let selection_bias = c.sigmoid.then(|| rng.vec(c.experts, 0.3));
     let layer = |router: Tensor, bias: Option<Tensor>, experts, shared| MoeLayer {
         router: Weight::Dense(router),
         router_bias: bias,
-        selection_bias: None,
+        selection_bias: selection_bias.clone(),
         experts,
         held: None,
         shared,
         activation,
         routing: Routing {
             top_k: c.top_k,
-            scoring: Scoring::Softmax,
+            scoring: if c.sigmoid {
+                Scoring::Sigmoid
+            } else {
+                Scoring::Softmax
+            },
             normalize,
-            scale: 1.0,
+            scale: if c.sigmoid { 2.5 } else { 1.0 },
         },
         load: std::sync::Arc::new(ExpertLoad::new(c.experts)),
     };
@@ -104,28 +116,38 @@ fn layers(p: &Pair, rng: &mut Rng, c: &Case) -> R<(MoeLayer, MoeLayer, Vec<f32>,
         Some((g, cpu)) => (Some(g), Some(cpu)),
         None => (None, None),
     };
+    let bias = match &selection_bias {
+        Some(sel) => sel.clone(),
+        None => bias,
+    };
     Ok((layer(rg, bg, eg, sg), layer(rc, bc, ec, sc), router, bias))
 }
 
 /// `n` rows whose routing is clear under `router` (`[experts, hidden]`)
-/// and its `bias`.
+/// and its `bias` (added to the logits, or for sigmoid scores the
+/// selection bias added to the sigmoids).
 fn clear_rows(rng: &mut Rng, router: &[f32], bias: &[f32], c: &Case, n: usize) -> Vec<f32> {
     let mut rows = Vec::with_capacity(n * c.hidden);
     while rows.len() < n * c.hidden {
         let x = rng.vec(c.hidden, 1.0);
-        let mut logits: Vec<f64> = router
+        let mut keys: Vec<f64> = router
             .chunks(c.hidden)
             .zip(bias)
             .map(|(w, b)| {
-                *b as f64
-                    + w.iter()
-                        .zip(&x)
-                        .map(|(a, v)| *a as f64 * *v as f64)
-                        .sum::<f64>()
+                let l = w
+                    .iter()
+                    .zip(&x)
+                    .map(|(a, v)| *a as f64 * *v as f64)
+                    .sum::<f64>();
+                match c.sigmoid {
+                    true => 1.0 / (1.0 + (-l).exp()) + *b as f64,
+                    false => l + *b as f64,
+                }
             })
             .collect();
-        logits.sort_by(|a, b| b.total_cmp(a));
-        if logits[c.top_k - 1] - logits[c.top_k] > 0.25 {
+        keys.sort_by(|a, b| b.total_cmp(a));
+        let margin = if c.sigmoid { 0.03 } else { 0.25 };
+        if keys[c.top_k - 1] - keys[c.top_k] > margin {
             rows.extend(x);
         }
     }
@@ -142,6 +164,7 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             top_k: 4,
             shared: Some(160),
             clamped: false,
+            sigmoid: false,
         },
         Case {
             name: "gpt-oss-style top 2 of 8, biases, clamped SwiGLU",
@@ -151,17 +174,71 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             top_k: 2,
             shared: None,
             clamped: true,
+            sigmoid: false,
+        },
+        Case {
+            name: "lfm2-style sigmoid top 3 of 12, selection bias, scaled",
+            hidden: 96,
+            experts: 12,
+            inter: 64,
+            top_k: 3,
+            shared: None,
+            clamped: false,
+            sigmoid: true,
         },
     ];
     for c in &cases {
         let (g, cpu, router, bias) = layers(p, rng, c)?;
-        for n in [1usize, 7, 33] {
+        // A rank's share of the experts: the others add nothing here.
+        let held = c.experts / 4..c.experts * 3 / 4;
+        let share = |l: &MoeLayer| MoeLayer {
+            experts: l.experts[held.clone()].to_vec(),
+            held: Some(held.clone()),
+            ..l.clone()
+        };
+        let (g_share, cpu_share) = (share(&g), share(&cpu));
+        // 200 rows: past the device's routing, composed.
+        for n in [1usize, 7, 33, 200] {
             let x = clear_rows(rng, &router, &bias, c, n);
             let (xg, xc) = p.up(&[n, c.hidden], &x)?;
             let yg = p.gpu.moe(&xg, &g).map_err(e)?;
             let yc = p.cpu.moe(&xc, &cpu).map_err(e)?;
             p.compare(format!("moe {} rows={n}", c.name), &yg, &yc, TOL)?;
+            if n == 33 {
+                // Row 5 alone: the same bits as in the batch (the CPU runs
+                // it too, so that both count the same tokens).
+                let x5 = &x[5 * c.hidden..6 * c.hidden];
+                let (x5g, x5c) = p.up(&[1, c.hidden], x5)?;
+                let alone = p.gpu.to_host(&p.gpu.moe(&x5g, &g).map_err(e)?).map_err(e)?;
+                p.cpu.moe(&x5c, &cpu).map_err(e)?;
+                let batch = p.gpu.to_host(&yg).map_err(e)?;
+                let in_batch = &batch[5 * c.hidden..6 * c.hidden];
+                p.push(
+                    format!("moe {} row alone = in batch", c.name),
+                    &alone,
+                    in_batch,
+                    0.0,
+                );
+            }
+            let yg = p.gpu.moe(&xg, &g_share).map_err(e)?;
+            let yc = p.cpu.moe(&xc, &cpu_share).map_err(e)?;
+            p.compare(
+                format!("moe {} experts {held:?} rows={n}", c.name),
+                &yg,
+                &yc,
+                TOL,
+            )?;
         }
+        // Every call above counted its tokens on both backends.
+        crate::ops::moe::drain_counts(p.gpu, true).map_err(e)?;
+        let (cg, cc) = (g.load.snapshot(), cpu.load.snapshot());
+        let as_f32 = |v: &[u64]| v.iter().map(|&t| t as f32).collect::<Vec<_>>();
+        p.push(
+            format!("moe {} expert token counts", c.name),
+            &as_f32(&cg),
+            &as_f32(&cc),
+            0.0,
+        );
     }
     Ok(())
 }

@@ -107,6 +107,7 @@ pub(crate) fn run_step(
         });
     }
     let padded = pad_decode(batch, bucket, scratch);
+    let pad_slot = scratch * batch.block_size as u32;
     let meta = StepMeta::build(&padded, width);
     let mut recs = b.recordings.lock().map_err(dev_err)?;
     if recs.failed.contains(&key) {
@@ -133,7 +134,7 @@ pub(crate) fn run_step(
     };
     // Recordings over caches that are gone are dropped.
     recs.graphs.retain(|_, r| r.cache_alive.strong_count() > 0);
-    match record(b, &padded, meta, cache, forward) {
+    match record(b, &padded, meta, pad_slot, cache, forward) {
         Ok(mut rec) => {
             rec.cache_alive = alive;
             rec.graph.launch().map_err(dev_err)?;
@@ -156,6 +157,7 @@ fn record(
     b: &CudaBackend,
     padded: &ForwardBatch,
     meta: StepMeta,
+    pad_slot: u32,
     cache: &mut KvCache,
     forward: Forward,
 ) -> Result<Recorded> {
@@ -166,6 +168,7 @@ fn record(
         batch: padded.clone(),
         meta,
         base: meta_buf.ptr,
+        pad_slot,
         _hold: None,
     });
     set_step(b, Some(step));

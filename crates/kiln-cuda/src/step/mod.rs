@@ -28,6 +28,8 @@ pub(crate) struct ActiveStep {
     pub batch: ForwardBatch,
     pub meta: StepMeta,
     pub base: u64,
+    /// The cache slot of a recorded batch's padding rows (`u32::MAX`: none).
+    pub pad_slot: u32,
     pub _hold: Option<DevBuf>,
 }
 
@@ -85,6 +87,7 @@ impl CudaBackend {
             batch,
             base: b.ptr,
             meta,
+            pad_slot: u32::MAX,
             _hold: Some(b),
         }))
     }

@@ -3,18 +3,6 @@
 #include "common.cuh"
 #include "vec8.cuh"
 
-namespace activation_detail {
-
-// Same activations as gated_act_bf16 (act 0 = SiLU, 1 = GELU tanh approximation, 2 = sigmoid).
-__device__ __forceinline__ float act_fn(float g, int act) {
-    if (act == 0) return g / (1.0f + __expf(-g));
-    if (act == 2) return 1.0f / (1.0f + __expf(-g));
-    const float c = 0.7978845608f;
-    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
-}
-
-}  // namespace activation_detail
-
 // out = act(gate) * up over n elements; act 0 = SiLU, 1 = GELU (tanh approximation), 2 = sigmoid.
 extern "C" __global__ void gated_act_bf16(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                           bf16* __restrict__ out, long long n, int act) {
@@ -22,7 +10,7 @@ extern "C" __global__ void gated_act_bf16(const bf16* __restrict__ gate, const b
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         const float g = to_f32(gate[i]);
-        out[i] = to_bf16(activation_detail::act_fn(g, act) * to_f32(up[i]));
+        out[i] = to_bf16(kiln_act(g, act) * to_f32(up[i]));
     }
 }
 
@@ -34,7 +22,6 @@ extern "C" __global__ void gated_act_packed_bf16(const bf16* __restrict__ gu, bf
                                                  long long n_rows, int inter, int act) {
     kiln_pdl_enter();
     using namespace vec8;
-    using namespace activation_detail;
     const long long gstride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if ((inter & 7) == 0 && aligned16(gu) && aligned16(out)) {
@@ -48,7 +35,7 @@ extern "C" __global__ void gated_act_packed_bf16(const bf16* __restrict__ gu, bf
             unpack8(*reinterpret_cast<const uint4*>(src), g);
             unpack8(*reinterpret_cast<const uint4*>(src + inter), u);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) o[i] = act_fn(g[i], act) * u[i];
+            for (int i = 0; i < 8; ++i) o[i] = kiln_act(g[i], act) * u[i];
             *reinterpret_cast<uint4*>(out + r * inter + c) = pack8(o);
         }
     } else {
@@ -57,7 +44,7 @@ extern "C" __global__ void gated_act_packed_bf16(const bf16* __restrict__ gu, bf
             const long long r = i / inter;
             const int c = (int)(i - r * inter);
             const float g = to_f32(gu[r * 2 * inter + c]), u = to_f32(gu[r * 2 * inter + inter + c]);
-            out[i] = to_bf16(act_fn(g, act) * u);
+            out[i] = to_bf16(kiln_act(g, act) * u);
         }
     }
 }

@@ -346,12 +346,6 @@ __device__ __forceinline__ void unit(const u8* body, const u8* meta, int u, int*
     unit_codes<F>(r, u, q, s, b);
 }
 
-__device__ __forceinline__ float act_fn(float g, int act) {
-    if (act == 0) return g / (1.0f + __expf(-g));
-    const float c = 0.7978845608f;
-    return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
-}
-
 using block_parts::part_of;
 using block_parts::Parts;
 
@@ -585,7 +579,7 @@ __device__ __forceinline__ void qgemv_ring(const bf16* __restrict__ x, const bf1
 #pragma unroll
                     for (int m = 0; m < M; ++m) {
                         float v = warp_sum(acc[0][m]);
-                        if (G == 2) v = act_fn(v, act) * warp_sum(acc[G - 1][m]);
+                        if (G == 2) v = kiln_act(v, act) * warp_sum(acc[G - 1][m]);
                         if (lane == 0) {
                             const long long o = (long long)m * ldo + crow;
                             out[o] = to_bf16(residual ? v + to_f32(residual[o]) : v);

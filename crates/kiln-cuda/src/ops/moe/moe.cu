@@ -1,0 +1,285 @@
+// Mixture-of-Experts layers of decode-sized steps on the device, with no host step (so a decode
+// step with them is recorded as a CUDA graph): route each row (moe_route_bf16), group the (row,
+// pick) pairs by expert (moe_group), run each picked expert once over its pairs — the gate and up
+// rows with the activation (moe_gate_up_bf16), then the down rows (moe_down_bf16) — and sum each
+// row's picks in its routing order with the shared expert's output (moe_combine_bf16).
+//
+// Only the picked experts' weights are read, each once a step however many rows picked it. Every
+// (row, pick) product is one warp's dot in a fixed lane order, so a row's result does not depend on
+// the other rows of the step. Experts are bf16 [2I, H] (gate rows, then up rows) and [H, I], found
+// through per-layer pointer tables (0: an expert this rank does not hold, which adds nothing).
+#include "common.cuh"
+#include "vec8.cuh"
+
+#define MOE_ROUTE_THREADS 128
+
+// Routing of one row a block: scoring 0 = softmax over every expert, then the top_k largest;
+// 1 = the top_k largest logits, then a softmax over those; 2 = sigmoids, picked by sigmoid plus
+// sel_bias (may be null), weighed by the sigmoids. Then, if normalize, the weights divided by their
+// sum (plus 1e-6 for sigmoids), times scale. Ties go to the lower expert, NaN logits pick last (as
+// kiln_tensor::moe::route). Writes ids / weights [rows, top_k] (top_k <= num_experts) and, where
+// counts is not null, adds one to counts[e] a pick of every row whose slots[row] is not pad_slot
+// (a padding row of a recorded batch; slots null: every row counts).
+// Dynamic shared memory: num_experts * 9 bytes.
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
+    const bf16* __restrict__ logits, int num_experts, int top_k, int scoring, int normalize,
+    float scale, const float* __restrict__ sel_bias, int* __restrict__ ids, float* __restrict__ weights,
+    unsigned long long* __restrict__ counts, const unsigned int* __restrict__ slots, unsigned int pad_slot) {
+    kiln_pdl_enter();
+    extern __shared__ float moe_route_smem[];
+    float* val = moe_route_smem;
+    float* key = val + num_experts;
+    unsigned char* taken = reinterpret_cast<unsigned char*>(key + num_experts);
+    __shared__ float red_v[MOE_ROUTE_THREADS / 32];
+    __shared__ int red_i[MOE_ROUTE_THREADS / 32];
+    __shared__ int picks[32];
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bf16* lr = logits + (long long)row * num_experts;
+    float local_max = NEG_INF;
+    for (int e = tid; e < num_experts; e += blockDim.x) {
+        const float v = to_f32(lr[e]);
+        val[e] = v;
+        float k = v;
+        if (scoring == 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
+        key[e] = (k != k) ? NEG_INF : k;
+        taken[e] = 0;
+        if (v == v) local_max = fmaxf(local_max, v);
+    }
+    __syncthreads();
+    for (int j = 0; j < top_k; ++j) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int e = tid; e < num_experts; e += blockDim.x) {
+            if (taken[e]) continue;
+            const float k = key[e];
+            if (bi == 0x7fffffff || k > bv || (k == bv && e < bi)) {
+                bv = k;
+                bi = e;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) {
+            red_v[warp] = bv;
+            red_i[warp] = bi;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) {
+                const float ov = red_v[w];
+                const int oi = red_i[w];
+                if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            picks[j] = bi;
+            taken[bi] = 1;
+        }
+        __syncthreads();
+    }
+    // The softmax over every expert needs the row's max and sum of exponentials.
+    float mx = NEG_INF, sum_all = 0.0f;
+    if (scoring == 0) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, off));
+        if (lane == 0) red_v[warp] = local_max;
+        __syncthreads();
+        for (int w = 0; w < MOE_ROUTE_THREADS / 32; ++w) mx = fmaxf(mx, red_v[w]);
+        __syncthreads();
+        float s = 0.0f;
+        for (int e = tid; e < num_experts; e += blockDim.x) s += expf(val[e] - mx);
+        sum_all = block_sum(s);
+    }
+    if (tid != 0) return;
+    float w[32];
+    float total = 0.0f;
+    const float first = val[picks[0]];
+    float topk_sum = 0.0f;
+    if (scoring == 1)
+        for (int j = 0; j < top_k; ++j) topk_sum += expf(val[picks[j]] - first);
+    for (int j = 0; j < top_k; ++j) {
+        const float v = val[picks[j]];
+        float wj;
+        if (scoring == 0) wj = expf(v - mx) / sum_all;
+        else if (scoring == 1) wj = expf(v - first) / topk_sum;
+        else wj = 1.0f / (1.0f + expf(-v));
+        w[j] = wj;
+        total += wj;
+    }
+    if (normalize) {
+        if (scoring == 2) total += 1e-6f;
+        if (total > 0.0f)
+            for (int j = 0; j < top_k; ++j) w[j] /= total;
+    }
+    const bool count = counts && (!slots || slots[row] != pad_slot);
+    for (int j = 0; j < top_k; ++j) {
+        ids[row * top_k + j] = picks[j];
+        weights[row * top_k + j] = scale != 1.0f ? w[j] * scale : w[j];
+        if (count) atomicAdd(counts + picks[j], 1ull);
+    }
+}
+
+// The (row, pick) pairs grouped by expert, in one block: used[0 .. *used_count) are the picked
+// experts this rank holds (gate_up[e] != 0), ascending; offsets[u] .. offsets[u + 1] index
+// order[], which lists the pairs (row * top_k + j) of expert used[u].
+// Dynamic shared memory: 2 * num_experts ints.
+extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restrict__ ids, int pairs, int num_experts,
+                                                           const unsigned long long* __restrict__ gate_up,
+                                                           int* __restrict__ used_count, int* __restrict__ used,
+                                                           int* __restrict__ offsets, int* __restrict__ order) {
+    kiln_pdl_enter();
+    extern __shared__ int moe_group_smem[];
+    int* cnt = moe_group_smem;
+    int* cursor = cnt + num_experts;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < num_experts && gate_up[e]) atomicAdd(cnt + e, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int u = 0, off = 0;
+        for (int e = 0; e < num_experts; ++e) {
+            cursor[e] = off;
+            if (cnt[e] == 0) continue;
+            used[u] = e;
+            offsets[u] = off;
+            off += cnt[e];
+            ++u;
+        }
+        offsets[u] = off;
+        *used_count = u;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < num_experts && gate_up[e]) order[atomicAdd(cursor + e, 1)] = p;
+    }
+}
+
+// One warp's dot of a bf16 weight row w [len] with a bf16 row x [len] (len a multiple of 8, both
+// 16-byte aligned): lane l takes the 8-element pieces l, l + 32, ..., four in flight. Every lane
+// returns the sum.
+__device__ __forceinline__ float moe_warp_dot(const bf16* __restrict__ w, const bf16* __restrict__ x, int len,
+                                              int lane) {
+    float acc = 0.0f;
+    for (int c0 = lane * 8; c0 < len; c0 += 4 * 256) {
+        uint4 wv[4], xv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int c = c0 + q * 256;
+            wv[q] = c < len ? *reinterpret_cast<const uint4*>(w + c) : make_uint4(0, 0, 0, 0);
+            xv[q] = c < len ? *reinterpret_cast<const uint4*>(x + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float wf[8], xf[8];
+            vec8::unpack8(wv[q], wf);
+            vec8::unpack8(xv[q], xf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc = fmaf(wf[e], xf[e], acc);
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Grid (experts bound, units / 8); block 256: warp w of block (b, y) takes unit i = 8 y + w of
+// expert used[b] for each of its pairs p (row p / top_k):
+//   h[p, i] = act(gate_i . x + bg_i, up_i . x + bu_i)   (bf16)
+// with act 0-2 as kiln_act(gate) * up, 3 = gpt-oss's clamped SwiGLU (alpha, limit).
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_bf16(
+    const bf16* __restrict__ x, int hidden, int inter, int top_k, const unsigned long long* __restrict__ gate_up,
+    const unsigned long long* __restrict__ gate_up_bias, const int* __restrict__ used_count,
+    const int* __restrict__ used, const int* __restrict__ offsets, const int* __restrict__ order, int act,
+    float alpha, float limit, bf16* __restrict__ h) {
+    kiln_pdl_enter();
+    const int b = blockIdx.x;
+    if (b >= *used_count) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int i = blockIdx.y * 8 + warp;
+    if (i >= inter) return;
+    const int e = used[b];
+    const bf16* w = reinterpret_cast<const bf16*>(gate_up[e]);
+    const bf16* bias = reinterpret_cast<const bf16*>(gate_up_bias[e]);
+    const bf16* wg = w + (long long)i * hidden;
+    const bf16* wu = w + (long long)(inter + i) * hidden;
+    for (int q = offsets[b]; q < offsets[b + 1]; ++q) {
+        const int p = order[q];
+        const bf16* xr = x + (long long)(p / top_k) * hidden;
+        float g = moe_warp_dot(wg, xr, hidden, lane);
+        float u = moe_warp_dot(wu, xr, hidden, lane);
+        if (lane == 0) {
+            if (bias) {
+                g += to_f32(bias[i]);
+                u += to_f32(bias[inter + i]);
+            }
+            float v;
+            if (act == 3) {
+                const float gc = fminf(g, limit);
+                const float uc = fminf(fmaxf(u, -limit), limit);
+                v = (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
+            } else {
+                v = kiln_act(g, act) * u;
+            }
+            h[(long long)p * inter + i] = to_bf16(v);
+        }
+    }
+}
+
+// Grid (experts bound, hidden / 8); block 256: warp w of block (b, y) takes output j = 8 y + w of
+// expert used[b] for each of its pairs p:  y[p, j] = down_j . h[p] + bd_j   (f32).
+extern "C" __global__ void __launch_bounds__(256) moe_down_bf16(
+    const bf16* __restrict__ h, int hidden, int inter, const unsigned long long* __restrict__ down,
+    const unsigned long long* __restrict__ down_bias, const int* __restrict__ used_count,
+    const int* __restrict__ used, const int* __restrict__ offsets, const int* __restrict__ order,
+    float* __restrict__ y) {
+    kiln_pdl_enter();
+    const int b = blockIdx.x;
+    if (b >= *used_count) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = blockIdx.y * 8 + warp;
+    if (j >= hidden) return;
+    const int e = used[b];
+    const bf16* wd = reinterpret_cast<const bf16*>(down[e]) + (long long)j * inter;
+    const bf16* bias = reinterpret_cast<const bf16*>(down_bias[e]);
+    const float bj = bias ? to_f32(bias[j]) : 0.0f;
+    for (int q = offsets[b]; q < offsets[b + 1]; ++q) {
+        const int p = order[q];
+        const float v = moe_warp_dot(wd, h + (long long)p * inter, inter, lane);
+        if (lane == 0) y[(long long)p * hidden + j] = v + bj;
+    }
+}
+
+// Grid (rows, hidden / 256); block 256: out[r, j] = sum over r's picks in routing order of
+// weight * y[pair, j] (picks of experts this rank does not hold add nothing), then
+// + sigmoid(shared_gate[r]) * shared[r, j] where there is a shared expert (shared_gate null: 1).
+extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
+    const float* __restrict__ y, const int* __restrict__ ids, const float* __restrict__ weights, int top_k,
+    int hidden, int num_experts, const unsigned long long* __restrict__ gate_up, const bf16* __restrict__ shared,
+    const bf16* __restrict__ shared_gate, bf16* __restrict__ out) {
+    kiln_pdl_enter();
+    const int r = blockIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= hidden) return;
+    float acc = 0.0f;
+    for (int s = 0; s < top_k; ++s) {
+        const int p = r * top_k + s;
+        const int e = ids[p];
+        if (e < 0 || e >= num_experts || !gate_up[e]) continue;
+        acc += weights[p] * y[(long long)p * hidden + j];
+    }
+    if (shared) {
+        const float g = shared_gate ? 1.0f / (1.0f + expf(-to_f32(shared_gate[r]))) : 1.0f;
+        acc += g * to_f32(shared[(long long)r * hidden + j]);
+    }
+    out[(long long)r * hidden + j] = to_bf16(acc);
+}
