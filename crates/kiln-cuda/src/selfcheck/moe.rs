@@ -1,6 +1,6 @@
-//! Mixture-of-Experts layers (`Ops::moe`: decode-sized steps routed and run
-//! on the device, larger ones composed of the device's products with host
-//! routing) against the CPU reference: Qwen-style softmax top-k with a
+//! Mixture-of-Experts layers (`Ops::moe`: routed on the device; decode-sized
+//! steps run by warps, larger ones by grouped products) against the CPU
+//! reference: Qwen-style softmax top-k with a
 //! gated shared expert, gpt-oss-style biased experts with the clamped
 //! SwiGLU and a router bias, LFM2-style sigmoid scores picked with a
 //! selection bias and scaled; each also with a rank's share of the experts
@@ -197,7 +197,7 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             ..l.clone()
         };
         let (g_share, cpu_share) = (share(&g), share(&cpu));
-        // 200 rows: past the device's routing, composed.
+        // 200 rows: past the warps' rows, the grouped products.
         for n in [1usize, 7, 33, 200] {
             let x = clear_rows(rng, &router, &bias, c, n);
             let (xg, xc) = p.up(&[n, c.hidden], &x)?;

@@ -16,7 +16,7 @@ mod cublas;
 mod lt;
 pub(crate) mod norm_prologue;
 
-pub(crate) use cublas::{gemm, gemm_ld};
+pub(crate) use cublas::{gemm, gemm_ld, grouped_gemm, Problem};
 pub(crate) use lt::Lt;
 
 /// Largest row count served by the GEMV kernels.

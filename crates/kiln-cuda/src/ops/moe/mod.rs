@@ -1,8 +1,11 @@
-//! Mixture-of-Experts layers on the device (`moe.cu`): steps of up to
-//! [`MAX_ROWS`] rows with bf16 experts route, group, run and sum on the
-//! GPU with no host step (a decode step with them is recorded as a graph),
-//! reading only the picked experts, each once a step. Larger steps
-//! (prefill) and other expert kinds run
+//! Mixture-of-Experts layers on the device (`moe.cu`) for bf16 experts:
+//! every step routes and groups its rows' picks by expert on the GPU. Steps
+//! of up to [`MAX_ROWS`] rows (decode) then run each picked expert once
+//! over its rows by warps and sum on the GPU with no host step (so a decode
+//! step with them is recorded as a graph), reading only the picked experts;
+//! larger steps (prefill) read the group sizes back once, gather the rows
+//! in expert order and run each projection as one grouped tensor-core
+//! product (cuBLAS). Other expert kinds (blocks, MXFP4) run
 //! [`kiln_tensor::moe::moe_composed`] (the device's products, routing on
 //! the host).
 //!
@@ -23,8 +26,9 @@ use crate::backend::CudaBackend;
 use crate::driver::device::{dev_err, ptr, wrap};
 use crate::driver::pool::DevBuf;
 
-/// Steps of up to this many rows run on the device (every recorded decode
-/// bucket); past it the experts' rows are gathered for the tensor cores.
+/// Steps of up to this many rows run each expert by warps (every recorded
+/// decode bucket); past it the experts' rows are gathered for the tensor
+/// cores.
 pub(crate) const MAX_ROWS: usize = 128;
 /// Picks a row at most (the routing kernel's list).
 const MAX_TOP_K: usize = 32;
@@ -56,14 +60,13 @@ pub(crate) struct MoeTables {
     steps: u64,
 }
 
-/// Whether `layer` runs on the device over `n` rows of `x`, and if so its
+/// Whether `layer` runs on the device's kernels over `x`, and if so its
 /// (hidden, intermediate) sizes.
-fn native_shape(x: &Tensor, layer: &MoeLayer, n: usize) -> Option<(usize, usize)> {
-    let hidden = x.shape().get(1).copied()?;
+fn native_shape(x: &Tensor, layer: &MoeLayer) -> Option<(usize, usize)> {
+    let (n, hidden) = x.dims2("moe").ok()?;
     let experts = layer.num_experts();
     let k = layer.routing.top_k.min(experts);
     if n == 0
-        || n > MAX_ROWS
         || k == 0
         || k > MAX_TOP_K
         || experts > MAX_EXPERTS
@@ -128,10 +131,20 @@ fn expert_ptrs(layer: &MoeLayer) -> Result<[Vec<u64>; 4]> {
     Ok(out)
 }
 
-/// Device pointers of `layer`'s tables (made now if it has none):
-/// (pointer tables, selection bias, counts).
-fn tables(cuda: &CudaBackend, layer: &MoeLayer) -> Result<(u64, u64, u64)> {
+/// A layer's tables on the device, and its experts' weight pointers.
+struct Found {
+    /// Four tables of `experts` pointers: gate/up, down, their biases.
+    tables: [u64; 4],
+    selection_bias: u64,
+    counts: u64,
+    gate_up: Vec<u64>,
+    down: Vec<u64>,
+}
+
+/// `layer`'s tables (made now if it has none).
+fn tables(cuda: &CudaBackend, layer: &MoeLayer) -> Result<Found> {
     let [gu, d, gub, db] = expert_ptrs(layer)?;
+    let (gate_up, down) = (gu.clone(), d.clone());
     let host: Vec<u64> = gu.iter().chain(&d).copied().collect();
     let mut all = cuda.moe.lock().map_err(dev_err)?;
     all.layers.retain(|t| t.load.strong_count() > 0);
@@ -176,11 +189,14 @@ fn tables(cuda: &CudaBackend, layer: &MoeLayer) -> Result<(u64, u64, u64)> {
             all.layers.last().expect("pushed")
         }
     };
-    Ok((
-        t.ptrs.ptr,
-        t.selection_bias.as_ref().map_or(0, |b| b.ptr),
-        t.counts.ptr,
-    ))
+    let e = t.experts as u64;
+    Ok(Found {
+        tables: [0, 1, 2, 3].map(|i| t.ptrs.ptr + i * 8 * e),
+        selection_bias: t.selection_bias.as_ref().map_or(0, |b| b.ptr),
+        counts: t.counts.ptr,
+        gate_up,
+        down,
+    })
 }
 
 /// Adds the tokens the device counted since the last call to each layer's
@@ -207,11 +223,11 @@ pub(crate) fn drain_counts(cuda: &CudaBackend, now: bool) -> Result<()> {
 
 /// A whole sparse layer over `x` ([`kiln_tensor::Ops::moe`]).
 pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Tensor> {
-    let (n, _) = x.dims2("moe")?;
-    let Some((hidden, inter)) = native_shape(x, layer, n).filter(|_| available(cuda)) else {
+    let Some((hidden, inter)) = native_shape(x, layer).filter(|_| available(cuda)) else {
         cuda.no_upload_while_recording("a Mixture-of-Experts layer's host routing")?;
         return kiln_tensor::moe::moe_composed(cuda, x, layer);
     };
+    let n = x.shape()[0];
     let experts = layer.num_experts();
     let (re, rh) = layer.router.dims2("moe")?;
     if re != experts || rh != hidden {
@@ -220,50 +236,30 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
             detail: format!("router [{re}, {rh}] for {experts} experts over x [{n}, {hidden}]"),
         });
     }
-    let k = layer.routing.top_k.min(experts);
-    let pairs = n * k;
-    let (tab, sel_bias, counts) = tables(cuda, layer)?;
-    let table = |i: u64| tab + i * 8 * experts as u64;
-    let (gu_tab, d_tab, gub_tab, db_tab) = (table(0), table(1), table(2), table(3));
+    let s = Shape {
+        n,
+        experts,
+        k: layer.routing.top_k.min(experts),
+    };
+    let found = tables(cuda, layer)?;
     let logits = cuda.matmul(
         x,
         &layer.router,
         None,
         Epilogue::bias(layer.router_bias.as_ref()),
     )?;
-    let lp = ptr(&logits, "moe")?;
-    // Padding rows of a recorded step write to the hidden scratch slot:
-    // they are routed but not counted.
-    let (slots, pad_slot) = match cuda.active() {
-        Some(s) if s.meta.num_rows == n => (s.base + 4 * s.meta.slot as u64, s.pad_slot),
-        _ => (0u64, u32::MAX),
-    };
-    let ids = cuda.dev.alloc(pairs, 4, "expert picks")?;
-    let weights = cuda.dev.alloc(pairs, 4, "expert weights")?;
-    let groups = cuda
-        .dev
-        .alloc(2 * experts + 2 + pairs, 4, "expert groups")?;
-    let (used_count, used) = (groups.ptr, groups.ptr + 4);
-    let offsets = used + 4 * experts as u64;
-    let order = offsets + 4 * (experts as u64 + 1);
-    let h = cuda.dev.alloc(pairs * inter, 2, "expert activations")?;
-    let y = cuda.dev.alloc(pairs * hidden, 4, "expert outputs")?;
-    let out = cuda.alloc(n * hidden, "moe output")?;
-    let scoring: i32 = match layer.routing.scoring {
-        Scoring::Softmax => 0,
-        Scoring::TopKSoftmax => 1,
-        Scoring::Sigmoid => 2,
-    };
+    let grouped = n > MAX_ROWS;
+    let r = route(cuda, &s, layer, &found, ptr(&logits, "moe")?, grouped)?;
     let (act, alpha, limit): (i32, f32, f32) = match layer.activation {
         ExpertActivation::Gated(a) => (crate::ops::activation::act_code(a), 0.0, 0.0),
         ExpertActivation::ClampedSwiglu { alpha, limit } => (3, alpha, limit),
     };
     let shared = match &layer.shared {
-        Some(s) => {
+        Some(sh) => {
             let ExpertActivation::Gated(a) = layer.activation else {
                 unreachable!("native_shape refuses a shared expert with the clamped SwiGLU")
             };
-            let e = &s.expert;
+            let e = &sh.expert;
             let epi = Epilogue {
                 bias: e.gate_up_bias.as_ref(),
                 gated: Some(a),
@@ -271,7 +267,7 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
             };
             let hs = cuda.matmul(x, &e.gate_up, None, epi)?;
             let ys = cuda.matmul(&hs, &e.down, None, Epilogue::bias(e.down_bias.as_ref()))?;
-            let gate = match &s.gate {
+            let gate = match &sh.gate {
                 Some(g) => Some(cuda.matmul(x, g, None, Epilogue::NONE)?),
                 None => None,
             };
@@ -289,36 +285,235 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
         ),
         None => (0, 0),
     };
+    let out = cuda.alloc(n * hidden, "moe output")?;
     let xp = ptr(x, "moe")?;
-    let bound = experts.min(pairs) as u32;
-    let cfg = |grid: (u32, u32, u32), block: u32, smem: u32| cudarc::driver::LaunchConfig {
+    let [gu_tab, d_tab, gub_tab, db_tab] = found.tables;
+    let (k_i, h_i, i_i, e_i) = (s.k as i32, hidden as i32, inter as i32, experts as i32);
+    if !grouped {
+        // Each picked expert once over its pairs, by warps.
+        let pairs = n * s.k;
+        let bound = experts.min(pairs) as u32;
+        let h = cuda.dev.alloc(pairs * inter, 2, "expert activations")?;
+        let y = cuda.dev.alloc(pairs * hidden, 4, "expert outputs")?;
+        // SAFETY: x [n, hidden] and h [pairs, inter] bf16, y [pairs,
+        // hidden] f32, out [n, hidden] bf16; the route's arrays as `route`
+        // made them; the tables' experts are bf16 [2*inter, hidden] and
+        // [hidden, inter] (native_shape checked every held one) or 0.
+        unsafe {
+            cuda.dev
+                .launch(cuda.dev.func("moe_gate_up_bf16")?)
+                .arg(&xp)
+                .arg(&h_i)
+                .arg(&i_i)
+                .arg(&k_i)
+                .arg(&gu_tab)
+                .arg(&gub_tab)
+                .arg(&r.used_count)
+                .arg(&r.used)
+                .arg(&r.offsets)
+                .arg(&r.order)
+                .arg(&act)
+                .arg(&alpha)
+                .arg(&limit)
+                .arg(&h.ptr)
+                .launch(cfg((bound, inter.div_ceil(8) as u32, 1), 256, 0))
+                .map_err(dev_err)?;
+            cuda.dev
+                .launch(cuda.dev.func("moe_down_bf16")?)
+                .arg(&h.ptr)
+                .arg(&h_i)
+                .arg(&i_i)
+                .arg(&d_tab)
+                .arg(&db_tab)
+                .arg(&r.used_count)
+                .arg(&r.used)
+                .arg(&r.offsets)
+                .arg(&r.order)
+                .arg(&y.ptr)
+                .launch(cfg((bound, hidden.div_ceil(8) as u32, 1), 256, 0))
+                .map_err(dev_err)?;
+            cuda.dev
+                .launch(cuda.dev.func("moe_combine_bf16")?)
+                .arg(&y.ptr)
+                .arg(&r.ids)
+                .arg(&r.weights)
+                .arg(&k_i)
+                .arg(&h_i)
+                .arg(&e_i)
+                .arg(&gu_tab)
+                .arg(&shared_p)
+                .arg(&shared_gate_p)
+                .arg(&out.ptr)
+                .launch(cfg((n as u32, hidden.div_ceil(256) as u32, 1), 256, 0))
+                .map_err(dev_err)?;
+        }
+    } else {
+        // Prefill: the pairs' rows gathered in expert order, each expert's
+        // rows through one grouped tensor-core product a projection (the
+        // group sizes read back once).
+        let head: Vec<i32> = cuda.dev.dtoh(r.used_count, 2 * experts + 2)?;
+        let used_count = head[0].clamp(0, experts as i32) as usize;
+        let used = &head[1..1 + used_count];
+        let offsets = &head[1 + experts..2 + experts + used_count];
+        let total = offsets[used_count].max(0) as usize;
+        let xs = cuda.dev.alloc(total * hidden, 2, "expert rows")?;
+        let gu = cuda.dev.alloc(total * 2 * inter, 2, "expert gate/up")?;
+        let h = cuda.dev.alloc(total * inter, 2, "expert activations")?;
+        let ys = cuda.dev.alloc(total * hidden, 2, "expert outputs")?;
+        let problems = |w: &[u64], input: u64, in_w: usize, output: u64, out_w: usize| {
+            used.iter()
+                .zip(offsets.windows(2))
+                .map(|(&e, o)| crate::ops::matmul::Problem {
+                    w: w[e as usize],
+                    x: input + 2 * (o[0] as usize * in_w) as u64,
+                    out: output + 2 * (o[0] as usize * out_w) as u64,
+                    n: (o[1] - o[0]).max(0) as usize,
+                })
+                .collect::<Vec<_>>()
+        };
+        if total > 0 {
+            // SAFETY: x [n, hidden] bf16, order[total] rows of it; xs
+            // [total, hidden], gu [total, 2*inter], h [total, inter] bf16.
+            unsafe {
+                cuda.dev
+                    .launch(cuda.dev.func("moe_gather_bf16")?)
+                    .arg(&xp)
+                    .arg(&r.order)
+                    .arg(&k_i)
+                    .arg(&h_i)
+                    .arg(&xs.ptr)
+                    .launch(cfg((total as u32, hidden.div_ceil(2048) as u32, 1), 256, 0))
+                    .map_err(dev_err)?;
+            }
+            let p = problems(&found.gate_up, xs.ptr, hidden, gu.ptr, 2 * inter);
+            crate::ops::matmul::grouped_gemm(&cuda.dev, &p, hidden, 2 * inter)?;
+            // SAFETY: gu [total, 2*inter] and h [total, inter] bf16; ids
+            // and order as `route` made them; the bias table's entries are
+            // bf16 [2*inter] or 0.
+            unsafe {
+                cuda.dev
+                    .launch(cuda.dev.func("moe_act_bf16")?)
+                    .arg(&gu.ptr)
+                    .arg(&r.ids)
+                    .arg(&r.order)
+                    .arg(&i_i)
+                    .arg(&gub_tab)
+                    .arg(&act)
+                    .arg(&alpha)
+                    .arg(&limit)
+                    .arg(&h.ptr)
+                    .launch(cfg((total as u32, inter.div_ceil(256) as u32, 1), 256, 0))
+                    .map_err(dev_err)?;
+            }
+            let p = problems(&found.down, h.ptr, inter, ys.ptr, hidden);
+            crate::ops::matmul::grouped_gemm(&cuda.dev, &p, inter, hidden)?;
+        }
+        // SAFETY: ys [total, hidden] bf16 at pos[] of each pair (or -1),
+        // out [n, hidden].
+        unsafe {
+            cuda.dev
+                .launch(cuda.dev.func("moe_combine_sorted_bf16")?)
+                .arg(&ys.ptr)
+                .arg(&r.pos)
+                .arg(&r.ids)
+                .arg(&r.weights)
+                .arg(&k_i)
+                .arg(&h_i)
+                .arg(&db_tab)
+                .arg(&shared_p)
+                .arg(&shared_gate_p)
+                .arg(&out.ptr)
+                .launch(cfg((n as u32, hidden.div_ceil(256) as u32, 1), 256, 0))
+                .map_err(dev_err)?;
+        }
+    }
+    drop((shared, r));
+    Ok(wrap(vec![n, hidden], out))
+}
+
+/// A layer's sizes for one step.
+struct Shape {
+    n: usize,
+    experts: usize,
+    /// Picks a row.
+    k: usize,
+}
+
+/// A step's routing on the device: each row's picks and weights, and the
+/// pairs grouped by expert (`moe_group`'s arrays).
+struct Routed {
+    ids: u64,
+    weights: u64,
+    used_count: u64,
+    used: u64,
+    offsets: u64,
+    order: u64,
+    /// Each pair's index in `order` (grouped steps; else 0).
+    pos: u64,
+    _bufs: [DevBuf; 3],
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig {
         grid_dim: grid,
         block_dim: (block, 1, 1),
         shared_mem_bytes: smem,
+    }
+}
+
+/// Routes every row of `logits` (`[n, experts]` bf16) and groups the picks.
+fn route(
+    cuda: &CudaBackend,
+    s: &Shape,
+    layer: &MoeLayer,
+    found: &Found,
+    logits: u64,
+    with_pos: bool,
+) -> Result<Routed> {
+    let (n, experts, pairs) = (s.n, s.experts, s.n * s.k);
+    // Padding rows of a recorded step write to the hidden scratch slot:
+    // they are routed but not counted.
+    let (slots, pad_slot) = match cuda.active() {
+        Some(a) if a.meta.num_rows == n => (a.base + 4 * a.meta.slot as u64, a.pad_slot),
+        _ => (0u64, u32::MAX),
     };
-    let (e_i, k_i, n_pairs) = (experts as i32, k as i32, pairs as i32);
-    let (h_i, i_i) = (hidden as i32, inter as i32);
+    let picks = cuda.dev.alloc(2 * pairs, 4, "expert picks")?;
+    let groups = cuda
+        .dev
+        .alloc(2 * experts + 2 + pairs, 4, "expert groups")?;
+    let pos = cuda
+        .dev
+        .alloc(if with_pos { pairs } else { 1 }, 4, "pair places")?;
+    let (ids, weights) = (picks.ptr, picks.ptr + 4 * pairs as u64);
+    let (used_count, used) = (groups.ptr, groups.ptr + 4);
+    let offsets = used + 4 * experts as u64;
+    let order = offsets + 4 * (experts as u64 + 1);
+    let pos_p = if with_pos { pos.ptr } else { 0 };
+    let scoring: i32 = match layer.routing.scoring {
+        Scoring::Softmax => 0,
+        Scoring::TopKSoftmax => 1,
+        Scoring::Sigmoid => 2,
+    };
+    let (e_i, k_i, pairs_i) = (experts as i32, s.k as i32, pairs as i32);
     let normalize = layer.routing.normalize as i32;
     let scale = layer.routing.scale;
-    // SAFETY: logits [n, experts] bf16; ids/weights hold n*k; the tables
-    // hold `experts` pointers each, to bf16 experts of [2*inter, hidden]
-    // and [hidden, inter] (native_shape checked every held one) or 0;
-    // groups holds 2*experts + 2 + pairs ints; h [pairs, inter] bf16, y
-    // [pairs, hidden] f32; out [n, hidden] bf16; slots (when not 0) is the
-    // running step's n slots.
+    // SAFETY: logits [n, experts] bf16; picks holds 2*pairs words, groups
+    // 2*experts + 2 + pairs, pos pairs (when asked); the counts and
+    // selection bias (when not 0) `experts` entries; slots (when not 0)
+    // the running step's n slots.
     unsafe {
         cuda.dev
             .launch(cuda.dev.func("moe_route_bf16")?)
-            .arg(&lp)
+            .arg(&logits)
             .arg(&e_i)
             .arg(&k_i)
             .arg(&scoring)
             .arg(&normalize)
             .arg(&scale)
-            .arg(&sel_bias)
-            .arg(&ids.ptr)
-            .arg(&weights.ptr)
-            .arg(&counts)
+            .arg(&found.selection_bias)
+            .arg(&ids)
+            .arg(&weights)
+            .arg(&found.counts)
             .arg(&slots)
             .arg(&pad_slot)
             .launch(cfg(
@@ -329,65 +524,28 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
             .map_err(dev_err)?;
         cuda.dev
             .launch(cuda.dev.func("moe_group")?)
-            .arg(&ids.ptr)
-            .arg(&n_pairs)
+            .arg(&ids)
+            .arg(&pairs_i)
             .arg(&e_i)
-            .arg(&gu_tab)
+            .arg(&found.tables[0])
             .arg(&used_count)
             .arg(&used)
             .arg(&offsets)
             .arg(&order)
+            .arg(&pos_p)
             .launch(cfg((1, 1, 1), 256, (experts * 8) as u32))
             .map_err(dev_err)?;
-        cuda.dev
-            .launch(cuda.dev.func("moe_gate_up_bf16")?)
-            .arg(&xp)
-            .arg(&h_i)
-            .arg(&i_i)
-            .arg(&k_i)
-            .arg(&gu_tab)
-            .arg(&gub_tab)
-            .arg(&used_count)
-            .arg(&used)
-            .arg(&offsets)
-            .arg(&order)
-            .arg(&act)
-            .arg(&alpha)
-            .arg(&limit)
-            .arg(&h.ptr)
-            .launch(cfg((bound, inter.div_ceil(8) as u32, 1), 256, 0))
-            .map_err(dev_err)?;
-        cuda.dev
-            .launch(cuda.dev.func("moe_down_bf16")?)
-            .arg(&h.ptr)
-            .arg(&h_i)
-            .arg(&i_i)
-            .arg(&d_tab)
-            .arg(&db_tab)
-            .arg(&used_count)
-            .arg(&used)
-            .arg(&offsets)
-            .arg(&order)
-            .arg(&y.ptr)
-            .launch(cfg((bound, hidden.div_ceil(8) as u32, 1), 256, 0))
-            .map_err(dev_err)?;
-        cuda.dev
-            .launch(cuda.dev.func("moe_combine_bf16")?)
-            .arg(&y.ptr)
-            .arg(&ids.ptr)
-            .arg(&weights.ptr)
-            .arg(&k_i)
-            .arg(&h_i)
-            .arg(&e_i)
-            .arg(&gu_tab)
-            .arg(&shared_p)
-            .arg(&shared_gate_p)
-            .arg(&out.ptr)
-            .launch(cfg((n as u32, hidden.div_ceil(256) as u32, 1), 256, 0))
-            .map_err(dev_err)?;
     }
-    drop(shared);
-    Ok(wrap(vec![n, hidden], out))
+    Ok(Routed {
+        ids,
+        weights,
+        used_count,
+        used,
+        offsets,
+        order,
+        pos: pos_p,
+        _bufs: [picks, groups, pos],
+    })
 }
 
 /// Whether the device kernels are loaded.
@@ -398,6 +556,9 @@ pub(crate) fn available(cuda: &CudaBackend) -> bool {
         "moe_gate_up_bf16",
         "moe_down_bf16",
         "moe_combine_bf16",
+        "moe_gather_bf16",
+        "moe_act_bf16",
+        "moe_combine_sorted_bf16",
     ]
     .iter()
     .all(|k| cuda.dev.has(k))

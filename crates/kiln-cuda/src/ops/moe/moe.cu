@@ -129,12 +129,14 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
 
 // The (row, pick) pairs grouped by expert, in one block: used[0 .. *used_count) are the picked
 // experts this rank holds (gate_up[e] != 0), ascending; offsets[u] .. offsets[u + 1] index
-// order[], which lists the pairs (row * top_k + j) of expert used[u].
+// order[], which lists the pairs (row * top_k + j) of expert used[u]; where pos is not null,
+// pos[p] is pair p's index in order[] (-1: an expert not held).
 // Dynamic shared memory: 2 * num_experts ints.
 extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restrict__ ids, int pairs, int num_experts,
                                                            const unsigned long long* __restrict__ gate_up,
                                                            int* __restrict__ used_count, int* __restrict__ used,
-                                                           int* __restrict__ offsets, int* __restrict__ order) {
+                                                           int* __restrict__ offsets, int* __restrict__ order,
+                                                           int* __restrict__ pos) {
     kiln_pdl_enter();
     extern __shared__ int moe_group_smem[];
     int* cnt = moe_group_smem;
@@ -162,7 +164,12 @@ extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restric
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int e = ids[p];
-        if (e >= 0 && e < num_experts && gate_up[e]) order[atomicAdd(cursor + e, 1)] = p;
+        int q = -1;
+        if (e >= 0 && e < num_experts && gate_up[e]) {
+            q = atomicAdd(cursor + e, 1);
+            order[q] = p;
+        }
+        if (pos) pos[p] = q;
     }
 }
 
@@ -276,6 +283,72 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
         const int e = ids[p];
         if (e < 0 || e >= num_experts || !gate_up[e]) continue;
         acc += weights[p] * y[(long long)p * hidden + j];
+    }
+    if (shared) {
+        const float g = shared_gate ? 1.0f / (1.0f + expf(-to_f32(shared_gate[r]))) : 1.0f;
+        acc += g * to_f32(shared[(long long)r * hidden + j]);
+    }
+    out[(long long)r * hidden + j] = to_bf16(acc);
+}
+
+// Larger steps (prefill): the pairs' rows gathered in expert order for grouped tensor-core
+// products. Grid (rows, hidden / 2048); block 256: xs[q] = x[order[q] / top_k], 16 bytes a thread.
+extern "C" __global__ void __launch_bounds__(256) moe_gather_bf16(const bf16* __restrict__ x,
+                                                                 const int* __restrict__ order, int top_k,
+                                                                 int hidden, bf16* __restrict__ xs) {
+    kiln_pdl_enter();
+    const int q = blockIdx.x;
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c >= hidden) return;
+    const bf16* src = x + (long long)(order[q] / top_k) * hidden + c;
+    *reinterpret_cast<uint4*>(xs + (long long)q * hidden + c) = *reinterpret_cast<const uint4*>(src);
+}
+
+// The activation of the gathered pairs' gate/up rows gu [q, 2 * inter] (gate | up), with the
+// expert's biases: h[q, i] as moe_gate_up_bf16 computes it. Grid (rows, inter / 256); block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_act_bf16(
+    const bf16* __restrict__ gu, const int* __restrict__ ids, const int* __restrict__ order, int inter,
+    const unsigned long long* __restrict__ gate_up_bias, int act, float alpha, float limit, bf16* __restrict__ h) {
+    kiln_pdl_enter();
+    const int q = blockIdx.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= inter) return;
+    const bf16* bias = reinterpret_cast<const bf16*>(gate_up_bias[ids[order[q]]]);
+    const bf16* row = gu + (long long)q * 2 * inter;
+    float g = to_f32(row[i]), u = to_f32(row[inter + i]);
+    if (bias) {
+        g += to_f32(bias[i]);
+        u += to_f32(bias[inter + i]);
+    }
+    float v;
+    if (act == 3) {
+        const float gc = fminf(g, limit);
+        const float uc = fminf(fmaxf(u, -limit), limit);
+        v = (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
+    } else {
+        v = kiln_act(g, act) * u;
+    }
+    h[(long long)q * inter + i] = to_bf16(v);
+}
+
+// moe_combine_bf16 for the grouped products' outputs ys [q, hidden] bf16 (in expert order; pair p
+// at pos[p], -1: not held) with each expert's down bias added here. Grid (rows, hidden / 256).
+extern "C" __global__ void __launch_bounds__(256) moe_combine_sorted_bf16(
+    const bf16* __restrict__ ys, const int* __restrict__ pos, const int* __restrict__ ids,
+    const float* __restrict__ weights, int top_k, int hidden, const unsigned long long* __restrict__ down_bias,
+    const bf16* __restrict__ shared, const bf16* __restrict__ shared_gate, bf16* __restrict__ out) {
+    kiln_pdl_enter();
+    const int r = blockIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= hidden) return;
+    float acc = 0.0f;
+    for (int s = 0; s < top_k; ++s) {
+        const int p = r * top_k + s;
+        const int q = pos[p];
+        if (q < 0) continue;
+        const bf16* bias = reinterpret_cast<const bf16*>(down_bias[ids[p]]);
+        const float v = to_f32(ys[(long long)q * hidden + j]) + (bias ? to_f32(bias[j]) : 0.0f);
+        acc += weights[p] * v;
     }
     if (shared) {
         const float g = shared_gate ? 1.0f / (1.0f + expf(-to_f32(shared_gate[r]))) : 1.0f;
