@@ -494,6 +494,35 @@ impl Ops for CudaBackend {
         }
     }
 
+    /// Attention sinks (gpt-oss) by the reference attention kernel.
+    fn supports_attention_sinks(&self) -> bool {
+        self.dev.has("paged_attention_bf16")
+    }
+
+    fn attention_sinks(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cache: &mut KvCache,
+        layer: usize,
+        batch: &ForwardBatch,
+        p: &kiln_tensor::AttentionParams,
+        sinks: &Tensor,
+    ) -> Result<Tensor> {
+        crate::ops::attention::attention_with_sinks(
+            self,
+            q,
+            k,
+            v,
+            cache,
+            layer,
+            batch,
+            p,
+            Some(sinks),
+        )
+    }
+
     /// Mixture-of-Experts layers (`ops::moe`): decode-sized steps on the
     /// device (recorded as graphs), prefill composed of the device's
     /// products with host routing.

@@ -365,3 +365,74 @@ pub(super) fn bidirectional_ops(
     }
     Ok(())
 }
+
+/// Attention with a sink logit a head (gpt-oss), full and with a window:
+/// a prefill step of two sequences, then two decode steps.
+pub(super) fn sinks_ops(p: &mut Pair, rng: &mut Rng, window: Option<usize>) -> R<()> {
+    let (heads, kv_heads, hd, bs) = (8, 2, 64, 16);
+    let spec = KvPoolShape {
+        num_layers: 1,
+        num_groups: 1,
+        num_blocks: 64,
+        block_size: bs,
+        kv_row: kv_heads * hd,
+    };
+    let ap = AttentionParams {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim: hd,
+        scale: (hd as f32).powf(-0.5),
+        sliding_window: window,
+        softcap: None,
+        kv_group: 0,
+        causal: true,
+    };
+    let mut caches = Caches {
+        gpu: p.gpu.alloc_kv_cache(spec).map_err(e)?,
+        cpu: p.cpu.alloc_kv_cache(spec).map_err(e)?,
+    };
+    // Sinks around the rows' logits, so that they take a real share.
+    let (sg, sc) = p.up(&[heads], &rng.vec(heads, 3.0))?;
+    let mut blocks = Blocks::new(rng, spec.num_blocks);
+    let (ta, tb) = (vec![blocks.take(12)], vec![blocks.take(4)]);
+    let (qw, kw) = (heads * hd, kv_heads * hd);
+    for (step, label) in [
+        (None, "prefill"),
+        (Some(0), "decode"),
+        (Some(1), "decode 2"),
+    ] {
+        let mut b = ForwardBatch {
+            block_size: bs,
+            ..ForwardBatch::default()
+        };
+        match step {
+            None => {
+                b.push_seq_groups(&[0; 150], 0, ta.clone(), true);
+                b.push_seq_groups(&[0; 40], 0, tb.clone(), true);
+            }
+            Some(s) => {
+                b.push_seq_groups(&[0], 150 + s, ta.clone(), true);
+                b.push_seq_groups(&[0], 40 + s, tb.clone(), true);
+            }
+        }
+        let n = b.num_tokens();
+        let (qg, qc) = p.up(&[n, qw], &rng.vec(n * qw, 1.0))?;
+        let (kg, kc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
+        let (vg, vc) = p.up(&[n, kw], &rng.vec(n * kw, 1.0))?;
+        let g = p
+            .gpu
+            .attention_sinks(&qg, &kg, &vg, &mut caches.gpu, 0, &b, &ap, &sg)
+            .map_err(e)?;
+        let c = p
+            .cpu
+            .attention_sinks(&qc, &kc, &vc, &mut caches.cpu, 0, &b, &ap, &sc)
+            .map_err(e)?;
+        p.compare(
+            format!("attention_sinks {label} heads={heads}/{kv_heads} hd={hd} window={window:?}"),
+            &g,
+            &c,
+            TOL_ATTN,
+        )?;
+    }
+    Ok(())
+}

@@ -149,6 +149,8 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     bidirectional_ops(&mut p, &mut rng, 8, 2, 64, None)?;
     bidirectional_ops(&mut p, &mut rng, 4, 1, 256, Some(257))?;
     bidirectional_ops(&mut p, &mut rng, 8, 2, 64, Some(48))?;
+    sinks_ops(&mut p, &mut rng, None)?;
+    sinks_ops(&mut p, &mut rng, Some(128))?;
     recorded_steps(&mut p, &mut rng, &Toy::SMALL)?;
     norm_linear_ops(&mut p, &mut Rng(0x2545_F491_4F6C_DD1D))?;
     lora_ops(&mut p, &mut rng)?;
@@ -362,7 +364,7 @@ mod moe;
 mod recurrent;
 mod steps;
 
-use attention::{attention_ops, bidirectional_ops};
+use attention::{attention_ops, bidirectional_ops, sinks_ops};
 use steps::{argmax_check, recorded_steps, Toy};
 
 /// The products the checks compare, each one form of [`Ops::matmul`] on

@@ -55,6 +55,8 @@ pub(crate) const DECODE_COUNTERS: usize = 256;
 impl CudaBackend {
     /// Attention of `n` query rows (row stride `q_stride`) over the cache
     /// of `layer`, keys and values already written; `out [n, heads * hd]`.
+    /// `sinks` (not 0): bf16 `[heads]` sink logits, run by the reference
+    /// kernel.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attend(
         &self,
@@ -65,6 +67,7 @@ impl CudaBackend {
         step: &ActiveStep,
         block_size: usize,
         p: &AttentionParams,
+        sinks: u64,
     ) -> Result<Tensor> {
         let n = step.meta.num_rows;
         let qw = p.num_heads * p.head_dim;
@@ -89,7 +92,7 @@ impl CudaBackend {
             return Ok(wrap(vec![0, qw], out));
         }
         // Bidirectional attention (encoders) runs the reference kernel.
-        if p.causal && m.decode_only && self.dev.has(&decode) {
+        if p.causal && m.decode_only && sinks == 0 && self.dev.has(&decode) {
             // Split the keys until there are enough blocks to fill the GPU
             // (few rows × kv heads). The kernel spreads each row's own keys
             // over the partitions, so a recorded step's grid (sized for the
@@ -198,7 +201,7 @@ impl CudaBackend {
             }
             return Ok(wrap(vec![n, qw], out));
         }
-        if p.causal && self.dev.has(&flash) {
+        if p.causal && sinks == 0 && self.dev.has(&flash) {
             let tiles = word(m.tiles);
             let cfg = LaunchConfig {
                 grid_dim: (m.num_tiles as u32, p.num_heads as u32, 1),
@@ -266,6 +269,7 @@ impl CudaBackend {
                 .arg(&p.scale)
                 .arg(&window)
                 .arg(&softcap)
+                .arg(&sinks)
                 .launch(cfg)
                 .map_err(dev_err)?;
         }
@@ -284,7 +288,41 @@ pub(crate) fn attention(
     batch: &ForwardBatch,
     p: &AttentionParams,
 ) -> Result<Tensor> {
+    attention_with_sinks(cuda, q, k, v, cache, layer, batch, p, None)
+}
+
+/// [`attention`] with a sink logit a query head (`sinks [heads]`, bf16) in
+/// every softmax ([`kiln_tensor::Ops::attention_sinks`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_with_sinks(
+    cuda: &CudaBackend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cache: &mut KvCache,
+    layer: usize,
+    batch: &ForwardBatch,
+    p: &AttentionParams,
+    sinks: Option<&Tensor>,
+) -> Result<Tensor> {
     kiln_tensor::check_attention_args(q, k, v, &cache.spec, layer, batch, p)?;
+    let sinks = match sinks {
+        Some(s) if s.dtype() == kiln_tensor::DType::BF16 && s.num_elements() == p.num_heads => {
+            ptr(s, "attention_sinks")?
+        }
+        Some(s) => {
+            return Err(kiln_tensor::TensorError::Shape {
+                op: "attention_sinks",
+                detail: format!(
+                    "sinks {:?} {:?} for {} heads (bf16 wanted)",
+                    s.shape(),
+                    s.dtype(),
+                    p.num_heads
+                ),
+            })
+        }
+        None => 0,
+    };
     let (n, _) = q.dims2("attention")?;
     let step = cuda.step_meta(batch)?;
     let block_size = cache.spec.block_size;
@@ -302,6 +340,7 @@ pub(crate) fn attention(
         &step,
         block_size,
         p,
+        sinks,
     )
 }
 
@@ -328,6 +367,7 @@ pub(crate) fn attention_shared(
         &step,
         block_size,
         p,
+        0,
     )
 }
 
@@ -401,7 +441,7 @@ pub(crate) fn qkv_attention(
             qk_norm.as_ref(),
         )?;
     }
-    cuda.attend(qkv_ptr, width, kv, layer, &step, block_size, p)
+    cuda.attend(qkv_ptr, width, kv, layer, &step, block_size, p, 0)
 }
 
 #[cfg(test)]

@@ -31,6 +31,8 @@ __device__ __forceinline__ float block_max(float v) {
 // row_pos[t]: the token's position; row_seq[t]: its sequence, whose block
 // table is tables[row_seq[t] * table_width ..]. Dynamic shared memory:
 // (blockDim.x + head_dim) floats. paged_attention_fp8: caches of E4M3 (kv_elem.cuh).
+// sinks: null, or a learned logit a query head [heads] in every softmax, its weight dropped
+// (gpt-oss): the row's weights are exp(s_j) / (sum_i exp(s_i) + exp(sink)).
 template <typename KV>
 __device__ __forceinline__ void paged_attention(const bf16* __restrict__ q, const KV* __restrict__ k_cache,
                                                 const KV* __restrict__ v_cache, bf16* __restrict__ out,
@@ -40,7 +42,7 @@ __device__ __forceinline__ void paged_attention(const bf16* __restrict__ q, cons
                                                 const unsigned int* __restrict__ tables, int table_width, int heads,
                                                 int kv_heads, int kv_stride,
                                                 int head_dim, int block_size, float scale, int window,
-                                                float softcap) {
+                                                float softcap, const bf16* __restrict__ sinks) {
     kiln_pdl_enter();
     extern __shared__ float smem[];
     float* scores = smem;               // blockDim.x
@@ -89,6 +91,8 @@ __device__ __forceinline__ void paged_attention(const bf16* __restrict__ q, cons
         }
         __syncthreads();
     }
+    // (acc and l are relative to exp(m); the sink joins the denominator only.)
+    if (sinks) l += __expf(to_f32(sinks[h]) - m);
     bf16* o = out + ((long long)t * heads + h) * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = to_bf16(acc[d] / l);
 }
@@ -101,9 +105,9 @@ __device__ __forceinline__ void paged_attention(const bf16* __restrict__ q, cons
                                     const unsigned int* __restrict__ row_end,                                   \
                                     const unsigned int* __restrict__ tables, int table_width, int heads,        \
                                     int kv_heads, int kv_stride, int head_dim, int block_size, float scale,     \
-                                    int window, float softcap) {                                                \
+                                    int window, float softcap, const bf16* __restrict__ sinks) {                \
         paged_attention<KV>(q, k_cache, v_cache, out, row_pos, row_seq, row_end, tables, table_width, heads,   \
-                            kv_heads, kv_stride, head_dim, block_size, scale, window, softcap);                 \
+                            kv_heads, kv_stride, head_dim, block_size, scale, window, softcap, sinks);          \
     }
 KILN_PAGED_ATTENTION(paged_attention_bf16, bf16)
 KILN_PAGED_ATTENTION(paged_attention_fp8, kv8)
