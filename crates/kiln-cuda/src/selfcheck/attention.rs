@@ -367,13 +367,14 @@ pub(super) fn bidirectional_ops(
 }
 
 /// Attention with a sink logit a head (gpt-oss), full and with a window:
-/// a prefill step of two sequences, then two decode steps.
+/// a prefill step of three sequences (the flash kernel), then two decode
+/// steps (the split-KV kernel; the longest sequence split).
 pub(super) fn sinks_ops(p: &mut Pair, rng: &mut Rng, window: Option<usize>) -> R<()> {
     let (heads, kv_heads, hd, bs) = (8, 2, 64, 16);
     let spec = KvPoolShape {
         num_layers: 1,
         num_groups: 1,
-        num_blocks: 64,
+        num_blocks: 128,
         block_size: bs,
         kv_row: kv_heads * hd,
     };
@@ -394,7 +395,11 @@ pub(super) fn sinks_ops(p: &mut Pair, rng: &mut Rng, window: Option<usize>) -> R
     // Sinks around the rows' logits, so that they take a real share.
     let (sg, sc) = p.up(&[heads], &rng.vec(heads, 3.0))?;
     let mut blocks = Blocks::new(rng, spec.num_blocks);
-    let (ta, tb) = (vec![blocks.take(12)], vec![blocks.take(4)]);
+    let (ta, tb, tc) = (
+        vec![blocks.take(12)],
+        vec![blocks.take(4)],
+        vec![blocks.take(60)],
+    );
     let (qw, kw) = (heads * hd, kv_heads * hd);
     for (step, label) in [
         (None, "prefill"),
@@ -409,10 +414,12 @@ pub(super) fn sinks_ops(p: &mut Pair, rng: &mut Rng, window: Option<usize>) -> R
             None => {
                 b.push_seq_groups(&[0; 150], 0, ta.clone(), true);
                 b.push_seq_groups(&[0; 40], 0, tb.clone(), true);
+                b.push_seq_groups(&[0; 900], 0, tc.clone(), true);
             }
             Some(s) => {
                 b.push_seq_groups(&[0], 150 + s, ta.clone(), true);
                 b.push_seq_groups(&[0], 40 + s, tb.clone(), true);
+                b.push_seq_groups(&[0], 900 + s, tc.clone(), true);
             }
         }
         let n = b.num_tokens();

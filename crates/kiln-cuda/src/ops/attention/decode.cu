@@ -20,7 +20,9 @@
 //
 //   decode_attention_hdN(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width,
 //                        block_size, heads, kv_heads, kv_stride, scale, window, softcap, partition_size,
-//                        part_out, part_ml, counters, out, out_stride)
+//                        part_out, part_ml, counters, out, out_stride, sinks)
+//     sinks: null, or a sink logit a query head [heads] (bf16) that joins every softmax's
+//       denominator (gpt-oss), as reference.cu's.
 //     grid (rows, kv_heads, num_parts), block 128 threads, no dynamic shared memory
 //     (static shared memory: (GB * 128 + KPI * GB * HD + 3 * GB + 128) * 4 bytes, GB = 4: < 19 KB).
 //     num_parts == gridDim.z == 1: the whole range 0..=pos (window-limited) is processed,
@@ -103,7 +105,8 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 template <int HD>
 __device__ __forceinline__ void decode_combine_last(const float* part_out, const float* part_ml,
                                                     unsigned int* counters, int heads, int kv_heads, int active,
-                                                    bf16* __restrict__ out, long long out_stride) {
+                                                    bf16* __restrict__ out, long long out_stride,
+                                                    const bf16* __restrict__ sinks) {
     __shared__ int s_last;
     const int row = blockIdx.x, kvh = blockIdx.y, nparts = gridDim.z;
     __threadfence();  // this block's partials are visible before the count moves
@@ -140,6 +143,7 @@ __device__ __forceinline__ void decode_combine_last(const float* part_out, const
                 a3 += e * o.w;
             }
         }
+        if (sinks) L += __expf(to_f32(sinks[h]) - M);
         const float inv = L > 0.0f ? 1.0f / L : 0.0f;
         bf16* op = out + (long long)row * out_stride + (long long)h * HD + d;
         op[0] = to_bf16(a0 * inv);
@@ -158,7 +162,8 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
                                             int block_size, int heads, int kv_heads, int kv_stride, float scale,
                                             int window, float softcap, int partition_size, float* __restrict__ part_out,
                                             float* __restrict__ part_ml, unsigned int* __restrict__ counters,
-                                            bf16* __restrict__ out, long long out_stride) {
+                                            bf16* __restrict__ out, long long out_stride,
+                                            const bf16* __restrict__ sinks) {
     constexpr int LPK = HD / 8;
     constexpr int KPI = KILN_DECODE_THREADS / LPK;
     constexpr int GB = KILN_DECODE_GB;
@@ -224,7 +229,7 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
             part_ml[pi * 2 + 0] = NEG_INF;
             part_ml[pi * 2 + 1] = 0.0f;
         }
-        if (counters != nullptr) decode_combine_last<HD>(part_out, part_ml, counters, heads, kv_heads, active, out, out_stride);
+        if (counters != nullptr) decode_combine_last<HD>(part_out, part_ml, counters, heads, kv_heads, active, out, out_stride, sinks);
         return;
     }
 
@@ -393,7 +398,8 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
 #pragma unroll
             for (int s = 1; s < KPI; ++s) o += s_o[s][g][d];
             if (nparts == 1) {
-                out[(long long)row * out_stride + (long long)h * HD + d] = to_bf16(o / s_l[g]);
+                const float sink = sinks ? __expf(to_f32(sinks[h]) - s_m[g]) : 0.0f;
+                out[(long long)row * out_stride + (long long)h * HD + d] = to_bf16(o / (s_l[g] + sink));
             } else {
                 const long long pi = ((long long)row * heads + h) * nparts + z;
                 part_out[pi * HD + d] = o;
@@ -405,14 +411,15 @@ __device__ __forceinline__ void decode_impl(const bf16* __restrict__ q, long lon
         }
         __syncthreads();  // s_o / s_m / s_l are reused by the next pass
     }
-    if (nparts > 1 && counters != nullptr) decode_combine_last<HD>(part_out, part_ml, counters, heads, kv_heads, active, out, out_stride);
+    if (nparts > 1 && counters != nullptr) decode_combine_last<HD>(part_out, part_ml, counters, heads, kv_heads, active, out, out_stride, sinks);
 }
 
 // Combine the partitions of decode_impl: out = sum_z exp(m_z - M) o_z / sum_z exp(m_z - M) l_z.
 template <int HD>
 __device__ __forceinline__ void decode_reduce_impl(const float* __restrict__ part_out,
                                                    const float* __restrict__ part_ml, int heads, int num_parts,
-                                                   bf16* __restrict__ out, long long out_stride) {
+                                                   bf16* __restrict__ out, long long out_stride,
+                                                   const bf16* __restrict__ sinks) {
     const int row = blockIdx.x, h = blockIdx.y;
     const long long base = ((long long)row * heads + h) * num_parts;
     float M = NEG_INF;
@@ -422,6 +429,7 @@ __device__ __forceinline__ void decode_reduce_impl(const float* __restrict__ par
         const float m = part_ml[(base + zz) * 2];
         if (m != NEG_INF) L += __expf(m - M) * part_ml[(base + zz) * 2 + 1];
     }
+    if (sinks) L += __expf(to_f32(sinks[h]) - M);
     const float inv = L > 0.0f ? 1.0f / L : 0.0f;
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float a = 0.0f;
@@ -465,12 +473,12 @@ __device__ __forceinline__ void decode_reduce_impl(const float* __restrict__ par
         int block_size, int heads, int kv_heads, int kv_stride, float scale, int window, float softcap,          \
         int partition_size,                                                                                      \
         float* __restrict__ part_out, float* __restrict__ part_ml, unsigned int* __restrict__ counters,          \
-        bf16* __restrict__ out, long long out_stride) {                                                          \
+        bf16* __restrict__ out, long long out_stride, const bf16* __restrict__ sinks) {                          \
         kiln_pdl_trigger(); /* decode_impl waits for the previous kernel */                                      \
         decode_impl<HD, VPRE, KV>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size,  \
                                   heads, kv_heads, kv_stride, scale, window, softcap, partition_size, part_out,  \
                                   part_ml,                                                                       \
-                                  counters, out, out_stride);                                                    \
+                                  counters, out, out_stride, sinks);                                             \
     }
 
 #define KILN_DECODE_ALL(HD)                                                                                             \
@@ -481,9 +489,10 @@ __device__ __forceinline__ void decode_reduce_impl(const float* __restrict__ par
     extern "C" __global__ void decode_attention_reduce_hd##HD(const float* __restrict__ part_out,                \
                                                               const float* __restrict__ part_ml, int heads,      \
                                                               int num_parts, bf16* __restrict__ out,             \
-                                                              long long out_stride) {                            \
+                                                              long long out_stride,                              \
+                                                              const bf16* __restrict__ sinks) {                  \
         kiln_pdl_enter();                                                                                        \
-        decode_reduce_impl<HD>(part_out, part_ml, heads, num_parts, out, out_stride);                            \
+        decode_reduce_impl<HD>(part_out, part_ml, heads, num_parts, out, out_stride, sinks);                     \
     }
 
 KILN_DECODE_ALL(64)

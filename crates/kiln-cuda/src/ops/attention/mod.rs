@@ -55,8 +55,8 @@ pub(crate) const DECODE_COUNTERS: usize = 256;
 impl CudaBackend {
     /// Attention of `n` query rows (row stride `q_stride`) over the cache
     /// of `layer`, keys and values already written; `out [n, heads * hd]`.
-    /// `sinks` (not 0): bf16 `[heads]` sink logits, run by the reference
-    /// kernel.
+    /// `sinks` (not 0): bf16 `[heads]` sink logits joining every
+    /// softmax's denominator (every kernel takes them).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attend(
         &self,
@@ -92,7 +92,7 @@ impl CudaBackend {
             return Ok(wrap(vec![0, qw], out));
         }
         // Bidirectional attention (encoders) runs the reference kernel.
-        if p.causal && m.decode_only && sinks == 0 && self.dev.has(&decode) {
+        if p.causal && m.decode_only && self.dev.has(&decode) {
             // Split the keys until there are enough blocks to fill the GPU
             // (few rows × kv heads). The kernel spreads each row's own keys
             // over the partitions, so a recorded step's grid (sized for the
@@ -173,7 +173,8 @@ impl CudaBackend {
                 .arg(&pm)
                 .arg(&counters)
                 .arg(&out.ptr)
-                .arg(&os);
+                .arg(&os)
+                .arg(&sinks);
             // SAFETY: q rows [n, q_stride], caches [slots, kv_row], metadata
             // arrays of the step, partials sized [n, heads, parts, hd] and
             // [n, heads, parts, 2].
@@ -195,13 +196,14 @@ impl CudaBackend {
                         .arg(&np)
                         .arg(&out.ptr)
                         .arg(&os)
+                        .arg(&sinks)
                         .launch(cfg)
                         .map_err(dev_err)?;
                 }
             }
             return Ok(wrap(vec![n, qw], out));
         }
-        if p.causal && sinks == 0 && self.dev.has(&flash) {
+        if p.causal && self.dev.has(&flash) {
             let tiles = word(m.tiles);
             let cfg = LaunchConfig {
                 grid_dim: (m.num_tiles as u32, p.num_heads as u32, 1),
@@ -230,6 +232,7 @@ impl CudaBackend {
                     .arg(&softcap)
                     .arg(&out.ptr)
                     .arg(&os)
+                    .arg(&sinks)
                     .launch(cfg)
                     .map_err(dev_err)?;
             }

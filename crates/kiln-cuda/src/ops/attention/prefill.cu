@@ -19,7 +19,8 @@
 // Entry points (each for HEAD_DIM 64, 128, 256: suffixes _hd64, _hd128, _hd256):
 //
 //   flash_prefill_hdN(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width,
-//                     block_size, tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride)
+//                     block_size, tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride,
+//                     sinks)   (sinks: null, or a sink logit a query head, as decode.cu's)
 //     LAUNCH RULE (changed): grid (num_tiles, heads) (gridDim.y must equal heads), block 128 threads (4 warps),
 //     tiles of at most KILN_FA_TILE_ROWS = 128 rows (any count 1..128 works; 128 is fastest),
 //     dynamic shared memory SMEM_BYTES(HD) = 768 * (HD + 8) + 512 bytes:
@@ -128,7 +129,8 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
                                                    const unsigned int* __restrict__ tables, int table_width,
                                                    int block_size, const unsigned int* __restrict__ tiles,
                                                    int heads, int kv_heads, int kv_stride, float scale, int window,
-                                                   float softcap, bf16* __restrict__ out, long long out_stride) {
+                                                   float softcap, bf16* __restrict__ out, long long out_stride,
+                                                   const bf16* __restrict__ sinks) {
     constexpr int LD = HD + 8;
     constexpr int NT = HD / 8;             // n-tiles of the output accumulator
     constexpr int MT = HD <= 128 ? 2 : 1;  // m16 tiles per warp
@@ -374,6 +376,8 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
                     float lt = l[mt][hf];
                     lt += __shfl_xor_sync(0xffffffffu, lt, 1);
                     lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+                    // A sink logit joins the denominator, on the same base (m in the log2 domain).
+                    if (sinks) lt += fa_exp2(to_f32(sinks[h]) * LOG2E - m[mt][hf] * mul);
                     const float inv = lt > 0.0f ? 1.0f / lt : 0.0f;
                     const int r = wr0 + mt * 16 + g + hf * 8;
                     if (r < n) {
@@ -401,10 +405,12 @@ __device__ __forceinline__ void flash_prefill_impl(const bf16* __restrict__ q, l
         const unsigned int* __restrict__ row_seq, const unsigned int* __restrict__ tables, int table_width,      \
         int block_size, const unsigned int* __restrict__ tiles, int heads, int kv_heads, int kv_stride,          \
         float scale,                                                                                             \
-        int window, float softcap, bf16* __restrict__ out, long long out_stride) {                               \
+        int window, float softcap, bf16* __restrict__ out, long long out_stride,                                 \
+        const bf16* __restrict__ sinks) {                                                                        \
         kiln_pdl_enter();                                                                                        \
         flash_prefill_impl<HD, KV>(q, q_stride, k_cache, v_cache, pos, row_seq, tables, table_width, block_size, \
-                                   tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride);  \
+                                   tiles, heads, kv_heads, kv_stride, scale, window, softcap, out, out_stride,   \
+                                   sinks);                                                                       \
     }
 
 
