@@ -87,6 +87,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "moe_gather_bf16",
     "moe_act_bf16",
     "moe_combine_sorted_bf16",
+    "moe_gate_up_mxfp4",
+    "moe_down_mxfp4",
     "add_bias_bf16",
     "gather_rows_bf16",
     "copy_cols_bf16",

@@ -14,7 +14,7 @@ use kiln_tensor::{
 
 use super::{e, Pair, Rng, R, TOL};
 
-fn weight(p: &Pair, parts: &[(QuantFormat, usize, usize, u64)]) -> R<(Weight, Weight)> {
+pub(super) fn weight(p: &Pair, parts: &[(QuantFormat, usize, usize, u64)]) -> R<(Weight, Weight)> {
     let mut g = Vec::new();
     let mut c = Vec::new();
     for &(f, rows, cols, seed) in parts {

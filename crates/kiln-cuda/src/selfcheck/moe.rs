@@ -28,6 +28,9 @@ struct Case {
     shared: Option<usize>,
     clamped: bool,
     sigmoid: bool,
+    /// Experts in MXFP4 blocks (gate and up two parts), as llama.cpp ships
+    /// gpt-oss.
+    mxfp4: bool,
 }
 
 /// One layer on each backend from the same bf16-exact values.
@@ -39,11 +42,22 @@ fn layers(p: &Pair, rng: &mut Rng, c: &Case) -> R<(MoeLayer, MoeLayer, Vec<f32>,
     let (rg, rc) = p.up(&[c.experts, h], &router)?;
     let mut eg = Vec::new();
     let mut ec = Vec::new();
-    for _ in 0..c.experts {
-        let (gu_g, gu_c) = p.up(&[2 * i, h], &rng.vec(2 * i * h, 0.2))?;
-        let (d_g, d_c) = p.up(&[h, i], &rng.vec(h * i, 0.2))?;
-        let mut g = Expert::new(Weight::Dense(gu_g), Weight::Dense(d_g));
-        let mut cpu = Expert::new(Weight::Dense(gu_c), Weight::Dense(d_c));
+    for x in 0..c.experts {
+        let (mut g, mut cpu) = if c.mxfp4 {
+            use kiln_tensor::QuantFormat::MXFP4;
+            let seed = 3 * x as u64 + 11;
+            let (gu_g, gu_c) =
+                super::blocks::weight(p, &[(MXFP4, i, h, seed), (MXFP4, i, h, seed + 1)])?;
+            let (d_g, d_c) = super::blocks::weight(p, &[(MXFP4, h, i, seed + 2)])?;
+            (Expert::new(gu_g, d_g), Expert::new(gu_c, d_c))
+        } else {
+            let (gu_g, gu_c) = p.up(&[2 * i, h], &rng.vec(2 * i * h, 0.2))?;
+            let (d_g, d_c) = p.up(&[h, i], &rng.vec(h * i, 0.2))?;
+            (
+                Expert::new(Weight::Dense(gu_g), Weight::Dense(d_g)),
+                Expert::new(Weight::Dense(gu_c), Weight::Dense(d_c)),
+            )
+        };
         if c.clamped {
             let (bg, bc) = p.up(&[2 * i], &rng.vec(2 * i, 0.2))?;
             let (dbg, dbc) = p.up(&[h], &rng.vec(h, 0.2))?;
@@ -165,6 +179,7 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             shared: Some(160),
             clamped: false,
             sigmoid: false,
+            mxfp4: false,
         },
         Case {
             name: "gpt-oss-style top 2 of 8, biases, clamped SwiGLU",
@@ -175,6 +190,18 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             shared: None,
             clamped: true,
             sigmoid: false,
+            mxfp4: false,
+        },
+        Case {
+            name: "gpt-oss-style MXFP4 experts top 4 of 8, biases, clamped SwiGLU",
+            hidden: 128,
+            experts: 8,
+            inter: 64,
+            top_k: 4,
+            shared: None,
+            clamped: true,
+            sigmoid: false,
+            mxfp4: true,
         },
         Case {
             name: "lfm2-style sigmoid top 3 of 12, selection bias, scaled",
@@ -185,6 +212,7 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             shared: None,
             clamped: false,
             sigmoid: true,
+            mxfp4: false,
         },
     ];
     for c in &cases {

@@ -157,6 +157,12 @@ pub(crate) fn upload(cuda: &CudaBackend, m: QuantMatrix) -> Result<BlockPart> {
     ))
 }
 
+/// Where a part's block bodies and metas start on the device.
+pub(crate) fn body_and_meta(part: &BlockPart) -> Result<(u64, u64)> {
+    let d = device(part)?;
+    Ok((d.body(), d.meta()))
+}
+
 fn device(part: &BlockPart) -> Result<&DeviceBlocks> {
     part.storage()
         .downcast_ref::<DeviceBlocks>()

@@ -18,8 +18,8 @@
 use std::sync::{Arc, Weak};
 
 use kiln_tensor::{
-    DType, Epilogue, ExpertActivation, ExpertLoad, MoeLayer, Ops, Result, Scoring, Tensor,
-    TensorError, Weight,
+    DType, Epilogue, ExpertActivation, ExpertLoad, MoeLayer, Ops, QuantFormat, Result, Scoring,
+    Tensor, TensorError, Weight,
 };
 
 use crate::backend::CudaBackend;
@@ -60,9 +60,19 @@ pub(crate) struct MoeTables {
     steps: u64,
 }
 
+/// How a layer's experts are held, for the kernels that read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Dense bf16 `[2I, H]` and `[H, I]`.
+    Bf16,
+    /// MXFP4 blocks: gate and up (two parts of `I` rows, or one of `2I`),
+    /// down one part.
+    Mxfp4,
+}
+
 /// Whether `layer` runs on the device's kernels over `x`, and if so its
-/// (hidden, intermediate) sizes.
-fn native_shape(x: &Tensor, layer: &MoeLayer) -> Option<(usize, usize)> {
+/// experts' kind and (hidden, intermediate) sizes.
+fn native_shape(x: &Tensor, layer: &MoeLayer) -> Option<(Kind, usize, usize)> {
     let (n, hidden) = x.dims2("moe").ok()?;
     let experts = layer.num_experts();
     let k = layer.routing.top_k.min(experts);
@@ -79,13 +89,37 @@ fn native_shape(x: &Tensor, layer: &MoeLayer) -> Option<(usize, usize)> {
     {
         return None;
     }
-    let mut inter = None;
+    let mut found: Option<(Kind, usize)> = None;
     for e in &layer.experts {
-        let (Weight::Dense(gu), Weight::Dense(d)) = (&e.gate_up, &e.down) else {
-            return None;
+        let (kind, two_i, h, dh, i) = match (&e.gate_up, &e.down) {
+            (Weight::Dense(gu), Weight::Dense(d))
+                if gu.dtype() == DType::BF16 && d.dtype() == DType::BF16 =>
+            {
+                let (two_i, h) = gu.dims2("moe").ok()?;
+                let (dh, i) = d.dims2("moe").ok()?;
+                (Kind::Bf16, two_i, h, dh, i)
+            }
+            (Weight::Blocks(gu), Weight::Blocks(d)) => {
+                let mxfp4 = |p: &kiln_tensor::BlockPart| p.format() == QuantFormat::MXFP4;
+                let parts_ok = gu.parts().iter().all(mxfp4)
+                    && matches!(gu.parts().len(), 1 | 2)
+                    && d.parts().len() == 1
+                    && d.parts().iter().all(mxfp4);
+                if !parts_ok || hidden % 32 != 0 {
+                    return None;
+                }
+                let (two_i, h) = (gu.shape()[0], gu.shape()[1]);
+                let (dh, i) = (d.shape()[0], d.shape()[1]);
+                if gu.parts().len() == 2 && gu.parts()[0].rows() != i {
+                    return None;
+                }
+                if i % 32 != 0 {
+                    return None;
+                }
+                (Kind::Mxfp4, two_i, h, dh, i)
+            }
+            _ => return None,
         };
-        let (two_i, h) = gu.dims2("moe").ok()?;
-        let (dh, i) = d.dims2("moe").ok()?;
         let biases_ok = e
             .gate_up_bias
             .iter()
@@ -93,39 +127,63 @@ fn native_shape(x: &Tensor, layer: &MoeLayer) -> Option<(usize, usize)> {
             && e.down_bias
                 .iter()
                 .all(|b| b.dtype() == DType::BF16 && b.num_elements() == hidden);
-        if gu.dtype() != DType::BF16
-            || d.dtype() != DType::BF16
-            || h != hidden
+        if h != hidden
             || dh != hidden
             || two_i != 2 * i
             || i % 8 != 0
-            || *inter.get_or_insert(i) != i
+            || *found.get_or_insert((kind, i)) != (kind, i)
             || !biases_ok
         {
             return None;
         }
     }
-    Some((hidden, inter?))
+    let (kind, inter) = found?;
+    Some((kind, hidden, inter))
 }
 
-/// The expert pointers of `layer`, per expert id: gate/up, down, gate/up
-/// bias, down bias (0 where absent or not held).
-fn expert_ptrs(layer: &MoeLayer) -> Result<[Vec<u64>; 4]> {
+/// Tables a layer keeps: weights' pointers (`TABLES - 2` of them), then
+/// the gate/up and down biases'.
+const TABLES: usize = 8;
+
+/// The expert pointers of `layer`, per expert id (0 where absent or not
+/// held): bf16 — gate/up, down; MXFP4 — gate body, gate meta, up body, up
+/// meta, down body, down meta; then the gate/up and down biases (always
+/// tables 6 and 7).
+fn expert_ptrs(layer: &MoeLayer, inter: usize) -> Result<[Vec<u64>; TABLES]> {
     let e = layer.num_experts();
-    let mut out = [vec![0u64; e], vec![0u64; e], vec![0u64; e], vec![0u64; e]];
+    let mut out: [Vec<u64>; TABLES] = std::array::from_fn(|_| vec![0u64; e]);
     for id in 0..e {
         let Some(ex) = layer.expert(id) else {
             continue;
         };
-        if let (Weight::Dense(gu), Weight::Dense(d)) = (&ex.gate_up, &ex.down) {
-            out[0][id] = ptr(gu, "moe")?;
-            out[1][id] = ptr(d, "moe")?;
+        match (&ex.gate_up, &ex.down) {
+            (Weight::Dense(gu), Weight::Dense(d)) => {
+                out[0][id] = ptr(gu, "moe")?;
+                out[1][id] = ptr(d, "moe")?;
+            }
+            (Weight::Blocks(gu), Weight::Blocks(d)) => {
+                use crate::ops::matmul::blocks::body_and_meta;
+                let (gb, gm) = body_and_meta(&gu.parts()[0])?;
+                // One part of 2I rows: the up rows start I rows in (an
+                // MXFP4 row of H is H / 32 blocks of 16 + 1 bytes).
+                let (ub, um) = match gu.parts().get(1) {
+                    Some(up) => body_and_meta(up)?,
+                    None => {
+                        let blocks = (inter * (gu.shape()[1] / 32)) as u64;
+                        (gb + 16 * blocks, gm + blocks)
+                    }
+                };
+                let (db, dm) = body_and_meta(&d.parts()[0])?;
+                [out[0][id], out[1][id], out[2][id], out[3][id]] = [gb, gm, ub, um];
+                [out[4][id], out[5][id]] = [db, dm];
+            }
+            _ => {}
         }
         if let Some(b) = &ex.gate_up_bias {
-            out[2][id] = ptr(b, "moe")?;
+            out[6][id] = ptr(b, "moe")?;
         }
         if let Some(b) = &ex.down_bias {
-            out[3][id] = ptr(b, "moe")?;
+            out[7][id] = ptr(b, "moe")?;
         }
     }
     Ok(out)
@@ -133,19 +191,20 @@ fn expert_ptrs(layer: &MoeLayer) -> Result<[Vec<u64>; 4]> {
 
 /// A layer's tables on the device, and its experts' weight pointers.
 struct Found {
-    /// Four tables of `experts` pointers: gate/up, down, their biases.
-    tables: [u64; 4],
+    /// [`TABLES`] tables of `experts` pointers (see [`expert_ptrs`]).
+    tables: [u64; TABLES],
     selection_bias: u64,
     counts: u64,
+    /// bf16 experts' gate/up and down pointers, an expert each.
     gate_up: Vec<u64>,
     down: Vec<u64>,
 }
 
 /// `layer`'s tables (made now if it has none).
-fn tables(cuda: &CudaBackend, layer: &MoeLayer) -> Result<Found> {
-    let [gu, d, gub, db] = expert_ptrs(layer)?;
-    let (gate_up, down) = (gu.clone(), d.clone());
-    let host: Vec<u64> = gu.iter().chain(&d).copied().collect();
+fn tables(cuda: &CudaBackend, layer: &MoeLayer, inter: usize) -> Result<Found> {
+    let ptrs = expert_ptrs(layer, inter)?;
+    let (gate_up, down) = (ptrs[0].clone(), ptrs[1].clone());
+    let host: Vec<u64> = ptrs[..TABLES - 2].concat();
     let mut all = cuda.moe.lock().map_err(dev_err)?;
     all.layers.retain(|t| t.load.strong_count() > 0);
     let found = all.layers.iter().position(|t| {
@@ -158,9 +217,9 @@ fn tables(cuda: &CudaBackend, layer: &MoeLayer) -> Result<Found> {
         Some(i) => &all.layers[i],
         None => {
             cuda.no_upload_while_recording("a Mixture-of-Experts layer's expert tables")?;
-            let e = gu.len();
-            let ptrs = cuda.dev.alloc_exact(4 * e * 8, "expert tables")?;
-            let flat: Vec<u64> = [gu, d, gub, db].concat();
+            let e = layer.num_experts();
+            let flat: Vec<u64> = ptrs.concat();
+            let ptrs = cuda.dev.alloc_exact(TABLES * e * 8, "expert tables")?;
             cuda.dev.htod(ptrs.ptr, &flat)?;
             let selection_bias = match &layer.selection_bias {
                 Some(b) if b.len() == e => {
@@ -191,7 +250,7 @@ fn tables(cuda: &CudaBackend, layer: &MoeLayer) -> Result<Found> {
     };
     let e = t.experts as u64;
     Ok(Found {
-        tables: [0, 1, 2, 3].map(|i| t.ptrs.ptr + i * 8 * e),
+        tables: std::array::from_fn(|i| t.ptrs.ptr + i as u64 * 8 * e),
         selection_bias: t.selection_bias.as_ref().map_or(0, |b| b.ptr),
         counts: t.counts.ptr,
         gate_up,
@@ -223,11 +282,15 @@ pub(crate) fn drain_counts(cuda: &CudaBackend, now: bool) -> Result<()> {
 
 /// A whole sparse layer over `x` ([`kiln_tensor::Ops::moe`]).
 pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Tensor> {
-    let Some((hidden, inter)) = native_shape(x, layer).filter(|_| available(cuda)) else {
+    let n = x.shape().first().copied().unwrap_or(0);
+    // MXFP4 experts in larger steps: their products through the device's
+    // dequantized slabs, routed on the host.
+    let native = native_shape(x, layer)
+        .filter(|&(kind, ..)| available(cuda, kind) && (kind == Kind::Bf16 || n <= MAX_ROWS));
+    let Some((kind, hidden, inter)) = native else {
         cuda.no_upload_while_recording("a Mixture-of-Experts layer's host routing")?;
         return kiln_tensor::moe::moe_composed(cuda, x, layer);
     };
-    let n = x.shape()[0];
     let experts = layer.num_experts();
     let (re, rh) = layer.router.dims2("moe")?;
     if re != experts || rh != hidden {
@@ -241,7 +304,7 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
         experts,
         k: layer.routing.top_k.min(experts),
     };
-    let found = tables(cuda, layer)?;
+    let found = tables(cuda, layer, inter)?;
     let logits = cuda.matmul(
         x,
         &layer.router,
@@ -287,7 +350,8 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
     };
     let out = cuda.alloc(n * hidden, "moe output")?;
     let xp = ptr(x, "moe")?;
-    let [gu_tab, d_tab, gub_tab, db_tab] = found.tables;
+    let t = found.tables;
+    let (gub_tab, db_tab) = (t[6], t[7]);
     let (k_i, h_i, i_i, e_i) = (s.k as i32, hidden as i32, inter as i32, experts as i32);
     if !grouped {
         // Each picked expert once over its pairs, by warps.
@@ -297,16 +361,19 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
         let y = cuda.dev.alloc(pairs * hidden, 4, "expert outputs")?;
         // SAFETY: x [n, hidden] and h [pairs, inter] bf16, y [pairs,
         // hidden] f32, out [n, hidden] bf16; the route's arrays as `route`
-        // made them; the tables' experts are bf16 [2*inter, hidden] and
-        // [hidden, inter] (native_shape checked every held one) or 0.
+        // made them; the tables' experts (native_shape checked every held
+        // one) are bf16 [2*inter, hidden] and [hidden, inter], or MXFP4
+        // parts of those rows and columns on the device, or 0.
         unsafe {
-            cuda.dev
-                .launch(cuda.dev.func("moe_gate_up_bf16")?)
-                .arg(&xp)
-                .arg(&h_i)
-                .arg(&i_i)
-                .arg(&k_i)
-                .arg(&gu_tab)
+            let mut gate_up = cuda.dev.launch(cuda.dev.func(match kind {
+                Kind::Bf16 => "moe_gate_up_bf16",
+                Kind::Mxfp4 => "moe_gate_up_mxfp4",
+            })?);
+            gate_up.arg(&xp).arg(&h_i).arg(&i_i).arg(&k_i).arg(&t[0]);
+            if kind == Kind::Mxfp4 {
+                gate_up.arg(&t[1]).arg(&t[2]).arg(&t[3]);
+            }
+            gate_up
                 .arg(&gub_tab)
                 .arg(&r.used_count)
                 .arg(&r.used)
@@ -318,13 +385,16 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
                 .arg(&h.ptr)
                 .launch(cfg((bound, inter.div_ceil(8) as u32, 1), 256, 0))
                 .map_err(dev_err)?;
-            cuda.dev
-                .launch(cuda.dev.func("moe_down_bf16")?)
-                .arg(&h.ptr)
-                .arg(&h_i)
-                .arg(&i_i)
-                .arg(&d_tab)
-                .arg(&db_tab)
+            let mut down = cuda.dev.launch(cuda.dev.func(match kind {
+                Kind::Bf16 => "moe_down_bf16",
+                Kind::Mxfp4 => "moe_down_mxfp4",
+            })?);
+            down.arg(&h.ptr).arg(&h_i).arg(&i_i);
+            match kind {
+                Kind::Bf16 => down.arg(&t[1]),
+                Kind::Mxfp4 => down.arg(&t[4]).arg(&t[5]),
+            };
+            down.arg(&db_tab)
                 .arg(&r.used_count)
                 .arg(&r.used)
                 .arg(&r.offsets)
@@ -340,7 +410,7 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
                 .arg(&k_i)
                 .arg(&h_i)
                 .arg(&e_i)
-                .arg(&gu_tab)
+                .arg(&t[0])
                 .arg(&shared_p)
                 .arg(&shared_gate_p)
                 .arg(&out.ptr)
@@ -548,18 +618,20 @@ fn route(
     })
 }
 
-/// Whether the device kernels are loaded.
-pub(crate) fn available(cuda: &CudaBackend) -> bool {
-    [
-        "moe_route_bf16",
-        "moe_group",
-        "moe_gate_up_bf16",
-        "moe_down_bf16",
-        "moe_combine_bf16",
-        "moe_gather_bf16",
-        "moe_act_bf16",
-        "moe_combine_sorted_bf16",
-    ]
-    .iter()
-    .all(|k| cuda.dev.has(k))
+/// Whether the device kernels for `kind` are loaded.
+fn available(cuda: &CudaBackend, kind: Kind) -> bool {
+    let mxfp4 = ["moe_gate_up_mxfp4", "moe_down_mxfp4"];
+    (kind == Kind::Bf16 || mxfp4.iter().all(|k| cuda.dev.has(k)))
+        && [
+            "moe_route_bf16",
+            "moe_group",
+            "moe_gate_up_bf16",
+            "moe_down_bf16",
+            "moe_combine_bf16",
+            "moe_gather_bf16",
+            "moe_act_bf16",
+            "moe_combine_sorted_bf16",
+        ]
+        .iter()
+        .all(|k| cuda.dev.has(k))
 }

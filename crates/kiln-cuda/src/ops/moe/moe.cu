@@ -356,3 +356,139 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_sorted_bf16(
     }
     out[(long long)r * hidden + j] = to_bf16(acc);
 }
+
+// ---------------------------------------------------------------------------------------------
+// MXFP4 experts (gpt-oss as llama.cpp ships it), decode-sized steps: moe_gate_up_bf16 and
+// moe_down_bf16 over blocks as blocks.rs lays MXFP4 on the device — block g = row * (K / 32) + b
+// of a part: its 16 code bytes at body + 16 g (element j < 16 the low nibble of byte j, 16 + j its
+// high nibble), its e8m0 exponent at meta + g; w = e2m1(code) * 2^(e - 127), computed as the
+// doubled e2m1 value times 2^(e - 128) (as GGML does). Tables: gate body / meta, up body / meta,
+// down body / meta, a pointer an expert each (0: not held).
+
+// Half an e8m0 scale, 2^(e - 128), exactly (subnormal below e = 2).
+__device__ __forceinline__ float moe_e8m0_half(unsigned e) {
+    return e < 2 ? __int_as_float(0x00200000 << e) : __int_as_float((e - 1) << 23);
+}
+
+// The doubled e2m1 values by code, in shared memory (lanes index it freely).
+__device__ __forceinline__ void moe_fp4_table(float* lut) {
+    if (threadIdx.x < 16) {
+        const int c = threadIdx.x & 7;
+        const float mag = c < 4 ? (float)c : (float)((2 + (c & 1)) << ((c >> 1) - 1));
+        lut[threadIdx.x] = threadIdx.x & 8 ? -mag : mag;
+    }
+    __syncthreads();
+}
+
+// One warp's dot of MXFP4 row `row` of a part (K / 32 blocks a row) with x [K] bf16 (K % 32 == 0,
+// x 16-byte aligned): lane l takes blocks l, l + 32, ...; every lane returns the sum.
+__device__ __forceinline__ float moe_warp_dot_mxfp4(const unsigned char* __restrict__ body,
+                                                    const unsigned char* __restrict__ meta, long long row,
+                                                    const bf16* __restrict__ x, int k, int lane,
+                                                    const float* lut) {
+    const int nb = k >> 5;
+    const unsigned char* rb = body + row * nb * 16;
+    const unsigned char* rm = meta + row * nb;
+    float acc = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        const uint4 q = __ldg(reinterpret_cast<const uint4*>(rb + (long long)b * 16));
+        const float s = moe_e8m0_half(rm[b]);
+        const uint4* xp = reinterpret_cast<const uint4*>(x + b * 32);
+        float lo[16], hi[16];
+        {
+            float t[8];
+            vec8::unpack8(xp[0], t);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) lo[e] = t[e];
+            vec8::unpack8(xp[1], t);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) lo[8 + e] = t[e];
+            vec8::unpack8(xp[2], t);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) hi[e] = t[e];
+            vec8::unpack8(xp[3], t);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) hi[8 + e] = t[e];
+        }
+        const unsigned qw[4] = {q.x, q.y, q.z, q.w};
+        float part = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const unsigned byte = (qw[j >> 2] >> (8 * (j & 3))) & 0xffu;
+            part = fmaf(lut[byte & 15u], lo[j], part);
+            part = fmaf(lut[byte >> 4], hi[j], part);
+        }
+        acc = fmaf(s, part, acc);
+    }
+    return warp_sum(acc);
+}
+
+// As moe_gate_up_bf16, the expert's gate and up rows MXFP4 (two parts of inter rows each).
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_mxfp4(
+    const bf16* __restrict__ x, int hidden, int inter, int top_k, const unsigned long long* __restrict__ gate_body,
+    const unsigned long long* __restrict__ gate_meta, const unsigned long long* __restrict__ up_body,
+    const unsigned long long* __restrict__ up_meta, const unsigned long long* __restrict__ gate_up_bias,
+    const int* __restrict__ used_count, const int* __restrict__ used, const int* __restrict__ offsets,
+    const int* __restrict__ order, int act, float alpha, float limit, bf16* __restrict__ h) {
+    __shared__ float lut[16];
+    moe_fp4_table(lut);
+    kiln_pdl_enter();
+    const int b = blockIdx.x;
+    if (b >= *used_count) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int i = blockIdx.y * 8 + warp;
+    if (i >= inter) return;
+    const int e = used[b];
+    const unsigned char* gb = reinterpret_cast<const unsigned char*>(gate_body[e]);
+    const unsigned char* gm = reinterpret_cast<const unsigned char*>(gate_meta[e]);
+    const unsigned char* ub = reinterpret_cast<const unsigned char*>(up_body[e]);
+    const unsigned char* um = reinterpret_cast<const unsigned char*>(up_meta[e]);
+    const bf16* bias = reinterpret_cast<const bf16*>(gate_up_bias[e]);
+    for (int q = offsets[b]; q < offsets[b + 1]; ++q) {
+        const int p = order[q];
+        const bf16* xr = x + (long long)(p / top_k) * hidden;
+        float g = moe_warp_dot_mxfp4(gb, gm, i, xr, hidden, lane, lut);
+        float u = moe_warp_dot_mxfp4(ub, um, i, xr, hidden, lane, lut);
+        if (lane == 0) {
+            if (bias) {
+                g += to_f32(bias[i]);
+                u += to_f32(bias[inter + i]);
+            }
+            float v;
+            if (act == 3) {
+                const float gc = fminf(g, limit);
+                const float uc = fminf(fmaxf(u, -limit), limit);
+                v = (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
+            } else {
+                v = kiln_act(g, act) * u;
+            }
+            h[(long long)p * inter + i] = to_bf16(v);
+        }
+    }
+}
+
+// As moe_down_bf16, the expert's down rows MXFP4.
+extern "C" __global__ void __launch_bounds__(256) moe_down_mxfp4(
+    const bf16* __restrict__ h, int hidden, int inter, const unsigned long long* __restrict__ down_body,
+    const unsigned long long* __restrict__ down_meta, const unsigned long long* __restrict__ down_bias,
+    const int* __restrict__ used_count, const int* __restrict__ used, const int* __restrict__ offsets,
+    const int* __restrict__ order, float* __restrict__ y) {
+    __shared__ float lut[16];
+    moe_fp4_table(lut);
+    kiln_pdl_enter();
+    const int b = blockIdx.x;
+    if (b >= *used_count) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = blockIdx.y * 8 + warp;
+    if (j >= hidden) return;
+    const int e = used[b];
+    const unsigned char* db = reinterpret_cast<const unsigned char*>(down_body[e]);
+    const unsigned char* dm = reinterpret_cast<const unsigned char*>(down_meta[e]);
+    const bf16* bias = reinterpret_cast<const bf16*>(down_bias[e]);
+    const float bj = bias ? to_f32(bias[j]) : 0.0f;
+    for (int q = offsets[b]; q < offsets[b + 1]; ++q) {
+        const int p = order[q];
+        const float v = moe_warp_dot_mxfp4(db, dm, j, h + (long long)p * inter, inter, lane, lut);
+        if (lane == 0) y[(long long)p * hidden + j] = v + bj;
+    }
+}
