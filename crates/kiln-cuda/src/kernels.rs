@@ -81,6 +81,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "lora_expand_bf16",
     "moe_route_bf16",
     "moe_group",
+    "moe_route_group_bf16",
     "moe_gate_up_bf16",
     "moe_down_bf16",
     "moe_combine_bf16",

@@ -567,6 +567,48 @@ fn route(
     let (e_i, k_i, pairs_i) = (experts as i32, s.k as i32, pairs as i32);
     let normalize = layer.routing.normalize as i32;
     let scale = layer.routing.scale;
+    // Decode steps: a warp a row, routing and grouping in one launch.
+    let one_launch_smem = (n + 1) * 2 * experts * 4;
+    if n <= 32 && one_launch_smem <= 48 * 1024 && cuda.dev.has("moe_route_group_bf16") {
+        let n_i = n as i32;
+        // SAFETY: as below; the block's shared memory holds n rows of
+        // 2*experts floats and 2*experts ints.
+        unsafe {
+            cuda.dev
+                .launch(cuda.dev.func("moe_route_group_bf16")?)
+                .arg(&logits)
+                .arg(&n_i)
+                .arg(&e_i)
+                .arg(&k_i)
+                .arg(&scoring)
+                .arg(&normalize)
+                .arg(&scale)
+                .arg(&found.selection_bias)
+                .arg(&ids)
+                .arg(&weights)
+                .arg(&found.counts)
+                .arg(&slots)
+                .arg(&pad_slot)
+                .arg(&found.tables[0])
+                .arg(&used_count)
+                .arg(&used)
+                .arg(&offsets)
+                .arg(&order)
+                .arg(&pos_p)
+                .launch(cfg((1, 1, 1), 32 * n as u32, one_launch_smem as u32))
+                .map_err(dev_err)?;
+        }
+        return Ok(Routed {
+            ids,
+            weights,
+            used_count,
+            used,
+            offsets,
+            order,
+            pos: pos_p,
+            _bufs: [picks, groups, pos],
+        });
+    }
     // SAFETY: logits [n, experts] bf16; picks holds 2*pairs words, groups
     // 2*experts + 2 + pairs, pos pairs (when asked); the counts and
     // selection bias (when not 0) `experts` entries; slots (when not 0)

@@ -492,3 +492,130 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_mxfp4(
         if (lane == 0) y[(long long)p * hidden + j] = v + bj;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Decode steps (rows <= 32): moe_route_bf16 and moe_group in one launch, a warp a row. Block
+// 32 * rows threads; dynamic shared memory rows * num_experts * 8 bytes (each row's logits and
+// keys) + 2 * num_experts ints. Same semantics and outputs as the two kernels (the weights'
+// sums formed by warp shuffles instead of block sums).
+extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
+    const bf16* __restrict__ logits, int rows, int num_experts, int top_k, int scoring, int normalize,
+    float scale, const float* __restrict__ sel_bias, int* __restrict__ ids, float* __restrict__ weights,
+    unsigned long long* __restrict__ counts, const unsigned int* __restrict__ slots, unsigned int pad_slot,
+    const unsigned long long* __restrict__ gate_up, int* __restrict__ used_count, int* __restrict__ used,
+    int* __restrict__ offsets, int* __restrict__ order, int* __restrict__ pos) {
+    kiln_pdl_enter();
+    extern __shared__ float moe_rg_smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* val = moe_rg_smem + (long long)warp * 2 * num_experts;
+    float* key = val + num_experts;
+    int* cnt = reinterpret_cast<int*>(moe_rg_smem + (long long)rows * 2 * num_experts);
+    int* cursor = cnt + num_experts;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
+    const int row = warp;
+    if (row < rows) {
+        const bf16* lr = logits + (long long)row * num_experts;
+        float mx = NEG_INF;
+        for (int e = lane; e < num_experts; e += 32) {
+            const float v = to_f32(lr[e]);
+            val[e] = v;
+            float k = v;
+            if (scoring == 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
+            key[e] = (k != k) ? NEG_INF : k;
+            if (v == v) mx = fmaxf(mx, v);
+        }
+        __syncwarp();
+        int pick[32];
+        for (int j = 0; j < top_k; ++j) {
+            float bv = NEG_INF;
+            int bi = 0x7fffffff;
+            for (int e = lane; e < num_experts; e += 32) {
+                const float k = key[e];
+                if (k != k) continue;  // taken
+                if (bi == 0x7fffffff || k > bv || (k == bv && e < bi)) {
+                    bv = k;
+                    bi = e;
+                }
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+                if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            pick[j] = bi;
+            __syncwarp();
+            if (lane == 0) key[bi] = __int_as_float(0x7fc00000);  // taken: NaN
+            __syncwarp();
+        }
+        float sum_all = 0.0f;
+        if (scoring == 0) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            float s = 0.0f;
+            for (int e = lane; e < num_experts; e += 32) s += expf(val[e] - mx);
+            sum_all = warp_sum(s);
+        }
+        if (lane == 0) {
+            float w[32];
+            float total = 0.0f, topk_sum = 0.0f;
+            const float first = val[pick[0]];
+            if (scoring == 1)
+                for (int j = 0; j < top_k; ++j) topk_sum += expf(val[pick[j]] - first);
+            for (int j = 0; j < top_k; ++j) {
+                const float v = val[pick[j]];
+                float wj;
+                if (scoring == 0) wj = expf(v - mx) / sum_all;
+                else if (scoring == 1) wj = expf(v - first) / topk_sum;
+                else wj = 1.0f / (1.0f + expf(-v));
+                w[j] = wj;
+                total += wj;
+            }
+            if (normalize) {
+                if (scoring == 2) total += 1e-6f;
+                if (total > 0.0f)
+                    for (int j = 0; j < top_k; ++j) w[j] /= total;
+            }
+            const bool count = counts && (!slots || slots[row] != pad_slot);
+            for (int j = 0; j < top_k; ++j) {
+                ids[row * top_k + j] = pick[j];
+                weights[row * top_k + j] = scale != 1.0f ? w[j] * scale : w[j];
+                if (count) atomicAdd(counts + pick[j], 1ull);
+            }
+        }
+    }
+    __syncthreads();
+    // Group the pairs by expert, as moe_group.
+    const int pairs = rows * top_k;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e >= 0 && e < num_experts && gate_up[e]) atomicAdd(cnt + e, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int u = 0, off = 0;
+        for (int e = 0; e < num_experts; ++e) {
+            cursor[e] = off;
+            if (cnt[e] == 0) continue;
+            used[u] = e;
+            offsets[u] = off;
+            off += cnt[e];
+            ++u;
+        }
+        offsets[u] = off;
+        *used_count = u;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = ids[p];
+        int q = -1;
+        if (e >= 0 && e < num_experts && gate_up[e]) {
+            q = atomicAdd(cursor + e, 1);
+            order[q] = p;
+        }
+        if (pos) pos[p] = q;
+    }
+}
