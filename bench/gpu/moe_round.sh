@@ -11,7 +11,9 @@
 #   * (`big`) Qwen3-30B-A3B's layer on 12 layers (bench/gpu/moe_ckpt.py qwen3_moe-30b-a3b-12l):
 #     batch-1 decode against its active-weight roofline (kiln bench's decode_fraction_of_bandwidth:
 #     the bytes a token reads — attention, router, 8 of 128 experts, lm_head — over the copy
-#     bandwidth of the same run) and a 4,096-token prefill.
+#     bandwidth of the same run) and a 4,096-token prefill; with KILN_BASE set, that binary's decode
+#     too, alternated (an A/B in one lease);
+#   * (`prof`) ncu's time per kernel over a few decode steps of that checkpoint, summed by kernel.
 #   KILN=.device/kiln bench/gpu/moe_round.sh OUT_DIR [STAGES]
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/moe_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check parity tp bench}
@@ -73,6 +75,15 @@ if has big; then
   B=qwen3_moe-30b-a3b-12l
   [ -f "$W/$B/config.json" ] || { timeout 300 python3 bench/gpu/moe_ckpt.py $B "$W/$B" > "$OUT/ckpt-$B.log" 2>&1; el "checkpoint $B rc=$?"; tail -n 1 "$OUT/ckpt-$B.log"; }
   timeout 240 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 2 > "$OUT/bench-$B.json" 2> "$OUT/bench-$B.err"; el "bench $B rc=$?"
+  if [ -n "${KILN_BASE:-}" ]; then
+    for r in 1 2; do
+      for v in base new; do
+        bin=$K; [ $v = base ] && bin=$KILN_BASE
+        timeout 120 "$bin" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 1 > "$OUT/ab-$v-$r.json" 2>/dev/null
+        python3 -c "import json; d=json.load(open('$OUT/ab-$v-$r.json')); print('ab $v $r decode', round(d['decode_tokens_per_second']['median'],1), 'fraction', round(d['decode_fraction_of_bandwidth'],3))" || echo "ab $v $r failed"
+      done
+    done
+  fi
   timeout 200 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 4096 --gen-tokens 4 --runs 2 > "$OUT/prefill-$B.json" 2> "$OUT/prefill-$B.err"; el "prefill $B rc=$?"
   python3 - "$OUT" $B <<'PY' || tail -c 800 "$OUT/bench-$B.err"
 import json, os, sys
@@ -87,5 +98,28 @@ try:
 except Exception as e:
     out["prefill_error"] = str(e)
 print(json.dumps(out))
+PY
+fi
+if has prof; then
+  B=qwen3_moe-30b-a3b-12l
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --launch-skip 0 --launch-count 4000 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 16 --gen-tokens 9 --runs 1 \
+    > "$OUT/ncu.csv" 2> "$OUT/ncu.err"; el "ncu rc=$?"
+  python3 - "$OUT/ncu.csv" <<'PY' | tee "$OUT/ncu-summary.txt"
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
+head = rows[0]; rows = rows[1:]
+kn, mv = head.index("Kernel Name"), head.index("Metric Value")
+tot = collections.Counter(); cnt = collections.Counter()
+for r in rows:
+    try:
+        tot[r[kn][:60]] += float(r[mv]); cnt[r[kn][:60]] += 1
+    except ValueError:
+        pass
+all_ns = sum(tot.values())
+print("kernels", sum(cnt.values()), "total ms", round(all_ns / 1e6, 3))
+for k, v in tot.most_common(16):
+    print(f"{v/1e6:8.3f} ms {cnt[k]:6d} x {v/cnt[k]/1e3:8.2f} us  {k}")
 PY
 fi
