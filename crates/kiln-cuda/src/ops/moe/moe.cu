@@ -13,92 +13,14 @@
 
 #define MOE_ROUTE_THREADS 128
 
-// Routing of one row a block: scoring 0 = softmax over every expert, then the top_k largest;
-// 1 = the top_k largest logits, then a softmax over those; 2 = sigmoids, picked by sigmoid plus
-// sel_bias (may be null), weighed by the sigmoids. Then, if normalize, the weights divided by their
-// sum (plus 1e-6 for sigmoids), times scale. Ties go to the lower expert, NaN logits pick last (as
-// kiln_tensor::moe::route). Writes ids / weights [rows, top_k] (top_k <= num_experts) and, where
-// counts is not null, adds one to counts[e] a pick of every row whose slots[row] is not pad_slot
-// (a padding row of a recorded batch; slots null: every row counts).
-// Dynamic shared memory: num_experts * 9 bytes.
-extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
-    const bf16* __restrict__ logits, int num_experts, int top_k, int scoring, int normalize,
-    float scale, const float* __restrict__ sel_bias, int* __restrict__ ids, float* __restrict__ weights,
-    unsigned long long* __restrict__ counts, const unsigned int* __restrict__ slots, unsigned int pad_slot) {
-    kiln_pdl_enter();
-    extern __shared__ float moe_route_smem[];
-    float* val = moe_route_smem;
-    float* key = val + num_experts;
-    unsigned char* taken = reinterpret_cast<unsigned char*>(key + num_experts);
-    __shared__ float red_v[MOE_ROUTE_THREADS / 32];
-    __shared__ int red_i[MOE_ROUTE_THREADS / 32];
-    __shared__ int picks[32];
-    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const bf16* lr = logits + (long long)row * num_experts;
-    float local_max = NEG_INF;
-    for (int e = tid; e < num_experts; e += blockDim.x) {
-        const float v = to_f32(lr[e]);
-        val[e] = v;
-        float k = v;
-        if (scoring == 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
-        key[e] = (k != k) ? NEG_INF : k;
-        taken[e] = 0;
-        if (v == v) local_max = fmaxf(local_max, v);
-    }
-    __syncthreads();
-    for (int j = 0; j < top_k; ++j) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-        for (int e = tid; e < num_experts; e += blockDim.x) {
-            if (taken[e]) continue;
-            const float k = key[e];
-            if (bi == 0x7fffffff || k > bv || (k == bv && e < bi)) {
-                bv = k;
-                bi = e;
-            }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-            if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
-                bv = ov;
-                bi = oi;
-            }
-        }
-        if (lane == 0) {
-            red_v[warp] = bv;
-            red_i[warp] = bi;
-        }
-        __syncthreads();
-        if (tid == 0) {
-            for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) {
-                const float ov = red_v[w];
-                const int oi = red_i[w];
-                if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-            picks[j] = bi;
-            taken[bi] = 1;
-        }
-        __syncthreads();
-    }
-    // The softmax over every expert needs the row's max and sum of exponentials.
-    float mx = NEG_INF, sum_all = 0.0f;
-    if (scoring == 0) {
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, off));
-        if (lane == 0) red_v[warp] = local_max;
-        __syncthreads();
-        for (int w = 0; w < MOE_ROUTE_THREADS / 32; ++w) mx = fmaxf(mx, red_v[w]);
-        __syncthreads();
-        float s = 0.0f;
-        for (int e = tid; e < num_experts; e += blockDim.x) s += expf(val[e] - mx);
-        sum_all = block_sum(s);
-    }
-    if (tid != 0) return;
+// A routed row's weights from its logits val[] and picks (largest first), written with the picks
+// to ids / weights [row * top_k ..] and counted (see moe_route_bf16). mx, sum_all: the row's max
+// logit and sum of exp(logit - mx) (softmax over every expert only). One thread.
+__device__ __forceinline__ void moe_finish_row(const float* val, const int* picks, int row, int top_k, int scoring,
+                                               int normalize, float scale, float mx, float sum_all,
+                                               int* __restrict__ ids, float* __restrict__ weights,
+                                               unsigned long long* __restrict__ counts,
+                                               const unsigned int* __restrict__ slots, unsigned int pad_slot) {
     float w[32];
     float total = 0.0f;
     const float first = val[picks[0]];
@@ -127,22 +49,38 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
     }
 }
 
-// The (row, pick) pairs grouped by expert, in one block: used[0 .. *used_count) are the picked
-// experts this rank holds (gate_up[e] != 0), ascending; offsets[u] .. offsets[u + 1] index
-// order[], which lists the pairs (row * top_k + j) of expert used[u]; where pos is not null,
-// pos[p] is pair p's index in order[] (-1: an expert not held).
-// Dynamic shared memory: 2 * num_experts ints.
-extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restrict__ ids, int pairs, int num_experts,
-                                                           const unsigned long long* __restrict__ gate_up,
-                                                           int* __restrict__ used_count, int* __restrict__ used,
-                                                           int* __restrict__ offsets, int* __restrict__ order,
-                                                           int* __restrict__ pos) {
-    kiln_pdl_enter();
-    extern __shared__ int moe_group_smem[];
-    int* cnt = moe_group_smem;
-    int* cursor = cnt + num_experts;
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
-    __syncthreads();
+// A routing key: the logit, or for sigmoid scores its sigmoid plus the selection bias; NaN as -inf.
+__device__ __forceinline__ float moe_key(float v, int e, int scoring, const float* __restrict__ sel_bias) {
+    float k = v;
+    if (scoring == 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
+    return (k != k) ? NEG_INF : k;
+}
+
+// (value, index) b replaces a as the better pick: larger, ties to the lower index (INT_MAX: none).
+__device__ __forceinline__ bool moe_better(float bv, int bi, float av, int ai) {
+    return bi != 0x7fffffff && (ai == 0x7fffffff || bv > av || (bv == av && bi < ai));
+}
+
+// The warp's best (value, index), in every lane.
+__device__ __forceinline__ void moe_warp_best(float& bv, int& bi) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (moe_better(ov, oi, bv, bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+}
+
+// The whole block groups the step's pairs by expert (every thread calls it; cnt and cursor are
+// num_experts ints of shared memory each): see moe_group.
+__device__ __forceinline__ void moe_group_block(const int* __restrict__ ids, int pairs, int num_experts,
+                                                const unsigned long long* __restrict__ gate_up, int* cnt,
+                                                int* cursor, int* __restrict__ used_count, int* __restrict__ used,
+                                                int* __restrict__ offsets, int* __restrict__ order,
+                                                int* __restrict__ pos) {
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
         const int e = ids[p];
         if (e >= 0 && e < num_experts && gate_up[e]) atomicAdd(cnt + e, 1);
@@ -171,6 +109,114 @@ extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restric
         }
         if (pos) pos[p] = q;
     }
+}
+
+// An expert's activation of its gate and up sums (biases added): act 0-2 kiln_act(gate) * up,
+// 3 gpt-oss's clamped SwiGLU.
+__device__ __forceinline__ float moe_act(float g, float u, int act, float alpha, float limit) {
+    if (act == 3) {
+        const float gc = fminf(g, limit);
+        const float uc = fminf(fmaxf(u, -limit), limit);
+        return (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
+    }
+    return kiln_act(g, act) * u;
+}
+
+
+// Routing of one row a block: scoring 0 = softmax over every expert, then the top_k largest;
+// 1 = the top_k largest logits, then a softmax over those; 2 = sigmoids, picked by sigmoid plus
+// sel_bias (may be null), weighed by the sigmoids. Then, if normalize, the weights divided by their
+// sum (plus 1e-6 for sigmoids), times scale. Ties go to the lower expert, NaN logits pick last (as
+// kiln_tensor::moe::route). Writes ids / weights [rows, top_k] (top_k <= num_experts) and, where
+// counts is not null, adds one to counts[e] a pick of every row whose slots[row] is not pad_slot
+// (a padding row of a recorded batch; slots null: every row counts).
+// Dynamic shared memory: num_experts * 9 bytes.
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
+    const bf16* __restrict__ logits, int num_experts, int top_k, int scoring, int normalize,
+    float scale, const float* __restrict__ sel_bias, int* __restrict__ ids, float* __restrict__ weights,
+    unsigned long long* __restrict__ counts, const unsigned int* __restrict__ slots, unsigned int pad_slot) {
+    kiln_pdl_enter();
+    extern __shared__ float moe_route_smem[];
+    float* val = moe_route_smem;
+    float* key = val + num_experts;
+    unsigned char* taken = reinterpret_cast<unsigned char*>(key + num_experts);
+    __shared__ float red_v[MOE_ROUTE_THREADS / 32];
+    __shared__ int red_i[MOE_ROUTE_THREADS / 32];
+    __shared__ int picks[32];
+    const int row = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bf16* lr = logits + (long long)row * num_experts;
+    float local_max = NEG_INF;
+    for (int e = tid; e < num_experts; e += blockDim.x) {
+        const float v = to_f32(lr[e]);
+        val[e] = v;
+        key[e] = moe_key(v, e, scoring, sel_bias);
+        taken[e] = 0;
+        if (v == v) local_max = fmaxf(local_max, v);
+    }
+    __syncthreads();
+    for (int j = 0; j < top_k; ++j) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int e = tid; e < num_experts; e += blockDim.x) {
+            if (taken[e]) continue;
+            if (moe_better(key[e], e, bv, bi)) {
+                bv = key[e];
+                bi = e;
+            }
+        }
+        moe_warp_best(bv, bi);
+        if (lane == 0) {
+            red_v[warp] = bv;
+            red_i[warp] = bi;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            for (int w = 1; w < MOE_ROUTE_THREADS / 32; ++w) {
+                if (moe_better(red_v[w], red_i[w], bv, bi)) {
+                    bv = red_v[w];
+                    bi = red_i[w];
+                }
+            }
+            picks[j] = bi;
+            taken[bi] = 1;
+        }
+        __syncthreads();
+    }
+    // The softmax over every expert needs the row's max and sum of exponentials.
+    float mx = NEG_INF, sum_all = 0.0f;
+    if (scoring == 0) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, off));
+        if (lane == 0) red_v[warp] = local_max;
+        __syncthreads();
+        for (int w = 0; w < MOE_ROUTE_THREADS / 32; ++w) mx = fmaxf(mx, red_v[w]);
+        __syncthreads();
+        float s = 0.0f;
+        for (int e = tid; e < num_experts; e += blockDim.x) s += expf(val[e] - mx);
+        sum_all = block_sum(s);
+    }
+    if (tid != 0) return;
+    moe_finish_row(val, picks, row, top_k, scoring, normalize, scale, mx, sum_all, ids, weights, counts, slots,
+                   pad_slot);
+}
+
+// The (row, pick) pairs grouped by expert, in one block: used[0 .. *used_count) are the picked
+// experts this rank holds (gate_up[e] != 0), ascending; offsets[u] .. offsets[u + 1] index
+// order[], which lists the pairs (row * top_k + j) of expert used[u]; where pos is not null,
+// pos[p] is pair p's index in order[] (-1: an expert not held).
+// Dynamic shared memory: 2 * num_experts ints.
+extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restrict__ ids, int pairs, int num_experts,
+                                                           const unsigned long long* __restrict__ gate_up,
+                                                           int* __restrict__ used_count, int* __restrict__ used,
+                                                           int* __restrict__ offsets, int* __restrict__ order,
+                                                           int* __restrict__ pos) {
+    kiln_pdl_enter();
+    extern __shared__ int moe_group_smem[];
+    int* cnt = moe_group_smem;
+    int* cursor = cnt + num_experts;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    moe_group_block(ids, pairs, num_experts, gate_up, cnt, cursor, used_count, used, offsets, order, pos);
 }
 
 // One warp's dot of a bf16 weight row w [len] with a bf16 row x [len] (len a multiple of 8, both
@@ -229,15 +275,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_bf16(
                 g += to_f32(bias[i]);
                 u += to_f32(bias[inter + i]);
             }
-            float v;
-            if (act == 3) {
-                const float gc = fminf(g, limit);
-                const float uc = fminf(fmaxf(u, -limit), limit);
-                v = (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
-            } else {
-                v = kiln_act(g, act) * u;
-            }
-            h[(long long)p * inter + i] = to_bf16(v);
+            h[(long long)p * inter + i] = to_bf16(moe_act(g, u, act, alpha, limit));
         }
     }
 }
@@ -320,15 +358,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_act_bf16(
         g += to_f32(bias[i]);
         u += to_f32(bias[inter + i]);
     }
-    float v;
-    if (act == 3) {
-        const float gc = fminf(g, limit);
-        const float uc = fminf(fmaxf(u, -limit), limit);
-        v = (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
-    } else {
-        v = kiln_act(g, act) * u;
-    }
-    h[(long long)q * inter + i] = to_bf16(v);
+    h[(long long)q * inter + i] = to_bf16(moe_act(g, u, act, alpha, limit));
 }
 
 // moe_combine_bf16 for the grouped products' outputs ys [q, hidden] bf16 (in expert order; pair p
@@ -454,15 +484,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_mxfp4(
                 g += to_f32(bias[i]);
                 u += to_f32(bias[inter + i]);
             }
-            float v;
-            if (act == 3) {
-                const float gc = fminf(g, limit);
-                const float uc = fminf(fmaxf(u, -limit), limit);
-                v = (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
-            } else {
-                v = kiln_act(g, act) * u;
-            }
-            h[(long long)p * inter + i] = to_bf16(v);
+            h[(long long)p * inter + i] = to_bf16(moe_act(g, u, act, alpha, limit));
         }
     }
 }
@@ -519,9 +541,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
         for (int e = lane; e < num_experts; e += 32) {
             const float v = to_f32(lr[e]);
             val[e] = v;
-            float k = v;
-            if (scoring == 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
-            key[e] = (k != k) ? NEG_INF : k;
+            key[e] = moe_key(v, e, scoring, sel_bias);
             if (v == v) mx = fmaxf(mx, v);
         }
         __syncwarp();
@@ -532,20 +552,12 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
             for (int e = lane; e < num_experts; e += 32) {
                 const float k = key[e];
                 if (k != k) continue;  // taken
-                if (bi == 0x7fffffff || k > bv || (k == bv && e < bi)) {
+                if (moe_better(k, e, bv, bi)) {
                     bv = k;
                     bi = e;
                 }
             }
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-                if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
+            moe_warp_best(bv, bi);
             pick[j] = bi;
             __syncwarp();
             if (lane == 0) key[bi] = __int_as_float(0x7fc00000);  // taken: NaN
@@ -559,63 +571,11 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
             for (int e = lane; e < num_experts; e += 32) s += expf(val[e] - mx);
             sum_all = warp_sum(s);
         }
-        if (lane == 0) {
-            float w[32];
-            float total = 0.0f, topk_sum = 0.0f;
-            const float first = val[pick[0]];
-            if (scoring == 1)
-                for (int j = 0; j < top_k; ++j) topk_sum += expf(val[pick[j]] - first);
-            for (int j = 0; j < top_k; ++j) {
-                const float v = val[pick[j]];
-                float wj;
-                if (scoring == 0) wj = expf(v - mx) / sum_all;
-                else if (scoring == 1) wj = expf(v - first) / topk_sum;
-                else wj = 1.0f / (1.0f + expf(-v));
-                w[j] = wj;
-                total += wj;
-            }
-            if (normalize) {
-                if (scoring == 2) total += 1e-6f;
-                if (total > 0.0f)
-                    for (int j = 0; j < top_k; ++j) w[j] /= total;
-            }
-            const bool count = counts && (!slots || slots[row] != pad_slot);
-            for (int j = 0; j < top_k; ++j) {
-                ids[row * top_k + j] = pick[j];
-                weights[row * top_k + j] = scale != 1.0f ? w[j] * scale : w[j];
-                if (count) atomicAdd(counts + pick[j], 1ull);
-            }
-        }
+        if (lane == 0)
+            moe_finish_row(val, pick, row, top_k, scoring, normalize, scale, mx, sum_all, ids, weights, counts,
+                           slots, pad_slot);
     }
     __syncthreads();
     // Group the pairs by expert, as moe_group.
-    const int pairs = rows * top_k;
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-        const int e = ids[p];
-        if (e >= 0 && e < num_experts && gate_up[e]) atomicAdd(cnt + e, 1);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int u = 0, off = 0;
-        for (int e = 0; e < num_experts; ++e) {
-            cursor[e] = off;
-            if (cnt[e] == 0) continue;
-            used[u] = e;
-            offsets[u] = off;
-            off += cnt[e];
-            ++u;
-        }
-        offsets[u] = off;
-        *used_count = u;
-    }
-    __syncthreads();
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-        const int e = ids[p];
-        int q = -1;
-        if (e >= 0 && e < num_experts && gate_up[e]) {
-            q = atomicAdd(cursor + e, 1);
-            order[q] = p;
-        }
-        if (pos) pos[p] = q;
-    }
+    moe_group_block(ids, rows * top_k, num_experts, gate_up, cnt, cursor, used_count, used, offsets, order, pos);
 }
