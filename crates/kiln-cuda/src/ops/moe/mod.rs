@@ -207,12 +207,11 @@ fn tables(cuda: &CudaBackend, layer: &MoeLayer, inter: usize) -> Result<Found> {
     let host: Vec<u64> = ptrs[..TABLES - 2].concat();
     let mut all = cuda.moe.lock().map_err(dev_err)?;
     all.layers.retain(|t| t.load.strong_count() > 0);
-    let found = all.layers.iter().position(|t| {
-        t.host == host
-            && t.load
-                .upgrade()
-                .is_some_and(|l| Arc::ptr_eq(&l, &layer.load))
-    });
+    // The layer's own load first (one pointer), then its experts' pointers.
+    let found = all
+        .layers
+        .iter()
+        .position(|t| std::ptr::eq(t.load.as_ptr(), Arc::as_ptr(&layer.load)) && t.host == host);
     let t = match found {
         Some(i) => &all.layers[i],
         None => {
