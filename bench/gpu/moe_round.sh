@@ -13,7 +13,13 @@
 #     the bytes a token reads — attention, router, 8 of 128 experts, lm_head — over the copy
 #     bandwidth of the same run) and a 4,096-token prefill; with KILN_BASE set, that binary's decode
 #     too, alternated (an A/B in one lease);
-#   * (`prof`) ncu's time per kernel over a few decode steps of that checkpoint, summed by kernel.
+#   * (`prof`) ncu's time per kernel over a few decode steps of that checkpoint, summed by kernel;
+#   * (`gptoss`) gpt-oss end to end on CUDA: a random checkpoint written by Kiln itself
+#     (bench/gpu/shapes/gpt_oss-small.json: 64-wide heads, sinks, 128-token windows, 8 biased experts
+#     with the clamped SwiGLU; transformers 5.17 on the machine predates gpt-oss's layout) against
+#     Kiln's CPU f32 logits (the CPU's gpt-oss is checked against transformers in CI), 300 positions
+#     across the windows; then gpt-oss-20b's layer on 6 of its 24 layers (bf16 experts), batch-1
+#     decode against its active-weight roofline.
 #   KILN=.device/kiln bench/gpu/moe_round.sh OUT_DIR [STAGES]
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/moe_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check parity tp bench}
@@ -122,4 +128,26 @@ print("kernels", sum(cnt.values()), "total ms", round(all_ns / 1e6, 3))
 for k, v in tot.most_common(16):
     print(f"{v/1e6:8.3f} ms {cnt[k]:6d} x {v/cnt[k]/1e3:8.2f} us  {k}")
 PY
+fi
+if has gptoss; then
+  for G in gpt_oss-small gpt_oss-20b-6l; do
+    [ -f "$W/$G/config.json" ] || { timeout 240 "$K" dev random-checkpoint --config bench/gpu/shapes/$G.json --tokenizer bench/smollm2-tokenizer -o "$W/$G" > "$OUT/ckpt-$G.log" 2>&1; el "checkpoint $G rc=$?"; }
+  done
+  IDS=$(python3 -c "import random; random.seed(21); print(','.join(str(random.randrange(3, 49000)) for _ in range(300)))")
+  timeout 120 "$K" dev logits --device cuda -m "$W/gpt_oss-small" --ids "$IDS" --prefill 200 -o "$OUT/goss-cuda.npy" > /dev/null 2> "$OUT/goss-cuda.err"; el "gpt-oss cuda rc=$?"
+  timeout 200 "$K" dev logits --device cpu -m "$W/gpt_oss-small" --ids "$IDS" --prefill 200 -o "$OUT/goss-cpu.npy" > /dev/null 2> "$OUT/goss-cpu.err"; el "gpt-oss cpu rc=$?"
+  python3 - "$OUT" <<'PY' | tee "$OUT/gptoss.json"
+import json, os, sys
+import numpy as np
+sys.path.insert(0, "bench/gpu")
+from logit_compare import compare
+d = sys.argv[1]
+a, b = np.load(os.path.join(d, "goss-cuda.npy")), np.load(os.path.join(d, "goss-cpu.npy"))
+print(json.dumps({"prefill_rows": compare(a[:200], b[:200]), "decode_rows": compare(a[200:], b[200:])}))
+PY
+  B=gpt_oss-20b-6l
+  timeout 200 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 2 > "$OUT/bench-$B.json" 2> "$OUT/bench-$B.err"; el "bench $B rc=$?"
+  python3 -c "
+import json; d=json.load(open('$OUT/bench-$B.json'))
+print('$B decode', round(d['decode_tokens_per_second']['median'],1), 'active GB', round(d['decode_weight_bytes_per_token']/1e9,3), 'fraction', round(d['decode_fraction_of_bandwidth'],3))" || tail -c 600 "$OUT/bench-$B.err"
 fi
