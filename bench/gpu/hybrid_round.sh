@@ -10,7 +10,8 @@
 # 256-wide attention heads and 128-wide DeltaNet heads, LFM2's 64-wide heads) against
 # transformers on the GPU (bench/gpu/parity.py: 300 tokens, past two state checkpoints;
 # CUDA prefill, CUDA prefill + decode steps, Kiln CPU), and batch-1 decode of a
-# Qwen3.5-9B-shaped checkpoint made on the GPU (STAGES: check tiny parity decode).
+# Qwen3.5-9B-shaped checkpoint made on the GPU (STAGES: check tiny parity decode; `moe`: the
+# Qwen3.5-35B-A3B-shaped MoE hybrid's decode on 8 of its layers).
 #   KILN=.device/kiln bench/gpu/hybrid_round.sh OUT_DIR [STAGES]
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/hybrid_round.sh OUT_DIR [STAGES]}; K=${KILN:-.device/kiln}
@@ -52,12 +53,22 @@ done
 fi
 export KILN_CUDA_RECURRENT=1
 if has parity; then
-  for s in qwen3_5-small lfm2-small; do
+  for s in qwen3_5-small lfm2-small qwen3_5_moe-small; do
     [ -d "$W/$s" ] || python3 bench/gpu/hybrid_ckpt.py $s "$W/$s" > /dev/null 2> "$OUT/ckpt-$s.err" || tail -3 "$OUT/ckpt-$s.err"
     timeout 240 python3 bench/gpu/parity.py --kiln "$K" --ckpt "$W/$s" --out "$OUT/parity-$s.json" \
       --tokens 300 --prefill 200 --cpu 2> "$OUT/parity-$s.err" | sed "s/^/$s /"; echo "parity $s rc=$?"
     tail -2 "$OUT/parity-$s.err"
   done
+fi
+if has moe; then
+  # The MoE hybrid's decode: Qwen3.5-35B-A3B's layer on 8 of its 40 layers.
+  B=qwen3_5_moe-35b-a3b-8l
+  [ -d "$W/$B" ] || python3 bench/gpu/hybrid_ckpt.py $B "$W/$B" > /dev/null 2> "$OUT/ckpt-$B.err" || tail -3 "$OUT/ckpt-$B.err"
+  timeout 200 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 2 \
+    > "$OUT/decode512-$B.json" 2> "$OUT/decode512-$B.err"; echo "decode $B rc=$?"
+  python3 -c "
+import json; d=json.load(open('$OUT/decode512-$B.json'))
+print('$B decode', round(d['decode_tokens_per_second']['median'],1), 'fraction', round(d['decode_fraction_of_bandwidth'],3))" || tail -3 "$OUT/decode512-$B.err"
 fi
 if has decode; then
   [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
