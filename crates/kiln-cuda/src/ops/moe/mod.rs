@@ -195,15 +195,14 @@ struct Found {
     tables: [u64; TABLES],
     selection_bias: u64,
     counts: u64,
-    /// bf16 experts' gate/up and down pointers, an expert each.
-    gate_up: Vec<u64>,
-    down: Vec<u64>,
+    /// The tables' host values (bf16 experts' gate/up and down pointers
+    /// are the first two).
+    ptrs: [Vec<u64>; TABLES],
 }
 
 /// `layer`'s tables (made now if it has none).
 fn tables(cuda: &CudaBackend, layer: &MoeLayer, inter: usize) -> Result<Found> {
     let ptrs = expert_ptrs(layer, inter)?;
-    let (gate_up, down) = (ptrs[0].clone(), ptrs[1].clone());
     let host: Vec<u64> = ptrs[..TABLES - 2].concat();
     let mut all = cuda.moe.lock().map_err(dev_err)?;
     all.layers.retain(|t| t.load.strong_count() > 0);
@@ -217,9 +216,8 @@ fn tables(cuda: &CudaBackend, layer: &MoeLayer, inter: usize) -> Result<Found> {
         None => {
             cuda.no_upload_while_recording("a Mixture-of-Experts layer's expert tables")?;
             let e = layer.num_experts();
-            let flat: Vec<u64> = ptrs.concat();
-            let ptrs = cuda.dev.alloc_exact(TABLES * e * 8, "expert tables")?;
-            cuda.dev.htod(ptrs.ptr, &flat)?;
+            let buf = cuda.dev.alloc_exact(TABLES * e * 8, "expert tables")?;
+            cuda.dev.htod(buf.ptr, &ptrs.concat())?;
             let selection_bias = match &layer.selection_bias {
                 Some(b) if b.len() == e => {
                     let buf = cuda.dev.alloc_exact(e * 4, "expert selection bias")?;
@@ -238,7 +236,7 @@ fn tables(cuda: &CudaBackend, layer: &MoeLayer, inter: usize) -> Result<Found> {
             all.layers.push(Tables {
                 host,
                 load: Arc::downgrade(&layer.load),
-                ptrs,
+                ptrs: buf,
                 selection_bias,
                 counts,
                 seen: vec![0; e],
@@ -252,8 +250,7 @@ fn tables(cuda: &CudaBackend, layer: &MoeLayer, inter: usize) -> Result<Found> {
         tables: std::array::from_fn(|i| t.ptrs.ptr + i as u64 * 8 * e),
         selection_bias: t.selection_bias.as_ref().map_or(0, |b| b.ptr),
         counts: t.counts.ptr,
-        gate_up,
-        down,
+        ptrs,
     })
 }
 
@@ -316,27 +313,7 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
         ExpertActivation::Gated(a) => (crate::ops::activation::act_code(a), 0.0, 0.0),
         ExpertActivation::ClampedSwiglu { alpha, limit } => (3, alpha, limit),
     };
-    let shared = match &layer.shared {
-        Some(sh) => {
-            let ExpertActivation::Gated(a) = layer.activation else {
-                unreachable!("native_shape refuses a shared expert with the clamped SwiGLU")
-            };
-            let e = &sh.expert;
-            let epi = Epilogue {
-                bias: e.gate_up_bias.as_ref(),
-                gated: Some(a),
-                residual: None,
-            };
-            let hs = cuda.matmul(x, &e.gate_up, None, epi)?;
-            let ys = cuda.matmul(&hs, &e.down, None, Epilogue::bias(e.down_bias.as_ref()))?;
-            let gate = match &sh.gate {
-                Some(g) => Some(cuda.matmul(x, g, None, Epilogue::NONE)?),
-                None => None,
-            };
-            Some((ys, gate))
-        }
-        None => None,
-    };
+    let shared = shared_expert(cuda, x, layer)?;
     let (shared_p, shared_gate_p) = match &shared {
         Some((ys, g)) => (
             ptr(ys, "moe")?,
@@ -454,7 +431,7 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
                     .launch(cfg((total as u32, hidden.div_ceil(2048) as u32, 1), 256, 0))
                     .map_err(dev_err)?;
             }
-            let p = problems(&found.gate_up, xs.ptr, hidden, gu.ptr, 2 * inter);
+            let p = problems(&found.ptrs[0], xs.ptr, hidden, gu.ptr, 2 * inter);
             crate::ops::matmul::grouped_gemm(&cuda.dev, &p, hidden, 2 * inter)?;
             // SAFETY: gu [total, 2*inter] and h [total, inter] bf16; ids
             // and order as `route` made them; the bias table's entries are
@@ -474,7 +451,7 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
                     .launch(cfg((total as u32, inter.div_ceil(256) as u32, 1), 256, 0))
                     .map_err(dev_err)?;
             }
-            let p = problems(&found.down, h.ptr, inter, ys.ptr, hidden);
+            let p = problems(&found.ptrs[1], h.ptr, inter, ys.ptr, hidden);
             crate::ops::matmul::grouped_gemm(&cuda.dev, &p, inter, hidden)?;
         }
         // SAFETY: ys [total, hidden] bf16 at pos[] of each pair (or -1),
@@ -498,6 +475,34 @@ pub(crate) fn moe(cuda: &CudaBackend, x: &Tensor, layer: &MoeLayer) -> Result<Te
     }
     drop((shared, r));
     Ok(wrap(vec![n, hidden], out))
+}
+
+/// The shared expert's output over `x` and its gate's logits, by the
+/// device's products (the combine adds them).
+fn shared_expert(
+    cuda: &CudaBackend,
+    x: &Tensor,
+    layer: &MoeLayer,
+) -> Result<Option<(Tensor, Option<Tensor>)>> {
+    let Some(sh) = &layer.shared else {
+        return Ok(None);
+    };
+    let ExpertActivation::Gated(a) = layer.activation else {
+        unreachable!("native_shape refuses a shared expert with the clamped SwiGLU")
+    };
+    let e = &sh.expert;
+    let epi = Epilogue {
+        bias: e.gate_up_bias.as_ref(),
+        gated: Some(a),
+        residual: None,
+    };
+    let hs = cuda.matmul(x, &e.gate_up, None, epi)?;
+    let ys = cuda.matmul(&hs, &e.down, None, Epilogue::bias(e.down_bias.as_ref()))?;
+    let gate = match &sh.gate {
+        Some(g) => Some(cuda.matmul(x, g, None, Epilogue::NONE)?),
+        None => None,
+    };
+    Ok(Some((ys, gate)))
 }
 
 /// A layer's sizes for one step.
