@@ -494,7 +494,7 @@ impl Ops for CudaBackend {
         }
     }
 
-    /// Attention sinks (gpt-oss) by the reference attention kernel.
+    /// Attention sinks (gpt-oss): every attention kernel takes them.
     fn supports_attention_sinks(&self) -> bool {
         self.dev.has("paged_attention_bf16")
     }
@@ -523,9 +523,9 @@ impl Ops for CudaBackend {
         )
     }
 
-    /// Mixture-of-Experts layers (`ops::moe`): decode-sized steps on the
-    /// device (recorded as graphs), prefill composed of the device's
-    /// products with host routing.
+    /// Mixture-of-Experts layers (`ops::moe`): routed on the device;
+    /// decode-sized steps by warp kernels (recorded as graphs), prefill by
+    /// grouped products; block experts other than MXFP4 composed.
     fn supports_moe(&self) -> bool {
         true
     }
