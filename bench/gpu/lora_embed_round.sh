@@ -56,13 +56,18 @@ if [ "$PART" = throughput ]; then
   [ -f "$W/ck8b/READY" ] || run python3 bench/gpu/hf_bench.py --stages save8b --cfg-dir "$TOK" --save-dir "$W/ck8b" --out "$OUT/save8b.json"
   run python3 bench/gpu/make_lora.py --ckpt "$W/ck8b" --out "$W/lora8b-" --count 8 --rank 16 --alpha 32
   L=""; for i in 0 1 2 3 4 5 6 7; do L="$L --lora $W/lora8b-$i"; done
+  # lora-mma1: every LoRA step on the tensor-core kernels (KILN_LORA_MMA_ROWS=1), decode included.
   for rep in 1 2; do
-    for mode in base lora; do
+    for mode in base lora lora-mma1; do
       log "bench-engine $mode rep $rep"
       # shellcheck disable=SC2086
+      env $( [ $mode = lora-mma1 ] && echo KILN_LORA_MMA_ROWS=1 ) \
       "$KILN" bench-engine --device cuda -m "$W/ck8b" --concurrency 64 --prompt-tokens 256 --gen-tokens 128 \
-        --prefix-tokens 16 --kv-mib 16384 $( [ $mode = lora ] && echo $L ) \
+        --prefix-tokens 16 --kv-mib 16384 $( [ $mode != base ] && echo $L ) \
         > "$OUT/engine-$mode-$rep.json" 2>> "$LOG" || log "FAILED bench-engine $mode $rep"
+      python3 -c "
+import json; d=json.load(open('$OUT/engine-$mode-$rep.json'))
+print('$mode $rep', {k: round(d[k], 4) for k in ('generated_tokens_per_second', 'decode_tokens_per_second', 'ttft_median_seconds', 'wall_seconds') if k in d})" || true
     done
   done
 fi

@@ -56,6 +56,10 @@ pub struct CudaOptions {
     /// until `kiln dev cuda-check` has checked the kernels on a GPU: a
     /// hybrid model is refused at load, by name.
     pub recurrent: bool,
+    /// LoRA deltas of steps of at least this many rows run on the tensor
+    /// cores (`lora_shrink_mma_bf16` / `lora_expand_mma_bf16`: prefill);
+    /// smaller steps (decode) on the CUDA-core kernels. Default 128.
+    pub lora_mma_rows: usize,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -79,6 +83,7 @@ impl Default for CudaOptions {
             kv_cache_fp8: false,
             fp8_activations: true,
             recurrent: false,
+            lora_mma_rows: 128,
             kernel_defines: String::new(),
         }
     }

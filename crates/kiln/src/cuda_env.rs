@@ -103,6 +103,15 @@ pub const KNOBS: &[Knob] = &[
         }),
     },
     Knob {
+        var: "KILN_LORA_MMA_ROWS",
+        default: "128",
+        help: "LoRA deltas of steps of at least this many rows run on the tensor cores (prefill); smaller steps on the CUDA-core kernels",
+        set: Set::Parse(|o, v| {
+            o.lora_mma_rows = positive("KILN_LORA_MMA_ROWS", v)?;
+            Ok(())
+        }),
+    },
+    Knob {
         var: "KILN_FP8_ACTIVATIONS",
         default: "1",
         help: "FP8 weights' prefill and batched products on the FP8 tensor cores, activations rounded to E4M3 (W8A8); 0 keeps them exact (dequantized bf16 slabs)",
@@ -285,6 +294,7 @@ mod tests {
             ("KILN_DECODE_TARGET_BLOCKS", "64"),
             ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
             ("KILN_FP8_ACTIVATIONS", "0"),
+            ("KILN_LORA_MMA_ROWS", "1"),
             ("KILN_CUDA_RECURRENT", "1"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
@@ -306,11 +316,12 @@ mod tests {
                 kv_cache_fp8: false,
                 fp8_activations: false,
                 recurrent: true,
+                lora_mma_rows: 1,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 13);
+        assert_eq!(KNOBS.len(), 14);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 

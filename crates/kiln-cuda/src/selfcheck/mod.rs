@@ -423,10 +423,27 @@ fn rms_norm_gated_linear(
 /// `lora_add` against the CPU: a packed q/k/v output (parts 576/192/192)
 /// with two adapters of ranks 4 and 16 over uneven row runs (tiles of 8 and
 /// 16 rows, chunks of k), the rows of no adapter left alone; the product
-/// taken in place and on a copy; more segments than one launch holds.
+/// taken in place and on a copy; more segments than one launch holds. Steps
+/// of 37 and 40 rows run the CUDA-core kernels; steps of 400 and 160 rows
+/// (at least `lora_mma_rows`, k not a multiple of 32) the tensor-core ones.
 fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    let small = [0usize..5, 10..12, 5..10, 20..37];
+    let large = [0usize..5, 10..12, 5..10, 20..250, 300..333, 340..400];
+    lora_case(p, rng, 576, 37, &small[..2], &small[2..], 40)?;
+    lora_case(p, rng, 584, 400, &large[..3], &large[3..], 160)
+}
+
+fn lora_case(
+    p: &mut Pair,
+    rng: &mut Rng,
+    k: usize,
+    n: usize,
+    rows1: &[std::ops::Range<usize>],
+    rows2: &[std::ops::Range<usize>],
+    one_row_runs: usize,
+) -> R<()> {
     use kiln_tensor::{LoraDelta, LoraProj};
-    let (k, parts) = (576usize, [0usize..576, 576..768, 768..960]);
+    let parts = [0usize..576, 576..768, 768..960];
     let width = 960;
     let proj =
         |p: &Pair, rng: &mut Rng, r: usize, out: usize, scale: f32| -> R<(LoraProj, LoraProj)> {
@@ -451,14 +468,12 @@ fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let q2 = proj(p, rng, 16, 576, 0.5)?;
     let k2 = proj(p, rng, 16, 192, 0.5)?;
     let v2 = proj(p, rng, 16, 192, 0.5)?;
-    let rows1 = [0usize..5, 10..12];
-    let rows2 = [5usize..10, 20..37];
     let spec: [(&[std::ops::Range<usize>], &(LoraProj, LoraProj), usize); 5] = [
-        (&rows1, &q1, 0),
-        (&rows1, &v1, 2),
-        (&rows2, &q2, 0),
-        (&rows2, &k2, 1),
-        (&rows2, &v2, 2),
+        (rows1, &q1, 0),
+        (rows1, &v1, 2),
+        (rows2, &q2, 0),
+        (rows2, &k2, 1),
+        (rows2, &v2, 2),
     ];
     let deltas = |gpu: bool| -> Vec<LoraDelta<'_>> {
         spec.iter()
@@ -469,7 +484,6 @@ fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             })
             .collect()
     };
-    let n = 37;
     let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
     let (yg, yc) = p.up(&[n, width], &rng.vec(n * width, 1.0))?;
     let c = p.cpu.lora_add(&yc, &xc, &deltas(false)).map_err(e)?;
@@ -477,14 +491,14 @@ fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let before = p.gpu.to_host(&yg).map_err(e)?;
     let g = p.gpu.lora_add(&yg, &xg, &deltas(true)).map_err(e)?;
     p.compare(
-        "lora_add on a copy (2 adapters, packed q/k/v)".into(),
+        format!("lora_add on a copy (2 adapters, packed q/k/v; {n} rows, k {k})"),
         &g,
         &c,
         TOL,
     )?;
     let after = p.gpu.to_host(&kept).map_err(e)?;
     p.push(
-        "lora_add on a copy leaves its input".into(),
+        format!("lora_add on a copy leaves its input ({n} rows)"),
         &after,
         &before,
         0.0,
@@ -492,13 +506,13 @@ fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     drop(kept);
     let g = p.gpu.lora_add(&yg, &xg, &deltas(true)).map_err(e)?;
     p.compare(
-        "lora_add in place (2 adapters, packed q/k/v)".into(),
+        format!("lora_add in place (2 adapters, packed q/k/v; {n} rows, k {k})"),
         &g,
         &c,
         TOL,
     )?;
-    // One row a run: 40 segments, two launches.
-    let n = 40;
+    // One row a run: more segments than one launch takes.
+    let n = one_row_runs;
     let rows: Vec<_> = (0..n).map(|i| i..i + 1).collect();
     let (xg, xc) = p.up(&[n, k], &rng.vec(n * k, 1.0))?;
     let (yg, yc) = p.up(&[n, width], &rng.vec(n * width, 1.0))?;
@@ -509,6 +523,6 @@ fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     };
     let c = p.cpu.lora_add(&yc, &xc, &[d(&q2.1)]).map_err(e)?;
     let g = p.gpu.lora_add(&yg, &xg, &[d(&q2.0)]).map_err(e)?;
-    p.compare("lora_add over 40 one-row runs".into(), &g, &c, TOL)?;
+    p.compare(format!("lora_add over {n} one-row runs"), &g, &c, TOL)?;
     Ok(())
 }

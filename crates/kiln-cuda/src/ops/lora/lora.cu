@@ -6,13 +6,19 @@
 // partial sums over chunks of k (no atomics: every row's sum has one order, so a
 // row's delta is the same in any batch); lora_expand_bf16 sums the chunks, takes
 // the product with B and adds it to y in place (one rounding to bf16).
+// Steps of many rows (prefill) take the tensor-core pair instead: lora_shrink_mma_bf16
+// writes t over all of k at once, lora_expand_mma_bf16 rounds it to bf16 for its products.
 #include "common.cuh"
 #include "vec8.cuh"
+#include "mma.cuh"
 
 #define LORA_MAX_SEGS 32
 #define LORA_SHRINK_ROWS 8
 #define LORA_SHRINK_K 512
 #define LORA_EXPAND_ROWS 16
+#define LORA_MMA_MAX_R 64   // ranks the tensor-core kernels take (8 product tiles of 8)
+#define LORA_MMA_ROWS 64    // rows a block of the tensor-core kernels (a warp 16)
+#define LORA_MMA_COLS 256   // columns a block of lora_expand_mma_bf16
 
 struct LoraSeg {
     const bf16* a;
@@ -167,6 +173,134 @@ extern "C" __global__ void __launch_bounds__(256) lora_expand_bf16(bf16* __restr
         if (row < nrows) {
             const long long idx = (long long)(s.row0 + tile0 + row) * p.width + s.col0 + n;
             y[idx] = to_bf16(to_f32(y[idx]) + s.scale * acc[row]);
+        }
+    }
+}
+
+// Tensor-core shrink. Grid (segments, tiles of LORA_MMA_ROWS rows); block 128: warp w takes
+// rows 16w .. 16w + 15 of the tile and every rank over all of k, one mma.m16n8k16 a 16 rows x 8
+// ranks x 16 k (k's order inside a product as in gemv.cu: a lane's 16-byte piece of a row of x
+// and of a row of A feed two products, so both operands see the same permutation). A row's sums
+// do not depend on the other rows. Writes t_part[t_off + row * r + j] (one chunk of k: num_kc 1).
+extern "C" __global__ void __launch_bounds__(128) lora_shrink_mma_bf16(const bf16* __restrict__ x,
+                                                                       float* __restrict__ t_part,
+                                                                       const LoraSegs p) {
+    kiln_pdl_enter();
+    const LoraSeg& s = p.s[blockIdx.x];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r0 = blockIdx.y * LORA_MMA_ROWS + warp * 16;
+    if (r0 >= s.rows) return;
+    const int g = lane >> 2, t = lane & 3;
+    const int nt = (s.r + 7) >> 3;
+    const bool lo_ok = r0 + g < s.rows, hi_ok = r0 + g + 8 < s.rows;
+    const bf16* xlo = x + (long long)(s.row0 + r0 + g) * p.k;
+    const bf16* xhi = x + (long long)(s.row0 + r0 + g + 8) * p.k;
+    float acc[LORA_MMA_MAX_R / 8][4];
+#pragma unroll
+    for (int j = 0; j < LORA_MMA_MAX_R / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < p.k; k0 += 32) {
+        const int k = k0 + 8 * t;
+        const bool kok = k < p.k;  // k is a multiple of 8: a piece is all in or all out
+        const uint4 xl = ld_stream16<false>(xlo + k, kok && lo_ok);
+        const uint4 xh = ld_stream16<false>(xhi + k, kok && hi_ok);
+#pragma unroll
+        for (int j = 0; j < LORA_MMA_MAX_R / 8; ++j) {
+            if (j < nt) {
+                const int rank = 8 * j + g;
+                const uint4 av = (kok && rank < s.r)
+                                     ? __ldg(reinterpret_cast<const uint4*>(s.a + (long long)rank * p.k + k))
+                                     : make_uint4(0, 0, 0, 0);
+                mma_bf16(acc[j], xl.x, xh.x, xl.y, xh.y, av.x, av.y);
+                mma_bf16(acc[j], xl.z, xh.z, xl.w, xh.w, av.z, av.w);
+            }
+        }
+    }
+    // acc[j]: (row g, ranks 8j + 2t, 8j + 2t + 1), (row g + 8, the same ranks).
+    float* out = t_part + s.t_off + (long long)r0 * s.r;
+#pragma unroll
+    for (int j = 0; j < LORA_MMA_MAX_R / 8; ++j) {
+        if (j < nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = g + (e >> 1) * 8, rank = 8 * j + 2 * t + (e & 1);
+                if (r0 + row < s.rows && rank < s.r) out[row * s.r + rank] = acc[j][e];
+            }
+        }
+    }
+}
+
+// Four of B's row's elements j .. j + 3 (zeros past r) as two bf16 pairs.
+__device__ __forceinline__ uint2 lora_b4(const bf16* __restrict__ row, int r, int j, bool ok) {
+    if (!ok || j >= r) return make_uint2(0, 0);
+    if ((r & 3) == 0) return __ldg(reinterpret_cast<const uint2*>(row + j));
+    __nv_bfloat162 lo, hi;
+    lo.x = row[j];
+    lo.y = j + 1 < r ? row[j + 1] : to_bf16(0.0f);
+    hi.x = j + 2 < r ? row[j + 2] : to_bf16(0.0f);
+    hi.y = j + 3 < r ? row[j + 3] : to_bf16(0.0f);
+    return make_uint2(*reinterpret_cast<unsigned*>(&lo), *reinterpret_cast<unsigned*>(&hi));
+}
+
+__device__ __forceinline__ unsigned lora_pack(float a, float b) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(a, b);  // a in the low half
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Tensor-core expand. Grid (segments, chunks of LORA_MMA_COLS columns, tiles of LORA_MMA_ROWS
+// rows); block 128: warp w takes rows 16w .. 16w + 15 of the tile and the chunk's column tiles of
+// 8, y[row, col0 + n] = bf16(y + scale * sum_j bf16(t[row, j]) B[n, j]) (t rounded to bf16 for the
+// products, as PEFT's bf16 adapters round their low-rank rows). Each product takes 16 ranks: lane
+// (g, t) holds ranks 16q + 4t .. 16q + 4t + 3 of rows g and g + 8 and of B's row n0 + g.
+extern "C" __global__ void __launch_bounds__(128) lora_expand_mma_bf16(bf16* __restrict__ y,
+                                                                       const float* __restrict__ t_part,
+                                                                       const LoraSegs p) {
+    kiln_pdl_enter();
+    const LoraSeg& s = p.s[blockIdx.x];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r0 = blockIdx.z * LORA_MMA_ROWS + warp * 16;
+    const int c0 = blockIdx.y * LORA_MMA_COLS;
+    if (r0 >= s.rows || c0 >= s.cols) return;
+    const int g = lane >> 2, t = lane & 3;
+    const bool lo_ok = r0 + g < s.rows, hi_ok = r0 + g + 8 < s.rows;
+    const float* tlo = t_part + s.t_off + (long long)(r0 + g) * s.r;
+    const float* thi = tlo + 8LL * s.r;
+    const int ks = (s.r + 15) >> 4;
+    unsigned a[LORA_MMA_MAX_R / 16][4];
+#pragma unroll
+    for (int q = 0; q < LORA_MMA_MAX_R / 16; ++q) {
+        float lo[4], hi[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int j = 16 * q + 4 * t + e;
+            lo[e] = (q < ks && lo_ok && j < s.r) ? tlo[j] : 0.0f;
+            hi[e] = (q < ks && hi_ok && j < s.r) ? thi[j] : 0.0f;
+        }
+        a[q][0] = lora_pack(lo[0], lo[1]);
+        a[q][1] = lora_pack(hi[0], hi[1]);
+        a[q][2] = lora_pack(lo[2], lo[3]);
+        a[q][3] = lora_pack(hi[2], hi[3]);
+    }
+    const int cend = min(c0 + LORA_MMA_COLS, s.cols);
+    bf16* ylo = y + (long long)(s.row0 + r0 + g) * p.width + s.col0;
+    bf16* yhi = ylo + 8LL * p.width;
+    for (int n0 = c0; n0 < cend; n0 += 8) {
+        const int n = n0 + g;
+        const bf16* brow = s.b + (long long)n * s.r;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int q = 0; q < LORA_MMA_MAX_R / 16; ++q) {
+            if (q < ks) {
+                const uint2 bv = lora_b4(brow, s.r, 16 * q + 4 * t, n < cend);
+                mma_bf16(acc, a[q][0], a[q][1], a[q][2], a[q][3], bv.x, bv.y);
+            }
+        }
+        // acc: (row g, columns n0 + 2t, n0 + 2t + 1), (row g + 8, the same columns).
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = n0 + 2 * t + (e & 1);
+            bf16* yr = e < 2 ? ylo : yhi;
+            if (col < cend && (e < 2 ? lo_ok : hi_ok)) yr[col] = to_bf16(to_f32(yr[col]) + s.scale * acc[e]);
         }
     }
 }

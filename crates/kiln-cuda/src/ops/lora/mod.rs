@@ -2,7 +2,9 @@
 //! [`kiln_tensor::Ops::lora_add`] in a shrink and an expand launch over
 //! segments (one adapter's projection over one contiguous run of rows).
 //! Steps with adapters run eagerly (`step::meta::is_graphable`), so the
-//! segments travel as a kernel parameter.
+//! segments travel as a kernel parameter. Steps of at least
+//! `CudaOptions::lora_mma_rows` rows (prefill) and ranks up to 64 take the
+//! tensor-core pair, the others the CUDA-core pair.
 
 use std::sync::Arc;
 
@@ -16,6 +18,9 @@ const MAX_SEGS: usize = 32;
 const SHRINK_ROWS: usize = 8;
 const SHRINK_K: usize = 512;
 const EXPAND_ROWS: usize = 16;
+const MMA_MAX_R: usize = 64;
+const MMA_ROWS: usize = 64;
+const MMA_COLS: usize = 256;
 
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
@@ -106,7 +111,9 @@ pub(crate) fn lora_add(
         wrap(vec![n, width], buf)
     };
     let (xp, yp) = (ptr(x, "lora_add")?, ptr(&out, "lora_add")?);
-    let num_kc = k.div_ceil(SHRINK_K);
+    let max_rank = segs.iter().map(|s| s.r as usize).max().unwrap_or(0);
+    let mma = n >= cuda.options.lora_mma_rows && max_rank <= MMA_MAX_R;
+    let num_kc = if mma { 1 } else { k.div_ceil(SHRINK_K) };
     for chunk in segs.chunks(MAX_SEGS) {
         let mut p = Segs {
             s: [Seg::default(); MAX_SEGS],
@@ -124,47 +131,71 @@ pub(crate) fn lora_add(
             max_r = max_r.max(s.r as usize);
         }
         p.t_stride = off;
-        let smem = (EXPAND_ROWS * max_r * 4) as u32;
-        if smem > 48 * 1024 {
-            return Err(TensorError::Unsupported {
-                backend: "cuda",
-                what: format!("LoRA rank {max_r} (up to 768 runs)"),
-            });
-        }
         let t = cuda
             .dev
             .alloc(num_kc * off as usize, 4, "LoRA low-rank rows")?;
-        let shrink = LaunchConfig {
-            grid_dim: (
-                chunk.len() as u32,
-                num_kc as u32,
-                max_rows.div_ceil(SHRINK_ROWS) as u32,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let expand = LaunchConfig {
-            grid_dim: (
-                chunk.len() as u32,
-                max_cols.div_ceil(256) as u32,
-                max_rows.div_ceil(EXPAND_ROWS) as u32,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: smem,
+        let (shrink, expand, names) = if mma {
+            let block = (128, 1, 1);
+            (
+                LaunchConfig {
+                    grid_dim: (chunk.len() as u32, max_rows.div_ceil(MMA_ROWS) as u32, 1),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                },
+                LaunchConfig {
+                    grid_dim: (
+                        chunk.len() as u32,
+                        max_cols.div_ceil(MMA_COLS) as u32,
+                        max_rows.div_ceil(MMA_ROWS) as u32,
+                    ),
+                    block_dim: block,
+                    shared_mem_bytes: 0,
+                },
+                ("lora_shrink_mma_bf16", "lora_expand_mma_bf16"),
+            )
+        } else {
+            let smem = (EXPAND_ROWS * max_r * 4) as u32;
+            if smem > 48 * 1024 {
+                return Err(TensorError::Unsupported {
+                    backend: "cuda",
+                    what: format!("LoRA rank {max_r} (up to 768 runs)"),
+                });
+            }
+            (
+                LaunchConfig {
+                    grid_dim: (
+                        chunk.len() as u32,
+                        num_kc as u32,
+                        max_rows.div_ceil(SHRINK_ROWS) as u32,
+                    ),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                LaunchConfig {
+                    grid_dim: (
+                        chunk.len() as u32,
+                        max_cols.div_ceil(256) as u32,
+                        max_rows.div_ceil(EXPAND_ROWS) as u32,
+                    ),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: smem,
+                },
+                ("lora_shrink_bf16", "lora_expand_bf16"),
+            )
         };
         // SAFETY: every segment's rows lie in x [n, k] and y [n, width],
         // its columns in y's, its A [r, k] and B [cols, r] are bf16 device
         // tensors held by `deltas`; t holds num_kc * t_stride floats.
         unsafe {
             cuda.dev
-                .launch(cuda.dev.func("lora_shrink_bf16")?)
+                .launch(cuda.dev.func(names.0)?)
                 .arg(&xp)
                 .arg(&t.ptr)
                 .arg(&p)
                 .launch(shrink)
                 .map_err(dev_err)?;
             cuda.dev
-                .launch(cuda.dev.func("lora_expand_bf16")?)
+                .launch(cuda.dev.func(names.1)?)
                 .arg(&yp)
                 .arg(&t.ptr)
                 .arg(&p)
