@@ -75,4 +75,14 @@ if has decode; then
   timeout 200 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 512 --gen-tokens 128 --runs 3 \
     > "$OUT/decode512-qwen3_5-9b.json" 2> "$OUT/decode512-qwen3_5-9b.err"; echo "decode 9b rc=$?"
   tail -c 1500 "$OUT/decode512-qwen3_5-9b.json"; tail -3 "$OUT/decode512-qwen3_5-9b.err"
+  # The same binary with decode steps run eagerly (KILN_CUDA_GRAPHS=0), against the recorded ones.
+  for r in 1 2; do
+    for g in 0 1; do
+      KILN_CUDA_GRAPHS=$g timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 512 --gen-tokens 128 --runs 1 \
+        > "$OUT/ab-graphs$g-$r.json" 2>/dev/null
+      python3 -c "
+import json; d=json.load(open('$OUT/ab-graphs$g-$r.json'))
+print('9b graphs=$g rep $r decode', round(d['decode_tokens_per_second']['median'],2), 'fraction', round(d['decode_fraction_of_bandwidth'],4))" || echo "ab graphs=$g $r failed"
+    done
+  done
 fi

@@ -156,6 +156,7 @@ pub fn run(gpu: &CudaBackend) -> R<Vec<Check>> {
     lora_ops(&mut p, &mut rng)?;
     blocks::block_ops(&mut p, &mut rng)?;
     recurrent::recurrent_ops(&mut p, &mut rng)?;
+    recurrent::recorded_recurrent_steps(&mut p, &mut rng)?;
     moe::moe_ops(&mut p, &mut rng)?;
     recorded_steps(&mut p, &mut rng, &Toy::WIDE)?;
     p.checks.extend(crate::ops::sample::check::checks(p.gpu)?);

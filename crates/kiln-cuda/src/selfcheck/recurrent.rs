@@ -147,3 +147,137 @@ fn state_io(
         None => gpu.dev.dtoh::<f32>(s.buf.ptr, n).map_err(e),
     }
 }
+
+/// Decode steps of a toy hybrid (two DeltaNet layers, each with its in- and
+/// out-projection) through `run_step` against the CPU: prompts of three
+/// sequences on state slots 4, 0 and 2, then decode steps (bucket 4, one
+/// padding sequence; the GPU records them) of which one takes a snapshot
+/// into slot 5 and a later one starts a sequence from it, then two
+/// sequences (bucket 2); every step's logits, and every slot's state at the
+/// end (the padding sequence and the recording's warm-up touch none).
+pub(super) fn recorded_recurrent_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    use kiln_tensor::prelude::*;
+    use kiln_tensor::{KvCache, Tensor, Weight};
+    let (vocab, d) = (256usize, 64usize);
+    let mut mixers = [delta(rng, (2, 4, 16, 16, 4)), delta(rng, (2, 4, 16, 16, 4))];
+    if let RecurrentMixer::GatedDeltaNet(g) = &mut mixers[0] {
+        g.state_layer = 0;
+    }
+    let (emb_g, emb_c) = p.up(&[vocab, d], &rng.vec(vocab * d, 1.0))?;
+    let (head_g, head_c) = p.up(&[vocab, d], &rng.vec(vocab * d, 0.1))?;
+    let mut proj = Vec::new();
+    for m in &mixers {
+        let wi = p.up(&[m.in_dim(), d], &rng.vec(m.in_dim() * d, 0.1))?;
+        let wo = p.up(&[d, m.out_dim()], &rng.vec(d * m.out_dim(), 0.1))?;
+        proj.push((wi, wo));
+    }
+    let (conv, rec) = mixers[0].state();
+    let shape = StateShape {
+        num_layers: 2,
+        num_slots: 6,
+        conv,
+        recurrent: rec,
+    };
+    let kv = KvPoolShape {
+        num_layers: 1,
+        num_groups: 1,
+        num_blocks: 8,
+        block_size: 16,
+        kv_row: 8,
+    };
+    let step = |b: &dyn Backend, batch: &ForwardBatch, cache: &mut KvCache, gpu: bool| {
+        let pick = |t: &(Tensor, Tensor)| if gpu { t.0.clone() } else { t.1.clone() };
+        let emb = if gpu { &emb_g } else { &emb_c };
+        let mut x = b.embedding(&Weight::Dense(emb.clone()), &batch.token_ids)?;
+        for (m, (wi, wo)) in mixers.iter().zip(&proj) {
+            let h = b.matmul(&x, &Weight::Dense(pick(wi)), None, Default::default())?;
+            let y = b.recurrent_mixer(&h, m, batch, cache)?;
+            x = super::linear_add(b, &y, &pick(wo), None, &x)?;
+        }
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
+        super::linear(b, &x, if gpu { &head_g } else { &head_c }, None)
+    };
+    let mut caches = Vec::new();
+    for b in [p.gpu as &dyn Backend, &p.cpu] {
+        let cache = b.alloc_kv_cache(kv).map_err(e)?;
+        let st = b.alloc_state(shape).map_err(e)?;
+        caches.push(cache.with_state(shape, st));
+    }
+    let start = rng.vec(shape.num_layers * shape.num_slots * shape.per_slot(), 0.5);
+    for c in &mut caches {
+        state_io(p.gpu, c, Some(&start))?;
+    }
+    let slots = [4u32, 0, 2];
+    let mut pos = [5usize, 3, 7];
+    let mut batch = ForwardBatch {
+        block_size: 16,
+        ..ForwardBatch::default()
+    };
+    for (s, &len) in pos.iter().enumerate() {
+        let toks: Vec<u32> = (0..len).map(|_| rng.below(vocab) as u32).collect();
+        batch.push_seq(&toks, 0, vec![s as u32], true);
+    }
+    batch.states = slots
+        .iter()
+        .map(|&slot| SeqState {
+            slot,
+            ..SeqState::default()
+        })
+        .collect();
+    let recorded = p.gpu.num_recordings();
+    for it in 0..8 {
+        if it > 0 {
+            let live = if it < 6 { 3 } else { 2 };
+            batch = ForwardBatch {
+                block_size: 16,
+                ..ForwardBatch::default()
+            };
+            for s in 0..live {
+                batch.push_seq(&[rng.below(vocab) as u32], pos[s], vec![s as u32], true);
+                pos[s] += 1;
+                batch.states.push(SeqState {
+                    slot: slots[s],
+                    restore_from: (it == 4 && s == 2).then_some(5),
+                    snapshots: if it == 2 && s == 0 {
+                        vec![(1, 5)]
+                    } else {
+                        Vec::new()
+                    },
+                });
+            }
+        }
+        let (gc, cc) = caches.split_at_mut(1);
+        let g = p
+            .gpu
+            .run_step(&batch, &mut gc[0], &mut |bt, c| step(p.gpu, bt, c, true))
+            .map_err(e)?;
+        let c = p
+            .cpu
+            .run_step(&batch, &mut cc[0], &mut |bt, c| step(&p.cpu, bt, c, false))
+            .map_err(e)?;
+        let (gh, ch) = (p.gpu.to_host(&g).map_err(e)?, p.cpu.to_host(&c).map_err(e)?);
+        p.push(
+            format!("recurrent run_step {it} ({} seqs)", batch.seqs.len()),
+            &gh,
+            &ch,
+            TOL,
+        );
+    }
+    let gs = state_io(p.gpu, &mut caches[0], None)?;
+    let cs = state_io(p.gpu, &mut caches[1], None)?;
+    p.push(
+        "recurrent run_step: every slot's state".into(),
+        &gs,
+        &cs,
+        TOL_STATE,
+    );
+    let now = p.gpu.num_recordings();
+    p.checks.push(super::Check {
+        op: format!("recurrent decode steps recorded as graphs ({recorded} -> {now})"),
+        rel_err: 0.0,
+        max_abs_err: 0.0,
+        tolerance: 0.0,
+        pass: !p.gpu.graphs_enabled() || now >= recorded + 2,
+    });
+    Ok(())
+}

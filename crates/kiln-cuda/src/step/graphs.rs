@@ -84,12 +84,20 @@ pub(crate) fn run_step(
     forward: Forward,
 ) -> Result<Tensor> {
     let bucket = bucket_for(batch.seqs.len());
-    // (Steps of a model with recurrent state run eagerly: their state slots
-    // are not in the recorded metadata.)
-    let stateless = cache.state_shape().is_none();
-    let (true, true, true, Some(bucket)) =
-        (b.graphs_enabled(), is_graphable(batch), stateless, bucket)
-    else {
+    // Steps of a model with recurrent state record too: its slots and
+    // snapshots are in the metadata (room for one snapshot a sequence, so
+    // a step taking more runs eagerly), padding sequences name no state.
+    let state_slots = cache.state_shape().map(|s| s.num_slots);
+    if let Some(slots) = state_slots {
+        crate::ops::recurrent::check_states(batch, slots)?;
+    }
+    let one_snapshot = (0..batch.seqs.len()).all(|i| batch.seq_state(i).snapshots.len() <= 1);
+    let (true, true, true, Some(bucket)) = (
+        b.graphs_enabled(),
+        is_graphable(batch),
+        one_snapshot,
+        bucket,
+    ) else {
         return eager(b, batch, cache, forward);
     };
     let width = table_width(batch);
@@ -106,7 +114,7 @@ pub(crate) fn run_step(
             detail: format!("a block table names a block past the pool of {scratch}"),
         });
     }
-    let padded = pad_decode(batch, bucket, scratch);
+    let padded = pad_decode(batch, bucket, scratch, state_slots.is_some());
     let pad_slot = scratch * batch.block_size as u32;
     let meta = StepMeta::build(&padded, width);
     let mut recs = b.recordings.lock().map_err(dev_err)?;
@@ -163,7 +171,21 @@ fn record(
 ) -> Result<Recorded> {
     let words = meta.words.len();
     let meta_buf = b.dev.alloc_exact(words * 4, "recorded step metadata")?;
-    b.dev.htod(meta_buf.ptr, &meta.words)?;
+    // The warm-up runs the step for real: recurrent state must not advance
+    // twice, so it runs with every sequence's state slot unnamed (the
+    // recurrent kernels skip them) and the real metadata goes up after it.
+    let stateless_words = (!padded.states.is_empty()).then(|| {
+        let mut warm = padded.clone();
+        for st in &mut warm.states {
+            st.slot = u32::MAX;
+        }
+        StepMeta::build(&warm, meta.width).words
+    });
+    b.dev.htod(
+        meta_buf.ptr,
+        stateless_words.as_ref().unwrap_or(&meta.words),
+    )?;
+    let real_words = stateless_words.is_some().then(|| meta.words.clone());
     let step = Arc::new(ActiveStep {
         batch: padded.clone(),
         meta,
@@ -177,6 +199,9 @@ fn record(
     let result = forward(padded, cache).and_then(|warm| {
         drop(warm);
         b.dev.synchronize()?;
+        if let Some(w) = &real_words {
+            b.dev.htod(meta_buf.ptr, w)?;
+        }
         b.dev.pool.set_recording(true, true);
         b.capturing.store(true, Ordering::Relaxed);
         b.dev

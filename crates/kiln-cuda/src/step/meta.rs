@@ -1,8 +1,8 @@
 //! A step's metadata as the kernels read it: one `u32` array uploaded once
 //! per step (token ids, positions, cache slots of every KV group, each
 //! row's sequence, every group's block tables padded to a fixed width,
-//! prefill query tiles, logits rows), and the padding of decode batches to
-//! the sizes recorded as CUDA graphs.
+//! prefill query tiles, logits rows, recurrent state slots and snapshots),
+//! and the padding of decode batches to the sizes recorded as CUDA graphs.
 
 use kiln_tensor::{ForwardBatch, SeqSlice};
 
@@ -36,6 +36,13 @@ pub struct StepMeta {
     pub num_tiles: usize,
     pub logits: usize,
     pub num_logits: usize,
+    /// Recurrent layers' sequences (`ops/recurrent`): 6 words a sequence
+    /// (first row, rows, state slot, the slot it starts from, fresh, first
+    /// snapshot; a padding sequence's slots `u32::MAX`), then the snapshot
+    /// count; at `rec_snaps` the snapshots (token, slot), room for one a
+    /// sequence at least so a decode step's layout does not depend on them.
+    pub rec_seqs: usize,
+    pub rec_snaps: usize,
     /// Every sequence has exactly one new row (a decode step).
     pub decode_only: bool,
     /// Most keys any row attends to (its position + 1).
@@ -132,6 +139,35 @@ impl StepMeta {
         }
         let logits = words.len();
         words.extend_from_slice(&batch.logits_rows);
+        let rec_seqs = words.len();
+        let mut snaps: Vec<u32> = Vec::new();
+        for (i, seq) in batch.seqs.iter().enumerate() {
+            let st = batch.seq_state(i);
+            let pad = st.slot == u32::MAX;
+            let fresh = seq.num_computed == 0 && st.restore_from.is_none();
+            words.extend([
+                seq.token_start as u32,
+                seq.num_tokens as u32,
+                st.slot,
+                if pad {
+                    u32::MAX
+                } else {
+                    st.restore_from.unwrap_or(st.slot)
+                },
+                fresh as u32,
+                (snaps.len() / 2) as u32,
+            ]);
+            if !pad {
+                for &(t, slot) in &st.snapshots {
+                    snaps.extend([t as u32, slot]);
+                }
+            }
+        }
+        let num_snaps = snaps.len() / 2;
+        words.push(num_snaps as u32);
+        let rec_snaps = words.len();
+        words.extend(snaps);
+        words.resize(rec_snaps + 2 * num_snaps.max(s) + 1, 0);
         StepMeta {
             num_rows: n,
             num_seqs: s,
@@ -147,6 +183,8 @@ impl StepMeta {
             num_tiles,
             logits,
             num_logits: batch.logits_rows.len(),
+            rec_seqs,
+            rec_snaps,
             decode_only: !batch.seqs.is_empty() && batch.seqs.iter().all(|q| q.num_tokens == 1),
             max_keys: batch
                 .positions
@@ -181,9 +219,26 @@ pub fn is_graphable(batch: &ForwardBatch) -> bool {
 
 /// `batch` (graphable) padded to `bucket` sequences: each padding sequence
 /// is one token at position 0 whose key and value go to `scratch_block`,
-/// a cache block no real sequence owns.
-pub fn pad_decode(batch: &ForwardBatch, bucket: usize, scratch_block: u32) -> ForwardBatch {
+/// a cache block no real sequence owns. With `stateful` (a model with
+/// recurrent layers) every sequence names its state and the padding ones
+/// none (slot `u32::MAX`: the recurrent kernels skip them).
+pub fn pad_decode(
+    batch: &ForwardBatch,
+    bucket: usize,
+    scratch_block: u32,
+    stateful: bool,
+) -> ForwardBatch {
     let mut out = batch.clone();
+    if stateful {
+        out.states = (0..batch.seqs.len()).map(|i| batch.seq_state(i)).collect();
+        out.states.resize(
+            bucket.max(batch.seqs.len()),
+            kiln_tensor::SeqState {
+                slot: u32::MAX,
+                ..Default::default()
+            },
+        );
+    }
     let groups = batch.slot_mapping.len().max(1);
     out.slot_mapping.resize(groups, Vec::new());
     for i in batch.seqs.len()..bucket {
@@ -206,6 +261,7 @@ pub fn pad_decode(batch: &ForwardBatch, bucket: usize, scratch_block: u32) -> Fo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kiln_tensor::SeqState;
 
     fn batch() -> ForwardBatch {
         let mut b = ForwardBatch {
@@ -264,7 +320,7 @@ mod tests {
         b.push_seq(&[3], 9, vec![3, 4, 5], true);
         assert!(is_graphable(&b));
         assert_eq!(bucket_for(3), Some(4));
-        let p = pad_decode(&b, 4, 7);
+        let p = pad_decode(&b, 4, 7, false);
         assert!(is_graphable(&p));
         assert_eq!(p.seqs.len(), 4);
         assert_eq!(p.slot_mapping[0][3], 28);
@@ -275,9 +331,67 @@ mod tests {
         let mut q = b.clone();
         q.seqs[0].num_computed = 6;
         q.positions[0] = 6;
-        let m2 = StepMeta::build(&pad_decode(&q, 4, 7), table_width(&p));
+        let m2 = StepMeta::build(&pad_decode(&q, 4, 7, false), table_width(&p));
         assert_eq!(m.words.len(), m2.words.len());
         assert_eq!((m.tables, m.logits), (m2.tables, m2.logits));
+    }
+
+    #[test]
+    fn recurrent_slots_and_snapshots_keep_one_layout_a_bucket() {
+        let mut b = ForwardBatch {
+            block_size: 4,
+            ..ForwardBatch::default()
+        };
+        b.push_seq(&[1], 5, vec![0, 2], true);
+        b.push_seq(&[2], 0, vec![1], true);
+        b.push_seq(&[3], 9, vec![3, 4, 5], true);
+        b.states = vec![
+            SeqState {
+                slot: 4,
+                ..SeqState::default()
+            },
+            SeqState {
+                slot: 0,
+                restore_from: Some(2),
+                snapshots: vec![(1, 5)],
+            },
+            SeqState {
+                slot: 1,
+                ..SeqState::default()
+            },
+        ];
+        let p = pad_decode(&b, 4, 7, true);
+        assert_eq!(p.states.len(), 4);
+        assert_eq!(p.states[3].slot, u32::MAX);
+        let m = StepMeta::build(&p, 8);
+        let w = &m.words[m.rec_seqs..];
+        // (first row, rows, slot, from, fresh, first snapshot) a sequence.
+        assert_eq!(&w[..6], &[0, 1, 4, 4, 0, 0]);
+        assert_eq!(&w[6..12], &[1, 1, 0, 2, 0, 0]);
+        assert_eq!(&w[12..18], &[2, 1, 1, 1, 0, 1]);
+        assert_eq!(&w[18..24], &[3, 1, u32::MAX, u32::MAX, 1, 1]);
+        assert_eq!(w[24], 1);
+        assert_eq!(m.rec_snaps, m.rec_seqs + 25);
+        assert_eq!(&m.words[m.rec_snaps..m.rec_snaps + 2], &[1, 5]);
+        // Without the snapshot the layout is the same.
+        b.states[1].snapshots.clear();
+        let m2 = StepMeta::build(&pad_decode(&b, 4, 7, true), 8);
+        assert_eq!(m.words.len(), m2.words.len());
+        assert_eq!(m2.words[m2.rec_seqs + 24], 0);
+        // A batch without states names slot i for sequence i.
+        let m3 = StepMeta::build(
+            &pad_decode(
+                &ForwardBatch {
+                    states: Vec::new(),
+                    ..b
+                },
+                4,
+                7,
+                true,
+            ),
+            8,
+        );
+        assert_eq!(m3.words[m3.rec_seqs + 6 + 2], 1);
     }
 
     #[test]
@@ -304,7 +418,7 @@ mod tests {
             ..ForwardBatch::default()
         };
         d.push_seq_groups(&[1], 5, vec![vec![0, 2], vec![1, 3]], true);
-        let p = pad_decode(&d, 2, 9);
+        let p = pad_decode(&d, 2, 9, false);
         assert!(is_graphable(&p));
         assert_eq!(p.slot_mapping, vec![vec![9, 36], vec![13, 36]]);
         assert_eq!(p.seqs[1].block_tables, vec![vec![9], vec![9]]);

@@ -79,37 +79,26 @@ fn delta_offsets(g: &GatedDeltaNet) -> [usize; 4] {
     [0, a, a + g.a_log.len(), a + g.a_log.len() + g.dt_bias.len()]
 }
 
-/// The sequences' metadata (6 i32 a sequence, then the snapshot count)
-/// and their snapshots (2 i32 each), on the device.
-fn upload_seqs(cuda: &CudaBackend, batch: &ForwardBatch, slots: usize) -> Result<(DevBuf, DevBuf)> {
-    let mut seqs = Vec::with_capacity(6 * batch.seqs.len() + 1);
-    let mut snaps: Vec<i32> = Vec::new();
+/// Every sequence's state slot, the slot it starts from and its
+/// snapshots' slots lie in the pool and no two sequences (or snapshots)
+/// name the same slot; padding sequences (slot `u32::MAX`) name none.
+pub(crate) fn check_states(batch: &ForwardBatch, slots: usize) -> Result<()> {
     let mut named = Vec::new();
-    for (i, s) in batch.seqs.iter().enumerate() {
+    for i in 0..batch.seqs.len() {
         let st = batch.seq_state(i);
+        if st.slot == u32::MAX {
+            continue;
+        }
         let src = st.restore_from.unwrap_or(st.slot);
-        named.push(st.slot);
-        named.extend(st.snapshots.iter().map(|x| x.1));
         if src as usize >= slots || st.slot as usize >= slots {
             return Err(TensorError::Shape {
                 op: "recurrent_mixer",
                 detail: format!("state slot {} (from {src}) of {slots}", st.slot),
             });
         }
-        let fresh = s.num_computed == 0 && st.restore_from.is_none();
-        seqs.extend([
-            s.token_start as i32,
-            s.num_tokens as i32,
-            st.slot as i32,
-            src as i32,
-            fresh as i32,
-            (snaps.len() / 2) as i32,
-        ]);
-        for &(t, slot) in &st.snapshots {
-            snaps.extend([t as i32, slot as i32]);
-        }
+        named.push(st.slot);
+        named.extend(st.snapshots.iter().map(|x| x.1));
     }
-    seqs.push((snaps.len() / 2) as i32);
     let mut sorted = named.clone();
     sorted.sort_unstable();
     if sorted.windows(2).any(|w| w[0] == w[1])
@@ -120,12 +109,7 @@ fn upload_seqs(cuda: &CudaBackend, batch: &ForwardBatch, slots: usize) -> Result
             detail: format!("state slots {named:?} of {slots}"),
         });
     }
-    snaps.push(0);
-    let sb = cuda.dev.alloc(seqs.len(), 4, "recurrent step metadata")?;
-    cuda.dev.htod(sb.ptr, &seqs)?;
-    let nb = cuda.dev.alloc(snaps.len(), 4, "recurrent snapshots")?;
-    cuda.dev.htod(nb.ptr, &snaps)?;
-    Ok((sb, nb))
+    Ok(())
 }
 
 pub(crate) fn recurrent_mixer(
@@ -173,7 +157,12 @@ pub(crate) fn recurrent_mixer(
     if n == 0 {
         return Ok(wrap(vec![0, mixer.out_dim()], out));
     }
-    let (seqs, snaps) = upload_seqs(cuda, batch, shape.num_slots)?;
+    // The sequences' slots and snapshots: in the step's metadata
+    // (`StepMeta::rec_seqs`), so recorded steps replay with each step's.
+    check_states(batch, shape.num_slots)?;
+    let step = cuda.step_meta(batch)?;
+    let seqs_ptr = step.base + 4 * step.meta.rec_seqs as u64;
+    let snaps_ptr = step.base + 4 * step.meta.rec_snaps as u64;
     let num_seqs = batch.seqs.len() as i32;
     let p = params(cuda, mixer)?;
     let xp = ptr(x, "recurrent_mixer")?;
@@ -187,7 +176,6 @@ pub(crate) fn recurrent_mixer(
         }
         let func = cuda.dev.func("recurrent_conv")?;
         let (ki, ci) = (k as i32, channels as i32);
-        let snaps_ptr = snaps.ptr;
         let mut b = cuda.dev.launch(func);
         b.arg(&xp)
             .arg(&x_stride)
@@ -197,7 +185,7 @@ pub(crate) fn recurrent_mixer(
             .arg(&mode)
             .arg(&layer_state)
             .arg(&slot_len)
-            .arg(&seqs.ptr)
+            .arg(&seqs_ptr)
             .arg(&snaps_ptr)
             .arg(&num_seqs)
             .arg(&f32_out)
@@ -214,7 +202,7 @@ pub(crate) fn recurrent_mixer(
         // SAFETY: x [n, d] bf16 with rows of b | c | x (mode 1) or the
         // conv's channels first (mode 0); the params' first `channels * k`
         // f32 are the taps; the state of `shape` at `layer_state`; the
-        // metadata as `upload_seqs` laid it out; the output [n, channels].
+        // metadata as `StepMeta::build` laid it out; the output [n, channels].
         unsafe { b.launch(cfg) }.map_err(dev_err)
     };
     match mixer {
@@ -266,8 +254,8 @@ pub(crate) fn recurrent_mixer(
                 .arg(&layer_state)
                 .arg(&slot_len)
                 .arg(&conv_len)
-                .arg(&seqs.ptr)
-                .arg(&snaps.ptr)
+                .arg(&seqs_ptr)
+                .arg(&snaps_ptr)
                 .arg(&num_seqs)
                 .arg(&out.ptr);
             let cfg = LaunchConfig {

@@ -11,7 +11,9 @@
 // slot, source slot (the slot whose state the sequence starts from: its own, or a snapshot to
 // restore), fresh (1: start from zeros), first snapshot index; `snaps` (i32, 2 a snapshot,
 // grouped by sequence: sequence s has those from its first to the next sequence's first, or to
-// the count): tokens into the step, slot.
+// the count): tokens into the step, slot. A sequence of slot -1 (a recorded decode step's padding,
+// or every sequence while a recording warms up) has no state: its outputs are zeros and no state
+// is read or written.
 #include "common.cuh"
 
 #define KILN_CONV_MAX_K 8
@@ -40,6 +42,13 @@ extern "C" __global__ void recurrent_conv(const bf16* __restrict__ x, long long 
     const int* m = seqs + 6 * s;
     const int row0 = m[0], rows = m[1], slot = m[2], src = m[3], fresh = m[4];
     const int snap0 = m[5], snap1 = s + 1 < num_seqs ? seqs[6 * (s + 1) + 5] : seqs[6 * num_seqs];
+    if (slot < 0) {
+        for (int t = 0; t < rows; ++t) {
+            if (mode == 0) out_f32[(long long)(row0 + t) * channels + c] = 0.0f;
+            else out_bf16[(long long)(row0 + t) * channels + c] = to_bf16(0.0f);
+        }
+        return;
+    }
     float win[KILN_CONV_MAX_K];
     const float* from = state + (long long)src * slot_len;
     for (int j = 0; j < k - 1; ++j) win[j] = fresh ? 0.0f : from[(long long)j * channels + c];
@@ -96,6 +105,11 @@ extern "C" __global__ void gated_delta_rule(const float* __restrict__ mixed, int
     const int row0 = m[0], rows = m[1], slot = m[2], src = m[3], fresh = m[4];
     const int snap0 = m[5], snap1 = s + 1 < num_seqs ? seqs[6 * (s + 1) + 5] : seqs[6 * num_seqs];
     const long long head_len = (long long)k_dim * v_dim;
+    if (slot < 0) {
+        for (int t = 0; t < rows && j < v_dim; ++t)
+            out[(long long)(row0 + t) * (v_heads * v_dim) + h * v_dim + j] = to_bf16(0.0f);
+        return;
+    }
     const float* from = state + (long long)src * slot_len + conv_len + h * head_len;
     for (long long e = j; e < head_len; e += blockDim.x) S[e] = fresh ? 0.0f : from[e];
     const int kh = h / (v_heads / k_heads);
