@@ -15,7 +15,7 @@
 #   KILN=.device/kiln bench/gpu/hybrid_round.sh OUT_DIR [STAGES]
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/hybrid_round.sh OUT_DIR [STAGES]}; K=${KILN:-.device/kiln}
-STAGES=${2:-check tiny parity decode}; W=${WORK:-$PWD/target/kiln-w}
+STAGES=${2:-check tiny parity decode serve}; W=${WORK:-$PWD/target/kiln-w}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda-13.0}
@@ -85,4 +85,25 @@ import json; d=json.load(open('$OUT/ab-graphs$g-$r.json'))
 print('9b graphs=$g rep $r decode', round(d['decode_tokens_per_second']['median'],2), 'fraction', round(d['decode_fraction_of_bandwidth'],4))" || echo "ab graphs=$g $r failed"
     done
   done
+fi
+if has serve; then
+  # The 9B hybrid under load: 64 concurrent requests (prompt 256, 128 generated), and the time to
+  # first token of a request after a 4,096-token prefix, uncached and cached (state snapshots).
+  [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
+  timeout 300 "$K" bench-engine --device cuda -m "$W/qwen3_5-9b" --concurrency 1 64 --prompt-tokens 256 --gen-tokens 128 \
+    --prefix-tokens 4096 > "$OUT/engine-9b.json" 2> "$OUT/engine-9b.err"; echo "engine 9b rc=$?"
+  python3 - "$OUT/engine-9b.json" <<'PY' || tail -c 800 "$OUT/engine-9b.err"
+import json, sys
+d = json.load(open(sys.argv[1]))
+def walk(o, path=""):
+    if isinstance(o, dict):
+        for k, v in o.items():
+            walk(v, f"{path}.{k}" if path else k)
+    elif isinstance(o, list):
+        for i, v in enumerate(o):
+            walk(v, f"{path}[{i}]")
+    elif any(w in path for w in ("tokens_per_second", "ttft", "concurrency", "hit_tokens", "wall")):
+        print(path, round(o, 4) if isinstance(o, float) else o)
+walk(d)
+PY
 fi
