@@ -351,8 +351,9 @@ impl Engine {
     }
 
     /// [`Engine::start`] with speculative decoding as `speculative` says
-    /// (requests with a prediction verify it under any setting). Refused
-    /// for a model with recurrent layers, whose state cannot step back.
+    /// (requests with a prediction verify it under any setting). A model
+    /// with recurrent layers keeps spare state slots for it
+    /// ([`kiln_scheduler::SchedulerConfig::state_spare_slots`]).
     pub fn start_with(
         model: LoadedModel,
         config: EngineConfig,
@@ -386,19 +387,12 @@ impl Engine {
             }
             _ => {}
         }
-        if speculative.method != SpeculativeMethod::Off && model.model.state_bytes_per_seq() > 0 {
-            return Err(EngineError::Config(
-                "speculative decoding needs a model whose cache can step back; this model's \
-                 recurrent layers keep a state that cannot (use --speculative off)"
-                    .to_string(),
-            ));
-        }
         let model = Arc::new(model);
         let draft = draft.map(Arc::new);
         let context = served_context(&model, &config);
         // The first pool is made here, so a configuration that cannot work
         // is refused at once.
-        let first = fresh_state(&model, config)?;
+        let first = fresh_state(&model, config, spare_state_slots(speculative))?;
         let (tx, rx) = mpsc::channel();
         let status = Arc::new(supervise::StatusCell::default());
         let shared = model.clone();
@@ -447,19 +441,29 @@ pub(super) fn served_context(model: &LoadedModel, config: &EngineConfig) -> usiz
         .max(1)
 }
 
-/// A scheduler and an empty KV pool for `config`.
+/// Spare recurrent-state slots a hybrid model's engine keeps for
+/// speculative decodes: one for each request that may speculate at once
+/// (with speculation off too: a request's Predicted Outputs speculate).
+pub(super) fn spare_state_slots(speculative: SpeculativeConfig) -> usize {
+    speculative.max_batch.max(1)
+}
+
+/// A scheduler and an empty KV pool for `config` (a hybrid model's state
+/// with `spare_slots` spare slots for speculative decodes).
 fn fresh_state(
     model: &LoadedModel,
     config: EngineConfig,
+    spare_slots: usize,
 ) -> Result<(Scheduler, kiln_tensor::KvCache)> {
     let cfg = model.model.config();
     // A hybrid's recurrent state comes out of the pool's bytes: a slot a
     // running request and twice as many snapshot slots (each running
     // request's tail and the prefix cache's checkpoints), together at most
-    // half the pool, so fewer requests run at once when the state is large;
-    // the blocks it takes leave the pool.
-    let (mut num_blocks, mut max_num_seqs, mut state_slots) =
-        (config.num_blocks, config.max_num_seqs, 0);
+    // half the pool, so fewer requests run at once when the state is large,
+    // and the spare slots of speculative decodes; the blocks it takes leave
+    // the pool.
+    let (mut num_blocks, mut max_num_seqs, mut state_slots, mut spares) =
+        (config.num_blocks, config.max_num_seqs, 0, 0);
     let per_seq = model.model.state_bytes_per_seq();
     if per_seq > 0 {
         let elem = model.model.backend().kv_bytes_per_element();
@@ -467,7 +471,9 @@ fn fresh_state(
         let pool = num_blocks as u64 * per_block;
         max_num_seqs = max_num_seqs.min((pool / 6 / per_seq).max(1) as usize);
         state_slots = max_num_seqs;
-        let state_blocks = (3 * state_slots as u64 * per_seq).div_ceil(per_block) as usize;
+        spares = spare_slots.min(max_num_seqs);
+        let state_blocks =
+            ((3 * state_slots + spares) as u64 * per_seq).div_ceil(per_block) as usize;
         num_blocks = num_blocks.saturating_sub(state_blocks).max(1);
     }
     let sched_cfg = SchedulerConfig {
@@ -482,11 +488,12 @@ fn fresh_state(
         state_checkpoint_tokens: kiln_scheduler::DEFAULT_STATE_CHECKPOINT_TOKENS
             .div_ceil(config.block_size)
             * config.block_size,
+        state_spare_slots: spares,
     };
     let scheduler = Scheduler::new(sched_cfg).map_err(|e| EngineError::Config(e.to_string()))?;
     let cache = model
         .model
-        .new_cache(num_blocks, config.block_size, 3 * state_slots)?;
+        .new_cache(num_blocks, config.block_size, 3 * state_slots + spares)?;
     Ok((scheduler, cache))
 }
 

@@ -211,3 +211,99 @@ fn qwen3_5_prefixes_resume_from_state_snapshots() {
 fn lfm2_prefixes_resume_from_state_snapshots() {
     prefixes_resume_from_state_snapshots("lfm2");
 }
+
+/// Speculative decodes on a hybrid (Predicted Outputs as the proposer): the
+/// state of a step that verifies drafts goes to a spare slot, kept when
+/// every draft is accepted, else the accepted tokens are computed again
+/// from the state before the step. Exact, edited and unrelated predictions,
+/// each request alone and four at once on three spare slots, give the plain
+/// greedy tokens; drafts are accepted and rejected along the way, and every
+/// block comes back.
+fn predictions_give_the_plain_tokens(case: &str) {
+    let model = LoadedModel::load(&checkpoint(case), Arc::new(CpuBackend::new())).unwrap();
+    let vocab = model.model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|r| {
+            (0..11 + 5 * r)
+                .map(|i| (i * 29 + 7 * r + 1) % vocab)
+                .collect()
+        })
+        .collect();
+    let n = 24;
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            let req = GenerationRequest::new(p.clone(), greedy(n));
+            model
+                .generate(&req, &mut |_| std::ops::ControlFlow::Continue(()))
+                .unwrap()
+                .token_ids
+        })
+        .collect();
+    // Request r's prediction: exact (0), two edits (1, 3: a replaced and a
+    // dropped token), unrelated (2).
+    let prediction = |r: usize| -> Vec<u32> {
+        let mut p = want[r].clone();
+        match r {
+            0 => {}
+            2 => p = (0..n as u32).map(|i| (i * 3 + 1) % vocab).collect(),
+            _ => {
+                p[n / 3] = (p[n / 3] + 1) % vocab;
+                p.remove(2 * n / 3);
+            }
+        }
+        p
+    };
+    let engine = Engine::start(
+        model,
+        EngineConfig {
+            block_size: 4,
+            num_blocks: 600,
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+            max_waiting: 8,
+            context_length: None,
+        },
+    )
+    .unwrap();
+    let h = engine.handle();
+    let request = |r: usize| {
+        let mut req = GenerationRequest::new(prompts[r].clone(), greedy(n));
+        req.prediction = Some(prediction(r));
+        req
+    };
+    for r in 0..4 {
+        let (got, _) = collect(h.submit(request(r)).unwrap());
+        assert_eq!(got, want[r], "{case}: request {r} alone");
+    }
+    let alone = h.stats().unwrap();
+    let streams: Vec<RequestStream> = (0..4).map(|r| h.submit(request(r)).unwrap()).collect();
+    for (r, s) in streams.into_iter().enumerate() {
+        let (got, _) = collect(s);
+        assert_eq!(got, want[r], "{case}: request {r} batched");
+    }
+    let st = h.stats().unwrap();
+    eprintln!(
+        "{case}: {} drafts verified in {} speculative decodes, {} accepted (alone: {} of {})",
+        st.num_draft_tokens,
+        st.num_speculative_decodes,
+        st.num_accepted_draft_tokens,
+        alone.num_accepted_draft_tokens,
+        alone.num_draft_tokens
+    );
+    assert!(alone.num_accepted_draft_tokens > 0, "{alone:?}");
+    assert!(alone.num_accepted_draft_tokens < alone.num_draft_tokens);
+    assert!(st.num_accepted_draft_tokens > alone.num_accepted_draft_tokens);
+    assert!(st.num_draft_tokens > alone.num_draft_tokens);
+    assert_eq!(st.num_blocks_used, 0, "{case}: every block is back");
+}
+
+#[test]
+fn qwen3_5_predictions_give_the_plain_tokens() {
+    predictions_give_the_plain_tokens("qwen3_5");
+}
+
+#[test]
+fn lfm2_predictions_give_the_plain_tokens() {
+    predictions_give_the_plain_tokens("lfm2");
+}

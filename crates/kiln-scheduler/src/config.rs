@@ -44,6 +44,13 @@ pub struct SchedulerConfig {
     pub state_snapshots: usize,
     /// Tokens between snapshots, a multiple of the block size.
     pub state_checkpoint_tokens: usize,
+    /// Spare recurrent-state slots for speculative decodes (0: requests with
+    /// recurrent state ignore proposals). A speculative decode of such a
+    /// request writes its state to a spare slot and leaves the one it
+    /// started from: when every draft is accepted the spare becomes the
+    /// request's slot, else the step's accepted tokens are computed again
+    /// from the state before it (the state cannot step back).
+    pub state_spare_slots: usize,
 }
 
 impl SchedulerConfig {
@@ -59,6 +66,7 @@ impl SchedulerConfig {
             state_slots: 0,
             state_snapshots: 0,
             state_checkpoint_tokens: DEFAULT_STATE_CHECKPOINT_TOKENS,
+            state_spare_slots: 0,
         }
     }
 }

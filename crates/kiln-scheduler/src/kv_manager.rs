@@ -122,12 +122,21 @@ pub struct KvManager {
 /// prefix restores instead of recomputing it.
 #[derive(Debug, Clone)]
 struct StateSlots {
-    /// Running slots are `0..running`, snapshot slots `running..total`
-    /// (what the invariant check holds the lists to).
-    #[cfg(test)]
+    /// Running slots are `0..running`, snapshot slots `running..snapshots_end`,
+    /// spare slots `snapshots_end..total`.
     running: u32,
     #[cfg(test)]
+    snapshots_end: u32,
+    #[cfg(test)]
     total: u32,
+    /// Free spare slots (taken from the back).
+    spares_free: Vec<u32>,
+    /// A request's second slot, where its speculative decodes write their
+    /// state ([`KvManager::spare_slot`]); a running or a spare slot (the two
+    /// trade places when a speculative decode's drafts are all accepted).
+    spare: BTreeMap<RequestId, u32>,
+    /// Requests whose spare the step being planned or in flight writes.
+    spare_busy: std::collections::BTreeSet<RequestId>,
     /// Free running slots (taken from the back).
     free: Vec<u32>,
     held: BTreeMap<RequestId, u32>,
@@ -174,14 +183,33 @@ impl StateSlots {
         let mut running: Vec<u32> = self
             .free
             .iter()
+            .chain(&self.spares_free)
             .chain(self.held.values())
+            .chain(self.spare.values())
             .copied()
             .collect();
         running.sort_unstable();
-        if running != (0..self.running).collect::<Vec<_>>() {
+        let expected: Vec<u32> = (0..self.running)
+            .chain(self.snapshots_end..self.total)
+            .collect();
+        if running != expected {
             return Err(format!(
-                "running state slots {running:?} of {}",
-                self.running
+                "running and spare state slots {running:?}, not {expected:?}"
+            ));
+        }
+        if self.free.iter().any(|&s| s >= self.running)
+            || self.spares_free.iter().any(|&s| s < self.snapshots_end)
+        {
+            return Err("a free slot in the other pool's list".into());
+        }
+        if let Some(id) = self
+            .spare
+            .keys()
+            .chain(&self.spare_busy)
+            .find(|id| !self.held.contains_key(id))
+        {
+            return Err(format!(
+                "request {id} has a spare state slot but no running slot"
             ));
         }
         if let Some(id) = self.held.keys().find(|id| !admitted.contains_key(id)) {
@@ -204,10 +232,10 @@ impl StateSlots {
             .copied()
             .collect();
         snaps.sort_unstable();
-        if snaps != (self.running..self.total).collect::<Vec<_>>() {
+        if snaps != (self.running..self.snapshots_end).collect::<Vec<_>>() {
             return Err(format!(
                 "snapshot slots {snaps:?} of {}..{}",
-                self.running, self.total
+                self.running, self.snapshots_end
             ));
         }
         if self.by_hash.len() != self.hash_of.len()
@@ -217,9 +245,34 @@ impl StateSlots {
                 .any(|(h, s)| self.hash_of.get(s) != Some(h))
             || self.last_use.len() != self.hash_of.len()
         {
-            return Err("published snapshots' maps disagree".into());
+            return Err(format!(
+                "published snapshots' maps disagree: by_hash {:?}, hash_of {:?}, last_use {:?}",
+                self.by_hash, self.hash_of, self.last_use
+            ));
         }
         Ok(())
+    }
+
+    /// A running or spare slot back to its pool's free list.
+    fn give_back(&mut self, slot: u32) {
+        if slot < self.running {
+            self.free.push(slot);
+        } else {
+            self.spares_free.push(slot);
+        }
+    }
+
+    /// A spare that is a running slot, taken from a request whose step
+    /// does not write it, back to the running pool (for an admission).
+    fn reclaim_running_spare(&mut self) {
+        let idle = self
+            .spare
+            .iter()
+            .find(|(id, &s)| s < self.running && !self.spare_busy.contains(id))
+            .map(|(&id, _)| id);
+        if let Some(slot) = idle.and_then(|id| self.spare.remove(&id)) {
+            self.free.push(slot);
+        }
     }
 
     /// A snapshot slot: a free one, else the least recently used published
@@ -249,6 +302,7 @@ pub(crate) struct StateConfig {
     pub(crate) running: usize,
     pub(crate) snapshots: usize,
     pub(crate) interval: usize,
+    pub(crate) spares: usize,
 }
 
 impl KvManager {
@@ -265,11 +319,18 @@ impl KvManager {
         let pool = BlockPool::new(num_blocks, spec.block_size)?;
         let states = states.map(|c| {
             let running = c.running as u32;
+            let snapshots_end = running + c.snapshots as u32;
             StateSlots {
-                #[cfg(test)]
                 running,
                 #[cfg(test)]
-                total: running + c.snapshots as u32,
+                snapshots_end,
+                #[cfg(test)]
+                total: snapshots_end + c.spares as u32,
+                spares_free: (snapshots_end..snapshots_end + c.spares as u32)
+                    .rev()
+                    .collect(),
+                spare: BTreeMap::new(),
+                spare_busy: Default::default(),
                 free: (0..running).rev().collect(),
                 held: BTreeMap::new(),
                 snap_free: (running..running + c.snapshots as u32).rev().collect(),
@@ -297,6 +358,54 @@ impl KvManager {
     /// Request `id`'s recurrent-state slot, while it is admitted.
     pub fn state_slot(&self, id: RequestId) -> Option<u32> {
         self.states.as_ref()?.held.get(&id).copied()
+    }
+
+    /// Request `id`'s spare state slot for the speculative decode being
+    /// planned: its own, a free one, or one another request's step does not
+    /// write; `None` when there is none (it decodes without guesses).
+    pub(crate) fn spare_slot(&mut self, id: RequestId) -> Option<u32> {
+        let st = self.states.as_mut()?;
+        if !st.held.contains_key(&id) {
+            return None;
+        }
+        let slot = match st.spare.get(&id) {
+            Some(&s) => s,
+            None => {
+                let slot = match st.spares_free.pop() {
+                    Some(s) => s,
+                    None => {
+                        let (&other, _) =
+                            st.spare.iter().find(|(o, _)| !st.spare_busy.contains(o))?;
+                        st.spare.remove(&other)?
+                    }
+                };
+                st.spare.insert(id, slot);
+                slot
+            }
+        };
+        st.spare_busy.insert(id);
+        Some(slot)
+    }
+
+    /// The speculative decode of request `id` that wrote its spare slot is
+    /// over (or its drafts were dropped before it ran): with `accepted_all`
+    /// the spare holds the request's state and becomes its slot (the old one
+    /// its spare).
+    pub(crate) fn spare_done(&mut self, id: RequestId, accepted_all: bool) {
+        let Some(st) = self.states.as_mut() else {
+            return;
+        };
+        st.spare_busy.remove(&id);
+        if accepted_all {
+            if let (Some(held), Some(spare)) = (st.held.get_mut(&id), st.spare.get_mut(&id)) {
+                std::mem::swap(held, spare);
+            }
+        }
+    }
+
+    /// Whether requests hold recurrent state.
+    pub(crate) fn has_states(&self) -> bool {
+        self.states.is_some()
     }
 
     /// The snapshot request `id`'s first step restores (once).
@@ -390,6 +499,12 @@ impl KvManager {
         };
         st.pinned.clear();
         for (slot, hash) in std::mem::take(&mut st.pending) {
+            // A request that left while the step ran may have published its
+            // tail at the same boundary: one slot keeps it.
+            if st.by_hash.contains_key(&hash) {
+                st.snap_free.push(slot);
+                continue;
+            }
             st.tick += 1;
             st.by_hash.insert(hash, slot);
             st.hash_of.insert(slot, hash);
@@ -499,6 +614,9 @@ impl KvManager {
             "request {id} admitted twice; this is a bug"
         );
         let bs = self.spec.block_size;
+        if let Some(st) = self.states.as_mut().filter(|st| st.free.is_empty()) {
+            st.reclaim_running_spare();
+        }
         if self.states.as_ref().is_some_and(|st| st.free.is_empty()) {
             // (The scheduler runs at most as many requests as there are slots.)
             return Err(OutOfBlocks {
@@ -721,9 +839,13 @@ impl KvManager {
     /// first). Returns false if it held none.
     pub(crate) fn free(&mut self, id: RequestId) -> bool {
         if let Some(st) = &mut self.states {
-            if let Some(slot) = st.held.remove(&id) {
-                st.free.push(slot);
+            for slot in [st.held.remove(&id), st.spare.remove(&id)]
+                .into_iter()
+                .flatten()
+            {
+                st.give_back(slot);
             }
+            st.spare_busy.remove(&id);
             st.restores.remove(&id);
             // The tail becomes a snapshot of its boundary, unless a step in
             // flight is still writing it or that boundary is kept already.

@@ -59,6 +59,8 @@ struct InFlight {
     start: usize,
     /// The drafts verified in the step (after the request's last known token).
     draft: Vec<TokenId>,
+    /// The step writes the request's recurrent state to its spare slot.
+    spare: bool,
 }
 
 /// A step being planned.
@@ -124,6 +126,7 @@ impl Scheduler {
             running: config.state_slots,
             snapshots: config.state_snapshots,
             interval: config.state_checkpoint_tokens,
+            spares: config.state_spare_slots,
         });
         let kv = KvManager::new(config.kv_cache.clone(), config.num_blocks, states)?;
         Ok(Scheduler {
@@ -249,11 +252,14 @@ impl Scheduler {
     /// free blocks allow — drafts never preempt anything; with none left the
     /// decode is plain), and [`Scheduler::update`] takes the sampled tokens,
     /// keeps the KV of the drafts they confirm and gives back the rest. A
-    /// request with a prompt chunk still to compute, a waiting one, and the
-    /// requests of a model with recurrent layers (whose state cannot step
-    /// back) ignore proposals. A later proposal replaces an earlier one.
+    /// request with a prompt chunk still to compute and a waiting one ignore
+    /// proposals, and so do the requests of a model with recurrent layers
+    /// unless spare state slots are configured
+    /// ([`SchedulerConfig::state_spare_slots`]: their state cannot step
+    /// back). A later proposal replaces an earlier one.
     pub fn propose(&mut self, id: RequestId, draft: Vec<TokenId>) {
-        if self.config.state_slots > 0 || self.in_flight.is_some() {
+        let stateful = self.config.state_slots > 0;
+        if (stateful && self.config.state_spare_slots == 0) || self.in_flight.is_some() {
             return;
         }
         let decoding = self
@@ -355,6 +361,12 @@ impl Scheduler {
         mut draft: Vec<TokenId>,
         plan: &mut StepPlan,
     ) {
+        // A request with recurrent state writes it to a spare slot, or
+        // decodes without guesses.
+        let spare = self.kv.has_states();
+        if spare && self.kv.spare_slot(key.id).is_none() {
+            return;
+        }
         let req = &self.requests[&key.id];
         // Accepting every draft gives one more token: at most max_tokens.
         let room = req.max_tokens - req.num_output_tokens();
@@ -381,6 +393,9 @@ impl Scheduler {
                 return;
             }
             draft.truncate(held);
+        }
+        if spare {
+            self.kv.spare_done(key.id, false);
         }
     }
 
@@ -449,7 +464,17 @@ impl Scheduler {
             let draft = plan.drafts.remove(&id).unwrap_or_default();
             let end = start + num_new_tokens - draft.len();
             let wants_logits = end == req.token_ids.len();
-            let state_restore = self.kv.take_restore(id);
+            let mut state_restore = self.kv.take_restore(id);
+            let mut state_slot = self.kv.state_slot(id);
+            // A speculative decode with recurrent state starts from the
+            // request's slot and writes its spare (kept by `update` when
+            // every draft is accepted).
+            let spare = !draft.is_empty() && state_slot.is_some();
+            if spare {
+                let out = self.kv.spare_slot(id);
+                state_restore = state_restore.or(state_slot);
+                state_slot = out;
+            }
             let state_snapshots = self.kv.plan_snapshots(
                 id,
                 req.root_hash,
@@ -468,7 +493,7 @@ impl Scheduler {
                     .copied()
                     .collect(),
                 block_tables: self.kv.block_tables(id).unwrap_or_default().to_vec(),
-                state_slot: self.kv.state_slot(id),
+                state_slot,
                 state_restore,
                 state_snapshots,
                 wants_logits,
@@ -485,6 +510,7 @@ impl Scheduler {
                     wants_logits,
                     start,
                     draft,
+                    spare,
                 },
             );
             num_batched_tokens += num_new_tokens;
@@ -574,6 +600,17 @@ impl Scheduler {
                     .count()
                     .min(tokens.len().saturating_sub(1));
                 req.num_computed_tokens = flight.start + 1 + accepted;
+                if flight.spare {
+                    // The spare holds the state after every draft: the
+                    // request's when all were accepted; else its slot still
+                    // holds the state before the step, and the step's
+                    // accepted tokens are computed again from there.
+                    let all = accepted == flight.draft.len();
+                    self.kv.spare_done(id, all);
+                    if !all {
+                        req.num_computed_tokens = flight.start;
+                    }
+                }
                 self.kv.truncate(id, req.num_computed_tokens);
                 self.counters.num_accepted_draft_tokens += accepted as u64;
             }

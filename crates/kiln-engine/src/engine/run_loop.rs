@@ -377,10 +377,7 @@ impl<'m> Loop<'m> {
     /// unless more requests run than speculation pays for.
     fn propose_drafts(&mut self) {
         let running = self.scheduler.num_running();
-        if running == 0
-            || running > self.speculative.max_batch
-            || self.model.model.state_bytes_per_seq() > 0
-        {
+        if running == 0 || running > self.speculative.max_batch {
             return;
         }
         // Requests the draft model guesses for: id, context, length.

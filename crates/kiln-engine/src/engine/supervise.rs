@@ -88,7 +88,7 @@ pub(super) fn run(
     loop {
         let parts = match state.take() {
             Some(parts) => parts,
-            None => match fresh_state(model, config) {
+            None => match fresh_state(model, config, super::spare_state_slots(speculative)) {
                 Ok(parts) => parts,
                 // The commands still waiting are dropped with the receiver,
                 // so their callers see `EngineStopped`.

@@ -51,6 +51,8 @@ fn random_config(rng: &mut Rng) -> SchedulerConfig {
         config.state_slots = config.max_num_seqs + rng.below(3);
         config.state_snapshots = rng.below(6);
         config.state_checkpoint_tokens = block_size * rng.range(1, 4);
+        // Spare slots let their decodes speculate (none: proposals ignored).
+        config.state_spare_slots = rng.below(3);
     }
     config
 }
