@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Batch-1 decode of a random checkpoint of one shape (bench/gpu/shapes/SHAPE.json) on CUDA and
-# ncu's time per kernel over about two decode steps, summed by kernel (printed: the machine returns
-# few files). KILN=.device/kiln bench/gpu/decode_prof.sh OUT_DIR SHAPE [PROMPT_TOKENS]
+# Batch-1 decode of a random checkpoint of one shape (bench/gpu/shapes/SHAPE.json, or a checkpoint
+# already at $WORK/SHAPE) on CUDA and ncu's time per kernel over a window of decode launches,
+# summed by kernel (printed: the machine returns few files).
+# KILN=.device/kiln bench/gpu/decode_prof.sh OUT_DIR SHAPE [PROMPT_TOKENS]
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/decode_prof.sh OUT_DIR SHAPE [PROMPT_TOKENS]}; S=${2:?shape}; P=${3:-1024}
 K=${KILN:-.device/kiln}; W=${WORK:-/tmp/kiln-round}; TOK=bench/smollm2-tokenizer
