@@ -624,3 +624,85 @@ fn lent_blocks_are_outside_every_request_and_come_back_unregistered() {
     let out = s.schedule().unwrap();
     assert_eq!(out.scheduled[0].block_tables[0].blocks[..2], held[..2]);
 }
+
+#[test]
+fn speculative_decodes_with_recurrent_state_write_a_spare_slot() {
+    use crate::{Request, RequestId, TokenId};
+    let mut config = SchedulerConfig::new(KvCacheSpec::uniform(2), 64, 256);
+    config.max_num_seqs = 2;
+    config.state_slots = 2;
+    let t = |v: &[u32]| v.iter().map(|&x| TokenId(x)).collect::<Vec<_>>();
+    let prompt: Vec<TokenId> = (0..10).map(TokenId).collect();
+    // Without spare slots a request with state ignores proposals.
+    let mut sched = Scheduler::new(config.clone()).unwrap();
+    sched
+        .submit(Request::new(RequestId(1), prompt.clone(), 20))
+        .unwrap();
+    let out = sched.schedule().unwrap();
+    sched.update(&[(RequestId(1), t(&[7]))]).unwrap();
+    assert_eq!(out.scheduled[0].state_slot, Some(0));
+    sched.propose(RequestId(1), t(&[20, 21]));
+    assert_eq!(sched.schedule().unwrap().scheduled[0].num_draft_tokens, 0);
+    // With one spare slot (slot 2, after the running ones).
+    config.state_spare_slots = 1;
+    let mut sched = Scheduler::new(config).unwrap();
+    sched
+        .submit(Request::new(RequestId(1), prompt, 20))
+        .unwrap();
+    sched.schedule().unwrap();
+    sched.update(&[(RequestId(1), t(&[7]))]).unwrap();
+    // Every draft accepted: the state written to the spare is the request's.
+    sched.propose(RequestId(1), t(&[20, 21, 22]));
+    let s = sched.schedule().unwrap().scheduled.remove(0);
+    assert_eq!(
+        (s.num_draft_tokens, s.state_slot, s.state_restore),
+        (3, Some(2), Some(0))
+    );
+    sched
+        .update(&[(RequestId(1), t(&[20, 21, 22, 55]))])
+        .unwrap();
+    assert_eq!(sched.request(RequestId(1)).unwrap().num_computed_tokens, 14);
+    // One of three accepted: the state before the step (in slot 2) stays,
+    // and the step's accepted tokens are computed again.
+    sched.propose(RequestId(1), t(&[30, 31, 32]));
+    let s = sched.schedule().unwrap().scheduled.remove(0);
+    assert_eq!(
+        (s.num_computed_tokens, s.state_slot, s.state_restore),
+        (14, Some(0), Some(2))
+    );
+    sched.update(&[(RequestId(1), t(&[30, 99]))]).unwrap();
+    assert_eq!(sched.request(RequestId(1)).unwrap().num_computed_tokens, 14);
+    let s = sched.schedule().unwrap().scheduled.remove(0);
+    assert_eq!(
+        (
+            s.num_computed_tokens,
+            s.new_token_ids.clone(),
+            s.state_slot,
+            s.state_restore
+        ),
+        (14, t(&[55, 30, 99]), Some(2), None)
+    );
+    sched.update(&[(RequestId(1), t(&[5]))]).unwrap();
+    // A second request takes the first's idle spare (none is free).
+    sched
+        .submit(Request::new(
+            RequestId(2),
+            (40..45).map(TokenId).collect(),
+            20,
+        ))
+        .unwrap();
+    let out = sched.schedule().unwrap();
+    let results: Vec<_> = out.scheduled.iter().map(|s| (s.id, t(&[9]))).collect();
+    sched.update(&results).unwrap();
+    sched.propose(RequestId(2), t(&[1]));
+    let out = sched.schedule().unwrap();
+    let s2 = out.scheduled.iter().find(|s| s.id == RequestId(2)).unwrap();
+    assert_eq!((s2.num_draft_tokens, s2.state_slot), (1, Some(0)));
+    let results: Vec<_> = out
+        .scheduled
+        .iter()
+        .map(|s| (s.id, t(&[1, 2][..1 + s.num_draft_tokens])))
+        .collect();
+    sched.update(&results).unwrap();
+    sched.check_invariants().unwrap();
+}
