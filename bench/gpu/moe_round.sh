@@ -18,8 +18,9 @@
 #     (bench/gpu/shapes/gpt_oss-small.json: 64-wide heads, sinks, 128-token windows, 8 biased experts
 #     with the clamped SwiGLU; transformers 5.17 on the machine predates gpt-oss's layout) against
 #     Kiln's CPU f32 logits (the CPU's gpt-oss is checked against transformers in CI), 300 positions
-#     across the windows; then gpt-oss-20b's layer on 6 of its 24 layers (bf16 experts), batch-1
-#     decode against its active-weight roofline.
+#     across the windows; then gpt-oss-20b's layer on 6 of its 24 layers, batch-1 decode against its
+#     active-weight roofline; both again with MXFP4 experts (bench/gpu/mxfp4_experts.py, the released
+#     checkpoints' layout), CUDA against Kiln's CPU on the same blocks.
 #   KILN=.device/kiln bench/gpu/moe_round.sh OUT_DIR [STAGES]
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/moe_round.sh OUT_DIR [STAGES]}; STAGES=${2:-check parity tp bench}
@@ -145,9 +146,26 @@ d = sys.argv[1]
 a, b = np.load(os.path.join(d, "goss-cuda.npy")), np.load(os.path.join(d, "goss-cpu.npy"))
 print(json.dumps({"prefill_rows": compare(a[:200], b[:200]), "decode_rows": compare(a[200:], b[200:])}))
 PY
-  B=gpt_oss-20b-6l
-  timeout 200 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 2 > "$OUT/bench-$B.json" 2> "$OUT/bench-$B.err"; el "bench $B rc=$?"
-  python3 -c "
+  # The same checkpoints with MXFP4 experts as the released ones store them (bench/gpu/mxfp4_experts.py):
+  # CUDA (MXFP4 blocks kept, the MoE kernels' MXFP4 path) against Kiln's CPU on the same blocks.
+  for G in gpt_oss-small gpt_oss-20b-6l; do
+    [ -f "$W/$G-mxfp4/config.json" ] || { timeout 300 python3 bench/gpu/mxfp4_experts.py "$W/$G" "$W/$G-mxfp4" > "$OUT/mxfp4-$G.log" 2>&1; el "mxfp4 $G rc=$?"; tail -n 1 "$OUT/mxfp4-$G.log"; }
+  done
+  timeout 120 "$K" dev logits --device cuda -m "$W/gpt_oss-small-mxfp4" --ids "$IDS" --prefill 200 -o "$OUT/gossm-cuda.npy" > /dev/null 2> "$OUT/gossm-cuda.err"; el "gpt-oss mxfp4 cuda rc=$?"
+  timeout 200 "$K" dev logits --device cpu -m "$W/gpt_oss-small-mxfp4" --ids "$IDS" --prefill 200 -o "$OUT/gossm-cpu.npy" > /dev/null 2> "$OUT/gossm-cpu.err"; el "gpt-oss mxfp4 cpu rc=$?"
+  python3 - "$OUT" <<'PY' | tee "$OUT/gptoss-mxfp4.json"
+import json, os, sys
+import numpy as np
+sys.path.insert(0, "bench/gpu")
+from logit_compare import compare
+d = sys.argv[1]
+a, b = np.load(os.path.join(d, "gossm-cuda.npy")), np.load(os.path.join(d, "gossm-cpu.npy"))
+print(json.dumps({"mxfp4_prefill_rows": compare(a[:200], b[:200]), "mxfp4_decode_rows": compare(a[200:], b[200:])}))
+PY
+  for B in gpt_oss-20b-6l gpt_oss-20b-6l-mxfp4; do
+    timeout 200 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 2 > "$OUT/bench-$B.json" 2> "$OUT/bench-$B.err"; el "bench $B rc=$?"
+    python3 -c "
 import json; d=json.load(open('$OUT/bench-$B.json'))
 print('$B decode', round(d['decode_tokens_per_second']['median'],1), 'active GB', round(d['decode_weight_bytes_per_token']/1e9,3), 'fraction', round(d['decode_fraction_of_bandwidth'],3))" || tail -c 600 "$OUT/bench-$B.err"
+  done
 fi

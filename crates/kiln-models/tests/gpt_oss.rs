@@ -68,6 +68,27 @@ fn gpt_oss_matches_transformers_in_prefill_and_token_by_token() {
 }
 
 #[test]
+fn mxfp4_experts_stay_in_their_blocks() {
+    // The same model: f32 experts, and MXFP4 experts kept as blocks (17
+    // bytes a 32 stored; the CPU reads MXFP4 blocks, at most 18 bytes a 32
+    // as it lays them out), not expanded to bf16's 64.
+    let bytes = |case: &str| load(case).weight_bytes().unwrap().total();
+    let (plain, mxfp4) = (bytes("plain"), bytes("mxfp4"));
+    let cfg = load("plain").config().clone();
+    let kiln_models::families::FamilyConfig::GptOss(g) = &cfg.family else {
+        panic!("{:?}", cfg.family)
+    };
+    let (h, i, layers) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers);
+    let expert_values = (layers * g.num_experts * 3 * h * i) as u64;
+    eprintln!("weights: plain {plain} bytes, mxfp4 {mxfp4}; expert values {expert_values}");
+    let mxfp4_experts = mxfp4 - (plain - 4 * expert_values);
+    assert!(
+        mxfp4_experts * 32 <= 18 * expert_values,
+        "{mxfp4_experts} bytes for {expert_values} expert values"
+    );
+}
+
+#[test]
 fn the_config_alternates_windows_and_reads_yarn() {
     let dir = SafetensorsDir::open(case_dir("plain")).unwrap();
     let cfg = ModelConfig::from_hf(dir.config()).unwrap();

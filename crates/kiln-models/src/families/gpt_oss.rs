@@ -18,9 +18,11 @@
 //! - Released checkpoints store the experts in **MXFP4**: `*_blocks [E,
 //!   out, in/32, 16]` (two e2m1 codes a byte, low nibble first) and
 //!   `*_scales [E, out, in/32]` (exponents biased by 127), rows in the
-//!   interleaved output order. Every MXFP4 value is exact in bf16, so the
-//!   experts are expanded to bf16 blocks where the backend keeps those (the
-//!   CPU), else to its dense type.
+//!   interleaved output order. A backend that reads MXFP4 blocks keeps
+//!   them (re-laid in GGUF's block layout, as llama.cpp's files hold
+//!   gpt-oss: a quarter of bf16's bytes); elsewhere every MXFP4 value is
+//!   exact in bf16, so the experts are expanded to bf16 blocks where the
+//!   backend keeps those, else to its dense type.
 //! - Its output is the `harmony` format; the server reads its channels
 //!   (`kiln-server`'s `parse/harmony.rs`).
 
@@ -370,8 +372,65 @@ impl GptOss {
             .collect()
     }
 
+    /// MXFP4 experts as the released checkpoints store them, kept in their
+    /// blocks (a quarter of bf16's bytes: gpt-oss-20b's experts fit a 16 GB
+    /// card) on a backend that reads MXFP4 blocks: each expert's gate/up
+    /// rows de-interleaved into `[gate rows | up rows]`, one matrix of `2I`
+    /// rows, and its down rows, in GGUF's block layout. `None` when the
+    /// checkpoint's experts are not in MXFP4.
+    fn load_mxfp4_experts(
+        l: &WeightLoader,
+        p: &str,
+        e: usize,
+        h: usize,
+        i: usize,
+    ) -> Result<Option<Vec<Expert>>> {
+        let gu_name = format!("{p}.experts.gate_up_proj");
+        let Some((gu_blocks, gu_scales)) = mxfp4_bytes(l, &gu_name, [e, 2 * i, h])? else {
+            return Ok(None);
+        };
+        let down_name = format!("{p}.experts.down_proj");
+        let Some((d_blocks, d_scales)) = mxfp4_bytes(l, &down_name, [e, h, i])? else {
+            return Ok(None);
+        };
+        let gate_up_bias = l.host(&format!("{p}.experts.gate_up_proj_bias"), &[e, 2 * i])?;
+        let down_bias = l.host(&format!("{p}.experts.down_proj_bias"), &[e, h])?;
+        let b = l.backend;
+        let (gu_nb, d_nb) = (h / 32, i / 32);
+        let upload = |rows: usize, cols: usize, bytes: Vec<u8>| -> Result<Weight> {
+            let m = QuantMatrix::new(QuantFormat::MXFP4, rows, cols, SharedBytes::from_vec(bytes))
+                .map_err(|what| err("experts", what))?;
+            let w = Weight::Blocks(kiln_tensor::BlockWeight::new(vec![b.upload_blocks(m)?])?);
+            l.note(&w);
+            Ok(w)
+        };
+        (0..e)
+            .map(|x| {
+                let order = (0..i).map(|j| 2 * j).chain((0..i).map(|j| 2 * j + 1));
+                let (gb, gs) = (
+                    &gu_blocks[x * 2 * i * gu_nb * 16..(x + 1) * 2 * i * gu_nb * 16],
+                    &gu_scales[x * 2 * i * gu_nb..(x + 1) * 2 * i * gu_nb],
+                );
+                let (db, ds) = (
+                    &d_blocks[x * h * d_nb * 16..(x + 1) * h * d_nb * 16],
+                    &d_scales[x * h * d_nb..(x + 1) * h * d_nb],
+                );
+                let eb = &gate_up_bias[x * 2 * i..(x + 1) * 2 * i];
+                let bias: Vec<f32> = order.clone().map(|r| eb[r]).collect();
+                Ok(Expert {
+                    gate_up: upload(2 * i, h, gguf_mxfp4_rows(gb, gs, gu_nb, order))?,
+                    down: upload(h, i, gguf_mxfp4_rows(db, ds, d_nb, 0..h))?,
+                    gate_up_bias: Some(b.upload(&[2 * i], &bias)?),
+                    down_bias: Some(b.upload(&[h], &down_bias[x * h..(x + 1) * h])?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
     /// Experts as transformers saves them (stacked, gate/up interleaved),
-    /// unquantized or in MXFP4 blocks and scales.
+    /// unquantized or in MXFP4 blocks and scales (expanded: every MXFP4
+    /// value is exact in bf16).
     fn load_stacked_experts(
         l: &WeightLoader,
         p: &str,
@@ -379,13 +438,18 @@ impl GptOss {
         h: usize,
         i: usize,
     ) -> Result<Vec<Expert>> {
+        let b = l.backend;
+        if b.supports_weight(WeightKind::Blocks(QuantFormat::MXFP4)) {
+            if let Some(experts) = Self::load_mxfp4_experts(l, p, e, h, i)? {
+                return Ok(experts);
+            }
+        }
         // Each expert's weights as [out, in] rows in the checkpoint's
         // output order (gate/up interleaved).
         let gate_up = expert_rows(l, &format!("{p}.experts.gate_up_proj"), [e, 2 * i, h])?;
         let down = expert_rows(l, &format!("{p}.experts.down_proj"), [e, h, i])?;
         let gate_up_bias = l.host(&format!("{p}.experts.gate_up_proj_bias"), &[e, 2 * i])?;
         let down_bias = l.host(&format!("{p}.experts.down_proj_bias"), &[e, h])?;
-        let b = l.backend;
         let mut experts = Vec::with_capacity(e);
         for x in 0..e {
             let rows = &gate_up[x * 2 * i * h..(x + 1) * 2 * i * h];
@@ -416,42 +480,80 @@ impl GptOss {
     }
 }
 
+/// The MXFP4 `{name}_blocks [E, out, in/32, 16]` and `{name}_scales [E,
+/// out, in/32]` of stacked experts of `shape` `[E, out, in]`, where the
+/// checkpoint holds them.
+fn mxfp4_bytes(
+    l: &WeightLoader,
+    name: &str,
+    [e, out, inp]: [usize; 3],
+) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+    let path = || l.source.path().to_path_buf();
+    let blocks_name = format!("{name}_blocks");
+    if !l.source.contains(&blocks_name) {
+        return Ok(None);
+    }
+    let scales_name = format!("{name}_scales");
+    let bytes = |n: &str, want: Vec<usize>| -> Result<Vec<u8>> {
+        match l.source.load_bytes(n)? {
+            Some((dtype, found, b)) if dtype == "U8" && found == want => Ok(b),
+            Some((_, found, _)) => Err(FormatError::ShapeMismatch {
+                path: path(),
+                tensor: n.to_string(),
+                found,
+                expected: want,
+            }
+            .into()),
+            None => Err(FormatError::MissingTensor {
+                path: path(),
+                tensor: n.to_string(),
+            }
+            .into()),
+        }
+    };
+    if inp % 32 != 0 {
+        return Err(err(
+            "intermediate_size",
+            format!("MXFP4 experts need widths that are multiples of 32, not {inp}"),
+        ));
+    }
+    let blocks = bytes(&blocks_name, vec![e, out, inp / 32, 16])?;
+    let scales = bytes(&scales_name, vec![e, out, inp / 32])?;
+    l.loaded(&blocks_name);
+    l.loaded(&scales_name);
+    Ok(Some((blocks, scales)))
+}
+
+/// Rows `rows` of one expert's MXFP4 matrix (`blocks`/`scales` as the
+/// checkpoint stores them, `nb` blocks a row) in GGUF's MXFP4 block layout,
+/// as llama.cpp's files hold them and the backends read them: the scale
+/// byte (the same e8m0 exponent), then 16 bytes whose byte `j` holds
+/// element `j` in its low nibble and element `j + 16` in its high one
+/// (the checkpoint's byte `j` holds elements `2j` and `2j + 1`).
+fn gguf_mxfp4_rows(
+    blocks: &[u8],
+    scales: &[u8],
+    nb: usize,
+    rows: impl Iterator<Item = usize>,
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    for r in rows {
+        for k in r * nb..(r + 1) * nb {
+            let hb = &blocks[16 * k..16 * (k + 1)];
+            let code = |c: usize| (hb[c / 2] >> (4 * (c % 2))) & 15;
+            out.push(scales[k]);
+            out.extend((0..16).map(|j| code(j) | (code(j + 16) << 4)));
+        }
+    }
+    out
+}
+
 /// The stacked expert matrices `name` as f32 rows `[E, out, in]` (`shape`):
 /// from MXFP4 `{name}_blocks`/`{name}_scales` where the checkpoint has
 /// them, else from the `[E, in, out]` tensor transformers saves, transposed.
 fn expert_rows(l: &WeightLoader, name: &str, shape: [usize; 3]) -> Result<Vec<f32>> {
     let [e, out, inp] = shape;
-    let path = || l.source.path().to_path_buf();
-    let blocks_name = format!("{name}_blocks");
-    if l.source.contains(&blocks_name) {
-        let scales_name = format!("{name}_scales");
-        let bytes = |n: &str, want: Vec<usize>| -> Result<Vec<u8>> {
-            match l.source.load_bytes(n)? {
-                Some((dtype, found, b)) if dtype == "U8" && found == want => Ok(b),
-                Some((_, found, _)) => Err(FormatError::ShapeMismatch {
-                    path: path(),
-                    tensor: n.to_string(),
-                    found,
-                    expected: want,
-                }
-                .into()),
-                None => Err(FormatError::MissingTensor {
-                    path: path(),
-                    tensor: n.to_string(),
-                }
-                .into()),
-            }
-        };
-        if inp % 32 != 0 {
-            return Err(err(
-                "intermediate_size",
-                format!("MXFP4 experts need widths that are multiples of 32, not {inp}"),
-            ));
-        }
-        let blocks = bytes(&blocks_name, vec![e, out, inp / 32, 16])?;
-        let scales = bytes(&scales_name, vec![e, out, inp / 32])?;
-        l.loaded(&blocks_name);
-        l.loaded(&scales_name);
+    if let Some((blocks, scales)) = mxfp4_bytes(l, name, shape)? {
         let mut rows = vec![0f32; e * out * inp];
         dequantize_mxfp4(&blocks, &scales, &mut rows);
         return Ok(rows);
