@@ -24,20 +24,4 @@ timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv -
   --launch-skip "${NCU_SKIP:-8000}" --launch-count "${NCU_COUNT:-600}" \
   "$K" bench --device cuda -m "$W/$S" --prompt-tokens "$P" --gen-tokens 64 --runs 1 \
   > "$OUT/ncu-$S.csv" 2> "$OUT/ncu-$S.err" || { echo "ncu failed"; tail -c 600 "$OUT/ncu-$S.err"; }
-python3 - "$OUT/ncu-$S.csv" <<'PY'
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
-if not rows:
-    sys.exit("no ncu rows")
-head = rows[0]; rows = rows[1:]
-kn, mv = head.index("Kernel Name"), head.index("Metric Value")
-tot = collections.Counter(); cnt = collections.Counter()
-for r in rows:
-    try:
-        tot[r[kn][:60]] += float(r[mv]); cnt[r[kn][:60]] += 1
-    except ValueError:
-        pass
-print("kernels", sum(cnt.values()), "total ms", round(sum(tot.values()) / 1e6, 3))
-for k, v in tot.most_common(20):
-    print(f"{v/1e6:8.3f} ms {cnt[k]:6d} x {v/cnt[k]/1e3:8.2f} us  {k}")
-PY
+python3 bench/gpu/ncu_summary.py "$OUT/ncu-$S.csv"

@@ -113,22 +113,7 @@ if has prof; then
   timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --launch-skip 0 --launch-count 4000 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 16 --gen-tokens 9 --runs 1 \
     > "$OUT/ncu.csv" 2> "$OUT/ncu.err"; el "ncu rc=$?"
-  python3 - "$OUT/ncu.csv" <<'PY' | tee "$OUT/ncu-summary.txt"
-import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
-head = rows[0]; rows = rows[1:]
-kn, mv = head.index("Kernel Name"), head.index("Metric Value")
-tot = collections.Counter(); cnt = collections.Counter()
-for r in rows:
-    try:
-        tot[r[kn][:60]] += float(r[mv]); cnt[r[kn][:60]] += 1
-    except ValueError:
-        pass
-all_ns = sum(tot.values())
-print("kernels", sum(cnt.values()), "total ms", round(all_ns / 1e6, 3))
-for k, v in tot.most_common(16):
-    print(f"{v/1e6:8.3f} ms {cnt[k]:6d} x {v/cnt[k]/1e3:8.2f} us  {k}")
-PY
+  python3 bench/gpu/ncu_summary.py "$OUT/ncu.csv" 16 | tee "$OUT/ncu-summary.txt"
 fi
 if has gptoss; then
   for G in gpt_oss-small gpt_oss-20b-6l; do

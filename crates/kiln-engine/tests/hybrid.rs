@@ -39,6 +39,15 @@ fn greedy(n: usize) -> SamplingParams {
     }
 }
 
+/// The `n` greedy tokens `model` gives `prompt` run alone (no engine).
+fn alone(model: &LoadedModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let req = GenerationRequest::new(prompt.to_vec(), greedy(n));
+    model
+        .generate(&req, &mut |_| std::ops::ControlFlow::Continue(()))
+        .unwrap()
+        .token_ids
+}
+
 #[test]
 fn qwen3_5_requests_batched_in_the_engine_match_each_alone() {
     requests_batched_in_the_engine_match_each_alone("qwen3_5");
@@ -78,16 +87,7 @@ fn requests_batched_in_the_engine_match_each_alone(case: &str) {
         ))
         .collect();
     let n = 10;
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let req = GenerationRequest::new(p.clone(), greedy(n));
-            model
-                .generate(&req, &mut |_| std::ops::ControlFlow::Continue(()))
-                .unwrap()
-                .token_ids
-        })
-        .collect();
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone(&model, p, n)).collect();
     // Three slots for seven requests: they take turns.
     let engine = Engine::start(
         model,
@@ -138,13 +138,7 @@ fn prefixes_resume_from_state_snapshots(case: &str) {
         .chain((0..40).map(|i| (i * 13 + 1) % vocab))
         .collect();
     let n = 8;
-    let alone = |p: &[u32]| {
-        let req = GenerationRequest::new(p.to_vec(), greedy(n));
-        model
-            .generate(&req, &mut |_| std::ops::ControlFlow::Continue(()))
-            .unwrap()
-            .token_ids
-    };
+    let alone = |p: &[u32]| alone(&model, p, n);
     let (want_first, want_second) = (alone(&first), alone(&second));
     let turn2: Vec<u32> = first
         .iter()
@@ -230,16 +224,7 @@ fn predictions_give_the_plain_tokens(case: &str) {
         })
         .collect();
     let n = 24;
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            let req = GenerationRequest::new(p.clone(), greedy(n));
-            model
-                .generate(&req, &mut |_| std::ops::ControlFlow::Continue(()))
-                .unwrap()
-                .token_ids
-        })
-        .collect();
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone(&model, p, n)).collect();
     // Request r's prediction: exact (0), two edits (1, 3: a replaced and a
     // dropped token), unrelated (2).
     let prediction = |r: usize| -> Vec<u32> {
