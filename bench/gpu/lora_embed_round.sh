@@ -56,12 +56,13 @@ if [ "$PART" = throughput ]; then
   [ -f "$W/ck8b/READY" ] || run python3 bench/gpu/hf_bench.py --stages save8b --cfg-dir "$TOK" --save-dir "$W/ck8b" --out "$OUT/save8b.json"
   run python3 bench/gpu/make_lora.py --ckpt "$W/ck8b" --out "$W/lora8b-" --count 8 --rank 16 --alpha 32
   L=""; for i in 0 1 2 3 4 5 6 7; do L="$L --lora $W/lora8b-$i"; done
-  # lora-mma1: every LoRA step on the tensor-core kernels (KILN_LORA_MMA_ROWS=1), decode included.
+  # lora: the CUDA-core kernels throughout (the default until the tensor-core pair is checked);
+  # lora-mma128: prefill steps (128 rows and more) on the tensor cores; lora-mma1: every step.
   for rep in 1 2; do
-    for mode in base lora lora-mma1; do
+    for mode in base lora lora-mma128 lora-mma1; do
       log "bench-engine $mode rep $rep"
       # shellcheck disable=SC2086
-      env $( [ $mode = lora-mma1 ] && echo KILN_LORA_MMA_ROWS=1 ) \
+      env $( case $mode in lora-mma*) echo KILN_LORA_MMA_ROWS=${mode#lora-mma};; esac ) \
       "$KILN" bench-engine --device cuda -m "$W/ck8b" --concurrency 64 --prompt-tokens 256 --gen-tokens 128 \
         --prefix-tokens 16 --kv-mib 16384 $( [ $mode != base ] && echo $L ) \
         > "$OUT/engine-$mode-$rep.json" 2>> "$LOG" || log "FAILED bench-engine $mode $rep"

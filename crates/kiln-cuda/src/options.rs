@@ -58,7 +58,10 @@ pub struct CudaOptions {
     pub recurrent: bool,
     /// LoRA deltas of steps of at least this many rows run on the tensor
     /// cores (`lora_shrink_mma_bf16` / `lora_expand_mma_bf16`: prefill);
-    /// smaller steps (decode) on the CUDA-core kernels. Default 128.
+    /// smaller steps (decode) on the CUDA-core kernels. Default
+    /// `usize::MAX` (off) until `kiln dev cuda-check` has checked the
+    /// tensor-core pair on a GPU (it runs both pairs whatever this says);
+    /// 128 is the intended setting.
     pub lora_mma_rows: usize,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
@@ -83,7 +86,7 @@ impl Default for CudaOptions {
             kv_cache_fp8: false,
             fp8_activations: true,
             recurrent: false,
-            lora_mma_rows: 128,
+            lora_mma_rows: usize::MAX,
             kernel_defines: String::new(),
         }
     }

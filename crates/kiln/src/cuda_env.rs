@@ -104,8 +104,8 @@ pub const KNOBS: &[Knob] = &[
     },
     Knob {
         var: "KILN_LORA_MMA_ROWS",
-        default: "128",
-        help: "LoRA deltas of steps of at least this many rows run on the tensor cores (prefill); smaller steps on the CUDA-core kernels",
+        default: "",
+        help: "LoRA deltas of steps of at least this many rows run on the tensor cores (prefill; 128 intended); unset: none, until cuda-check has checked those kernels on a GPU",
         set: Set::Parse(|o, v| {
             o.lora_mma_rows = positive("KILN_LORA_MMA_ROWS", v)?;
             Ok(())

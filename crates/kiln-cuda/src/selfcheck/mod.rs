@@ -426,7 +426,8 @@ fn rms_norm_gated_linear(
 /// 16 rows, chunks of k), the rows of no adapter left alone; the product
 /// taken in place and on a copy; more segments than one launch holds. Steps
 /// of 37 and 40 rows run the CUDA-core kernels; steps of 400 and 160 rows
-/// (at least `lora_mma_rows`, k not a multiple of 32) the tensor-core ones.
+/// (k not a multiple of 32) the tensor-core ones, whatever
+/// `CudaOptions::lora_mma_rows` says.
 fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let small = [0usize..5, 10..12, 5..10, 20..37];
     let large = [0usize..5, 10..12, 5..10, 20..250, 300..333, 340..400];
@@ -490,7 +491,10 @@ fn lora_case(
     let c = p.cpu.lora_add(&yc, &xc, &deltas(false)).map_err(e)?;
     let kept = yg.clone();
     let before = p.gpu.to_host(&yg).map_err(e)?;
-    let g = p.gpu.lora_add(&yg, &xg, &deltas(true)).map_err(e)?;
+    let gpu_add = |y: &Tensor, x: &Tensor, d: &[kiln_tensor::LoraDelta<'_>]| {
+        crate::ops::lora::lora_add_rows(p.gpu, y, x, d, 128).map_err(e)
+    };
+    let g = gpu_add(&yg, &xg, &deltas(true))?;
     p.compare(
         format!("lora_add on a copy (2 adapters, packed q/k/v; {n} rows, k {k})"),
         &g,
@@ -505,7 +509,7 @@ fn lora_case(
         0.0,
     );
     drop(kept);
-    let g = p.gpu.lora_add(&yg, &xg, &deltas(true)).map_err(e)?;
+    let g = gpu_add(&yg, &xg, &deltas(true))?;
     p.compare(
         format!("lora_add in place (2 adapters, packed q/k/v; {n} rows, k {k})"),
         &g,
@@ -523,7 +527,7 @@ fn lora_case(
         cols: parts[0].clone(),
     };
     let c = p.cpu.lora_add(&yc, &xc, &[d(&q2.1)]).map_err(e)?;
-    let g = p.gpu.lora_add(&yg, &xg, &[d(&q2.0)]).map_err(e)?;
+    let g = gpu_add(&yg, &xg, &[d(&q2.0)])?;
     p.compare(format!("lora_add over {n} one-row runs"), &g, &c, TOL)?;
     Ok(())
 }

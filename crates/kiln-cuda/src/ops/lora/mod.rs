@@ -55,6 +55,18 @@ pub(crate) fn lora_add(
     x: &Tensor,
     deltas: &[LoraDelta<'_>],
 ) -> Result<Tensor> {
+    lora_add_rows(cuda, y, x, deltas, cuda.options.lora_mma_rows)
+}
+
+/// [`lora_add`] with steps of at least `mma_rows` rows on the tensor-core
+/// pair (cuda-check runs both pairs whatever the option says).
+pub(crate) fn lora_add_rows(
+    cuda: &CudaBackend,
+    y: &Tensor,
+    x: &Tensor,
+    deltas: &[LoraDelta<'_>],
+    mma_rows: usize,
+) -> Result<Tensor> {
     let (n, width) = y.dims2("lora_add")?;
     let (nx, k) = x.dims2("lora_add")?;
     let shape_err = |detail: String| TensorError::Shape {
@@ -112,7 +124,7 @@ pub(crate) fn lora_add(
     };
     let (xp, yp) = (ptr(x, "lora_add")?, ptr(&out, "lora_add")?);
     let max_rank = segs.iter().map(|s| s.r as usize).max().unwrap_or(0);
-    let mma = n >= cuda.options.lora_mma_rows && max_rank <= MMA_MAX_R;
+    let mma = n >= mma_rows && max_rank <= MMA_MAX_R;
     let num_kc = if mma { 1 } else { k.div_ceil(SHRINK_K) };
     for chunk in segs.chunks(MAX_SEGS) {
         let mut p = Segs {
