@@ -11,6 +11,7 @@
 #     adapters on every projection; kiln bench-engine at 64 concurrent requests without adapters
 #     and with request i on adapter i mod 8, alternated twice, same binary, same KV pool.
 #   KILN=.device/kiln bench/gpu/lora_embed_round.sh OUT_DIR parity|throughput
+#   (throughput: REPS and MODES, default "1 2" and "base lora lora-mma128 lora-mma1", pick runs)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/lora_embed_round.sh OUT_DIR parity|throughput}; PART=${2:?part}
 KILN=${KILN:-.device/kiln}; W=${WORK:-/tmp/kiln-round}; TOK=bench/smollm2-tokenizer
@@ -58,8 +59,8 @@ if [ "$PART" = throughput ]; then
   L=""; for i in 0 1 2 3 4 5 6 7; do L="$L --lora $W/lora8b-$i"; done
   # lora: the CUDA-core kernels throughout (the default until the tensor-core pair is checked);
   # lora-mma128: prefill steps (128 rows and more) on the tensor cores; lora-mma1: every step.
-  for rep in 1 2; do
-    for mode in base lora lora-mma128 lora-mma1; do
+  for rep in ${REPS:-1 2}; do
+    for mode in ${MODES:-base lora lora-mma128 lora-mma1}; do
       log "bench-engine $mode rep $rep"
       # shellcheck disable=SC2086
       env $( case $mode in lora-mma*) echo KILN_LORA_MMA_ROWS=${mode#lora-mma};; esac ) \
