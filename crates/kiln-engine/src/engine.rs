@@ -469,7 +469,8 @@ fn fresh_state(
         let elem = model.model.backend().kv_bytes_per_element();
         let per_block = cfg.kv_bytes_per_block(config.block_size, elem).max(1) as u64;
         let pool = num_blocks as u64 * per_block;
-        max_num_seqs = max_num_seqs.min((pool / 6 / per_seq).max(1) as usize);
+        // (Three slots and at most one spare a request: at most half.)
+        max_num_seqs = max_num_seqs.min((pool / 8 / per_seq).max(1) as usize);
         state_slots = max_num_seqs;
         spares = spare_slots.min(max_num_seqs);
         let state_blocks =

@@ -64,7 +64,7 @@ pub const CPU_PROCESS_BYTES: u64 = 32 * MIB;
 /// those its window reads), plus the blocks a step's chunk spans in the
 /// sliding groups beyond the window (none when `max_chunk` is 0), and a
 /// hybrid's recurrent state (three slots a sequence: its own and two
-/// snapshots').
+/// snapshots', and a spare slot for each sequence that may speculate).
 pub fn kv_bytes_for(
     cfg: &ModelConfig,
     context: usize,
@@ -89,9 +89,11 @@ pub fn kv_bytes_for(
         };
         blocks += (steady * batch + extra) as u64;
     }
-    // A hybrid's recurrent state: a slot a sequence and two snapshot slots
-    // (what the engine allocates), in the pool's bytes.
-    blocks * per_block + 3 * batch as u64 * cfg.state_bytes_per_seq()
+    // A hybrid's recurrent state: a slot a sequence, two snapshot slots and
+    // the spares of speculative decodes (what the engine allocates), in the
+    // pool's bytes.
+    let slots = 3 * batch + batch.min(crate::speculative::DEFAULT_MAX_BATCH);
+    blocks * per_block + slots as u64 * cfg.state_bytes_per_seq()
 }
 
 /// Tokens a CPU prefill step takes at most: 1024 keeps a 1.5B model's
