@@ -200,6 +200,15 @@ impl CudaBackend {
         self.recordings.lock().map(|r| r.len()).unwrap_or(0)
     }
 
+    /// Decode steps over `cache` recorded as graphs, and the batch sizes
+    /// whose recording failed (those run eagerly).
+    pub fn recordings_of(&self, cache: &kiln_tensor::KvCache) -> (usize, usize) {
+        self.recordings
+            .lock()
+            .map(|r| r.of_cache(cache.id()))
+            .unwrap_or((0, 0))
+    }
+
     pub(crate) fn alloc(&self, elems: usize, what: &str) -> Result<DevBuf> {
         self.dev.alloc(elems, 2, what)
     }

@@ -44,6 +44,15 @@ impl Recordings {
     pub fn len(&self) -> usize {
         self.graphs.len()
     }
+
+    /// Recordings over the cache `cache_id`, and the batch sizes whose
+    /// recording failed for it.
+    pub fn of_cache(&self, cache_id: u64) -> (usize, usize) {
+        (
+            self.graphs.keys().filter(|k| k.0 == cache_id).count(),
+            self.failed.iter().filter(|k| k.0 == cache_id).count(),
+        )
+    }
 }
 
 type Forward<'a> = &'a mut dyn FnMut(&ForwardBatch, &mut KvCache) -> Result<Tensor>;
