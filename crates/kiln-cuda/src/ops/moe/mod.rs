@@ -572,11 +572,11 @@ fn route(
     let normalize = layer.routing.normalize as i32;
     let scale = layer.routing.scale;
     // Decode steps: a warp a row, routing and grouping in one launch.
-    let one_launch_smem = (n + 1) * 2 * experts * 4;
+    let one_launch_smem = ((n + 1) * 2 * experts + n * s.k) * 4 + experts.next_multiple_of(4);
     if n <= 32 && one_launch_smem <= 48 * 1024 && cuda.dev.has("moe_route_group_bf16") {
         let n_i = n as i32;
         // SAFETY: as below; the block's shared memory holds n rows of
-        // 2*experts floats and 2*experts ints.
+        // 2*experts floats, 2*experts + n*k ints and experts bytes.
         unsafe {
             cuda.dev
                 .launch(cuda.dev.func("moe_route_group_bf16")?)
@@ -649,7 +649,11 @@ fn route(
             .arg(&offsets)
             .arg(&order)
             .arg(&pos_p)
-            .launch(cfg((1, 1, 1), 256, (experts * 8) as u32))
+            .launch(cfg(
+                (1, 1, 1),
+                256,
+                (experts * 8 + experts.next_multiple_of(4)) as u32,
+            ))
             .map_err(dev_err)?;
     }
     Ok(Routed {

@@ -74,21 +74,46 @@ __device__ __forceinline__ void moe_warp_best(float& bv, int& bi) {
     }
 }
 
-// The whole block groups the step's pairs by expert (every thread calls it; cnt and cursor are
-// num_experts ints of shared memory each): see moe_group.
-__device__ __forceinline__ void moe_group_block(const int* __restrict__ ids, int pairs, int num_experts,
+// The whole block groups the step's pairs by expert (every thread calls it; blockDim.x >= 32):
+// see moe_group. picks[p]: pair p's expert (global or shared memory); cnt and cursor are
+// num_experts ints of shared memory, held num_experts bytes. The offsets are an exclusive scan by
+// the first warp (a lane a run of consecutive experts).
+__device__ __forceinline__ void moe_group_block(const int* picks, int pairs, int num_experts,
                                                 const unsigned long long* __restrict__ gate_up, int* cnt,
-                                                int* cursor, int* __restrict__ used_count, int* __restrict__ used,
-                                                int* __restrict__ offsets, int* __restrict__ order,
-                                                int* __restrict__ pos) {
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-        const int e = ids[p];
-        if (e >= 0 && e < num_experts && gate_up[e]) atomicAdd(cnt + e, 1);
+                                                int* cursor, unsigned char* held, int* __restrict__ used_count,
+                                                int* __restrict__ used, int* __restrict__ offsets,
+                                                int* __restrict__ order, int* __restrict__ pos) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        cnt[e] = 0;
+        held[e] = gate_up[e] != 0ull;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int u = 0, off = 0;
-        for (int e = 0; e < num_experts; ++e) {
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int e = picks[p];
+        if (e >= 0 && e < num_experts && held[e]) atomicAdd(cnt + e, 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int per = (num_experts + 31) / 32;
+        const int e0 = min(lane * per, num_experts), e1 = min(e0 + per, num_experts);
+        int rows_here = 0, used_here = 0;
+        for (int e = e0; e < e1; ++e) {
+            rows_here += cnt[e];
+            used_here += cnt[e] > 0;
+        }
+        int rows_incl = rows_here, used_incl = used_here;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int r = __shfl_up_sync(0xffffffffu, rows_incl, off);
+            const int u = __shfl_up_sync(0xffffffffu, used_incl, off);
+            if (lane >= off) {
+                rows_incl += r;
+                used_incl += u;
+            }
+        }
+        int off = rows_incl - rows_here, u = used_incl - used_here;
+        for (int e = e0; e < e1; ++e) {
             cursor[e] = off;
             if (cnt[e] == 0) continue;
             used[u] = e;
@@ -96,14 +121,16 @@ __device__ __forceinline__ void moe_group_block(const int* __restrict__ ids, int
             off += cnt[e];
             ++u;
         }
-        offsets[u] = off;
-        *used_count = u;
+        if (lane == 31) {
+            offsets[used_incl] = rows_incl;
+            *used_count = used_incl;
+        }
     }
     __syncthreads();
     for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-        const int e = ids[p];
+        const int e = picks[p];
         int q = -1;
-        if (e >= 0 && e < num_experts && gate_up[e]) {
+        if (e >= 0 && e < num_experts && held[e]) {
             q = atomicAdd(cursor + e, 1);
             order[q] = p;
         }
@@ -204,7 +231,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
 // experts this rank holds (gate_up[e] != 0), ascending; offsets[u] .. offsets[u + 1] index
 // order[], which lists the pairs (row * top_k + j) of expert used[u]; where pos is not null,
 // pos[p] is pair p's index in order[] (-1: an expert not held).
-// Dynamic shared memory: 2 * num_experts ints.
+// Dynamic shared memory: 2 * num_experts ints and num_experts bytes.
 extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restrict__ ids, int pairs, int num_experts,
                                                            const unsigned long long* __restrict__ gate_up,
                                                            int* __restrict__ used_count, int* __restrict__ used,
@@ -214,9 +241,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_group(const int* __restric
     extern __shared__ int moe_group_smem[];
     int* cnt = moe_group_smem;
     int* cursor = cnt + num_experts;
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
-    __syncthreads();
-    moe_group_block(ids, pairs, num_experts, gate_up, cnt, cursor, used_count, used, offsets, order, pos);
+    unsigned char* held = reinterpret_cast<unsigned char*>(cursor + num_experts);
+    moe_group_block(ids, pairs, num_experts, gate_up, cnt, cursor, held, used_count, used, offsets, order, pos);
 }
 
 // One warp's dot of a bf16 weight row w [len] with a bf16 row x [len] (len a multiple of 8, both
@@ -314,13 +340,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine_bf16(
     kiln_pdl_enter();
     const int r = blockIdx.x;
     const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    // The row's picks, read once for the block (weight 0: an expert not held, which adds nothing).
+    __shared__ float s_w[32];
+    if (threadIdx.x < top_k) {
+        const int p = r * top_k + threadIdx.x;
+        const int e = ids[p];
+        s_w[threadIdx.x] = (e >= 0 && e < num_experts && gate_up[e]) ? weights[p] : 0.0f;
+    }
+    __syncthreads();
     if (j >= hidden) return;
     float acc = 0.0f;
+#pragma unroll 8
     for (int s = 0; s < top_k; ++s) {
         const int p = r * top_k + s;
-        const int e = ids[p];
-        if (e < 0 || e >= num_experts || !gate_up[e]) continue;
-        acc += weights[p] * y[(long long)p * hidden + j];
+        if (s_w[s] != 0.0f) acc += s_w[s] * y[(long long)p * hidden + j];
     }
     if (shared) {
         const float g = shared_gate ? 1.0f / (1.0f + expf(-to_f32(shared_gate[r]))) : 1.0f;
@@ -518,7 +551,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_mxfp4(
 // ---------------------------------------------------------------------------------------------
 // Decode steps (rows <= 32): moe_route_bf16 and moe_group in one launch, a warp a row. Block
 // 32 * rows threads; dynamic shared memory rows * num_experts * 8 bytes (each row's logits and
-// keys) + 2 * num_experts ints. Same semantics and outputs as the two kernels (the weights'
+// keys) + (2 * num_experts + rows * top_k) ints + num_experts bytes. Same semantics and outputs as the two kernels (the weights'
 // sums formed by warp shuffles instead of block sums).
 extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
     const bf16* __restrict__ logits, int rows, int num_experts, int top_k, int scoring, int normalize,
@@ -533,7 +566,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
     float* key = val + num_experts;
     int* cnt = reinterpret_cast<int*>(moe_rg_smem + (long long)rows * 2 * num_experts);
     int* cursor = cnt + num_experts;
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) cnt[e] = 0;
+    int* pk = cursor + num_experts;  // [rows * top_k]: the picks, for the grouping
+    unsigned char* held = reinterpret_cast<unsigned char*>(pk + rows * top_k);
     const int row = warp;
     if (row < rows) {
         const bf16* lr = logits + (long long)row * num_experts;
@@ -571,11 +605,14 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
             for (int e = lane; e < num_experts; e += 32) s += expf(val[e] - mx);
             sum_all = warp_sum(s);
         }
-        if (lane == 0)
+        if (lane == 0) {
             moe_finish_row(val, pick, row, top_k, scoring, normalize, scale, mx, sum_all, ids, weights, counts,
                            slots, pad_slot);
+            for (int j = 0; j < top_k; ++j) pk[row * top_k + j] = pick[j];
+        }
     }
     __syncthreads();
     // Group the pairs by expert, as moe_group.
-    moe_group_block(ids, rows * top_k, num_experts, gate_up, cnt, cursor, used_count, used, offsets, order, pos);
+    moe_group_block(pk, rows * top_k, num_experts, gate_up, cnt, cursor, held, used_count, used, offsets, order,
+                    pos);
 }
