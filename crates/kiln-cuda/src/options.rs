@@ -59,9 +59,10 @@ pub struct CudaOptions {
     /// LoRA deltas of steps of at least this many rows run on the tensor
     /// cores (`lora_shrink_mma_bf16` / `lora_expand_mma_bf16`: prefill);
     /// smaller steps (decode) on the CUDA-core kernels. Default
-    /// `usize::MAX` (off) until `kiln dev cuda-check` has checked the
-    /// tensor-core pair on a GPU (it runs both pairs whatever this says);
-    /// 128 is the intended setting.
+    /// `usize::MAX` (off): the tensor-core pair passes `kiln dev
+    /// cuda-check` (which runs both pairs whatever this says; H100,
+    /// 2026-12-07) but no round has timed it yet; 128 is the intended
+    /// setting once `bench/gpu/lora_embed_round.sh` measures it faster.
     pub lora_mma_rows: usize,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes

@@ -105,7 +105,7 @@ pub const KNOBS: &[Knob] = &[
     Knob {
         var: "KILN_LORA_MMA_ROWS",
         default: "",
-        help: "LoRA deltas of steps of at least this many rows run on the tensor cores (prefill; 128 intended); unset: none, until cuda-check has checked those kernels on a GPU",
+        help: "LoRA deltas of steps of at least this many rows run on the tensor cores (prefill; 128 intended); unset: none, until a round has timed those kernels (they pass cuda-check)",
         set: Set::Parse(|o, v| {
             o.lora_mma_rows = positive("KILN_LORA_MMA_ROWS", v)?;
             Ok(())
