@@ -120,33 +120,25 @@ if has gptoss; then
     [ -f "$W/$G/config.json" ] || { timeout 240 "$K" dev random-checkpoint --config bench/gpu/shapes/$G.json --tokenizer bench/smollm2-tokenizer -o "$W/$G" > "$OUT/ckpt-$G.log" 2>&1; el "checkpoint $G rc=$?"; }
   done
   IDS=$(python3 -c "import random; random.seed(21); print(','.join(str(random.randrange(3, 49000)) for _ in range(300)))")
-  timeout 120 "$K" dev logits --device cuda -m "$W/gpt_oss-small" --ids "$IDS" --prefill 200 -o "$OUT/goss-cuda.npy" > /dev/null 2> "$OUT/goss-cuda.err"; el "gpt-oss cuda rc=$?"
-  timeout 200 "$K" dev logits --device cpu -m "$W/gpt_oss-small" --ids "$IDS" --prefill 200 -o "$OUT/goss-cpu.npy" > /dev/null 2> "$OUT/goss-cpu.err"; el "gpt-oss cpu rc=$?"
-  python3 - "$OUT" <<'PY' | tee "$OUT/gptoss.json"
-import json, os, sys
-import numpy as np
-sys.path.insert(0, "bench/gpu")
-from logit_compare import compare
-d = sys.argv[1]
-a, b = np.load(os.path.join(d, "goss-cuda.npy")), np.load(os.path.join(d, "goss-cpu.npy"))
-print(json.dumps({"prefill_rows": compare(a[:200], b[:200]), "decode_rows": compare(a[200:], b[200:])}))
-PY
   # The same checkpoints with MXFP4 experts as the released ones store them (bench/gpu/mxfp4_experts.py):
   # CUDA (MXFP4 blocks kept, the MoE kernels' MXFP4 path) against Kiln's CPU on the same blocks.
   for G in gpt_oss-small gpt_oss-20b-6l; do
     [ -f "$W/$G-mxfp4/config.json" ] || { timeout 300 python3 bench/gpu/mxfp4_experts.py "$W/$G" "$W/$G-mxfp4" > "$OUT/mxfp4-$G.log" 2>&1; el "mxfp4 $G rc=$?"; tail -n 1 "$OUT/mxfp4-$G.log"; }
   done
-  timeout 120 "$K" dev logits --device cuda -m "$W/gpt_oss-small-mxfp4" --ids "$IDS" --prefill 200 -o "$OUT/gossm-cuda.npy" > /dev/null 2> "$OUT/gossm-cuda.err"; el "gpt-oss mxfp4 cuda rc=$?"
-  timeout 200 "$K" dev logits --device cpu -m "$W/gpt_oss-small-mxfp4" --ids "$IDS" --prefill 200 -o "$OUT/gossm-cpu.npy" > /dev/null 2> "$OUT/gossm-cpu.err"; el "gpt-oss mxfp4 cpu rc=$?"
-  python3 - "$OUT" <<'PY' | tee "$OUT/gptoss-mxfp4.json"
+  # gpt-oss-small on CUDA against Kiln's CPU: bf16 experts (gptoss.json), MXFP4 ones (gptoss-mxfp4.json).
+  for C in "" -mxfp4; do
+    timeout 120 "$K" dev logits --device cuda -m "$W/gpt_oss-small$C" --ids "$IDS" --prefill 200 -o "$OUT/goss$C-cuda.npy" > /dev/null 2> "$OUT/goss$C-cuda.err"; el "gpt-oss$C cuda rc=$?"
+    timeout 200 "$K" dev logits --device cpu -m "$W/gpt_oss-small$C" --ids "$IDS" --prefill 200 -o "$OUT/goss$C-cpu.npy" > /dev/null 2> "$OUT/goss$C-cpu.err"; el "gpt-oss$C cpu rc=$?"
+    python3 - "$OUT" "$C" <<'PY' | tee "$OUT/gptoss$C.json"
 import json, os, sys
 import numpy as np
 sys.path.insert(0, "bench/gpu")
 from logit_compare import compare
-d = sys.argv[1]
-a, b = np.load(os.path.join(d, "gossm-cuda.npy")), np.load(os.path.join(d, "gossm-cpu.npy"))
-print(json.dumps({"mxfp4_prefill_rows": compare(a[:200], b[:200]), "mxfp4_decode_rows": compare(a[200:], b[200:])}))
+d, c = sys.argv[1], sys.argv[2]
+a, b = np.load(os.path.join(d, f"goss{c}-cuda.npy")), np.load(os.path.join(d, f"goss{c}-cpu.npy"))
+print(json.dumps({"prefill_rows": compare(a[:200], b[:200]), "decode_rows": compare(a[200:], b[200:])}))
 PY
+  done
   for B in gpt_oss-20b-6l gpt_oss-20b-6l-mxfp4; do
     timeout 200 "$K" bench --device cuda -m "$W/$B" --prompt-tokens 512 --gen-tokens 128 --runs 2 > "$OUT/bench-$B.json" 2> "$OUT/bench-$B.err"; el "bench $B rc=$?"
     python3 -c "

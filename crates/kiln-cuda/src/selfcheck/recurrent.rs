@@ -14,6 +14,16 @@ use super::{e, Pair, Rng, R, TOL};
 /// order (and exp/rsqrt intrinsics), through a few tokens of recurrence.
 const TOL_STATE: f64 = 2e-3;
 
+/// The KV pool beside the checks' recurrent state (the mixers keep no KV;
+/// a decode step needs a block table).
+const KV: KvPoolShape = KvPoolShape {
+    num_layers: 1,
+    num_groups: 1,
+    num_blocks: 8,
+    block_size: 16,
+    kv_row: 8,
+};
+
 fn delta(
     rng: &mut Rng,
     (kh, vh, kd, vd, k): (usize, usize, usize, usize, usize),
@@ -94,16 +104,9 @@ pub(super) fn recurrent_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         ];
         let x = rng.vec(n * mixer.in_dim(), 1.0);
         let start = rng.vec(shape.num_layers * shape.num_slots * shape.per_slot(), 0.5);
-        let kv = KvPoolShape {
-            num_layers: 1,
-            num_groups: 1,
-            num_blocks: 8,
-            block_size: 16,
-            kv_row: 8,
-        };
         let gpu = p.gpu;
         let run = |b: &dyn kiln_tensor::Backend| -> R<(Vec<f32>, Vec<f32>)> {
-            let mut cache = b.alloc_kv_cache(kv).map_err(e)?;
+            let mut cache = b.alloc_kv_cache(KV).map_err(e)?;
             let st = b.alloc_state(shape).map_err(e)?;
             cache = cache.with_state(shape, st);
             state_io(gpu, &mut cache, Some(&start))?;
@@ -178,13 +181,6 @@ pub(super) fn recorded_recurrent_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
         conv,
         recurrent: rec,
     };
-    let kv = KvPoolShape {
-        num_layers: 1,
-        num_groups: 1,
-        num_blocks: 8,
-        block_size: 16,
-        kv_row: 8,
-    };
     let step = |b: &dyn Backend, batch: &ForwardBatch, cache: &mut KvCache, gpu: bool| {
         let pick = |t: &(Tensor, Tensor)| if gpu { t.0.clone() } else { t.1.clone() };
         let emb = if gpu { &emb_g } else { &emb_c };
@@ -199,7 +195,7 @@ pub(super) fn recorded_recurrent_steps(p: &mut Pair, rng: &mut Rng) -> R<()> {
     };
     let mut caches = Vec::new();
     for b in [p.gpu as &dyn Backend, &p.cpu] {
-        let cache = b.alloc_kv_cache(kv).map_err(e)?;
+        let cache = b.alloc_kv_cache(KV).map_err(e)?;
         let st = b.alloc_state(shape).map_err(e)?;
         caches.push(cache.with_state(shape, st));
     }
