@@ -100,7 +100,7 @@ pub(crate) fn run_step(
     if let Some(slots) = state_slots {
         crate::ops::recurrent::check_states(batch, slots)?;
     }
-    let one_snapshot = (0..batch.seqs.len()).all(|i| batch.seq_state(i).snapshots.len() <= 1);
+    let one_snapshot = batch.states.iter().all(|s| s.snapshots.len() <= 1);
     let (true, true, true, Some(bucket)) = (
         b.graphs_enabled(),
         is_graphable(batch),
