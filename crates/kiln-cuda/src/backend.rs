@@ -557,6 +557,16 @@ impl Ops for CudaBackend {
         crate::ops::lora::lora_add(self, y, x, deltas)
     }
 
+    fn lora_apply(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        deltas: &[kiln_tensor::LoraDelta<'_>],
+        after: kiln_tensor::Epilogue<'_>,
+    ) -> Result<Tensor> {
+        crate::ops::lora::lora_apply(self, y, x, deltas, after, self.options.lora_mma_rows)
+    }
+
     fn attention_shared(
         &self,
         q: &Tensor,

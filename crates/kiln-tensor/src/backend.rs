@@ -628,8 +628,6 @@ pub trait Ops {
         qkv_attention_unfused(self, qkv, cache, layer, batch, p, rope, qk_norm)
     }
 
-    /// Whether this backend runs the extension op named `name` (see
-    /// [`crate::extension`]); models check their ops with it at load.
     /// Whether [`Ops::lora_add`] runs here.
     fn supports_lora(&self) -> bool {
         false
@@ -648,6 +646,21 @@ pub trait Ops {
             backend: "running",
             what: "LoRA adapters".into(),
         })
+    }
+
+    /// [`Ops::lora_add`], then the rest of the product's epilogue as the
+    /// unfused product runs it: `after.gated` on packed `[gate | up]`
+    /// columns ([`Ops::gated_packed`]), then `after.residual +` the result.
+    /// `y` already holds the bias (`after.bias` must be none). Backends may
+    /// fuse it all into the deltas' last pass, with the same bits.
+    fn lora_apply(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        deltas: &[crate::lora::LoraDelta<'_>],
+        after: Epilogue<'_>,
+    ) -> Result<Tensor> {
+        lora_apply_unfused(self, y, x, deltas, after)
     }
 
     /// Whether [`Ops::moe`] runs here; models check it at load.
@@ -776,6 +789,31 @@ pub trait StepRecording {
         forward: &mut StepFn<'_>,
     ) -> Result<Tensor> {
         forward(batch, cache)
+    }
+}
+
+/// [`Ops::lora_apply`] as separate ops: the deltas, the gated activation,
+/// the residual sum. The default, and the fallback of fused backends.
+pub fn lora_apply_unfused<B: Ops + ?Sized>(
+    b: &B,
+    y: &Tensor,
+    x: &Tensor,
+    deltas: &[crate::lora::LoraDelta<'_>],
+    after: Epilogue<'_>,
+) -> Result<Tensor> {
+    if after.bias.is_some() {
+        return Err(TensorError::Shape {
+            op: "lora_apply",
+            detail: "a bias after the deltas (the product adds it first)".into(),
+        });
+    }
+    let mut y = b.lora_add(y, x, deltas)?;
+    if let Some(act) = after.gated {
+        y = b.gated_packed(&y, act)?;
+    }
+    match after.residual {
+        Some(r) => b.add(r, &y),
+        None => Ok(y),
     }
 }
 

@@ -289,6 +289,16 @@ impl Ops for ProfilingBackend {
         self.timed("lora_add", || self.inner.lora_add(y, x, deltas))
     }
 
+    fn lora_apply(
+        &self,
+        y: &Tensor,
+        x: &Tensor,
+        deltas: &[crate::lora::LoraDelta<'_>],
+        after: crate::Epilogue<'_>,
+    ) -> Result<Tensor> {
+        self.timed("lora_apply", || self.inner.lora_apply(y, x, deltas, after))
+    }
+
     fn supports_moe(&self) -> bool {
         self.inner.supports_moe()
     }

@@ -516,6 +516,69 @@ fn lora_case(
         &c,
         TOL,
     )?;
+    // The deltas with the gated activation of packed [gate | up] columns
+    // and with a residual sum (lora_expand_epi_bf16 when the step takes the
+    // CUDA-core kernels; the unfused ops otherwise): against the CPU's
+    // unfused ops, and the fused pass against the GPU's unfused ops, bit
+    // for bit.
+    // (A fresh y, held twice: the unfused deltas take a copy, not y.)
+    let (yg, yc) = p.up(&[n, width], &rng.vec(n * width, 1.0))?;
+    let _held = yg.clone();
+    let (rg, rc) = p.up(&[n, width], &rng.vec(n * width, 1.0))?;
+    let (rhg, rhc) = p.up(&[n, width / 2], &rng.vec(n * width / 2, 1.0))?;
+    for (what, act, residual) in [
+        ("SiLU-gated", Some(Activation::Silu), None),
+        ("GELU-gated", Some(Activation::GeluTanh), None),
+        ("residual", None, Some((&rg, &rc))),
+    ] {
+        let after = |gpu: bool| Epilogue {
+            bias: None,
+            gated: act,
+            residual: residual.map(|r| if gpu { r.0 } else { r.1 }),
+        };
+        let c = kiln_tensor::lora_apply_unfused(&p.cpu, &yc, &xc, &deltas(false), after(false))
+            .map_err(e)?;
+        for mma_rows in [usize::MAX, 128] {
+            let g = crate::ops::lora::lora_apply(p.gpu, &yg, &xg, &deltas(true), after(true), mma_rows)
+                .map_err(e)?;
+            let path = if n >= mma_rows { "tensor-core, unfused" } else { "fused" };
+            p.compare(
+                format!("lora_apply {what} ({path}; {n} rows, k {k})"),
+                &g,
+                &c,
+                TOL,
+            )?;
+            if n < mma_rows {
+                let u = kiln_tensor::lora_apply_unfused(p.gpu, &yg, &xg, &deltas(true), after(true))
+                    .map_err(e)?;
+                p.compare_gpu(
+                    format!("lora_apply {what} fused = the GPU's unfused ops ({n} rows)"),
+                    &g,
+                    &u,
+                    0.0,
+                )?;
+            }
+        }
+    }
+    // The gated activation of rows of no adapter only.
+    let c = p.cpu.gated_packed(&yc, Activation::Silu).map_err(e)?;
+    let c = p.cpu.add(&rhc, &c).map_err(e)?;
+    let none: Vec<LoraDelta<'_>> = Vec::new();
+    let g = crate::ops::lora::lora_apply(
+        p.gpu,
+        &yg,
+        &xg,
+        &none,
+        Epilogue {
+            bias: None,
+            gated: Some(Activation::Silu),
+            residual: None,
+        },
+        usize::MAX,
+    )
+    .map_err(e)?;
+    let g = p.gpu.add(&rhg, &g).map_err(e)?;
+    p.compare(format!("lora_apply gated, no adapter rows ({n} rows)"), &g, &c, TOL)?;
     // One row a run: more segments than one launch takes.
     let n = one_row_runs;
     let rows: Vec<_> = (0..n).map(|i| i..i + 1).collect();

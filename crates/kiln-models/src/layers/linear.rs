@@ -224,13 +224,11 @@ impl Linear {
                 })
             })
             .collect();
-        let mut y = b.lora_add(&y, x, &deltas)?;
-        if let Some(act) = epilogue.gated {
-            y = b.gated_packed(&y, act)?;
-        }
-        match fuse.residual.or(epilogue.residual) {
-            Some(r) => Ok(b.add(r, &y)?),
-            None => Ok(y),
-        }
+        let after = Epilogue {
+            bias: None,
+            gated: epilogue.gated,
+            residual: fuse.residual.or(epilogue.residual),
+        };
+        Ok(b.lora_apply(&y, x, &deltas, after)?)
     }
 }

@@ -177,6 +177,104 @@ extern "C" __global__ void __launch_bounds__(256) lora_expand_bf16(bf16* __restr
     }
 }
 
+// The expand with the rest of the product's epilogue, over every row of the step (rows of no
+// adapter too), written to a new output. v(i, j) = bf16(y[i, j] + scale * sum_j t[i, j] B[j'])
+// where a segment covers (i, j) — the sums in lora_expand_bf16's order — else y[i, j]; then
+//   act < 0:            out [n, width]  = v, plus resid if given (bf16(resid + v), add_scale_bf16's);
+//   act >= 0 (kiln_act): out [n, width / 2] = act(v[:, c]) * v[:, width / 2 + c] (gated_act_packed_bf16's),
+// so every row gets the bits lora_expand_bf16 then those kernels give. Grid (chunks of 256 output
+// columns, tiles of LORA_EXPAND_ROWS rows); block 256; dynamic shared memory LORA_EXPAND_ROWS *
+// (largest r) floats. A block takes the segments that meet its rows and columns (a step's rows
+// are ordered by adapter: one or two), staging each one's t rows in turn.
+__device__ __forceinline__ void lora_epi_dot(const LoraSeg& s, int n, const float* ts, int lo, int hi,
+                                             const bf16* __restrict__ y, long long ybase, int width,
+                                             float* v, unsigned& covered) {
+    const bf16* brow = s.b + (long long)n * s.r;
+    float acc[LORA_EXPAND_ROWS];
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS; ++row) acc[row] = 0.0f;
+    if ((s.r & 7) == 0 && vec8::aligned16(brow)) {
+        for (int j0 = 0; j0 < s.r; j0 += 8) {
+            float bf[8];
+            vec8::unpack8(*reinterpret_cast<const uint4*>(brow + j0), bf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+#pragma unroll
+                for (int row = 0; row < LORA_EXPAND_ROWS; ++row)
+                    acc[row] = fmaf(ts[row * s.r + j0 + e], bf[e], acc[row]);
+            }
+        }
+    } else {
+        for (int j = 0; j < s.r; ++j) {
+            const float bj = to_f32(brow[j]);
+#pragma unroll
+            for (int row = 0; row < LORA_EXPAND_ROWS; ++row) acc[row] = fmaf(ts[row * s.r + j], bj, acc[row]);
+        }
+    }
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS; ++row) {
+        if (row >= lo && row < hi) {
+            v[row] = to_f32(to_bf16(to_f32(y[ybase + (long long)row * width]) + s.scale * acc[row]));
+            covered |= 1u << row;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) lora_expand_epi_bf16(
+    const bf16* __restrict__ y, bf16* __restrict__ out, const bf16* __restrict__ resid,
+    const float* __restrict__ t_part, const LoraSegs p, int n_rows, int nseg, int act) {
+    kiln_pdl_enter();
+    extern __shared__ float ts[];
+    const int tile0 = blockIdx.y * LORA_EXPAND_ROWS;
+    const int nrows = min(LORA_EXPAND_ROWS, n_rows - tile0);
+    const bool gated = act >= 0;
+    const int out_w = gated ? p.width / 2 : p.width;
+    const int cb0 = blockIdx.x * blockDim.x, cb1 = min(cb0 + (int)blockDim.x, out_w);
+    const int c = cb0 + threadIdx.x;
+    const int jb = c + out_w;  // the up column (gated)
+    float va[LORA_EXPAND_ROWS], vb[LORA_EXPAND_ROWS];
+    unsigned cov_a = 0, cov_b = 0;
+    const long long ybase = (long long)tile0 * p.width;
+    for (int si = 0; si < nseg; ++si) {
+        const LoraSeg& s = p.s[si];
+        const int lo = max(s.row0, tile0) - tile0, hi = min(s.row0 + s.rows, tile0 + nrows) - tile0;
+        if (lo >= hi) continue;
+        const bool hit_a = s.col0 < cb1 && s.col0 + s.cols > cb0;
+        const bool hit_b = gated && s.col0 < cb1 + out_w && s.col0 + s.cols > cb0 + out_w;
+        if (!hit_a && !hit_b) continue;  // the same for the whole block
+        __syncthreads();                 // the previous segment's rows are read
+        for (int i = threadIdx.x; i < LORA_EXPAND_ROWS * s.r; i += blockDim.x) {
+            const int row = i / s.r;
+            float v = 0.0f;
+            if (row >= lo && row < hi) {
+                const long long off = s.t_off + (long long)(tile0 + row - s.row0) * s.r + i % s.r;
+                for (int k = 0; k < p.num_kc; ++k) v += t_part[k * p.t_stride + off];
+            }
+            ts[i] = v;
+        }
+        __syncthreads();
+        if (c < cb1 && c >= s.col0 && c < s.col0 + s.cols)
+            lora_epi_dot(s, c - s.col0, ts, lo, hi, y, ybase + c, p.width, va, cov_a);
+        if (gated && c < cb1 && jb >= s.col0 && jb < s.col0 + s.cols)
+            lora_epi_dot(s, jb - s.col0, ts, lo, hi, y, ybase + jb, p.width, vb, cov_b);
+    }
+    if (c >= cb1) return;
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS; ++row) {
+        if (row < nrows) {
+            const long long yi = ybase + (long long)row * p.width;
+            const float a = (cov_a >> row) & 1 ? va[row] : to_f32(y[yi + c]);
+            const long long oi = (long long)(tile0 + row) * out_w + c;
+            if (gated) {
+                const float u = (cov_b >> row) & 1 ? vb[row] : to_f32(y[yi + jb]);
+                out[oi] = to_bf16(kiln_act(a, act) * u);
+            } else {
+                out[oi] = resid ? to_bf16(to_f32(resid[oi]) + a) : to_bf16(a);
+            }
+        }
+    }
+}
+
 // Tensor-core shrink. Grid (segments, tiles of LORA_MMA_ROWS rows); block 128: warp w takes
 // rows 16w .. 16w + 15 of the tile and every rank over all of k, one mma.m16n8k16 a 16 rows x 8
 // ranks x 16 k (k's order inside a product as in gemv.cu: a lane's 16-byte piece of a row of x

@@ -4,12 +4,13 @@
 //! Steps with adapters run eagerly (`step::meta::is_graphable`), so the
 //! segments travel as a kernel parameter. Steps of at least
 //! `CudaOptions::lora_mma_rows` rows (prefill) and ranks up to 64 take the
-//! tensor-core pair, the others the CUDA-core pair.
+//! tensor-core pair, the others the CUDA-core pair. `lora_apply` takes the
+//! product's gated activation or residual sum into the CUDA-core expand.
 
 use std::sync::Arc;
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
-use kiln_tensor::{DType, LoraDelta, Result, Tensor, TensorError};
+use kiln_tensor::{DType, Epilogue, LoraDelta, Result, Tensor, TensorError};
 
 use crate::backend::CudaBackend;
 use crate::driver::device::{dev_err, ptr, wrap};
@@ -58,15 +59,8 @@ pub(crate) fn lora_add(
     lora_add_rows(cuda, y, x, deltas, cuda.options.lora_mma_rows)
 }
 
-/// [`lora_add`] with steps of at least `mma_rows` rows on the tensor-core
-/// pair (cuda-check runs both pairs whatever the option says).
-pub(crate) fn lora_add_rows(
-    cuda: &CudaBackend,
-    y: &Tensor,
-    x: &Tensor,
-    deltas: &[LoraDelta<'_>],
-    mma_rows: usize,
-) -> Result<Tensor> {
+/// The segments of `deltas` over `y [n, width]` and `x [n, k]`: one a run of rows.
+fn segments(y: &Tensor, x: &Tensor, deltas: &[LoraDelta<'_>]) -> Result<(usize, usize, Vec<Seg>)> {
     let (n, width) = y.dims2("lora_add")?;
     let (nx, k) = x.dims2("lora_add")?;
     let shape_err = |detail: String| TensorError::Shape {
@@ -113,6 +107,165 @@ pub(crate) fn lora_add_rows(
             });
         }
     }
+    Ok((n, k, segs))
+}
+
+/// One launch's segments (up to `MAX_SEGS`) with their places in t, the
+/// largest run of rows, of columns and rank.
+fn pack(chunk: &[Seg], k: usize, width: usize, num_kc: usize) -> (Segs, usize, usize, usize) {
+    let mut p = Segs {
+        s: [Seg::default(); MAX_SEGS],
+        t_stride: 0,
+        k: k as i32,
+        width: width as i32,
+        num_kc: num_kc as i32,
+    };
+    let (mut off, mut max_rows, mut max_cols, mut max_r) = (0i64, 0usize, 0usize, 0usize);
+    for (dst, s) in p.s.iter_mut().zip(chunk) {
+        *dst = Seg { t_off: off, ..*s };
+        off += s.rows as i64 * s.r as i64;
+        max_rows = max_rows.max(s.rows as usize);
+        max_cols = max_cols.max(s.cols as usize);
+        max_r = max_r.max(s.r as usize);
+    }
+    p.t_stride = off;
+    (p, max_rows, max_cols, max_r)
+}
+
+/// The expand's shared memory for rank `max_r` (CUDA-core kernels).
+fn expand_smem(max_r: usize) -> Result<u32> {
+    let smem = EXPAND_ROWS * max_r * 4;
+    if smem > 48 * 1024 {
+        return Err(TensorError::Unsupported {
+            backend: "cuda",
+            what: format!("LoRA rank {max_r} (up to 768 runs)"),
+        });
+    }
+    Ok(smem as u32)
+}
+
+/// `lora_add_rows` for one launch's segments on the CUDA cores: x A^T into t.
+fn shrink(cuda: &CudaBackend, xp: u64, t: u64, p: &Segs, segs: usize, max_rows: usize) -> Result<()> {
+    let cfg = LaunchConfig {
+        grid_dim: (
+            segs as u32,
+            p.num_kc as u32,
+            max_rows.div_ceil(SHRINK_ROWS) as u32,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: every segment's rows lie in x [n, k]; its A [r, k] is a bf16
+    // device tensor held by the caller's deltas; t holds num_kc * t_stride floats.
+    unsafe {
+        cuda.dev
+            .launch(cuda.dev.func("lora_shrink_bf16")?)
+            .arg(&xp)
+            .arg(&t)
+            .arg(p)
+            .launch(cfg)
+            .map_err(dev_err)
+    }
+}
+
+/// [`kiln_tensor::Ops::lora_apply`]: the gated activation or the residual
+/// sum in the expand's pass over the output (`lora_expand_epi_bf16`: rows
+/// of no adapter too) when the step takes the CUDA-core kernels in one
+/// launch; else the deltas, then those ops apart. The same bits either way.
+pub(crate) fn lora_apply(
+    cuda: &CudaBackend,
+    y: &Tensor,
+    x: &Tensor,
+    deltas: &[LoraDelta<'_>],
+    after: Epilogue<'_>,
+    mma_rows: usize,
+) -> Result<Tensor> {
+    if after.gated.is_none() && after.residual.is_none() && after.bias.is_none() {
+        return lora_add_rows(cuda, y, x, deltas, mma_rows);
+    }
+    let (n, k, segs) = segments(y, x, deltas)?;
+    let width = y.dims2("lora_apply")?.1;
+    let max_rank = segs.iter().map(|s| s.r as usize).max().unwrap_or(0);
+    let mma = n >= mma_rows && max_rank <= MMA_MAX_R;
+    if after.bias.is_some()
+        || mma
+        || segs.len() > MAX_SEGS
+        || n == 0
+        || !cuda.dev.has("lora_expand_epi_bf16")
+    {
+        // The deltas by lora_add_rows, with the same mma_rows.
+        let y = lora_add_rows(cuda, y, x, deltas, mma_rows)?;
+        return kiln_tensor::lora_apply_unfused(cuda, &y, x, &[], after);
+    }
+    let out_w = match after.gated {
+        Some(_) if width % 2 != 0 => {
+            return Err(TensorError::Shape {
+                op: "lora_apply",
+                detail: format!("{width} packed gate/up columns"),
+            })
+        }
+        Some(_) => width / 2,
+        None => width,
+    };
+    let resid = match after.residual {
+        Some(r) if r.shape() != [n, out_w] => {
+            return Err(TensorError::Shape {
+                op: "lora_apply",
+                detail: format!("residual {:?} for [{n}, {out_w}]", r.shape()),
+            })
+        }
+        Some(r) => ptr(r, "lora_apply")?,
+        None => 0,
+    };
+    let num_kc = k.div_ceil(SHRINK_K);
+    let (p, max_rows, _, max_r) = pack(&segs, k, width, num_kc);
+    let smem = expand_smem(max_r.max(1))?;
+    let t = cuda
+        .dev
+        .alloc((num_kc * p.t_stride as usize).max(1), 4, "LoRA low-rank rows")?;
+    let xp = ptr(x, "lora_apply")?;
+    if !segs.is_empty() {
+        shrink(cuda, xp, t.ptr, &p, segs.len(), max_rows)?;
+    }
+    let out = cuda.alloc(n * out_w, "LoRA output")?;
+    let yp = ptr(y, "lora_apply")?;
+    let act = after.gated.map_or(-1, crate::ops::activation::act_code);
+    let (nr, ns) = (n as i32, segs.len() as i32);
+    let cfg = LaunchConfig {
+        grid_dim: (out_w.div_ceil(256) as u32, n.div_ceil(EXPAND_ROWS) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    // SAFETY: y [n, width], out [n, out_w], resid (if not null) [n, out_w];
+    // the segments' rows, columns, B [cols, r] and t as in lora_add_rows.
+    unsafe {
+        cuda.dev
+            .launch(cuda.dev.func("lora_expand_epi_bf16")?)
+            .arg(&yp)
+            .arg(&out.ptr)
+            .arg(&resid)
+            .arg(&t.ptr)
+            .arg(&p)
+            .arg(&nr)
+            .arg(&ns)
+            .arg(&act)
+            .launch(cfg)
+            .map_err(dev_err)?;
+    }
+    Ok(wrap(vec![n, out_w], out))
+}
+
+/// [`lora_add`] with steps of at least `mma_rows` rows on the tensor-core
+/// pair (cuda-check runs both pairs whatever the option says).
+pub(crate) fn lora_add_rows(
+    cuda: &CudaBackend,
+    y: &Tensor,
+    x: &Tensor,
+    deltas: &[LoraDelta<'_>],
+    mma_rows: usize,
+) -> Result<Tensor> {
+    let (n, k, segs) = segments(y, x, deltas)?;
+    let width = y.dims2("lora_add")?.1;
     // In place when the product is this call's alone (it is, from
     // `Linear::forward_lora`); else on a copy.
     let out = if Arc::strong_count(y.storage()) == 1 {
@@ -127,33 +280,28 @@ pub(crate) fn lora_add_rows(
     let mma = n >= mma_rows && max_rank <= MMA_MAX_R;
     let num_kc = if mma { 1 } else { k.div_ceil(SHRINK_K) };
     for chunk in segs.chunks(MAX_SEGS) {
-        let mut p = Segs {
-            s: [Seg::default(); MAX_SEGS],
-            t_stride: 0,
-            k: k as i32,
-            width: width as i32,
-            num_kc: num_kc as i32,
-        };
-        let (mut off, mut max_rows, mut max_cols, mut max_r) = (0i64, 0usize, 0usize, 0usize);
-        for (dst, s) in p.s.iter_mut().zip(chunk) {
-            *dst = Seg { t_off: off, ..*s };
-            off += s.rows as i64 * s.r as i64;
-            max_rows = max_rows.max(s.rows as usize);
-            max_cols = max_cols.max(s.cols as usize);
-            max_r = max_r.max(s.r as usize);
-        }
-        p.t_stride = off;
+        let (p, max_rows, max_cols, max_r) = pack(chunk, k, width, num_kc);
         let t = cuda
             .dev
-            .alloc(num_kc * off as usize, 4, "LoRA low-rank rows")?;
-        let (shrink, expand, names) = if mma {
+            .alloc(num_kc * p.t_stride as usize, 4, "LoRA low-rank rows")?;
+        let expand = if mma {
             let block = (128, 1, 1);
+            let shrink = LaunchConfig {
+                grid_dim: (chunk.len() as u32, max_rows.div_ceil(MMA_ROWS) as u32, 1),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: as `shrink`; one chunk of k.
+            unsafe {
+                cuda.dev
+                    .launch(cuda.dev.func("lora_shrink_mma_bf16")?)
+                    .arg(&xp)
+                    .arg(&t.ptr)
+                    .arg(&p)
+                    .launch(shrink)
+                    .map_err(dev_err)?;
+            }
             (
-                LaunchConfig {
-                    grid_dim: (chunk.len() as u32, max_rows.div_ceil(MMA_ROWS) as u32, 1),
-                    block_dim: block,
-                    shared_mem_bytes: 0,
-                },
                 LaunchConfig {
                     grid_dim: (
                         chunk.len() as u32,
@@ -163,26 +311,11 @@ pub(crate) fn lora_add_rows(
                     block_dim: block,
                     shared_mem_bytes: 0,
                 },
-                ("lora_shrink_mma_bf16", "lora_expand_mma_bf16"),
+                "lora_expand_mma_bf16",
             )
         } else {
-            let smem = (EXPAND_ROWS * max_r * 4) as u32;
-            if smem > 48 * 1024 {
-                return Err(TensorError::Unsupported {
-                    backend: "cuda",
-                    what: format!("LoRA rank {max_r} (up to 768 runs)"),
-                });
-            }
+            shrink(cuda, xp, t.ptr, &p, chunk.len(), max_rows)?;
             (
-                LaunchConfig {
-                    grid_dim: (
-                        chunk.len() as u32,
-                        num_kc as u32,
-                        max_rows.div_ceil(SHRINK_ROWS) as u32,
-                    ),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                },
                 LaunchConfig {
                     grid_dim: (
                         chunk.len() as u32,
@@ -190,28 +323,21 @@ pub(crate) fn lora_add_rows(
                         max_rows.div_ceil(EXPAND_ROWS) as u32,
                     ),
                     block_dim: (256, 1, 1),
-                    shared_mem_bytes: smem,
+                    shared_mem_bytes: expand_smem(max_r)?,
                 },
-                ("lora_shrink_bf16", "lora_expand_bf16"),
+                "lora_expand_bf16",
             )
         };
-        // SAFETY: every segment's rows lie in x [n, k] and y [n, width],
-        // its columns in y's, its A [r, k] and B [cols, r] are bf16 device
-        // tensors held by `deltas`; t holds num_kc * t_stride floats.
+        // SAFETY: every segment's rows lie in y [n, width], its columns in
+        // y's, its B [cols, r] is a bf16 device tensor held by `deltas`;
+        // t holds num_kc * t_stride floats written by the shrink.
         unsafe {
             cuda.dev
-                .launch(cuda.dev.func(names.0)?)
-                .arg(&xp)
-                .arg(&t.ptr)
-                .arg(&p)
-                .launch(shrink)
-                .map_err(dev_err)?;
-            cuda.dev
-                .launch(cuda.dev.func(names.1)?)
+                .launch(cuda.dev.func(expand.1)?)
                 .arg(&yp)
                 .arg(&t.ptr)
                 .arg(&p)
-                .launch(expand)
+                .launch(expand.0)
                 .map_err(dev_err)?;
         }
     }
