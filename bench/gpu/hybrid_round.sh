@@ -90,7 +90,7 @@ if has serve; then
   # The 9B hybrid under load: 64 concurrent requests (prompt 256, 128 generated), and the time to
   # first token of a request after a 4,096-token prefix, uncached and cached (state snapshots).
   [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
-  timeout 300 "$K" bench-engine --device cuda -m "$W/qwen3_5-9b" --concurrency 1 64 --prompt-tokens 256 --gen-tokens 128 \
+  timeout 300 "$K" bench-engine --device cuda -m "$W/qwen3_5-9b" --concurrency 1,64 --prompt-tokens 256 --gen-tokens 128 \
     --prefix-tokens 4096 > "$OUT/engine-9b.json" 2> "$OUT/engine-9b.err"; echo "engine 9b rc=$?"
   python3 - "$OUT/engine-9b.json" <<'PY' || tail -c 800 "$OUT/engine-9b.err"
 import json, sys

@@ -68,8 +68,8 @@ if [ "$PART" = throughput ]; then
         --prefix-tokens 16 --kv-mib 16384 $( [ $mode != base ] && echo $L ) \
         > "$OUT/engine-$mode-$rep.json" 2>> "$LOG" || log "FAILED bench-engine $mode $rep"
       python3 -c "
-import json; d=json.load(open('$OUT/engine-$mode-$rep.json'))
-print('$mode $rep', {k: round(d[k], 4) for k in ('generated_tokens_per_second', 'decode_tokens_per_second', 'ttft_median_seconds', 'wall_seconds') if k in d})" || true
+import json; d=json.load(open('$OUT/engine-$mode-$rep.json'))['levels'][0]
+print('$mode $rep', {k: round(d[k], 4) for k in ('generated_tokens_per_second', 'decode_tokens_per_second', 'ttft_median_seconds', 'wall_seconds', 'forward_seconds') if k in d})" || true
     done
   done
 fi
