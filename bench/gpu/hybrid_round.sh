@@ -10,7 +10,7 @@
 # 256-wide attention heads and 128-wide DeltaNet heads, LFM2's 64-wide heads) against
 # transformers on the GPU (bench/gpu/parity.py: 300 tokens, past two state checkpoints;
 # CUDA prefill, CUDA prefill + decode steps, Kiln CPU), and batch-1 decode of a
-# Qwen3.5-9B-shaped checkpoint made on the GPU (STAGES: check tiny parity decode; `moe`: the
+# Qwen3.5-9B-shaped checkpoint made on the GPU (STAGES: check tiny tinydiag parity decode; `moe`: the
 # Qwen3.5-35B-A3B-shaped MoE hybrid's decode on 8 of its layers).
 #   KILN=.device/kiln bench/gpu/hybrid_round.sh OUT_DIR [STAGES]
 set -uo pipefail
@@ -48,6 +48,31 @@ b = np.load(f"{out}/logits-{c}-cuda.npy").astype(np.float64)
 cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 print(f"{c}: CUDA vs CPU logits cosine min {cos.min():.6f} (prefill rows {cos[:20].min():.6f}, "
       f"decode rows {cos[20:].min():.6f}), argmax agreement {(a.argmax(1) == b.argmax(1)).mean():.3f}")
+PY
+done
+fi
+if has tinydiag; then
+# Where the tiny qwen3_5's CUDA prefill rows part from the CPU: the same ids with the first
+# 1, 4 and 20 tokens in the prefill step (the rest decoded), each against the CPU's rows.
+IDS=1,17,93,5,64,11,33,8,77,90,45,3,88,19,56,60,27,71,9,42,7,7,13,21,34,55,89,2,4,8,16,32
+for c in qwen3_5 lfm2; do
+  for pf in 1 4 20; do
+    for d in cpu cuda; do
+      KILN_CUDA_RECURRENT=1 timeout 60 "$K" dev logits -m "crates/kiln-models/tests/data/hybrid/$c" --device $d \
+        --ids $IDS --prefill $pf -o "$OUT/diag-$c-$d-$pf.npy" > /dev/null 2> "$OUT/diag-$c-$d-$pf.err" || tail -2 "$OUT/diag-$c-$d-$pf.err"
+    done
+  done
+  python3 - "$OUT" "$c" <<'PY'
+import sys
+import numpy as np
+out, c = sys.argv[1:3]
+cos = lambda a, b: (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+ref = np.load(f"{out}/diag-{c}-cpu-20.npy").astype(np.float64)
+for pf in (1, 4, 20):
+    a = np.load(f"{out}/diag-{c}-cpu-{pf}.npy").astype(np.float64)
+    b = np.load(f"{out}/diag-{c}-cuda-{pf}.npy").astype(np.float64)
+    print(f"{c} prefill {pf}: cpu vs cpu-20 max|d| {np.abs(a - ref).max():.2e}; cuda vs cpu cosine per row",
+          " ".join(f"{x:.3f}" for x in cos(a, b)))
 PY
 done
 fi
