@@ -421,9 +421,10 @@ fn rms_norm_gated_linear(
     b.matmul(x, &dense(w), prologue(n, eps, offset), Epilogue::gated(act))
 }
 
-/// `lora_add` against the CPU: a packed q/k/v output (parts 576/192/192)
-/// with two adapters of ranks 4 and 16 over uneven row runs (tiles of 8 and
-/// 16 rows, chunks of k), the rows of no adapter left alone; the product
+/// `lora_add` and `lora_apply` against the CPU: a packed q/k/v output
+/// (parts 576/192/192, and 100/103/97: widths and starts off the expands'
+/// 8-column pieces) with two adapters of ranks 4 and 16 over uneven row runs (tiles of 8 and
+/// 8 rows, chunks of k), the rows of no adapter left alone; the product
 /// taken in place and on a copy; more segments than one launch holds. Steps
 /// of 37 and 40 rows run the CUDA-core kernels; steps of 400 and 160 rows
 /// (k not a multiple of 32) the tensor-core ones, whatever
@@ -431,8 +432,12 @@ fn rms_norm_gated_linear(
 fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let small = [0usize..5, 10..12, 5..10, 20..37];
     let large = [0usize..5, 10..12, 5..10, 20..250, 300..333, 340..400];
-    lora_case(p, rng, 576, 37, &small[..2], &small[2..], 40)?;
-    lora_case(p, rng, 584, 400, &large[..3], &large[3..], 160)
+    let qkv = [0usize..576, 576..768, 768..960];
+    lora_case(p, rng, 576, 37, &small[..2], &small[2..], 40, &qkv)?;
+    lora_case(p, rng, 584, 400, &large[..3], &large[3..], 160, &qkv)?;
+    // Parts of widths and starts off the 8-column pieces (the expands' odd-edge paths).
+    let odd = [0usize..100, 100..203, 203..300];
+    lora_case(p, rng, 200, 37, &small[..2], &small[2..], 9, &odd)
 }
 
 fn lora_case(
@@ -443,10 +448,10 @@ fn lora_case(
     rows1: &[std::ops::Range<usize>],
     rows2: &[std::ops::Range<usize>],
     one_row_runs: usize,
+    parts: &[std::ops::Range<usize>; 3],
 ) -> R<()> {
     use kiln_tensor::{LoraDelta, LoraProj};
-    let parts = [0usize..576, 576..768, 768..960];
-    let width = 960;
+    let width = parts[2].end;
     let proj =
         |p: &Pair, rng: &mut Rng, r: usize, out: usize, scale: f32| -> R<(LoraProj, LoraProj)> {
             let (ag, ac) = p.up(&[r, k], &rng.vec(r * k, 0.1))?;
@@ -465,11 +470,12 @@ fn lora_case(
             ))
         };
     // Adapter 1 (r 4) adapts q and v; adapter 2 (r 16) q, k and v.
-    let q1 = proj(p, rng, 4, 576, 2.0)?;
-    let v1 = proj(p, rng, 4, 192, 2.0)?;
-    let q2 = proj(p, rng, 16, 576, 0.5)?;
-    let k2 = proj(p, rng, 16, 192, 0.5)?;
-    let v2 = proj(p, rng, 16, 192, 0.5)?;
+    let (wq, wk, wv) = (parts[0].len(), parts[1].len(), parts[2].len());
+    let q1 = proj(p, rng, 4, wq, 2.0)?;
+    let v1 = proj(p, rng, 4, wv, 2.0)?;
+    let q2 = proj(p, rng, 16, wq, 0.5)?;
+    let k2 = proj(p, rng, 16, wk, 0.5)?;
+    let v2 = proj(p, rng, 16, wv, 0.5)?;
     let spec: [(&[std::ops::Range<usize>], &(LoraProj, LoraProj), usize); 5] = [
         (rows1, &q1, 0),
         (rows1, &v1, 2),
@@ -496,14 +502,14 @@ fn lora_case(
     };
     let g = gpu_add(&yg, &xg, &deltas(true))?;
     p.compare(
-        format!("lora_add on a copy (2 adapters, packed q/k/v; {n} rows, k {k})"),
+        format!("lora_add on a copy (2 adapters, packed q/k/v; {n} rows, k {k}, width {width})"),
         &g,
         &c,
         TOL,
     )?;
     let after = p.gpu.to_host(&kept).map_err(e)?;
     p.push(
-        format!("lora_add on a copy leaves its input ({n} rows)"),
+        format!("lora_add on a copy leaves its input ({n} rows, width {width})"),
         &after,
         &before,
         0.0,
@@ -511,7 +517,7 @@ fn lora_case(
     drop(kept);
     let g = gpu_add(&yg, &xg, &deltas(true))?;
     p.compare(
-        format!("lora_add in place (2 adapters, packed q/k/v; {n} rows, k {k})"),
+        format!("lora_add in place (2 adapters, packed q/k/v; {n} rows, k {k}, width {width})"),
         &g,
         &c,
         TOL,
@@ -543,7 +549,7 @@ fn lora_case(
                 .map_err(e)?;
             let path = if n >= mma_rows { "tensor-core, unfused" } else { "fused" };
             p.compare(
-                format!("lora_apply {what} ({path}; {n} rows, k {k})"),
+                format!("lora_apply {what} ({path}; {n} rows, k {k}, width {width})"),
                 &g,
                 &c,
                 TOL,
@@ -552,7 +558,7 @@ fn lora_case(
                 let u = kiln_tensor::lora_apply_unfused(p.gpu, &yg, &xg, &deltas(true), after(true))
                     .map_err(e)?;
                 p.compare_gpu(
-                    format!("lora_apply {what} fused = the GPU's unfused ops ({n} rows)"),
+                    format!("lora_apply {what} fused = the GPU's unfused ops ({n} rows, width {width})"),
                     &g,
                     &u,
                     0.0,
@@ -578,7 +584,7 @@ fn lora_case(
     )
     .map_err(e)?;
     let g = p.gpu.add(&rhg, &g).map_err(e)?;
-    p.compare(format!("lora_apply gated, no adapter rows ({n} rows)"), &g, &c, TOL)?;
+    p.compare(format!("lora_apply gated, no adapter rows ({n} rows, width {width})"), &g, &c, TOL)?;
     // One row a run: more segments than one launch takes.
     let n = one_row_runs;
     let rows: Vec<_> = (0..n).map(|i| i..i + 1).collect();
@@ -591,6 +597,6 @@ fn lora_case(
     };
     let c = p.cpu.lora_add(&yc, &xc, &[d(&q2.1)]).map_err(e)?;
     let g = gpu_add(&yg, &xg, &[d(&q2.0)])?;
-    p.compare(format!("lora_add over {n} one-row runs"), &g, &c, TOL)?;
+    p.compare(format!("lora_add over {n} one-row runs (width {width})"), &g, &c, TOL)?;
     Ok(())
 }

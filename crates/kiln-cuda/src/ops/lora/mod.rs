@@ -18,7 +18,9 @@ use crate::driver::device::{dev_err, ptr, wrap};
 const MAX_SEGS: usize = 32;
 const SHRINK_ROWS: usize = 8;
 const SHRINK_K: usize = 512;
-const EXPAND_ROWS: usize = 16;
+const EXPAND_ROWS: usize = 8;
+/// Columns a block of the CUDA-core expands (128 threads, 8 columns each).
+const EXPAND_COLS: usize = 1024;
 const MMA_MAX_R: usize = 64;
 const MMA_ROWS: usize = 64;
 const MMA_COLS: usize = 256;
@@ -138,7 +140,7 @@ fn expand_smem(max_r: usize) -> Result<u32> {
     if smem > 48 * 1024 {
         return Err(TensorError::Unsupported {
             backend: "cuda",
-            what: format!("LoRA rank {max_r} (up to 768 runs)"),
+            what: format!("LoRA rank {max_r} (up to 1536 runs)"),
         });
     }
     Ok(smem as u32)
@@ -232,8 +234,12 @@ pub(crate) fn lora_apply(
     let act = after.gated.map_or(-1, crate::ops::activation::act_code);
     let (nr, ns) = (n as i32, segs.len() as i32);
     let cfg = LaunchConfig {
-        grid_dim: (out_w.div_ceil(256) as u32, n.div_ceil(EXPAND_ROWS) as u32, 1),
-        block_dim: (256, 1, 1),
+        grid_dim: (
+            out_w.div_ceil(EXPAND_COLS) as u32,
+            n.div_ceil(EXPAND_ROWS) as u32,
+            1,
+        ),
+        block_dim: (128, 1, 1),
         shared_mem_bytes: smem,
     };
     // SAFETY: y [n, width], out [n, out_w], resid (if not null) [n, out_w];
@@ -319,10 +325,10 @@ pub(crate) fn lora_add_rows(
                 LaunchConfig {
                     grid_dim: (
                         chunk.len() as u32,
-                        max_cols.div_ceil(256) as u32,
+                        max_cols.div_ceil(EXPAND_COLS) as u32,
                         max_rows.div_ceil(EXPAND_ROWS) as u32,
                     ),
-                    block_dim: (256, 1, 1),
+                    block_dim: (128, 1, 1),
                     shared_mem_bytes: expand_smem(max_r)?,
                 },
                 "lora_expand_bf16",
