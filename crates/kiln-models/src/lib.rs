@@ -24,7 +24,9 @@ use kiln_tensor::{Backend, ForwardBatch, KvCache, Tensor};
 pub use config::{ModelConfig, RopeScaling};
 pub use error::{ModelError, Result};
 pub use layers::{LoadProgress, WeightBytes};
-pub use registry::{decode_share, family, load_model, load_model_with_progress, tensor_shapes};
+pub use registry::{
+    decode_share, family, load_model, load_model_with_progress, stored_blocks, tensor_shapes,
+};
 pub use tp::{load_tensor_parallel, TensorParallelLm, TpShard};
 
 /// A decoder-only language model.

@@ -75,6 +75,15 @@ pub fn load_model_with_progress(
     (family.load)(backend, source, config, progress)
 }
 
+/// The weights of [`tensor_shapes`] that the stored tensor `t` holds as
+/// blocks under another name (see [`crate::families::Family::stored_blocks`]).
+pub fn stored_blocks(
+    config: &ModelConfig,
+    t: &kiln_formats::StoredTensor,
+) -> Result<Vec<crate::families::StoredBlocks>> {
+    Ok((family_of(config)?.stored_blocks)(t))
+}
+
 /// Every weight the model `config` describes must have: name and shape.
 pub fn tensor_shapes(config: &ModelConfig) -> Result<Vec<(String, Vec<usize>)>> {
     (family_of(config)?.tensor_shapes)(config)

@@ -30,9 +30,9 @@ pub mod weight;
 
 pub use backend::{
     check_attention_args, check_attention_shapes, check_rope_args, lora_apply_unfused, qkv_rope,
-    Activation,
-    AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, Memory, Ops,
-    QkNorm, RopeParams, SampleRow, SampledRow, Sampling, SeqSlice, SeqState, StepFn, StepRecording,
+    Activation, AttentionParams, Backend, DeviceMemory, ForwardBatch, KvCache, KvPoolShape, Memory,
+    Ops, QkNorm, RopeParams, SampleRow, SampledRow, Sampling, SeqSlice, SeqState, StepFn,
+    StepRecording,
 };
 pub use collective::{Collectives, HostGroup, HostRank};
 pub use error::{Result, TensorError};

@@ -159,7 +159,7 @@ fn weight_bytes_per_token(model: &LoadedModel) -> Result<f64> {
         on_device: backend.device_memory().is_some(),
         ..kiln_engine::memory::MemoryTarget::cpu()
     };
-    let blocks = crate::fit::block_bytes(&model.path, model.quantized, target.on_device)?;
+    let blocks = crate::fit::block_bytes(&model.path, cfg, model.quantized, target.on_device)?;
     let held = kiln_engine::memory::held_weights(cfg, &target, &blocks)?;
     // The embedding's looked-up rows, and a sparse model's idle experts,
     // are not read (kiln_models::decode_share).

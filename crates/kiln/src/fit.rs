@@ -93,6 +93,7 @@ fn file_bytes(path: &Path) -> u64 {
 /// groups), F16 and BF16 as stored; on a device (`on_device`) all as stored.
 pub(crate) fn block_bytes(
     path: &Path,
+    config: &ModelConfig,
     quantize: Option<QuantFormat>,
     on_device: bool,
 ) -> Result<HashMap<String, u64>> {
@@ -101,30 +102,41 @@ pub(crate) fn block_bytes(
     } else {
         SafetensorsDir::open(path)?.tensors()
     };
-    Ok(tensors
-        .into_iter()
-        .filter_map(|mut t| {
-            // `--quantize` holds the matrices it applies to in its format.
-            if let Some(f) = quantize.and_then(|f| kiln_formats::quantizing::target_format(f, &t)) {
-                t.dtype = f.name().to_string();
-            }
-            let format = QuantFormat::from_name(&t.dtype)?;
-            let &[rows, cols] = t.shape.as_slice() else {
-                return None;
-            };
-            // The CPU repacks blocks (`packed_bytes`); a device keeps a
-            // file's blocks as stored (the same bytes, split in two arrays).
-            let stored = format
-                .row_bytes(cols)
-                .map_or(t.num_bytes, |b| (b * rows) as u64);
-            let held = match on_device {
-                true => stored,
-                false => kiln_tensor::cpu::quant::packed_bytes(format, rows, cols)
-                    .map_or(stored, |b| b as u64),
-            };
-            Some((t.name, held))
-        })
-        .collect())
+    let held = |format: QuantFormat, rows: usize, cols: usize, stored: u64| match on_device {
+        true => stored,
+        false => {
+            kiln_tensor::cpu::quant::packed_bytes(format, rows, cols).map_or(stored, |b| b as u64)
+        }
+    };
+    // Blocks a family stores under names of its own (gpt-oss's MXFP4
+    // experts), counted under the names of the weights they hold.
+    let mut out = HashMap::new();
+    for t in &tensors {
+        for b in kiln_models::stored_blocks(config, t)? {
+            let stored = b
+                .format
+                .row_bytes(b.cols)
+                .map_or(0, |r| (r * b.rows) as u64);
+            out.insert(b.name, held(b.format, b.rows, b.cols, stored));
+        }
+    }
+    out.extend(tensors.into_iter().filter_map(|mut t| {
+        // `--quantize` holds the matrices it applies to in its format.
+        if let Some(f) = quantize.and_then(|f| kiln_formats::quantizing::target_format(f, &t)) {
+            t.dtype = f.name().to_string();
+        }
+        let format = QuantFormat::from_name(&t.dtype)?;
+        let &[rows, cols] = t.shape.as_slice() else {
+            return None;
+        };
+        // The CPU repacks blocks (`packed_bytes`); a device keeps a
+        // file's blocks as stored (the same bytes, split in two arrays).
+        let stored = format
+            .row_bytes(cols)
+            .map_or(t.num_bytes, |b| (b * rows) as u64);
+        Some((t.name, held(format, rows, cols, stored)))
+    }));
+    Ok(out)
 }
 
 /// Where memory is counted: the target and what is free there.
@@ -206,7 +218,7 @@ pub fn check(path: &Path, q: &FitQuery) -> Result<FitReport> {
     let config = kiln_registry::hf_config(path)?;
     let config = ModelConfig::from_hf(&config)
         .with_context(|| format!("reading the config of {}", path.display()))?;
-    let mut blocks = block_bytes(path, q.quantize, q.target.on_device)?;
+    let mut blocks = block_bytes(path, &config, q.quantize, q.target.on_device)?;
     let config = match q.tensor_parallel {
         0 | 1 => config,
         // CPU ranks share one memory: the whole model is what it holds

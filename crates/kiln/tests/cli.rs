@@ -561,8 +561,10 @@ fn embed_prints_a_unit_vector_a_line() {
 }
 
 /// `kiln fit` on sparse models: a token reads its experts' share of the
-/// weights, and a gpt-oss GGUF's MXFP4 experts count at their stored size,
-/// not expanded (the same model's f32 safetensors hold them at 4 bytes).
+/// weights, and gpt-oss's MXFP4 experts — a GGUF's, and a Hugging Face
+/// checkpoint's `*_blocks`/`*_scales` as released — count at their stored
+/// size, not expanded (the same model's f32 safetensors hold them at 4
+/// bytes).
 #[test]
 fn fit_counts_experts_as_stored_and_reads_a_tokens_share() {
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kiln-models/tests/data");
@@ -588,6 +590,17 @@ fn fit_counts_experts_as_stored_and_reads_a_tokens_share() {
         bytes(&gguf, "weights_bytes"),
     );
     assert!(g < p - 0.8 * experts_f32, "GGUF {g} vs f32 {p}");
+    // The same model with MXFP4 experts in safetensors: 17 bytes a 32
+    // values on a device (18 as the CPU lays them out), the rest as in
+    // `plain`.
+    let hf = fit(data.join("gpt_oss/mxfp4"));
+    let m = bytes(&hf, "weights_bytes");
+    let mxfp4_experts = m - (p - experts_f32);
+    assert!(
+        mxfp4_experts > 0.0 && mxfp4_experts * 32.0 <= 18.0 * experts_f32 / 4.0,
+        "MXFP4 safetensors {m} vs f32 {p}: experts {mxfp4_experts}"
+    );
+    assert!(bytes(&hf, "decode_weight_bytes") < m, "{hf}");
     // A token reads 2 of 4 experts.
     let (pr, gr) = (
         bytes(&plain, "decode_weight_bytes"),

@@ -545,9 +545,14 @@ fn lora_case(
         let c = kiln_tensor::lora_apply_unfused(&p.cpu, &yc, &xc, &deltas(false), after(false))
             .map_err(e)?;
         for mma_rows in [usize::MAX, 128] {
-            let g = crate::ops::lora::lora_apply(p.gpu, &yg, &xg, &deltas(true), after(true), mma_rows)
-                .map_err(e)?;
-            let path = if n >= mma_rows { "tensor-core, unfused" } else { "fused" };
+            let g =
+                crate::ops::lora::lora_apply(p.gpu, &yg, &xg, &deltas(true), after(true), mma_rows)
+                    .map_err(e)?;
+            let path = if n >= mma_rows {
+                "tensor-core, unfused"
+            } else {
+                "fused"
+            };
             p.compare(
                 format!("lora_apply {what} ({path}; {n} rows, k {k}, width {width})"),
                 &g,
@@ -555,10 +560,13 @@ fn lora_case(
                 TOL,
             )?;
             if n < mma_rows {
-                let u = kiln_tensor::lora_apply_unfused(p.gpu, &yg, &xg, &deltas(true), after(true))
-                    .map_err(e)?;
+                let u =
+                    kiln_tensor::lora_apply_unfused(p.gpu, &yg, &xg, &deltas(true), after(true))
+                        .map_err(e)?;
                 p.compare_gpu(
-                    format!("lora_apply {what} fused = the GPU's unfused ops ({n} rows, width {width})"),
+                    format!(
+                        "lora_apply {what} fused = the GPU's unfused ops ({n} rows, width {width})"
+                    ),
                     &g,
                     &u,
                     0.0,
@@ -584,7 +592,12 @@ fn lora_case(
     )
     .map_err(e)?;
     let g = p.gpu.add(&rhg, &g).map_err(e)?;
-    p.compare(format!("lora_apply gated, no adapter rows ({n} rows, width {width})"), &g, &c, TOL)?;
+    p.compare(
+        format!("lora_apply gated, no adapter rows ({n} rows, width {width})"),
+        &g,
+        &c,
+        TOL,
+    )?;
     // One row a run: more segments than one launch takes.
     let n = one_row_runs;
     let rows: Vec<_> = (0..n).map(|i| i..i + 1).collect();
@@ -597,6 +610,11 @@ fn lora_case(
     };
     let c = p.cpu.lora_add(&yc, &xc, &[d(&q2.1)]).map_err(e)?;
     let g = gpu_add(&yg, &xg, &[d(&q2.0)])?;
-    p.compare(format!("lora_add over {n} one-row runs (width {width})"), &g, &c, TOL)?;
+    p.compare(
+        format!("lora_add over {n} one-row runs (width {width})"),
+        &g,
+        &c,
+        TOL,
+    )?;
     Ok(())
 }

@@ -55,6 +55,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, gpt_oss_config(cfg)?)),
     check_weights: super::llama::check_weights,
+    stored_blocks,
     tensor_parallel: None,
     load: |backend, source, cfg, progress| {
         Ok(Box::new(GptOss::load(backend, source, cfg, progress)?))
@@ -478,6 +479,39 @@ impl GptOss {
         }
         Ok(experts)
     }
+}
+
+/// The experts a released checkpoint's MXFP4 `{p}.experts.gate_up_proj_blocks
+/// [E, 2i, h/32, 16]` or `{p}.experts.down_proj_blocks [E, h, i/32, 16]`
+/// (U8) holds, under `tensor_shapes`' per-expert names: gate and up rows
+/// i each, down rows h, all MXFP4 (the `_scales` byte of a block joins its
+/// 16 — as the loader keeps them).
+fn stored_blocks(t: &kiln_formats::StoredTensor) -> Vec<super::StoredBlocks> {
+    let (Some(base), "U8", &[e, out, nb, 16]) = (
+        t.name.strip_suffix("_blocks"),
+        t.dtype.as_str(),
+        t.shape.as_slice(),
+    ) else {
+        return Vec::new();
+    };
+    let Some((pre, proj)) = base.rsplit_once(".experts.") else {
+        return Vec::new();
+    };
+    let parts: &[(&str, usize)] = match proj {
+        "gate_up_proj" if out % 2 == 0 => &[("gate_proj", out / 2), ("up_proj", out / 2)],
+        "down_proj" => &[("down_proj", out)],
+        _ => return Vec::new(),
+    };
+    (0..e)
+        .flat_map(|x| {
+            parts.iter().map(move |&(name, rows)| super::StoredBlocks {
+                name: format!("{pre}.experts.{x}.{name}.weight"),
+                format: QuantFormat::MXFP4,
+                rows,
+                cols: nb * 32,
+            })
+        })
+        .collect()
 }
 
 /// The MXFP4 `{name}_blocks [E, out, in/32, 16]` and `{name}_scales [E,

@@ -35,6 +35,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, llama_config(cfg)?)),
     check_weights,
+    stored_blocks: super::no_stored_blocks,
     tensor_parallel: Some(&TENSOR_PARALLEL),
     load: |backend, source, cfg, progress| {
         Ok(Box::new(Llama::load(backend, source, cfg, progress)?))

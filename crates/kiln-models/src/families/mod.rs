@@ -54,6 +54,11 @@ pub struct Family {
     pub tensor_shapes: fn(&ModelConfig) -> Result<Vec<(String, Vec<usize>)>>,
     /// Check the config against a checkpoint's tensor table before loading.
     pub check_weights: fn(&ModelConfig, &[StoredTensor]) -> Result<()>,
+    /// Blocks a checkpoint stores under names of its own rather than
+    /// `tensor_shapes`' (gpt-oss's MXFP4 `*_blocks`): for one stored
+    /// tensor, each weight of `tensor_shapes` it holds with its block
+    /// format, rows and columns — what `fit` and `kiln bench` count.
+    pub stored_blocks: fn(&StoredTensor) -> Vec<StoredBlocks>,
     /// How its tensors split over tensor-parallel ranks (`None`: it runs
     /// on one backend only).
     pub tensor_parallel: Option<&'static crate::tp::TensorParallel>,
@@ -64,6 +69,22 @@ pub struct Family {
         ModelConfig,
         Option<LoadProgress<'_>>,
     ) -> Result<Box<dyn CausalLm>>,
+}
+
+/// A weight of [`Family::tensor_shapes`] held as blocks of `format`,
+/// `[rows, cols]`, inside a tensor stored under another name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredBlocks {
+    pub name: String,
+    pub format: kiln_tensor::QuantFormat,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// [`Family::stored_blocks`] of a family whose checkpoints name every
+/// weight as `tensor_shapes` does.
+pub fn no_stored_blocks(_: &StoredTensor) -> Vec<StoredBlocks> {
+    Vec::new()
 }
 
 /// What a family's step returns for the batch's `logits_rows`.

@@ -40,6 +40,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| tensor_shapes(cfg, moe_config(cfg)?),
     check_weights,
+    stored_blocks: super::no_stored_blocks,
     tensor_parallel: Some(&TENSOR_PARALLEL),
     load,
 };

@@ -54,6 +54,7 @@ pub static FAMILY: Family = Family {
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg)),
     check_weights: |_, _| Ok(()),
+    stored_blocks: super::no_stored_blocks,
     tensor_parallel: None,
     load: |backend, source, cfg, progress| {
         Ok(Box::new(Qwen35::load(backend, source, cfg, progress)?))

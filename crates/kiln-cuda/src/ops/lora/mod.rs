@@ -147,7 +147,14 @@ fn expand_smem(max_r: usize) -> Result<u32> {
 }
 
 /// `lora_add_rows` for one launch's segments on the CUDA cores: x A^T into t.
-fn shrink(cuda: &CudaBackend, xp: u64, t: u64, p: &Segs, segs: usize, max_rows: usize) -> Result<()> {
+fn shrink(
+    cuda: &CudaBackend,
+    xp: u64,
+    t: u64,
+    p: &Segs,
+    segs: usize,
+    max_rows: usize,
+) -> Result<()> {
     let cfg = LaunchConfig {
         grid_dim: (
             segs as u32,
@@ -222,9 +229,11 @@ pub(crate) fn lora_apply(
     let num_kc = k.div_ceil(SHRINK_K);
     let (p, max_rows, _, max_r) = pack(&segs, k, width, num_kc);
     let smem = expand_smem(max_r.max(1))?;
-    let t = cuda
-        .dev
-        .alloc((num_kc * p.t_stride as usize).max(1), 4, "LoRA low-rank rows")?;
+    let t = cuda.dev.alloc(
+        (num_kc * p.t_stride as usize).max(1),
+        4,
+        "LoRA low-rank rows",
+    )?;
     let xp = ptr(x, "lora_apply")?;
     if !segs.is_empty() {
         shrink(cuda, xp, t.ptr, &p, segs.len(), max_rows)?;

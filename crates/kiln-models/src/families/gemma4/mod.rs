@@ -52,6 +52,7 @@ pub static FAMILY: Family = Family {
     parse: config::parse,
     tensor_shapes,
     check_weights,
+    stored_blocks: super::no_stored_blocks,
     tensor_parallel: None,
     load: |backend, source, cfg, progress| {
         Ok(Box::new(Gemma4::load(backend, source, cfg, progress)?))
