@@ -5,7 +5,7 @@
 # snapshots; outputs and every slot's state), then the random hybrid checkpoints of
 # crates/kiln-models/tests/data/hybrid (the dense ones: the CUDA backend runs no MoE yet) —
 # CUDA logits against Kiln CPU's, 20 tokens in one prefill step then 12 decode steps, with the
-# kernels let on by KILN_CUDA_RECURRENT=1 (off by default until this round passes).
+# kernels on (KILN_CUDA_RECURRENT, on by default since this round passed on an H100).
 # Then random checkpoints at real releases' head sizes (bench/gpu/hybrid_ckpt.py: Qwen3.5's
 # 256-wide attention heads and 128-wide DeltaNet heads, LFM2's 64-wide heads) against
 # transformers on the GPU (bench/gpu/parity.py: 300 tokens, past two state checkpoints;

@@ -450,7 +450,8 @@ impl Ops for CudaBackend {
         true
     }
 
-    /// Soft-capping, LayerNorm and erf GELU have kernels.
+    /// The recurrent mixers have kernels (`ops::recurrent`), unless
+    /// `CudaOptions::recurrent` is off.
     fn supports_recurrent(&self, mixer: &kiln_tensor::RecurrentMixer) -> bool {
         if !self.options.recurrent {
             return false;

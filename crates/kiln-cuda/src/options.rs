@@ -52,9 +52,10 @@ pub struct CudaOptions {
     /// activations exact (W8A16: dequantized slabs through bf16 cuBLAS).
     pub fp8_activations: bool,
     /// Run hybrid models' recurrent layers (`ops/recurrent`: the
-    /// convolution with its state, the gated delta rule). Default `false`
-    /// until `kiln dev cuda-check` has checked the kernels on a GPU: a
-    /// hybrid model is refused at load, by name.
+    /// convolution with its state, the gated delta rule). Default `true`
+    /// (the kernels pass `kiln dev cuda-check` on an H100 and random
+    /// checkpoints at released head sizes match transformers); `false`
+    /// refuses a hybrid model at load, by name.
     pub recurrent: bool,
     /// LoRA deltas of steps of at least this many rows run on the tensor
     /// cores (`lora_shrink_mma_bf16` / `lora_expand_mma_bf16`: prefill);
@@ -86,7 +87,7 @@ impl Default for CudaOptions {
             qgemv_blocks_per_sm: 2,
             kv_cache_fp8: false,
             fp8_activations: true,
-            recurrent: false,
+            recurrent: true,
             lora_mma_rows: usize::MAX,
             kernel_defines: String::new(),
         }

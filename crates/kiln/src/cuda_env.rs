@@ -119,8 +119,8 @@ pub const KNOBS: &[Knob] = &[
     },
     Knob {
         var: "KILN_CUDA_RECURRENT",
-        default: "0",
-        help: "hybrid models' recurrent layers (DeltaNet, short convolutions) on the GPU; 0 refuses such models until their kernels are checked on a GPU (kiln dev cuda-check)",
+        default: "1",
+        help: "hybrid models' recurrent layers (DeltaNet, short convolutions) on the GPU; 0 refuses such models at load",
         set: Set::Switch(|o| &mut o.recurrent),
     },
     Knob {
@@ -295,7 +295,7 @@ mod tests {
             ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
             ("KILN_FP8_ACTIVATIONS", "0"),
             ("KILN_LORA_MMA_ROWS", "1"),
-            ("KILN_CUDA_RECURRENT", "1"),
+            ("KILN_CUDA_RECURRENT", "0"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -315,7 +315,7 @@ mod tests {
                 // Set by --kv-cache-dtype, not by a variable.
                 kv_cache_fp8: false,
                 fp8_activations: false,
-                recurrent: true,
+                recurrent: false,
                 lora_mma_rows: 1,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
