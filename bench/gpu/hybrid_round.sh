@@ -74,6 +74,9 @@ for pf in (1, 4, 20):
     print(f"{c} prefill {pf}: cpu vs cpu-20 max|d| {np.abs(a - ref).max():.2e}; cuda vs cpu cosine per row",
           " ".join(f"{x:.3f}" for x in cos(a, b)))
 PY
+  # Whether transformers in bf16 parts from its f32 at the same rows.
+  timeout 120 python3 bench/gpu/tiny_bf16.py "crates/kiln-models/tests/data/hybrid/$c" $IDS \
+    "$OUT/diag-$c-cuda-20.npy" "$OUT/diag-$c-cpu-20.npy" 2>&1 | tail -4 | sed "s/^/$c /"
 done
 fi
 export KILN_CUDA_RECURRENT=1
