@@ -277,12 +277,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let device_bandwidth = backend.measure_copy_bandwidth_gbs();
     let bandwidth = device_bandwidth.unwrap_or_else(read_bandwidth_gbs);
     let bytes = weight_bytes_per_token(&model)?;
+    // A hybrid model's recurrent state: read and written once a token.
+    let state_bytes = 2.0 * model.model.state_bytes_per_seq() as f64;
     let decode_median = {
         let mut d = decode.clone();
         d.sort_by(|a, b| a.total_cmp(b));
         d.get(d.len() / 2).copied().unwrap_or(0.0)
     };
-    let achieved = bytes * decode_median / 1e9;
+    let achieved = (bytes + state_bytes) * decode_median / 1e9;
     let report = json!({
         "engine": "kiln",
         "model": model.path.display().to_string(),
@@ -303,6 +305,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "prefill_tokens_per_second": stats(prefill),
         "decode_tokens_per_second": stats(decode),
         "decode_weight_bytes_per_token": bytes,
+        "decode_state_bytes_per_token": state_bytes,
         "decode_achieved_gbs": achieved,
         "bandwidth_gbs": bandwidth,
         "bandwidth_kind": if device_bandwidth.is_some() { "device copy, read + write counted" } else { "host read" },

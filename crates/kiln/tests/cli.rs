@@ -876,3 +876,45 @@ fn speculative_generate_keeps_the_answer_and_reports_acceptance() {
         );
     }
 }
+
+/// `kiln bench` counts a hybrid model's recurrent state in its decode
+/// roofline (read and written once a token) beside the weights; a dense
+/// model has none.
+#[test]
+fn bench_counts_a_hybrids_state_in_its_roofline() {
+    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kiln-models/tests/data");
+    let bench = |model: PathBuf| {
+        let out = kiln()
+            .arg("bench")
+            .arg("-m")
+            .arg(&model)
+            .args([
+                "--device",
+                "cpu",
+                "--prompt-tokens",
+                "8",
+                "--gen-tokens",
+                "4",
+                "--runs",
+                "1",
+            ])
+            .output()
+            .unwrap();
+        json_of(&out)
+    };
+    let f = |j: &serde_json::Value, k: &str| j[k].as_f64().unwrap();
+    let hybrid = bench(data.join("hybrid/qwen3_5"));
+    let (w, s) = (
+        f(&hybrid, "decode_weight_bytes_per_token"),
+        f(&hybrid, "decode_state_bytes_per_token"),
+    );
+    assert!(w > 0.0 && s > 0.0, "{hybrid}");
+    let tok_s = f(&hybrid["decode_tokens_per_second"], "median");
+    let achieved = f(&hybrid, "decode_achieved_gbs");
+    assert!(
+        ((w + s) * tok_s / 1e9 - achieved).abs() <= 1e-9 * achieved.max(1.0),
+        "{hybrid}"
+    );
+    let dense = bench(data.join("gpt_oss/plain"));
+    assert_eq!(f(&dense, "decode_state_bytes_per_token"), 0.0, "{dense}");
+}
