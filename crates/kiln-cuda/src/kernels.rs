@@ -145,6 +145,7 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_fp8_hd256",
     "recurrent_conv",
     "gated_delta_rule",
+    "gated_delta_rule_k128",
 ];
 
 /// The block formats with kernels, by kernel name: `qgemv_<fmt>_m1` …

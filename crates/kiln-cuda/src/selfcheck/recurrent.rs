@@ -52,6 +52,12 @@ pub(super) fn recurrent_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             delta(rng, (16, 32, 128, 128, 4)),
         ),
         ("gated_delta_net 2x8/6x12 k3", delta(rng, (2, 6, 8, 12, 3))),
+        // Keys wider than gated_delta_rule_k128 keeps in registers: the
+        // shared-memory kernel.
+        (
+            "gated_delta_net 2x160/2x40 k4 (shared-memory state)",
+            delta(rng, (2, 2, 160, 40, 4)),
+        ),
         (
             "short_conv 96 k3",
             RecurrentMixer::ShortConv(ShortConv {

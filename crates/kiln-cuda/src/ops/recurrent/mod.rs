@@ -18,6 +18,8 @@ const MAX_KERNEL: usize = 8;
 const CONV_THREADS: u32 = 128;
 /// The most dynamic shared memory the delta rule asks for.
 pub(crate) const DELTA_MAX_SMEM: usize = 200 * 1024;
+/// The widest keys `gated_delta_rule_k128` takes (its `DELTA_KMAX`).
+const DELTA_REG_KEYS: usize = 128;
 
 /// A cache's recurrent state on the device.
 pub(crate) struct CudaState {
@@ -227,7 +229,19 @@ pub(crate) fn recurrent_mixer(
                     ),
                 });
             }
-            let func = cuda.dev.func("gated_delta_rule")?;
+            // Keys of up to 128 with up to 256 value dims: the state in
+            // registers (`gated_delta_rule_k128`); else in shared memory.
+            let regs = g.k_dim <= DELTA_REG_KEYS
+                && threads <= 256
+                && cuda.dev.has("gated_delta_rule_k128");
+            let (name, smem) = match regs {
+                true => (
+                    "gated_delta_rule_k128",
+                    ((threads as usize / 32) * 2 * DELTA_REG_KEYS + 64) * 4,
+                ),
+                false => ("gated_delta_rule", smem),
+            };
+            let func = cuda.dev.func(name)?;
             let (mstride, vh, vd) = (cd as i32, g.v_heads as i32, g.v_dim as i32);
             let z_col = cd as i32;
             let b_col = z_col + vh * vd;

@@ -170,3 +170,129 @@ extern "C" __global__ void gated_delta_rule(const float* __restrict__ mixed, int
     if (j < v_dim)
         for (int i = 0; i < k_dim; ++i) own[i * v_dim + j] = S[i * v_dim + j];
 }
+
+// gated_delta_rule for heads of k_dim <= DELTA_KMAX and v_dim <= 256: the same arguments, launch
+// grid and block (sequences, v_heads; a thread a column j, blockDim.x a multiple of 32 >= v_dim,
+// at most 256), dynamic shared
+// memory (blockDim.x / 32) * 2 * DELTA_KMAX + 64 floats. A thread keeps its column of the state in
+// registers; each warp stages the token's L2-normed q and k in its own shared memory (no block
+// barrier), and the token's next inputs are loaded while it computes. With S' = decay S:
+//   mem = S'^T k,  delta = (v - mem) beta,  S = S' + k delta^T,  o = S^T q = S'^T q + delta (k.q),
+// so one pass over the state gives mem and S'^T q, a second updates it; one block barrier a token
+// (the gated RMSNorm's sum over the head's v_dim outputs, double-buffered).
+#define DELTA_KMAX 128
+extern "C" __global__ void __launch_bounds__(256) gated_delta_rule_k128(
+    const float* __restrict__ mixed, int mixed_stride, const bf16* __restrict__ x, long long x_stride,
+    int z_col, int b_col, int a_col, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const float* __restrict__ norm_w, float eps, int k_heads, int v_heads, int k_dim, int v_dim,
+    float* __restrict__ state, long long slot_len, long long conv_len, const int* __restrict__ seqs,
+    const int* __restrict__ snaps, int num_seqs, bf16* __restrict__ out) {
+    kiln_pdl_enter();
+    extern __shared__ float smem[];
+    constexpr int PER_LANE = DELTA_KMAX / 32;
+    const int s = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    float* qs = smem + warp * 2 * DELTA_KMAX;  // this warp's normed q, then k
+    float* ks = qs + DELTA_KMAX;
+    float* red = smem + nwarps * 2 * DELTA_KMAX;  // [2][32]: the norm's partial sums, by token parity
+    if (s >= num_seqs) return;
+    const int* m = seqs + 6 * s;
+    const int row0 = m[0], rows = m[1], slot = m[2], src = m[3], fresh = m[4];
+    const int snap0 = m[5], snap1 = s + 1 < num_seqs ? seqs[6 * (s + 1) + 5] : seqs[6 * num_seqs];
+    const long long head_len = (long long)k_dim * v_dim;
+    const int vw = v_heads * v_dim;
+    if (slot < 0) {
+        for (int t = 0; t < rows && j < v_dim; ++t) out[(long long)(row0 + t) * vw + h * v_dim + j] = to_bf16(0.0f);
+        return;
+    }
+    const bool col = j < v_dim;
+    float S[DELTA_KMAX];
+    const float* from = state + (long long)src * slot_len + conv_len + h * head_len;
+#pragma unroll
+    for (int i = 0; i < DELTA_KMAX; ++i) S[i] = (col && i < k_dim && !fresh) ? from[(long long)i * v_dim + j] : 0.0f;
+    const int kh = h / (v_heads / k_heads);
+    const float q_scale = rsqrtf((float)k_dim);
+    const float neg_a = -__expf(a_log[h]);
+    const float bias = dt_bias[h], nw = col ? norm_w[j] : 0.0f;
+    // The inputs of token t: q and k pieces (lane l: elements l, l + 32, ...), v, z, b, a.
+    float qv[PER_LANE], kv[PER_LANE], vv = 0.0f, zv = 0.0f, bv = 0.0f, av = 0.0f;
+    auto load = [&](int t) {
+        const long long r = row0 + t;
+        const float* mr = mixed + r * mixed_stride;
+        const bf16* xr = x + r * x_stride;
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) {
+            const int i = lane + 32 * e;
+            qv[e] = i < k_dim ? mr[kh * k_dim + i] : 0.0f;
+            kv[e] = i < k_dim ? mr[k_heads * k_dim + kh * k_dim + i] : 0.0f;
+        }
+        vv = col ? mr[2 * k_heads * k_dim + h * v_dim + j] : 0.0f;
+        zv = col ? to_f32(xr[z_col + h * v_dim + j]) : 0.0f;
+        bv = to_f32(xr[b_col + h]);
+        av = to_f32(xr[a_col + h]);
+    };
+    if (rows > 0) load(0);
+    for (int t = 0; t < rows; ++t) {
+        // This token's inputs, then the next token's loads in flight.
+        float q[PER_LANE], k[PER_LANE];
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) q[e] = qv[e], k[e] = kv[e];
+        const float v = vv, z = zv, beta = recurrent_detail::sigmoid(bv);
+        const float decay = __expf(neg_a * recurrent_detail::softplus(av + bias));
+        if (t + 1 < rows) load(t + 1);
+        float sq = 0.0f, sk = 0.0f, sqk = 0.0f;
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) sq += q[e] * q[e], sk += k[e] * k[e], sqk += q[e] * k[e];
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        sqk = warp_sum(sqk);
+        const float iq = rsqrtf(sq + 1e-6f) * q_scale, ik = rsqrtf(sk + 1e-6f);
+        __syncwarp();  // the previous token's q and k are read
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) qs[lane + 32 * e] = q[e] * iq, ks[lane + 32 * e] = k[e] * ik;
+        __syncwarp();
+        float mem0 = 0.0f, mem1 = 0.0f, sq0 = 0.0f, sq1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < DELTA_KMAX; i += 2) {
+            if (i < k_dim) {
+                S[i] *= decay;
+                mem0 = fmaf(S[i], ks[i], mem0);
+                sq0 = fmaf(S[i], qs[i], sq0);
+            }
+            if (i + 1 < k_dim) {
+                S[i + 1] *= decay;
+                mem1 = fmaf(S[i + 1], ks[i + 1], mem1);
+                sq1 = fmaf(S[i + 1], qs[i + 1], sq1);
+            }
+        }
+        const float delta = (v - (mem0 + mem1)) * beta;
+#pragma unroll
+        for (int i = 0; i < DELTA_KMAX; ++i)
+            if (i < k_dim) S[i] = fmaf(ks[i], delta, S[i]);
+        const float o = col ? (sq0 + sq1) + delta * (sqk * iq * ik) : 0.0f;
+        // The gated RMSNorm over the head's v_dim outputs: one barrier, the sums by token parity.
+        const float ss = warp_sum(o * o);
+        if (lane == 0) red[(t & 1) * 32 + warp] = ss;
+        __syncthreads();
+        float tot = 0.0f;
+        for (int w = 0; w < nwarps; ++w) tot += red[(t & 1) * 32 + w];
+        if (col) {
+            const float inv = rsqrtf(tot / (float)v_dim + eps);
+            out[(long long)(row0 + t) * vw + h * v_dim + j] = to_bf16(nw * (o * inv) * recurrent_detail::silu(z));
+        }
+        for (int qn = snap0; qn < snap1; ++qn) {
+            if (snaps[2 * qn] == t + 1 && col) {
+                float* to = state + (long long)snaps[2 * qn + 1] * slot_len + conv_len + h * head_len;
+#pragma unroll
+                for (int i = 0; i < DELTA_KMAX; ++i)
+                    if (i < k_dim) to[(long long)i * v_dim + j] = S[i];
+            }
+        }
+    }
+    float* own = state + (long long)slot * slot_len + conv_len + h * head_len;
+    if (col) {
+#pragma unroll
+        for (int i = 0; i < DELTA_KMAX; ++i)
+            if (i < k_dim) own[(long long)i * v_dim + j] = S[i];
+    }
+}
