@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call for the checks and figures the open issues wait on, in priority order, each
+# stage under its own time limit, compact summaries on stdout (the machine returns few files),
+# checkpoints deleted between stages (the machine's disk is 64 GiB):
+#   1. kiln dev cuda-check: failures and the LoRA / recurrent lines (the kernels last changed);
+#   2. issue 23: the 8B shape with 8 rank-16 adapters against none (bench/gpu/lora_embed_round.sh);
+#   3. issue 21: the tiny hybrids' rows against the CPU and transformers in bf16 (tinydiag), the
+#      Qwen3.5-9B shape's batch-1 decode and its serving figures (hybrid_round.sh "serve").
+#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid)
+set -uo pipefail
+OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
+K=${KILN:-.device/kiln}; export KILN=$K
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if has check; then
+  timeout 150 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; echo "cuda-check rc=$?"
+  grep -E "^FAIL" "$OUT/check.log" | cut -c1-140 | head -20
+  grep -E "lora_|recurrent|gated_delta" "$OUT/check.log" | cut -c1-140 | head -60
+  echo "ok lines: $(grep -c '^ok' "$OUT/check.log")"
+fi
+if has lora; then
+  MODES="base lora" REPS="1 2" timeout 240 bench/gpu/lora_embed_round.sh "$OUT/lora" throughput 2>&1 | grep -v '^==' | tail -6
+  rm -rf "${WORK:-/tmp/kiln-round}/ck8b" "${WORK:-/tmp/kiln-round}"/lora8b-*
+fi
+if has hybrid; then
+  timeout 120 bench/gpu/hybrid_round.sh "$OUT/tiny" tinydiag 2>&1 | tail -12
+  timeout 330 bench/gpu/hybrid_round.sh "$OUT/h" serve 2>&1 | tail -16
+  W=${WORK:-$PWD/target/kiln-w}
+  [ -d "$W/qwen3_5-9b" ] && timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 512 \
+    --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
+import json, sys; d = json.load(sys.stdin)
+print('9b decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction', round(d['decode_fraction_of_bandwidth'], 4),
+      'prefill 512', round(d['prefill_tokens_per_second']['median'], 1))"
+  rm -rf "$W/qwen3_5-9b" "$OUT"/tiny/*.npy
+fi
