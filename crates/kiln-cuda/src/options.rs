@@ -57,6 +57,12 @@ pub struct CudaOptions {
     /// checkpoints at released head sizes match transformers); `false`
     /// refuses a hybrid model at load, by name.
     pub recurrent: bool,
+    /// The delta rule's register kernel (`gated_delta_rule_k128`: a
+    /// thread's state column in registers, one barrier a token) for keys
+    /// of up to 128; else the shared-memory one. Default `false` until a
+    /// GPU has run it through `kiln dev cuda-check` (which runs both
+    /// whatever this says) and a round has timed it.
+    pub delta_registers: bool,
     /// LoRA deltas of steps of at least this many rows run on the tensor
     /// cores (`lora_shrink_mma_bf16` / `lora_expand_mma_bf16`: prefill);
     /// smaller steps (decode) on the CUDA-core kernels. Default
@@ -88,6 +94,7 @@ impl Default for CudaOptions {
             kv_cache_fp8: false,
             fp8_activations: true,
             recurrent: true,
+            delta_registers: false,
             lora_mma_rows: usize::MAX,
             kernel_defines: String::new(),
         }

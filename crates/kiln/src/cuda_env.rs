@@ -124,6 +124,12 @@ pub const KNOBS: &[Knob] = &[
         set: Set::Switch(|o| &mut o.recurrent),
     },
     Knob {
+        var: "KILN_DELTA_REGISTERS",
+        default: "0",
+        help: "the delta rule's register kernel for keys of up to 128 (one barrier a token); 0 runs the shared-memory kernel, until a GPU has checked and timed it",
+        set: Set::Switch(|o| &mut o.delta_registers),
+    },
+    Knob {
         var: "KILN_KERNEL_DEFINES",
         default: "",
         help: "NAME=VALUE overrides of kernels' #ifndef tuning macros, separated by blanks or +, for timing experiments",
@@ -296,6 +302,7 @@ mod tests {
             ("KILN_FP8_ACTIVATIONS", "0"),
             ("KILN_LORA_MMA_ROWS", "1"),
             ("KILN_CUDA_RECURRENT", "0"),
+            ("KILN_DELTA_REGISTERS", "1"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -316,12 +323,13 @@ mod tests {
                 kv_cache_fp8: false,
                 fp8_activations: false,
                 recurrent: false,
+                delta_registers: true,
                 lora_mma_rows: 1,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 14);
+        assert_eq!(KNOBS.len(), 15);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 

@@ -111,21 +111,40 @@ pub(super) fn recurrent_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         let x = rng.vec(n * mixer.in_dim(), 1.0);
         let start = rng.vec(shape.num_layers * shape.num_slots * shape.per_slot(), 0.5);
         let gpu = p.gpu;
-        let run = |b: &dyn kiln_tensor::Backend| -> R<(Vec<f32>, Vec<f32>)> {
-            let mut cache = b.alloc_kv_cache(KV).map_err(e)?;
-            let st = b.alloc_state(shape).map_err(e)?;
-            cache = cache.with_state(shape, st);
-            state_io(gpu, &mut cache, Some(&start))?;
-            let xt = b.upload(&[n, mixer.in_dim()], &x).map_err(e)?;
-            let y = b
-                .recurrent_mixer(&xt, &mixer, &batch, &mut cache)
+        // The GPU with the delta rule's register kernel or without it
+        // (`Some`), whatever `CudaOptions::delta_registers` says; the CPU.
+        let run =
+            |b: &dyn kiln_tensor::Backend, registers: Option<bool>| -> R<(Vec<f32>, Vec<f32>)> {
+                let mut cache = b.alloc_kv_cache(KV).map_err(e)?;
+                let st = b.alloc_state(shape).map_err(e)?;
+                cache = cache.with_state(shape, st);
+                state_io(gpu, &mut cache, Some(&start))?;
+                let xt = b.upload(&[n, mixer.in_dim()], &x).map_err(e)?;
+                let y = match registers {
+                    Some(r) => crate::ops::recurrent::recurrent_mixer_with(
+                        gpu, &xt, &mixer, &batch, &mut cache, r,
+                    ),
+                    None => b.recurrent_mixer(&xt, &mixer, &batch, &mut cache),
+                }
                 .map_err(e)?;
-            Ok((b.to_host(&y).map_err(e)?, state_io(gpu, &mut cache, None)?))
+                Ok((b.to_host(&y).map_err(e)?, state_io(gpu, &mut cache, None)?))
+            };
+        let (cy, cs) = run(&p.cpu, None)?;
+        let delta = matches!(mixer, RecurrentMixer::GatedDeltaNet(_));
+        let kernels: &[(bool, &str)] = match delta {
+            true => &[(false, ""), (true, ", register kernel")],
+            false => &[(false, "")],
         };
-        let (gy, gs) = run(p.gpu)?;
-        let (cy, cs) = run(&p.cpu)?;
-        p.push(format!("recurrent {name}: output"), &gy, &cy, TOL);
-        p.push(format!("recurrent {name}: state"), &gs, &cs, TOL_STATE);
+        for &(registers, kernel) in kernels {
+            let (gy, gs) = run(p.gpu, Some(registers))?;
+            p.push(format!("recurrent {name}{kernel}: output"), &gy, &cy, TOL);
+            p.push(
+                format!("recurrent {name}{kernel}: state"),
+                &gs,
+                &cs,
+                TOL_STATE,
+            );
+        }
     }
     Ok(())
 }

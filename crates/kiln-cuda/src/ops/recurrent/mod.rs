@@ -121,6 +121,20 @@ pub(crate) fn recurrent_mixer(
     batch: &ForwardBatch,
     cache: &mut KvCache,
 ) -> Result<Tensor> {
+    let regs = cuda.options.delta_registers;
+    recurrent_mixer_with(cuda, x, mixer, batch, cache, regs)
+}
+
+/// [`recurrent_mixer`] with the delta rule's register kernel where it
+/// takes the head (`registers`) or not (cuda-check runs both).
+pub(crate) fn recurrent_mixer_with(
+    cuda: &CudaBackend,
+    x: &Tensor,
+    mixer: &RecurrentMixer,
+    batch: &ForwardBatch,
+    cache: &mut KvCache,
+    registers: bool,
+) -> Result<Tensor> {
     let (n, d) = x.dims2("recurrent_mixer")?;
     if d != mixer.in_dim() || n != batch.num_tokens() {
         return Err(TensorError::Shape {
@@ -230,8 +244,10 @@ pub(crate) fn recurrent_mixer(
                 });
             }
             // Keys of up to 128 with up to 256 value dims: the state in
-            // registers (`gated_delta_rule_k128`); else in shared memory.
-            let regs = g.k_dim <= DELTA_REG_KEYS
+            // registers (`gated_delta_rule_k128`) when asked; else in
+            // shared memory.
+            let regs = registers
+                && g.k_dim <= DELTA_REG_KEYS
                 && threads <= 256
                 && cuda.dev.has("gated_delta_rule_k128");
             let (name, smem) = match regs {
