@@ -565,7 +565,8 @@ impl Ops for CudaBackend {
         deltas: &[kiln_tensor::LoraDelta<'_>],
         after: kiln_tensor::Epilogue<'_>,
     ) -> Result<Tensor> {
-        crate::ops::lora::lora_apply(self, y, x, deltas, after, self.options.lora_mma_rows)
+        let o = &self.options;
+        crate::ops::lora::lora_apply(self, y, x, deltas, after, o.lora_mma_rows, o.lora_expand8)
     }
 
     fn attention_shared(

@@ -80,6 +80,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "lora_shrink_bf16",
     "lora_expand_bf16",
     "lora_expand_epi_bf16",
+    "lora_expand8_bf16",
+    "lora_expand8_epi_bf16",
     "lora_shrink_mma_bf16",
     "lora_expand_mma_bf16",
     "moe_route_bf16",

@@ -71,6 +71,13 @@ pub struct CudaOptions {
     /// 2026-12-07) but no round has timed it yet; 128 is the intended
     /// setting once `bench/gpu/lora_embed_round.sh` measures it faster.
     pub lora_mma_rows: usize,
+    /// LoRA's CUDA-core expands take 8 adjacent columns a thread
+    /// (`lora_expand8_bf16`, `lora_expand8_epi_bf16`: 16-byte pieces of
+    /// the output, each staged low-rank value feeding 8 products) instead
+    /// of one. Default `false` until a GPU has run them through `kiln dev
+    /// cuda-check` (which runs both whatever this says) and a round has
+    /// timed them.
+    pub lora_expand8: bool,
     /// Overrides of kernels' `#ifndef` tuning macros, `NAME=VALUE` pairs
     /// separated by blanks or `+` (a bare `NAME` means `NAME=1`); each goes
     /// only into the sources that name it, so only their cache keys change.
@@ -96,6 +103,7 @@ impl Default for CudaOptions {
             recurrent: true,
             delta_registers: false,
             lora_mma_rows: usize::MAX,
+            lora_expand8: false,
             kernel_defines: String::new(),
         }
     }

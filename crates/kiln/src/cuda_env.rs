@@ -112,6 +112,12 @@ pub const KNOBS: &[Knob] = &[
         }),
     },
     Knob {
+        var: "KILN_LORA_EXPAND8",
+        default: "0",
+        help: "LoRA's expands take 8 adjacent columns a thread (16-byte pieces, 8 products a staged value); 0 keeps one column a thread, until a GPU has checked and timed them",
+        set: Set::Switch(|o| &mut o.lora_expand8),
+    },
+    Knob {
         var: "KILN_FP8_ACTIVATIONS",
         default: "1",
         help: "FP8 weights' prefill and batched products on the FP8 tensor cores, activations rounded to E4M3 (W8A8); 0 keeps them exact (dequantized bf16 slabs)",
@@ -301,6 +307,7 @@ mod tests {
             ("KILN_QGEMV_BLOCKS_PER_SM", "3"),
             ("KILN_FP8_ACTIVATIONS", "0"),
             ("KILN_LORA_MMA_ROWS", "1"),
+            ("KILN_LORA_EXPAND8", "1"),
             ("KILN_CUDA_RECURRENT", "0"),
             ("KILN_DELTA_REGISTERS", "1"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
@@ -325,11 +332,12 @@ mod tests {
                 recurrent: false,
                 delta_registers: true,
                 lora_mma_rows: 1,
+                lora_expand8: true,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 15);
+        assert_eq!(KNOBS.len(), 16);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 

@@ -428,18 +428,24 @@ fn rms_norm_gated_linear(
 /// taken in place and on a copy; more segments than one launch holds. Steps
 /// of 37 and 40 rows run the CUDA-core kernels; steps of 400 and 160 rows
 /// (k not a multiple of 32) the tensor-core ones, whatever
-/// `CudaOptions::lora_mma_rows` says.
+/// `CudaOptions::lora_mma_rows` says; every case with both CUDA-core
+/// expands, whatever `CudaOptions::lora_expand8` says.
 fn lora_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let small = [0usize..5, 10..12, 5..10, 20..37];
     let large = [0usize..5, 10..12, 5..10, 20..250, 300..333, 340..400];
     let qkv = [0usize..576, 576..768, 768..960];
-    lora_case(p, rng, 576, 37, &small[..2], &small[2..], 40, &qkv)?;
-    lora_case(p, rng, 584, 400, &large[..3], &large[3..], 160, &qkv)?;
     // Parts of widths and starts off the 8-column pieces (the expands' odd-edge paths).
     let odd = [0usize..100, 100..203, 203..300];
-    lora_case(p, rng, 200, 37, &small[..2], &small[2..], 9, &odd)
+    // Every case with the one-column and the 8-column CUDA-core expands.
+    for wide in [false, true] {
+        lora_case(p, rng, 576, 37, &small[..2], &small[2..], 40, &qkv, wide)?;
+        lora_case(p, rng, 584, 400, &large[..3], &large[3..], 160, &qkv, wide)?;
+        lora_case(p, rng, 200, 37, &small[..2], &small[2..], 9, &odd, wide)?;
+    }
+    Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 fn lora_case(
     p: &mut Pair,
     rng: &mut Rng,
@@ -449,7 +455,9 @@ fn lora_case(
     rows2: &[std::ops::Range<usize>],
     one_row_runs: usize,
     parts: &[std::ops::Range<usize>; 3],
+    wide: bool,
 ) -> R<()> {
+    let v = if wide { ", 8-column expand" } else { "" };
     use kiln_tensor::{LoraDelta, LoraProj};
     let width = parts[2].end;
     let proj =
@@ -498,18 +506,18 @@ fn lora_case(
     let kept = yg.clone();
     let before = p.gpu.to_host(&yg).map_err(e)?;
     let gpu_add = |y: &Tensor, x: &Tensor, d: &[kiln_tensor::LoraDelta<'_>]| {
-        crate::ops::lora::lora_add_rows(p.gpu, y, x, d, 128).map_err(e)
+        crate::ops::lora::lora_add_rows(p.gpu, y, x, d, 128, wide).map_err(e)
     };
     let g = gpu_add(&yg, &xg, &deltas(true))?;
     p.compare(
-        format!("lora_add on a copy (2 adapters, packed q/k/v; {n} rows, k {k}, width {width})"),
+        format!("lora_add on a copy (2 adapters, packed q/k/v; {n} rows, k {k}, width {width}{v})"),
         &g,
         &c,
         TOL,
     )?;
     let after = p.gpu.to_host(&kept).map_err(e)?;
     p.push(
-        format!("lora_add on a copy leaves its input ({n} rows, width {width})"),
+        format!("lora_add on a copy leaves its input ({n} rows, width {width}{v})"),
         &after,
         &before,
         0.0,
@@ -517,7 +525,7 @@ fn lora_case(
     drop(kept);
     let g = gpu_add(&yg, &xg, &deltas(true))?;
     p.compare(
-        format!("lora_add in place (2 adapters, packed q/k/v; {n} rows, k {k}, width {width})"),
+        format!("lora_add in place (2 adapters, packed q/k/v; {n} rows, k {k}, width {width}{v})"),
         &g,
         &c,
         TOL,
@@ -545,16 +553,23 @@ fn lora_case(
         let c = kiln_tensor::lora_apply_unfused(&p.cpu, &yc, &xc, &deltas(false), after(false))
             .map_err(e)?;
         for mma_rows in [usize::MAX, 128] {
-            let g =
-                crate::ops::lora::lora_apply(p.gpu, &yg, &xg, &deltas(true), after(true), mma_rows)
-                    .map_err(e)?;
+            let g = crate::ops::lora::lora_apply(
+                p.gpu,
+                &yg,
+                &xg,
+                &deltas(true),
+                after(true),
+                mma_rows,
+                wide,
+            )
+            .map_err(e)?;
             let path = if n >= mma_rows {
                 "tensor-core, unfused"
             } else {
                 "fused"
             };
             p.compare(
-                format!("lora_apply {what} ({path}; {n} rows, k {k}, width {width})"),
+                format!("lora_apply {what} ({path}; {n} rows, k {k}, width {width}{v})"),
                 &g,
                 &c,
                 TOL,
@@ -565,7 +580,7 @@ fn lora_case(
                         .map_err(e)?;
                 p.compare_gpu(
                     format!(
-                        "lora_apply {what} fused = the GPU's unfused ops ({n} rows, width {width})"
+                        "lora_apply {what} fused = the GPU's unfused ops ({n} rows, width {width}{v})"
                     ),
                     &g,
                     &u,
@@ -589,11 +604,12 @@ fn lora_case(
             residual: None,
         },
         usize::MAX,
+        wide,
     )
     .map_err(e)?;
     let g = p.gpu.add(&rhg, &g).map_err(e)?;
     p.compare(
-        format!("lora_apply gated, no adapter rows ({n} rows, width {width})"),
+        format!("lora_apply gated, no adapter rows ({n} rows, width {width}{v})"),
         &g,
         &c,
         TOL,
@@ -611,7 +627,7 @@ fn lora_case(
     let c = p.cpu.lora_add(&yc, &xc, &[d(&q2.1)]).map_err(e)?;
     let g = gpu_add(&yg, &xg, &[d(&q2.0)])?;
     p.compare(
-        format!("lora_add over {n} one-row runs (width {width})"),
+        format!("lora_add over {n} one-row runs (width {width}{v})"),
         &g,
         &c,
         TOL,

@@ -15,7 +15,8 @@
 #define LORA_MAX_SEGS 32
 #define LORA_SHRINK_ROWS 8
 #define LORA_SHRINK_K 512
-#define LORA_EXPAND_ROWS 8
+#define LORA_EXPAND_ROWS 8     // rows a tile of the 8-column expands
+#define LORA_EXPAND_ROWS16 16  // rows a tile of the one-column expands
 #define LORA_MMA_MAX_R 64   // ranks the tensor-core kernels take (8 product tiles of 8)
 #define LORA_MMA_ROWS 64    // rows a block of the tensor-core kernels (a warp 16)
 #define LORA_MMA_COLS 256   // columns a block of lora_expand_mma_bf16
@@ -112,8 +113,173 @@ extern "C" __global__ void __launch_bounds__(256) lora_shrink_bf16(const bf16* _
     }
 }
 
-// The CUDA-core expands: a thread takes 8 adjacent columns (one 16-byte piece of y) of a tile of
-// LORA_EXPAND_ROWS rows, so each staged t value feeds 8 products and y moves in 16-byte pieces.
+// Grid (segments, chunks of 256 columns, tiles of LORA_EXPAND_ROWS16 rows); block 256, dynamic
+// shared memory LORA_EXPAND_ROWS16 * (largest r) floats. Thread n of a chunk owns column n of its
+// segment: y[row, col0 + n] = bf16(y + scale * sum_j t[row, j] B[n, j]).
+extern "C" __global__ void __launch_bounds__(256) lora_expand_bf16(bf16* __restrict__ y,
+                                                                   const float* __restrict__ t_part,
+                                                                   const LoraSegs p) {
+    kiln_pdl_enter();
+    const LoraSeg& s = p.s[blockIdx.x];
+    const int tile0 = blockIdx.z * LORA_EXPAND_ROWS16;
+    if (tile0 >= s.rows || (int)(blockIdx.y * blockDim.x) >= s.cols) return;
+    const int nrows = min(LORA_EXPAND_ROWS16, s.rows - tile0);
+    extern __shared__ float ts[];
+    for (int i = threadIdx.x; i < LORA_EXPAND_ROWS16 * s.r; i += blockDim.x) {
+        float v = 0.0f;
+        if (i < nrows * s.r) {
+            const long long off = s.t_off + (long long)tile0 * s.r + i;
+            for (int c = 0; c < p.num_kc; ++c) v += t_part[c * p.t_stride + off];
+        }
+        ts[i] = v;
+    }
+    __syncthreads();
+    const int n = blockIdx.y * blockDim.x + threadIdx.x;
+    if (n >= s.cols) return;
+    const bf16* brow = s.b + (long long)n * s.r;
+    float acc[LORA_EXPAND_ROWS16];
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS16; ++row) acc[row] = 0.0f;
+    if ((s.r & 7) == 0 && vec8::aligned16(brow)) {
+        // B's row in 16-byte pieces, up to four loads in flight before the products.
+        for (int j0 = 0; j0 < s.r; j0 += 32) {
+            uint4 bv[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                bv[q] = j0 + q * 8 < s.r ? *reinterpret_cast<const uint4*>(brow + j0 + q * 8)
+                                         : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (j0 + q * 8 >= s.r) break;
+                float bf[8];
+                vec8::unpack8(bv[q], bf);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float* tj = ts + j0 + q * 8 + e;
+#pragma unroll
+                    for (int row = 0; row < LORA_EXPAND_ROWS16; ++row)
+                        acc[row] = fmaf(tj[row * s.r], bf[e], acc[row]);
+                }
+            }
+        }
+    } else {
+        for (int j = 0; j < s.r; ++j) {
+            const float bj = to_f32(brow[j]);
+#pragma unroll
+            for (int row = 0; row < LORA_EXPAND_ROWS16; ++row) acc[row] = fmaf(ts[row * s.r + j], bj, acc[row]);
+        }
+    }
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS16; ++row) {
+        if (row < nrows) {
+            const long long idx = (long long)(s.row0 + tile0 + row) * p.width + s.col0 + n;
+            y[idx] = to_bf16(to_f32(y[idx]) + s.scale * acc[row]);
+        }
+    }
+}
+
+// The expand with the rest of the product's epilogue, over every row of the step (rows of no
+// adapter too), written to a new output. v(i, j) = bf16(y[i, j] + scale * sum_j t[i, j] B[j'])
+// where a segment covers (i, j) — the sums in lora_expand_bf16's order — else y[i, j]; then
+//   act < 0:            out [n, width]  = v, plus resid if given (bf16(resid + v), add_scale_bf16's);
+//   act >= 0 (kiln_act): out [n, width / 2] = act(v[:, c]) * v[:, width / 2 + c] (gated_act_packed_bf16's),
+// so every row gets the bits lora_expand_bf16 then those kernels give. Grid (chunks of 256 output
+// columns, tiles of LORA_EXPAND_ROWS16 rows); block 256; dynamic shared memory LORA_EXPAND_ROWS16 *
+// (largest r) floats. A block takes the segments that meet its rows and columns (a step's rows
+// are ordered by adapter: one or two), staging each one's t rows in turn.
+__device__ __forceinline__ void lora_epi_dot(const LoraSeg& s, int n, const float* ts, int lo, int hi,
+                                             const bf16* __restrict__ y, long long ybase, int width,
+                                             float* v, unsigned& covered) {
+    const bf16* brow = s.b + (long long)n * s.r;
+    float acc[LORA_EXPAND_ROWS16];
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS16; ++row) acc[row] = 0.0f;
+    if ((s.r & 7) == 0 && vec8::aligned16(brow)) {
+        for (int j0 = 0; j0 < s.r; j0 += 8) {
+            float bf[8];
+            vec8::unpack8(*reinterpret_cast<const uint4*>(brow + j0), bf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+#pragma unroll
+                for (int row = 0; row < LORA_EXPAND_ROWS16; ++row)
+                    acc[row] = fmaf(ts[row * s.r + j0 + e], bf[e], acc[row]);
+            }
+        }
+    } else {
+        for (int j = 0; j < s.r; ++j) {
+            const float bj = to_f32(brow[j]);
+#pragma unroll
+            for (int row = 0; row < LORA_EXPAND_ROWS16; ++row) acc[row] = fmaf(ts[row * s.r + j], bj, acc[row]);
+        }
+    }
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS16; ++row) {
+        if (row >= lo && row < hi) {
+            v[row] = to_f32(to_bf16(to_f32(y[ybase + (long long)row * width]) + s.scale * acc[row]));
+            covered |= 1u << row;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) lora_expand_epi_bf16(
+    const bf16* __restrict__ y, bf16* __restrict__ out, const bf16* __restrict__ resid,
+    const float* __restrict__ t_part, const LoraSegs p, int n_rows, int nseg, int act) {
+    kiln_pdl_enter();
+    extern __shared__ float ts[];
+    const int tile0 = blockIdx.y * LORA_EXPAND_ROWS16;
+    const int nrows = min(LORA_EXPAND_ROWS16, n_rows - tile0);
+    const bool gated = act >= 0;
+    const int out_w = gated ? p.width / 2 : p.width;
+    const int cb0 = blockIdx.x * blockDim.x, cb1 = min(cb0 + (int)blockDim.x, out_w);
+    const int c = cb0 + threadIdx.x;
+    const int jb = c + out_w;  // the up column (gated)
+    float va[LORA_EXPAND_ROWS16], vb[LORA_EXPAND_ROWS16];
+    unsigned cov_a = 0, cov_b = 0;
+    const long long ybase = (long long)tile0 * p.width;
+    for (int si = 0; si < nseg; ++si) {
+        const LoraSeg& s = p.s[si];
+        const int lo = max(s.row0, tile0) - tile0, hi = min(s.row0 + s.rows, tile0 + nrows) - tile0;
+        if (lo >= hi) continue;
+        const bool hit_a = s.col0 < cb1 && s.col0 + s.cols > cb0;
+        const bool hit_b = gated && s.col0 < cb1 + out_w && s.col0 + s.cols > cb0 + out_w;
+        if (!hit_a && !hit_b) continue;  // the same for the whole block
+        __syncthreads();                 // the previous segment's rows are read
+        for (int i = threadIdx.x; i < LORA_EXPAND_ROWS16 * s.r; i += blockDim.x) {
+            const int row = i / s.r;
+            float v = 0.0f;
+            if (row >= lo && row < hi) {
+                const long long off = s.t_off + (long long)(tile0 + row - s.row0) * s.r + i % s.r;
+                for (int k = 0; k < p.num_kc; ++k) v += t_part[k * p.t_stride + off];
+            }
+            ts[i] = v;
+        }
+        __syncthreads();
+        if (c < cb1 && c >= s.col0 && c < s.col0 + s.cols)
+            lora_epi_dot(s, c - s.col0, ts, lo, hi, y, ybase + c, p.width, va, cov_a);
+        if (gated && c < cb1 && jb >= s.col0 && jb < s.col0 + s.cols)
+            lora_epi_dot(s, jb - s.col0, ts, lo, hi, y, ybase + jb, p.width, vb, cov_b);
+    }
+    if (c >= cb1) return;
+#pragma unroll
+    for (int row = 0; row < LORA_EXPAND_ROWS16; ++row) {
+        if (row < nrows) {
+            const long long yi = ybase + (long long)row * p.width;
+            const float a = (cov_a >> row) & 1 ? va[row] : to_f32(y[yi + c]);
+            const long long oi = (long long)(tile0 + row) * out_w + c;
+            if (gated) {
+                const float u = (cov_b >> row) & 1 ? vb[row] : to_f32(y[yi + jb]);
+                out[oi] = to_bf16(kiln_act(a, act) * u);
+            } else {
+                out[oi] = resid ? to_bf16(to_f32(resid[oi]) + a) : to_bf16(a);
+            }
+        }
+    }
+}
+
+// The 8-column expands (lora_expand8_bf16, lora_expand8_epi_bf16: the same results as the two
+// above, CudaOptions::lora_expand8): a thread takes 8 adjacent columns (one 16-byte piece of y)
+// of a tile of LORA_EXPAND_ROWS rows, so each staged t value feeds 8 products (the kernels above:
+// one) and y moves in 16-byte pieces.
 // A column's sum runs over j in order: acc = fma(t[row, j], B[n, j], acc), j = 0 .. r - 1.
 
 // t's rows of segment s for the tile's rows [lo, hi) (tile-relative; the others zero), the chunks
@@ -195,7 +361,7 @@ __device__ __forceinline__ void lora_store8(bf16* __restrict__ y, long long row,
 // Grid (segments, chunks of 8 * 128 columns, tiles of LORA_EXPAND_ROWS rows); block 128, dynamic
 // shared memory LORA_EXPAND_ROWS * (largest r) floats. In place:
 // y[row, col0 + n] = bf16(y + scale * sum_j t[row, j] B[n, j]) for the segment's rows.
-extern "C" __global__ void __launch_bounds__(128) lora_expand_bf16(bf16* __restrict__ y,
+extern "C" __global__ void __launch_bounds__(128) lora_expand8_bf16(bf16* __restrict__ y,
                                                                    const float* __restrict__ t_part,
                                                                    const LoraSegs p) {
     kiln_pdl_enter();
@@ -254,7 +420,7 @@ __device__ __forceinline__ void lora_epi_apply(const LoraSeg& s, int col, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(128) lora_expand_epi_bf16(
+extern "C" __global__ void __launch_bounds__(128) lora_expand8_epi_bf16(
     const bf16* __restrict__ y, bf16* __restrict__ out, const bf16* __restrict__ resid,
     const float* __restrict__ t_part, const LoraSegs p, int n_rows, int nseg, int act) {
     kiln_pdl_enter();

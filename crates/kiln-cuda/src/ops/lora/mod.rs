@@ -4,7 +4,8 @@
 //! Steps with adapters run eagerly (`step::meta::is_graphable`), so the
 //! segments travel as a kernel parameter. Steps of at least
 //! `CudaOptions::lora_mma_rows` rows (prefill) and ranks up to 64 take the
-//! tensor-core pair, the others the CUDA-core pair. `lora_apply` takes the
+//! tensor-core pair, the others the CUDA-core pair (its expand one column a
+//! thread, or 8 with `CudaOptions::lora_expand8`). `lora_apply` takes the
 //! product's gated activation or residual sum into the CUDA-core expand.
 
 use std::sync::Arc;
@@ -18,9 +19,10 @@ use crate::driver::device::{dev_err, ptr, wrap};
 const MAX_SEGS: usize = 32;
 const SHRINK_ROWS: usize = 8;
 const SHRINK_K: usize = 512;
-const EXPAND_ROWS: usize = 8;
-/// Columns a block of the CUDA-core expands (128 threads, 8 columns each).
-const EXPAND_COLS: usize = 1024;
+const EXPAND_ROWS: usize = 16;
+/// Rows a tile and columns a block of the 8-column expands (128 threads).
+const EXPAND8_ROWS: usize = 8;
+const EXPAND8_COLS: usize = 1024;
 const MMA_MAX_R: usize = 64;
 const MMA_ROWS: usize = 64;
 const MMA_COLS: usize = 256;
@@ -58,7 +60,8 @@ pub(crate) fn lora_add(
     x: &Tensor,
     deltas: &[LoraDelta<'_>],
 ) -> Result<Tensor> {
-    lora_add_rows(cuda, y, x, deltas, cuda.options.lora_mma_rows)
+    let o = &cuda.options;
+    lora_add_rows(cuda, y, x, deltas, o.lora_mma_rows, o.lora_expand8)
 }
 
 /// The segments of `deltas` over `y [n, width]` and `x [n, k]`: one a run of rows.
@@ -134,13 +137,43 @@ fn pack(chunk: &[Seg], k: usize, width: usize, num_kc: usize) -> (Segs, usize, u
     (p, max_rows, max_cols, max_r)
 }
 
+/// The CUDA-core expands, one column a thread or 8 (`wide`): entry
+/// points (in place, with the epilogue), rows a tile, columns a block,
+/// threads a block.
+struct Expand {
+    names: (&'static str, &'static str),
+    rows: usize,
+    cols: usize,
+    threads: u32,
+}
+
+fn expand_kind(wide: bool) -> Expand {
+    match wide {
+        false => Expand {
+            names: ("lora_expand_bf16", "lora_expand_epi_bf16"),
+            rows: EXPAND_ROWS,
+            cols: 256,
+            threads: 256,
+        },
+        true => Expand {
+            names: ("lora_expand8_bf16", "lora_expand8_epi_bf16"),
+            rows: EXPAND8_ROWS,
+            cols: EXPAND8_COLS,
+            threads: 128,
+        },
+    }
+}
+
 /// The expand's shared memory for rank `max_r` (CUDA-core kernels).
-fn expand_smem(max_r: usize) -> Result<u32> {
-    let smem = EXPAND_ROWS * max_r * 4;
+fn expand_smem(ex: &Expand, max_r: usize) -> Result<u32> {
+    let smem = ex.rows * max_r * 4;
     if smem > 48 * 1024 {
         return Err(TensorError::Unsupported {
             backend: "cuda",
-            what: format!("LoRA rank {max_r} (up to 1536 runs)"),
+            what: format!(
+                "LoRA rank {max_r} (up to {} runs)",
+                48 * 1024 / (4 * ex.rows)
+            ),
         });
     }
     Ok(smem as u32)
@@ -188,22 +221,19 @@ pub(crate) fn lora_apply(
     deltas: &[LoraDelta<'_>],
     after: Epilogue<'_>,
     mma_rows: usize,
+    wide: bool,
 ) -> Result<Tensor> {
     if after.gated.is_none() && after.residual.is_none() && after.bias.is_none() {
-        return lora_add_rows(cuda, y, x, deltas, mma_rows);
+        return lora_add_rows(cuda, y, x, deltas, mma_rows, wide);
     }
+    let ex = expand_kind(wide);
     let (n, k, segs) = segments(y, x, deltas)?;
     let width = y.dims2("lora_apply")?.1;
     let max_rank = segs.iter().map(|s| s.r as usize).max().unwrap_or(0);
     let mma = n >= mma_rows && max_rank <= MMA_MAX_R;
-    if after.bias.is_some()
-        || mma
-        || segs.len() > MAX_SEGS
-        || n == 0
-        || !cuda.dev.has("lora_expand_epi_bf16")
-    {
-        // The deltas by lora_add_rows, with the same mma_rows.
-        let y = lora_add_rows(cuda, y, x, deltas, mma_rows)?;
+    if after.bias.is_some() || mma || segs.len() > MAX_SEGS || n == 0 || !cuda.dev.has(ex.names.1) {
+        // The deltas by lora_add_rows, with the same kernels.
+        let y = lora_add_rows(cuda, y, x, deltas, mma_rows, wide)?;
         return kiln_tensor::lora_apply_unfused(cuda, &y, x, &[], after);
     }
     let out_w = match after.gated {
@@ -228,7 +258,7 @@ pub(crate) fn lora_apply(
     };
     let num_kc = k.div_ceil(SHRINK_K);
     let (p, max_rows, _, max_r) = pack(&segs, k, width, num_kc);
-    let smem = expand_smem(max_r.max(1))?;
+    let smem = expand_smem(&ex, max_r.max(1))?;
     let t = cuda.dev.alloc(
         (num_kc * p.t_stride as usize).max(1),
         4,
@@ -244,18 +274,18 @@ pub(crate) fn lora_apply(
     let (nr, ns) = (n as i32, segs.len() as i32);
     let cfg = LaunchConfig {
         grid_dim: (
-            out_w.div_ceil(EXPAND_COLS) as u32,
-            n.div_ceil(EXPAND_ROWS) as u32,
+            out_w.div_ceil(ex.cols) as u32,
+            n.div_ceil(ex.rows) as u32,
             1,
         ),
-        block_dim: (128, 1, 1),
+        block_dim: (ex.threads, 1, 1),
         shared_mem_bytes: smem,
     };
     // SAFETY: y [n, width], out [n, out_w], resid (if not null) [n, out_w];
     // the segments' rows, columns, B [cols, r] and t as in lora_add_rows.
     unsafe {
         cuda.dev
-            .launch(cuda.dev.func("lora_expand_epi_bf16")?)
+            .launch(cuda.dev.func(ex.names.1)?)
             .arg(&yp)
             .arg(&out.ptr)
             .arg(&resid)
@@ -271,14 +301,17 @@ pub(crate) fn lora_apply(
 }
 
 /// [`lora_add`] with steps of at least `mma_rows` rows on the tensor-core
-/// pair (cuda-check runs both pairs whatever the option says).
+/// pair, the others' expand one column a thread or 8 (`wide`) (cuda-check
+/// runs every kernel whatever the options say).
 pub(crate) fn lora_add_rows(
     cuda: &CudaBackend,
     y: &Tensor,
     x: &Tensor,
     deltas: &[LoraDelta<'_>],
     mma_rows: usize,
+    wide: bool,
 ) -> Result<Tensor> {
+    let ex = expand_kind(wide);
     let (n, k, segs) = segments(y, x, deltas)?;
     let width = y.dims2("lora_add")?.1;
     // In place when the product is this call's alone (it is, from
@@ -334,13 +367,13 @@ pub(crate) fn lora_add_rows(
                 LaunchConfig {
                     grid_dim: (
                         chunk.len() as u32,
-                        max_cols.div_ceil(EXPAND_COLS) as u32,
-                        max_rows.div_ceil(EXPAND_ROWS) as u32,
+                        max_cols.div_ceil(ex.cols) as u32,
+                        max_rows.div_ceil(ex.rows) as u32,
                     ),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: expand_smem(max_r)?,
+                    block_dim: (ex.threads, 1, 1),
+                    shared_mem_bytes: expand_smem(&ex, max_r)?,
                 },
-                "lora_expand_bf16",
+                ex.names.0,
             )
         };
         // SAFETY: every segment's rows lie in y [n, width], its columns in
