@@ -11,7 +11,8 @@
 #     adapters on every projection; kiln bench-engine at 64 concurrent requests without adapters
 #     and with request i on adapter i mod 8, alternated twice, same binary, same KV pool.
 #   KILN=.device/kiln bench/gpu/lora_embed_round.sh OUT_DIR parity|throughput
-#   (throughput: REPS and MODES, default "1 2" and "base lora lora-mma128 lora-mma1", pick runs)
+#   (throughput: REPS and MODES, default "1 2" and "base lora lora-mma128 lora-mma1", pick runs;
+#   lora-x8: the 8-column expands, KILN_LORA_EXPAND8=1)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/lora_embed_round.sh OUT_DIR parity|throughput}; PART=${2:?part}
 KILN=${KILN:-.device/kiln}; W=${WORK:-/tmp/kiln-round}; TOK=bench/smollm2-tokenizer
@@ -63,7 +64,7 @@ if [ "$PART" = throughput ]; then
     for mode in ${MODES:-base lora lora-mma128 lora-mma1}; do
       log "bench-engine $mode rep $rep"
       # shellcheck disable=SC2086
-      env $( case $mode in lora-mma*) echo KILN_LORA_MMA_ROWS=${mode#lora-mma};; esac ) \
+      env $( case $mode in lora-mma*) echo KILN_LORA_MMA_ROWS=${mode#lora-mma};; lora-x8) echo KILN_LORA_EXPAND8=1;; esac ) \
       "$KILN" bench-engine --device cuda -m "$W/ck8b" --concurrency 64 --prompt-tokens 256 --gen-tokens 128 \
         --prefix-tokens 16 --kv-mib 16384 $( [ $mode != base ] && echo $L ) \
         > "$OUT/engine-$mode-$rep.json" 2>> "$LOG" || log "FAILED bench-engine $mode $rep"

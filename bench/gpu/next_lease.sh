@@ -3,9 +3,11 @@
 # stage under its own time limit, compact summaries on stdout (the machine returns few files),
 # checkpoints deleted between stages (the machine's disk is 64 GiB):
 #   1. kiln dev cuda-check: failures and the LoRA / recurrent lines (the kernels last changed);
-#   2. issue 23: the 8B shape with 8 rank-16 adapters against none (bench/gpu/lora_embed_round.sh);
+#   2. issue 23: the 8B shape with 8 rank-16 adapters against none, with each CUDA-core expand
+#      (KILN_LORA_EXPAND8; bench/gpu/lora_embed_round.sh);
 #   3. issue 21: the tiny hybrids' rows against the CPU and transformers in bf16 (tinydiag), the
-#      Qwen3.5-9B shape's batch-1 decode and its serving figures (hybrid_round.sh "serve").
+#      Qwen3.5-9B shape's serving figures (hybrid_round.sh "serve"), its batch-1 decode with each
+#      delta-rule kernel (KILN_DELTA_REGISTERS), and serving again with the register one.
 #   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
@@ -20,17 +22,22 @@ if has check; then
   echo "ok lines: $(grep -c '^ok' "$OUT/check.log")"
 fi
 if has lora; then
-  MODES="base lora" REPS="1 2" timeout 240 bench/gpu/lora_embed_round.sh "$OUT/lora" throughput 2>&1 | grep -v '^==' | tail -6
+  MODES="base lora lora-x8" REPS="1 2" timeout 270 bench/gpu/lora_embed_round.sh "$OUT/lora" throughput 2>&1 | grep -v '^==' | tail -6
   rm -rf "${WORK:-/tmp/kiln-round}/ck8b" "${WORK:-/tmp/kiln-round}"/lora8b-*
 fi
 if has hybrid; then
   timeout 120 bench/gpu/hybrid_round.sh "$OUT/tiny" tinydiag 2>&1 | tail -12
   timeout 330 bench/gpu/hybrid_round.sh "$OUT/h" serve 2>&1 | tail -16
   W=${WORK:-$PWD/target/kiln-w}
-  [ -d "$W/qwen3_5-9b" ] && timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 512 \
-    --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
+  # The 9B shape's decode and 512-token prefill with each delta-rule kernel, then its serving
+  # figures with the register one.
+  for r in 0 1; do
+    [ -d "$W/qwen3_5-9b" ] && KILN_DELTA_REGISTERS=$r timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
+      --prompt-tokens 512 --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
 import json, sys; d = json.load(sys.stdin)
-print('9b decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction', round(d['decode_fraction_of_bandwidth'], 4),
-      'prefill 512', round(d['prefill_tokens_per_second']['median'], 1))"
+print('9b delta registers=$r: decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction',
+      round(d['decode_fraction_of_bandwidth'], 4), 'prefill 512', round(d['prefill_tokens_per_second']['median'], 1))"
+  done
+  KILN_DELTA_REGISTERS=1 timeout 200 bench/gpu/hybrid_round.sh "$OUT/h-reg" serve 2>&1 | tail -14
   rm -rf "$W/qwen3_5-9b" "$OUT"/tiny/*.npy
 fi
