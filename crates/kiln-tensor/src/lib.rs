@@ -16,6 +16,7 @@
 //! [`AttentionParams`], [`TensorError`].
 
 pub mod backend;
+pub mod batch;
 pub mod collective;
 pub mod cpu;
 pub mod error;
