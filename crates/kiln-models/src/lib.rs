@@ -97,6 +97,61 @@ pub trait CausalLm: Send + Sync {
         })
     }
 
+    /// Multi-token-prediction heads the model runs (0: none): a head
+    /// guesses the token two after a position from that position's final
+    /// hidden state and the token after it ([`CausalLm::mtp_forward`]).
+    fn mtp_heads(&self) -> usize {
+        0
+    }
+
+    /// A paged KV cache of `num_blocks` blocks of `block_size` for the MTP
+    /// head's attention layer (its own, apart from the model's).
+    fn new_mtp_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        let _ = (num_blocks, block_size);
+        Err(self.no_mtp())
+    }
+
+    /// [`CausalLm::forward`]'s logits (the same bits) and, beside them,
+    /// the final hidden state of every row of the batch, as
+    /// [`CausalLm::hidden_states`] gives them (`[rows, hidden_size]`):
+    /// what an MTP head reads.
+    fn forward_with_hidden(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        let _ = (batch, cache);
+        Err(self.no_mtp())
+    }
+
+    /// One pass of the MTP head over `batch`, whose row at position `p`
+    /// holds the token after `p`, with `hidden` (`[rows, hidden_size]`) the
+    /// final hidden state of `p` (the model's, or this head's own output
+    /// for a guess after a guess); writes the head's keys and values at
+    /// `p` into `cache` ([`CausalLm::new_mtp_cache`]). Returns, for
+    /// `batch.logits_rows`, the logits of the token two after `p` and the
+    /// head's hidden state.
+    fn mtp_forward(
+        &self,
+        batch: &ForwardBatch,
+        hidden: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        let _ = (batch, hidden, cache);
+        Err(self.no_mtp())
+    }
+
+    #[doc(hidden)]
+    fn no_mtp(&self) -> ModelError {
+        ModelError::Config {
+            key: "model_type".into(),
+            what: format!(
+                "{} has no multi-token-prediction head",
+                self.config().model_type
+            ),
+        }
+    }
+
     /// Whether the model has an output head to generate with (an encoder
     /// such as BERT only embeds).
     fn generates(&self) -> bool {

@@ -81,6 +81,10 @@ pub struct Qwen35Config {
     pub sparse_layers: Vec<bool>,
     /// Qwen3-Next's projection layout (`in_proj_qkvz`, `in_proj_ba`).
     pub next: bool,
+    /// Multi-token-prediction layers the config declares
+    /// (`mtp_num_hidden_layers`; Qwen3-Next's `num_nextn_predict_layers`).
+    /// The head is read when the checkpoint holds it and has one layer.
+    pub mtp_layers: usize,
 }
 
 /// The sparse feed-forward of `qwen3_5_moe_text` and `qwen3_next`.
@@ -240,6 +244,10 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> 
         sparse_layers,
         next,
         linear_layers,
+        mtp_layers: match opt_usize(c, "mtp_num_hidden_layers")? {
+            Some(n) => n,
+            None => opt_usize(c, "num_nextn_predict_layers")?.unwrap_or(0),
+        },
     };
     if let Some(m) = &cfg.moe {
         if m.num_experts == 0 || m.top_k == 0 || m.top_k > m.num_experts {
@@ -292,7 +300,8 @@ fn qwen35_config(cfg: &ModelConfig) -> Result<&Qwen35Config> {
     }
 }
 
-/// Every weight a Qwen3.5 text checkpoint with `cfg` holds.
+/// Every weight a Qwen3.5 text checkpoint with `cfg` holds (with the
+/// multi-token-prediction head where the config declares one layer).
 pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let Ok(q) = qwen35_config(cfg) else {
         return Vec::new();
@@ -303,8 +312,7 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         vec![cfg.vocab_size, h],
     )];
     let vdim = q.linear_v_heads * q.linear_v_dim;
-    for (l, &linear) in q.linear_layers.iter().enumerate() {
-        let p = format!("model.layers.{l}");
+    let mut layer = |p: &str, linear: bool, sparse: bool| {
         let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
         add("input_layernorm.weight", vec![h]);
         add("post_attention_layernorm.weight", vec![h]);
@@ -340,7 +348,7 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             add("self_attn.q_norm.weight", vec![hd]);
             add("self_attn.k_norm.weight", vec![hd]);
         }
-        match q.moe.filter(|_| q.sparse_layers[l]) {
+        match q.moe.filter(|_| sparse) {
             Some(m) => {
                 let prefix = format!("{p}.mlp");
                 out.extend(
@@ -353,6 +361,16 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 add("mlp.up_proj.weight", vec![i, h]);
                 add("mlp.down_proj.weight", vec![h, i]);
             }
+        }
+    };
+    for (l, &linear) in q.linear_layers.iter().enumerate() {
+        layer(&format!("model.layers.{l}"), linear, q.sparse_layers[l]);
+    }
+    if q.mtp_layers == 1 {
+        layer("mtp.layers.0", false, q.moe.is_some());
+        out.push(("mtp.fc.weight".to_string(), vec![h, 2 * h]));
+        for n in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"] {
+            out.push((format!("mtp.{n}.weight"), vec![h]));
         }
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
@@ -369,6 +387,152 @@ fn norm(l: &WeightLoader, name: &str, dim: usize, eps: f32) -> Result<RmsNorm> {
         eps,
         weight_offset: 1.0,
     })
+}
+
+/// A gated full-attention layer (`{a}` = `….self_attn`) writing KV slot
+/// `slot` of group `group`: `q_proj`'s rows are `[head][query | gate][head_dim]`,
+/// packed here as the queries of every head, k, v, then the gates.
+fn attention_mixer(
+    l: &WeightLoader,
+    backend: &Arc<dyn Backend>,
+    cfg: &ModelConfig,
+    a: &str,
+    group: usize,
+    slot: usize,
+) -> Result<Mixer> {
+    let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
+    let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+    let qg = l.host(&format!("{a}.q_proj.weight"), &[2 * nh * hd, h])?;
+    let kw = l.host(&format!("{a}.k_proj.weight"), &[nkv * hd, h])?;
+    let vw = l.host(&format!("{a}.v_proj.weight"), &[nkv * hd, h])?;
+    let row = |r: usize| &qg[r * h..(r + 1) * h];
+    let mut packed = Vec::with_capacity((2 * nh + 2 * nkv) * hd * h);
+    for head in 0..nh {
+        for d in 0..hd {
+            packed.extend_from_slice(row(head * 2 * hd + d));
+        }
+    }
+    packed.extend_from_slice(&kw);
+    packed.extend_from_slice(&vw);
+    for head in 0..nh {
+        for d in 0..hd {
+            packed.extend_from_slice(row(head * 2 * hd + hd + d));
+        }
+    }
+    let rows = (2 * nh + 2 * nkv) * hd;
+    let weight = Weight::Dense(backend.upload(&[rows, h], &packed)?);
+    l.note(&weight);
+    Ok(Mixer::Attention {
+        qkvg: Linear {
+            weight,
+            bias: None,
+            parts: vec![
+                (format!("{a}.q_proj"), 0..nh * hd),
+                (format!("{a}.k_proj"), nh * hd..(nh + nkv) * hd),
+                (format!("{a}.v_proj"), (nh + nkv) * hd..(nh + 2 * nkv) * hd),
+            ],
+        },
+        q_norm: norm(l, &format!("{a}.q_norm.weight"), hd, eps)?,
+        k_norm: norm(l, &format!("{a}.k_norm.weight"), hd, eps)?,
+        o: Linear::load(l, &format!("{a}.o_proj"), nh * hd, h, false)?,
+        params: AttentionParams {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: (hd as f32).powf(-0.5),
+            sliding_window: None,
+            softcap: None,
+            kv_group: group,
+            causal: true,
+        },
+        kv_slot: slot,
+    })
+}
+
+/// The feed-forward of layer `p` (`model.layers.N`, `mtp.layers.N`): the
+/// sparse block where `sparse`, else the gated MLP.
+fn feed_forward(
+    l: &WeightLoader,
+    q: &Qwen35Config,
+    cfg: &ModelConfig,
+    p: &str,
+    sparse: bool,
+) -> Result<Ffn> {
+    let h = cfg.hidden_size;
+    Ok(match q.moe.filter(|_| sparse) {
+        Some(m) => {
+            let prefix = format!("{p}.mlp");
+            Ffn::Sparse(crate::layers::SparseMoe::load(
+                l,
+                &prefix,
+                &format!("{prefix}.gate.weight"),
+                &m.shape(h),
+            )?)
+        }
+        None => Ffn::Dense(GatedMlp::load(
+            l,
+            &format!("{p}.mlp"),
+            h,
+            cfg.intermediate_size,
+            Activation::Silu,
+        )?),
+    })
+}
+
+/// The multi-token-prediction head (`mtp.*`): from the final hidden state
+/// `h` of position `p` and the token `t` after it, `fc(norm_e(embed(t)) ‖
+/// norm_h(h))` through one gated full-attention block (with its own KV) and
+/// `norm`, whose output the shared `lm_head` reads — the token two after
+/// `p` — and the next depth takes as its hidden state. `fc` is kept as its
+/// two halves, the embedding's and the hidden state's, so the concatenation
+/// is a sum of two products.
+struct Mtp {
+    norm_embed: RmsNorm,
+    norm_hidden: RmsNorm,
+    fc_embed: Linear,
+    fc_hidden: Linear,
+    block: Block,
+    norm: RmsNorm,
+}
+
+impl Mtp {
+    fn load(
+        l: &WeightLoader,
+        backend: &Arc<dyn Backend>,
+        q: &Qwen35Config,
+        cfg: &ModelConfig,
+    ) -> Result<Self> {
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let fc = l.host("mtp.fc.weight", &[h, 2 * h])?;
+        let half = |first: bool| -> Result<Linear> {
+            let cols: Vec<f32> = fc
+                .chunks(2 * h)
+                .flat_map(|r| if first { &r[..h] } else { &r[h..] })
+                .copied()
+                .collect();
+            let weight = Weight::Dense(backend.upload(&[h, h], &cols)?);
+            l.note(&weight);
+            Ok(Linear {
+                weight,
+                bias: None,
+                parts: vec![("mtp.fc".to_string(), 0..h)],
+            })
+        };
+        let p = "mtp.layers.0";
+        Ok(Mtp {
+            norm_embed: norm(l, "mtp.pre_fc_norm_embedding.weight", h, eps)?,
+            norm_hidden: norm(l, "mtp.pre_fc_norm_hidden.weight", h, eps)?,
+            fc_embed: half(true)?,
+            fc_hidden: half(false)?,
+            block: Block {
+                input_norm: norm(l, &format!("{p}.input_layernorm.weight"), h, eps)?,
+                mixer: attention_mixer(l, backend, cfg, &format!("{p}.self_attn"), 0, 0)?,
+                post_norm: norm(l, &format!("{p}.post_attention_layernorm.weight"), h, eps)?,
+                mlp: feed_forward(l, q, cfg, p, q.moe.is_some())?,
+            },
+            norm: norm(l, "mtp.norm.weight", h, eps)?,
+        })
+    }
 }
 
 /// Qwen3-Next's `in_proj_qkvz` (`[key head][q | k | v | z]`) and
@@ -465,6 +629,8 @@ pub struct Qwen35 {
     /// One slot's recurrent state, per recurrent layer (conv, recurrence).
     state: (usize, usize),
     recurrent_layers: usize,
+    /// The multi-token-prediction head, where the checkpoint has one.
+    mtp: Option<Mtp>,
 }
 
 impl Qwen35 {
@@ -476,8 +642,7 @@ impl Qwen35 {
     ) -> Result<Self> {
         let q = qwen35_config(&cfg)?.clone();
         let l = WeightLoader::with_progress(&backend, source, progress);
-        let (h, hd, eps) = (cfg.hidden_size, cfg.head_dim, cfg.rms_norm_eps);
-        let (nh, nkv) = (cfg.num_heads, cfg.num_kv_heads);
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let embed = l.embedding("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let kv_slots = cfg.kv_slots();
         let vdim = q.linear_v_heads * q.linear_v_dim;
@@ -532,81 +697,30 @@ impl Qwen35 {
                     out: Linear::load(&l, &format!("{a}.out_proj"), vdim, h, false)?,
                 }
             } else {
-                let a = format!("{p}.self_attn");
-                // q_proj's rows are [head][query | gate][head_dim]: the
-                // queries of every head, k, v, then the gates.
-                let qg = l.host(&format!("{a}.q_proj.weight"), &[2 * nh * hd, h])?;
-                let kw = l.host(&format!("{a}.k_proj.weight"), &[nkv * hd, h])?;
-                let vw = l.host(&format!("{a}.v_proj.weight"), &[nkv * hd, h])?;
-                let row = |r: usize| &qg[r * h..(r + 1) * h];
-                let mut packed = Vec::with_capacity((2 * nh + 2 * nkv) * hd * h);
-                for head in 0..nh {
-                    for d in 0..hd {
-                        packed.extend_from_slice(row(head * 2 * hd + d));
-                    }
-                }
-                packed.extend_from_slice(&kw);
-                packed.extend_from_slice(&vw);
-                for head in 0..nh {
-                    for d in 0..hd {
-                        packed.extend_from_slice(row(head * 2 * hd + hd + d));
-                    }
-                }
-                let rows = (2 * nh + 2 * nkv) * hd;
-                let weight = Weight::Dense(backend.upload(&[rows, h], &packed)?);
-                l.note(&weight);
                 let slot = kv_slots[i];
-                Mixer::Attention {
-                    qkvg: Linear {
-                        weight,
-                        bias: None,
-                        parts: vec![
-                            (format!("{a}.q_proj"), 0..nh * hd),
-                            (format!("{a}.k_proj"), nh * hd..(nh + nkv) * hd),
-                            (format!("{a}.v_proj"), (nh + nkv) * hd..(nh + 2 * nkv) * hd),
-                        ],
-                    },
-                    q_norm: norm(&l, &format!("{a}.q_norm.weight"), hd, eps)?,
-                    k_norm: norm(&l, &format!("{a}.k_norm.weight"), hd, eps)?,
-                    o: Linear::load(&l, &format!("{a}.o_proj"), nh * hd, h, false)?,
-                    params: AttentionParams {
-                        num_heads: nh,
-                        num_kv_heads: nkv,
-                        head_dim: hd,
-                        scale: (hd as f32).powf(-0.5),
-                        sliding_window: None,
-                        softcap: None,
-                        kv_group: slot.group,
-                        causal: true,
-                    },
-                    kv_slot: slot.slot,
-                }
+                attention_mixer(
+                    &l,
+                    &backend,
+                    &cfg,
+                    &format!("{p}.self_attn"),
+                    slot.group,
+                    slot.slot,
+                )?
             };
             blocks.push(Block {
                 input_norm: norm(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
                 mixer,
                 post_norm: norm(&l, &format!("{p}.post_attention_layernorm.weight"), h, eps)?,
-                mlp: match q.moe.filter(|_| q.sparse_layers[i]) {
-                    Some(m) => {
-                        let prefix = format!("{p}.mlp");
-                        Ffn::Sparse(crate::layers::SparseMoe::load(
-                            &l,
-                            &prefix,
-                            &format!("{prefix}.gate.weight"),
-                            &m.shape(h),
-                        )?)
-                    }
-                    None => Ffn::Dense(GatedMlp::load(
-                        &l,
-                        &format!("{p}.mlp"),
-                        h,
-                        cfg.intermediate_size,
-                        Activation::Silu,
-                    )?),
-                },
+                mlp: feed_forward(&l, &q, &cfg, &p, q.sparse_layers[i])?,
             });
         }
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
+        // The head is read only where it is there (conversions often drop
+        // it) and has the one layer Kiln runs.
+        let mtp = match q.mtp_layers == 1 && l.contains("mtp.fc.weight") {
+            true => Some(Mtp::load(&l, &backend, &q, &cfg)?),
+            false => None,
+        };
         let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         let state = blocks
             .iter()
@@ -627,6 +741,7 @@ impl Qwen35 {
             rope,
             state,
             recurrent_layers: recurrent,
+            mtp,
             cfg,
         })
     }
@@ -641,56 +756,81 @@ impl Qwen35 {
         }
     }
 
+    /// One block over `x`: its mixer, then its feed-forward, each with the
+    /// residual around it.
+    fn block(
+        &self,
+        blk: &Block,
+        x: &Tensor,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+        let mixed = match &blk.mixer {
+            Mixer::Linear { proj, delta, out } => {
+                let p = proj.forward(b, x, Fuse::norm(&blk.input_norm))?;
+                let core = b.recurrent_mixer(&p, delta, batch, cache)?;
+                out.forward(b, &core, Fuse::NONE.with_residual(x))?
+            }
+            Mixer::Attention {
+                qkvg,
+                q_norm,
+                k_norm,
+                o,
+                params,
+                kv_slot,
+            } => {
+                let y = qkvg.forward(b, x, Fuse::norm(&blk.input_norm))?;
+                let parts = b.split_cols(&y, &[(nh + 2 * nkv) * hd, nh * hd])?;
+                let qk_norm = QkNorm {
+                    v_weight: None,
+                    q_weight: &q_norm.weight,
+                    k_weight: &k_norm.weight,
+                    eps: q_norm.eps,
+                    weight_offset: q_norm.weight_offset,
+                };
+                let attn = b.qkv_attention(
+                    &parts[0],
+                    cache,
+                    *kv_slot,
+                    batch,
+                    params,
+                    &self.rope.params(nh, hd),
+                    Some(qk_norm),
+                )?;
+                let gated = b.gated_activation(&parts[1], &attn, Activation::Sigmoid)?;
+                o.forward(b, &gated, Fuse::NONE.with_residual(x))?
+            }
+        };
+        blk.mlp
+            .forward_pre_norm(b, &mixed, &blk.post_norm, &batch.lora, true)
+    }
+
+    /// The last block's output, every row.
+    fn trunk(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        let mut x = self.backend.embedding(&self.embed, &batch.token_ids)?;
+        for blk in &self.blocks {
+            x = self.block(blk, &x, batch, cache)?;
+        }
+        Ok(x)
+    }
+
     fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
-        let mut x = b.embedding(&self.embed, &batch.token_ids)?;
-        let (nh, nkv, hd) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
-        for blk in &self.blocks {
-            let mixed = match &blk.mixer {
-                Mixer::Linear { proj, delta, out } => {
-                    let p = proj.forward(b, &x, Fuse::norm(&blk.input_norm))?;
-                    let core = b.recurrent_mixer(&p, delta, batch, cache)?;
-                    out.forward(b, &core, Fuse::NONE.with_residual(&x))?
-                }
-                Mixer::Attention {
-                    qkvg,
-                    q_norm,
-                    k_norm,
-                    o,
-                    params,
-                    kv_slot,
-                } => {
-                    let y = qkvg.forward(b, &x, Fuse::norm(&blk.input_norm))?;
-                    let parts = b.split_cols(&y, &[(nh + 2 * nkv) * hd, nh * hd])?;
-                    let qk_norm = QkNorm {
-                        v_weight: None,
-                        q_weight: &q_norm.weight,
-                        k_weight: &k_norm.weight,
-                        eps: q_norm.eps,
-                        weight_offset: q_norm.weight_offset,
-                    };
-                    let attn = b.qkv_attention(
-                        &parts[0],
-                        cache,
-                        *kv_slot,
-                        batch,
-                        params,
-                        &self.rope.params(nh, hd),
-                        Some(qk_norm),
-                    )?;
-                    let gated = b.gated_activation(&parts[1], &attn, Activation::Sigmoid)?;
-                    o.forward(b, &gated, Fuse::NONE.with_residual(&x))?
-                }
-            };
-            x = blk
-                .mlp
-                .forward_pre_norm(b, &mixed, &blk.post_norm, &batch.lora, true)?;
-        }
+        let x = self.trunk(batch, cache)?;
         let x = b.gather_rows(&x, &batch.logits_rows)?;
         if out == StepOutput::Hidden {
             return self.norm.forward(b, &x);
         }
         self.lm_head.forward(b, &x, Fuse::norm(&self.norm))
+    }
+
+    fn mtp_head(&self) -> Result<&Mtp> {
+        self.mtp.as_ref().ok_or_else(|| ModelError::Config {
+            key: "mtp_num_hidden_layers".into(),
+            what: "this checkpoint has no multi-token-prediction head".into(),
+        })
     }
 }
 
@@ -740,5 +880,54 @@ impl CausalLm for Qwen35 {
 
     fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         self.step(batch, cache, StepOutput::Hidden)
+    }
+
+    fn mtp_heads(&self) -> usize {
+        usize::from(self.mtp.is_some())
+    }
+
+    fn new_mtp_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        self.mtp_head()?;
+        Ok(self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
+            num_layers: 1,
+            num_groups: 1,
+            num_blocks,
+            block_size,
+            kv_row: self.cfg.num_kv_heads * self.cfg.head_dim,
+        })?)
+    }
+
+    /// The logits as [`CausalLm::forward`] computes them (the same fused
+    /// final norm and head, so the same bits), and every row's final
+    /// hidden state. Run eagerly: a recorded step returns one tensor.
+    fn forward_with_hidden(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        let b = self.backend.as_ref();
+        let x = self.trunk(batch, cache)?;
+        let last = b.gather_rows(&x, &batch.logits_rows)?;
+        let logits = self.lm_head.forward(b, &last, Fuse::norm(&self.norm))?;
+        Ok((logits, self.norm.forward(b, &x)?))
+    }
+
+    fn mtp_forward(
+        &self,
+        batch: &ForwardBatch,
+        hidden: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        let m = self.mtp_head()?;
+        let b = self.backend.as_ref();
+        let e = b.embedding(&self.embed, &batch.token_ids)?;
+        let e = m.fc_embed.forward(b, &e, Fuse::norm(&m.norm_embed))?;
+        let x = m
+            .fc_hidden
+            .forward(b, hidden, Fuse::norm(&m.norm_hidden).with_residual(&e))?;
+        let x = self.block(&m.block, &x, batch, cache)?;
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
+        let out = m.norm.forward(b, &x)?;
+        Ok((self.lm_head.forward(b, &out, Fuse::NONE)?, out))
     }
 }

@@ -266,6 +266,11 @@ impl<'a> WeightLoader<'a> {
         self.weight(name, shape)
     }
 
+    /// Whether the source has a tensor `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.source.contains(name)
+    }
+
     /// [`Self::weight`] if the source has `name`.
     pub fn optional_weight(&self, name: &str, shape: &[usize]) -> Result<Option<Weight>> {
         if self.source.contains(name) {

@@ -1,0 +1,127 @@
+//! The multi-token-prediction head of a random Qwen3.5 checkpoint
+//! (`tests/data/hybrid/qwen3_5_mtp`, made by `scripts/goldens/mtp_random.py`)
+//! against the head composed from transformers' own Qwen3.5 modules, in
+//! float64: at every prompt position from the model's final hidden states,
+//! in one pass and in two (the second reading the first's keys and values),
+//! then a second depth fed with the head's own output.
+
+mod common;
+
+use std::path::PathBuf;
+
+use kiln_models::CausalLm;
+use kiln_tensor::ForwardBatch;
+
+use common::compare_logprobs as compare;
+
+fn dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/hybrid/qwen3_5_mtp")
+}
+
+struct Golden {
+    prompt: Vec<u32>,
+    logprobs: Vec<Vec<f64>>,
+    mtp: Vec<Vec<f64>>,
+    depth2_token: u32,
+    depth2: Vec<f64>,
+}
+
+fn golden() -> Golden {
+    let text = std::fs::read_to_string(dir().join("golden.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let row = |r: &serde_json::Value| -> Vec<f64> {
+        r.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect()
+    };
+    let rows = |k: &str| -> Vec<Vec<f64>> { v[k].as_array().unwrap().iter().map(row).collect() };
+    Golden {
+        prompt: common::ids(&v["prompt"]),
+        logprobs: rows("logprobs"),
+        mtp: rows("mtp_logprobs"),
+        depth2_token: v["depth2_token"].as_u64().unwrap() as u32,
+        depth2: row(&v["depth2_logprobs"]),
+    }
+}
+
+/// The model's logits of every prompt row and its final hidden states.
+fn trunk(m: &dyn CausalLm, prompt: &[u32]) -> (Vec<f32>, kiln_tensor::Tensor) {
+    let mut cache = m.kv_cache_for_tokens(prompt.len(), 16).unwrap();
+    let pool = cache.spec;
+    let batch = ForwardBatch::single(prompt, 0, &pool, 0);
+    let (logits, hidden) = m.forward_with_hidden(&batch, &mut cache).unwrap();
+    (m.backend().to_host(&logits).unwrap(), hidden)
+}
+
+#[test]
+fn the_checkpoint_declares_and_ships_one_head() {
+    let m = common::load_safetensors_dir(&dir());
+    assert_eq!(m.mtp_heads(), 1);
+    // The hybrid checkpoint without `mtp.*` has none, and says so.
+    let plain = common::load_safetensors_dir(&dir().with_file_name("qwen3_5"));
+    assert_eq!(plain.mtp_heads(), 0);
+    let err = plain
+        .new_mtp_cache(4, 16)
+        .err()
+        .expect("no head")
+        .to_string();
+    assert!(err.contains("multi-token-prediction"), "{err}");
+}
+
+#[test]
+fn the_head_matches_transformers_at_every_position_and_depth() {
+    let g = golden();
+    let m = common::load_safetensors_dir(&dir());
+    let b = m.backend().clone();
+    let vocab = m.config().vocab_size;
+    let n = g.prompt.len();
+    // The same logits as the plain forward pass, and transformers'.
+    let (logits, hidden) = trunk(m.as_ref(), &g.prompt);
+    let (worst, same) = compare(&logits, vocab, &g.logprobs);
+    assert!(worst < 1e-3 && same, "model: {worst}");
+    let mut cache = m.kv_cache_for_tokens(n, 16).unwrap();
+    let pool = cache.spec;
+    let plain = b
+        .to_host(
+            &m.forward(&ForwardBatch::single(&g.prompt, 0, &pool, 0), &mut cache)
+                .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(plain, logits, "forward_with_hidden changed the logits");
+
+    // Depth 1 at positions 0..n-2 (the token after each), in one pass and
+    // in two passes over one cache.
+    let rows: Vec<u32> = (0..n as u32 - 1).collect();
+    let h = b.gather_rows(&hidden, &rows).unwrap();
+    for split in [n - 1, 7] {
+        let mut kv = m.new_mtp_cache(n.div_ceil(16) + 1, 16).unwrap();
+        let pool = kv.spec;
+        let mut got = Vec::new();
+        let mut last = None;
+        for (start, end) in [(0, split), (split, n - 1)] {
+            if start == end {
+                continue;
+            }
+            let batch = ForwardBatch::single(&g.prompt[start + 1..end + 1], start, &pool, 0);
+            let part: Vec<u32> = (start as u32..end as u32).collect();
+            let hp = b.gather_rows(&h, &part).unwrap();
+            let (l, out) = m.mtp_forward(&batch, &hp, &mut kv).unwrap();
+            got.extend(b.to_host(&l).unwrap());
+            last = Some(out);
+        }
+        let (worst, same) = compare(&got, vocab, &g.mtp);
+        assert!(worst < 1e-3 && same, "depth 1 (split {split}): {worst}");
+
+        // Depth 2 at position n-1: the next guess with the head's own
+        // output at n-2.
+        let out = last.unwrap();
+        let rows_out = b.to_host(&out).unwrap().len() / m.config().hidden_size;
+        let prev = b.gather_rows(&out, &[rows_out as u32 - 1]).unwrap();
+        let batch = ForwardBatch::single(&[g.depth2_token], n - 1, &pool, 0);
+        let (l, _) = m.mtp_forward(&batch, &prev, &mut kv).unwrap();
+        let (worst, same) = compare(&b.to_host(&l).unwrap(), vocab, &[g.depth2.clone()]);
+        assert!(worst < 1e-3 && same, "depth 2 (split {split}): {worst}");
+    }
+}
