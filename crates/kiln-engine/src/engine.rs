@@ -380,6 +380,14 @@ impl Engine {
                 ))
             }
             (Some(d), SpeculativeMethod::Draft) => crate::speculative::check_draft(&model, d)?,
+            (None, SpeculativeMethod::Mtp) if model.model.mtp_heads() == 0 => {
+                return Err(EngineError::Config(format!(
+                    "--speculative mtp needs a model with a multi-token-prediction head; \
+                     {} has none (Qwen3.5 and Qwen3-Next checkpoints ship one as `mtp.*`; \
+                     conversions often drop it): use ngram or draft",
+                    model.model.config().model_type
+                )))
+            }
             (Some(_), _) => {
                 return Err(EngineError::Config(
                     "a draft model is used only with --speculative draft".to_string(),

@@ -22,6 +22,7 @@ mod gen_defaults;
 mod generate;
 mod load;
 pub mod memory;
+mod mtp;
 mod process;
 pub mod quantize;
 mod session;

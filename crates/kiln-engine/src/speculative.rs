@@ -40,6 +40,9 @@ pub enum SpeculativeMethod {
     Ngram,
     /// A smaller model with the same tokenizer guesses greedily.
     Draft,
+    /// The model's own multi-token-prediction head guesses greedily
+    /// ([`kiln_models::CausalLm::mtp_heads`]).
+    Mtp,
 }
 
 impl std::str::FromStr for SpeculativeMethod {
@@ -49,13 +52,9 @@ impl std::str::FromStr for SpeculativeMethod {
             "off" | "none" => Ok(SpeculativeMethod::Off),
             "ngram" => Ok(SpeculativeMethod::Ngram),
             "draft" => Ok(SpeculativeMethod::Draft),
-            "mtp" => Err(
-                "mtp: no model Kiln loads has multi-token-prediction heads yet \
-                 (Qwen3.5's are not read); use ngram or draft"
-                    .to_string(),
-            ),
+            "mtp" => Ok(SpeculativeMethod::Mtp),
             other => Err(format!(
-                "unknown speculative method {other:?} (expected ngram, draft or off)"
+                "unknown speculative method {other:?} (expected ngram, draft, mtp or off)"
             )),
         }
     }
@@ -473,7 +472,7 @@ impl<'m> DraftModel<'m> {
                 break;
             }
             let logits = self.model.model.forward(&batch, &mut self.cache)?;
-            let picks = self.argmax(&logits, rows.len())?;
+            let picks = argmax(self.model.model.as_ref(), &logits, rows.len())?;
             for (id, pick) in rows.into_iter().zip(picks) {
                 let seq = self.seqs.get_mut(&id).expect("a running draft");
                 seq.tokens.push(next[&id]);
@@ -483,31 +482,36 @@ impl<'m> DraftModel<'m> {
         }
         Ok(out)
     }
+}
 
-    /// The argmax of each of `rows` rows of `logits`.
-    fn argmax(&self, logits: &kiln_tensor::Tensor, rows: usize) -> crate::Result<Vec<u32>> {
-        let backend = self.model.model.backend();
-        if let Some(p) = backend.argmax_rows(logits)?.filter(|p| p.len() == rows) {
-            return Ok(p.into_iter().map(|(t, _)| t).collect());
-        }
-        let host = backend.to_host(logits)?;
-        let vocab = host.len() / rows.max(1);
-        Ok(host
-            .chunks(vocab.max(1))
-            .map(|r| {
-                r.iter()
-                    .enumerate()
-                    .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
-                        if v > b.1 {
-                            (i, v)
-                        } else {
-                            b
-                        }
-                    })
-                    .0 as u32
-            })
-            .collect())
+/// The argmax of each of `rows` rows of `logits` (where the logits are
+/// when the backend can, else on the host).
+pub(crate) fn argmax(
+    model: &dyn kiln_models::CausalLm,
+    logits: &kiln_tensor::Tensor,
+    rows: usize,
+) -> crate::Result<Vec<u32>> {
+    let backend = model.backend();
+    if let Some(p) = backend.argmax_rows(logits)?.filter(|p| p.len() == rows) {
+        return Ok(p.into_iter().map(|(t, _)| t).collect());
     }
+    let host = backend.to_host(logits)?;
+    let vocab = host.len() / rows.max(1);
+    Ok(host
+        .chunks(vocab.max(1))
+        .map(|r| {
+            r.iter()
+                .enumerate()
+                .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
+                    if v > b.1 {
+                        (i, v)
+                    } else {
+                        b
+                    }
+                })
+                .0 as u32
+        })
+        .collect())
 }
 
 /// Whether `draft` can propose tokens for `target`: the same vocabulary,

@@ -292,3 +292,73 @@ fn qwen3_5_predictions_give_the_plain_tokens() {
 fn lfm2_predictions_give_the_plain_tokens() {
     predictions_give_the_plain_tokens("lfm2");
 }
+
+/// `--speculative mtp` on the random Qwen3.5 with a multi-token-prediction
+/// head (`qwen3_5_mtp`): its guesses are verified in the decode steps and
+/// every request, alone and four at once (prompts prefilled in chunks),
+/// gets the plain greedy tokens; every block comes back. A model without a
+/// head is refused with the reason.
+#[test]
+fn mtp_speculation_gives_the_plain_tokens() {
+    use kiln_engine::{SpeculativeConfig, SpeculativeMethod};
+    let model = LoadedModel::load(&checkpoint("qwen3_5_mtp"), Arc::new(CpuBackend::new())).unwrap();
+    let vocab = model.model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|r| {
+            (0..11 + 9 * r)
+                .map(|i| (i * 31 + 5 * r + 3) % vocab)
+                .collect()
+        })
+        .collect();
+    let n = 20;
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone(&model, p, n)).collect();
+    let config = EngineConfig {
+        block_size: 4,
+        num_blocks: 600,
+        max_num_seqs: 4,
+        max_num_batched_tokens: 16,
+        max_waiting: 8,
+        context_length: None,
+    };
+    let spec = SpeculativeConfig {
+        method: SpeculativeMethod::Mtp,
+        num_tokens: 3,
+        ..SpeculativeConfig::default()
+    };
+    let engine = Engine::start_with(model, config, spec).unwrap();
+    let h = engine.handle();
+    for (r, p) in prompts.iter().enumerate() {
+        let (got, _) = collect(
+            h.submit(GenerationRequest::new(p.clone(), greedy(n)))
+                .unwrap(),
+        );
+        assert_eq!(got, want[r], "request {r} alone");
+    }
+    let alone_stats = h.stats().unwrap();
+    let streams: Vec<RequestStream> = prompts
+        .iter()
+        .map(|p| {
+            h.submit(GenerationRequest::new(p.clone(), greedy(n)))
+                .unwrap()
+        })
+        .collect();
+    for (r, s) in streams.into_iter().enumerate() {
+        let (got, _) = collect(s);
+        assert_eq!(got, want[r], "request {r} batched");
+    }
+    let st = h.stats().unwrap();
+    eprintln!(
+        "mtp: {} guesses verified in {} speculative decodes, {} accepted",
+        st.num_draft_tokens, st.num_speculative_decodes, st.num_accepted_draft_tokens
+    );
+    assert!(alone_stats.num_speculative_decodes > 0, "{alone_stats:?}");
+    assert!(st.num_draft_tokens > alone_stats.num_draft_tokens);
+    assert_eq!(st.num_blocks_used, 0, "every block is back");
+
+    let plain = LoadedModel::load(&checkpoint("qwen3_5"), Arc::new(CpuBackend::new())).unwrap();
+    let err = Engine::start_with(plain, config, spec)
+        .err()
+        .expect("no head")
+        .to_string();
+    assert!(err.contains("multi-token-prediction head"), "{err}");
+}

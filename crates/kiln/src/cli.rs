@@ -555,7 +555,8 @@ impl SamplingArgs {
 #[derive(clap::Args, Debug, Clone)]
 pub struct SpeculativeArgs {
     /// Guess tokens and verify them in the decode step: ngram (prompt
-    /// lookup), draft (a smaller model, --draft-model), or off. Requests
+    /// lookup), draft (a smaller model, --draft-model), mtp (the model's
+    /// own multi-token-prediction head: Qwen3.5, Qwen3-Next), or off. Requests
     /// with an OpenAI `prediction` verify it under any setting. Outputs are
     /// the same as without.
     #[arg(long, default_value = "off")]

@@ -116,6 +116,7 @@ pub fn command(
             kiln_engine::SpeculativeMethod::Off => "off",
             kiln_engine::SpeculativeMethod::Ngram => "ngram",
             kiln_engine::SpeculativeMethod::Draft => "draft",
+            kiln_engine::SpeculativeMethod::Mtp => "mtp",
         };
         args.push("--with-speculation".into());
         args.extend(["--speculative".into(), method.into()]);

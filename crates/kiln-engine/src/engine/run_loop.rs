@@ -73,6 +73,8 @@ pub(in crate::engine) struct Loop<'m> {
     pub(in crate::engine) speculative: SpeculativeConfig,
     /// The draft model (`--speculative draft`).
     pub(in crate::engine) draft: Option<DraftModel<'m>>,
+    /// The model's multi-token-prediction head (`--speculative mtp`).
+    pub(in crate::engine) mtp: Option<crate::mtp::MtpProposer<'m>>,
     /// After an injected fault, the supervisor restarts the loop once this
     /// is released (the test hook's gate).
     #[cfg(feature = "fault-injection")]
@@ -126,6 +128,7 @@ impl<'m> Loop<'m> {
             device_sampler: true,
             speculative: SpeculativeConfig::default(),
             draft: None,
+            mtp: None,
             #[cfg(feature = "fault-injection")]
             restart_hold: None,
         }
@@ -377,6 +380,10 @@ impl<'m> Loop<'m> {
     /// unless more requests run than speculation pays for.
     fn propose_drafts(&mut self) {
         let running = self.scheduler.num_running();
+        if let Some(m) = self.mtp.as_mut() {
+            let active = &self.active;
+            m.retain(|id| active.contains_key(id));
+        }
         if running == 0 || running > self.speculative.max_batch {
             return;
         }
@@ -397,6 +404,13 @@ impl<'m> Loop<'m> {
                 .spec
                 .propose(&self.speculative, a.proc.prompt(), a.proc.generated());
             a.proc.trim_draft(&mut draft);
+            if draft.is_empty() {
+                if let Some(mut guess) = self.mtp.as_mut().and_then(|m| m.take(*id)) {
+                    a.proc.trim_draft(&mut guess);
+                    a.spec.drafted(guess.len());
+                    draft = guess;
+                }
+            }
             if !draft.is_empty() {
                 self.scheduler.propose(*id, draft);
             } else if self.draft.is_some() {
@@ -472,6 +486,8 @@ impl<'m> Loop<'m> {
             block_size: self.block_size,
             ..ForwardBatch::default()
         };
+        // Each request's first row (for the MTP head).
+        let mut first_row: HashMap<RequestId, usize> = HashMap::new();
         for s in &out.scheduled {
             if let Some(a) = self.active.get_mut(&s.id) {
                 a.first_step.get_or_insert(now);
@@ -479,6 +495,7 @@ impl<'m> Loop<'m> {
             let tokens: Vec<u32> = s.new_token_ids.iter().map(|t| t.0).collect();
             let tables = s.block_tables.iter().map(backend_table).collect();
             let start = batch.token_ids.len();
+            first_row.insert(s.id, start);
             let last_rows = s.wants_logits && s.num_draft_tokens == 0;
             batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, last_rows);
             if s.wants_logits && s.num_draft_tokens > 0 {
@@ -533,6 +550,10 @@ impl<'m> Loop<'m> {
         let model = self.model;
         let cache = &mut self.cache;
         let active = &mut self.active;
+        // The MTP head reads the step's hidden states while the batch is
+        // small enough to speculate.
+        let with_hidden = self.mtp.is_some() && out.scheduled.len() <= self.speculative.max_batch;
+        let mut hidden = None;
         let (logits, mask_timing) = std::thread::scope(|scope| {
             let masks = (!mask_ids.is_empty()).then(|| {
                 scope.spawn(|| {
@@ -549,7 +570,16 @@ impl<'m> Loop<'m> {
                     started.elapsed().as_secs_f64()
                 })
             });
-            let t = model.model.forward(&batch, cache);
+            let t = match with_hidden {
+                true => model
+                    .model
+                    .forward_with_hidden(&batch, cache)
+                    .map(|(l, h)| {
+                        hidden = Some(h);
+                        l
+                    }),
+                false => model.model.forward(&batch, cache),
+            };
             let forward_done = Instant::now();
             let mask_seconds = masks.map(|h| h.join().unwrap_or(0.0));
             (
@@ -666,6 +696,8 @@ impl<'m> Loop<'m> {
             sampled.into_iter().collect();
         let mut results = Vec::new();
         let mut finished = Vec::new();
+        // Rows whose hidden states stand, a request (the MTP head's).
+        let mut valid: HashMap<RequestId, usize> = HashMap::new();
         for s in out.scheduled.iter().filter(|s| s.wants_logits) {
             let (Some(a), Some(list)) = (self.active.get_mut(&s.id), outcomes.remove(&s.id)) else {
                 continue;
@@ -709,6 +741,7 @@ impl<'m> Loop<'m> {
                     .count()
                     .min(tokens.len().saturating_sub(1));
                 a.spec.verified(s.num_draft_tokens, accepted);
+                valid.insert(s.id, s.new_token_ids.len() - s.num_draft_tokens + accepted);
             }
             if let Some(e) = failed {
                 let _ = a.events.send(Event::Failed {
@@ -743,6 +776,9 @@ impl<'m> Loop<'m> {
                 return None;
             }
         };
+        if let Some(h) = hidden.filter(|_| self.mtp.is_some()) {
+            self.run_mtp(&h, &out.scheduled, &first_row, &valid, &finished);
+        }
         for (id, reason) in finished {
             if reason == FinishReason::Cancelled {
                 let _ = self.scheduler.cancel(id);
@@ -755,6 +791,60 @@ impl<'m> Loop<'m> {
             self.send_finished(f.id, FinishReason::Length, f.num_cached_tokens);
         }
         pure_decode
+    }
+
+    /// The MTP head after a step: its keys for the rows whose hidden states
+    /// stand, and the next guesses of the requests going on.
+    fn run_mtp(
+        &mut self,
+        hidden: &kiln_tensor::Tensor,
+        scheduled: &[kiln_scheduler::ScheduledRequest],
+        first_row: &HashMap<RequestId, usize>,
+        valid: &HashMap<RequestId, usize>,
+        finished: &[(RequestId, FinishReason)],
+    ) {
+        let contexts: Vec<(RequestId, Vec<TokenId>, usize, usize)> = scheduled
+            .iter()
+            .filter(|s| !finished.iter().any(|(id, _)| *id == s.id))
+            .filter_map(|s| {
+                let a = self.active.get(&s.id)?;
+                let context: Vec<TokenId> = a
+                    .proc
+                    .prompt()
+                    .iter()
+                    .chain(a.proc.generated())
+                    .copied()
+                    .collect();
+                let valid = valid.get(&s.id).copied().unwrap_or(s.new_token_ids.len());
+                let guesses = match s.wants_logits {
+                    true => a.spec.next_length(self.speculative.num_tokens),
+                    false => 0,
+                };
+                Some((s.id, context, valid, guesses))
+            })
+            .collect();
+        let rows: Vec<crate::mtp::StepRows<'_>> = scheduled
+            .iter()
+            .filter_map(|s| {
+                let (id, context, valid, guesses) = contexts.iter().find(|c| c.0 == s.id)?;
+                Some(crate::mtp::StepRows {
+                    id: *id,
+                    row: *first_row.get(id)?,
+                    pos: s.num_computed_tokens,
+                    valid: *valid,
+                    context,
+                    guesses: *guesses,
+                })
+            })
+            .collect();
+        let Some(m) = self.mtp.as_mut() else {
+            return;
+        };
+        // A failure is the head's own: its keys start over, the target
+        // decodes without guesses.
+        if m.after_step(hidden, &rows).is_err() {
+            m.retain(|_| false);
+        }
     }
 
     fn send_finished(&mut self, id: RequestId, reason: FinishReason, cached: usize) {

@@ -116,6 +116,19 @@ pub(super) fn run(
                 Err(_) => lp.speculative.method = super::SpeculativeMethod::Off,
             }
         }
+        if speculative.method == super::SpeculativeMethod::Mtp {
+            // The head's pool: as many blocks as the target's, at most what
+            // `max_batch` requests of the served context need (one layer's
+            // keys a block).
+            let per_seq = super::served_context(model, &config).div_ceil(config.block_size);
+            let blocks = config
+                .num_blocks
+                .min(speculative.max_batch.max(1) * per_seq);
+            match crate::mtp::MtpProposer::new(model, blocks, config.block_size) {
+                Ok(m) => lp.mtp = Some(m),
+                Err(_) => lp.speculative.method = super::SpeculativeMethod::Off,
+            }
+        }
         status.set(StatusCell::RUNNING);
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| lp.run(commands)));
         let Err(payload) = outcome else {
