@@ -8,7 +8,10 @@
 #   3. issue 21: the tiny hybrids' rows against the CPU and transformers in bf16 (tinydiag), the
 #      Qwen3.5-9B shape's serving figures (hybrid_round.sh "serve"), its batch-1 decode with each
 #      delta-rule kernel (KILN_DELTA_REGISTERS), and serving again with the register one.
-#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid)
+#   4. (`hprof`) the 9B shape's decode with each delta-rule kernel and its 4,096-token prefill
+#      timed op by op (`kiln bench --profile`: where the hybrid's prefill goes);
+#   5. (`mtp`) `--speculative mtp` on CUDA: the tiny Qwen3.5 with its head, outputs against plain.
+#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid hprof mtp)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
 K=${KILN:-.device/kiln}; export KILN=$K
@@ -41,3 +44,35 @@ print('9b delta registers=$r: decode', round(d['decode_tokens_per_second']['medi
   KILN_DELTA_REGISTERS=1 timeout 200 bench/gpu/hybrid_round.sh "$OUT/h-reg" serve 2>&1 | tail -14
   rm -rf "$W/qwen3_5-9b" "$OUT"/tiny/*.npy
 fi
+if has hprof; then
+  W=${WORK:-$PWD/target/kiln-w}
+  [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
+  for r in 0 1; do
+    KILN_DELTA_REGISTERS=$r timeout 100 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
+      --prompt-tokens 512 --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
+import json, sys; d = json.load(sys.stdin)
+print('9b delta registers=$r: decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction',
+      round(d['decode_fraction_of_bandwidth'], 4), 'prefill 512', round(d['prefill_tokens_per_second']['median'], 1))"
+  done
+  timeout 150 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 4096 --gen-tokens 8 --runs 1 --profile \
+    > "$OUT/prof-9b.json" 2> "$OUT/prof-9b.err"
+  python3 - "$OUT/prof-9b.json" <<'PY' || tail -c 600 "$OUT/prof-9b.err"
+import json, sys
+d = json.load(open(sys.argv[1]))
+print("9b prefill 4096:", round(d["prefill_tokens_per_second"]["median"], 1), "tok/s")
+for phase in ("prefill", "decode"):
+    p = d["profile"][phase]
+    print(phase, "wall", round(p["wall_seconds"], 4))
+    for o in p["ops"][:10]:
+        print("  ", o["op"], round(o["seconds"], 4), o["calls"], round(o["share_of_wall"], 3))
+PY
+fi
+if has mtp; then
+  timeout 90 "$K" bench-spec --device cuda -m crates/kiln-models/tests/data/hybrid/qwen3_5_mtp --workload repeat \
+    --methods off,mtp --gen-tokens 32 --prompt-tokens 64 --concurrency 1,4 2>/dev/null | python3 -c "
+import json, sys; d = json.load(sys.stdin)
+for m, v in d['methods'].items():
+    for c, l in v.items():
+        print('mtp tiny cuda', m, 'x' + c, 'equal to plain', l.get('outputs_equal_plain'), 'drafts', l.get('draft_tokens'))"
+fi
+
