@@ -169,6 +169,8 @@ pub fn speculative_engine(
     };
     if let Some(d) = &draft {
         config = config.with_draft(&model, d, spec.speculative_max_batch);
+    } else if spec.speculative == kiln_engine::SpeculativeMethod::Mtp {
+        config = config.with_mtp_head(&model, spec.speculative_max_batch);
     }
     Ok(kiln_engine::Engine::start_with_draft(
         model,

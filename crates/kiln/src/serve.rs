@@ -436,6 +436,9 @@ pub(crate) fn load_engine(
     });
     let engine_config = match (&draft, speculative) {
         (Some(d), Some(s)) => engine_config.with_draft(&model, d, s.speculative_max_batch),
+        (None, Some(s)) if s.speculative == kiln_engine::SpeculativeMethod::Mtp => {
+            engine_config.with_mtp_head(&model, s.speculative_max_batch)
+        }
         _ => engine_config,
     };
     let generates = model.model.generates();

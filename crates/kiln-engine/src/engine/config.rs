@@ -54,19 +54,41 @@ impl EngineConfig {
         draft: &LoadedModel,
         max_batch: usize,
     ) -> EngineConfig {
+        let elem = draft.model.backend().kv_bytes_per_element();
+        let d = draft
+            .model
+            .rank_config()
+            .kv_bytes_per_block(self.block_size, elem);
+        self.carve(target, d, max_batch)
+    }
+
+    /// This configuration with the KV of the target's multi-token-prediction
+    /// head (one attention layer) carved out of the pool, as
+    /// [`EngineConfig::with_draft`] does a draft model's.
+    pub fn with_mtp_head(self, target: &LoadedModel, max_batch: usize) -> EngineConfig {
+        let cfg = target.model.config();
+        let elem = target.model.backend().kv_bytes_per_element();
+        let d = 2 * cfg.num_kv_heads * cfg.head_dim * self.block_size * elem;
+        self.carve(target, d, max_batch)
+    }
+
+    /// `n` target blocks and `min(n, cap)` blocks of `d` bytes of a second
+    /// pool within the target's bytes.
+    fn carve(self, target: &LoadedModel, d: usize, max_batch: usize) -> EngineConfig {
         let bs = self.block_size;
-        let per_block = |m: &LoadedModel| {
-            let elem = m.model.backend().kv_bytes_per_element();
-            m.model.rank_config().kv_bytes_per_block(bs, elem).max(1)
-        };
-        let (t, d) = (per_block(target), per_block(draft));
+        let elem = target.model.backend().kv_bytes_per_element();
+        let t = target
+            .model
+            .rank_config()
+            .kv_bytes_per_block(bs, elem)
+            .max(1);
+        let d = d.max(1);
         let context = self
             .context_length
             .unwrap_or(target.context_length())
             .min(target.context_length());
         let cap = max_batch.max(1) * context.div_ceil(bs);
         let budget = self.num_blocks * t;
-        // n target blocks and min(n, cap) draft blocks within the budget.
         let even = budget / (t + d);
         let n = if even <= cap {
             even

@@ -126,7 +126,10 @@ pub(super) fn run(
                 .min(speculative.max_batch.max(1) * per_seq);
             match crate::mtp::MtpProposer::new(model, blocks, config.block_size) {
                 Ok(m) => lp.mtp = Some(m),
-                Err(_) => lp.speculative.method = super::SpeculativeMethod::Off,
+                Err(e) => {
+                    tracing::warn!(target: "kiln::engine", "the MTP head's cache of {blocks} blocks could not be made ({e}); decoding without speculation");
+                    lp.speculative.method = super::SpeculativeMethod::Off;
+                }
             }
         }
         status.set(StatusCell::RUNNING);
