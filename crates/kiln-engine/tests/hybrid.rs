@@ -312,6 +312,17 @@ fn mtp_speculation_gives_the_plain_tokens() {
         .collect();
     let n = 20;
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| alone(&model, p, n)).collect();
+    // Two prompts sharing 300 tokens: the second resumes from a snapshot,
+    // and the head's keys begin where its computation does.
+    let shared: Vec<u32> = (0..300).map(|i| (i * 7 + 5) % vocab).collect();
+    let pair: Vec<Vec<u32>> = [
+        vec![3, 9, 27],
+        (0..40).map(|i| (i * 13 + 1) % vocab).collect(),
+    ]
+    .into_iter()
+    .map(|tail| shared.iter().copied().chain(tail).collect())
+    .collect();
+    let want_pair: Vec<Vec<u32>> = pair.iter().map(|p| alone(&model, p, n)).collect();
     let config = EngineConfig {
         block_size: 4,
         num_blocks: 600,
@@ -345,6 +356,14 @@ fn mtp_speculation_gives_the_plain_tokens() {
     for (r, s) in streams.into_iter().enumerate() {
         let (got, _) = collect(s);
         assert_eq!(got, want[r], "request {r} batched");
+    }
+    for (r, p) in pair.iter().enumerate() {
+        let (got, cached) = collect(
+            h.submit(GenerationRequest::new(p.clone(), greedy(n)))
+                .unwrap(),
+        );
+        assert_eq!(got, want_pair[r], "shared-prefix request {r}");
+        assert!(r == 0 || cached >= 256, "the second reused {cached} tokens");
     }
     let st = h.stats().unwrap();
     eprintln!(
