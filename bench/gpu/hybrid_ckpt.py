@@ -20,7 +20,11 @@ Weights are normal with spread 1/sqrt(fan-in) (so a deep random stack neither
 blows up nor dies), norms around their centre, DeltaNet's decay parameters in
 their trained range.
 
-    python3 bench/gpu/hybrid_ckpt.py SHAPE OUT_DIR
+    python3 bench/gpu/hybrid_ckpt.py SHAPE OUT_DIR [--mtp]
+
+`--mtp` (Qwen3.5 shapes) adds a multi-token-prediction head as Qwen3.5 checkpoints ship it
+(`mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, one full-attention `mtp.layers.0`, `mtp.norm`;
+`mtp_num_hidden_layers: 1`) in a shard of its own listed in the index.
 """
 import json, os, sys
 
@@ -34,6 +38,9 @@ except ImportError:
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "goldens"))
 from common import write_tokenizer  # noqa: E402
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def qwen_layers(n):
@@ -73,7 +80,57 @@ SHAPES = {
 }
 
 
-def main(shape, out):
+def randomise(named, kind):
+    with torch.no_grad():
+        for name, p in named:
+            if name.endswith("linear_attn.norm.weight") or (kind == "lfm2" and name.endswith("norm.weight")):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
+                p.copy_(0.2 * torch.randn_like(p))  # zero-centred: scales by 1 + w
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith(("conv1d.weight", "conv.conv.weight")):
+                p.copy_(0.4 * torch.randn_like(p))
+            elif p.dim() == 2 and "embed" not in name:
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+            else:
+                p.copy_(torch.randn_like(p))
+
+
+def add_mtp(model, cfg, out):
+    """The head's tensors in `model-mtp.safetensors`, listed in the index with the model's."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+    h = cfg.hidden_size
+    with torch.device(DEV):
+        head = torch.nn.ModuleDict({
+            "fc": torch.nn.Linear(2 * h, h, bias=False),
+            "pre_fc_norm_embedding": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+            "pre_fc_norm_hidden": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+            "layers": torch.nn.ModuleList([Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention"))]),
+            "norm": Qwen3_5RMSNorm(h, eps=cfg.rms_norm_eps),
+        })
+    randomise(head.named_parameters(), "qwen")
+    tensors = {f"mtp.{k}": v.contiguous() for k, v in head.state_dict().items()}
+    save_file(tensors, os.path.join(out, "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = os.path.join(out, "model.safetensors.index.json")
+    if os.path.exists(index):
+        idx = json.load(open(index))
+    else:
+        # One file: renamed to a shard so the index can list both.
+        os.rename(os.path.join(out, "model.safetensors"), os.path.join(out, "model-00001.safetensors"))
+        keys = load_file(os.path.join(out, "model-00001.safetensors"), device="cpu").keys()
+        idx = {"metadata": {}, "weight_map": {k: "model-00001.safetensors" for k in keys}}
+    idx["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+    json.dump(idx, open(index, "w"))
+    c = json.load(open(os.path.join(out, "config.json")))
+    c["mtp_num_hidden_layers"] = 1
+    json.dump(c, open(os.path.join(out, "config.json"), "w"), indent=2)
+
+
+def main(shape, out, mtp=False):
     kind, kw = SHAPES[shape]
     common = dict(max_position_embeddings=32768, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                   tie_word_embeddings=(kind == "lfm2"))
@@ -90,30 +147,17 @@ def main(shape, out):
         cls = Lfm2ForCausalLM
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
-    with torch.device("cuda"):
+    with torch.device(DEV):
         model = cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight") or (kind == "lfm2" and name.endswith("norm.weight")):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("norm.weight"):
-                p.copy_(0.2 * torch.randn_like(p))  # zero-centred: scales by 1 + w
-            elif name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith(("conv1d.weight", "conv.conv.weight")):
-                p.copy_(0.4 * torch.randn_like(p))
-            elif p.dim() == 2 and "embed" not in name:
-                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(torch.randn_like(p))
+    randomise(model.named_parameters(), kind)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(out, cfg.vocab_size)
+    if mtp:
+        add_mtp(model, cfg, out)
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"shape": shape, "params": n, "out": out}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], "--mtp" in sys.argv[3:])

@@ -105,7 +105,17 @@ pub(crate) struct SpecState {
     pub(crate) accepted: usize,
     /// The drafts in flight and the prediction position they came from.
     pending: Option<(usize, Option<usize>)>,
+    /// Decode steps left without guesses, after acceptance fell below
+    /// [`REST_BELOW`].
+    rest: usize,
 }
+
+/// Smoothed acceptance under which a request stops guessing for
+/// [`REST_STEPS`] decode steps (then tries again): guesses nearly never
+/// taken cost their verification rows and, for a draft model or an MTP
+/// head, their proposing passes.
+pub const REST_BELOW: f64 = 0.1;
+pub const REST_STEPS: usize = 16;
 
 impl SpecState {
     pub(crate) fn new(prediction: Option<Vec<TokenId>>) -> Self {
@@ -116,12 +126,29 @@ impl SpecState {
             proposed: 0,
             accepted: 0,
             pending: None,
+            rest: 0,
         }
     }
 
     /// Whether this request guesses at all under `method`.
     pub(crate) fn active(&self, method: SpeculativeMethod) -> bool {
         self.prediction.is_some() || method != SpeculativeMethod::Off
+    }
+
+    /// Whether the request rests from guessing (its acceptance fell below
+    /// [`REST_BELOW`]).
+    pub(crate) fn resting(&self) -> bool {
+        self.rest > 0
+    }
+
+    /// One decode step of the request: whether it guesses in it (a resting
+    /// request counts its step instead).
+    pub(crate) fn due(&mut self) -> bool {
+        if self.rest > 0 {
+            self.rest -= 1;
+            return false;
+        }
+        true
     }
 
     /// The draft length its recent acceptance `a` pays for: about the
@@ -184,6 +211,11 @@ impl SpecState {
         self.accepted += accepted;
         let rate = accepted as f64 / scheduled as f64;
         self.acceptance = 0.7 * self.acceptance + 0.3 * rate;
+        if self.acceptance < REST_BELOW {
+            // Rest, then try again from a middling estimate.
+            self.rest = REST_STEPS;
+            self.acceptance = 0.3;
+        }
         if let Some(end) = from {
             self.prediction_pos = end + accepted;
         }
@@ -316,6 +348,30 @@ mod tests {
         assert!(s.length(8) > start.min(7), "{}", s.length(8));
         assert_eq!(s.proposed, 320);
         assert_eq!(s.accepted, 240);
+    }
+
+    #[test]
+    fn a_request_whose_guesses_fail_rests_then_tries_again() {
+        let mut s = SpecState::new(None);
+        let mut failures = 0;
+        while !s.resting() {
+            assert!(s.due());
+            s.pending = Some((1, None));
+            s.verified(1, 0);
+            failures += 1;
+            assert!(failures < 20, "never rests");
+        }
+        // From 0.8: 0.56, 0.39, 0.27, 0.19, 0.13, 0.09 (< 0.1).
+        assert_eq!(failures, 6);
+        let skipped = (0..100).take_while(|_| !s.due()).count();
+        assert_eq!(skipped, REST_STEPS);
+        assert!(!s.resting());
+        // Accepted guesses keep it going.
+        for _ in 0..10 {
+            s.pending = Some((2, None));
+            s.verified(2, 2);
+            assert!(!s.resting() && s.due());
+        }
     }
 }
 

@@ -29,6 +29,13 @@ impl<'m> Loop<'m> {
             if info.status != RequestStatus::Running || info.num_computed_tokens + 1 != known {
                 continue;
             }
+            if !a.spec.due() {
+                // Resting: the head's guesses of the last step go unused.
+                if let Some(m) = self.mtp.as_mut() {
+                    m.take(*id);
+                }
+                continue;
+            }
             let mut draft = a
                 .spec
                 .propose(&self.speculative, a.proc.prompt(), a.proc.generated());
@@ -101,7 +108,7 @@ impl<'m> Loop<'m> {
                     .copied()
                     .collect();
                 let valid = valid.get(&s.id).copied().unwrap_or(s.new_token_ids.len());
-                let guesses = match s.wants_logits {
+                let guesses = match s.wants_logits && !a.spec.resting() {
                     true => a.spec.next_length(self.speculative.num_tokens),
                     false => 0,
                 };
