@@ -46,7 +46,8 @@ print('9b delta registers=$r: decode', round(d['decode_tokens_per_second']['medi
 fi
 if has hprof; then
   W=${WORK:-$PWD/target/kiln-w}
-  [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
+  # With an MTP head (not read by plain decoding, nor counted in its roofline) for the mtp stage.
+  [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" --mtp 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
   for r in 0 1; do
     KILN_DELTA_REGISTERS=$r timeout 100 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
       --prompt-tokens 512 --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
@@ -68,6 +69,17 @@ for phase in ("prefill", "decode"):
 PY
 fi
 if has mtp; then
+  W=${WORK:-$PWD/target/kiln-w}
+  # The 9B shape's head at batch 1: what a guess costs (random weights: nearly none is taken, so
+  # requests soon rest from guessing — the figure is the cost of the probes and the head's passes).
+  [ -d "$W/qwen3_5-9b" ] && timeout 200 "$K" bench-spec --device cuda -m "$W/qwen3_5-9b" --workload repeat \
+    --methods off,mtp --gen-tokens 256 --prompt-tokens 512 --concurrency 1,8 2>/dev/null | python3 -c "
+import json, sys; d = json.load(sys.stdin)
+for m, v in d['methods'].items():
+    for c, l in v.items():
+        print('mtp 9b', m, 'x' + c, 'decode', round(l['decode_tokens_per_second_median'], 1), 'vs off',
+              round(l.get('throughput_vs_off') or 0, 3), 'equal', l.get('outputs_equal_plain'),
+              'drafts', l.get('draft_tokens'), 'accepted', l.get('accepted_draft_tokens'))"
   timeout 90 "$K" bench-spec --device cuda -m crates/kiln-models/tests/data/hybrid/qwen3_5_mtp --workload repeat \
     --methods off,mtp --gen-tokens 32 --prompt-tokens 64 --concurrency 1,4 2>/dev/null | python3 -c "
 import json, sys; d = json.load(sys.stdin)

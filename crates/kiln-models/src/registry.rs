@@ -96,6 +96,10 @@ pub fn decode_share(config: &ModelConfig, name: &str) -> f64 {
     if name == "model.embed_tokens.weight" && !config.tie_word_embeddings {
         return 0.0;
     }
+    // A multi-token-prediction head runs only when speculation asks it.
+    if name.starts_with("mtp.") {
+        return 0.0;
+    }
     match &config.family {
         families::FamilyConfig::Moe(m) => m.decode_share(name),
         families::FamilyConfig::GptOss(g) if name.contains(".experts.") => {

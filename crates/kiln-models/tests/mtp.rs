@@ -59,6 +59,21 @@ fn trunk(m: &dyn CausalLm, prompt: &[u32]) -> (Vec<f32>, kiln_tensor::Tensor) {
 fn the_checkpoint_declares_and_ships_one_head() {
     let m = common::load_safetensors_dir(&dir());
     assert_eq!(m.mtp_heads(), 1);
+    // `fit` counts the head's tensors (every one the checkpoint holds),
+    // the decode roofline none of them (plain decoding never reads it).
+    let shapes = kiln_models::tensor_shapes(m.config()).unwrap();
+    let d = kiln_formats::SafetensorsDir::open(dir()).unwrap();
+    let stored: std::collections::BTreeSet<String> = kiln_formats::WeightSource::tensors(&d)
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let listed: std::collections::BTreeSet<String> = shapes.iter().map(|s| s.0.clone()).collect();
+    assert_eq!(listed, stored);
+    let head: Vec<&String> = listed.iter().filter(|n| n.starts_with("mtp.")).collect();
+    assert_eq!(head.len(), 15, "{head:?}");
+    for n in head {
+        assert_eq!(kiln_models::decode_share(m.config(), n), 0.0, "{n}");
+    }
     // The hybrid checkpoint without `mtp.*` has none, and says so.
     let plain = common::load_safetensors_dir(&dir().with_file_name("qwen3_5"));
     assert_eq!(plain.mtp_heads(), 0);
