@@ -82,9 +82,10 @@ pub struct Qwen35Config {
     /// Qwen3-Next's projection layout (`in_proj_qkvz`, `in_proj_ba`).
     pub next: bool,
     /// Multi-token-prediction layers the config declares
-    /// (`mtp_num_hidden_layers`; Qwen3-Next's `num_nextn_predict_layers`).
-    /// The head is read when the checkpoint holds it and has one layer.
-    pub mtp_layers: usize,
+    /// (`mtp_num_hidden_layers`; `num_nextn_predict_layers`), if it does.
+    /// The head is read when the checkpoint holds it and has one layer
+    /// (undeclared: one, as vLLM assumes).
+    pub mtp_layers: Option<usize>,
 }
 
 /// The sparse feed-forward of `qwen3_5_moe_text` and `qwen3_next`.
@@ -245,8 +246,8 @@ fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> 
         next,
         linear_layers,
         mtp_layers: match opt_usize(c, "mtp_num_hidden_layers")? {
-            Some(n) => n,
-            None => opt_usize(c, "num_nextn_predict_layers")?.unwrap_or(0),
+            Some(n) => Some(n),
+            None => opt_usize(c, "num_nextn_predict_layers")?,
         },
     };
     if let Some(m) = &cfg.moe {
@@ -366,7 +367,7 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     for (l, &linear) in q.linear_layers.iter().enumerate() {
         layer(&format!("model.layers.{l}"), linear, q.sparse_layers[l]);
     }
-    if q.mtp_layers == 1 {
+    if q.mtp_layers == Some(1) {
         layer("mtp.layers.0", false, q.moe.is_some());
         out.push(("mtp.fc.weight".to_string(), vec![h, 2 * h]));
         for n in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"] {
@@ -717,7 +718,7 @@ impl Qwen35 {
         let final_norm = norm(&l, "model.norm.weight", h, eps)?;
         // The head is read only where it is there (conversions often drop
         // it) and has the one layer Kiln runs.
-        let mtp = match q.mtp_layers == 1 && l.contains("mtp.fc.weight") {
+        let mtp = match q.mtp_layers.unwrap_or(1) == 1 && l.contains("mtp.fc.weight") {
             true => Some(Mtp::load(&l, &backend, &q, &cfg)?),
             false => None,
         };
