@@ -108,12 +108,15 @@ pub(crate) struct SpecState {
     /// Decode steps left without guesses, after acceptance fell below
     /// [`REST_BELOW`].
     rest: usize,
+    /// Rests since a guess was last accepted: each doubles the next.
+    rests: u32,
 }
 
 /// Smoothed acceptance under which a request stops guessing for
-/// [`REST_STEPS`] decode steps (then tries again): guesses nearly never
-/// taken cost their verification rows and, for a draft model or an MTP
-/// head, their proposing passes.
+/// [`REST_STEPS`] decode steps (then tries again; each rest without an
+/// accepted guess since doubles the next, up to 16 times as long): guesses
+/// nearly never taken cost their verification rows and, for a draft model
+/// or an MTP head, their proposing passes.
 pub const REST_BELOW: f64 = 0.1;
 pub const REST_STEPS: usize = 16;
 
@@ -127,6 +130,7 @@ impl SpecState {
             accepted: 0,
             pending: None,
             rest: 0,
+            rests: 0,
         }
     }
 
@@ -211,9 +215,13 @@ impl SpecState {
         self.accepted += accepted;
         let rate = accepted as f64 / scheduled as f64;
         self.acceptance = 0.7 * self.acceptance + 0.3 * rate;
+        if accepted > 0 {
+            self.rests = 0;
+        }
         if self.acceptance < REST_BELOW {
             // Rest, then try again from a middling estimate.
-            self.rest = REST_STEPS;
+            self.rest = REST_STEPS << self.rests.min(4);
+            self.rests += 1;
             self.acceptance = 0.3;
         }
         if let Some(end) = from {
@@ -366,6 +374,20 @@ mod tests {
         let skipped = (0..100).take_while(|_| !s.due()).count();
         assert_eq!(skipped, REST_STEPS);
         assert!(!s.resting());
+        // Failing probes (from 0.3: 0.21, 0.15, 0.10, 0.07) rest twice as
+        // long, and so on up to 16 times.
+        for want in [2, 4, 8, 16, 16] {
+            let mut probes = 0;
+            while !s.resting() {
+                assert!(s.due());
+                s.pending = Some((1, None));
+                s.verified(1, 0);
+                probes += 1;
+            }
+            assert_eq!(probes, 4);
+            let skipped = (0..1000).take_while(|_| !s.due()).count();
+            assert_eq!(skipped, want * REST_STEPS);
+        }
         // Accepted guesses keep it going.
         for _ in 0..10 {
             s.pending = Some((2, None));

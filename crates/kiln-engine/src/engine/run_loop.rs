@@ -476,12 +476,17 @@ impl<'m> Loop<'m> {
             .map(|s| s.id)
             .filter(|id| self.active.get(id).is_some_and(|a| a.proc.needs_mask()))
             .collect();
+        // The MTP head reads the step's hidden states while the batch is
+        // small enough to speculate and some request in it is not resting.
+        let with_hidden = self.mtp.is_some()
+            && out.scheduled.len() <= self.speculative.max_batch
+            && out
+                .scheduled
+                .iter()
+                .any(|s| self.active.get(&s.id).is_some_and(|a| !a.spec.resting()));
         let model = self.model;
         let cache = &mut self.cache;
         let active = &mut self.active;
-        // The MTP head reads the step's hidden states while the batch is
-        // small enough to speculate.
-        let with_hidden = self.mtp.is_some() && out.scheduled.len() <= self.speculative.max_batch;
         let mut hidden = None;
         let (logits, mask_timing) = std::thread::scope(|scope| {
             let masks = (!mask_ids.is_empty()).then(|| {

@@ -99,7 +99,9 @@ impl<'m> Loop<'m> {
             .iter()
             .filter(|s| !finished.iter().any(|(id, _)| *id == s.id))
             .filter_map(|s| {
-                let a = self.active.get(&s.id)?;
+                // A resting request skips the head (its keys restart where
+                // it guesses again).
+                let a = self.active.get(&s.id).filter(|a| !a.spec.resting())?;
                 let context: Vec<TokenId> = a
                     .proc
                     .prompt()
