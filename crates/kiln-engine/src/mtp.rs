@@ -85,14 +85,7 @@ impl<'m> MtpProposer<'m> {
 
     /// Forgets the requests not in `live` (their blocks return to the pool).
     pub(crate) fn retain(&mut self, live: impl Fn(&RequestId) -> bool) {
-        let free = &mut self.free;
-        self.seqs.retain(|id, s| {
-            let keep = live(id);
-            if !keep {
-                free.append(&mut s.blocks);
-            }
-            keep
-        });
+        crate::speculative::retain_seqs(&mut self.seqs, &mut self.free, &live, |s| &mut s.blocks);
         self.guesses.retain(|id, _| live(id));
     }
 

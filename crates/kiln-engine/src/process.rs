@@ -232,6 +232,11 @@ impl<'m> TokenProcessor<'m> {
         &self.prompt
     }
 
+    /// The prompt and the output so far, as one sequence.
+    pub fn context(&self) -> Vec<TokenId> {
+        self.prompt.iter().chain(&self.generated).copied().collect()
+    }
+
     pub fn prompt_len(&self) -> usize {
         self.prompt.len()
     }

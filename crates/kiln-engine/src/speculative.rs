@@ -442,14 +442,7 @@ impl<'m> DraftModel<'m> {
 
     /// Forgets the requests not in `live` (their blocks return to the pool).
     pub(crate) fn retain(&mut self, live: impl Fn(&RequestId) -> bool) {
-        let free = &mut self.free;
-        self.seqs.retain(|id, s| {
-            let keep = live(id);
-            if !keep {
-                free.append(&mut s.blocks);
-            }
-            keep
-        });
+        retain_seqs(&mut self.seqs, &mut self.free, live, |s| &mut s.blocks);
     }
 
     /// Guesses up to `k` tokens after each request's `context` (its prompt
@@ -560,6 +553,23 @@ impl<'m> DraftModel<'m> {
         }
         Ok(out)
     }
+}
+
+/// Forgets the sequences of a proposer's own KV pool whose requests are
+/// not in `live`, their blocks back on `free`.
+pub(crate) fn retain_seqs<S>(
+    seqs: &mut HashMap<RequestId, S>,
+    free: &mut Vec<u32>,
+    live: impl Fn(&RequestId) -> bool,
+    blocks: impl Fn(&mut S) -> &mut Vec<u32>,
+) {
+    seqs.retain(|id, s| {
+        let keep = live(id);
+        if !keep {
+            free.append(blocks(s));
+        }
+        keep
+    });
 }
 
 /// The argmax of each of `rows` rows of `logits` (where the logits are

@@ -828,10 +828,7 @@ impl Qwen35 {
     }
 
     fn mtp_head(&self) -> Result<&Mtp> {
-        self.mtp.as_ref().ok_or_else(|| ModelError::Config {
-            key: "mtp_num_hidden_layers".into(),
-            what: "this checkpoint has no multi-token-prediction head".into(),
-        })
+        self.mtp.as_ref().ok_or_else(|| self.no_mtp())
     }
 }
 

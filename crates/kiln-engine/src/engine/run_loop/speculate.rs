@@ -50,13 +50,7 @@ impl<'m> Loop<'m> {
             if !draft.is_empty() {
                 self.scheduler.propose(*id, draft);
             } else if self.draft.is_some() {
-                let context: Vec<TokenId> = a
-                    .proc
-                    .prompt()
-                    .iter()
-                    .chain(a.proc.generated())
-                    .copied()
-                    .collect();
+                let context = a.proc.context();
                 let k = a.spec.next_length(self.speculative.num_tokens);
                 for_draft.push((*id, context, k));
             }
@@ -102,13 +96,7 @@ impl<'m> Loop<'m> {
                 // A resting request skips the head (its keys restart where
                 // it guesses again).
                 let a = self.active.get(&s.id).filter(|a| !a.spec.resting())?;
-                let context: Vec<TokenId> = a
-                    .proc
-                    .prompt()
-                    .iter()
-                    .chain(a.proc.generated())
-                    .copied()
-                    .collect();
+                let context = a.proc.context();
                 let valid = valid.get(&s.id).copied().unwrap_or(s.new_token_ids.len());
                 let guesses = match s.wants_logits && !a.spec.resting() {
                     true => a.spec.next_length(self.speculative.num_tokens),
