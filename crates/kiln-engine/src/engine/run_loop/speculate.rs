@@ -89,35 +89,42 @@ impl<'m> Loop<'m> {
         valid: &HashMap<RequestId, usize>,
         finished: &[(RequestId, FinishReason)],
     ) {
-        let contexts: Vec<(RequestId, Vec<TokenId>, usize, usize)> = scheduled
+        // (request, its first row and position, valid rows, guesses, context)
+        let parts: Vec<(RequestId, usize, usize, usize, usize, Vec<TokenId>)> = scheduled
             .iter()
             .filter(|s| !finished.iter().any(|(id, _)| *id == s.id))
             .filter_map(|s| {
                 // A resting request skips the head (its keys restart where
                 // it guesses again).
                 let a = self.active.get(&s.id).filter(|a| !a.spec.resting())?;
-                let context = a.proc.context();
                 let valid = valid.get(&s.id).copied().unwrap_or(s.new_token_ids.len());
-                let guesses = match s.wants_logits && !a.spec.resting() {
+                let guesses = match s.wants_logits {
                     true => a.spec.next_length(self.speculative.num_tokens),
                     false => 0,
                 };
-                Some((s.id, context, valid, guesses))
+                let row = *first_row.get(&s.id)?;
+                Some((
+                    s.id,
+                    row,
+                    s.num_computed_tokens,
+                    valid,
+                    guesses,
+                    a.proc.context(),
+                ))
             })
             .collect();
-        let rows: Vec<crate::mtp::StepRows<'_>> = scheduled
+        let rows: Vec<crate::mtp::StepRows<'_>> = parts
             .iter()
-            .filter_map(|s| {
-                let (id, context, valid, guesses) = contexts.iter().find(|c| c.0 == s.id)?;
-                Some(crate::mtp::StepRows {
+            .map(
+                |(id, row, pos, valid, guesses, context)| crate::mtp::StepRows {
                     id: *id,
-                    row: *first_row.get(id)?,
-                    pos: s.num_computed_tokens,
+                    row: *row,
+                    pos: *pos,
                     valid: *valid,
                     context,
                     guesses: *guesses,
-                })
-            })
+                },
+            )
             .collect();
         let Some(m) = self.mtp.as_mut() else {
             return;
