@@ -415,8 +415,6 @@ impl<'m> Loop<'m> {
             block_size: self.block_size,
             ..ForwardBatch::default()
         };
-        // Each request's first row (for the MTP head).
-        let mut first_row: HashMap<RequestId, usize> = HashMap::new();
         for s in &out.scheduled {
             if let Some(a) = self.active.get_mut(&s.id) {
                 a.first_step.get_or_insert(now);
@@ -424,7 +422,6 @@ impl<'m> Loop<'m> {
             let tokens: Vec<u32> = s.new_token_ids.iter().map(|t| t.0).collect();
             let tables = s.block_tables.iter().map(backend_table).collect();
             let start = batch.token_ids.len();
-            first_row.insert(s.id, start);
             let last_rows = s.wants_logits && s.num_draft_tokens == 0;
             batch.push_seq_groups(&tokens, s.num_computed_tokens, tables, last_rows);
             if s.wants_logits && s.num_draft_tokens > 0 {
@@ -710,8 +707,8 @@ impl<'m> Loop<'m> {
                 return None;
             }
         };
-        if let Some(h) = hidden.filter(|_| self.mtp.is_some()) {
-            self.run_mtp(&h, &out.scheduled, &first_row, &valid, &finished);
+        if let Some(h) = hidden {
+            self.run_mtp(&h, &out.scheduled, &batch.seqs, &valid, &finished);
         }
         for (id, reason) in finished {
             if reason == FinishReason::Cancelled {

@@ -80,20 +80,22 @@ impl<'m> Loop<'m> {
     }
 
     /// The MTP head after a step: its keys for the rows whose hidden states
-    /// stand, and the next guesses of the requests going on.
+    /// stand, and the next guesses of the requests going on (`seqs`: the
+    /// step's batch, one a scheduled request, in order).
     pub(super) fn run_mtp(
         &mut self,
         hidden: &kiln_tensor::Tensor,
         scheduled: &[kiln_scheduler::ScheduledRequest],
-        first_row: &HashMap<RequestId, usize>,
+        seqs: &[kiln_tensor::SeqSlice],
         valid: &HashMap<RequestId, usize>,
         finished: &[(RequestId, FinishReason)],
     ) {
         // (request, its first row and position, valid rows, guesses, context)
         let parts: Vec<(RequestId, usize, usize, usize, usize, Vec<TokenId>)> = scheduled
             .iter()
-            .filter(|s| !finished.iter().any(|(id, _)| *id == s.id))
-            .filter_map(|s| {
+            .zip(seqs)
+            .filter(|(s, _)| !finished.iter().any(|(id, _)| *id == s.id))
+            .filter_map(|(s, seq)| {
                 // A resting request skips the head (its keys restart where
                 // it guesses again).
                 let a = self.active.get(&s.id).filter(|a| !a.spec.resting())?;
@@ -102,11 +104,10 @@ impl<'m> Loop<'m> {
                     true => a.spec.next_length(self.speculative.num_tokens),
                     false => 0,
                 };
-                let row = *first_row.get(&s.id)?;
                 Some((
                     s.id,
-                    row,
-                    s.num_computed_tokens,
+                    seq.token_start,
+                    seq.num_computed,
                     valid,
                     guesses,
                     a.proc.context(),
