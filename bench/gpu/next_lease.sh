@@ -9,9 +9,11 @@
 #      Qwen3.5-9B shape's serving figures (hybrid_round.sh "serve"), its batch-1 decode with each
 #      delta-rule kernel (KILN_DELTA_REGISTERS), and serving again with the register one.
 #   4. (`hprof`) the 9B shape's decode with each delta-rule kernel and its 4,096-token prefill
-#      timed op by op (`kiln bench --profile`: where the hybrid's prefill goes);
+#      token by token and chunk-parallel, timed op by op (`kiln bench --profile`);
 #   5. (`mtp`) `--speculative mtp` on CUDA: the tiny Qwen3.5 with its head, outputs against plain.
-#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid hprof mtp)
+#   6. (`chunk`) the delta rule's chunk-parallel form in the tiny Qwen3.5 against the CPU (hprof
+#      times it on the 9B shape's 4,096-token prefill).
+#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid chunk hprof mtp)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
 K=${KILN:-.device/kiln}; export KILN=$K
@@ -44,29 +46,49 @@ print('9b delta registers=$r: decode', round(d['decode_tokens_per_second']['medi
   KILN_DELTA_REGISTERS=1 timeout 200 bench/gpu/hybrid_round.sh "$OUT/h-reg" serve 2>&1 | tail -14
   rm -rf "$W/qwen3_5-9b" "$OUT"/tiny/*.npy
 fi
+if has chunk; then
+  # The delta rule's chunk-parallel form in a whole model: the tiny Qwen3.5's rows with every
+  # prefill through it (KILN_DELTA_CHUNK_ROWS=1) against the CPU's and the token-order kernel's.
+  IDS=1,17,93,5,64,11,33,8,77,90,45,3,88,19,56,60,27,71,9,42,7,7,13,21,34,55,89,2,4,8,16,32
+  M=crates/kiln-models/tests/data/hybrid/qwen3_5
+  timeout 60 "$K" dev logits -m $M --device cpu --ids $IDS --prefill 20 -o "$OUT/ch-cpu.npy" > /dev/null 2>&1
+  timeout 60 "$K" dev logits -m $M --device cuda --ids $IDS --prefill 20 -o "$OUT/ch-tok.npy" > /dev/null 2>&1
+  KILN_DELTA_CHUNK_ROWS=1 timeout 60 "$K" dev logits -m $M --device cuda --ids $IDS --prefill 20 -o "$OUT/ch-chunk.npy" > /dev/null 2> "$OUT/ch.err" || tail -3 "$OUT/ch.err"
+  python3 - "$OUT" <<'PY'
+import sys
+import numpy as np
+o = sys.argv[1]
+cpu, tok, ch = (np.load(f"{o}/ch-{n}.npy").astype(np.float64) for n in ("cpu", "tok", "chunk"))
+cos = lambda a, b: (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+print("chunk tiny qwen3_5: chunked vs cpu min cosine", round(cos(ch, cpu).min(), 5), "token-order vs cpu",
+      round(cos(tok, cpu).min(), 5), "chunked vs token-order max|d|", f"{np.abs(ch - tok).max():.2e}")
+PY
+fi
 if has hprof; then
   W=${WORK:-$PWD/target/kiln-w}
   # With an MTP head (not read by plain decoding, nor counted in its roofline) for the mtp stage.
   [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" --mtp 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
-  for r in 0 1; do
-    KILN_DELTA_REGISTERS=$r timeout 100 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
-      --prompt-tokens 512 --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
+  # Decode with each token-order kernel; the 4,096-token prefill token by token and chunk-parallel.
+  for cfg in "KILN_DELTA_REGISTERS=0" "KILN_DELTA_REGISTERS=1" "KILN_DELTA_REGISTERS=1 KILN_DELTA_CHUNK_ROWS=64"; do
+    env $cfg timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
+      --prompt-tokens 4096 --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
 import json, sys; d = json.load(sys.stdin)
-print('9b delta registers=$r: decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction',
-      round(d['decode_fraction_of_bandwidth'], 4), 'prefill 512', round(d['prefill_tokens_per_second']['median'], 1))"
+print('9b $cfg: decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction',
+      round(d['decode_fraction_of_bandwidth'], 4), 'prefill 4096', round(d['prefill_tokens_per_second']['median'], 1))"
   done
-  timeout 150 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 4096 --gen-tokens 8 --runs 1 --profile \
-    > "$OUT/prof-9b.json" 2> "$OUT/prof-9b.err"
-  python3 - "$OUT/prof-9b.json" <<'PY' || tail -c 600 "$OUT/prof-9b.err"
+  for rows in "" 64; do
+    KILN_DELTA_REGISTERS=1 KILN_DELTA_CHUNK_ROWS=$rows timeout 150 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
+      --prompt-tokens 4096 --gen-tokens 8 --runs 1 --profile > "$OUT/prof-9b.json" 2> "$OUT/prof-9b.err"
+    python3 - "$OUT/prof-9b.json" "$rows" <<'PY' || tail -c 600 "$OUT/prof-9b.err"
 import json, sys
 d = json.load(open(sys.argv[1]))
-print("9b prefill 4096:", round(d["prefill_tokens_per_second"]["median"], 1), "tok/s")
-for phase in ("prefill", "decode"):
-    p = d["profile"][phase]
-    print(phase, "wall", round(p["wall_seconds"], 4))
-    for o in p["ops"][:10]:
-        print("  ", o["op"], round(o["seconds"], 4), o["calls"], round(o["share_of_wall"], 3))
+print("9b prefill 4096 (chunk rows '%s'):" % sys.argv[2], round(d["prefill_tokens_per_second"]["median"], 1), "tok/s")
+p = d["profile"]["prefill"]
+print("prefill wall", round(p["wall_seconds"], 4))
+for o in p["ops"][:8]:
+    print("  ", o["op"], round(o["seconds"], 4), o["calls"], round(o["share_of_wall"], 3))
 PY
+  done
 fi
 if has mtp; then
   W=${WORK:-$PWD/target/kiln-w}

@@ -19,6 +19,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("ops/matmul/block_parts.cuh"),
     ),
     ("kv_elem.cuh", include_str!("ops/attention/kv_elem.cuh")),
+    ("recurrent.cuh", include_str!("ops/recurrent/recurrent.cuh")),
 ];
 
 /// Sources without which the backend does not start (the others' kernels
@@ -63,6 +64,10 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("lora", include_str!("ops/lora/lora.cu")),
     ("moe", include_str!("ops/moe/moe.cu")),
     ("recurrent", include_str!("ops/recurrent/recurrent.cu")),
+    (
+        "recurrent_chunk",
+        include_str!("ops/recurrent/delta_chunk.cu"),
+    ),
 ];
 
 /// Every kernel the backend launches by name (the CI compile test checks
@@ -148,6 +153,10 @@ pub const ENTRY_POINTS: &[&str] = &[
     "recurrent_conv",
     "gated_delta_rule",
     "gated_delta_rule_k128",
+    "gated_delta_prep",
+    "gated_delta_chunk_solve",
+    "gated_delta_chunk_state",
+    "gated_delta_chunk_out",
 ];
 
 /// The block formats with kernels, by kernel name: `qgemv_<fmt>_m1` …

@@ -63,6 +63,13 @@ pub struct CudaOptions {
     /// GPU has run it through `kiln dev cuda-check` (which runs both
     /// whatever this says) and a round has timed it.
     pub delta_registers: bool,
+    /// Steps in which a sequence has at least this many new tokens run the
+    /// delta rule in its chunk-parallel form (`delta_chunk.cu`: chunks of
+    /// 64 tokens solved at once, the state carried from chunk to chunk);
+    /// others token by token. Default `usize::MAX` (never) until a GPU has
+    /// run it through `kiln dev cuda-check` (which runs it whatever this
+    /// says) and a round has timed a long prefill with it.
+    pub delta_chunk_rows: usize,
     /// LoRA deltas of steps of at least this many rows run on the tensor
     /// cores (`lora_shrink_mma_bf16` / `lora_expand_mma_bf16`: prefill);
     /// smaller steps (decode) on the CUDA-core kernels. Default
@@ -102,6 +109,7 @@ impl Default for CudaOptions {
             fp8_activations: true,
             recurrent: true,
             delta_registers: false,
+            delta_chunk_rows: usize::MAX,
             lora_mma_rows: usize::MAX,
             lora_expand8: false,
             kernel_defines: String::new(),

@@ -3,23 +3,30 @@
 //! heads of 128, a 4-tap convolution) and a small odd one, LFM2's short
 //! convolution; three sequences in one step (one fresh, one continuing a
 //! state, one restored from a snapshot slot), snapshots taken mid-step;
-//! the outputs and every slot's state afterwards.
+//! the outputs and every slot's state afterwards — short steps through
+//! the token-order kernels, long ones (150 and 70 tokens) through the
+//! delta rule's chunk-parallel form too.
 
 use kiln_tensor::recurrent::{GatedDeltaNet, RecurrentMixer, ShortConv};
 use kiln_tensor::{ForwardBatch, KvPoolShape, SeqState, StateShape};
 
 use super::{e, Pair, Rng, R, TOL};
+use crate::ops::recurrent::DeltaKernel;
 
 /// The state's tolerance: f32 on both sides, the kernels' sums in another
 /// order (and exp/rsqrt intrinsics), through a few tokens of recurrence.
 const TOL_STATE: f64 = 2e-3;
+
+/// Blocks of each sequence's table in the checks' pool (the longest
+/// reaches position 160).
+const BLOCKS_A_SEQ: u32 = 11;
 
 /// The KV pool beside the checks' recurrent state (the mixers keep no KV;
 /// a decode step needs a block table).
 const KV: KvPoolShape = KvPoolShape {
     num_layers: 1,
     num_groups: 1,
-    num_blocks: 8,
+    num_blocks: 3 * BLOCKS_A_SEQ as usize,
     block_size: 16,
     kv_row: 8,
 };
@@ -70,81 +77,150 @@ pub(super) fn recurrent_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
         ),
     ];
     for (name, mixer) in cases {
-        let (conv, rec) = mixer.state();
-        let shape = StateShape {
-            num_layers: 2,
-            num_slots: 6,
-            conv,
-            recurrent: rec,
+        let delta = match &mixer {
+            RecurrentMixer::GatedDeltaNet(g) => Some(g.k_dim),
+            RecurrentMixer::ShortConv(_) => None,
         };
-        // Sequences: 5 fresh tokens on slot 0 (snapshots after 2 and 5 into
-        // slots 3 and 4), 1 token continuing slot 1's state, 7 tokens on
-        // slot 2 restored from slot 5's after 11 computed tokens; layer 0's
-        // state (another layer's) stays as it was.
-        let lens = [5usize, 1, 7];
-        let n: usize = lens.iter().sum();
-        let mut batch = ForwardBatch {
-            block_size: 16,
-            ..ForwardBatch::default()
+        // Short sequences through the token-order kernels (both, for the
+        // delta rule); long ones through the chunk-parallel form where it
+        // takes the heads (keys of up to 128) and the token order.
+        let token = |registers| DeltaKernel {
+            registers,
+            chunk_rows: usize::MAX,
         };
-        // (Two blocks a sequence: the last reaches position 17.)
-        for (i, (&len, computed)) in lens.iter().zip([0usize, 9, 11]).enumerate() {
-            let i = i as u32;
-            batch.push_seq(&vec![1; len], computed, vec![2 * i, 2 * i + 1], true);
+        let chunked = DeltaKernel {
+            registers: false,
+            chunk_rows: 64,
+        };
+        let mut short: Vec<(DeltaKernel, &str)> = vec![(token(false), "")];
+        let mut long: Vec<(DeltaKernel, &str)> = Vec::new();
+        if let Some(kd) = delta {
+            short.push((token(true), ", register kernel"));
+            long.push((token(false), ", long"));
+            if kd <= 128 {
+                long.push((chunked, ", long, chunk-parallel"));
+            }
         }
-        batch.states = vec![
-            SeqState {
-                slot: 0,
-                restore_from: None,
-                snapshots: vec![(2, 3), (5, 4)],
-            },
-            SeqState {
-                slot: 1,
-                ..SeqState::default()
-            },
-            SeqState {
-                slot: 2,
-                restore_from: Some(5),
-                snapshots: Vec::new(),
-            },
-        ];
-        let x = rng.vec(n * mixer.in_dim(), 1.0);
-        let start = rng.vec(shape.num_layers * shape.num_slots * shape.per_slot(), 0.5);
-        let gpu = p.gpu;
-        // The GPU with the delta rule's register kernel or without it
-        // (`Some`), whatever `CudaOptions::delta_registers` says; the CPU.
-        let run =
-            |b: &dyn kiln_tensor::Backend, registers: Option<bool>| -> R<(Vec<f32>, Vec<f32>)> {
-                let mut cache = b.alloc_kv_cache(KV).map_err(e)?;
-                let st = b.alloc_state(shape).map_err(e)?;
-                cache = cache.with_state(shape, st);
-                state_io(gpu, &mut cache, Some(&start))?;
-                let xt = b.upload(&[n, mixer.in_dim()], &x).map_err(e)?;
-                let y = match registers {
-                    Some(r) => crate::ops::recurrent::recurrent_mixer_with(
-                        gpu, &xt, &mixer, &batch, &mut cache, r,
-                    ),
-                    None => b.recurrent_mixer(&xt, &mixer, &batch, &mut cache),
-                }
-                .map_err(e)?;
-                Ok((b.to_host(&y).map_err(e)?, state_io(gpu, &mut cache, None)?))
-            };
-        let (cy, cs) = run(&p.cpu, None)?;
-        let delta = matches!(mixer, RecurrentMixer::GatedDeltaNet(_));
-        let kernels: &[(bool, &str)] = match delta {
-            true => &[(false, ""), (true, ", register kernel")],
-            false => &[(false, "")],
-        };
-        for &(registers, kernel) in kernels {
-            let (gy, gs) = run(p.gpu, Some(registers))?;
-            p.push(format!("recurrent {name}{kernel}: output"), &gy, &cy, TOL);
-            p.push(
-                format!("recurrent {name}{kernel}: state"),
-                &gs,
-                &cs,
-                TOL_STATE,
-            );
+        let runs = [(Steps::SHORT, short), (Steps::LONG, long)];
+        for (steps, kernels) in runs {
+            if !kernels.is_empty() {
+                check_mixer(p, rng, name, &mixer, steps, &kernels)?;
+            }
         }
+    }
+    Ok(())
+}
+
+/// A step's sequences for a check: their new tokens, tokens computed
+/// before, and snapshots of the first (`(tokens, slot)`); slots 0–2 are
+/// the sequences', the third restored from slot 5, and the state has
+/// [`STATE_SLOTS`].
+struct Steps {
+    lens: [usize; 3],
+    computed: [usize; 3],
+    snapshots: &'static [(usize, u32)],
+}
+
+/// Slots of the checks' recurrent state.
+const STATE_SLOTS: usize = 7;
+
+impl Steps {
+    /// 5 fresh tokens on slot 0 (snapshots after 2 and 5), 1 token
+    /// continuing slot 1's state, 7 tokens restored from slot 5's after 11
+    /// computed tokens.
+    const SHORT: Steps = Steps {
+        lens: [5, 1, 7],
+        computed: [0, 9, 11],
+        snapshots: &[(2, 3), (5, 4)],
+    };
+    /// The same with 150 and 70 tokens: three chunks of the chunk-parallel
+    /// form (the last partial) and two, snapshots inside the first chunk,
+    /// at its end and inside the second.
+    const LONG: Steps = Steps {
+        lens: [150, 1, 70],
+        computed: [0, 9, 11],
+        snapshots: &[(2, 3), (64, 4), (100, 6)],
+    };
+}
+
+fn check_mixer(
+    p: &mut Pair,
+    rng: &mut Rng,
+    name: &str,
+    mixer: &RecurrentMixer,
+    steps: Steps,
+    kernels: &[(DeltaKernel, &str)],
+) -> R<()> {
+    let (conv, rec) = mixer.state();
+    let shape = StateShape {
+        num_layers: 2,
+        num_slots: STATE_SLOTS,
+        conv,
+        recurrent: rec,
+    };
+    // Layer 0's state (another layer's) stays as it was.
+    let n: usize = steps.lens.iter().sum();
+    let mut batch = ForwardBatch {
+        block_size: 16,
+        ..ForwardBatch::default()
+    };
+    for (i, (&len, &computed)) in steps.lens.iter().zip(&steps.computed).enumerate() {
+        // (Each sequence its own blocks, enough for its last position.)
+        let blocks = (computed + len).div_ceil(16) as u32;
+        let first = i as u32 * BLOCKS_A_SEQ;
+        batch.push_seq(
+            &vec![1; len],
+            computed,
+            (first..first + blocks).collect(),
+            true,
+        );
+    }
+    batch.states = vec![
+        SeqState {
+            slot: 0,
+            restore_from: None,
+            snapshots: steps.snapshots.to_vec(),
+        },
+        SeqState {
+            slot: 1,
+            ..SeqState::default()
+        },
+        SeqState {
+            slot: 2,
+            restore_from: Some(5),
+            snapshots: Vec::new(),
+        },
+    ];
+    let x = rng.vec(n * mixer.in_dim(), 1.0);
+    let start = rng.vec(shape.num_layers * shape.num_slots * shape.per_slot(), 0.5);
+    let gpu = p.gpu;
+    // The GPU with the given delta-rule kernel (`Some`), or the CPU.
+    let run =
+        |b: &dyn kiln_tensor::Backend, kernel: Option<DeltaKernel>| -> R<(Vec<f32>, Vec<f32>)> {
+            let mut cache = b.alloc_kv_cache(KV).map_err(e)?;
+            let st = b.alloc_state(shape).map_err(e)?;
+            cache = cache.with_state(shape, st);
+            state_io(gpu, &mut cache, Some(&start))?;
+            let xt = b.upload(&[n, mixer.in_dim()], &x).map_err(e)?;
+            let y = match kernel {
+                Some(k) => crate::ops::recurrent::recurrent_mixer_with(
+                    gpu, &xt, mixer, &batch, &mut cache, k,
+                ),
+                None => b.recurrent_mixer(&xt, mixer, &batch, &mut cache),
+            }
+            .map_err(e)?;
+            Ok((b.to_host(&y).map_err(e)?, state_io(gpu, &mut cache, None)?))
+        };
+    let (cy, cs) = run(&p.cpu, None)?;
+    for &(kernel, label) in kernels {
+        let (gy, gs) = run(p.gpu, Some(kernel))?;
+        p.push(format!("recurrent {name}{label}: output"), &gy, &cy, TOL);
+        p.push(
+            format!("recurrent {name}{label}: state"),
+            &gs,
+            &cs,
+            TOL_STATE,
+        );
     }
     Ok(())
 }

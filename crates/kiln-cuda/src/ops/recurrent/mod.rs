@@ -1,8 +1,9 @@
 //! Recurrent token mixers (`recurrent.cu`): the state beside the KV blocks
 //! (f32, [`kiln_tensor::StateShape`]), the convolution with its past
 //! inputs, and the gated delta rule — each sequence's tokens in order, as
-//! the CPU reference runs them; restores from and snapshots into other
-//! slots as [`kiln_tensor::SeqState`] says.
+//! the CPU reference runs them, or for long prefills in the chunk-parallel
+//! form (`chunk.rs`); restores from and snapshots into other slots as
+//! [`kiln_tensor::SeqState`] says.
 
 use cudarc::driver::LaunchConfig;
 use kiln_tensor::recurrent::{GatedDeltaNet, RecurrentMixer, ShortConv};
@@ -11,6 +12,8 @@ use kiln_tensor::{ForwardBatch, KvCache, Result, StateShape, Tensor, TensorError
 use crate::backend::CudaBackend;
 use crate::driver::device::{dev_err, ptr, wrap};
 use crate::driver::pool::DevBuf;
+
+mod chunk;
 
 /// Most taps a convolution may have (`KILN_CONV_MAX_K`).
 const MAX_KERNEL: usize = 8;
@@ -121,19 +124,56 @@ pub(crate) fn recurrent_mixer(
     batch: &ForwardBatch,
     cache: &mut KvCache,
 ) -> Result<Tensor> {
-    let regs = cuda.options.delta_registers;
-    recurrent_mixer_with(cuda, x, mixer, batch, cache, regs)
+    let kernel = DeltaKernel {
+        registers: cuda.options.delta_registers,
+        chunk_rows: cuda.options.delta_chunk_rows,
+    };
+    recurrent_mixer_with(cuda, x, mixer, batch, cache, kernel)
 }
 
-/// [`recurrent_mixer`] with the delta rule's register kernel where it
-/// takes the head (`registers`) or not (cuda-check runs both).
+/// Which delta-rule kernel runs a step (cuda-check runs each, whatever the
+/// options say).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeltaKernel {
+    /// The register kernel where it takes the head (token order).
+    pub(crate) registers: bool,
+    /// The chunk-parallel form when a sequence has at least this many new
+    /// tokens (and the step is not being recorded).
+    pub(crate) chunk_rows: usize,
+}
+
+/// A delta-rule launch's arguments, shared by the token-order kernels and
+/// the chunk-parallel form: device pointers and the columns of z, b and a
+/// in the packed projections `x`.
+pub(crate) struct DeltaArgs<'a> {
+    pub(crate) g: &'a GatedDeltaNet,
+    pub(crate) mixed: u64,
+    pub(crate) mstride: i32,
+    pub(crate) x: u64,
+    pub(crate) x_stride: i64,
+    pub(crate) z_col: i32,
+    pub(crate) b_col: i32,
+    pub(crate) a_col: i32,
+    pub(crate) a_log: u64,
+    pub(crate) dt_bias: u64,
+    pub(crate) norm: u64,
+    pub(crate) state: u64,
+    pub(crate) slot_len: i64,
+    pub(crate) conv_len: i64,
+    pub(crate) seqs: u64,
+    pub(crate) snaps: u64,
+    pub(crate) num_seqs: i32,
+    pub(crate) out: u64,
+}
+
+/// [`recurrent_mixer`] with the delta rule's kernel chosen by `kernel`.
 pub(crate) fn recurrent_mixer_with(
     cuda: &CudaBackend,
     x: &Tensor,
     mixer: &RecurrentMixer,
     batch: &ForwardBatch,
     cache: &mut KvCache,
-    registers: bool,
+    kernel: DeltaKernel,
 ) -> Result<Tensor> {
     let (n, d) = x.dims2("recurrent_mixer")?;
     if d != mixer.in_dim() || n != batch.num_tokens() {
@@ -229,77 +269,110 @@ pub(crate) fn recurrent_mixer_with(
             let cd = g.conv_dim();
             let mixed = cuda.dev.alloc(n * cd, 4, "the DeltaNet's convolution")?;
             conv_launch(g.kernel, cd, 0, mixed.ptr, 0)?;
-            let at = delta_offsets(g);
-            let threads = (g.v_dim as u32).div_ceil(32).max(1) * 32;
-            let smem = (g.k_dim * g.v_dim + 2 * g.k_dim) * 4;
-            if threads > 1024 || smem > DELTA_MAX_SMEM {
-                return Err(TensorError::Unsupported {
-                    backend: "cuda",
-                    what: format!(
-                        "DeltaNet heads of {} x {} (at most 1024 value dims and {} KiB of state)",
-                        g.k_dim,
-                        g.v_dim,
-                        DELTA_MAX_SMEM / 1024
-                    ),
-                });
-            }
-            // Keys of up to 128 with up to 256 value dims: the state in
-            // registers (`gated_delta_rule_k128`) when asked; else in
-            // shared memory.
-            let regs = registers
-                && g.k_dim <= DELTA_REG_KEYS
-                && threads <= 256
-                && cuda.dev.has("gated_delta_rule_k128");
-            let (name, smem) = match regs {
-                true => (
-                    "gated_delta_rule_k128",
-                    ((threads as usize / 32) * 2 * DELTA_REG_KEYS + 64) * 4,
-                ),
-                false => ("gated_delta_rule", smem),
-            };
-            let func = cuda.dev.func(name)?;
-            let (mstride, vh, vd) = (cd as i32, g.v_heads as i32, g.v_dim as i32);
+            let [_, a_log, dt_bias, norm] = delta_offsets(g).map(|o| p + 4 * o as u64);
+            let (vh, vd) = (g.v_heads as i32, g.v_dim as i32);
             let z_col = cd as i32;
-            let b_col = z_col + vh * vd;
-            let a_col = b_col + vh;
-            let [_, a_log, dt_bias, norm] = at.map(|o| p + 4 * o as u64);
-            let (kh, kd) = (g.k_heads as i32, g.k_dim as i32);
-            let conv_len = conv as i64;
-            let mut b = cuda.dev.launch(func);
-            b.arg(&mixed.ptr)
-                .arg(&mstride)
-                .arg(&xp)
-                .arg(&x_stride)
-                .arg(&z_col)
-                .arg(&b_col)
-                .arg(&a_col)
-                .arg(&a_log)
-                .arg(&dt_bias)
-                .arg(&norm)
-                .arg(&g.eps)
-                .arg(&kh)
-                .arg(&vh)
-                .arg(&kd)
-                .arg(&vd)
-                .arg(&layer_state)
-                .arg(&slot_len)
-                .arg(&conv_len)
-                .arg(&seqs_ptr)
-                .arg(&snaps_ptr)
-                .arg(&num_seqs)
-                .arg(&out.ptr);
-            let cfg = LaunchConfig {
-                grid_dim: (batch.seqs.len() as u32, g.v_heads as u32, 1),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: smem as u32,
+            let args = DeltaArgs {
+                g,
+                mixed: mixed.ptr,
+                mstride: cd as i32,
+                x: xp,
+                x_stride,
+                z_col,
+                b_col: z_col + vh * vd,
+                a_col: z_col + vh * vd + vh,
+                a_log,
+                dt_bias,
+                norm,
+                state: layer_state,
+                slot_len,
+                conv_len: conv as i64,
+                seqs: seqs_ptr,
+                snaps: snaps_ptr,
+                num_seqs,
+                out: out.ptr,
             };
-            // SAFETY: mixed [n, cd] f32 written above; x [n, in_dim] bf16
-            // with z, b, a at their columns; the params at their offsets;
-            // the state and metadata as above; out [n, v_heads * v_dim].
-            unsafe { b.launch(cfg) }.map_err(dev_err)?;
+            let long = batch.seqs.iter().any(|q| q.num_tokens >= kernel.chunk_rows);
+            if long && chunk::takes(cuda, g) {
+                chunk::launch(cuda, &args, batch)?;
+            } else {
+                token_order(cuda, &args, kernel.registers)?;
+            }
         }
     }
     Ok(wrap(vec![n, mixer.out_dim()], out))
+}
+
+/// The delta rule token by token: the register kernel where it takes the
+/// head and `registers` asks for it, else the shared-memory one.
+fn token_order(cuda: &CudaBackend, a: &DeltaArgs, registers: bool) -> Result<()> {
+    let g = a.g;
+    let threads = (g.v_dim as u32).div_ceil(32).max(1) * 32;
+    let smem = (g.k_dim * g.v_dim + 2 * g.k_dim) * 4;
+    if threads > 1024 || smem > DELTA_MAX_SMEM {
+        return Err(TensorError::Unsupported {
+            backend: "cuda",
+            what: format!(
+                "DeltaNet heads of {} x {} (at most 1024 value dims and {} KiB of state)",
+                g.k_dim,
+                g.v_dim,
+                DELTA_MAX_SMEM / 1024
+            ),
+        });
+    }
+    // Keys of up to 128 with up to 256 value dims: the state in registers
+    // (`gated_delta_rule_k128`) when asked; else in shared memory.
+    let regs = registers
+        && g.k_dim <= DELTA_REG_KEYS
+        && threads <= 256
+        && cuda.dev.has("gated_delta_rule_k128");
+    let (name, smem) = match regs {
+        true => (
+            "gated_delta_rule_k128",
+            ((threads as usize / 32) * 2 * DELTA_REG_KEYS + 64) * 4,
+        ),
+        false => ("gated_delta_rule", smem),
+    };
+    let func = cuda.dev.func(name)?;
+    let (kh, vh, kd, vd) = (
+        g.k_heads as i32,
+        g.v_heads as i32,
+        g.k_dim as i32,
+        g.v_dim as i32,
+    );
+    let mut b = cuda.dev.launch(func);
+    b.arg(&a.mixed)
+        .arg(&a.mstride)
+        .arg(&a.x)
+        .arg(&a.x_stride)
+        .arg(&a.z_col)
+        .arg(&a.b_col)
+        .arg(&a.a_col)
+        .arg(&a.a_log)
+        .arg(&a.dt_bias)
+        .arg(&a.norm)
+        .arg(&g.eps)
+        .arg(&kh)
+        .arg(&vh)
+        .arg(&kd)
+        .arg(&vd)
+        .arg(&a.state)
+        .arg(&a.slot_len)
+        .arg(&a.conv_len)
+        .arg(&a.seqs)
+        .arg(&a.snaps)
+        .arg(&a.num_seqs)
+        .arg(&a.out);
+    let cfg = LaunchConfig {
+        grid_dim: (a.num_seqs as u32, g.v_heads as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    // SAFETY: mixed [n, cd] f32 written by the convolution; x [n, in_dim]
+    // bf16 with z, b, a at their columns; the params at their offsets; the
+    // state and metadata as `recurrent_mixer_with` checked them; out
+    // [n, v_heads * v_dim].
+    unsafe { b.launch(cfg) }.map_err(dev_err)
 }
 
 /// Raises the delta rule's dynamic shared memory limit; a GPU that cannot
@@ -309,10 +382,12 @@ pub(crate) fn configure(dev: &mut crate::driver::device::Device, warnings: &mut 
     let attr =
         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     dev.funcs.retain(|entry, f| {
-        if entry != "gated_delta_rule" {
-            return true;
-        }
-        match f.set_attribute(attr, DELTA_MAX_SMEM as i32) {
+        let bytes = match entry.as_str() {
+            "gated_delta_rule" => DELTA_MAX_SMEM,
+            e if chunk::KERNELS.contains(&e) => chunk::MAX_SMEM,
+            _ => return true,
+        };
+        match f.set_attribute(attr, bytes as i32) {
             Ok(()) => true,
             Err(e) => {
                 warnings.push(format!("{entry} unavailable: {e:?}"));

@@ -1,7 +1,7 @@
 // Recurrent token mixers over per-sequence state slots (kiln_tensor::recurrent): the causal
 // depthwise convolution with its past inputs, and the gated delta rule of Qwen3.5's DeltaNet.
 // Every sequence runs its tokens in order, as the CPU reference does (token by token, f32 state);
-// the chunk-parallel prefill form is not here yet.
+// the delta rule's chunk-parallel form for long prefills is in delta_chunk.cu.
 //
 // State: f32, per slot `conv` values (the last K-1 inputs, oldest first, [K-1][channels]) then
 // `rec` values (one k_dim x v_dim matrix a value head, row-major [head][i][j]); slot s of a
@@ -15,14 +15,9 @@
 // or every sequence while a recording warms up) has no state: its outputs are zeros and no state
 // is read or written.
 #include "common.cuh"
+#include "recurrent.cuh"
 
 #define KILN_CONV_MAX_K 8
-
-namespace recurrent_detail {
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
-__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
-}  // namespace recurrent_detail
 
 // The convolution, one thread a channel: grid (sequences, ceil(channels / blockDim.x)).
 // mode 0 (DeltaNet): input x[row * x_stride + c], out f32 [row][channels] = silu(conv).

@@ -1,0 +1,338 @@
+// The gated delta rule's chunk-parallel form, for prefills: the same outputs and states as the
+// token-order kernels (recurrent.cu) up to f32 rounding, with most of the work done for every
+// chunk of DELTA_CHUNK tokens at once instead of token after token.
+//
+// Within a chunk of tokens 0..L of one value head, with the state S_0 it starts from, the
+// normalized keys and queries k_t and q_t, the write strengths beta_t and the cumulative log
+// decays G_t = g_0 + ... + g_t:
+//   S_t = e^{G_t} S_0 + sum_{s<=t} e^{G_t - G_s} k_s u_s^T,
+//   u_t = beta_t (v_t - e^{G_t} S_0^T k_t) - sum_{s<t} A_ts u_s,
+//         A_ts = beta_t e^{G_t - G_s} (k_t . k_s),
+// so (I + A) u = beta V - beta e^G K S_0, and with T = (I + A)^-1:
+//   u = U - W S_0,  U = T (beta V),  W = T (beta e^G K),
+//   o_t = S_t^T q_t = e^{G_t} S_0^T q_t + sum_{s<=t} e^{G_t - G_s} (q_t . k_s) u_s.
+// U and W do not depend on S_0: every chunk of every sequence solves for them at once
+// (gated_delta_chunk_solve). Then each sequence's chunks run in order, carrying S from chunk to
+// chunk (gated_delta_chunk_state: u, the S_0 part of the outputs, snapshots, the chunk's final
+// state); then every chunk's outputs at once (gated_delta_chunk_out, with the gated RMSNorm).
+//
+// Work arrays (f32), n rows: qk [n][2 k_heads k_dim] (the normalized q, scaled by k_dim^-1/2,
+// then k), gb [n][2 v_heads] (log decay g, rewritten as G within the chunk; then beta),
+// W [n][v_heads][k_dim], U [n][v_heads][v_dim] (U, rewritten as u), oi [n][v_heads][v_dim] (the
+// outputs' S_0 part). Chunks (i32, 4 a chunk): sequence, first row, tokens, tokens of the
+// sequence before it in this step; seq_chunks[s]: sequence s's first chunk (then the count).
+// Sequence metadata, state layout and snapshots as in recurrent.cu.
+#include "common.cuh"
+#include "recurrent.cuh"
+
+#define DELTA_CHUNK 64
+// The widest keys gated_delta_chunk_state keeps (8 warps, DELTA_CHUNK_KMAX / 8 rows a thread).
+#define DELTA_CHUNK_KMAX 128
+
+// Per row: the normalized q and k of every key head (a warp a vector) and each value head's log
+// decay and beta. Grid (rows), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) gated_delta_prep(
+    const float* __restrict__ mixed, int mixed_stride, const bf16* __restrict__ x, long long x_stride,
+    int b_col, int a_col, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    int k_heads, int v_heads, int k_dim, float* __restrict__ qk, float* __restrict__ gb) {
+    kiln_pdl_enter();
+    const long long r = blockIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const float* mr = mixed + r * mixed_stride;
+    float* o = qk + r * (2LL * k_heads * k_dim);
+    const float q_scale = rsqrtf((float)k_dim);
+    for (int vec = warp; vec < 2 * k_heads; vec += nwarps) {
+        const float* src = mr + (long long)vec * k_dim;
+        float ss = 0.0f;
+        for (int i = lane; i < k_dim; i += 32) ss += src[i] * src[i];
+        ss = warp_sum(ss);
+        const float scale = rsqrtf(ss + 1e-6f) * (vec < k_heads ? q_scale : 1.0f);
+        for (int i = lane; i < k_dim; i += 32) o[(long long)vec * k_dim + i] = src[i] * scale;
+    }
+    const bf16* xr = x + r * x_stride;
+    for (int h = threadIdx.x; h < v_heads; h += blockDim.x) {
+        gb[r * 2 * v_heads + h] =
+            -__expf(a_log[h]) * recurrent_detail::softplus(to_f32(xr[a_col + h]) + dt_bias[h]);
+        gb[r * 2 * v_heads + v_heads + h] = recurrent_detail::sigmoid(to_f32(xr[b_col + h]));
+    }
+}
+
+// W and U of one chunk of one value head: grid (chunks, v_heads), 256 threads, dynamic shared
+// memory max(DELTA_CHUNK (k_dim + 1), DELTA_CHUNK (k_dim + v_dim)) + DELTA_CHUNK^2
+// + 2 DELTA_CHUNK floats. Also rewrites the chunk's g as G. Forward substitution a column a
+// thread: x_t = rhs_t - sum_{s<t} A_ts x_s.
+extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_solve(
+    const float* __restrict__ mixed, int mixed_stride, int k_heads, int v_heads, int k_dim,
+    int v_dim, const int* __restrict__ chunks, const float* __restrict__ qk, float* __restrict__ gb,
+    float* __restrict__ W, float* __restrict__ U) {
+    kiln_pdl_enter();
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y;
+    const int row0 = chunks[4 * c + 1], len = chunks[4 * c + 2];
+    const int kp = k_dim + 1, cols = k_dim + v_dim;
+    const int big = max(DELTA_CHUNK * kp, DELTA_CHUNK * cols);
+    float* ks = smem;                       // [DELTA_CHUNK][kp], then X [DELTA_CHUNK][cols]
+    float* X = smem;
+    float* A = smem + big;                  // [DELTA_CHUNK][DELTA_CHUNK]
+    float* G = A + DELTA_CHUNK * DELTA_CHUNK;
+    float* B = G + DELTA_CHUNK;
+    const int kh = h / (v_heads / k_heads);
+    const long long qk_stride = 2LL * k_heads * k_dim;
+    const float* kbase = qk + (long long)(k_heads + kh) * k_dim;
+    for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
+        const int t = e / k_dim, i = e - t * k_dim;
+        ks[t * kp + i] = kbase[(row0 + t) * qk_stride + i];
+    }
+    for (int t = threadIdx.x; t < len; t += blockDim.x) {
+        G[t] = gb[(long long)(row0 + t) * 2 * v_heads + h];
+        B[t] = gb[(long long)(row0 + t) * 2 * v_heads + v_heads + h];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float acc = 0.0f;
+        for (int t = 0; t < len; ++t) {
+            acc += G[t];
+            G[t] = acc;
+            gb[(long long)(row0 + t) * 2 * v_heads + h] = acc;
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < DELTA_CHUNK * DELTA_CHUNK; e += blockDim.x) {
+        const int t = e / DELTA_CHUNK, s = e - t * DELTA_CHUNK;
+        float a = 0.0f;
+        if (s < t && t < len) {
+            const float* kt = ks + t * kp;
+            const float* kq = ks + s * kp;
+            float d0 = 0.0f, d1 = 0.0f;
+            int i = 0;
+            for (; i + 1 < k_dim; i += 2) d0 = fmaf(kt[i], kq[i], d0), d1 = fmaf(kt[i + 1], kq[i + 1], d1);
+            if (i < k_dim) d0 = fmaf(kt[i], kq[i], d0);
+            a = B[t] * __expf(G[t] - G[s]) * (d0 + d1);
+        }
+        A[e] = a;
+    }
+    __syncthreads();  // the keys' copy is read: X takes its place
+    const float* vbase = mixed + 2LL * k_heads * k_dim + (long long)h * v_dim;
+    for (int e = threadIdx.x; e < len * cols; e += blockDim.x) {
+        const int t = e / cols, cc = e - t * cols;
+        X[e] = cc < k_dim ? B[t] * __expf(G[t]) * kbase[(row0 + t) * qk_stride + cc]
+                          : B[t] * vbase[(long long)(row0 + t) * mixed_stride + (cc - k_dim)];
+    }
+    __syncthreads();
+    for (int cc = threadIdx.x; cc < cols; cc += blockDim.x) {
+        for (int t = 0; t < len; ++t) {
+            float acc = X[t * cols + cc];
+            const float* at = A + t * DELTA_CHUNK;
+            for (int s = 0; s < t; ++s) acc = fmaf(-at[s], X[s * cols + cc], acc);
+            X[t * cols + cc] = acc;
+            const long long r = row0 + t;
+            if (cc < k_dim) W[(r * v_heads + h) * k_dim + cc] = acc;
+            else U[(r * v_heads + h) * v_dim + (cc - k_dim)] = acc;
+        }
+    }
+}
+
+// Each sequence's chunks in order for 32 columns of one value head's state: grid (sequences,
+// v_heads, ceil(v_dim / 32)), 256 threads (lane: column; warp w: key rows w, w + 8, ...; the
+// state in registers), dynamic shared memory (8 + 1) DELTA_CHUNK 32 + DELTA_CHUNK floats. Writes
+// u over U, the outputs' S_0 part, the snapshots and the final state.
+extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
+    const float* __restrict__ qk, const float* __restrict__ gb, const float* __restrict__ W,
+    float* __restrict__ U, float* __restrict__ oi, int k_heads, int v_heads, int k_dim, int v_dim,
+    float* __restrict__ state, long long slot_len, long long conv_len, const int* __restrict__ seqs,
+    const int* __restrict__ snaps, int num_seqs, const int* __restrict__ chunks,
+    const int* __restrict__ seq_chunks) {
+    kiln_pdl_enter();
+    constexpr int RK = DELTA_CHUNK_KMAX / 8;
+    extern __shared__ float smem[];
+    float* red = smem;                          // [8][DELTA_CHUNK][32]: partial sums by warp
+    float* us = red + 8 * DELTA_CHUNK * 32;     // [DELTA_CHUNK][32]: this block's columns of u
+    float* G = us + DELTA_CHUNK * 32;           // [DELTA_CHUNK]
+    const int s = blockIdx.x, h = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = blockIdx.z * 32 + lane;
+    const bool col = j < v_dim;
+    if (s >= num_seqs) return;
+    const int* m = seqs + 6 * s;
+    const int slot = m[2], src = m[3], fresh = m[4];
+    const int snap0 = m[5], snap1 = s + 1 < num_seqs ? seqs[6 * (s + 1) + 5] : seqs[6 * num_seqs];
+    if (slot < 0) return;
+    const long long head_len = (long long)k_dim * v_dim;
+    const int kh = h / (v_heads / k_heads);
+    const long long qk_stride = 2LL * k_heads * k_dim;
+    float S[RK];
+    const float* from = state + (long long)src * slot_len + conv_len + h * head_len;
+#pragma unroll
+    for (int r = 0; r < RK; ++r) {
+        const int i = warp + 8 * r;
+        S[r] = (col && i < k_dim && !fresh) ? from[(long long)i * v_dim + j] : 0.0f;
+    }
+    const int c_end = seq_chunks[s + 1];
+    for (int c = seq_chunks[s]; c < c_end; ++c) {
+        const int row0 = chunks[4 * c + 1], len = chunks[4 * c + 2], off = chunks[4 * c + 3];
+        if (threadIdx.x < len) G[threadIdx.x] = gb[(long long)(row0 + threadIdx.x) * 2 * v_heads + h];
+        // u_t = U_t - W_t S_0 (this warp's rows of the sum, then the sum over warps).
+        for (int t = 0; t < len; ++t) {
+            const float* wr = W + ((long long)(row0 + t) * v_heads + h) * k_dim;
+            float p = 0.0f;
+#pragma unroll
+            for (int r = 0; r < RK; ++r)
+                if (warp + 8 * r < k_dim) p = fmaf(__ldg(wr + warp + 8 * r), S[r], p);
+            red[(warp * DELTA_CHUNK + t) * 32 + lane] = p;
+        }
+        __syncthreads();
+        for (int t = warp; t < len; t += 8) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) sum += red[(w * DELTA_CHUNK + t) * 32 + lane];
+            float u = 0.0f;
+            if (col) {
+                float* up = U + ((long long)(row0 + t) * v_heads + h) * v_dim + j;
+                u = *up - sum;
+                *up = u;
+            }
+            us[t * 32 + lane] = u;
+        }
+        __syncthreads();
+        // The outputs' part from the chunk's start state: e^{G_t} q_t^T S_0.
+        for (int t = 0; t < len; ++t) {
+            const float* qr = qk + (long long)(row0 + t) * qk_stride + (long long)kh * k_dim;
+            float p = 0.0f;
+#pragma unroll
+            for (int r = 0; r < RK; ++r)
+                if (warp + 8 * r < k_dim) p = fmaf(__ldg(qr + warp + 8 * r), S[r], p);
+            red[(warp * DELTA_CHUNK + t) * 32 + lane] = p;
+        }
+        __syncthreads();
+        for (int t = warp; t < len; t += 8) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < 8; ++w) sum += red[(w * DELTA_CHUNK + t) * 32 + lane];
+            if (col) oi[((long long)(row0 + t) * v_heads + h) * v_dim + j] = __expf(G[t]) * sum;
+        }
+        const float* kb = qk + (long long)(k_heads + kh) * k_dim;
+        // Snapshots after the chunk's first tt + 1 tokens: S_tt.
+        for (int qn = snap0; qn < snap1; ++qn) {
+            const int T = snaps[2 * qn];
+            if (T <= off || T > off + len) continue;
+            const int tt = T - off - 1;
+            float* to = state + (long long)snaps[2 * qn + 1] * slot_len + conv_len + h * head_len;
+#pragma unroll
+            for (int r = 0; r < RK; ++r) {
+                const int i = warp + 8 * r;
+                if (!col || i >= k_dim) continue;
+                float v = __expf(G[tt]) * S[r];
+                for (int t = 0; t <= tt; ++t)
+                    v = fmaf(kb[(long long)(row0 + t) * qk_stride + i] * __expf(G[tt] - G[t]), us[t * 32 + lane], v);
+                to[(long long)i * v_dim + j] = v;
+            }
+        }
+        // The state at the chunk's end.
+        const float gl = G[len - 1];
+        const float dl = __expf(gl);
+#pragma unroll
+        for (int r = 0; r < RK; ++r) S[r] *= dl;
+        for (int t = 0; t < len; ++t) {
+            const float fu = __expf(gl - G[t]) * us[t * 32 + lane];
+            const float* kr = kb + (long long)(row0 + t) * qk_stride;
+#pragma unroll
+            for (int r = 0; r < RK; ++r)
+                if (warp + 8 * r < k_dim) S[r] = fmaf(__ldg(kr + warp + 8 * r), fu, S[r]);
+        }
+        __syncthreads();  // G, us and red are rewritten by the next chunk
+    }
+    float* own = state + (long long)slot * slot_len + conv_len + h * head_len;
+#pragma unroll
+    for (int r = 0; r < RK; ++r) {
+        const int i = warp + 8 * r;
+        if (col && i < k_dim) own[(long long)i * v_dim + j] = S[r];
+    }
+}
+
+// One chunk's outputs for one value head: o_t = oi_t + sum_{s<=t} e^{G_t - G_s} (q_t . k_s) u_s,
+// then the gated RMSNorm. Grid (chunks, v_heads), a thread a column (blockDim.x a multiple of 32,
+// >= v_dim, at most 256), dynamic shared memory max(2 DELTA_CHUNK (k_dim + 1), DELTA_CHUNK v_dim)
+// + DELTA_CHUNK^2 + DELTA_CHUNK + 8 DELTA_CHUNK floats.
+extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_out(
+    const float* __restrict__ qk, const float* __restrict__ gb, const float* __restrict__ U,
+    const float* __restrict__ oi, const bf16* __restrict__ x, long long x_stride, int z_col,
+    const float* __restrict__ norm_w, float eps, int k_heads, int v_heads, int k_dim, int v_dim,
+    const int* __restrict__ seqs, const int* __restrict__ chunks, bf16* __restrict__ out) {
+    kiln_pdl_enter();
+    extern __shared__ float smem[];
+    const int c = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int seq = chunks[4 * c], row0 = chunks[4 * c + 1], len = chunks[4 * c + 2];
+    const int vw = v_heads * v_dim;
+    const bool col = j < v_dim;
+    if (seqs[6 * seq + 2] < 0) {
+        for (int t = 0; t < len; ++t)
+            if (col) out[(long long)(row0 + t) * vw + h * v_dim + j] = to_bf16(0.0f);
+        return;
+    }
+    const int kp = k_dim + 1;
+    const int big = max(2 * DELTA_CHUNK * kp, DELTA_CHUNK * v_dim);
+    float* qs = smem;                       // [DELTA_CHUNK][kp], ks after it; then us
+    float* ks = qs + DELTA_CHUNK * kp;
+    float* us = smem;                       // [DELTA_CHUNK][v_dim]
+    float* P = smem + big;                  // [DELTA_CHUNK][DELTA_CHUNK]
+    float* G = P + DELTA_CHUNK * DELTA_CHUNK;
+    float* red = G + DELTA_CHUNK;           // [DELTA_CHUNK][8]
+    const int kh = h / (v_heads / k_heads);
+    const long long qk_stride = 2LL * k_heads * k_dim;
+    for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
+        const int t = e / k_dim, i = e - t * k_dim;
+        const float* row = qk + (long long)(row0 + t) * qk_stride;
+        qs[t * kp + i] = row[(long long)kh * k_dim + i];
+        ks[t * kp + i] = row[(long long)(k_heads + kh) * k_dim + i];
+    }
+    for (int t = threadIdx.x; t < len; t += blockDim.x) G[t] = gb[(long long)(row0 + t) * 2 * v_heads + h];
+    __syncthreads();
+    for (int e = threadIdx.x; e < DELTA_CHUNK * DELTA_CHUNK; e += blockDim.x) {
+        const int t = e / DELTA_CHUNK, s = e - t * DELTA_CHUNK;
+        float p = 0.0f;
+        if (s <= t && t < len) {
+            const float* qt = qs + t * kp;
+            const float* kq = ks + s * kp;
+            float d0 = 0.0f, d1 = 0.0f;
+            int i = 0;
+            for (; i + 1 < k_dim; i += 2) d0 = fmaf(qt[i], kq[i], d0), d1 = fmaf(qt[i + 1], kq[i + 1], d1);
+            if (i < k_dim) d0 = fmaf(qt[i], kq[i], d0);
+            p = __expf(G[t] - G[s]) * (d0 + d1);
+        }
+        P[e] = p;
+    }
+    __syncthreads();  // q and k are read: u takes their place
+    for (int e = threadIdx.x; e < len * v_dim; e += blockDim.x) {
+        const int t = e / v_dim, jj = e - t * v_dim;
+        us[e] = U[((long long)(row0 + t) * v_heads + h) * v_dim + jj];
+    }
+    __syncthreads();
+    float o[DELTA_CHUNK];
+#pragma unroll
+    for (int t = 0; t < DELTA_CHUNK; ++t) {
+        float acc = 0.0f;
+        if (t < len && col) {
+            acc = oi[((long long)(row0 + t) * v_heads + h) * v_dim + j];
+            const float* pt = P + t * DELTA_CHUNK;
+            for (int s = 0; s <= t; ++s) acc = fmaf(pt[s], us[s * v_dim + j], acc);
+        }
+        o[t] = acc;
+        if (t < len) {
+            const float ss = warp_sum(acc * acc);
+            if (lane == 0) red[t * 8 + warp] = ss;
+        }
+    }
+    __syncthreads();
+    const float nw = col ? norm_w[j] : 0.0f;
+#pragma unroll
+    for (int t = 0; t < DELTA_CHUNK; ++t) {
+        if (t >= len || !col) continue;
+        float tot = 0.0f;
+        for (int w = 0; w < nwarps; ++w) tot += red[t * 8 + w];
+        const float inv = rsqrtf(tot / (float)v_dim + eps);
+        const long long r = row0 + t;
+        const float z = to_f32(x[r * x_stride + z_col + h * v_dim + j]);
+        out[r * vw + h * v_dim + j] = to_bf16(nw * (o[t] * inv) * recurrent_detail::silu(z));
+    }
+}
