@@ -28,10 +28,29 @@ pub(super) const KERNELS: [&str; 3] = [
     "gated_delta_chunk_state",
     "gated_delta_chunk_out",
 ];
-/// What the largest head the form takes asks of shared memory (the solve's
-/// at 128 keys and 256 values).
-pub(super) const MAX_SMEM: usize =
-    4 * (CHUNK * (MAX_KEYS + MAX_VALUES) + CHUNK * CHUNK + 2 * CHUNK);
+/// What the largest head the form takes asks of shared memory (the state
+/// kernel's at 128 keys).
+pub(super) const MAX_SMEM: usize = state_smem(MAX_KEYS);
+
+/// The solve kernel's shared memory for a head of `kd` keys and `vd` values.
+const fn solve_smem(kd: usize, vd: usize) -> usize {
+    let rows = CHUNK * (kd + 1);
+    let x = CHUNK * (kd + vd);
+    4 * ((if rows > x { rows } else { x }) + CHUNK * CHUNK + 2 * CHUNK)
+}
+
+/// The state kernel's: partial sums, u, G and two staged [`CHUNK`] x `kd`
+/// row blocks.
+const fn state_smem(kd: usize) -> usize {
+    4 * (9 * CHUNK * 32 + CHUNK + 2 * CHUNK * kd)
+}
+
+/// The output kernel's.
+const fn out_smem(kd: usize, vd: usize) -> usize {
+    let qk = 2 * CHUNK * (kd + 1);
+    let u = CHUNK * vd;
+    4 * ((if qk > u { qk } else { u }) + CHUNK * CHUNK + 9 * CHUNK)
+}
 
 /// Whether the form takes this layer's heads on this device now (not while
 /// a step is being recorded: it uploads its chunk table).
@@ -113,7 +132,6 @@ pub(super) fn launch(cuda: &CudaBackend, a: &DeltaArgs, batch: &ForwardBatch) ->
     // a at their columns; qk [n, 2 kh kd] and gb [n, 2 vh] allocated above.
     unsafe { b.launch(cfg) }.map_err(dev_err)?;
 
-    let solve_smem = 4 * ((CHUNK * (kd + 1)).max(CHUNK * (kd + vd)) + CHUNK * CHUNK + 2 * CHUNK);
     let mut b = cuda.dev.launch(cuda.dev.func("gated_delta_chunk_solve")?);
     b.arg(&a.mixed)
         .arg(&a.mstride)
@@ -129,14 +147,13 @@ pub(super) fn launch(cuda: &CudaBackend, a: &DeltaArgs, batch: &ForwardBatch) ->
     let cfg = LaunchConfig {
         grid_dim: (num_chunks as u32, vh as u32, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: solve_smem as u32,
+        shared_mem_bytes: solve_smem(kd, vd) as u32,
     };
     // SAFETY: the chunk table covers rows < n; the work arrays as above,
     // W [n, vh, kd] and U [n, vh, vd]; shared memory as the kernel asks,
     // within MAX_SMEM (kd <= 128, vd <= 256).
     unsafe { b.launch(cfg) }.map_err(dev_err)?;
 
-    let state_smem = 4 * (9 * CHUNK * 32 + CHUNK);
     let mut b = cuda.dev.launch(cuda.dev.func("gated_delta_chunk_state")?);
     b.arg(&qk.ptr)
         .arg(&gb.ptr)
@@ -158,14 +175,13 @@ pub(super) fn launch(cuda: &CudaBackend, a: &DeltaArgs, batch: &ForwardBatch) ->
     let cfg = LaunchConfig {
         grid_dim: (a.num_seqs as u32, vh as u32, (vd as u32).div_ceil(32)),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: state_smem as u32,
+        shared_mem_bytes: state_smem(kd) as u32,
     };
     // SAFETY: as above; the state and sequence metadata as
     // `recurrent_mixer_with` checked them; oi [n, vh, vd].
     unsafe { b.launch(cfg) }.map_err(dev_err)?;
 
     let threads = (vd as u32).div_ceil(32) * 32;
-    let out_smem = 4 * ((2 * CHUNK * (kd + 1)).max(CHUNK * vd) + CHUNK * CHUNK + 9 * CHUNK);
     let mut b = cuda.dev.launch(cuda.dev.func("gated_delta_chunk_out")?);
     b.arg(&qk.ptr)
         .arg(&gb.ptr)
@@ -186,7 +202,7 @@ pub(super) fn launch(cuda: &CudaBackend, a: &DeltaArgs, batch: &ForwardBatch) ->
     let cfg = LaunchConfig {
         grid_dim: (num_chunks as u32, vh as u32, 1),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: out_smem as u32,
+        shared_mem_bytes: out_smem(kd, vd) as u32,
     };
     // SAFETY: as above; x has z at z_col; out [n, vh * vd] bf16; threads
     // <= 256 (vd <= 256), shared memory within MAX_SMEM.
@@ -217,11 +233,16 @@ mod tests {
 
     #[test]
     fn the_largest_head_fits_the_shared_memory_asked() {
-        let (kd, vd) = (MAX_KEYS, MAX_VALUES);
-        let solve = 4 * ((CHUNK * (kd + 1)).max(CHUNK * (kd + vd)) + CHUNK * CHUNK + 2 * CHUNK);
-        let out = 4 * ((2 * CHUNK * (kd + 1)).max(CHUNK * vd) + CHUNK * CHUNK + 9 * CHUNK);
-        let state = 4 * (9 * CHUNK * 32 + CHUNK);
-        assert!(solve <= MAX_SMEM && out <= MAX_SMEM && state <= MAX_SMEM);
+        for (kd, vd) in [
+            (MAX_KEYS, MAX_VALUES),
+            (1, 1),
+            (MAX_KEYS, 1),
+            (1, MAX_VALUES),
+        ] {
+            assert!(solve_smem(kd, vd) <= MAX_SMEM, "{kd} {vd}");
+            assert!(out_smem(kd, vd) <= MAX_SMEM, "{kd} {vd}");
+            assert!(state_smem(kd) <= MAX_SMEM, "{kd}");
+        }
         // Within what a Hopper or Ampere block may have (227 KiB / 163 KiB).
         assert!(MAX_SMEM <= 163 * 1024);
     }

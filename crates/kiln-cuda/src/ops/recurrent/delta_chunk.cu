@@ -134,8 +134,10 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_solve(
 
 // Each sequence's chunks in order for 32 columns of one value head's state: grid (sequences,
 // v_heads, ceil(v_dim / 32)), 256 threads (lane: column; warp w: key rows w, w + 8, ...; the
-// state in registers), dynamic shared memory (8 + 1) DELTA_CHUNK 32 + DELTA_CHUNK floats. Writes
-// u over U, the outputs' S_0 part, the snapshots and the final state.
+// state in registers), dynamic shared memory (8 + 1) DELTA_CHUNK 32 + DELTA_CHUNK
+// + 2 DELTA_CHUNK k_dim floats: the chunk's rows of W (then of q) and of k are staged there, so
+// the products read them as broadcasts. Writes u over U, the outputs' S_0 part, the snapshots
+// and the final state.
 extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
     const float* __restrict__ qk, const float* __restrict__ gb, const float* __restrict__ W,
     float* __restrict__ U, float* __restrict__ oi, int k_heads, int v_heads, int k_dim, int v_dim,
@@ -148,6 +150,8 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
     float* red = smem;                          // [8][DELTA_CHUNK][32]: partial sums by warp
     float* us = red + 8 * DELTA_CHUNK * 32;     // [DELTA_CHUNK][32]: this block's columns of u
     float* G = us + DELTA_CHUNK * 32;           // [DELTA_CHUNK]
+    float* wq = G + DELTA_CHUNK;                // [DELTA_CHUNK][k_dim]: W's rows, then q's
+    float* kc = wq + DELTA_CHUNK * k_dim;       // [DELTA_CHUNK][k_dim]: k's rows
     const int s = blockIdx.x, h = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int j = blockIdx.z * 32 + lane;
@@ -171,13 +175,19 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
     for (int c = seq_chunks[s]; c < c_end; ++c) {
         const int row0 = chunks[4 * c + 1], len = chunks[4 * c + 2], off = chunks[4 * c + 3];
         if (threadIdx.x < len) G[threadIdx.x] = gb[(long long)(row0 + threadIdx.x) * 2 * v_heads + h];
+        for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
+            const int t = e / k_dim, i = e - t * k_dim;
+            wq[e] = W[((long long)(row0 + t) * v_heads + h) * k_dim + i];
+            kc[e] = qk[(long long)(row0 + t) * qk_stride + (long long)(k_heads + kh) * k_dim + i];
+        }
+        __syncthreads();
         // u_t = U_t - W_t S_0 (this warp's rows of the sum, then the sum over warps).
         for (int t = 0; t < len; ++t) {
-            const float* wr = W + ((long long)(row0 + t) * v_heads + h) * k_dim;
+            const float* wr = wq + t * k_dim;
             float p = 0.0f;
 #pragma unroll
             for (int r = 0; r < RK; ++r)
-                if (warp + 8 * r < k_dim) p = fmaf(__ldg(wr + warp + 8 * r), S[r], p);
+                if (warp + 8 * r < k_dim) p = fmaf(wr[warp + 8 * r], S[r], p);
             red[(warp * DELTA_CHUNK + t) * 32 + lane] = p;
         }
         __syncthreads();
@@ -193,14 +203,19 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
             }
             us[t * 32 + lane] = u;
         }
+        // W's rows are read: q's take their place.
+        for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
+            const int t = e / k_dim, i = e - t * k_dim;
+            wq[e] = qk[(long long)(row0 + t) * qk_stride + (long long)kh * k_dim + i];
+        }
         __syncthreads();
         // The outputs' part from the chunk's start state: e^{G_t} q_t^T S_0.
         for (int t = 0; t < len; ++t) {
-            const float* qr = qk + (long long)(row0 + t) * qk_stride + (long long)kh * k_dim;
+            const float* qr = wq + t * k_dim;
             float p = 0.0f;
 #pragma unroll
             for (int r = 0; r < RK; ++r)
-                if (warp + 8 * r < k_dim) p = fmaf(__ldg(qr + warp + 8 * r), S[r], p);
+                if (warp + 8 * r < k_dim) p = fmaf(qr[warp + 8 * r], S[r], p);
             red[(warp * DELTA_CHUNK + t) * 32 + lane] = p;
         }
         __syncthreads();
@@ -210,7 +225,6 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
             for (int w = 0; w < 8; ++w) sum += red[(w * DELTA_CHUNK + t) * 32 + lane];
             if (col) oi[((long long)(row0 + t) * v_heads + h) * v_dim + j] = __expf(G[t]) * sum;
         }
-        const float* kb = qk + (long long)(k_heads + kh) * k_dim;
         // Snapshots after the chunk's first tt + 1 tokens: S_tt.
         for (int qn = snap0; qn < snap1; ++qn) {
             const int T = snaps[2 * qn];
@@ -223,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
                 if (!col || i >= k_dim) continue;
                 float v = __expf(G[tt]) * S[r];
                 for (int t = 0; t <= tt; ++t)
-                    v = fmaf(kb[(long long)(row0 + t) * qk_stride + i] * __expf(G[tt] - G[t]), us[t * 32 + lane], v);
+                    v = fmaf(kc[t * k_dim + i] * __expf(G[tt] - G[t]), us[t * 32 + lane], v);
                 to[(long long)i * v_dim + j] = v;
             }
         }
@@ -234,12 +248,12 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
         for (int r = 0; r < RK; ++r) S[r] *= dl;
         for (int t = 0; t < len; ++t) {
             const float fu = __expf(gl - G[t]) * us[t * 32 + lane];
-            const float* kr = kb + (long long)(row0 + t) * qk_stride;
+            const float* kr = kc + t * k_dim;
 #pragma unroll
             for (int r = 0; r < RK; ++r)
-                if (warp + 8 * r < k_dim) S[r] = fmaf(__ldg(kr + warp + 8 * r), fu, S[r]);
+                if (warp + 8 * r < k_dim) S[r] = fmaf(kr[warp + 8 * r], fu, S[r]);
         }
-        __syncthreads();  // G, us and red are rewritten by the next chunk
+        __syncthreads();  // G, us, red and the staged rows are rewritten by the next chunk
     }
     float* own = state + (long long)slot * slot_len + conv_len + h * head_len;
 #pragma unroll
