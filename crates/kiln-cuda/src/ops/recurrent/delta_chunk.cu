@@ -132,6 +132,31 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_solve(
     }
 }
 
+namespace delta_chunk_detail {
+// This warp's part of rows[t] . S[:, lane's column] for the chunk's tokens (its key rows warp,
+// warp + 8, ...), into red[warp][t][lane]; the rows are read as broadcasts.
+template <int RK>
+__device__ __forceinline__ void rows_times_state(const float* rows, int len, int k_dim, const float (&S)[RK],
+                                                 float* red, int warp, int lane) {
+    for (int t = 0; t < len; ++t) {
+        const float* row = rows + t * k_dim;
+        float p = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RK; ++r)
+            if (warp + 8 * r < k_dim) p = fmaf(row[warp + 8 * r], S[r], p);
+        red[(warp * DELTA_CHUNK + t) * 32 + lane] = p;
+    }
+}
+
+// The sum over the 8 warps' parts of token t's product for this lane's column.
+__device__ __forceinline__ float warps_sum(const float* red, int t, int lane) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) sum += red[(w * DELTA_CHUNK + t) * 32 + lane];
+    return sum;
+}
+}  // namespace delta_chunk_detail
+
 // Each sequence's chunks in order for 32 columns of one value head's state: grid (sequences,
 // v_heads, ceil(v_dim / 32)), 256 threads (lane: column; warp w: key rows w, w + 8, ...; the
 // state in registers), dynamic shared memory (8 + 1) DELTA_CHUNK 32 + DELTA_CHUNK
@@ -181,20 +206,11 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
             kc[e] = qk[(long long)(row0 + t) * qk_stride + (long long)(k_heads + kh) * k_dim + i];
         }
         __syncthreads();
-        // u_t = U_t - W_t S_0 (this warp's rows of the sum, then the sum over warps).
-        for (int t = 0; t < len; ++t) {
-            const float* wr = wq + t * k_dim;
-            float p = 0.0f;
-#pragma unroll
-            for (int r = 0; r < RK; ++r)
-                if (warp + 8 * r < k_dim) p = fmaf(wr[warp + 8 * r], S[r], p);
-            red[(warp * DELTA_CHUNK + t) * 32 + lane] = p;
-        }
+        // u_t = U_t - W_t S_0.
+        delta_chunk_detail::rows_times_state<RK>(wq, len, k_dim, S, red, warp, lane);
         __syncthreads();
         for (int t = warp; t < len; t += 8) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < 8; ++w) sum += red[(w * DELTA_CHUNK + t) * 32 + lane];
+            const float sum = delta_chunk_detail::warps_sum(red, t, lane);
             float u = 0.0f;
             if (col) {
                 float* up = U + ((long long)(row0 + t) * v_heads + h) * v_dim + j;
@@ -210,19 +226,10 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
         }
         __syncthreads();
         // The outputs' part from the chunk's start state: e^{G_t} q_t^T S_0.
-        for (int t = 0; t < len; ++t) {
-            const float* qr = wq + t * k_dim;
-            float p = 0.0f;
-#pragma unroll
-            for (int r = 0; r < RK; ++r)
-                if (warp + 8 * r < k_dim) p = fmaf(qr[warp + 8 * r], S[r], p);
-            red[(warp * DELTA_CHUNK + t) * 32 + lane] = p;
-        }
+        delta_chunk_detail::rows_times_state<RK>(wq, len, k_dim, S, red, warp, lane);
         __syncthreads();
         for (int t = warp; t < len; t += 8) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < 8; ++w) sum += red[(w * DELTA_CHUNK + t) * 32 + lane];
+            const float sum = delta_chunk_detail::warps_sum(red, t, lane);
             if (col) oi[((long long)(row0 + t) * v_heads + h) * v_dim + j] = __expf(G[t]) * sum;
         }
         // Snapshots after the chunk's first tt + 1 tokens: S_tt.
