@@ -130,15 +130,9 @@ pub const KNOBS: &[Knob] = &[
         set: Set::Switch(|o| &mut o.recurrent),
     },
     Knob {
-        var: "KILN_DELTA_REGISTERS",
-        default: "0",
-        help: "the delta rule's register kernel for keys of up to 128 (one barrier a token); 0 runs the shared-memory kernel, until a GPU has checked and timed it",
-        set: Set::Switch(|o| &mut o.delta_registers),
-    },
-    Knob {
         var: "KILN_DELTA_CHUNK_ROWS",
-        default: "",
-        help: "steps in which a sequence has at least this many new tokens run the delta rule chunk-parallel (prefill; 64 intended); unset: token by token, until a GPU has checked and timed it",
+        default: "64",
+        help: "steps in which a sequence has at least this many new tokens run the delta rule chunk-parallel (prefill); fewer go token by token",
         set: Set::Parse(|o, v| {
             o.delta_chunk_rows = positive("KILN_DELTA_CHUNK_ROWS", v)?;
             Ok(())
@@ -318,8 +312,7 @@ mod tests {
             ("KILN_LORA_MMA_ROWS", "1"),
             ("KILN_LORA_EXPAND8", "1"),
             ("KILN_CUDA_RECURRENT", "0"),
-            ("KILN_DELTA_REGISTERS", "1"),
-            ("KILN_DELTA_CHUNK_ROWS", "64"),
+            ("KILN_DELTA_CHUNK_ROWS", "32"),
             ("KILN_KERNEL_DEFINES", "KILN_DIRECT_U=3+KILN_DECODE_GB=8"),
         ])
         .unwrap();
@@ -340,15 +333,14 @@ mod tests {
                 kv_cache_fp8: false,
                 fp8_activations: false,
                 recurrent: false,
-                delta_registers: true,
-                delta_chunk_rows: 64,
+                delta_chunk_rows: 32,
                 lora_mma_rows: 1,
                 lora_expand8: true,
                 kernel_defines: "KILN_DIRECT_U=3+KILN_DECODE_GB=8".into(),
             }
         );
         // Every knob in the table was set above: a new one needs a case.
-        assert_eq!(KNOBS.len(), 17);
+        assert_eq!(KNOBS.len(), 16);
         assert!(from(&[("KILN_DECODE_PARTITION_KEYS", "0")]).is_err());
     }
 
