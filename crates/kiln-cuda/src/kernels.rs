@@ -151,6 +151,8 @@ pub const ENTRY_POINTS: &[&str] = &[
     "flash_prefill_fp8_hd128",
     "flash_prefill_fp8_hd256",
     "recurrent_conv",
+    "recurrent_conv_rows",
+    "recurrent_conv_state",
     "gated_delta_rule",
     "gated_delta_rule_k128",
     "gated_delta_prep",

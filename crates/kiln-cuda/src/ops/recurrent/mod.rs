@@ -1,6 +1,7 @@
 //! Recurrent token mixers (`recurrent.cu`): the state beside the KV blocks
 //! (f32, [`kiln_tensor::StateShape`]), the convolution with its past
-//! inputs, and the gated delta rule — each sequence's tokens in order, as
+//! inputs (token by token in decode steps, every row at once in longer
+//! ones), and the gated delta rule — each sequence's tokens in order, as
 //! the CPU reference runs them, or for long prefills in the chunk-parallel
 //! form (`chunk.rs`); restores from and snapshots into other slots as
 //! [`kiln_tensor::SeqState`] says.
@@ -233,9 +234,40 @@ pub(crate) fn recurrent_mixer_with(
                 detail: format!("a convolution of {k} taps (at most {MAX_KERNEL})"),
             });
         }
-        let func = cuda.dev.func("recurrent_conv")?;
         let (ki, ci) = (k as i32, channels as i32);
-        let mut b = cuda.dev.launch(func);
+        let col_blocks = (channels as u32).div_ceil(CONV_THREADS);
+        let per_seq = LaunchConfig {
+            grid_dim: (batch.seqs.len() as u32, col_blocks, 1),
+            block_dim: (CONV_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Decode steps (recorded): each sequence's token after its window.
+        // Longer steps: every row at once, then the windows kept.
+        let parallel = !step.meta.decode_only && cuda.dev.has("recurrent_conv_state");
+        if !parallel {
+            let mut b = cuda.dev.launch(cuda.dev.func("recurrent_conv")?);
+            b.arg(&xp)
+                .arg(&x_stride)
+                .arg(&p)
+                .arg(&ki)
+                .arg(&ci)
+                .arg(&mode)
+                .arg(&layer_state)
+                .arg(&slot_len)
+                .arg(&seqs_ptr)
+                .arg(&snaps_ptr)
+                .arg(&num_seqs)
+                .arg(&f32_out)
+                .arg(&bf16_out);
+            // SAFETY: x [n, d] bf16 with rows of b | c | x (mode 1) or the
+            // conv's channels first (mode 0); the params' first
+            // `channels * k` f32 are the taps; the state of `shape` at
+            // `layer_state`; the metadata as `StepMeta::build` laid it out;
+            // the output [n, channels].
+            return unsafe { b.launch(per_seq) }.map_err(dev_err);
+        }
+        let row_seq = step.base + 4 * step.meta.row_seq as u64;
+        let mut b = cuda.dev.launch(cuda.dev.func("recurrent_conv_rows")?);
         b.arg(&xp)
             .arg(&x_stride)
             .arg(&p)
@@ -245,24 +277,30 @@ pub(crate) fn recurrent_mixer_with(
             .arg(&layer_state)
             .arg(&slot_len)
             .arg(&seqs_ptr)
-            .arg(&snaps_ptr)
-            .arg(&num_seqs)
+            .arg(&row_seq)
             .arg(&f32_out)
             .arg(&bf16_out);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                batch.seqs.len() as u32,
-                (channels as u32).div_ceil(CONV_THREADS),
-                1,
-            ),
+        let rows = LaunchConfig {
+            grid_dim: (n as u32, col_blocks, 1),
             block_dim: (CONV_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: x [n, d] bf16 with rows of b | c | x (mode 1) or the
-        // conv's channels first (mode 0); the params' first `channels * k`
-        // f32 are the taps; the state of `shape` at `layer_state`; the
-        // metadata as `StepMeta::build` laid it out; the output [n, channels].
-        unsafe { b.launch(cfg) }.map_err(dev_err)
+        // SAFETY: as above; row_seq one word a row of the step.
+        unsafe { b.launch(rows) }.map_err(dev_err)?;
+        let mut b = cuda.dev.launch(cuda.dev.func("recurrent_conv_state")?);
+        b.arg(&xp)
+            .arg(&x_stride)
+            .arg(&ki)
+            .arg(&ci)
+            .arg(&mode)
+            .arg(&layer_state)
+            .arg(&slot_len)
+            .arg(&seqs_ptr)
+            .arg(&snaps_ptr)
+            .arg(&num_seqs);
+        // SAFETY: as above; writes only the sequences' and snapshots'
+        // slots, which `check_states` found distinct.
+        unsafe { b.launch(per_seq) }.map_err(dev_err)
     };
     match mixer {
         RecurrentMixer::ShortConv(ShortConv { dim, kernel, .. }) => {

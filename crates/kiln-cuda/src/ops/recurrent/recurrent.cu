@@ -72,6 +72,84 @@ extern "C" __global__ void recurrent_conv(const bf16* __restrict__ x, long long 
     for (int j = 0; j < k - 1; ++j) own[(long long)j * channels + c] = win[j];
 }
 
+// The convolution for steps with many tokens a sequence: its outputs need no order (each is the
+// window of its token's last k inputs), so recurrent_conv_rows computes them all at once, one
+// thread a (row, channel): grid (rows, ceil(channels / blockDim.x)); row_seq [row]: the row's
+// sequence. Inputs before the step come from the state of the sequence's source slot (zeros when
+// fresh). Then recurrent_conv_state writes the windows the state keeps — the snapshots', then the
+// sequence's own — one thread a (sequence, channel), as recurrent_conv's grid; it reads the
+// source slot's inputs into registers before any write, so a sequence continuing its own slot
+// reads its old window. Same modes, inputs and outputs as recurrent_conv.
+namespace recurrent_detail {
+// The input of token m of sequence row0.. (m < 0: the state's inputs before the step, oldest
+// first, from slot `from`; zero when fresh).
+__device__ __forceinline__ float conv_input(const bf16* __restrict__ x, long long x_stride, int channels,
+                                            int mode, const float* __restrict__ from, int fresh, int k,
+                                            int row0, int m, int c) {
+    if (m < 0) return fresh ? 0.0f : from[(long long)(k - 1 + m) * channels + c];
+    const bf16* row = x + (long long)(row0 + m) * x_stride;
+    return mode == 0 ? to_f32(row[c]) : to_f32(row[c]) * to_f32(row[2 * channels + c]);
+}
+}  // namespace recurrent_detail
+
+extern "C" __global__ void recurrent_conv_rows(const bf16* __restrict__ x, long long x_stride,
+                                               const float* __restrict__ w, int k, int channels,
+                                               int mode, const float* __restrict__ state,
+                                               long long slot_len, const int* __restrict__ seqs,
+                                               const int* __restrict__ row_seq,
+                                               float* __restrict__ out_f32, bf16* __restrict__ out_bf16) {
+    kiln_pdl_enter();
+    const long long r = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const int* m = seqs + 6 * row_seq[r];
+    const int row0 = m[0], slot = m[2], src = m[3], fresh = m[4];
+    float acc = 0.0f;
+    if (slot >= 0) {
+        const int t = (int)(r - row0);
+        const float* from = state + (long long)src * slot_len;
+        for (int j = 0; j < k; ++j)
+            acc += w[(long long)c * k + j] *
+                   recurrent_detail::conv_input(x, x_stride, channels, mode, from, fresh, k, row0, t - (k - 1) + j, c);
+    }
+    if (mode == 0) {
+        out_f32[r * channels + c] = slot >= 0 ? recurrent_detail::silu(acc) : 0.0f;
+    } else {
+        const float gate = slot >= 0 ? to_f32(x[r * x_stride + channels + c]) : 0.0f;
+        out_bf16[r * channels + c] = to_bf16(acc * gate);
+    }
+}
+
+extern "C" __global__ void recurrent_conv_state(const bf16* __restrict__ x, long long x_stride, int k,
+                                                int channels, int mode, float* __restrict__ state,
+                                                long long slot_len, const int* __restrict__ seqs,
+                                                const int* __restrict__ snaps, int num_seqs) {
+    kiln_pdl_enter();
+    const int s = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (s >= num_seqs || c >= channels) return;
+    const int* m = seqs + 6 * s;
+    const int row0 = m[0], rows = m[1], slot = m[2], src = m[3], fresh = m[4];
+    const int snap0 = m[5], snap1 = s + 1 < num_seqs ? seqs[6 * (s + 1) + 5] : seqs[6 * num_seqs];
+    if (slot < 0) return;
+    const float* from = state + (long long)src * slot_len;
+    // The old window first: the writes below may land on the source slot.
+    float old[KILN_CONV_MAX_K];
+    for (int j = 0; j < k - 1; ++j) old[j] = fresh ? 0.0f : from[(long long)j * channels + c];
+    // Window after T tokens: inputs T - (k - 1) .. T - 1.
+    auto window_into = [&](float* to, int T) {
+        for (int j = 0; j < k - 1; ++j) {
+            const int mi = T - (k - 1) + j;
+            to[(long long)j * channels + c] =
+                mi < 0 ? old[k - 1 + mi]
+                       : recurrent_detail::conv_input(x, x_stride, channels, mode, from, 1, k, row0, mi, c);
+        }
+    };
+    for (int q = snap0; q < snap1; ++q)
+        if (snaps[2 * q] >= 1 && snaps[2 * q] <= rows) window_into(state + (long long)snaps[2 * q + 1] * slot_len, snaps[2 * q]);
+    window_into(state + (long long)slot * slot_len, rows);
+}
+
 // The gated delta rule of one value head of one sequence: grid (sequences, v_heads), one thread
 // a column j of the head's state (blockDim.x >= v_dim, a multiple of 32), the state in dynamic
 // shared memory (k_dim * v_dim f32, then q and k). mixed f32 [row][2 k_heads k_dim + v_heads
