@@ -57,6 +57,9 @@ const fn out_smem(kd: usize, vd: usize) -> usize {
 pub(super) fn takes(cuda: &CudaBackend, g: &GatedDeltaNet) -> bool {
     g.k_dim <= MAX_KEYS
         && g.v_dim <= MAX_VALUES
+        // (Rows staged in 16-byte pieces.)
+        && g.k_dim.is_multiple_of(4)
+        && g.v_dim.is_multiple_of(4)
         && g.k_heads > 0
         && g.v_heads % g.k_heads == 0
         && !cuda.capturing.load(Ordering::Relaxed)

@@ -29,6 +29,38 @@
 // The widest keys gated_delta_chunk_state keeps (8 warps, DELTA_CHUNK_KMAX / 8 rows a thread).
 #define DELTA_CHUNK_KMAX 128
 
+namespace delta_chunk_detail {
+// Rows [0, len) of an f32 matrix (row t at src + t * src_stride; width a multiple of 4, rows
+// 16-byte aligned) into shared memory (row t at dst + t * dst_stride), in 16-byte pieces with
+// PER of a thread's loads in flight before any is stored: the staging costs a few memory
+// latencies, not one a piece.
+template <int PER>
+__device__ __forceinline__ void stage_rows(float* dst, int dst_stride, const float* __restrict__ src,
+                                           long long src_stride, int len, int width) {
+    const int w4 = width >> 2, n4 = len * w4;
+    for (int base = 0; base < n4; base += PER * blockDim.x) {
+        float4 v[PER];
+#pragma unroll
+        for (int it = 0; it < PER; ++it) {
+            const int e = base + it * blockDim.x + threadIdx.x;
+            if (e < n4) {
+                const int t = e / w4, i = e - t * w4;
+                v[it] = __ldg(reinterpret_cast<const float4*>(src + t * src_stride) + i);
+            }
+        }
+#pragma unroll
+        for (int it = 0; it < PER; ++it) {
+            const int e = base + it * blockDim.x + threadIdx.x;
+            if (e < n4) {
+                const int t = e / w4, i = e - t * w4;
+                float* d = dst + t * dst_stride + 4 * i;
+                d[0] = v[it].x, d[1] = v[it].y, d[2] = v[it].z, d[3] = v[it].w;
+            }
+        }
+    }
+}
+}  // namespace delta_chunk_detail
+
 // Per row: the normalized q and k of every key head (a warp a vector) and each value head's log
 // decay and beta. Grid (rows), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) gated_delta_prep(
@@ -79,10 +111,7 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_solve(
     const int kh = h / (v_heads / k_heads);
     const long long qk_stride = 2LL * k_heads * k_dim;
     const float* kbase = qk + (long long)(k_heads + kh) * k_dim;
-    for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
-        const int t = e / k_dim, i = e - t * k_dim;
-        ks[t * kp + i] = kbase[(row0 + t) * qk_stride + i];
-    }
+    delta_chunk_detail::stage_rows<4>(ks, kp, kbase + row0 * qk_stride, qk_stride, len, k_dim);
     for (int t = threadIdx.x; t < len; t += blockDim.x) {
         G[t] = gb[(long long)(row0 + t) * 2 * v_heads + h];
         B[t] = gb[(long long)(row0 + t) * 2 * v_heads + v_heads + h];
@@ -112,11 +141,15 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_solve(
         A[e] = a;
     }
     __syncthreads();  // the keys' copy is read: X takes its place
+    // The right-hand sides: beta e^G k | beta v.
     const float* vbase = mixed + 2LL * k_heads * k_dim + (long long)h * v_dim;
+    delta_chunk_detail::stage_rows<4>(X, cols, kbase + row0 * qk_stride, qk_stride, len, k_dim);
+    delta_chunk_detail::stage_rows<4>(X + k_dim, cols, vbase + (long long)row0 * mixed_stride, mixed_stride,
+                                      len, v_dim);
+    __syncthreads();
     for (int e = threadIdx.x; e < len * cols; e += blockDim.x) {
         const int t = e / cols, cc = e - t * cols;
-        X[e] = cc < k_dim ? B[t] * __expf(G[t]) * kbase[(row0 + t) * qk_stride + cc]
-                          : B[t] * vbase[(long long)(row0 + t) * mixed_stride + (cc - k_dim)];
+        X[e] *= cc < k_dim ? B[t] * __expf(G[t]) : B[t];
     }
     __syncthreads();
     for (int cc = threadIdx.x; cc < cols; cc += blockDim.x) {
@@ -163,7 +196,7 @@ __device__ __forceinline__ float warps_sum(const float* red, int t, int lane) {
 // + 2 DELTA_CHUNK k_dim floats: the chunk's rows of W (then of q) and of k are staged there, so
 // the products read them as broadcasts. Writes u over U, the outputs' S_0 part, the snapshots
 // and the final state.
-extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
+extern "C" __global__ void __launch_bounds__(256, 1) gated_delta_chunk_state(
     const float* __restrict__ qk, const float* __restrict__ gb, const float* __restrict__ W,
     float* __restrict__ U, float* __restrict__ oi, int k_heads, int v_heads, int k_dim, int v_dim,
     float* __restrict__ state, long long slot_len, long long conv_len, const int* __restrict__ seqs,
@@ -200,30 +233,33 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_state(
     for (int c = seq_chunks[s]; c < c_end; ++c) {
         const int row0 = chunks[4 * c + 1], len = chunks[4 * c + 2], off = chunks[4 * c + 3];
         if (threadIdx.x < len) G[threadIdx.x] = gb[(long long)(row0 + threadIdx.x) * 2 * v_heads + h];
-        for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
-            const int t = e / k_dim, i = e - t * k_dim;
-            wq[e] = W[((long long)(row0 + t) * v_heads + h) * k_dim + i];
-            kc[e] = qk[(long long)(row0 + t) * qk_stride + (long long)(k_heads + kh) * k_dim + i];
+        delta_chunk_detail::stage_rows<4>(wq, k_dim, W + ((long long)row0 * v_heads + h) * k_dim,
+                                          (long long)v_heads * k_dim, len, k_dim);
+        delta_chunk_detail::stage_rows<4>(kc, k_dim, qk + row0 * qk_stride + (long long)(k_heads + kh) * k_dim,
+                                          qk_stride, len, k_dim);
+        // This thread's U values (tokens warp, warp + 8, ...), loaded while the products run.
+        float uv[DELTA_CHUNK / 8];
+#pragma unroll
+        for (int e = 0; e < DELTA_CHUNK / 8; ++e) {
+            const int t = warp + 8 * e;
+            uv[e] = (col && t < len) ? U[((long long)(row0 + t) * v_heads + h) * v_dim + j] : 0.0f;
         }
         __syncthreads();
         // u_t = U_t - W_t S_0.
         delta_chunk_detail::rows_times_state<RK>(wq, len, k_dim, S, red, warp, lane);
         __syncthreads();
-        for (int t = warp; t < len; t += 8) {
-            const float sum = delta_chunk_detail::warps_sum(red, t, lane);
-            float u = 0.0f;
-            if (col) {
-                float* up = U + ((long long)(row0 + t) * v_heads + h) * v_dim + j;
-                u = *up - sum;
-                *up = u;
+#pragma unroll
+        for (int e = 0; e < DELTA_CHUNK / 8; ++e) {
+            const int t = warp + 8 * e;
+            if (t < len) {
+                const float u = col ? uv[e] - delta_chunk_detail::warps_sum(red, t, lane) : 0.0f;
+                if (col) U[((long long)(row0 + t) * v_heads + h) * v_dim + j] = u;
+                us[t * 32 + lane] = u;
             }
-            us[t * 32 + lane] = u;
         }
         // W's rows are read: q's take their place.
-        for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
-            const int t = e / k_dim, i = e - t * k_dim;
-            wq[e] = qk[(long long)(row0 + t) * qk_stride + (long long)kh * k_dim + i];
-        }
+        delta_chunk_detail::stage_rows<4>(wq, k_dim, qk + row0 * qk_stride + (long long)kh * k_dim, qk_stride,
+                                          len, k_dim);
         __syncthreads();
         // The outputs' part from the chunk's start state: e^{G_t} q_t^T S_0.
         delta_chunk_detail::rows_times_state<RK>(wq, len, k_dim, S, red, warp, lane);
@@ -301,12 +337,10 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_out(
     float* red = G + DELTA_CHUNK;           // [DELTA_CHUNK][8]
     const int kh = h / (v_heads / k_heads);
     const long long qk_stride = 2LL * k_heads * k_dim;
-    for (int e = threadIdx.x; e < len * k_dim; e += blockDim.x) {
-        const int t = e / k_dim, i = e - t * k_dim;
-        const float* row = qk + (long long)(row0 + t) * qk_stride;
-        qs[t * kp + i] = row[(long long)kh * k_dim + i];
-        ks[t * kp + i] = row[(long long)(k_heads + kh) * k_dim + i];
-    }
+    delta_chunk_detail::stage_rows<4>(qs, kp, qk + row0 * qk_stride + (long long)kh * k_dim, qk_stride, len,
+                                      k_dim);
+    delta_chunk_detail::stage_rows<4>(ks, kp, qk + row0 * qk_stride + (long long)(k_heads + kh) * k_dim,
+                                      qk_stride, len, k_dim);
     for (int t = threadIdx.x; t < len; t += blockDim.x) G[t] = gb[(long long)(row0 + t) * 2 * v_heads + h];
     __syncthreads();
     for (int e = threadIdx.x; e < DELTA_CHUNK * DELTA_CHUNK; e += blockDim.x) {
@@ -324,17 +358,18 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_out(
         P[e] = p;
     }
     __syncthreads();  // q and k are read: u takes their place
-    for (int e = threadIdx.x; e < len * v_dim; e += blockDim.x) {
-        const int t = e / v_dim, jj = e - t * v_dim;
-        us[e] = U[((long long)(row0 + t) * v_heads + h) * v_dim + jj];
-    }
-    __syncthreads();
+    delta_chunk_detail::stage_rows<4>(us, v_dim, U + ((long long)row0 * v_heads + h) * v_dim,
+                                      (long long)v_heads * v_dim, len, v_dim);
+    // The outputs' S_0 parts, all in flight at once.
     float o[DELTA_CHUNK];
 #pragma unroll
+    for (int t = 0; t < DELTA_CHUNK; ++t)
+        o[t] = (t < len && col) ? oi[((long long)(row0 + t) * v_heads + h) * v_dim + j] : 0.0f;
+    __syncthreads();
+#pragma unroll
     for (int t = 0; t < DELTA_CHUNK; ++t) {
-        float acc = 0.0f;
+        float acc = o[t];
         if (t < len && col) {
-            acc = oi[((long long)(row0 + t) * v_heads + h) * v_dim + j];
             const float* pt = P + t * DELTA_CHUNK;
             for (int s = 0; s <= t; ++s) acc = fmaf(pt[s], us[s * v_dim + j], acc);
         }
