@@ -6,10 +6,9 @@
 #   2. issue 23: the 8B shape with 8 rank-16 adapters against none, with each CUDA-core expand
 #      (KILN_LORA_EXPAND8; bench/gpu/lora_embed_round.sh);
 #   3. issue 21: the tiny hybrids' rows against the CPU and transformers in bf16 (tinydiag), the
-#      Qwen3.5-9B shape's serving figures (hybrid_round.sh "serve"), its batch-1 decode with each
-#      delta-rule kernel (KILN_DELTA_REGISTERS), and serving again with the register one.
-#   4. (`hprof`) the 9B shape's decode with each delta-rule kernel and its 4,096-token prefill
-#      token by token and chunk-parallel, timed op by op (`kiln bench --profile`);
+#      Qwen3.5-9B shape's serving figures (hybrid_round.sh "serve").
+#   4. (`hprof`) the 9B shape's decode and 4,096-token prefill token by token and chunk-parallel,
+#      op by op with synchronous launches, and the recurrent mixer's kernels under ncu;
 #   5. (`mtp`) `--speculative mtp` on CUDA: the tiny Qwen3.5 with its head, outputs against plain.
 #   6. (`chunk`) the delta rule's chunk-parallel form in the tiny Qwen3.5 against the CPU (hprof
 #      times it on the 9B shape's 4,096-token prefill).
@@ -33,18 +32,7 @@ fi
 if has hybrid; then
   timeout 120 bench/gpu/hybrid_round.sh "$OUT/tiny" tinydiag 2>&1 | tail -12
   timeout 330 bench/gpu/hybrid_round.sh "$OUT/h" serve 2>&1 | tail -16
-  W=${WORK:-$PWD/target/kiln-w}
-  # The 9B shape's decode and 512-token prefill with each delta-rule kernel, then its serving
-  # figures with the register one.
-  for r in 0 1; do
-    [ -d "$W/qwen3_5-9b" ] && KILN_DELTA_REGISTERS=$r timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
-      --prompt-tokens 512 --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
-import json, sys; d = json.load(sys.stdin)
-print('9b delta registers=$r: decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction',
-      round(d['decode_fraction_of_bandwidth'], 4), 'prefill 512', round(d['prefill_tokens_per_second']['median'], 1))"
-  done
-  KILN_DELTA_REGISTERS=1 timeout 200 bench/gpu/hybrid_round.sh "$OUT/h-reg" serve 2>&1 | tail -14
-  rm -rf "$W/qwen3_5-9b" "$OUT"/tiny/*.npy
+  rm -rf "${WORK:-$PWD/target/kiln-w}/qwen3_5-9b" "$OUT"/tiny/*.npy
 fi
 if has chunk; then
   # The delta rule's chunk-parallel form in a whole model: the tiny Qwen3.5's rows with every
@@ -68,27 +56,25 @@ if has hprof; then
   W=${WORK:-$PWD/target/kiln-w}
   # With an MTP head (not read by plain decoding, nor counted in its roofline) for the mtp stage.
   [ -d "$W/qwen3_5-9b" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-9b "$W/qwen3_5-9b" --mtp 2> "$OUT/ckpt-9b.err" || tail -3 "$OUT/ckpt-9b.err"
-  # Decode with each token-order kernel; the 4,096-token prefill token by token and chunk-parallel.
-  for cfg in "KILN_DELTA_REGISTERS=0" "KILN_DELTA_REGISTERS=1" "KILN_DELTA_REGISTERS=1 KILN_DELTA_CHUNK_ROWS=64"; do
-    env $cfg timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
+  # Decode, and the 4,096-token prefill token by token and chunk-parallel (the default).
+  for rows in 1000000 64; do
+    KILN_DELTA_CHUNK_ROWS=$rows timeout 120 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
       --prompt-tokens 4096 --gen-tokens 128 --runs 2 2>/dev/null | python3 -c "
 import json, sys; d = json.load(sys.stdin)
-print('9b $cfg: decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction',
+print('9b chunk rows $rows: decode', round(d['decode_tokens_per_second']['median'], 1), 'fraction',
       round(d['decode_fraction_of_bandwidth'], 4), 'prefill 4096', round(d['prefill_tokens_per_second']['median'], 1))"
   done
-  for rows in "" 64; do
-    KILN_DELTA_REGISTERS=1 KILN_DELTA_CHUNK_ROWS=$rows timeout 150 "$K" bench --device cuda -m "$W/qwen3_5-9b" \
-      --prompt-tokens 4096 --gen-tokens 8 --runs 1 --profile > "$OUT/prof-9b.json" 2> "$OUT/prof-9b.err"
-    python3 - "$OUT/prof-9b.json" "$rows" <<'PY' || tail -c 600 "$OUT/prof-9b.err"
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("9b prefill 4096 (chunk rows '%s'):" % sys.argv[2], round(d["prefill_tokens_per_second"]["median"], 1), "tok/s")
-p = d["profile"]["prefill"]
-print("prefill wall", round(p["wall_seconds"], 4))
-for o in p["ops"][:8]:
-    print("  ", o["op"], round(o["seconds"], 4), o["calls"], round(o["share_of_wall"], 3))
-PY
-  done
+  # Op by op with every launch synchronous (the profile's times are then each op's own).
+  CUDA_LAUNCH_BLOCKING=1 timeout 100 "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 4096 \
+    --gen-tokens 4 --runs 1 --profile 2>/dev/null | python3 -c "
+import json, sys; d = json.load(sys.stdin); p = d['profile']['prefill']
+print('9b sync prefill 4096', round(d['prefill_tokens_per_second']['median'], 1), 'wall', round(p['wall_seconds'], 4))
+for o in p['ops'][:7]: print('  ', o['op'], round(o['seconds'], 4), o['calls'], round(o['share_of_wall'], 3))"
+  # The recurrent mixer's kernels, one layer at 4,096 tokens.
+  NCU=$(ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] && KILN_CUDA_GRAPHS=0 timeout 100 "$NCU" --kernel-name regex:"recurrent_conv|gated_delta" --launch-count 6 \
+    --metrics gpu__time_duration.sum "$K" bench --device cuda -m "$W/qwen3_5-9b" --prompt-tokens 4096 --gen-tokens 2 --runs 1 2>&1 \
+    | grep -E "^  [a-z_]+ \(|gpu__time_duration" | paste - - | awk '{print "  ncu", $1, $(NF-1), $NF}'
 fi
 if has mtp; then
   W=${WORK:-$PWD/target/kiln-w}
