@@ -59,6 +59,27 @@ __device__ __forceinline__ void stage_rows(float* dst, int dst_stride, const flo
         }
     }
 }
+
+// The 4 x 4 tile at rows t0.., s0.. of a . b^T (rows of k_dim floats `stride` apart in shared
+// memory): 8 loads for 16 products a step. Rows past a chunk's tokens hold leftovers: callers
+// select, never scale, those entries away.
+__device__ __forceinline__ void gram_tile(const float* a, const float* b, int stride, int k_dim, int t0,
+                                          int s0, float (&acc)[4][4]) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+#pragma unroll 4
+    for (int i = 0; i < k_dim; ++i) {
+        float av[4], bv[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) av[r] = a[(t0 + r) * stride + i], bv[r] = b[(s0 + r) * stride + i];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+    }
+}
 }  // namespace delta_chunk_detail
 
 // Per row: the normalized q and k of every key head (a warp a vector) and each value head's log
@@ -126,19 +147,18 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_solve(
         }
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < DELTA_CHUNK * DELTA_CHUNK; e += blockDim.x) {
-        const int t = e / DELTA_CHUNK, s = e - t * DELTA_CHUNK;
-        float a = 0.0f;
-        if (s < t && t < len) {
-            const float* kt = ks + t * kp;
-            const float* kq = ks + s * kp;
-            float d0 = 0.0f, d1 = 0.0f;
-            int i = 0;
-            for (; i + 1 < k_dim; i += 2) d0 = fmaf(kt[i], kq[i], d0), d1 = fmaf(kt[i + 1], kq[i + 1], d1);
-            if (i < k_dim) d0 = fmaf(kt[i], kq[i], d0);
-            a = B[t] * __expf(G[t] - G[s]) * (d0 + d1);
-        }
-        A[e] = a;
+    // A, strictly lower: 4 x 4 tiles, those above the diagonal zero without products.
+    for (int tile = threadIdx.x; tile < (DELTA_CHUNK / 4) * (DELTA_CHUNK / 4); tile += blockDim.x) {
+        const int t0 = (tile / (DELTA_CHUNK / 4)) * 4, s0 = (tile % (DELTA_CHUNK / 4)) * 4;
+        float acc[4][4];
+        if (s0 <= t0) delta_chunk_detail::gram_tile(ks, ks, kp, k_dim, t0, s0, acc);
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int t = t0 + r, s = s0 + c;
+                A[t * DELTA_CHUNK + s] = (s < t && t < len) ? B[t] * __expf(G[t] - G[s]) * acc[r][c] : 0.0f;
+            }
     }
     __syncthreads();  // the keys' copy is read: X takes its place
     // The right-hand sides: beta e^G k | beta v.
@@ -343,19 +363,18 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_out(
                                       qk_stride, len, k_dim);
     for (int t = threadIdx.x; t < len; t += blockDim.x) G[t] = gb[(long long)(row0 + t) * 2 * v_heads + h];
     __syncthreads();
-    for (int e = threadIdx.x; e < DELTA_CHUNK * DELTA_CHUNK; e += blockDim.x) {
-        const int t = e / DELTA_CHUNK, s = e - t * DELTA_CHUNK;
-        float p = 0.0f;
-        if (s <= t && t < len) {
-            const float* qt = qs + t * kp;
-            const float* kq = ks + s * kp;
-            float d0 = 0.0f, d1 = 0.0f;
-            int i = 0;
-            for (; i + 1 < k_dim; i += 2) d0 = fmaf(qt[i], kq[i], d0), d1 = fmaf(qt[i + 1], kq[i + 1], d1);
-            if (i < k_dim) d0 = fmaf(qt[i], kq[i], d0);
-            p = __expf(G[t] - G[s]) * (d0 + d1);
-        }
-        P[e] = p;
+    // P, lower with its diagonal: 4 x 4 tiles, those above the diagonal zero without products.
+    for (int tile = threadIdx.x; tile < (DELTA_CHUNK / 4) * (DELTA_CHUNK / 4); tile += blockDim.x) {
+        const int t0 = (tile / (DELTA_CHUNK / 4)) * 4, s0 = (tile % (DELTA_CHUNK / 4)) * 4;
+        float acc[4][4];
+        if (s0 <= t0) delta_chunk_detail::gram_tile(qs, ks, kp, k_dim, t0, s0, acc);
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int t = t0 + r, s = s0 + c;
+                P[t * DELTA_CHUNK + s] = (s <= t && t < len) ? __expf(G[t] - G[s]) * acc[r][c] : 0.0f;
+            }
     }
     __syncthreads();  // q and k are read: u takes their place
     delta_chunk_detail::stage_rows<4>(us, v_dim, U + ((long long)row0 * v_heads + h) * v_dim,
