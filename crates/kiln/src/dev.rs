@@ -66,6 +66,10 @@ pub struct LogitsArgs {
     /// steps); by default every position is one prefill step.
     #[arg(long)]
     pub prefill: Option<usize>,
+    /// After the first PREFILL positions, steps of this many tokens
+    /// (prefill chunks) instead of one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub step: u64,
     /// Run every position with this LoRA adapter (a PEFT directory).
     #[arg(long)]
     pub lora: Option<PathBuf>,
@@ -349,10 +353,13 @@ fn logits(a: LogitsArgs) -> Result<()> {
     let b0 = batch(&a.ids[..first], 0);
     let t = m.model.forward(&b0, &mut cache)?;
     let mut data = m.model.backend().to_host(&t)?;
-    for pos in first..a.ids.len() {
-        let b = batch(&a.ids[pos..pos + 1], pos);
+    let mut pos = first;
+    while pos < a.ids.len() {
+        let end = (pos + a.step as usize).min(a.ids.len());
+        let b = batch(&a.ids[pos..end], pos);
         let t = m.model.forward(&b, &mut cache)?;
         data.extend(m.model.backend().to_host(&t)?);
+        pos = end;
     }
     let (rows, cols) = (a.ids.len(), data.len() / a.ids.len());
     write_npy_f32(&a.out, &[rows, cols], &data)?;

@@ -918,3 +918,61 @@ fn bench_counts_a_hybrids_state_in_its_roofline() {
     let dense = bench(data.join("gpt_oss/plain"));
     assert_eq!(f(&dense, "decode_state_bytes_per_token"), 0.0, "{dense}");
 }
+
+/// The f32 values of an .npy file `kiln dev logits` wrote (version 1,
+/// little-endian f32).
+fn npy_f32(path: &std::path::Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap();
+    assert_eq!(&bytes[..6], b"\x93NUMPY");
+    let header = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    bytes[10 + header..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// `dev logits --step` cuts the positions after the first prefill into
+/// steps of that many tokens: a hybrid (recurrent state carried from step
+/// to step) gives the same rows as one prefill of every position.
+#[test]
+fn dev_logits_in_prefill_steps_match_one_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let model =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../kiln-models/tests/data/hybrid/qwen3_5");
+    let ids: Vec<String> = (0..40)
+        .map(|i| ((i * 37 + 5) % 90 + 3).to_string())
+        .collect();
+    let ids = ids.join(",");
+    let run = |extra: &[&str], name: &str| {
+        let out = dir.path().join(name);
+        let o = kiln()
+            .args(["dev", "logits", "--device", "cpu", "-m"])
+            .arg(&model)
+            .args(["--ids", &ids, "-o"])
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        npy_f32(&out)
+    };
+    let one = run(&[], "one.npy");
+    let steps = run(&["--prefill", "5", "--step", "7"], "steps.npy");
+    assert_eq!(one.len(), steps.len());
+    assert_eq!(one.len() % 40, 0);
+    let worst = one
+        .iter()
+        .zip(&steps)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "max |difference| {worst}");
+    // A step of zero tokens is refused.
+    let o = kiln()
+        .args(["dev", "logits", "--device", "cpu", "-m"])
+        .arg(&model)
+        .args(["--ids", "1,2,3", "--step", "0", "-o"])
+        .arg(dir.path().join("zero.npy"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+}
