@@ -10,8 +10,9 @@
 #   4. (`hprof`) the 9B shape's decode and 4,096-token prefill token by token and chunk-parallel,
 #      op by op with synchronous launches, and the recurrent mixer's kernels under ncu;
 #   5. (`mtp`) `--speculative mtp` on CUDA: the tiny Qwen3.5 with its head, outputs against plain.
-#   6. (`chunk`) the delta rule's chunk-parallel form in the tiny Qwen3.5 against the CPU (hprof
-#      times it on the 9B shape's 4,096-token prefill).
+#   6. (`chunk`) the delta rule's chunk-parallel form in the tiny Qwen3.5 against the CPU; at real
+#      head sizes, 1,200 tokens prefilled in one step and in steps of 7, 64 and 1,000; against
+#      transformers (parity.py). hprof times it on the 9B shape's 4,096-token prefill.
 #   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid chunk hprof mtp)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
@@ -51,6 +52,31 @@ cos = lambda a, b: (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b
 print("chunk tiny qwen3_5: chunked vs cpu min cosine", round(cos(ch, cpu).min(), 5), "token-order vs cpu",
       round(cos(tok, cpu).min(), 5), "chunked vs token-order max|d|", f"{np.abs(ch - tok).max():.2e}")
 PY
+  # Real head sizes (qwen3_5-small): 1,200 tokens in one prefill step, in steps of 7, 64 and 1,000
+  # (chunk-parallel where a step has 64 or more), and token-order steps of 1,000; every row
+  # against the one step. Then against transformers (parity.py: a 200-token prefill, chunk-parallel).
+  W=${WORK:-$PWD/target/kiln-w}; S=$W/qwen3_5-small
+  [ -d "$S" ] || python3 bench/gpu/hybrid_ckpt.py qwen3_5-small "$S" > /dev/null 2> "$OUT/ckpt-small.err" || tail -3 "$OUT/ckpt-small.err"
+  IDS=$(python3 -c "import random; r = random.Random(5); print(','.join(str(r.randrange(8192)) for _ in range(1200)))")
+  for st in 1200 7 64 1000 tok1000; do
+    rows=64; n=${st#tok}; [ "$st" != "$n" ] && rows=1000000
+    KILN_DELTA_CHUNK_ROWS=$rows timeout 60 "$K" dev logits -m "$S" --device cuda --ids $IDS --prefill $n --step $n \
+      -o "$OUT/st-$st.npy" > /dev/null 2> "$OUT/st.err" || tail -2 "$OUT/st.err"
+  done
+  python3 - "$OUT" <<'PY'
+import sys
+import numpy as np
+o = sys.argv[1]
+ref = np.load(f"{o}/st-1200.npy").astype(np.float64)
+cos = lambda a, b: (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+for st in ("7", "64", "1000", "tok1000"):
+    a = np.load(f"{o}/st-{st}.npy").astype(np.float64)
+    print(f"chunk small steps of {st}: min cosine vs one step {cos(a, ref).min():.6f}, argmax agreement",
+          round(float((a.argmax(1) == ref.argmax(1)).mean()), 4), f"max|d| {np.abs(a - ref).max():.3e}")
+PY
+  rm -f "$OUT"/st-*.npy
+  timeout 240 python3 bench/gpu/parity.py --kiln "$K" --ckpt "$S" --out "$OUT/parity-small.json" \
+    --tokens 300 --prefill 200 --cpu 2> "$OUT/parity-small.err" | sed "s/^/chunk parity /"; tail -2 "$OUT/parity-small.err"
 fi
 if has hprof; then
   W=${WORK:-$PWD/target/kiln-w}
