@@ -60,8 +60,6 @@ pub(super) fn takes(cuda: &CudaBackend, g: &GatedDeltaNet) -> bool {
         // (Rows staged in 16-byte pieces.)
         && g.k_dim.is_multiple_of(4)
         && g.v_dim.is_multiple_of(4)
-        && g.k_heads > 0
-        && g.v_heads % g.k_heads == 0
         && !cuda.capturing.load(Ordering::Relaxed)
         && ["gated_delta_prep"]
             .iter()

@@ -60,24 +60,42 @@ __device__ __forceinline__ void stage_rows(float* dst, int dst_stride, const flo
     }
 }
 
-// The 4 x 4 tile at rows t0.., s0.. of a . b^T (rows of k_dim floats `stride` apart in shared
-// memory): 8 loads for 16 products a step. Rows past a chunk's tokens hold leftovers: callers
-// select, never scale, those entries away.
-__device__ __forceinline__ void gram_tile(const float* a, const float* b, int stride, int k_dim, int t0,
-                                          int s0, float (&acc)[4][4]) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
-#pragma unroll 4
-    for (int i = 0; i < k_dim; ++i) {
-        float av[4], bv[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) av[r] = a[(t0 + r) * stride + i], bv[r] = b[(s0 + r) * stride + i];
+// The chunk's decayed products M[t][s] = beta_t e^{G_t - G_s} (a_t . b_s) (beta 1 when null) for
+// s < t (STRICT) or s <= t and t < len, zero elsewhere, into out [DELTA_CHUNK][DELTA_CHUNK]; a and
+// b rows of k_dim floats `stride` apart in shared memory. By the block's threads in 4 x 4
+// register tiles (8 loads for 16 products a step); tiles above the diagonal are zeros without
+// products, and rows past the chunk's tokens (leftovers) are selected away, never scaled.
+template <bool STRICT>
+__device__ __forceinline__ void decayed_gram(const float* a, const float* b, int stride, int k_dim, int len,
+                                             const float* G, const float* beta, float* out) {
+    constexpr int T4 = DELTA_CHUNK / 4;
+    for (int tile = threadIdx.x; tile < T4 * T4; tile += blockDim.x) {
+        const int t0 = (tile / T4) * 4, s0 = (tile % T4) * 4;
+        float acc[4][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
-            for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+            for (int c = 0; c < 4; ++c) acc[r][c] = 0.0f;
+        if (s0 <= t0) {
+#pragma unroll 4
+            for (int i = 0; i < k_dim; ++i) {
+                float av[4], bv[4];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) av[r] = a[(t0 + r) * stride + i], bv[r] = b[(s0 + r) * stride + i];
+#pragma unroll
+                for (int r = 0; r < 4; ++r)
+#pragma unroll
+                    for (int c = 0; c < 4; ++c) acc[r][c] = fmaf(av[r], bv[c], acc[r][c]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int t = t0 + r, s = s0 + c;
+                const bool keep = (STRICT ? s < t : s <= t) && t < len;
+                out[t * DELTA_CHUNK + s] = keep ? (beta ? beta[t] : 1.0f) * __expf(G[t] - G[s]) * acc[r][c] : 0.0f;
+            }
     }
 }
 }  // namespace delta_chunk_detail
@@ -147,19 +165,8 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_solve(
         }
     }
     __syncthreads();
-    // A, strictly lower: 4 x 4 tiles, those above the diagonal zero without products.
-    for (int tile = threadIdx.x; tile < (DELTA_CHUNK / 4) * (DELTA_CHUNK / 4); tile += blockDim.x) {
-        const int t0 = (tile / (DELTA_CHUNK / 4)) * 4, s0 = (tile % (DELTA_CHUNK / 4)) * 4;
-        float acc[4][4];
-        if (s0 <= t0) delta_chunk_detail::gram_tile(ks, ks, kp, k_dim, t0, s0, acc);
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int t = t0 + r, s = s0 + c;
-                A[t * DELTA_CHUNK + s] = (s < t && t < len) ? B[t] * __expf(G[t] - G[s]) * acc[r][c] : 0.0f;
-            }
-    }
+    // A, strictly lower.
+    delta_chunk_detail::decayed_gram<true>(ks, ks, kp, k_dim, len, G, B, A);
     __syncthreads();  // the keys' copy is read: X takes its place
     // The right-hand sides: beta e^G k | beta v.
     const float* vbase = mixed + 2LL * k_heads * k_dim + (long long)h * v_dim;
@@ -363,19 +370,8 @@ extern "C" __global__ void __launch_bounds__(256) gated_delta_chunk_out(
                                       qk_stride, len, k_dim);
     for (int t = threadIdx.x; t < len; t += blockDim.x) G[t] = gb[(long long)(row0 + t) * 2 * v_heads + h];
     __syncthreads();
-    // P, lower with its diagonal: 4 x 4 tiles, those above the diagonal zero without products.
-    for (int tile = threadIdx.x; tile < (DELTA_CHUNK / 4) * (DELTA_CHUNK / 4); tile += blockDim.x) {
-        const int t0 = (tile / (DELTA_CHUNK / 4)) * 4, s0 = (tile % (DELTA_CHUNK / 4)) * 4;
-        float acc[4][4];
-        if (s0 <= t0) delta_chunk_detail::gram_tile(qs, ks, kp, k_dim, t0, s0, acc);
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                const int t = t0 + r, s = s0 + c;
-                P[t * DELTA_CHUNK + s] = (s <= t && t < len) ? __expf(G[t] - G[s]) * acc[r][c] : 0.0f;
-            }
-    }
+    // P, lower with its diagonal.
+    delta_chunk_detail::decayed_gram<false>(qs, ks, kp, k_dim, len, G, nullptr, P);
     __syncthreads();  // q and k are read: u takes their place
     delta_chunk_detail::stage_rows<4>(us, v_dim, U + ((long long)row0 * v_heads + h) * v_dim,
                                       (long long)v_heads * v_dim, len, v_dim);
