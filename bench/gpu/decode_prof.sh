@@ -19,8 +19,9 @@ print('$S decode', [round(x,1) for x in d['decode_tokens_per_second'].get('runs'
   || tail -c 800 "$OUT/decode-$S.err"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "${NO_NCU:-}" ] || [ -z "$NCU" ] && exit 0
-# Skip the load and prefill; count a window of decode launches.
-timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+# Skip the load and prefill; count a window of decode launches (eager: ncu then sees each kernel;
+# a recorded step is one graph launch, and graphs change no kernel's own time).
+KILN_CUDA_GRAPHS=0 timeout 240 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
   --launch-skip "${NCU_SKIP:-8000}" --launch-count "${NCU_COUNT:-600}" \
   "$K" bench --device cuda -m "$W/$S" --prompt-tokens "$P" --gen-tokens 64 --runs 1 \
   > "$OUT/ncu-$S.csv" 2> "$OUT/ncu-$S.err" || { echo "ncu failed"; tail -c 600 "$OUT/ncu-$S.err"; }

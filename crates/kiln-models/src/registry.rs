@@ -96,8 +96,13 @@ pub fn decode_share(config: &ModelConfig, name: &str) -> f64 {
     if name == "model.embed_tokens.weight" && !config.tie_word_embeddings {
         return 0.0;
     }
-    // A multi-token-prediction head runs only when speculation asks it.
-    if name.starts_with("mtp.") {
+    // A multi-token-prediction head runs only when speculation asks it:
+    // Qwen3.5's `mtp.*`, DeepSeek-style layers past the decoder's.
+    let layer = name
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|n| n.parse::<usize>().ok());
+    if name.starts_with("mtp.") || layer.is_some_and(|l| l >= config.num_layers) {
         return 0.0;
     }
     match &config.family {

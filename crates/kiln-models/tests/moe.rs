@@ -3,7 +3,11 @@
 //! transformers' log-softmax in float64). `mixtral`: 8 experts, top 2,
 //! renormalized, w1/w3/w2 names; `qwen2_moe`: top 3 not renormalized, a
 //! gated shared expert, q/k/v biases; `qwen3_moe`: top 4 renormalized,
-//! QK-norm, layer 1 dense (`mlp_only_layers`).
+//! QK-norm, layer 1 dense (`mlp_only_layers`); `glm4_moe`
+//! (`scripts/goldens/glm4_moe_random.py`): DeepSeek-style sigmoid routing
+//! within the best 2 of 4 expert groups with a selection bias, scaled, an
+//! ungated shared expert, layer 0 dense, q/k/v biases without an o bias,
+//! QK-norm, RoPE over half of each head (its MTP layer: `tests/mtp.rs`).
 
 mod common;
 
@@ -16,7 +20,7 @@ use kiln_models::{load_model, CausalLm, ModelConfig};
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::ForwardBatch;
 
-const CASES: [&str; 3] = ["mixtral", "qwen2_moe", "qwen3_moe"];
+const CASES: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"];
 
 fn case_dir(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -62,6 +66,23 @@ fn configs_read_each_familys_routing_and_sparse_layers() {
     assert_eq!((m.num_experts, m.top_k, m.normalize), (8, 4, true));
     assert_eq!(m.sparse_layers, [true, false, true]);
     assert!(m.attention.qk_norm);
+    let m = moe("glm4_moe");
+    assert_eq!(
+        (m.num_experts, m.top_k, m.normalize, m.scale),
+        (16, 4, true, 2.5)
+    );
+    assert_eq!(
+        m.scoring,
+        kiln_tensor::Scoring::SigmoidGroups { groups: 4, keep: 2 }
+    );
+    assert_eq!(
+        (m.expert_intermediate, m.shared_intermediate),
+        (24, Some(24))
+    );
+    assert_eq!(m.sparse_layers, [false, true, true]);
+    let a = &m.attention;
+    assert!(a.qkv_bias && !a.o_bias && a.qk_norm);
+    assert_eq!((a.rotary_dim, a.nextn_layers), (Some(8), 1));
     // Every expert of every sparse layer is a weight the model has.
     let shapes = kiln_models::tensor_shapes(&config("qwen3_moe")).unwrap();
     let experts = shapes.iter().filter(|s| s.0.contains(".experts.")).count();

@@ -1,9 +1,12 @@
-//! The multi-token-prediction head of a random Qwen3.5 checkpoint
-//! (`tests/data/hybrid/qwen3_5_mtp`, made by `scripts/goldens/mtp_random.py`)
-//! against the head composed from transformers' own Qwen3.5 modules, in
-//! float64: at every prompt position from the model's final hidden states,
-//! in one pass and in two (the second reading the first's keys and values),
-//! then a second depth fed with the head's own output.
+//! Multi-token-prediction heads against transformers, in float64: a random
+//! Qwen3.5 checkpoint's (`tests/data/hybrid/qwen3_5_mtp`, made by
+//! `scripts/goldens/mtp_random.py`; the head composed from transformers' own
+//! Qwen3.5 modules) and a random GLM-4.5's DeepSeek-style MTP layer
+//! (`tests/data/moe/glm4_moe`, `scripts/goldens/glm4_moe_random.py`;
+//! transformers' own `MtpModel`): at every prompt position from the model's
+//! final hidden states, in one pass and in two (the second reading the
+//! first's keys and values), then a second depth fed with the head's own
+//! output.
 
 mod common;
 
@@ -15,8 +18,17 @@ use kiln_tensor::ForwardBatch;
 use common::compare_logprobs as compare;
 
 fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/hybrid/qwen3_5_mtp")
+    data("hybrid/qwen3_5_mtp")
 }
+
+fn data(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(case)
+}
+
+/// Every checkpoint with a head.
+const HEADS: [&str; 2] = ["hybrid/qwen3_5_mtp", "moe/glm4_moe"];
 
 struct Golden {
     prompt: Vec<u32>,
@@ -26,8 +38,8 @@ struct Golden {
     depth2: Vec<f64>,
 }
 
-fn golden() -> Golden {
-    let text = std::fs::read_to_string(dir().join("golden.json")).unwrap();
+fn golden(case: &str) -> Golden {
+    let text = std::fs::read_to_string(data(case).join("golden.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let row = |r: &serde_json::Value| -> Vec<f64> {
         r.as_array()
@@ -74,6 +86,32 @@ fn the_checkpoint_declares_and_ships_one_head() {
     for n in head {
         assert_eq!(kiln_models::decode_share(m.config(), n), 0.0, "{n}");
     }
+    // GLM-4.5's MTP layer is `model.layers.{num_layers}.*`: listed, every
+    // tensor the file has, none read by plain decoding.
+    let glm = common::load_safetensors_dir(&data("moe/glm4_moe"));
+    assert_eq!(glm.mtp_heads(), 1);
+    let shapes = kiln_models::tensor_shapes(glm.config()).unwrap();
+    let d = kiln_formats::SafetensorsDir::open(data("moe/glm4_moe")).unwrap();
+    let stored: std::collections::BTreeSet<String> = kiln_formats::WeightSource::tensors(&d)
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let listed: std::collections::BTreeSet<String> = shapes.iter().map(|s| s.0.clone()).collect();
+    assert_eq!(listed, stored);
+    let layer: Vec<&String> = listed
+        .iter()
+        .filter(|n| n.starts_with("model.layers.3."))
+        .collect();
+    // enorm, hnorm, eh_proj, shared_head.norm, 2 block norms, q/k/v/o with
+    // q/k/v biases and QK-norm, the router and its bias, 16 experts' 3 and
+    // the shared expert's 3.
+    assert_eq!(layer.len(), 4 + 2 + 9 + 2 + 48 + 3, "{layer:?}");
+    for n in layer {
+        assert_eq!(kiln_models::decode_share(glm.config(), n), 0.0, "{n}");
+    }
+    assert!(
+        kiln_models::decode_share(glm.config(), "model.layers.2.self_attn.q_proj.weight") > 0.0
+    );
     // The hybrid checkpoint without `mtp.*` has none, and says so.
     let plain = common::load_safetensors_dir(&dir().with_file_name("qwen3_5"));
     assert_eq!(plain.mtp_heads(), 0);
@@ -87,15 +125,21 @@ fn the_checkpoint_declares_and_ships_one_head() {
 
 #[test]
 fn the_head_matches_transformers_at_every_position_and_depth() {
-    let g = golden();
-    let m = common::load_safetensors_dir(&dir());
+    for case in HEADS {
+        head_matches_transformers(case);
+    }
+}
+
+fn head_matches_transformers(case: &str) {
+    let g = golden(case);
+    let m = common::load_safetensors_dir(&data(case));
     let b = m.backend().clone();
     let vocab = m.config().vocab_size;
     let n = g.prompt.len();
     // The same logits as the plain forward pass, and transformers'.
     let (logits, hidden) = trunk(m.as_ref(), &g.prompt);
     let (worst, same) = compare(&logits, vocab, &g.logprobs);
-    assert!(worst < 1e-3 && same, "model: {worst}");
+    assert!(worst < 1e-3 && same, "{case} model: {worst}");
     let mut cache = m.kv_cache_for_tokens(n, 16).unwrap();
     let pool = cache.spec;
     let plain = b
@@ -104,7 +148,10 @@ fn the_head_matches_transformers_at_every_position_and_depth() {
                 .unwrap(),
         )
         .unwrap();
-    assert_eq!(plain, logits, "forward_with_hidden changed the logits");
+    assert_eq!(
+        plain, logits,
+        "{case}: forward_with_hidden changed the logits"
+    );
 
     // Depth 1 at positions 0..n-2 (the token after each), in one pass and
     // in two passes over one cache.
@@ -127,7 +174,11 @@ fn the_head_matches_transformers_at_every_position_and_depth() {
             last = Some(out);
         }
         let (worst, same) = compare(&got, vocab, &g.mtp);
-        assert!(worst < 1e-3 && same, "depth 1 (split {split}): {worst}");
+        eprintln!("{case}: depth 1 (split {split}) max |Δ log-softmax| {worst:.2e}");
+        assert!(
+            worst < 1e-3 && same,
+            "{case} depth 1 (split {split}): {worst}"
+        );
 
         // Depth 2 at position n-1: the next guess with the head's own
         // output at n-2.
@@ -137,6 +188,9 @@ fn the_head_matches_transformers_at_every_position_and_depth() {
         let batch = ForwardBatch::single(&[g.depth2_token], n - 1, &pool, 0);
         let (l, _) = m.mtp_forward(&batch, &prev, &mut kv).unwrap();
         let (worst, same) = compare(&b.to_host(&l).unwrap(), vocab, &[g.depth2.clone()]);
-        assert!(worst < 1e-3 && same, "depth 2 (split {split}): {worst}");
+        assert!(
+            worst < 1e-3 && same,
+            "{case} depth 2 (split {split}): {worst}"
+        );
     }
 }

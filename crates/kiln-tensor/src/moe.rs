@@ -31,6 +31,20 @@ pub enum Scoring {
     /// does not weigh), weighted by their sigmoids, renormalized over the
     /// kept ones with `1e-6` added to the sum (LFM2-MoE).
     Sigmoid,
+    /// DeepSeek-V3's sigmoid routing (GLM-4.5): keys are sigmoid plus the
+    /// selection bias as [`Scoring::Sigmoid`]; the experts split into
+    /// `groups` equal runs, each scored by the sum of its two largest keys,
+    /// and only the best `keep` groups' experts may be picked (`groups`
+    /// 1: no limit). Weighted by their sigmoids, renormalized with `1e-20`
+    /// added to the sum.
+    SigmoidGroups { groups: u16, keep: u16 },
+}
+
+impl Scoring {
+    /// Keys and weights are sigmoids of the logits.
+    pub fn is_sigmoid(self) -> bool {
+        matches!(self, Scoring::Sigmoid | Scoring::SigmoidGroups { .. })
+    }
 }
 
 /// Which experts a token runs and with what weights.
@@ -187,29 +201,35 @@ impl MoeLayer {
 pub fn route(logits: &[f32], r: &Routing, selection_bias: Option<&[f32]>) -> Vec<(usize, f32)> {
     let k = r.top_k.min(logits.len());
     let mut order: Vec<usize> = (0..logits.len()).collect();
-    let sigmoids: Vec<f32> = match r.scoring {
-        Scoring::Sigmoid => logits.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect(),
-        _ => Vec::new(),
+    let sigmoid = r.scoring.is_sigmoid();
+    let sigmoids: Vec<f32> = match sigmoid {
+        true => logits.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect(),
+        false => Vec::new(),
     };
     // A NaN logit sorts last, so a poisoned row still routes somewhere.
-    let key = |i: usize| {
-        let v = match r.scoring {
-            Scoring::Sigmoid => {
-                sigmoids[i]
-                    + selection_bias
-                        .and_then(|b| b.get(i))
-                        .copied()
-                        .unwrap_or(0.0)
+    let mut keys: Vec<f32> = (0..logits.len())
+        .map(|i| {
+            let v = match sigmoid {
+                true => {
+                    sigmoids[i]
+                        + selection_bias
+                            .and_then(|b| b.get(i))
+                            .copied()
+                            .unwrap_or(0.0)
+                }
+                false => logits[i],
+            };
+            if v.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                v
             }
-            _ => logits[i],
-        };
-        if v.is_nan() {
-            f32::NEG_INFINITY
-        } else {
-            v
-        }
-    };
-    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+        })
+        .collect();
+    if let Scoring::SigmoidGroups { groups, keep } = r.scoring {
+        limit_groups(&mut keys, groups as usize, keep as usize);
+    }
+    order.sort_by(|&a, &b| keys[b].total_cmp(&keys[a]).then(a.cmp(&b)));
     order.truncate(k);
     let mut picked: Vec<(usize, f32)> = match r.scoring {
         Scoring::Softmax => {
@@ -228,12 +248,16 @@ pub fn route(logits: &[f32], r: &Routing, selection_bias: Option<&[f32]>) -> Vec
                 .map(|&e| (e, (logits[e] - max).exp() / sum))
                 .collect()
         }
-        Scoring::Sigmoid => order.iter().map(|&e| (e, sigmoids[e])).collect(),
+        Scoring::Sigmoid | Scoring::SigmoidGroups { .. } => {
+            order.iter().map(|&e| (e, sigmoids[e])).collect()
+        }
     };
     if r.normalize {
         let mut sum: f32 = picked.iter().map(|p| p.1).sum();
-        if r.scoring == Scoring::Sigmoid {
-            sum += 1e-6;
+        match r.scoring {
+            Scoring::Sigmoid => sum += 1e-6,
+            Scoring::SigmoidGroups { .. } => sum += 1e-20,
+            _ => {}
         }
         if sum > 0.0 {
             for p in &mut picked {
@@ -247,6 +271,40 @@ pub fn route(logits: &[f32], r: &Routing, selection_bias: Option<&[f32]>) -> Vec
         }
     }
     picked
+}
+
+/// [`Scoring::SigmoidGroups`]' limit: every key outside the `keep` groups
+/// (of `groups` equal runs) whose two largest keys sum highest becomes
+/// `-inf` (ties: the lower group). One group, or a split that does not
+/// divide the keys, limits nothing (the family's parse refuses the latter).
+fn limit_groups(keys: &mut [f32], groups: usize, keep: usize) {
+    if groups <= 1 || keep >= groups || keys.len() % groups != 0 {
+        return;
+    }
+    let size = keys.len() / groups;
+    let score: Vec<f32> = keys
+        .chunks(size)
+        .map(|g| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &k in g {
+                if k > a {
+                    (a, b) = (k, a);
+                } else if k > b {
+                    b = k;
+                }
+            }
+            if size < 2 {
+                a
+            } else {
+                a + b
+            }
+        })
+        .collect();
+    let mut best: Vec<usize> = (0..groups).collect();
+    best.sort_by(|&x, &y| score[y].total_cmp(&score[x]).then(x.cmp(&y)));
+    for &g in &best[keep..] {
+        keys[g * size..(g + 1) * size].fill(f32::NEG_INFINITY);
+    }
 }
 
 /// One expert's gated MLP over `x`'s rows, on the host.
@@ -475,5 +533,37 @@ mod tests {
         let sum = sig(2.0) + sig(-1.0) + 1e-6;
         assert!(close(biased[0].1, sig(-1.0) / sum * 1.5));
         assert!(close(biased[1].1, sig(2.0) / sum * 1.5));
+    }
+
+    #[test]
+    fn grouped_sigmoid_routing_picks_only_from_the_best_groups() {
+        let r = Routing {
+            top_k: 3,
+            scoring: Scoring::SigmoidGroups { groups: 4, keep: 2 },
+            normalize: true,
+            scale: 2.5,
+        };
+        let sig = |v: f32| 1.0 / (1.0 + (-v).exp());
+        // Groups of two: group 0 holds the single best expert but the
+        // weakest pair; groups 1 and 3 have the best pairs.
+        let logits = [3.0f32, -4.0, 1.0, 1.0, 0.5, -3.0, 0.9, 0.8];
+        let got = route(&logits, &r, None);
+        assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), [2, 3, 6]);
+        let sum = sig(1.0) * 2.0 + sig(0.9) + 1e-20;
+        assert!(close(got[0].1, sig(1.0) / sum * 2.5));
+        assert!(close(got[2].1, sig(0.9) / sum * 2.5));
+        // The bias moves group 2 (expert 4) past group 3 for the choice.
+        let biased = route(&logits, &r, Some(&[0.0, 0.0, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0]));
+        assert_eq!(biased.iter().map(|p| p.0).collect::<Vec<_>>(), [4, 2, 3]);
+        // Keeping every group is the plain top-k of the biased keys.
+        let all = route(
+            &logits,
+            &Routing {
+                scoring: Scoring::SigmoidGroups { groups: 4, keep: 4 },
+                ..r
+            },
+            None,
+        );
+        assert_eq!(all.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2, 3]);
     }
 }

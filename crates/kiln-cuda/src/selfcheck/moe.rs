@@ -3,7 +3,8 @@
 //! reference: Qwen-style softmax top-k with a
 //! gated shared expert, gpt-oss-style biased experts with the clamped
 //! SwiGLU and a router bias, LFM2-style sigmoid scores picked with a
-//! selection bias and scaled; each also with a rank's share of the experts
+//! selection bias and scaled, DeepSeek-style sigmoid scores within the best
+//! groups with an ungated shared expert; each also with a rank's share of the experts
 //! (expert parallelism). Rows are ones whose routing is clear (every row's
 //! k-th and (k+1)-th keys at least a margin apart, so bf16 products cannot
 //! pick other experts). Also: a row's result on the device is the same bits
@@ -28,6 +29,8 @@ struct Case {
     shared: Option<usize>,
     clamped: bool,
     sigmoid: bool,
+    /// DeepSeek-V3-style group limit of the sigmoid scores: (groups, kept).
+    groups: Option<(u16, u16)>,
     /// Experts in MXFP4 blocks (gate and up two parts), as llama.cpp ships
     /// gpt-oss.
     mxfp4: bool,
@@ -71,15 +74,22 @@ fn layers(p: &Pair, rng: &mut Rng, c: &Case) -> R<(MoeLayer, MoeLayer, Vec<f32>,
         Some(s) => {
             let (gu_g, gu_c) = p.up(&[2 * s, h], &rng.vec(2 * s * h, 0.2))?;
             let (d_g, d_c) = p.up(&[h, s], &rng.vec(h * s, 0.2))?;
-            let (gg, gc) = p.up(&[1, h], &rng.vec(h, 0.5))?;
+            // DeepSeek's shared experts run ungated.
+            let (gg, gc) = match c.groups {
+                Some(_) => (None, None),
+                None => {
+                    let (gg, gc) = p.up(&[1, h], &rng.vec(h, 0.5))?;
+                    (Some(Weight::Dense(gg)), Some(Weight::Dense(gc)))
+                }
+            };
             Some((
                 SharedExpert {
                     expert: Expert::new(Weight::Dense(gu_g), Weight::Dense(d_g)),
-                    gate: Some(Weight::Dense(gg)),
+                    gate: gg,
                 },
                 SharedExpert {
                     expert: Expert::new(Weight::Dense(gu_c), Weight::Dense(d_c)),
-                    gate: Some(Weight::Dense(gc)),
+                    gate: gc,
                 },
             ))
         }
@@ -112,10 +122,10 @@ fn layers(p: &Pair, rng: &mut Rng, c: &Case) -> R<(MoeLayer, MoeLayer, Vec<f32>,
         activation,
         routing: Routing {
             top_k: c.top_k,
-            scoring: if c.sigmoid {
-                Scoring::Sigmoid
-            } else {
-                Scoring::Softmax
+            scoring: match (c.sigmoid, c.groups) {
+                (true, Some((groups, keep))) => Scoring::SigmoidGroups { groups, keep },
+                (true, None) => Scoring::Sigmoid,
+                (false, _) => Scoring::Softmax,
             },
             normalize,
             scale: if c.sigmoid { 2.5 } else { 1.0 },
@@ -159,8 +169,29 @@ fn clear_rows(rng: &mut Rng, router: &[f32], bias: &[f32], c: &Case, n: usize) -
                 }
             })
             .collect();
-        keys.sort_by(|a, b| b.total_cmp(a));
         let margin = if c.sigmoid { 0.03 } else { 0.25 };
+        // The group limit: the kept groups' margin too, then the others out.
+        if let Some((groups, keep)) = c.groups {
+            let size = c.experts / groups as usize;
+            let mut score: Vec<(f64, usize)> = keys
+                .chunks(size)
+                .enumerate()
+                .map(|(g, k)| {
+                    let mut k = k.to_vec();
+                    k.sort_by(|a, b| b.total_cmp(a));
+                    (k[0] + k[1], g)
+                })
+                .collect();
+            score.sort_by(|a, b| b.0.total_cmp(&a.0));
+            let keep = keep as usize;
+            if score[keep - 1].0 - score[keep].0 <= margin {
+                continue;
+            }
+            for &(_, g) in &score[keep..] {
+                keys[g * size..(g + 1) * size].fill(f64::NEG_INFINITY);
+            }
+        }
+        keys.sort_by(|a, b| b.total_cmp(a));
         if keys[c.top_k - 1] - keys[c.top_k] > margin {
             rows.extend(x);
         }
@@ -179,6 +210,7 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             shared: Some(160),
             clamped: false,
             sigmoid: false,
+            groups: None,
             mxfp4: false,
         },
         Case {
@@ -190,6 +222,7 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             shared: None,
             clamped: true,
             sigmoid: false,
+            groups: None,
             mxfp4: false,
         },
         Case {
@@ -201,6 +234,7 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             shared: None,
             clamped: true,
             sigmoid: false,
+            groups: None,
             mxfp4: true,
         },
         Case {
@@ -212,6 +246,19 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             shared: None,
             clamped: false,
             sigmoid: true,
+            groups: None,
+            mxfp4: false,
+        },
+        Case {
+            name: "deepseek-style sigmoid top 4 of 32 in the best 2 of 8 groups, scaled",
+            hidden: 96,
+            experts: 32,
+            inter: 48,
+            top_k: 4,
+            shared: Some(64),
+            clamped: false,
+            sigmoid: true,
+            groups: Some((8, 2)),
             mxfp4: false,
         },
     ];

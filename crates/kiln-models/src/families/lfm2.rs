@@ -85,6 +85,8 @@ impl Lfm2Moe {
             num_experts: self.num_experts,
             intermediate: self.expert_intermediate,
             shared_intermediate: None,
+            shared_names: crate::layers::SharedNames::GatedQwen,
+            selection_bias: self.expert_bias.then_some("expert_bias"),
             routing: kiln_tensor::Routing {
                 top_k: self.top_k,
                 scoring: kiln_tensor::Scoring::Sigmoid,
@@ -269,9 +271,6 @@ pub fn tensor_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                     m.shape(h)
                         .tensor_shapes(&prefix, &format!("{prefix}.gate.weight")),
                 );
-                if m.expert_bias {
-                    out.push((format!("{prefix}.expert_bias"), vec![m.num_experts]));
-                }
             }
             None => {
                 add("feed_forward.w1.weight", vec![f.ff_dim, h]);
@@ -400,19 +399,12 @@ impl Lfm2 {
             };
             let ff = format!("{p}.feed_forward");
             let mlp = match f.moe.filter(|m| m.sparse(i)) {
-                Some(m) => {
-                    let mut moe = crate::layers::SparseMoe::load(
-                        &l,
-                        &ff,
-                        &format!("{ff}.gate.weight"),
-                        &m.shape(h),
-                    )?;
-                    if m.expert_bias {
-                        moe.layer.selection_bias =
-                            Some(l.host(&format!("{ff}.expert_bias"), &[m.num_experts])?);
-                    }
-                    Ffn::Sparse(moe)
-                }
+                Some(m) => Ffn::Sparse(crate::layers::SparseMoe::load(
+                    &l,
+                    &ff,
+                    &format!("{ff}.gate.weight"),
+                    &m.shape(h),
+                )?),
                 None => Ffn::Dense(GatedMlp {
                     gate_up: Linear::load_packed(
                         &l,

@@ -92,13 +92,20 @@ pub struct LlamaConfig {
     pub activation: Activation,
     /// Sliding-window attention span for every layer (Mistral), if any.
     pub sliding_window: Option<usize>,
+    /// Dims RoPE rotates at the start of each head (rotate-half within
+    /// them; the rest pass through): `head_dim · partial_rotary_factor`
+    /// (GLM-4.5: half), else all.
+    pub rotary_dim: Option<usize>,
+    /// DeepSeek-style multi-token-prediction layers the config declares
+    /// after the decoder's (`num_nextn_predict_layers`; GLM-4.5 ships one).
+    pub nextn_layers: usize,
 }
 
 /// The family's keys of `c` and its layers' KV layout: every layer full
 /// attention, or every layer the same sliding window (Mistral).
-fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
+fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> {
     let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
-    let cfg = parse_keys(c, model_type)?;
+    let cfg = parse_keys(c, model_type, head_dim)?;
     Ok(FamilyLayers {
         layer_kinds: vec![cfg.layer_kind(); num_layers],
         family: FamilyConfig::Llama(cfg),
@@ -110,7 +117,7 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
 /// `model_type` whose attention `c` has (`qwen2`: q/k/v biases; `qwen3`:
 /// QK-norm; `mistral`: a sliding window by default). Sparse families
 /// ([`super::moe`]) read theirs through it too.
-pub(crate) fn parse_keys(c: &Value, model_type: &str) -> Result<LlamaConfig> {
+pub(crate) fn parse_keys(c: &Value, model_type: &str, head_dim: usize) -> Result<LlamaConfig> {
     // transformers 5 moved rope settings into `rope_parameters`.
     let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
     let rope_theta = match opt_f32(c, "rope_theta")? {
@@ -129,6 +136,8 @@ pub(crate) fn parse_keys(c: &Value, model_type: &str) -> Result<LlamaConfig> {
     let (qkv_bias, o_bias) = match model_type {
         // Qwen2 always has q/k/v biases and never an o bias.
         "qwen2" => (true, false),
+        // GLM-4.5: `attention_bias` is q/k/v's; the output projection has none.
+        "glm4_moe" => (attention_bias.unwrap_or(false), false),
         _ => {
             let b = attention_bias.unwrap_or(false);
             (b, b)
@@ -140,14 +149,52 @@ pub(crate) fn parse_keys(c: &Value, model_type: &str) -> Result<LlamaConfig> {
         ("mistral", _) | (_, Some(true)) => opt_usize(c, "sliding_window")?,
         _ => None,
     };
+    // transformers' `int(head_dim * partial_rotary_factor)`, at the top
+    // level or in `rope_parameters`; GLM-4.5 rotates half by default.
+    let partial = match opt_f32(c, "partial_rotary_factor")? {
+        Some(p) => Some(p),
+        None => rope_params
+            .map(|p| opt_f32(p, "partial_rotary_factor"))
+            .transpose()?
+            .flatten(),
+    }
+    .or((model_type == "glm4_moe").then_some(0.5));
+    let rotary_dim = match partial {
+        None => None,
+        Some(p) => {
+            let dim = (head_dim as f64 * p as f64) as usize;
+            if !(p > 0.0 && p <= 1.0) || dim == 0 || dim % 2 != 0 {
+                return Err(crate::config::err(
+                    "partial_rotary_factor",
+                    format!("{p} of a {head_dim}-wide head (must rotate an even number of dims)"),
+                ));
+            }
+            (dim < head_dim).then_some(dim)
+        }
+    };
+    let qk_norm = match model_type {
+        "qwen3" => true,
+        "glm4_moe" => c
+            .get("use_qk_norm")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        _ => false,
+    };
     Ok(LlamaConfig {
         rope_theta,
         rope_scaling: parse_rope_scaling(scaling)?,
         qkv_bias,
         o_bias,
-        qk_norm: model_type == "qwen3",
+        qk_norm,
         activation: parse_activation(c, "silu")?,
         sliding_window,
+        rotary_dim,
+        nextn_layers: match model_type {
+            "glm4_moe" => opt_usize(c, "num_nextn_predict_layers")?
+                .or(opt_usize(c, "num_mtp_layers")?)
+                .unwrap_or(0),
+            _ => 0,
+        },
     })
 }
 
@@ -241,6 +288,23 @@ pub struct Llama {
     rope: Rope,
     /// Where each layer's keys and values live in the cache.
     kv_slots: Vec<LayerSlot>,
+    /// The first DeepSeek-style multi-token-prediction layer, where the
+    /// checkpoint has it.
+    nextn: Option<NextN>,
+}
+
+/// A DeepSeek-V3-style multi-token-prediction layer (GLM-4.5's
+/// `model.layers.{num_layers}`): `eh_proj([enorm(embed(t)) ‖ hnorm(h)])`
+/// (two products over the projection's column halves), one decoder block
+/// (sparse, as transformers builds MTP blocks) writing its own one-layer
+/// cache, `shared_head.norm`, and the model's output head.
+struct NextN {
+    enorm: RmsNorm,
+    hnorm: RmsNorm,
+    eh_embed: Linear,
+    eh_hidden: Linear,
+    block: Block,
+    norm: RmsNorm,
 }
 
 impl Llama {
@@ -284,29 +348,56 @@ impl Llama {
             sliding_window: f.sliding_window,
             sinks: false,
         };
-        let blocks = (0..cfg.num_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                Ok(Block {
-                    input_norm: RmsNorm::load(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
-                    attn: Attention::load(&l, &format!("{p}.self_attn"), attn_cfg.clone())?,
-                    post_attn_norm: RmsNorm::load(
-                        &l,
-                        &format!("{p}.post_attention_layernorm.weight"),
-                        h,
-                        eps,
-                    )?,
-                    mlp: ffn(&l, i)?,
-                })
+        let block = |i: usize| -> Result<Block> {
+            let p = format!("model.layers.{i}");
+            Ok(Block {
+                input_norm: RmsNorm::load(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
+                attn: Attention::load(&l, &format!("{p}.self_attn"), attn_cfg.clone())?,
+                post_attn_norm: RmsNorm::load(
+                    &l,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                    eps,
+                )?,
+                mlp: ffn(&l, i)?,
             })
-            .collect::<Result<Vec<_>>>()?;
+        };
+        let blocks = (0..cfg.num_layers).map(block).collect::<Result<Vec<_>>>()?;
+        // The first MTP layer, where declared and present (Kiln runs one;
+        // not on tensor-parallel ranks).
+        let n = cfg.num_layers;
+        let p = format!("model.layers.{n}");
+        let nextn = match f.nextn_layers > 0
+            && cfg.tensor_parallel.is_none()
+            && l.contains(&format!("{p}.eh_proj.weight"))
+        {
+            true => {
+                let [eh_embed, eh_hidden] =
+                    Linear::load_column_halves(&l, &format!("{p}.eh_proj.weight"), h, h)?;
+                Some(NextN {
+                    enorm: RmsNorm::load(&l, &format!("{p}.enorm.weight"), h, eps)?,
+                    hnorm: RmsNorm::load(&l, &format!("{p}.hnorm.weight"), h, eps)?,
+                    eh_embed,
+                    eh_hidden,
+                    block: block(n)?,
+                    norm: RmsNorm::load(&l, &format!("{p}.shared_head.norm.weight"), h, eps)?,
+                })
+            }
+            false => None,
+        };
         let norm = RmsNorm::load(&l, "model.norm.weight", h, eps)?;
         let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
-        let rope = Rope::new(cfg.head_dim, f.rope_theta, &f.rope_scaling);
+        // Frequencies over the rotated dims only (all of them unless partial).
+        let rope = Rope::new(
+            f.rotary_dim.unwrap_or(cfg.head_dim),
+            f.rope_theta,
+            &f.rope_scaling,
+        );
         let kv_slots = cfg.kv_slots();
         Ok(Llama {
             weight_bytes: l.weight_bytes(),
             kv_slots,
+            nextn,
             cfg,
             backend,
             embed,
@@ -319,7 +410,8 @@ impl Llama {
 }
 
 /// Checks `cfg` against the checkpoint's tensor table before anything is
-/// loaded: the layers the weights have, and each dimension a tensor's
+/// loaded: the layers the weights have (MTP layers past them allowed where
+/// declared), and each dimension a tensor's
 /// shape shows (the embedding's vocabulary and width, the first layer's
 /// q, k and gate rows). A mismatch names the `config.json` key.
 pub fn check_weights(cfg: &ModelConfig, tensors: &[StoredTensor]) -> Result<()> {
@@ -329,7 +421,10 @@ pub fn check_weights(cfg: &ModelConfig, tensors: &[StoredTensor]) -> Result<()> 
         .filter_map(|i| i.parse::<usize>().ok())
         .max()
         .map_or(0, |i| i + 1);
-    if layers_found != cfg.num_layers {
+    // DeepSeek-style MTP layers follow the decoder's (the file may have
+    // them or not).
+    let nextn = llama_config(cfg).map_or(0, |f| f.nextn_layers);
+    if layers_found < cfg.num_layers || layers_found > cfg.num_layers + nextn {
         return Err(config_error(
             "num_hidden_layers",
             format!(
@@ -425,9 +520,17 @@ pub(crate) fn tensor_shapes_with(
         "model.embed_tokens.weight".to_string(),
         vec![cfg.vocab_size, h],
     )];
-    for l in 0..cfg.num_layers {
+    // The decoder's layers, then the first DeepSeek-style MTP layer where
+    // the config declares one (its own norms and projection, then a block).
+    for l in 0..cfg.num_layers + usize::from(f.nextn_layers > 0) {
         let p = format!("model.layers.{l}");
         let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
+        if l == cfg.num_layers {
+            add("enorm.weight", vec![h]);
+            add("hnorm.weight", vec![h]);
+            add("eh_proj.weight", vec![h, 2 * h]);
+            add("shared_head.norm.weight", vec![h]);
+        }
         add("input_layernorm.weight", vec![h]);
         add("post_attention_layernorm.weight", vec![h]);
         add("self_attn.q_proj.weight", vec![q, h]);
@@ -476,6 +579,57 @@ impl CausalLm for Llama {
 
     fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         self.step(batch, cache, StepOutput::Hidden)
+    }
+
+    fn mtp_heads(&self) -> usize {
+        usize::from(self.nextn.is_some())
+    }
+
+    fn new_mtp_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        self.nextn()?;
+        Ok(self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
+            num_layers: 1,
+            num_groups: 1,
+            num_blocks,
+            block_size,
+            kv_row: self.cfg.num_kv_heads * self.cfg.head_dim,
+        })?)
+    }
+
+    /// The logits as [`CausalLm::forward`] computes them (the same fused
+    /// final norm and head, so the same bits), and every row's final
+    /// hidden state. Run eagerly: a recorded step returns one tensor.
+    fn forward_with_hidden(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        self.nextn()?;
+        let b = self.backend.as_ref();
+        let x = self.trunk(batch, cache)?;
+        let last = b.gather_rows(&x, &batch.logits_rows)?;
+        let logits = self.lm_head.forward(b, &last, Fuse::norm(&self.norm))?;
+        Ok((logits, self.norm.forward(b, &x)?))
+    }
+
+    fn mtp_forward(
+        &self,
+        batch: &ForwardBatch,
+        hidden: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        let m = self.nextn()?;
+        let b = self.backend.as_ref();
+        let e = b.embedding(&self.embed, &batch.token_ids)?;
+        let e = m.eh_embed.forward(b, &e, Fuse::norm(&m.enorm))?;
+        let x = m
+            .eh_hidden
+            .forward(b, hidden, Fuse::norm(&m.hnorm).with_residual(&e))?;
+        let slot = LayerSlot { group: 0, slot: 0 };
+        let x = self.block(&m.block, x, batch, cache, slot, true)?;
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
+        let out = m.norm.forward(b, &x)?;
+        Ok((self.lm_head.forward(b, &out, Fuse::NONE)?, out))
     }
 
     fn expert_load(&self) -> Vec<Vec<u64>> {
@@ -534,46 +688,10 @@ impl Llama {
     /// residual, and all-gathers the logits.
     fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
-        let tp = self.cfg.tensor_parallel;
-        let mut x = match tp {
-            None => b.embedding(&self.embed, &batch.token_ids)?,
-            Some(t) => {
-                let rows = b.embedding(&self.embed, &t.local_ids(&batch.token_ids))?;
-                b.all_reduce_sum(&rows)?
-            }
-        };
-        // Whole, the residual adds run fused into each sub-layer's last
-        // product; split, each rank's partial output is all-reduced and the
-        // residual added after, so it is rounded once, as whole (in bf16 a
-        // rank-0 epilogue would round it twice: there and in the sum).
-        let whole = tp.is_none();
-        let join = |x: &Tensor, y: Tensor| -> Result<Tensor> {
-            match whole {
-                true => Ok(y),
-                false => Ok(b.add(x, &b.all_reduce_sum(&y)?)?),
-            }
-        };
-        for (i, blk) in self.blocks.iter().enumerate() {
-            // Pre-norm blocks: each norm runs fused into the projection that
-            // consumes it, each residual add into the projection that ends
-            // the sub-layer.
-            let attn = Fuse::norm(&blk.input_norm).with_lora(&batch.lora);
-            let attn = match whole {
-                true => attn.with_residual(&x),
-                false => attn,
-            };
-            let y = blk
-                .attn
-                .forward(b, &x, attn, &self.rope, batch, cache, self.kv_slots[i])?;
-            x = join(&x, y)?;
-            let y = blk
-                .mlp
-                .forward_pre_norm(b, &x, &blk.post_attn_norm, &batch.lora, whole)?;
-            x = join(&x, y)?;
-        }
+        let x = self.trunk(batch, cache)?;
         // Only the rows that want logits go through the final norm and head.
         let x = b.gather_rows(&x, &batch.logits_rows)?;
-        match (out, tp) {
+        match (out, self.cfg.tensor_parallel) {
             (StepOutput::Logits, None) => self.lm_head.forward(b, &x, Fuse::norm(&self.norm)),
             (StepOutput::Logits, Some(t)) => {
                 let local = self.lm_head.forward(b, &x, Fuse::norm(&self.norm))?;
@@ -581,5 +699,63 @@ impl Llama {
             }
             (StepOutput::Hidden, _) => self.norm.forward(b, &x),
         }
+    }
+
+    /// Every row's last hidden state, before the final norm.
+    fn trunk(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let mut x = match self.cfg.tensor_parallel {
+            None => b.embedding(&self.embed, &batch.token_ids)?,
+            Some(t) => {
+                let rows = b.embedding(&self.embed, &t.local_ids(&batch.token_ids))?;
+                b.all_reduce_sum(&rows)?
+            }
+        };
+        let whole = self.cfg.tensor_parallel.is_none();
+        for (i, blk) in self.blocks.iter().enumerate() {
+            x = self.block(blk, x, batch, cache, self.kv_slots[i], whole)?;
+        }
+        Ok(x)
+    }
+
+    /// One pre-norm block over `x`: each norm runs fused into the
+    /// projection that consumes it. Whole, the residual adds run fused
+    /// into each sub-layer's last product; split (a tensor-parallel rank),
+    /// each rank's partial output is all-reduced and the residual added
+    /// after, so it is rounded once, as whole (in bf16 a rank-0 epilogue
+    /// would round it twice: there and in the sum).
+    fn block(
+        &self,
+        blk: &Block,
+        x: Tensor,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        slot: LayerSlot,
+        whole: bool,
+    ) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let join = |x: &Tensor, y: Tensor| -> Result<Tensor> {
+            match whole {
+                true => Ok(y),
+                false => Ok(b.add(x, &b.all_reduce_sum(&y)?)?),
+            }
+        };
+        let attn = Fuse::norm(&blk.input_norm).with_lora(&batch.lora);
+        let attn = match whole {
+            true => attn.with_residual(&x),
+            false => attn,
+        };
+        let y = blk
+            .attn
+            .forward(b, &x, attn, &self.rope, batch, cache, slot)?;
+        let x = join(&x, y)?;
+        let y = blk
+            .mlp
+            .forward_pre_norm(b, &x, &blk.post_attn_norm, &batch.lora, whole)?;
+        join(&x, y)
+    }
+
+    fn nextn(&self) -> Result<&NextN> {
+        self.nextn.as_ref().ok_or_else(|| self.no_mtp())
     }
 }

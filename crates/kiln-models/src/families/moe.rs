@@ -1,6 +1,7 @@
 //! Mixture-of-Experts decoders with Llama-family attention: Mixtral,
-//! Qwen2-MoE and Qwen3-MoE. Reference: transformers `modeling_mixtral.py`,
-//! `modeling_qwen2_moe.py`, `modeling_qwen3_moe.py`.
+//! Qwen2-MoE, Qwen3-MoE and GLM-4.5 (`glm4_moe`). Reference: transformers
+//! `modeling_mixtral.py`, `modeling_qwen2_moe.py`, `modeling_qwen3_moe.py`,
+//! `modeling_glm4_moe.py`.
 //!
 //! The blocks are the Llama family's (pre-norm attention as Mistral, Qwen2
 //! with q/k/v biases, Qwen3 with QK-norm), with the MLP replaced by a
@@ -18,6 +19,15 @@
 //!   `intermediate_size` and are named `block_sparse_moe.experts.{e}.w1/w3/w2`.
 //! - transformers 5 names Qwen3-MoE's expert count `num_local_experts` in
 //!   the configs it writes; released ones say `num_experts`. Both are read.
+//! - GLM-4.5 routes as DeepSeek-V3: sigmoid scores plus
+//!   `gate.e_score_correction_bias` pick (within the best `topk_group` of
+//!   `n_group` groups) but do not weigh, renormalized (`norm_topk_prob`),
+//!   times `routed_scaling_factor`; `n_shared_experts` ungated shared
+//!   experts (`shared_experts`, `n_shared_experts · moe_intermediate_size`
+//!   wide); the first `first_k_dense_replace` layers dense. Its attention
+//!   has q/k/v biases (`attention_bias`) but none on `o_proj`, optional
+//!   QK-norm (`use_qk_norm`), and rotates only `partial_rotary_factor`
+//!   (default half) of each head.
 
 use std::sync::Arc;
 
@@ -27,15 +37,17 @@ use serde_json::Value;
 
 use super::llama::{self, Ffn, Llama, LlamaConfig};
 use super::{Family, FamilyConfig};
-use crate::config::{err, opt_usize, FamilyLayers, ModelConfig};
+use crate::config::{err, opt_f32, opt_usize, FamilyLayers, ModelConfig};
 use crate::error::Result;
-use crate::layers::{ExpertNames, GatedMlp, LoadProgress, MoeShape, SparseMoe, WeightLoader};
+use crate::layers::{
+    ExpertNames, GatedMlp, LoadProgress, MoeShape, SharedNames, SparseMoe, WeightLoader,
+};
 use crate::tp::{self, TensorParallel};
 
 /// The registry's entry for the family.
 pub static FAMILY: Family = Family {
     name: "moe",
-    model_types: &["mixtral", "qwen2_moe", "qwen3_moe"],
+    model_types: &["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"],
     tied_by_default: false,
     parse,
     tensor_shapes: |cfg| tensor_shapes(cfg, moe_config(cfg)?),
@@ -55,7 +67,13 @@ pub struct MoeConfig {
     /// Each expert's intermediate size.
     pub expert_intermediate: usize,
     pub shared_intermediate: Option<usize>,
+    pub shared_names: SharedNames,
+    pub scoring: Scoring,
     pub normalize: bool,
+    /// `routed_scaling_factor` (1 but for GLM-4.5).
+    pub scale: f32,
+    /// The router's selection bias under the sparse MLP's prefix.
+    pub selection_bias: Option<&'static str>,
     /// Which layers have a sparse MLP (the others a dense one).
     pub sparse_layers: Vec<bool>,
     pub names: ExpertNames,
@@ -69,11 +87,13 @@ impl MoeConfig {
             num_experts: self.num_experts,
             intermediate: self.expert_intermediate,
             shared_intermediate: self.shared_intermediate,
+            shared_names: self.shared_names,
+            selection_bias: self.selection_bias,
             routing: Routing {
                 top_k: self.top_k,
-                scoring: Scoring::Softmax,
+                scoring: self.scoring,
                 normalize: self.normalize,
-                scale: 1.0,
+                scale: self.scale,
             },
             activation: ExpertActivation::Gated(self.attention.activation),
             names: self.names,
@@ -134,7 +154,7 @@ static TENSOR_PARALLEL: TensorParallel = TensorParallel {
 
 const MAX_EXPERTS: usize = 1 << 12;
 
-fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
+fn parse(c: &Value, num_layers: usize, head_dim: usize) -> Result<FamilyLayers> {
     let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
     let flag = |key: &str, default: bool| c.get(key).and_then(Value::as_bool).unwrap_or(default);
     let experts_key = |keys: &[&str], default: usize| -> Result<usize> {
@@ -147,15 +167,59 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
     };
     let cfg = match model_type {
         "mixtral" => MoeConfig {
-            attention: llama::parse_keys(c, "mistral")?,
+            attention: llama::parse_keys(c, "mistral", head_dim)?,
             num_experts: experts_key(&["num_local_experts", "num_experts"], 8)?,
             top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(2),
             expert_intermediate: opt_usize(c, "intermediate_size")?.unwrap_or(14336),
             shared_intermediate: None,
+            shared_names: SharedNames::GatedQwen,
+            scoring: Scoring::Softmax,
             normalize: true,
+            scale: 1.0,
+            selection_bias: None,
             sparse_layers: vec![true; num_layers],
             names: ExpertNames::W1W3W2,
         },
+        "glm4_moe" => {
+            let num_experts = experts_key(&["n_routed_experts", "num_local_experts"], 128)?;
+            let first_dense = opt_usize(c, "first_k_dense_replace")?.unwrap_or(1);
+            let expert_intermediate = opt_usize(c, "moe_intermediate_size")?.unwrap_or(1408);
+            let shared = opt_usize(c, "n_shared_experts")?.unwrap_or(1);
+            let groups = opt_usize(c, "n_group")?.unwrap_or(1);
+            let keep = opt_usize(c, "topk_group")?.unwrap_or(1);
+            if groups == 0
+                || groups > 64
+                || keep == 0
+                || keep > groups
+                || num_experts % groups != 0
+                || (groups > 1 && num_experts / groups < 2)
+            {
+                return Err(err(
+                    "n_group",
+                    format!(
+                        "{groups} groups keeping {keep} of {num_experts} experts (groups of at \
+                         least two experts, at most 64 groups)"
+                    ),
+                ));
+            }
+            MoeConfig {
+                attention: llama::parse_keys(c, "glm4_moe", head_dim)?,
+                num_experts,
+                top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(8),
+                expert_intermediate,
+                shared_intermediate: (shared > 0).then_some(shared * expert_intermediate),
+                shared_names: SharedNames::DeepSeek,
+                scoring: Scoring::SigmoidGroups {
+                    groups: groups as u16,
+                    keep: keep as u16,
+                },
+                normalize: flag("norm_topk_prob", true),
+                scale: opt_f32(c, "routed_scaling_factor")?.unwrap_or(1.0),
+                selection_bias: Some("gate.e_score_correction_bias"),
+                sparse_layers: (0..num_layers).map(|l| l >= first_dense).collect(),
+                names: ExpertNames::Proj,
+            }
+        }
         "qwen2_moe" | "qwen3_moe" => {
             let qwen2 = model_type == "qwen2_moe";
             let step = opt_usize(c, "decoder_sparse_step")?.unwrap_or(1).max(1);
@@ -181,7 +245,7 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
                 false => None,
             };
             MoeConfig {
-                attention: llama::parse_keys(c, if qwen2 { "qwen2" } else { "qwen3" })?,
+                attention: llama::parse_keys(c, if qwen2 { "qwen2" } else { "qwen3" }, head_dim)?,
                 num_experts,
                 top_k: opt_usize(c, "num_experts_per_tok")?.unwrap_or(if qwen2 { 4 } else { 8 }),
                 expert_intermediate: opt_usize(c, "moe_intermediate_size")?.unwrap_or(if qwen2 {
@@ -190,7 +254,11 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
                     768
                 }),
                 shared_intermediate: shared.filter(|&s| s > 0),
+                shared_names: SharedNames::GatedQwen,
+                scoring: Scoring::Softmax,
                 normalize: flag("norm_topk_prob", false),
+                scale: 1.0,
+                selection_bias: None,
                 sparse_layers,
                 names: ExpertNames::Proj,
             }
@@ -247,7 +315,7 @@ fn tensor_shapes(cfg: &ModelConfig, m: &MoeConfig) -> Result<Vec<(String, Vec<us
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
     let shape = m.shape(h);
     Ok(llama::tensor_shapes_with(cfg, &m.attention, &|l, out| {
-        if m.sparse_layers[l] {
+        if m.sparse_layers.get(l).copied().unwrap_or(true) {
             let (prefix, router) = m.prefix(l);
             out.extend(shape.tensor_shapes(&prefix, &router));
         } else {
@@ -297,8 +365,10 @@ fn load(
             .map(|r| (r.start, r.end)),
         ..m.shape(h)
     };
+    // Layers past the decoder's are MTP layers: sparse, as transformers
+    // builds them.
     let ffn = move |l: &WeightLoader, layer: usize| -> Result<Ffn> {
-        if m.sparse_layers[layer] {
+        if m.sparse_layers.get(layer).copied().unwrap_or(true) {
             let (prefix, router) = m.prefix(layer);
             Ok(Ffn::Sparse(SparseMoe::load(l, &prefix, &router, &shape)?))
         } else {

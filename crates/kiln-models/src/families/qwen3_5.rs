@@ -107,6 +107,8 @@ impl Qwen35Moe {
             num_experts: self.num_experts,
             intermediate: self.expert_intermediate,
             shared_intermediate: Some(self.shared_intermediate),
+            shared_names: crate::layers::SharedNames::GatedQwen,
+            selection_bias: None,
             routing: kiln_tensor::Routing {
                 top_k: self.top_k,
                 scoring: kiln_tensor::Scoring::Softmax,
@@ -504,27 +506,13 @@ impl Mtp {
         cfg: &ModelConfig,
     ) -> Result<Self> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let fc = l.host("mtp.fc.weight", &[h, 2 * h])?;
-        let half = |first: bool| -> Result<Linear> {
-            let cols: Vec<f32> = fc
-                .chunks(2 * h)
-                .flat_map(|r| if first { &r[..h] } else { &r[h..] })
-                .copied()
-                .collect();
-            let weight = Weight::Dense(backend.upload(&[h, h], &cols)?);
-            l.note(&weight);
-            Ok(Linear {
-                weight,
-                bias: None,
-                parts: vec![("mtp.fc".to_string(), 0..h)],
-            })
-        };
+        let [fc_embed, fc_hidden] = Linear::load_column_halves(l, "mtp.fc.weight", h, h)?;
         let p = "mtp.layers.0";
         Ok(Mtp {
             norm_embed: norm(l, "mtp.pre_fc_norm_embedding.weight", h, eps)?,
             norm_hidden: norm(l, "mtp.pre_fc_norm_hidden.weight", h, eps)?,
-            fc_embed: half(true)?,
-            fc_hidden: half(false)?,
+            fc_embed,
+            fc_hidden,
             block: Block {
                 input_norm: norm(l, &format!("{p}.input_layernorm.weight"), h, eps)?,
                 mixer: attention_mixer(l, backend, cfg, &format!("{p}.self_attn"), 0, 0)?,

@@ -82,6 +82,35 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// `name` (`[rows, 2 · half]`, no bias) as two products over its left
+    /// and right column halves: `W · [a ‖ b] = W_a · a + W_b · b` (an MTP
+    /// head's projection of a concatenation, each half with its own norm
+    /// fused as the product's prologue). Split on the host, dense.
+    pub fn load_column_halves(
+        l: &WeightLoader,
+        name: &str,
+        rows: usize,
+        half: usize,
+    ) -> Result<[Linear; 2]> {
+        let w = l.host(name, &[rows, 2 * half])?;
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let side = |right: bool| -> Result<Linear> {
+            let cols: Vec<f32> = w
+                .chunks(2 * half)
+                .flat_map(|r| if right { &r[half..] } else { &r[..half] })
+                .copied()
+                .collect();
+            let weight = Weight::Dense(l.backend.upload(&[rows, half], &cols)?);
+            l.note(&weight);
+            Ok(Linear {
+                weight,
+                bias: None,
+                parts: vec![(module.to_string(), 0..rows)],
+            })
+        };
+        Ok([side(false)?, side(true)?])
+    }
+
     /// The output projection: `lm_head.weight` (`[vocab, hidden]`) unless
     /// the embedding is tied to it (or the file has none), then the
     /// embedding table itself.

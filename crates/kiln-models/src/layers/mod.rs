@@ -17,7 +17,7 @@ pub use attention::{Attention, AttentionConfig};
 pub use linear::{Fuse, Linear};
 pub use loader::{LoadProgress, WeightBytes, WeightLoader};
 pub use mlp::GatedMlp;
-pub use moe::{ExpertNames, MoeShape, SparseMoe};
+pub use moe::{ExpertNames, MoeShape, SharedNames, SparseMoe};
 pub use norm::RmsNorm;
 pub use rope::Rope;
 pub use softcap::SoftCapping;

@@ -28,6 +28,17 @@ impl ExpertNames {
     }
 }
 
+/// How a family names its shared expert (and whether a gate scales it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedNames {
+    /// `{prefix}.shared_expert.{gate,up,down}_proj`, scaled by
+    /// `σ(x · shared_expert_gate)` (Qwen2-MoE, Qwen3.5).
+    GatedQwen,
+    /// `{prefix}.shared_experts.{gate,up,down}_proj`, ungated (DeepSeek-V3,
+    /// GLM-4.5).
+    DeepSeek,
+}
+
 /// A sparse MLP's shape, as a family's config gives it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MoeShape {
@@ -35,15 +46,28 @@ pub struct MoeShape {
     pub num_experts: usize,
     /// Each expert's intermediate size.
     pub intermediate: usize,
-    /// The shared expert's intermediate size (with its sigmoid gate), if
-    /// the layer has one.
+    /// The shared expert's intermediate size, if the layer has one.
     pub shared_intermediate: Option<usize>,
+    pub shared_names: SharedNames,
+    /// The selection bias's name under the prefix
+    /// ([`kiln_tensor::MoeLayer::selection_bias`]), where the router has one.
+    pub selection_bias: Option<&'static str>,
     pub routing: Routing,
     pub activation: ExpertActivation,
     pub names: ExpertNames,
     /// Expert parallelism: the routed experts this rank holds, `[start,
     /// end)` (`None`: all).
     pub held: Option<(usize, usize)>,
+}
+
+impl SharedNames {
+    /// The shared expert's module under the sparse MLP's prefix.
+    pub fn module(self) -> &'static str {
+        match self {
+            SharedNames::GatedQwen => "shared_expert",
+            SharedNames::DeepSeek => "shared_experts",
+        }
+    }
 }
 
 impl MoeShape {
@@ -59,12 +83,17 @@ impl MoeShape {
             out.push((format!("{p}.{up}.weight"), vec![i, h]));
             out.push((format!("{p}.{down}.weight"), vec![h, i]));
         }
+        if let Some(b) = self.selection_bias {
+            out.push((format!("{prefix}.{b}"), vec![self.num_experts]));
+        }
         if let Some(s) = self.shared_intermediate {
-            let p = format!("{prefix}.shared_expert");
+            let p = format!("{prefix}.{}", self.shared_names.module());
             out.push((format!("{p}.gate_proj.weight"), vec![s, h]));
             out.push((format!("{p}.up_proj.weight"), vec![s, h]));
             out.push((format!("{p}.down_proj.weight"), vec![h, s]));
-            out.push((format!("{prefix}.shared_expert_gate.weight"), vec![1, h]));
+            if self.shared_names == SharedNames::GatedQwen {
+                out.push((format!("{prefix}.shared_expert_gate.weight"), vec![1, h]));
+            }
         }
         out
     }
@@ -110,19 +139,28 @@ impl SparseMoe {
         let shared = match shape.shared_intermediate {
             Some(s) => Some(SharedExpert {
                 expert: load_expert(
-                    &format!("{prefix}.shared_expert"),
+                    &format!("{prefix}.{}", shape.shared_names.module()),
                     s,
                     ["gate_proj", "up_proj", "down_proj"],
                 )?,
-                gate: Some(l.weight(&format!("{prefix}.shared_expert_gate.weight"), &[1, h])?),
+                gate: match shape.shared_names {
+                    SharedNames::GatedQwen => {
+                        Some(l.weight(&format!("{prefix}.shared_expert_gate.weight"), &[1, h])?)
+                    }
+                    SharedNames::DeepSeek => None,
+                },
             }),
             None => None,
         };
+        let selection_bias = shape
+            .selection_bias
+            .map(|b| l.host(&format!("{prefix}.{b}"), &[shape.num_experts]))
+            .transpose()?;
         Ok(SparseMoe {
             layer: MoeLayer {
                 router: l.weight(router, &[shape.num_experts, h])?,
                 router_bias: None,
-                selection_bias: None,
+                selection_bias,
                 experts,
                 held: shape.held.map(|(a, b)| a..b),
                 shared,

@@ -87,8 +87,16 @@ pub fn ids(v: &serde_json::Value) -> Vec<u32> {
 pub fn logprob_golden(path: &std::path::Path) -> (Vec<u32>, Vec<Vec<f64>>) {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let g: serde_json::Value = serde_json::from_str(&text).unwrap();
-    if let Some(margin) = g.get("min_routing_margin") {
-        assert!(margin.as_f64().unwrap() > 1e-3, "{}", path.display());
+    // One margin, or several (a grouped router's group scores and keys).
+    for key in ["min_routing_margin", "min_routing_margin_mtp"] {
+        let margins = match g.get(key) {
+            Some(serde_json::Value::Object(m)) => m.values().cloned().collect(),
+            Some(v) => vec![v.clone()],
+            None => Vec::new(),
+        };
+        for margin in margins {
+            assert!(margin.as_f64().unwrap() > 1e-3, "{} {key}", path.display());
+        }
     }
     let rows = g["logprobs"]
         .as_array()

@@ -563,10 +563,21 @@ fn route(
     let offsets = used + 4 * experts as u64;
     let order = offsets + 4 * (experts as u64 + 1);
     let pos_p = if with_pos { pos.ptr } else { 0 };
-    let scoring: i32 = match layer.routing.scoring {
-        Scoring::Softmax => 0,
-        Scoring::TopKSoftmax => 1,
-        Scoring::Sigmoid => 2,
+    let (scoring, expert_groups, keep_groups): (i32, i32, i32) = match layer.routing.scoring {
+        Scoring::Softmax => (0, 1, 1),
+        Scoring::TopKSoftmax => (1, 1, 1),
+        Scoring::Sigmoid => (2, 1, 1),
+        Scoring::SigmoidGroups { groups, keep } => {
+            if groups > 64 || experts % groups.max(1) as usize != 0 {
+                return Err(TensorError::Unsupported {
+                    backend: "cuda",
+                    what: format!(
+                        "{groups} expert groups of {experts} experts (at most 64, dividing them)"
+                    ),
+                });
+            }
+            (3, groups.max(1) as i32, keep.min(groups) as i32)
+        }
     };
     let (e_i, k_i, pairs_i) = (experts as i32, s.k as i32, pairs as i32);
     let normalize = layer.routing.normalize as i32;
@@ -585,6 +596,8 @@ fn route(
                 .arg(&e_i)
                 .arg(&k_i)
                 .arg(&scoring)
+                .arg(&expert_groups)
+                .arg(&keep_groups)
                 .arg(&normalize)
                 .arg(&scale)
                 .arg(&found.selection_bias)
@@ -624,6 +637,8 @@ fn route(
             .arg(&e_i)
             .arg(&k_i)
             .arg(&scoring)
+            .arg(&expert_groups)
+            .arg(&keep_groups)
             .arg(&normalize)
             .arg(&scale)
             .arg(&found.selection_bias)

@@ -38,6 +38,7 @@ __device__ __forceinline__ void moe_finish_row(const float* val, const int* pick
     }
     if (normalize) {
         if (scoring == 2) total += 1e-6f;
+        else if (scoring == 3) total += 1e-20f;
         if (total > 0.0f)
             for (int j = 0; j < top_k; ++j) w[j] /= total;
     }
@@ -49,10 +50,10 @@ __device__ __forceinline__ void moe_finish_row(const float* val, const int* pick
     }
 }
 
-// A routing key: the logit, or for sigmoid scores its sigmoid plus the selection bias; NaN as -inf.
+// A routing key: the logit, or for sigmoid scores (2, 3) its sigmoid plus the selection bias; NaN as -inf.
 __device__ __forceinline__ float moe_key(float v, int e, int scoring, const float* __restrict__ sel_bias) {
     float k = v;
-    if (scoring == 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
+    if (scoring >= 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
     return (k != k) ? NEG_INF : k;
 }
 
@@ -72,6 +73,49 @@ __device__ __forceinline__ void moe_warp_best(float& bv, int& bi) {
             bi = oi;
         }
     }
+}
+
+// DeepSeek-V3's group limit (scoring 3 with groups > 1; kiln_tensor::moe::route): the experts
+// split into `groups` equal runs, each scored by the sum of its two largest keys; the keys outside
+// the best `keep` groups become -inf (ties: the lower group). One warp, every lane; groups <= 64
+// and dividing num_experts (the launcher checks).
+__device__ void moe_limit_groups(float* key, int num_experts, int groups, int keep, int lane) {
+    const int size = num_experts / groups;
+    float gs[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int g = lane + 32 * s;
+        float a = NEG_INF, b = NEG_INF;
+        for (int e = g * size; g < groups && e < (g + 1) * size; ++e) {
+            const float k = key[e];
+            if (k > a) {
+                b = a;
+                a = k;
+            } else if (k > b) {
+                b = k;
+            }
+        }
+        gs[s] = size < 2 ? a : a + b;
+    }
+    unsigned long long chosen = 0;
+    for (int j = 0; j < keep; ++j) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            const int g = lane + 32 * s;
+            if (g < groups && !((chosen >> g) & 1ull) && moe_better(gs[s], g, bv, bi)) {
+                bv = gs[s];
+                bi = g;
+            }
+        }
+        moe_warp_best(bv, bi);
+        if (bi != 0x7fffffff) chosen |= 1ull << bi;
+    }
+    __syncwarp();
+    for (int e = lane; e < num_experts; e += 32)
+        if (!((chosen >> (e / size)) & 1ull)) key[e] = NEG_INF;
+    __syncwarp();
 }
 
 // The whole block groups the step's pairs by expert (every thread calls it; blockDim.x >= 32):
@@ -152,16 +196,18 @@ __device__ __forceinline__ float moe_act(float g, float u, int act, float alpha,
 
 // Routing of one row a block: scoring 0 = softmax over every expert, then the top_k largest;
 // 1 = the top_k largest logits, then a softmax over those; 2 = sigmoids, picked by sigmoid plus
-// sel_bias (may be null), weighed by the sigmoids. Then, if normalize, the weights divided by their
-// sum (plus 1e-6 for sigmoids), times scale. Ties go to the lower expert, NaN logits pick last (as
+// sel_bias (may be null), weighed by the sigmoids; 3 = as 2 within the best keep_groups of groups
+// (moe_limit_groups). Then, if normalize, the weights divided by their sum (plus 1e-6 for 2, 1e-20
+// for 3), times scale. Ties go to the lower expert, NaN logits pick last (as
 // kiln_tensor::moe::route). Writes ids / weights [rows, top_k] (top_k <= num_experts) and, where
 // counts is not null, adds one to counts[e] a pick of every row whose slots[row] is not pad_slot
 // (a padding row of a recorded batch; slots null: every row counts).
 // Dynamic shared memory: num_experts * 9 bytes.
 extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
-    const bf16* __restrict__ logits, int num_experts, int top_k, int scoring, int normalize,
-    float scale, const float* __restrict__ sel_bias, int* __restrict__ ids, float* __restrict__ weights,
-    unsigned long long* __restrict__ counts, const unsigned int* __restrict__ slots, unsigned int pad_slot) {
+    const bf16* __restrict__ logits, int num_experts, int top_k, int scoring, int groups, int keep_groups,
+    int normalize, float scale, const float* __restrict__ sel_bias, int* __restrict__ ids,
+    float* __restrict__ weights, unsigned long long* __restrict__ counts, const unsigned int* __restrict__ slots,
+    unsigned int pad_slot) {
     kiln_pdl_enter();
     extern __shared__ float moe_route_smem[];
     float* val = moe_route_smem;
@@ -181,6 +227,10 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
         if (v == v) local_max = fmaxf(local_max, v);
     }
     __syncthreads();
+    if (scoring == 3 && groups > 1) {
+        if (warp == 0) moe_limit_groups(key, num_experts, groups, keep_groups, lane);
+        __syncthreads();
+    }
     for (int j = 0; j < top_k; ++j) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
@@ -554,8 +604,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_mxfp4(
 // keys) + (2 * num_experts + rows * top_k) ints + num_experts bytes. Same semantics and outputs as the two kernels (the weights'
 // sums formed by warp shuffles instead of block sums).
 extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
-    const bf16* __restrict__ logits, int rows, int num_experts, int top_k, int scoring, int normalize,
-    float scale, const float* __restrict__ sel_bias, int* __restrict__ ids, float* __restrict__ weights,
+    const bf16* __restrict__ logits, int rows, int num_experts, int top_k, int scoring, int groups,
+    int keep_groups, int normalize, float scale, const float* __restrict__ sel_bias, int* __restrict__ ids,
+    float* __restrict__ weights,
     unsigned long long* __restrict__ counts, const unsigned int* __restrict__ slots, unsigned int pad_slot,
     const unsigned long long* __restrict__ gate_up, int* __restrict__ used_count, int* __restrict__ used,
     int* __restrict__ offsets, int* __restrict__ order, int* __restrict__ pos) {
@@ -579,6 +630,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
             if (v == v) mx = fmaxf(mx, v);
         }
         __syncwarp();
+        if (scoring == 3 && groups > 1) moe_limit_groups(key, num_experts, groups, keep_groups, lane);
         int pick[32];
         for (int j = 0; j < top_k; ++j) {
             float bv = NEG_INF;

@@ -1,0 +1,203 @@
+"""A random GLM-4.5 (`glm4_moe`) checkpoint with its DeepSeek-style
+multi-token-prediction layer, and what transformers computes on both.
+
+Makes `crates/kiln-models/tests/data/moe/glm4_moe` (read by `tests/moe.rs`
+with the other sparse families and by `tests/mtp.rs`): three layers, the
+first dense (`first_k_dense_replace`), the others sparse with 16 experts in
+4 groups (the best 2 groups kept, top 4 of their experts, sigmoid scores
+picked with a random `e_score_correction_bias`, renormalized, scaled by
+`routed_scaling_factor`) and an ungated shared expert; q/k/v biases, QK-norm
+and RoPE over half of each head. `num_nextn_predict_layers: 1`: the MTP
+layer as GLM-4.5 checkpoints ship it, `model.layers.3.{enorm, hnorm,
+eh_proj, shared_head.norm}` and a sparse decoder block, randomised through
+transformers' own `MtpModel` (`modeling_layers.py`) and loaded back with
+`MtpModel.from_pretrained` to prove the names.
+
+Golden (float64, eager attention, no cache): the model's log-softmax over
+the prompt; the MTP layer's at depth 1 for positions 0..n-2 (the token
+after each and its final hidden state, `hidden_states[-1]`, as transformers'
+`MTPCandidateGenerator` feeds it); depth 2 at position n-1 fed with the
+layer's own output at n-2 (transformers drafts with each layer once; a
+further guess with the same layer is what Kiln's proposer runs). The script
+prints the smallest routing margins (group scores and kept keys): a test
+tolerance means nothing if f32 rounding could flip a choice.
+
+Run once with transformers >= 5.25 and CPU torch; the outputs are committed
+and tests never run this:
+
+    PYTHONPATH=<site-packages with torch, transformers> \\
+        python3 scripts/goldens/glm4_moe_random.py crates/kiln-models/tests/data/moe
+"""
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers.modeling_layers import MtpModel
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import write_tokenizer  # noqa: E402
+
+CONFIG = {
+    "vocab_size": 96,
+    "hidden_size": 48,
+    "intermediate_size": 40,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "attention_bias": True,
+    "use_qk_norm": True,
+    "moe_intermediate_size": 24,
+    "num_experts_per_tok": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 16,
+    "routed_scaling_factor": 2.5,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "num_mtp_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+}
+PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
+DEPTH2_TOKEN = 42
+
+
+def randomise(module, gen, skip=()):
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.startswith(skip):
+                continue
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("gate.weight") and p.shape[0] > 1:
+                # Routers: logits of a few units, so sigmoids are not flat.
+                p.copy_(0.35 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+
+
+def margins(module, run):
+    """The smallest gaps, over sparse layers and tokens, between the kept
+    and the first dropped group score, and between the k-th and (k+1)-th
+    key among the kept groups' experts."""
+    cfg = CONFIG
+    k, groups, keep = cfg["num_experts_per_tok"], cfg["n_group"], cfg["topk_group"]
+    gaps = {"groups": [], "experts": []}
+
+    def hook(mod, inp, out):
+        keys = out[0].double().sigmoid() + mod.e_score_correction_bias.double()
+        g = keys.view(keys.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+        top = g.topk(keep + 1, dim=-1)
+        gaps["groups"].append((top.values[:, keep - 1] - top.values[:, keep]).min().item())
+        mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, top.indices[:, :keep], True)
+        kept = keys.masked_fill(~mask.repeat_interleave(keys.shape[1] // groups, 1), float("-inf"))
+        t = kept.topk(k + 1, dim=-1).values
+        gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
+
+    hooks = [m.register_forward_hook(hook) for n, m in module.named_modules() if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        run()
+    for h in hooks:
+        h.remove()
+    return {key: min(v) for key, v in gaps.items()}
+
+
+def main(root):
+    torch.set_num_threads(2)
+    out = os.path.join(root, "glm4_moe")
+    cfg = Glm4MoeConfig(**CONFIG, attn_implementation="eager", experts_implementation="eager")
+    gen = torch.Generator().manual_seed(20261208)
+    model = Glm4MoeForCausalLM(cfg).to(torch.float32).eval()
+    randomise(model, gen)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    write_tokenizer(out, cfg.vocab_size)
+
+    # The MTP layer, built and randomised by transformers, saved beside the
+    # model under the checkpoint names GLM-4.5 uses (experts one by one).
+    mtp = MtpModel(model, 1).to(torch.float32).eval()
+    randomise(mtp, gen, skip=("embed_tokens", "shared_head"))
+    n_layers, inter = CONFIG["num_hidden_layers"], CONFIG["moe_intermediate_size"]
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    for name, t in mtp.state_dict().items():
+        if name.startswith(("embed_tokens", "shared_head")):
+            continue
+        rest = name.removeprefix("layers.0.")
+        rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+        p = f"model.layers.{n_layers}.{rest}"
+        if rest.endswith("experts.gate_up_proj"):
+            for e in range(t.shape[0]):
+                base = p.removesuffix("gate_up_proj")
+                tensors[f"{base}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                tensors[f"{base}{e}.up_proj.weight"] = t[e, inter:].contiguous()
+        elif rest.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                tensors[f"{p.removesuffix('down_proj')}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            tensors[p] = t.contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    # transformers reads the layer back from those names: the same values.
+    # (It finds MTP layers by the released checkpoints' indices, 46 and 92;
+    # this one's is 3.)
+    Glm4MoeForCausalLM._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n_layers}\..*"]
+    loaded = MtpModel.from_pretrained(Glm4MoeForCausalLM.from_pretrained(out).eval())
+    want = mtp.state_dict()
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, want[name]), name
+
+    model, mtp = model.to(torch.float64), mtp.to(torch.float64)
+    mtp.tie_with_main_model(model)
+    ids = torch.tensor([PROMPT])
+    n = len(PROMPT)
+    with torch.no_grad():
+        res = model(ids, use_cache=False, output_hidden_states=True)
+        logits, hidden = res.logits[0], res.hidden_states[-1]
+        assert torch.allclose(model.lm_head(hidden)[0], logits, atol=1e-12)
+
+        def head(tokens, h, positions):
+            o = mtp.forward_layer(0, h, positions[None], None, input_ids=tokens)
+            return mtp._project_to_logits(o), o
+
+        # Depth 1: position p's hidden state with the token after it (at
+        # transformers' position p + 1).
+        l1, o1 = head(ids[:, 1:], hidden[:, :-1], torch.arange(1, n))
+        tokens2 = torch.cat([ids[:, 1:], torch.tensor([[DEPTH2_TOKEN]])], dim=1)
+        hidden2 = torch.cat([hidden[:, :-1], o1[:, -1:]], dim=1)
+        l2, _ = head(tokens2, hidden2, torch.arange(1, n + 1))
+        assert torch.allclose(l2[0, :-1], l1[0], atol=1e-9)
+    margin = margins(model, lambda: model(ids, use_cache=False))
+    margin_mtp = margins(mtp, lambda: head(tokens2, hidden2, torch.arange(1, n + 1)))
+    ls = lambda t: [[round(v, 7) for v in row] for row in torch.log_softmax(t, -1).tolist()]
+    with open(os.path.join(out, "golden.json"), "w") as f:
+        json.dump({
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "prompt": PROMPT,
+            "min_routing_margin": margin,
+            "min_routing_margin_mtp": margin_mtp,
+            "logprobs": ls(logits),
+            "mtp_logprobs": ls(l1[0]),
+            "depth2_token": DEPTH2_TOKEN,
+            "depth2_logprobs": ls(l2[0, -1:])[0],
+        }, f)
+    print("saved to", out, "routing margins", margin, "mtp", margin_mtp)
+    print("argmax", logits.argmax(-1).tolist(), "mtp argmax", l1[0].argmax(-1).tolist())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
