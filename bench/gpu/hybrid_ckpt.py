@@ -13,6 +13,10 @@ Shapes:
   MoE kernels;
 - `qwen3_5_moe-35b-a3b-8l`: Qwen3.5-35B-A3B's layer (2048 wide, 256 experts of 512, top 8, a
   shared expert of 512, 3 DeltaNet : 1 attention) on 8 of its 40 layers — for its decode roofline;
+- `glm4_moe-small`: GLM-4.5's layer kinds (128-wide heads with q/k/v biases, QK-norm and RoPE over
+  half of each head; 32 experts of 256 in 4 groups, the best 2 kept, top 8 by sigmoid scores plus a
+  selection bias, scaled 2.5; an ungated shared expert; layer 0 dense) on a 1024-wide, 8-layer
+  body — for parity of the DeepSeek-style routing on the device;
 - `qwen3_5-9b`: Qwen3.5-9B's shape (4096 wide, 32 layers, 3 DeltaNet : 1 attention,
   248,320-word vocabulary) — for the decode roofline (weights made on the GPU).
 
@@ -72,6 +76,12 @@ SHAPES = {
         linear_num_key_heads=16, linear_num_value_heads=32, layer_types=qwen_layers(8),
         num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
         shared_expert_intermediate_size=512)),
+    "glm4_moe-small": ("glm", dict(
+        vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128, attention_bias=True,
+        use_qk_norm=True, n_routed_experts=32, num_experts_per_tok=8, moe_intermediate_size=256,
+        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        first_k_dense_replace=1, norm_topk_prob=True)),
     "lfm2-small": ("lfm2", dict(
         vocab_size=8192, hidden_size=1024, intermediate_size=4608, block_multiple_of=256,
         block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, num_hidden_layers=8,
@@ -83,7 +93,7 @@ SHAPES = {
 def randomise(named, kind):
     with torch.no_grad():
         for name, p in named:
-            if name.endswith("linear_attn.norm.weight") or (kind == "lfm2" and name.endswith("norm.weight")):
+            if name.endswith("linear_attn.norm.weight") or (kind in ("lfm2", "glm") and name.endswith("norm.weight")):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("norm.weight"):
                 p.copy_(0.2 * torch.randn_like(p))  # zero-centred: scales by 1 + w
@@ -141,6 +151,11 @@ def main(shape, out, mtp=False):
                         else (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM))
         cfg = cfg_cls(**kw, **common, rms_norm_eps=1e-6, rope_parameters={
             "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
+    elif kind == "glm":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+        cfg = Glm4MoeConfig(**kw, **common, rms_norm_eps=1e-5, rope_parameters={
+            "rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5})
+        cls = Glm4MoeForCausalLM
     else:
         cfg = Lfm2Config(**kw, **common, norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
@@ -150,6 +165,10 @@ def main(shape, out, mtp=False):
     with torch.device(DEV):
         model = cls(cfg)
     randomise(model.named_parameters(), kind)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.02 * torch.randn_like(b))
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     write_tokenizer(out, cfg.vocab_size)

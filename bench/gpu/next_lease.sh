@@ -13,7 +13,10 @@
 #   6. (`chunk`) the delta rule's chunk-parallel form in the tiny Qwen3.5 against the CPU; at real
 #      head sizes, 1,200 tokens prefilled in one step and in steps of 7, 64 and 1,000; against
 #      transformers (parity.py). hprof times it on the 9B shape's 4,096-token prefill.
-#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid chunk hprof mtp)
+#   7. (`glm`) GLM-4.5 (glm4_moe: DeepSeek-style grouped sigmoid routing) on CUDA: the tiny random
+#      checkpoint's rows against the CPU's, its MTP layer's speculation against plain decoding, and
+#      a 1024-wide checkpoint with real head sizes against transformers (parity.py).
+#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid chunk hprof mtp glm)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
 K=${KILN:-.device/kiln}; export KILN=$K
@@ -23,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if has check; then
   timeout 150 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; echo "cuda-check rc=$?"
   grep -E "^FAIL" "$OUT/check.log" | cut -c1-140 | head -20
-  grep -E "lora_|recurrent|gated_delta" "$OUT/check.log" | cut -c1-140 | head -60
+  grep -E "lora_|recurrent|gated_delta|deepseek" "$OUT/check.log" | cut -c1-140 | head -60
   echo "ok lines: $(grep -c '^ok' "$OUT/check.log")"
 fi
 if has lora; then
@@ -120,6 +123,33 @@ import json, sys; d = json.load(sys.stdin)
 for m, v in d['methods'].items():
     for c, l in v.items():
         print('mtp tiny cuda', m, 'x' + c, 'equal to plain', l.get('outputs_equal_plain'), 'drafts', l.get('draft_tokens'))"
+fi
+
+if has glm; then
+  M=crates/kiln-models/tests/data/moe/glm4_moe
+  IDS=1,17,93,5,64,11,33,8,77,90,45,3,88,19,56,60,27,71,9,42,7,7,13,21,34,55,89,2,4,8,16,32
+  for d in cpu cuda; do
+    timeout 60 "$K" dev logits -m $M --device $d --ids $IDS --prefill 20 -o "$OUT/glm-$d.npy" > /dev/null 2> "$OUT/glm.err" || tail -3 "$OUT/glm.err"
+  done
+  python3 - "$OUT" <<'PY'
+import sys
+import numpy as np
+o = sys.argv[1]
+cpu, cu = (np.load(f"{o}/glm-{n}.npy").astype(np.float64) for n in ("cpu", "cuda"))
+cos = (cpu * cu).sum(1) / np.linalg.norm(cpu, axis=1) / np.linalg.norm(cu, axis=1)
+print("glm tiny cuda vs cpu: min cosine", round(cos.min(), 5), "argmax agreement",
+      round(float((cpu.argmax(1) == cu.argmax(1)).mean()), 4))
+PY
+  timeout 90 "$K" bench-spec --device cuda -m $M --workload repeat --methods off,mtp --gen-tokens 32 \
+    --prompt-tokens 64 --concurrency 1,4 2>/dev/null | python3 -c "
+import json, sys; d = json.load(sys.stdin)
+for m, v in d['methods'].items():
+    for c, l in v.items():
+        print('glm mtp tiny cuda', m, 'x' + c, 'equal to plain', l.get('outputs_equal_plain'), 'drafts', l.get('draft_tokens'))"
+  W=${WORK:-$PWD/target/kiln-w}; G=$W/glm4_moe-small
+  [ -d "$G" ] || python3 bench/gpu/hybrid_ckpt.py glm4_moe-small "$G" > /dev/null 2> "$OUT/ckpt-glm.err" || tail -3 "$OUT/ckpt-glm.err"
+  timeout 200 python3 bench/gpu/parity.py --kiln "$K" --ckpt "$G" --out "$OUT/parity-glm.json" \
+    --tokens 300 --prefill 200 --cpu 2> "$OUT/parity-glm.err" | sed "s/^/glm parity /"; tail -2 "$OUT/parity-glm.err"
 fi
 
 [ -n "${KEEP_CKPT:-}" ] || rm -rf "${WORK:-$PWD/target/kiln-w}/qwen3_5-9b"
