@@ -15,6 +15,7 @@ use crate::CausalLm;
 pub static FAMILIES: &[&Family] = &[
     &families::llama::FAMILY,
     &families::moe::FAMILY,
+    &families::deepseek::FAMILY,
     &families::gpt_oss::FAMILY,
     &families::gemma3::FAMILY,
     &families::gemma4::FAMILY,
@@ -107,6 +108,7 @@ pub fn decode_share(config: &ModelConfig, name: &str) -> f64 {
     }
     match &config.family {
         families::FamilyConfig::Moe(m) => m.decode_share(name),
+        families::FamilyConfig::Deepseek(d) => d.decode_share(name),
         families::FamilyConfig::GptOss(g) if name.contains(".experts.") => {
             g.top_k as f64 / g.num_experts as f64
         }

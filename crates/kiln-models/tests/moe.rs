@@ -7,7 +7,11 @@
 //! (`scripts/goldens/glm4_moe_random.py`): DeepSeek-style sigmoid routing
 //! within the best 2 of 4 expert groups with a selection bias, scaled, an
 //! ungated shared expert, layer 0 dense, q/k/v biases without an o bias,
-//! QK-norm, RoPE over half of each head (its MTP layer: `tests/mtp.rs`).
+//! QK-norm, RoPE over half of each head (its MTP layer: `tests/mtp.rs`);
+//! `deepseek_v3` and `deepseek_v2` (`scripts/goldens/deepseek_random.py`):
+//! multi-head latent attention (through `q_lora_rank` with YaRN's mscale,
+//! or `q_proj`), interleaved RoPE, V3's grouped sigmoid routing and V2's
+//! unnormalized softmax, shared experts.
 
 mod common;
 
@@ -20,7 +24,14 @@ use kiln_models::{load_model, CausalLm, ModelConfig};
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::ForwardBatch;
 
-const CASES: [&str; 4] = ["mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"];
+const CASES: [&str; 6] = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v2",
+];
 
 fn case_dir(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -83,6 +94,53 @@ fn configs_read_each_familys_routing_and_sparse_layers() {
     let a = &m.attention;
     assert!(a.qkv_bias && !a.o_bias && a.qk_norm);
     assert_eq!((a.rotary_dim, a.nextn_layers), (Some(8), 1));
+    // DeepSeek: latent attention keeps one KV head of rope + latent a
+    // layer (8 + 16), not every head's keys and values (4 × (16 + 12)).
+    for case in ["deepseek_v3", "deepseek_v2"] {
+        let c = config(case);
+        let FamilyConfig::Deepseek(d) = &c.family else {
+            panic!("{case}: {:?}", c.family)
+        };
+        assert_eq!(c.kv_row(), 24, "{case}");
+        assert_eq!(c.kv_bytes_per_token(4), 3 * 2 * 24 * 4, "{case}");
+        assert_eq!(d.sparse_layers, [false, true, true], "{case}");
+        assert_eq!(d.q_lora_rank.is_some(), case == "deepseek_v3");
+        assert!(d.rope_interleave);
+    }
+    let c = config("deepseek_v3");
+    let FamilyConfig::Deepseek(d) = &c.family else {
+        unreachable!()
+    };
+    assert_eq!(
+        (
+            d.scoring,
+            d.normalize,
+            d.routed_scale,
+            d.shared_intermediate
+        ),
+        (
+            kiln_tensor::Scoring::SigmoidGroups { groups: 4, keep: 2 },
+            true,
+            2.5,
+            Some(24)
+        )
+    );
+    // YaRN's mscale (0.1 ln 4 + 1) squared on 16^-0.5.
+    let ms = 0.1 * 4f32.ln() + 1.0;
+    assert!((d.scale - ms * ms / 4.0).abs() < 1e-6, "{}", d.scale);
+    let c = config("deepseek_v2");
+    let FamilyConfig::Deepseek(d) = &c.family else {
+        unreachable!()
+    };
+    assert_eq!(
+        (
+            d.scoring,
+            d.normalize,
+            d.routed_scale,
+            d.shared_intermediate
+        ),
+        (kiln_tensor::Scoring::Softmax, false, 1.5, Some(48))
+    );
     // Every expert of every sparse layer is a weight the model has.
     let shapes = kiln_models::tensor_shapes(&config("qwen3_moe")).unwrap();
     let experts = shapes.iter().filter(|s| s.0.contains(".experts.")).count();

@@ -23,6 +23,7 @@ pub mod error;
 pub mod extension;
 pub mod lora;
 pub mod matmul;
+pub mod mla;
 pub mod moe;
 pub mod profile;
 pub mod recurrent;
@@ -41,6 +42,7 @@ pub use extension::{require_extensions, ExtensionOp, GeluErf, LayerNorm, SoftCap
 pub use kiln_quant::{QuantFormat, QuantMatrix, SharedBytes};
 pub use lora::{LoraAdapter, LoraBatch, LoraDelta, LoraGroup, LoraProj};
 pub use matmul::{matmul_unfused, Epilogue, NormPrologue};
+pub use mla::{MlaKv, MlaOutput, MlaQuery};
 pub use moe::{Expert, ExpertActivation, ExpertLoad, MoeLayer, Routing, Scoring, SharedExpert};
 pub use recurrent::{GatedDeltaNet, RecurrentMixer, ShortConv, StateShape};
 pub use tensor::{DType, Tensor};

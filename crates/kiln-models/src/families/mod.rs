@@ -15,6 +15,7 @@ use crate::layers::LoadProgress;
 use crate::CausalLm;
 
 pub mod bert;
+pub mod deepseek;
 pub mod gemma3;
 pub mod gemma4;
 pub mod gpt_oss;
@@ -31,6 +32,7 @@ pub enum FamilyConfig {
     Gemma3(gemma3::Gemma3Config),
     Gemma4(gemma4::Gemma4Config),
     Moe(moe::MoeConfig),
+    Deepseek(deepseek::DeepseekConfig),
     GptOss(gpt_oss::GptOssConfig),
     Qwen35(qwen3_5::Qwen35Config),
     Lfm2(lfm2::Lfm2Config),

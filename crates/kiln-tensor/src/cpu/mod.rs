@@ -4,7 +4,7 @@
 mod attention;
 pub mod matmul;
 mod moe;
-mod ops;
+pub(crate) mod ops;
 pub mod quant;
 mod vmath;
 

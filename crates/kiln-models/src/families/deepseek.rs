@@ -1,0 +1,661 @@
+//! DeepSeek-V2 and DeepSeek-V3 (`deepseek_v2`, `deepseek_v3`; also the
+//! Kimi-K2 and Moonlight releases that use them): multi-head latent
+//! attention and sparse feed-forwards with shared experts. Reference:
+//! transformers `modeling_deepseek_v3.py`, `modeling_deepseek_v2.py`.
+//!
+//! Quirks, each as transformers computes it:
+//! - Attention (MLA): queries from `q_proj`, or with `q_lora_rank` from
+//!   `q_a_proj` → `q_a_layernorm` → `q_b_proj`, each head `[nope | rope]`
+//!   (`qk_nope_head_dim`, `qk_rope_head_dim`); `kv_a_proj_with_mqa` gives a
+//!   latent (`kv_lora_rank`, RMS-normed by `kv_a_layernorm`) and one rotary
+//!   key part shared by every head; `kv_b_proj` expands the latent into
+//!   each head's key (`nope`) and value (`v_head_dim`) rows. Kiln runs it
+//!   absorbed ([`kiln_tensor::mla`]): one KV head of `rope + latent` a
+//!   layer in the cache, not every head's keys and values.
+//! - RoPE pairs dims `(2i, 2i + 1)` (V2 always; V3 with `rope_interleave`,
+//!   its default): the rotary rows of the query and KV projections are
+//!   permuted at load into rotate-half order (a permutation both sides
+//!   share leaves every score as it was).
+//! - The softmax scale is `(nope + rope)^-0.5`, times `mscale²` under YaRN
+//!   with `mscale_all_dim` (`0.1 · mscale_all_dim · ln(factor) + 1`).
+//! - Feed-forwards: the first `first_k_dense_replace` dense
+//!   (`intermediate_size`), then every `moe_layer_freq`-th sparse (V2; V3
+//!   all): `n_routed_experts` experts of `moe_intermediate_size` and
+//!   `n_shared_experts` ungated shared ones (`shared_experts`). V3 routes
+//!   as `Scoring::SigmoidGroups` (sigmoids plus `e_score_correction_bias`
+//!   pick within the best `topk_group` of `n_group` groups, renormalized
+//!   with `norm_topk_prob`); V2 by a softmax over every expert, top k,
+//!   never renormalized (`topk_method` `greedy`; the grouped
+//!   `group_limited_greedy` of the 236B release is refused). Both scale the
+//!   weights by `routed_scaling_factor`.
+//! - MLA runs where the backend has the three extension ops (the CPU).
+
+use std::sync::Arc;
+
+use kiln_formats::WeightSource;
+use kiln_scheduler::LayerSlot;
+use kiln_tensor::{
+    require_extensions, AttentionParams, Backend, ExpertActivation, ForwardBatch, KvCache, MlaKv,
+    MlaOutput, MlaQuery, Routing, Scoring, Tensor, Weight,
+};
+use serde_json::Value;
+
+use super::llama::Ffn;
+use super::{Family, FamilyConfig, StepOutput};
+use crate::config::{
+    err, opt_f32, opt_usize, parse_activation, parse_rope_scaling, FamilyLayers, LayerKind,
+    LayerKv, ModelConfig, RopeScaling,
+};
+use crate::error::Result;
+use crate::layers::{
+    ExpertNames, Fuse, GatedMlp, Linear, LoadProgress, MoeShape, RmsNorm, Rope, SharedNames,
+    SparseMoe, WeightLoader,
+};
+use crate::CausalLm;
+
+/// The registry's entry for the family.
+pub static FAMILY: Family = Family {
+    name: "deepseek",
+    model_types: &["deepseek_v2", "deepseek_v3"],
+    tied_by_default: false,
+    parse,
+    tensor_shapes: |cfg| Ok(tensor_shapes(cfg, deepseek_config(cfg)?)),
+    check_weights: |_, _| Ok(()),
+    stored_blocks: super::no_stored_blocks,
+    tensor_parallel: None,
+    load: |backend, source, cfg, progress| {
+        Ok(Box::new(Deepseek::load(backend, source, cfg, progress)?))
+    },
+};
+
+/// The keys of `config.json` only DeepSeek reads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeepseekConfig {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub value: usize,
+    pub rope_theta: f32,
+    pub rope_scaling: RopeScaling,
+    /// The rotary dims come in pairs `(2i, 2i + 1)`.
+    pub rope_interleave: bool,
+    /// Biases on `q_a_proj`, `kv_a_proj_with_mqa` and `o_proj`.
+    pub attention_bias: bool,
+    /// The softmax scale of `q · k`.
+    pub scale: f32,
+    pub activation: kiln_tensor::Activation,
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate: usize,
+    /// The shared experts' width (`n_shared_experts · moe_intermediate_size`).
+    pub shared_intermediate: Option<usize>,
+    pub scoring: Scoring,
+    pub normalize: bool,
+    pub routed_scale: f32,
+    /// Which layers have a sparse feed-forward.
+    pub sparse_layers: Vec<bool>,
+}
+
+impl DeepseekConfig {
+    fn moe_shape(&self, hidden: usize) -> MoeShape {
+        MoeShape {
+            hidden,
+            num_experts: self.num_experts,
+            intermediate: self.expert_intermediate,
+            shared_intermediate: self.shared_intermediate,
+            shared_names: SharedNames::DeepSeek,
+            selection_bias: match self.scoring {
+                Scoring::SigmoidGroups { .. } => Some("gate.e_score_correction_bias"),
+                _ => None,
+            },
+            routing: Routing {
+                top_k: self.top_k,
+                scoring: self.scoring,
+                normalize: self.normalize,
+                scale: self.routed_scale,
+            },
+            activation: ExpertActivation::Gated(self.activation),
+            names: ExpertNames::Proj,
+            held: None,
+        }
+    }
+
+    /// The one KV head a layer keeps: the rotary part and the latent.
+    fn kv_width(&self) -> usize {
+        self.rope + self.kv_lora_rank
+    }
+
+    /// The share of weight `name` a decode token reads (`top_k /
+    /// num_experts` of each routed expert's).
+    pub fn decode_share(&self, name: &str) -> f64 {
+        match name.contains(".experts.") {
+            true => self.top_k as f64 / self.num_experts.max(1) as f64,
+            false => 1.0,
+        }
+    }
+}
+
+fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
+    let v3 = c.get("model_type").and_then(Value::as_str) == Some("deepseek_v3");
+    let need = |k: &str| -> Result<usize> {
+        opt_usize(c, k)?
+            .filter(|&v| v > 0)
+            .ok_or_else(|| err(k, "a DeepSeek config needs it, positive"))
+    };
+    let (nope, rope, value) = (
+        need("qk_nope_head_dim")?,
+        need("qk_rope_head_dim")?,
+        need("v_head_dim")?,
+    );
+    if rope % 2 != 0 {
+        return Err(err("qk_rope_head_dim", format!("{rope} must be even")));
+    }
+    let kv_lora_rank = need("kv_lora_rank")?;
+    let rope_params = c.get("rope_parameters").filter(|v| v.is_object());
+    let rope_theta = match opt_f32(c, "rope_theta")? {
+        Some(t) => t,
+        None => rope_params
+            .map(|p| opt_f32(p, "rope_theta"))
+            .transpose()?
+            .flatten()
+            .unwrap_or(10000.0),
+    };
+    let scaling = c
+        .get("rope_scaling")
+        .filter(|v| v.is_object())
+        .or(rope_params);
+    let rope_scaling = parse_rope_scaling(scaling)?;
+    let mut scale = ((nope + rope) as f32).powf(-0.5);
+    if let RopeScaling::Yarn {
+        factor,
+        mscale_all_dim: Some(m),
+        ..
+    } = rope_scaling
+    {
+        if m != 0.0 && factor > 1.0 {
+            let ms = 0.1 * m * factor.ln() + 1.0;
+            scale *= ms * ms;
+        }
+    }
+    let num_experts = opt_usize(c, "n_routed_experts")?.unwrap_or(0);
+    let first_dense = opt_usize(c, "first_k_dense_replace")?.unwrap_or(if v3 { 3 } else { 0 });
+    let freq = opt_usize(c, "moe_layer_freq")?.unwrap_or(1).max(1);
+    let sparse_layers: Vec<bool> = (0..num_layers)
+        .map(|l| num_experts > 0 && l >= first_dense && l % freq == 0)
+        .collect();
+    let top_k = opt_usize(c, "num_experts_per_tok")?.unwrap_or(if v3 { 8 } else { 6 });
+    let groups = opt_usize(c, "n_group")?.unwrap_or(1).max(1);
+    let keep = opt_usize(c, "topk_group")?.unwrap_or(1).max(1);
+    let scoring = match v3 {
+        true => {
+            if groups > 64 || keep > groups || num_experts % groups != 0 {
+                return Err(err(
+                    "n_group",
+                    format!("{groups} groups keeping {keep} of {num_experts} experts"),
+                ));
+            }
+            Scoring::SigmoidGroups {
+                groups: groups as u16,
+                keep: keep as u16,
+            }
+        }
+        false => {
+            let method = c
+                .get("topk_method")
+                .and_then(Value::as_str)
+                .unwrap_or("greedy");
+            if method != "greedy" && groups > 1 {
+                return Err(err(
+                    "topk_method",
+                    format!("{method} over {groups} groups is not supported (greedy is)"),
+                ));
+            }
+            Scoring::Softmax
+        }
+    };
+    if sparse_layers.iter().any(|&s| s) && (top_k == 0 || top_k > num_experts) {
+        return Err(err(
+            "num_experts_per_tok",
+            format!("{top_k} experts a token of {num_experts} experts"),
+        ));
+    }
+    let expert_intermediate = opt_usize(c, "moe_intermediate_size")?.unwrap_or(2048);
+    let shared = opt_usize(c, "n_shared_experts")?.unwrap_or(0);
+    let cfg = DeepseekConfig {
+        q_lora_rank: opt_usize(c, "q_lora_rank")?.filter(|&r| r > 0),
+        kv_lora_rank,
+        nope,
+        rope,
+        value,
+        rope_theta,
+        rope_scaling,
+        rope_interleave: !v3 || c.get("rope_interleave").and_then(Value::as_bool) != Some(false),
+        attention_bias: c
+            .get("attention_bias")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        scale,
+        activation: parse_activation(c, "silu")?,
+        num_experts,
+        top_k,
+        expert_intermediate,
+        shared_intermediate: (shared > 0).then_some(shared * expert_intermediate),
+        scoring,
+        // transformers' V2 router never renormalizes.
+        normalize: v3
+            && c.get("norm_topk_prob")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+        routed_scale: opt_f32(c, "routed_scaling_factor")?.unwrap_or(1.0),
+        sparse_layers,
+    };
+    let kv = LayerKv {
+        num_kv_heads: 1,
+        head_dim: cfg.kv_width(),
+        shared_from: None,
+    };
+    Ok(FamilyLayers {
+        layer_kinds: vec![LayerKind::FullAttention; num_layers],
+        layer_kv: Some(vec![kv; num_layers]),
+        family: FamilyConfig::Deepseek(cfg),
+    })
+}
+
+fn deepseek_config(cfg: &ModelConfig) -> Result<&DeepseekConfig> {
+    match &cfg.family {
+        FamilyConfig::Deepseek(d) => Ok(d),
+        _ => Err(super::wrong_family(cfg, "deepseek")),
+    }
+}
+
+fn tensor_shapes(cfg: &ModelConfig, d: &DeepseekConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, nh, i) = (cfg.hidden_size, cfg.num_heads, cfg.intermediate_size);
+    let qk = d.nope + d.rope;
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, h],
+    )];
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
+        add("input_layernorm.weight", vec![h]);
+        add("post_attention_layernorm.weight", vec![h]);
+        match d.q_lora_rank {
+            Some(r) => {
+                add("self_attn.q_a_proj.weight", vec![r, h]);
+                if d.attention_bias {
+                    add("self_attn.q_a_proj.bias", vec![r]);
+                }
+                add("self_attn.q_a_layernorm.weight", vec![r]);
+                add("self_attn.q_b_proj.weight", vec![nh * qk, r]);
+            }
+            None => add("self_attn.q_proj.weight", vec![nh * qk, h]),
+        }
+        add(
+            "self_attn.kv_a_proj_with_mqa.weight",
+            vec![d.kv_lora_rank + d.rope, h],
+        );
+        if d.attention_bias {
+            add(
+                "self_attn.kv_a_proj_with_mqa.bias",
+                vec![d.kv_lora_rank + d.rope],
+            );
+        }
+        add("self_attn.kv_a_layernorm.weight", vec![d.kv_lora_rank]);
+        add(
+            "self_attn.kv_b_proj.weight",
+            vec![nh * (d.nope + d.value), d.kv_lora_rank],
+        );
+        add("self_attn.o_proj.weight", vec![h, nh * d.value]);
+        if d.attention_bias {
+            add("self_attn.o_proj.bias", vec![h]);
+        }
+        if d.sparse_layers[l] {
+            let prefix = format!("{p}.mlp");
+            out.extend(
+                d.moe_shape(h)
+                    .tensor_shapes(&prefix, &format!("{prefix}.gate.weight")),
+            );
+        } else {
+            add("mlp.gate_proj.weight", vec![i, h]);
+            add("mlp.up_proj.weight", vec![i, h]);
+            add("mlp.down_proj.weight", vec![h, i]);
+        }
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+/// Rows `[0, rope)` of each `width`-row group that starts at `offset`,
+/// reordered from interleaved pairs to rotate-half order (evens, then
+/// odds): the row permutation of a projection whose output holds them.
+fn rope_order(rows: usize, width: usize, offset: usize, rope: usize) -> Vec<usize> {
+    let mut perm: Vec<usize> = (0..rows).collect();
+    for g in (0..rows / width).map(|g| g * width + offset) {
+        for j in 0..rope / 2 {
+            perm[g + j] = g + 2 * j;
+            perm[g + rope / 2 + j] = g + 2 * j + 1;
+        }
+    }
+    perm
+}
+
+/// `name` (`[rows, cols]`, with its `.bias` where `bias`) with its rows
+/// reordered by `perm` (`perm[i]`: the stored row that becomes row `i`).
+fn permuted_linear(
+    l: &WeightLoader,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    bias: bool,
+    perm: &[usize],
+) -> Result<Linear> {
+    let w = l.host(&format!("{name}.weight"), &[rows, cols])?;
+    let w: Vec<f32> = perm
+        .iter()
+        .flat_map(|&r| w[r * cols..(r + 1) * cols].iter().copied())
+        .collect();
+    let weight = Weight::Dense(l.backend.upload(&[rows, cols], &w)?);
+    l.note(&weight);
+    let bias = match bias {
+        true => {
+            let b = l.host(&format!("{name}.bias"), &[rows])?;
+            let b: Vec<f32> = perm.iter().map(|&r| b[r]).collect();
+            Some(l.backend.upload(&[rows], &b)?)
+        }
+        false => None,
+    };
+    Ok(Linear {
+        weight,
+        bias,
+        parts: vec![(name.to_string(), 0..rows)],
+    })
+}
+
+enum Query {
+    Direct(Linear),
+    Lora { a: Linear, norm: RmsNorm, b: Linear },
+}
+
+/// One layer's multi-head latent attention, absorbed.
+struct Mla {
+    q: Query,
+    kv_a: Linear,
+    query: MlaQuery,
+    kv: MlaKv,
+    output: MlaOutput,
+    o: Linear,
+    params: AttentionParams,
+}
+
+impl Mla {
+    fn load(
+        l: &WeightLoader,
+        p: &str,
+        cfg: &ModelConfig,
+        d: &DeepseekConfig,
+        slot: LayerSlot,
+    ) -> Result<Self> {
+        let (h, nh, eps) = (cfg.hidden_size, cfg.num_heads, cfg.rms_norm_eps);
+        let (dn, dr, c, dv) = (d.nope, d.rope, d.kv_lora_rank, d.value);
+        let order = |rows: usize, width: usize, offset: usize| -> Vec<usize> {
+            match d.rope_interleave {
+                true => rope_order(rows, width, offset, dr),
+                false => (0..rows).collect(),
+            }
+        };
+        let q_perm = order(nh * (dn + dr), dn + dr, dn);
+        let q = match d.q_lora_rank {
+            Some(r) => Query::Lora {
+                a: Linear::load(l, &format!("{p}.q_a_proj"), h, r, d.attention_bias)?,
+                norm: RmsNorm::load(l, &format!("{p}.q_a_layernorm.weight"), r, eps)?,
+                b: permuted_linear(
+                    l,
+                    &format!("{p}.q_b_proj"),
+                    nh * (dn + dr),
+                    r,
+                    false,
+                    &q_perm,
+                )?,
+            },
+            None => Query::Direct(permuted_linear(
+                l,
+                &format!("{p}.q_proj"),
+                nh * (dn + dr),
+                h,
+                false,
+                &q_perm,
+            )?),
+        };
+        let kv_a = permuted_linear(
+            l,
+            &format!("{p}.kv_a_proj_with_mqa"),
+            c + dr,
+            h,
+            d.attention_bias,
+            &order(c + dr, c + dr, c),
+        )?;
+        // kv_b_proj: each head's `nope` key rows, then its `value` rows.
+        let kv_b = l.host(&format!("{p}.kv_b_proj.weight"), &[nh * (dn + dv), c])?;
+        let rows = |head: usize, from: usize, n: usize| {
+            let r0 = head * (dn + dv) + from;
+            kv_b[r0 * c..(r0 + n) * c].to_vec()
+        };
+        let query = MlaQuery {
+            heads: nh,
+            nope: dn,
+            rope: dr,
+            latent: c,
+            w_uk: (0..nh).flat_map(|hd| rows(hd, 0, dn)).collect(),
+        };
+        let kv = MlaKv {
+            rope: dr,
+            latent: c,
+            weight: l.host(&format!("{p}.kv_a_layernorm.weight"), &[c])?,
+            eps,
+        };
+        let output = MlaOutput {
+            heads: nh,
+            rope: dr,
+            latent: c,
+            value: dv,
+            w_uv: (0..nh).flat_map(|hd| rows(hd, dn, dv)).collect(),
+        };
+        require_extensions(l.backend.as_ref(), &[&query, &kv, &output])?;
+        Ok(Mla {
+            q,
+            kv_a,
+            query,
+            kv,
+            output,
+            o: Linear::load(l, &format!("{p}.o_proj"), nh * dv, h, d.attention_bias)?,
+            params: AttentionParams {
+                num_heads: nh,
+                num_kv_heads: 1,
+                head_dim: d.kv_width(),
+                scale: d.scale,
+                sliding_window: None,
+                softcap: None,
+                kv_group: slot.group,
+                causal: true,
+            },
+        })
+    }
+
+    /// `x +` attention of the normed `xn` (`[n, hidden]`).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        xn: &Tensor,
+        rope: &Rope,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        slot: usize,
+    ) -> Result<Tensor> {
+        let q = match &self.q {
+            Query::Direct(q) => q.forward(b, xn, Fuse::NONE)?,
+            Query::Lora { a, norm, b: qb } => {
+                let t = a.forward(b, xn, Fuse::NONE)?;
+                qb.forward(b, &t, Fuse::norm(norm))?
+            }
+        };
+        let q = b.extension(&self.query, &q)?;
+        let k = b.extension(&self.kv, &self.kv_a.forward(b, xn, Fuse::NONE)?)?;
+        let (nh, width) = (self.params.num_heads, self.params.head_dim);
+        let q = rope.apply(b, &q, &batch.positions, nh, width)?;
+        let k = rope.apply(b, &k, &batch.positions, 1, width)?;
+        // The values are the keys' rows: the latent part is what
+        // `MlaOutput` reads.
+        let out = b.attention(&q, &k, &k, cache, slot, batch, &self.params)?;
+        let v = b.extension(&self.output, &out)?;
+        self.o.forward(b, &v, Fuse::NONE.with_residual(x))
+    }
+}
+
+struct Block {
+    input_norm: RmsNorm,
+    attn: Mla,
+    post_norm: RmsNorm,
+    mlp: Ffn,
+}
+
+pub struct Deepseek {
+    weight_bytes: crate::WeightBytes,
+    cfg: ModelConfig,
+    backend: Arc<dyn Backend>,
+    embed: Weight,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rope: Rope,
+    kv_slots: Vec<LayerSlot>,
+}
+
+impl Deepseek {
+    pub fn load(
+        backend: Arc<dyn Backend>,
+        source: &dyn WeightSource,
+        cfg: ModelConfig,
+        progress: Option<LoadProgress<'_>>,
+    ) -> Result<Self> {
+        let d = deepseek_config(&cfg)?.clone();
+        let l = WeightLoader::with_progress(&backend, source, progress);
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let embed = l.embedding("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let kv_slots = cfg.kv_slots();
+        let shape = d.moe_shape(h);
+        let blocks = (0..cfg.num_layers)
+            .map(|i| {
+                let p = format!("model.layers.{i}");
+                let mlp = match d.sparse_layers[i] {
+                    true => Ffn::Sparse(SparseMoe::load(
+                        &l,
+                        &format!("{p}.mlp"),
+                        &format!("{p}.mlp.gate.weight"),
+                        &shape,
+                    )?),
+                    false => Ffn::Dense(GatedMlp::load(
+                        &l,
+                        &format!("{p}.mlp"),
+                        h,
+                        cfg.intermediate_size,
+                        d.activation,
+                    )?),
+                };
+                Ok(Block {
+                    input_norm: RmsNorm::load(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
+                    attn: Mla::load(&l, &format!("{p}.self_attn"), &cfg, &d, kv_slots[i])?,
+                    post_norm: RmsNorm::load(
+                        &l,
+                        &format!("{p}.post_attention_layernorm.weight"),
+                        h,
+                        eps,
+                    )?,
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&l, "model.norm.weight", h, eps)?;
+        let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
+        let rope = Rope::new(d.rope, d.rope_theta, &d.rope_scaling);
+        Ok(Deepseek {
+            weight_bytes: l.weight_bytes(),
+            cfg,
+            backend,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope,
+            kv_slots,
+        })
+    }
+
+    fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let mut x = b.embedding(&self.embed, &batch.token_ids)?;
+        for (blk, slot) in self.blocks.iter().zip(&self.kv_slots) {
+            let xn = blk.input_norm.forward(b, &x)?;
+            x = blk
+                .attn
+                .forward(b, &x, &xn, &self.rope, batch, cache, slot.slot)?;
+            x = blk
+                .mlp
+                .forward_pre_norm(b, &x, &blk.post_norm, &batch.lora, true)?;
+        }
+        let x = b.gather_rows(&x, &batch.logits_rows)?;
+        match out {
+            StepOutput::Logits => self.lm_head.forward(b, &x, Fuse::norm(&self.norm)),
+            StepOutput::Hidden => self.norm.forward(b, &x),
+        }
+    }
+}
+
+impl CausalLm for Deepseek {
+    fn weight_bytes(&self) -> Option<&crate::WeightBytes> {
+        Some(&self.weight_bytes)
+    }
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    fn forward(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        super::run_step(self.backend.as_ref(), batch, cache, |b, c| {
+            self.step(b, c, StepOutput::Logits)
+        })
+    }
+
+    fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        self.step(batch, cache, StepOutput::Hidden)
+    }
+
+    fn expert_load(&self) -> Vec<Vec<u64>> {
+        self.blocks
+            .iter()
+            .filter_map(|b| b.mlp.expert_load())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rope_order;
+
+    #[test]
+    fn interleaved_rotary_rows_become_evens_then_odds_in_each_head() {
+        // Two heads of 2 + 4: the rotary rows 2..6 and 8..12.
+        let p = rope_order(12, 6, 2, 4);
+        assert_eq!(p, [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]);
+    }
+}

@@ -1,0 +1,257 @@
+//! Multi-head latent attention (DeepSeek-V2/V3) in its absorbed form, as
+//! three extension ops around the ordinary attention op.
+//!
+//! A layer compresses each token to a latent `c` (`latent` wide, RMS-normed)
+//! and a key part `k_rope` (`rope` wide, rotated, shared by every head);
+//! head `h`'s key is `[W_UK[h] · c ‖ k_rope]` and its value `W_UV[h] · c`.
+//! Since `q_nope · (W_UK[h] · c) = (W_UK[h]ᵀ · q_nope) · c`, attention runs
+//! over one KV head of width `rope + latent` holding `[k_rope ‖ c]` (its
+//! values the same row): each head's query becomes `[q_rope ‖ W_UK[h]ᵀ ·
+//! q_nope]` ([`MlaQuery`]), the keys `[k_rope ‖ norm(c)]` ([`MlaKv`]), and
+//! each head's output — the attention-weighted `[k_rope ‖ c]` — gives its
+//! value as `W_UV[h]` times its latent part ([`MlaOutput`]). RoPE then
+//! rotates the first `rope` dims of every head, as partial rotary.
+//!
+//! The projections are per head (block-diagonal), held on the host in f32
+//! for the CPU reference; a backend runs them where it implements the ops.
+
+use std::any::Any;
+
+use crate::error::{Result, TensorError};
+use crate::extension::ExtensionOp;
+
+fn shape_err(op: &'static str, detail: String) -> TensorError {
+    TensorError::Shape { op, detail }
+}
+
+/// `[n, heads · (nope + rope)]` queries (each head's no-position part, then
+/// its rotary part) to `[n, heads · (rope + latent)]`: each head's rotary
+/// part, then `W_UK[h]ᵀ · q_nope`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaQuery {
+    pub heads: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub latent: usize,
+    /// `[heads, nope, latent]`: `W_UK[h]` (`kv_b_proj`'s key rows of head `h`).
+    pub w_uk: Vec<f32>,
+}
+
+impl MlaQuery {
+    pub const NAME: &'static str = "mla_query";
+}
+
+impl ExtensionOp for MlaQuery {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu(&self, x: &[f32], shape: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
+        let (h, dn, dr, c) = (self.heads, self.nope, self.rope, self.latent);
+        let width = h * (dn + dr);
+        if shape.len() != 2 || shape[1] != width || self.w_uk.len() != h * dn * c {
+            return Err(shape_err(
+                Self::NAME,
+                format!("{shape:?} for {h} heads of {dn} + {dr}"),
+            ));
+        }
+        let n = shape[0];
+        let out_w = h * (dr + c);
+        let mut out = vec![0f32; n * out_w];
+        for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(out_w)) {
+            for head in 0..h {
+                let q = &xr[head * (dn + dr)..(head + 1) * (dn + dr)];
+                let o = &mut or[head * (dr + c)..(head + 1) * (dr + c)];
+                o[..dr].copy_from_slice(&q[dn..]);
+                let w = &self.w_uk[head * dn * c..(head + 1) * dn * c];
+                let lat = &mut o[dr..];
+                for (d, &qd) in q[..dn].iter().enumerate() {
+                    for (l, &wv) in lat.iter_mut().zip(&w[d * c..(d + 1) * c]) {
+                        *l += qd * wv;
+                    }
+                }
+            }
+        }
+        Ok((vec![n, out_w], out))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// `[n, latent + rope]` (`kv_a_proj_with_mqa`'s output) to the one KV head
+/// `[n, rope + latent]`: the rotary part first, then the latent RMS-normed
+/// with `weight` (`kv_a_layernorm`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaKv {
+    pub rope: usize,
+    pub latent: usize,
+    pub weight: Vec<f32>,
+    pub eps: f32,
+}
+
+impl MlaKv {
+    pub const NAME: &'static str = "mla_kv";
+}
+
+impl ExtensionOp for MlaKv {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu(&self, x: &[f32], shape: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
+        let (dr, c) = (self.rope, self.latent);
+        if shape.len() != 2 || shape[1] != dr + c || self.weight.len() != c {
+            return Err(shape_err(
+                Self::NAME,
+                format!("{shape:?} for a latent of {c} and {dr} rotary dims"),
+            ));
+        }
+        let latent: Vec<f32> = x
+            .chunks_exact(dr + c)
+            .flat_map(|r| r[..c].iter().copied())
+            .collect();
+        let normed = crate::cpu::ops::rms_norm(&latent, &self.weight, self.eps, 0.0);
+        let mut out = Vec::with_capacity(x.len());
+        for (r, l) in x.chunks_exact(dr + c).zip(normed.chunks_exact(c)) {
+            out.extend_from_slice(&r[c..]);
+            out.extend_from_slice(l);
+        }
+        Ok((shape.to_vec(), out))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// `[n, heads · (rope + latent)]` attention outputs to `[n, heads · value]`:
+/// each head's value `W_UV[h] · o[h][rope..]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MlaOutput {
+    pub heads: usize,
+    pub rope: usize,
+    pub latent: usize,
+    pub value: usize,
+    /// `[heads, value, latent]`: `W_UV[h]` (`kv_b_proj`'s value rows).
+    pub w_uv: Vec<f32>,
+}
+
+impl MlaOutput {
+    pub const NAME: &'static str = "mla_output";
+}
+
+impl ExtensionOp for MlaOutput {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn cpu(&self, x: &[f32], shape: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
+        let (h, dr, c, dv) = (self.heads, self.rope, self.latent, self.value);
+        let width = h * (dr + c);
+        if shape.len() != 2 || shape[1] != width || self.w_uv.len() != h * dv * c {
+            return Err(shape_err(
+                Self::NAME,
+                format!("{shape:?} for {h} heads of {dr} + {c}"),
+            ));
+        }
+        let n = shape[0];
+        let mut out = vec![0f32; n * h * dv];
+        for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(h * dv)) {
+            for head in 0..h {
+                let lat = &xr[head * (dr + c) + dr..(head + 1) * (dr + c)];
+                let w = &self.w_uv[head * dv * c..(head + 1) * dv * c];
+                for (j, o) in or[head * dv..(head + 1) * dv].iter_mut().enumerate() {
+                    *o = w[j * c..(j + 1) * c]
+                        .iter()
+                        .zip(lat)
+                        .map(|(a, b)| a * b)
+                        .sum();
+                }
+            }
+        }
+        Ok((vec![n, h * dv], out))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The absorbed form scores and mixes as the expanded one: per head,
+    /// `[q_rope ‖ W_UKᵀ q_nope] · [k_rope ‖ c] = q_nope · (W_UK c) + q_rope ·
+    /// k_rope`, and `W_UV` of the weighted latent is the weighted values.
+    #[test]
+    fn absorbed_scores_and_values_equal_the_expanded_ones() {
+        let (h, dn, dr, c, dv) = (2, 3, 2, 4, 3);
+        let val = |i: usize| ((i * 37 % 11) as f32 - 5.0) / 7.0;
+        let w_uk: Vec<f32> = (0..h * dn * c).map(val).collect();
+        let w_uv: Vec<f32> = (0..h * dv * c).map(|i| val(i + 5)).collect();
+        let q: Vec<f32> = (0..h * (dn + dr)).map(|i| val(i + 9)).collect();
+        let kv: Vec<f32> = (0..c + dr).map(|i| val(i + 3)).collect();
+        let weight: Vec<f32> = (0..c).map(|i| 1.0 + val(i) / 3.0).collect();
+        let eps = 1e-6;
+        let mq = MlaQuery {
+            heads: h,
+            nope: dn,
+            rope: dr,
+            latent: c,
+            w_uk: w_uk.clone(),
+        };
+        let (_, qa) = mq.cpu(&q, &[1, h * (dn + dr)]).unwrap();
+        let mk = MlaKv {
+            rope: dr,
+            latent: c,
+            weight: weight.clone(),
+            eps,
+        };
+        let (_, k) = mk.cpu(&kv, &[1, c + dr]).unwrap();
+        // The latent, normed by hand.
+        let ms = kv[..c].iter().map(|v| v * v).sum::<f32>() / c as f32;
+        let cn: Vec<f32> = (0..c)
+            .map(|i| kv[i] / (ms + eps).sqrt() * weight[i])
+            .collect();
+        assert_eq!(&k[..dr], &kv[c..]);
+        for (a, b) in k[dr..].iter().zip(&cn) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        for head in 0..h {
+            let qh = &q[head * (dn + dr)..(head + 1) * (dn + dr)];
+            let w = &w_uk[head * dn * c..(head + 1) * dn * c];
+            let k_nope: Vec<f32> = (0..dn)
+                .map(|d| (0..c).map(|i| w[d * c + i] * cn[i]).sum())
+                .collect();
+            let expanded: f32 = (0..dn).map(|d| qh[d] * k_nope[d]).sum::<f32>()
+                + (0..dr).map(|d| qh[dn + d] * kv[c + d]).sum::<f32>();
+            let qa_h = &qa[head * (dr + c)..(head + 1) * (dr + c)];
+            let absorbed: f32 = qa_h.iter().zip(&k).map(|(a, b)| a * b).sum();
+            assert!((expanded - absorbed).abs() < 1e-5, "{expanded} {absorbed}");
+        }
+        // One key attended with weight 1: every head's output is the row.
+        let o: Vec<f32> = (0..h).flat_map(|_| k.iter().copied()).collect();
+        let mo = MlaOutput {
+            heads: h,
+            rope: dr,
+            latent: c,
+            value: dv,
+            w_uv: w_uv.clone(),
+        };
+        let (shape, v) = mo.cpu(&o, &[1, h * (dr + c)]).unwrap();
+        assert_eq!(shape, [1, h * dv]);
+        for head in 0..h {
+            for j in 0..dv {
+                let want: f32 = (0..c)
+                    .map(|i| w_uv[head * dv * c + j * c + i] * cn[i])
+                    .sum();
+                assert!((v[head * dv + j] - want).abs() < 1e-5);
+            }
+        }
+        // A wrong width is an error, not a panic.
+        assert!(mq.cpu(&q, &[1, 3]).is_err());
+    }
+}

@@ -1,0 +1,158 @@
+"""Random DeepSeek-V2 and DeepSeek-V3 checkpoints and what transformers
+computes on them.
+
+Makes `crates/kiln-models/tests/data/moe/deepseek_v2` and `.../deepseek_v3`
+(read by `tests/moe.rs` with the other sparse families): three layers, the
+first dense, multi-head latent attention with interleaved RoPE, shared
+experts.
+- `deepseek_v3`: queries through `q_lora_rank`, YaRN with `mscale_all_dim`
+  (so the softmax scale carries mscale²), 16 experts in 4 groups (the best
+  2 kept), top 4 by sigmoid plus a random `e_score_correction_bias`,
+  renormalized, scaled 2.5, one shared expert;
+- `deepseek_v2`: `q_proj` directly, plain RoPE, 8 experts, top 3 of a
+  softmax over all, not renormalized, scaled 1.5, two shared experts.
+
+Saved with `save_pretrained` as f32 safetensors (per-expert tensors, as
+released), with the log-softmax of transformers' logits (eager attention,
+float64, no cache) over a prompt. The script prints the smallest routing
+margins: a test tolerance means nothing if f32 rounding could flip a choice.
+
+Run once with transformers >= 5.25 and CPU torch; the outputs are committed
+and tests never run this:
+
+    PYTHONPATH=<site-packages with torch, transformers> \\
+        python3 scripts/goldens/deepseek_random.py crates/kiln-models/tests/data/moe
+"""
+
+import json
+import os
+import sys
+
+import torch
+import transformers
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import write_tokenizer  # noqa: E402
+
+COMMON = {
+    "vocab_size": 96,
+    "hidden_size": 48,
+    "intermediate_size": 40,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "moe_intermediate_size": 24,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+CASES = {
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, {
+        "q_lora_rank": 24, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 4,
+        "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}),
+    "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, {
+        "q_lora_rank": None, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 1,
+        "topk_group": 1, "topk_method": "greedy", "n_shared_experts": 2,
+        "routed_scaling_factor": 1.5, "moe_layer_freq": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
+
+
+def randomise(model, gen):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name == "lm_head.weight":
+                # A peaked output distribution (a flat one tests little).
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("gate.weight") and p.shape[0] > 1:
+                # Routers: logits of a few units.
+                p.copy_(0.35 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=gen))
+
+
+def margins(model, cfg, ids, v3):
+    """The smallest gaps over sparse layers and tokens: V3, between the kept
+    and the first dropped group score and between the k-th and (k+1)-th key
+    of the kept groups; V2, between the k-th and (k+1)-th softmax score."""
+    k = cfg.num_experts_per_tok
+    gaps = {"groups": [], "experts": []} if v3 else {"experts": []}
+
+    def hook(mod, inp, out):
+        logits = out[0].double()
+        if not v3:
+            t = logits.softmax(-1).topk(k + 1, dim=-1).values
+            gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
+            return
+        groups, keep = cfg.n_group, cfg.topk_group
+        keys = logits.sigmoid() + mod.e_score_correction_bias.double()
+        g = keys.view(keys.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+        top = g.topk(keep + 1, dim=-1)
+        gaps["groups"].append((top.values[:, keep - 1] - top.values[:, keep]).min().item())
+        mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, top.indices[:, :keep], True)
+        kept = keys.masked_fill(~mask.repeat_interleave(keys.shape[1] // groups, 1), float("-inf"))
+        t = kept.topk(k + 1, dim=-1).values
+        gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
+
+    hooks = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return {key: min(v) for key, v in gaps.items()}
+
+
+def main(root):
+    torch.set_num_threads(2)
+    for case, (cfg_cls, model_cls, over) in CASES.items():
+        cfg = cfg_cls(**{**COMMON, **over}, attn_implementation="eager", experts_implementation="eager")
+        ids = torch.tensor([PROMPT])
+        # The first seed whose routing is clear everywhere (every margin at
+        # least 2e-3): random routers often put two keys within f32 reach.
+        for seed in range(20261208, 20261208 + 200):
+            gen = torch.Generator().manual_seed(seed)
+            model = model_cls(cfg).to(torch.float32).eval()
+            randomise(model, gen)
+            margin = margins(model.to(torch.float64), cfg, ids, case == "deepseek_v3")
+            if min(margin.values()) > 2e-3:
+                break
+        model = model.to(torch.float32)
+        out = os.path.join(root, case)
+        model.save_pretrained(out, safe_serialization=True)
+        write_tokenizer(out, cfg.vocab_size)
+        model = model.to(torch.float64)
+        with torch.no_grad():
+            logits = model(ids, use_cache=False).logits[0]
+        ls = [[round(v, 7) for v in row] for row in torch.log_softmax(logits, -1).tolist()]
+        with open(os.path.join(out, "golden.json"), "w") as f:
+            json.dump({
+                "transformers": transformers.__version__,
+                "torch": torch.__version__,
+                "prompt": PROMPT,
+                "seed": seed,
+                "min_routing_margin": margin,
+                "logprobs": ls,
+            }, f)
+        print(case, "saved to", out, "routing margins", margin, "argmax", logits.argmax(-1).tolist())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
