@@ -8,7 +8,9 @@ experts.
 - `deepseek_v3`: queries through `q_lora_rank`, YaRN with `mscale_all_dim`
   (so the softmax scale carries mscale²), 16 experts in 4 groups (the best
   2 kept), top 4 by sigmoid plus a random `e_score_correction_bias`,
-  renormalized, scaled 2.5, one shared expert;
+  renormalized, scaled 2.5, one shared expert; and its MTP layer
+  (`model.layers.3`, `nextn_golden.py`: transformers' own `MtpModel`) with
+  its outputs at depths 1 and 2;
 - `deepseek_v2`: `q_proj` directly, plain RoPE, 8 experts, top 3 of a
   softmax over all, not renormalized, scaled 1.5, two shared experts.
 
@@ -33,6 +35,7 @@ import transformers
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 sys.path.insert(0, os.path.dirname(__file__))
+import nextn_golden  # noqa: E402
 from common import write_tokenizer  # noqa: E402
 
 COMMON = {
@@ -71,9 +74,11 @@ CASES = {
 PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
 
 
-def randomise(model, gen):
+def randomise(model, gen, skip=()):
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if name.startswith(skip):
+                continue
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
             elif name == "lm_head.weight":
@@ -89,7 +94,7 @@ def randomise(model, gen):
                 b.copy_(0.05 * torch.randn(b.shape, generator=gen))
 
 
-def margins(model, cfg, ids, v3):
+def margins(model, cfg, run, v3):
     """The smallest gaps over sparse layers and tokens: V3, between the kept
     and the first dropped group score and between the k-th and (k+1)-th key
     of the kept groups; V2, between the k-th and (k+1)-th softmax score."""
@@ -114,7 +119,7 @@ def margins(model, cfg, ids, v3):
 
     hooks = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
     with torch.no_grad():
-        model(ids, use_cache=False)
+        run()
     for h in hooks:
         h.remove()
     return {key: min(v) for key, v in gaps.items()}
@@ -127,21 +132,34 @@ def main(root):
         ids = torch.tensor([PROMPT])
         # The first seed whose routing is clear everywhere (every margin at
         # least 2e-3): random routers often put two keys within f32 reach.
+        v3 = case == "deepseek_v3"
         for seed in range(20261208, 20261208 + 200):
             gen = torch.Generator().manual_seed(seed)
             model = model_cls(cfg).to(torch.float32).eval()
             randomise(model, gen)
-            margin = margins(model.to(torch.float64), cfg, ids, case == "deepseek_v3")
+            # V3 ships its MTP layer (transformers' own `MtpModel`).
+            mtp = nextn_golden.new_layer(model, lambda m, skip: randomise(m, gen, skip)) if v3 else None
+            model = model.to(torch.float64)
+            margin = margins(model, cfg, lambda: model(ids, use_cache=False), v3)
+            if v3:
+                fields, depth2 = nextn_golden.golden(model, mtp, PROMPT)
+                margin_mtp = margins(mtp, cfg, depth2, v3)
+                margin.update({f"mtp_{k}": v for k, v in margin_mtp.items()})
             if min(margin.values()) > 2e-3:
                 break
         model = model.to(torch.float32)
         out = os.path.join(root, case)
         model.save_pretrained(out, safe_serialization=True)
         write_tokenizer(out, cfg.vocab_size)
+        if v3:
+            nextn_golden.save_layer(mtp, model_cls, out, cfg.moe_intermediate_size)
         model = model.to(torch.float64)
         with torch.no_grad():
             logits = model(ids, use_cache=False).logits[0]
         ls = [[round(v, 7) for v in row] for row in torch.log_softmax(logits, -1).tolist()]
+        extra = fields if v3 else {}
+        if v3:
+            assert extra["logprobs"] == ls
         with open(os.path.join(out, "golden.json"), "w") as f:
             json.dump({
                 "transformers": transformers.__version__,
@@ -150,6 +168,7 @@ def main(root):
                 "seed": seed,
                 "min_routing_margin": margin,
                 "logprobs": ls,
+                **extra,
             }, f)
         print(case, "saved to", out, "routing margins", margin, "argmax", logits.argmax(-1).tolist())
 

@@ -9,16 +9,11 @@ picked with a random `e_score_correction_bias`, renormalized, scaled by
 `routed_scaling_factor`) and an ungated shared expert; q/k/v biases, QK-norm
 and RoPE over half of each head. `num_nextn_predict_layers: 1`: the MTP
 layer as GLM-4.5 checkpoints ship it, `model.layers.3.{enorm, hnorm,
-eh_proj, shared_head.norm}` and a sparse decoder block, randomised through
-transformers' own `MtpModel` (`modeling_layers.py`) and loaded back with
-`MtpModel.from_pretrained` to prove the names.
+eh_proj, shared_head.norm}` and a sparse decoder block (`nextn_golden.py`:
+made, named and run by transformers' own `MtpModel`).
 
 Golden (float64, eager attention, no cache): the model's log-softmax over
-the prompt; the MTP layer's at depth 1 for positions 0..n-2 (the token
-after each and its final hidden state, `hidden_states[-1]`, as transformers'
-`MTPCandidateGenerator` feeds it); depth 2 at position n-1 fed with the
-layer's own output at n-2 (transformers drafts with each layer once; a
-further guess with the same layer is what Kiln's proposer runs). The script
+the prompt and the MTP layer's at depths 1 and 2 (`nextn_golden.py`). The script
 prints the smallest routing margins (group scores and kept keys): a test
 tolerance means nothing if f32 rounding could flip a choice.
 
@@ -35,11 +30,10 @@ import sys
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-from transformers.modeling_layers import MtpModel
 
 sys.path.insert(0, os.path.dirname(__file__))
+import nextn_golden  # noqa: E402
 from common import write_tokenizer  # noqa: E402
 
 CONFIG = {
@@ -70,7 +64,6 @@ CONFIG = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
 }
 PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
-DEPTH2_TOKEN = 42
 
 
 def randomise(module, gen, skip=()):
@@ -128,61 +121,13 @@ def main(root):
     write_tokenizer(out, cfg.vocab_size)
 
     # The MTP layer, built and randomised by transformers, saved beside the
-    # model under the checkpoint names GLM-4.5 uses (experts one by one).
-    mtp = MtpModel(model, 1).to(torch.float32).eval()
-    randomise(mtp, gen, skip=("embed_tokens", "shared_head"))
-    n_layers, inter = CONFIG["num_hidden_layers"], CONFIG["moe_intermediate_size"]
-    path = os.path.join(out, "model.safetensors")
-    tensors = load_file(path)
-    for name, t in mtp.state_dict().items():
-        if name.startswith(("embed_tokens", "shared_head")):
-            continue
-        rest = name.removeprefix("layers.0.")
-        rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
-        p = f"model.layers.{n_layers}.{rest}"
-        if rest.endswith("experts.gate_up_proj"):
-            for e in range(t.shape[0]):
-                base = p.removesuffix("gate_up_proj")
-                tensors[f"{base}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
-                tensors[f"{base}{e}.up_proj.weight"] = t[e, inter:].contiguous()
-        elif rest.endswith("experts.down_proj"):
-            for e in range(t.shape[0]):
-                tensors[f"{p.removesuffix('down_proj')}{e}.down_proj.weight"] = t[e].contiguous()
-        else:
-            tensors[p] = t.contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
-    # transformers reads the layer back from those names: the same values.
-    # (It finds MTP layers by the released checkpoints' indices, 46 and 92;
-    # this one's is 3.)
-    Glm4MoeForCausalLM._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n_layers}\..*"]
-    loaded = MtpModel.from_pretrained(Glm4MoeForCausalLM.from_pretrained(out).eval())
-    want = mtp.state_dict()
-    for name, t in loaded.state_dict().items():
-        assert torch.equal(t, want[name]), name
-
-    model, mtp = model.to(torch.float64), mtp.to(torch.float64)
-    mtp.tie_with_main_model(model)
+    # model under the checkpoint names GLM-4.5 uses.
+    mtp = nextn_golden.add_layer(model, Glm4MoeForCausalLM, out, lambda m, skip: randomise(m, gen, skip),
+                                 CONFIG["moe_intermediate_size"])
+    fields, depth2 = nextn_golden.golden(model, mtp, PROMPT)
     ids = torch.tensor([PROMPT])
-    n = len(PROMPT)
-    with torch.no_grad():
-        res = model(ids, use_cache=False, output_hidden_states=True)
-        logits, hidden = res.logits[0], res.hidden_states[-1]
-        assert torch.allclose(model.lm_head(hidden)[0], logits, atol=1e-12)
-
-        def head(tokens, h, positions):
-            o = mtp.forward_layer(0, h, positions[None], None, input_ids=tokens)
-            return mtp._project_to_logits(o), o
-
-        # Depth 1: position p's hidden state with the token after it (at
-        # transformers' position p + 1).
-        l1, o1 = head(ids[:, 1:], hidden[:, :-1], torch.arange(1, n))
-        tokens2 = torch.cat([ids[:, 1:], torch.tensor([[DEPTH2_TOKEN]])], dim=1)
-        hidden2 = torch.cat([hidden[:, :-1], o1[:, -1:]], dim=1)
-        l2, _ = head(tokens2, hidden2, torch.arange(1, n + 1))
-        assert torch.allclose(l2[0, :-1], l1[0], atol=1e-9)
     margin = margins(model, lambda: model(ids, use_cache=False))
-    margin_mtp = margins(mtp, lambda: head(tokens2, hidden2, torch.arange(1, n + 1)))
-    ls = lambda t: [[round(v, 7) for v in row] for row in torch.log_softmax(t, -1).tolist()]
+    margin_mtp = margins(mtp, depth2)
     with open(os.path.join(out, "golden.json"), "w") as f:
         json.dump({
             "transformers": transformers.__version__,
@@ -190,13 +135,9 @@ def main(root):
             "prompt": PROMPT,
             "min_routing_margin": margin,
             "min_routing_margin_mtp": margin_mtp,
-            "logprobs": ls(logits),
-            "mtp_logprobs": ls(l1[0]),
-            "depth2_token": DEPTH2_TOKEN,
-            "depth2_logprobs": ls(l2[0, -1:])[0],
+            **fields,
         }, f)
     print("saved to", out, "routing margins", margin, "mtp", margin_mtp)
-    print("argmax", logits.argmax(-1).tolist(), "mtp argmax", l1[0].argmax(-1).tolist())
 
 
 if __name__ == "__main__":

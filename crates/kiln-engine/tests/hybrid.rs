@@ -303,11 +303,13 @@ fn mtp_speculation_gives_the_plain_tokens() {
     mtp_gives_the_plain_tokens(&checkpoint("qwen3_5_mtp"), 300, 256);
 }
 
-/// The same with GLM-4.5's DeepSeek-style MTP layer (a sparse model with
-/// plain attention: the shared prefix comes from the prefix cache).
+/// The same with GLM-4.5's and DeepSeek-V3's MTP layers (sparse models
+/// without recurrent state: the shared prefix comes from the prefix cache).
 #[test]
 fn deepseek_style_mtp_speculation_gives_the_plain_tokens() {
     mtp_gives_the_plain_tokens(&checkpoint("../moe/glm4_moe"), 150, 148);
+    // DeepSeek-V3's, with latent attention in the model and the head.
+    mtp_gives_the_plain_tokens(&checkpoint("../moe/deepseek_v3"), 150, 148);
 }
 
 fn mtp_gives_the_plain_tokens(dir: &std::path::Path, shared_len: u32, min_cached: usize) {

@@ -2,7 +2,8 @@
 //! Qwen3.5 checkpoint's (`tests/data/hybrid/qwen3_5_mtp`, made by
 //! `scripts/goldens/mtp_random.py`; the head composed from transformers' own
 //! Qwen3.5 modules) and a random GLM-4.5's DeepSeek-style MTP layer
-//! (`tests/data/moe/glm4_moe`, `scripts/goldens/glm4_moe_random.py`;
+//! (`tests/data/moe/glm4_moe`, `scripts/goldens/glm4_moe_random.py`) and
+//! DeepSeek-V3's (`tests/data/moe/deepseek_v3`, `deepseek_random.py`; both
 //! transformers' own `MtpModel`): at every prompt position from the model's
 //! final hidden states, in one pass and in two (the second reading the
 //! first's keys and values), then a second depth fed with the head's own
@@ -28,7 +29,7 @@ fn data(case: &str) -> PathBuf {
 }
 
 /// Every checkpoint with a head.
-const HEADS: [&str; 2] = ["hybrid/qwen3_5_mtp", "moe/glm4_moe"];
+const HEADS: [&str; 3] = ["hybrid/qwen3_5_mtp", "moe/glm4_moe", "moe/deepseek_v3"];
 
 struct Golden {
     prompt: Vec<u32>,
@@ -86,32 +87,42 @@ fn the_checkpoint_declares_and_ships_one_head() {
     for n in head {
         assert_eq!(kiln_models::decode_share(m.config(), n), 0.0, "{n}");
     }
-    // GLM-4.5's MTP layer is `model.layers.{num_layers}.*`: listed, every
-    // tensor the file has, none read by plain decoding.
-    let glm = common::load_safetensors_dir(&data("moe/glm4_moe"));
-    assert_eq!(glm.mtp_heads(), 1);
-    let shapes = kiln_models::tensor_shapes(glm.config()).unwrap();
-    let d = kiln_formats::SafetensorsDir::open(data("moe/glm4_moe")).unwrap();
-    let stored: std::collections::BTreeSet<String> = kiln_formats::WeightSource::tensors(&d)
-        .into_iter()
-        .map(|t| t.name)
-        .collect();
-    let listed: std::collections::BTreeSet<String> = shapes.iter().map(|s| s.0.clone()).collect();
-    assert_eq!(listed, stored);
-    let layer: Vec<&String> = listed
-        .iter()
-        .filter(|n| n.starts_with("model.layers.3."))
-        .collect();
-    // enorm, hnorm, eh_proj, shared_head.norm, 2 block norms, q/k/v/o with
-    // q/k/v biases and QK-norm, the router and its bias, 16 experts' 3 and
-    // the shared expert's 3.
-    assert_eq!(layer.len(), 4 + 2 + 9 + 2 + 48 + 3, "{layer:?}");
-    for n in layer {
-        assert_eq!(kiln_models::decode_share(glm.config(), n), 0.0, "{n}");
+    // GLM-4.5's and DeepSeek-V3's MTP layer is `model.layers.{num_layers}.*`:
+    // listed, every tensor the file has, none read by plain decoding. Its
+    // own tensors (enorm, hnorm, eh_proj, shared_head.norm), the block's two
+    // norms and attention (GLM: q/k/v/o, q/k/v biases, QK-norm; DeepSeek:
+    // q_a, its norm, q_b, kv_a, its norm, kv_b, o), the router and its
+    // bias, 16 experts' 3 and the shared expert's 3.
+    for (case, attention) in [("moe/glm4_moe", 9), ("moe/deepseek_v3", 7)] {
+        let m = common::load_safetensors_dir(&data(case));
+        assert_eq!(m.mtp_heads(), 1, "{case}");
+        let shapes = kiln_models::tensor_shapes(m.config()).unwrap();
+        let d = kiln_formats::SafetensorsDir::open(data(case)).unwrap();
+        let stored: std::collections::BTreeSet<String> = kiln_formats::WeightSource::tensors(&d)
+            .into_iter()
+            .map(|t| t.name)
+            .collect();
+        let listed: std::collections::BTreeSet<String> =
+            shapes.iter().map(|s| s.0.clone()).collect();
+        assert_eq!(listed, stored, "{case}");
+        let layer: Vec<&String> = listed
+            .iter()
+            .filter(|n| n.starts_with("model.layers.3."))
+            .collect();
+        assert_eq!(
+            layer.len(),
+            4 + 2 + attention + 2 + 48 + 3,
+            "{case}: {layer:?}"
+        );
+        for n in layer {
+            assert_eq!(kiln_models::decode_share(m.config(), n), 0.0, "{n}");
+        }
+        let q = match case {
+            "moe/glm4_moe" => "model.layers.2.self_attn.q_proj.weight",
+            _ => "model.layers.2.self_attn.q_b_proj.weight",
+        };
+        assert!(kiln_models::decode_share(m.config(), q) > 0.0);
     }
-    assert!(
-        kiln_models::decode_share(glm.config(), "model.layers.2.self_attn.q_proj.weight") > 0.0
-    );
     // The hybrid checkpoint without `mtp.*` has none, and says so.
     let plain = common::load_safetensors_dir(&dir().with_file_name("qwen3_5"));
     assert_eq!(plain.mtp_heads(), 0);

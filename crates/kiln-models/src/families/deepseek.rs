@@ -28,6 +28,10 @@
 //!   never renormalized (`topk_method` `greedy`; the grouped
 //!   `group_limited_greedy` of the 236B release is refused). Both scale the
 //!   weights by `routed_scaling_factor`.
+//! - V3 checkpoints ship a multi-token-prediction layer after the
+//!   decoder's (`model.layers.{num_layers}`, [`NextN`]; its block sparse);
+//!   it is loaded where `num_nextn_predict_layers` declares it and the file
+//!   has it.
 //! - MLA runs where the backend has the three extension ops (the CPU).
 
 use std::sync::Arc;
@@ -48,7 +52,7 @@ use crate::config::{
 };
 use crate::error::Result;
 use crate::layers::{
-    ExpertNames, Fuse, GatedMlp, Linear, LoadProgress, MoeShape, RmsNorm, Rope, SharedNames,
+    ExpertNames, Fuse, GatedMlp, Linear, LoadProgress, MoeShape, NextN, RmsNorm, Rope, SharedNames,
     SparseMoe, WeightLoader,
 };
 use crate::CausalLm;
@@ -95,6 +99,8 @@ pub struct DeepseekConfig {
     pub routed_scale: f32,
     /// Which layers have a sparse feed-forward.
     pub sparse_layers: Vec<bool>,
+    /// Multi-token-prediction layers declared after the decoder's.
+    pub nextn_layers: usize,
 }
 
 impl DeepseekConfig {
@@ -249,6 +255,9 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
                 .unwrap_or(true),
         routed_scale: opt_f32(c, "routed_scaling_factor")?.unwrap_or(1.0),
         sparse_layers,
+        nextn_layers: opt_usize(c, "num_nextn_predict_layers")?
+            .or(opt_usize(c, "num_mtp_layers")?)
+            .unwrap_or(0),
     };
     let kv = LayerKv {
         num_kv_heads: 1,
@@ -276,9 +285,16 @@ fn tensor_shapes(cfg: &ModelConfig, d: &DeepseekConfig) -> Vec<(String, Vec<usiz
         "model.embed_tokens.weight".to_string(),
         vec![cfg.vocab_size, h],
     )];
-    for l in 0..cfg.num_layers {
+    // The decoder's layers, then the first MTP layer where declared.
+    for l in 0..cfg.num_layers + usize::from(d.nextn_layers > 0) {
         let p = format!("model.layers.{l}");
         let mut add = |n: &str, s: Vec<usize>| out.push((format!("{p}.{n}"), s));
+        if l == cfg.num_layers {
+            add("enorm.weight", vec![h]);
+            add("hnorm.weight", vec![h]);
+            add("eh_proj.weight", vec![h, 2 * h]);
+            add("shared_head.norm.weight", vec![h]);
+        }
         add("input_layernorm.weight", vec![h]);
         add("post_attention_layernorm.weight", vec![h]);
         match d.q_lora_rank {
@@ -311,7 +327,7 @@ fn tensor_shapes(cfg: &ModelConfig, d: &DeepseekConfig) -> Vec<(String, Vec<usiz
         if d.attention_bias {
             add("self_attn.o_proj.bias", vec![h]);
         }
-        if d.sparse_layers[l] {
+        if d.sparse_layers.get(l).copied().unwrap_or(true) {
             let prefix = format!("{p}.mlp");
             out.extend(
                 d.moe_shape(h)
@@ -535,6 +551,7 @@ pub struct Deepseek {
     lm_head: Linear,
     rope: Rope,
     kv_slots: Vec<LayerSlot>,
+    nextn: Option<NextN<Block>>,
 }
 
 impl Deepseek {
@@ -550,37 +567,46 @@ impl Deepseek {
         let embed = l.embedding("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
         let kv_slots = cfg.kv_slots();
         let shape = d.moe_shape(h);
-        let blocks = (0..cfg.num_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                let mlp = match d.sparse_layers[i] {
-                    true => Ffn::Sparse(SparseMoe::load(
-                        &l,
-                        &format!("{p}.mlp"),
-                        &format!("{p}.mlp.gate.weight"),
-                        &shape,
-                    )?),
-                    false => Ffn::Dense(GatedMlp::load(
-                        &l,
-                        &format!("{p}.mlp"),
-                        h,
-                        cfg.intermediate_size,
-                        d.activation,
-                    )?),
-                };
-                Ok(Block {
-                    input_norm: RmsNorm::load(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
-                    attn: Mla::load(&l, &format!("{p}.self_attn"), &cfg, &d, kv_slots[i])?,
-                    post_norm: RmsNorm::load(
-                        &l,
-                        &format!("{p}.post_attention_layernorm.weight"),
-                        h,
-                        eps,
-                    )?,
-                    mlp,
-                })
+        // Layers past the decoder's are MTP layers: sparse, their own cache.
+        let block = |i: usize| -> Result<Block> {
+            let p = format!("model.layers.{i}");
+            let slot = kv_slots
+                .get(i)
+                .copied()
+                .unwrap_or(LayerSlot { group: 0, slot: 0 });
+            let mlp = match d.sparse_layers.get(i).copied().unwrap_or(true) {
+                true => Ffn::Sparse(SparseMoe::load(
+                    &l,
+                    &format!("{p}.mlp"),
+                    &format!("{p}.mlp.gate.weight"),
+                    &shape,
+                )?),
+                false => Ffn::Dense(GatedMlp::load(
+                    &l,
+                    &format!("{p}.mlp"),
+                    h,
+                    cfg.intermediate_size,
+                    d.activation,
+                )?),
+            };
+            Ok(Block {
+                input_norm: RmsNorm::load(&l, &format!("{p}.input_layernorm.weight"), h, eps)?,
+                attn: Mla::load(&l, &format!("{p}.self_attn"), &cfg, &d, slot)?,
+                post_norm: RmsNorm::load(
+                    &l,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                    eps,
+                )?,
+                mlp,
             })
-            .collect::<Result<Vec<_>>>()?;
+        };
+        let blocks = (0..cfg.num_layers).map(block).collect::<Result<Vec<_>>>()?;
+        let n = cfg.num_layers;
+        let nextn = match d.nextn_layers > 0 {
+            true => NextN::load(&l, &format!("model.layers.{n}"), h, eps, |_| block(n))?,
+            false => None,
+        };
         let norm = RmsNorm::load(&l, "model.norm.weight", h, eps)?;
         let lm_head = Linear::output(&l, &embed, cfg.tie_word_embeddings)?;
         let rope = Rope::new(d.rope, d.rope_theta, &d.rope_scaling);
@@ -594,21 +620,44 @@ impl Deepseek {
             lm_head,
             rope,
             kv_slots,
+            nextn,
         })
+    }
+
+    /// Every row's last hidden state, before the final norm.
+    fn trunk(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let mut x = b.embedding(&self.embed, &batch.token_ids)?;
+        for (blk, slot) in self.blocks.iter().zip(&self.kv_slots) {
+            x = self.block(blk, &x, batch, cache, slot.slot)?;
+        }
+        Ok(x)
+    }
+
+    fn block(
+        &self,
+        blk: &Block,
+        x: &Tensor,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+        slot: usize,
+    ) -> Result<Tensor> {
+        let b = self.backend.as_ref();
+        let xn = blk.input_norm.forward(b, x)?;
+        let x = blk
+            .attn
+            .forward(b, x, &xn, &self.rope, batch, cache, slot)?;
+        blk.mlp
+            .forward_pre_norm(b, &x, &blk.post_norm, &batch.lora, true)
+    }
+
+    fn nextn(&self) -> Result<&NextN<Block>> {
+        self.nextn.as_ref().ok_or_else(|| self.no_mtp())
     }
 
     fn step(&self, batch: &ForwardBatch, cache: &mut KvCache, out: StepOutput) -> Result<Tensor> {
         let b = self.backend.as_ref();
-        let mut x = b.embedding(&self.embed, &batch.token_ids)?;
-        for (blk, slot) in self.blocks.iter().zip(&self.kv_slots) {
-            let xn = blk.input_norm.forward(b, &x)?;
-            x = blk
-                .attn
-                .forward(b, &x, &xn, &self.rope, batch, cache, slot.slot)?;
-            x = blk
-                .mlp
-                .forward_pre_norm(b, &x, &blk.post_norm, &batch.lora, true)?;
-        }
+        let x = self.trunk(batch, cache)?;
         let x = b.gather_rows(&x, &batch.logits_rows)?;
         match out {
             StepOutput::Logits => self.lm_head.forward(b, &x, Fuse::norm(&self.norm)),
@@ -638,6 +687,50 @@ impl CausalLm for Deepseek {
 
     fn hidden_states(&self, batch: &ForwardBatch, cache: &mut KvCache) -> Result<Tensor> {
         self.step(batch, cache, StepOutput::Hidden)
+    }
+
+    fn mtp_heads(&self) -> usize {
+        usize::from(self.nextn.is_some())
+    }
+
+    fn new_mtp_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
+        let m = self.nextn()?;
+        Ok(self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
+            num_layers: 1,
+            num_groups: 1,
+            num_blocks,
+            block_size,
+            kv_row: m.block.attn.params.head_dim,
+        })?)
+    }
+
+    /// The logits as [`CausalLm::forward`] computes them (the same fused
+    /// final norm and head, so the same bits), and every row's final
+    /// hidden state.
+    fn forward_with_hidden(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        self.nextn()?;
+        let b = self.backend.as_ref();
+        let x = self.trunk(batch, cache)?;
+        let last = b.gather_rows(&x, &batch.logits_rows)?;
+        let logits = self.lm_head.forward(b, &last, Fuse::norm(&self.norm))?;
+        Ok((logits, self.norm.forward(b, &x)?))
+    }
+
+    fn mtp_forward(
+        &self,
+        batch: &ForwardBatch,
+        hidden: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<(Tensor, Tensor)> {
+        let m = self.nextn()?;
+        let b = self.backend.as_ref();
+        let x = m.input(b, &self.embed, &batch.token_ids, hidden)?;
+        let x = self.block(&m.block, &x, batch, cache, 0)?;
+        m.output(b, &x, &batch.logits_rows, &self.lm_head)
     }
 
     fn expert_load(&self) -> Vec<Vec<u64>> {

@@ -21,8 +21,8 @@ use crate::config::{
 };
 use crate::error::Result;
 use crate::layers::{
-    Attention, AttentionConfig, Fuse, GatedMlp, Linear, LoadProgress, RmsNorm, Rope, SparseMoe,
-    WeightLoader,
+    Attention, AttentionConfig, Fuse, GatedMlp, Linear, LoadProgress, NextN, RmsNorm, Rope,
+    SparseMoe, WeightLoader,
 };
 use crate::tp::{TensorParallel, TpRole};
 use crate::CausalLm;
@@ -290,21 +290,7 @@ pub struct Llama {
     kv_slots: Vec<LayerSlot>,
     /// The first DeepSeek-style multi-token-prediction layer, where the
     /// checkpoint has it.
-    nextn: Option<NextN>,
-}
-
-/// A DeepSeek-V3-style multi-token-prediction layer (GLM-4.5's
-/// `model.layers.{num_layers}`): `eh_proj([enorm(embed(t)) ‖ hnorm(h)])`
-/// (two products over the projection's column halves), one decoder block
-/// (sparse, as transformers builds MTP blocks) writing its own one-layer
-/// cache, `shared_head.norm`, and the model's output head.
-struct NextN {
-    enorm: RmsNorm,
-    hnorm: RmsNorm,
-    eh_embed: Linear,
-    eh_hidden: Linear,
-    block: Block,
-    norm: RmsNorm,
+    nextn: Option<NextN<Block>>,
 }
 
 impl Llama {
@@ -365,24 +351,14 @@ impl Llama {
         let blocks = (0..cfg.num_layers).map(block).collect::<Result<Vec<_>>>()?;
         // The first MTP layer, where declared and present (Kiln runs one;
         // not on tensor-parallel ranks).
-        let n = cfg.num_layers;
-        let p = format!("model.layers.{n}");
-        let nextn = match f.nextn_layers > 0
-            && cfg.tensor_parallel.is_none()
-            && l.contains(&format!("{p}.eh_proj.weight"))
-        {
-            true => {
-                let [eh_embed, eh_hidden] =
-                    Linear::load_column_halves(&l, &format!("{p}.eh_proj.weight"), h, h)?;
-                Some(NextN {
-                    enorm: RmsNorm::load(&l, &format!("{p}.enorm.weight"), h, eps)?,
-                    hnorm: RmsNorm::load(&l, &format!("{p}.hnorm.weight"), h, eps)?,
-                    eh_embed,
-                    eh_hidden,
-                    block: block(n)?,
-                    norm: RmsNorm::load(&l, &format!("{p}.shared_head.norm.weight"), h, eps)?,
-                })
-            }
+        let nextn = match f.nextn_layers > 0 && cfg.tensor_parallel.is_none() {
+            true => NextN::load(
+                &l,
+                &format!("model.layers.{}", cfg.num_layers),
+                h,
+                eps,
+                |_| block(cfg.num_layers),
+            )?,
             false => None,
         };
         let norm = RmsNorm::load(&l, "model.norm.weight", h, eps)?;
@@ -620,16 +596,10 @@ impl CausalLm for Llama {
     ) -> Result<(Tensor, Tensor)> {
         let m = self.nextn()?;
         let b = self.backend.as_ref();
-        let e = b.embedding(&self.embed, &batch.token_ids)?;
-        let e = m.eh_embed.forward(b, &e, Fuse::norm(&m.enorm))?;
-        let x = m
-            .eh_hidden
-            .forward(b, hidden, Fuse::norm(&m.hnorm).with_residual(&e))?;
+        let x = m.input(b, &self.embed, &batch.token_ids, hidden)?;
         let slot = LayerSlot { group: 0, slot: 0 };
         let x = self.block(&m.block, x, batch, cache, slot, true)?;
-        let x = b.gather_rows(&x, &batch.logits_rows)?;
-        let out = m.norm.forward(b, &x)?;
-        Ok((self.lm_head.forward(b, &out, Fuse::NONE)?, out))
+        m.output(b, &x, &batch.logits_rows, &self.lm_head)
     }
 
     fn expert_load(&self) -> Vec<Vec<u64>> {
@@ -755,7 +725,7 @@ impl Llama {
         join(&x, y)
     }
 
-    fn nextn(&self) -> Result<&NextN> {
+    fn nextn(&self) -> Result<&NextN<Block>> {
         self.nextn.as_ref().ok_or_else(|| self.no_mtp())
     }
 }
