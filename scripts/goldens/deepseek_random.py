@@ -12,7 +12,9 @@ experts.
   (`model.layers.3`, `nextn_golden.py`: transformers' own `MtpModel`) with
   its outputs at depths 1 and 2;
 - `deepseek_v2`: `q_proj` directly, plain RoPE, 8 experts, top 3 of a
-  softmax over all, not renormalized, scaled 1.5, two shared experts.
+  softmax over all, not renormalized, scaled 1.5, two shared experts;
+- `glm4_moe_lite` (GLM-4.7-Flash): V3's attention with GLM-4.5's routing
+  (sigmoid, one group), sparse layers from `mlp_layer_types`.
 
 Saved with `save_pretrained` as f32 safetensors (per-expert tensors, as
 released), with the log-softmax of transformers' logits (eager attention,
@@ -32,7 +34,8 @@ import sys
 
 import torch
 import transformers
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM,
+                          Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nextn_golden  # noqa: E402
@@ -70,6 +73,11 @@ CASES = {
         "topk_group": 1, "topk_method": "greedy", "n_shared_experts": 2,
         "routed_scaling_factor": 1.5, "moe_layer_freq": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, {
+        "q_lora_rank": 24, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 1,
+        "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.8, "norm_topk_prob": True,
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
 }
 PROMPT = [1, 17, 93, 5, 64, 11, 33, 8, 77, 90, 45, 3, 88, 19, 56, 60, 27, 71, 9, 42]
 
@@ -99,7 +107,7 @@ def margins(model, cfg, run, v3):
     and the first dropped group score and between the k-th and (k+1)-th key
     of the kept groups; V2, between the k-th and (k+1)-th softmax score."""
     k = cfg.num_experts_per_tok
-    gaps = {"groups": [], "experts": []} if v3 else {"experts": []}
+    gaps = {"groups": [], "experts": []} if v3 and cfg.n_group > 1 else {"experts": []}
 
     def hook(mod, inp, out):
         logits = out[0].double()
@@ -109,6 +117,10 @@ def margins(model, cfg, run, v3):
             return
         groups, keep = cfg.n_group, cfg.topk_group
         keys = logits.sigmoid() + mod.e_score_correction_bias.double()
+        if groups == 1:
+            t = keys.topk(k + 1, dim=-1).values
+            gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
+            return
         g = keys.view(keys.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
         top = g.topk(keep + 1, dim=-1)
         gaps["groups"].append((top.values[:, keep - 1] - top.values[:, keep]).min().item())
@@ -132,16 +144,17 @@ def main(root):
         ids = torch.tensor([PROMPT])
         # The first seed whose routing is clear everywhere (every margin at
         # least 2e-3): random routers often put two keys within f32 reach.
-        v3 = case == "deepseek_v3"
+        v3 = case in ("deepseek_v3", "glm4_moe_lite")
+        head = case == "deepseek_v3"
         for seed in range(20261208, 20261208 + 200):
             gen = torch.Generator().manual_seed(seed)
             model = model_cls(cfg).to(torch.float32).eval()
             randomise(model, gen)
             # V3 ships its MTP layer (transformers' own `MtpModel`).
-            mtp = nextn_golden.new_layer(model, lambda m, skip: randomise(m, gen, skip)) if v3 else None
+            mtp = nextn_golden.new_layer(model, lambda m, skip: randomise(m, gen, skip)) if head else None
             model = model.to(torch.float64)
             margin = margins(model, cfg, lambda: model(ids, use_cache=False), v3)
-            if v3:
+            if head:
                 fields, depth2 = nextn_golden.golden(model, mtp, PROMPT)
                 margin_mtp = margins(mtp, cfg, depth2, v3)
                 margin.update({f"mtp_{k}": v for k, v in margin_mtp.items()})
@@ -151,14 +164,14 @@ def main(root):
         out = os.path.join(root, case)
         model.save_pretrained(out, safe_serialization=True)
         write_tokenizer(out, cfg.vocab_size)
-        if v3:
+        if head:
             nextn_golden.save_layer(mtp, model_cls, out, cfg.moe_intermediate_size)
         model = model.to(torch.float64)
         with torch.no_grad():
             logits = model(ids, use_cache=False).logits[0]
         ls = [[round(v, 7) for v in row] for row in torch.log_softmax(logits, -1).tolist()]
-        extra = fields if v3 else {}
-        if v3:
+        extra = fields if head else {}
+        if head:
             assert extra["logprobs"] == ls
         with open(os.path.join(out, "golden.json"), "w") as f:
             json.dump({

@@ -11,7 +11,8 @@
 //! `deepseek_v3` and `deepseek_v2` (`scripts/goldens/deepseek_random.py`):
 //! multi-head latent attention (through `q_lora_rank` with YaRN's mscale,
 //! or `q_proj`), interleaved RoPE, V3's grouped sigmoid routing and V2's
-//! unnormalized softmax, shared experts.
+//! unnormalized softmax, shared experts; `glm4_moe_lite` (GLM-4.7-Flash):
+//! V3's attention, one expert group, sparse layers from `mlp_layer_types`.
 
 mod common;
 
@@ -24,13 +25,14 @@ use kiln_models::{load_model, CausalLm, ModelConfig};
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::ForwardBatch;
 
-const CASES: [&str; 6] = [
+const CASES: [&str; 7] = [
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v2",
+    "glm4_moe_lite",
 ];
 
 fn case_dir(case: &str) -> PathBuf {

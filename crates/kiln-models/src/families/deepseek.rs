@@ -1,7 +1,10 @@
 //! DeepSeek-V2 and DeepSeek-V3 (`deepseek_v2`, `deepseek_v3`; also the
-//! Kimi-K2 and Moonlight releases that use them): multi-head latent
-//! attention and sparse feed-forwards with shared experts. Reference:
-//! transformers `modeling_deepseek_v3.py`, `modeling_deepseek_v2.py`.
+//! Kimi-K2 and Moonlight releases that use them) and GLM-4.7-Flash
+//! (`glm4_moe_lite`: DeepSeek-V3's attention and routing, its sparse layers
+//! listed in `mlp_layer_types`): multi-head latent attention and sparse
+//! feed-forwards with shared experts. Reference: transformers
+//! `modeling_deepseek_v3.py`, `modeling_deepseek_v2.py`,
+//! `modeling_glm4_moe_lite.py`.
 //!
 //! Quirks, each as transformers computes it:
 //! - Attention (MLA): queries from `q_proj`, or with `q_lora_rank` from
@@ -60,7 +63,7 @@ use crate::CausalLm;
 /// The registry's entry for the family.
 pub static FAMILY: Family = Family {
     name: "deepseek",
-    model_types: &["deepseek_v2", "deepseek_v3"],
+    model_types: &["deepseek_v2", "deepseek_v3", "glm4_moe_lite"],
     tied_by_default: false,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, deepseek_config(cfg)?)),
@@ -143,7 +146,8 @@ impl DeepseekConfig {
 }
 
 fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
-    let v3 = c.get("model_type").and_then(Value::as_str) == Some("deepseek_v3");
+    let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
+    let v3 = matches!(model_type, "deepseek_v3" | "glm4_moe_lite");
     let need = |k: &str| -> Result<usize> {
         opt_usize(c, k)?
             .filter(|&v| v > 0)
@@ -172,6 +176,19 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
         .filter(|v| v.is_object())
         .or(rope_params);
     let rope_scaling = parse_rope_scaling(scaling)?;
+    let partial = match opt_f32(c, "partial_rotary_factor")? {
+        Some(p) => Some(p),
+        None => rope_params
+            .map(|p| opt_f32(p, "partial_rotary_factor"))
+            .transpose()?
+            .flatten(),
+    };
+    if partial.is_some_and(|p| p != 1.0) {
+        return Err(err(
+            "partial_rotary_factor",
+            format!("{partial:?}: latent attention here rotates all qk_rope_head_dim dims"),
+        ));
+    }
     let mut scale = ((nope + rope) as f32).powf(-0.5);
     if let RopeScaling::Yarn {
         factor,
@@ -185,11 +202,29 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
         }
     }
     let num_experts = opt_usize(c, "n_routed_experts")?.unwrap_or(0);
-    let first_dense = opt_usize(c, "first_k_dense_replace")?.unwrap_or(if v3 { 3 } else { 0 });
+    let first_dense = opt_usize(c, "first_k_dense_replace")?.unwrap_or(match model_type {
+        "deepseek_v3" => 3,
+        "glm4_moe_lite" => 1,
+        _ => 0,
+    });
     let freq = opt_usize(c, "moe_layer_freq")?.unwrap_or(1).max(1);
-    let sparse_layers: Vec<bool> = (0..num_layers)
-        .map(|l| num_experts > 0 && l >= first_dense && l % freq == 0)
-        .collect();
+    let sparse_layers: Vec<bool> = match c.get("mlp_layer_types").and_then(Value::as_array) {
+        Some(types) => {
+            if types.len() != num_layers {
+                return Err(err(
+                    "mlp_layer_types",
+                    format!("{} entries for {num_layers} layers", types.len()),
+                ));
+            }
+            types
+                .iter()
+                .map(|t| num_experts > 0 && t.as_str() == Some("sparse"))
+                .collect()
+        }
+        None => (0..num_layers)
+            .map(|l| num_experts > 0 && l >= first_dense && l % freq == 0)
+            .collect(),
+    };
     let top_k = opt_usize(c, "num_experts_per_tok")?.unwrap_or(if v3 { 8 } else { 6 });
     let groups = opt_usize(c, "n_group")?.unwrap_or(1).max(1);
     let keep = opt_usize(c, "topk_group")?.unwrap_or(1).max(1);
