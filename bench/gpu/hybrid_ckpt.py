@@ -17,6 +17,9 @@ Shapes:
   half of each head; 32 experts of 256 in 4 groups, the best 2 kept, top 8 by sigmoid scores plus a
   selection bias, scaled 2.5; an ungated shared expert; layer 0 dense) on a 1024-wide, 8-layer
   body — for parity of the DeepSeek-style routing on the device;
+- `deepseek-small`: DeepSeek-V3's attention at its head sizes (latent 512, rope 64, nope 128,
+  value 128; queries through a 768 rank) with its routing (32 experts of 256 in 4 groups, top 6, a
+  shared expert; layer 0 dense) on a 1024-wide, 8-layer body — for parity of latent attention;
 - `qwen3_5-9b`: Qwen3.5-9B's shape (4096 wide, 32 layers, 3 DeltaNet : 1 attention,
   248,320-word vocabulary) — for the decode roofline (weights made on the GPU).
 
@@ -82,6 +85,12 @@ SHAPES = {
         use_qk_norm=True, n_routed_experts=32, num_experts_per_tok=8, moe_intermediate_size=256,
         n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         first_k_dense_replace=1, norm_topk_prob=True)),
+    "deepseek-small": ("deepseek", dict(
+        vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=32,
+        num_experts_per_tok=6, moe_intermediate_size=256, n_shared_experts=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True)),
     "lfm2-small": ("lfm2", dict(
         vocab_size=8192, hidden_size=1024, intermediate_size=4608, block_multiple_of=256,
         block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True, num_hidden_layers=8,
@@ -93,7 +102,7 @@ SHAPES = {
 def randomise(named, kind):
     with torch.no_grad():
         for name, p in named:
-            if name.endswith("linear_attn.norm.weight") or (kind in ("lfm2", "glm") and name.endswith("norm.weight")):
+            if name.endswith("linear_attn.norm.weight") or (kind in ("lfm2", "glm", "deepseek") and name.endswith("norm.weight")):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("norm.weight"):
                 p.copy_(0.2 * torch.randn_like(p))  # zero-centred: scales by 1 + w
@@ -151,6 +160,11 @@ def main(shape, out, mtp=False):
                         else (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM))
         cfg = cfg_cls(**kw, **common, rms_norm_eps=1e-6, rope_parameters={
             "rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
+    elif kind == "deepseek":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        cfg = DeepseekV3Config(**kw, **common, rms_norm_eps=1e-6, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0})
+        cls = DeepseekV3ForCausalLM
     elif kind == "glm":
         from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
         cfg = Glm4MoeConfig(**kw, **common, rms_norm_eps=1e-5, rope_parameters={

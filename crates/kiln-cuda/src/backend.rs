@@ -483,6 +483,9 @@ impl Ops for CudaBackend {
             kiln_tensor::SoftCap::NAME => "softcap_bf16",
             kiln_tensor::LayerNorm::NAME => "layer_norm_bf16",
             kiln_tensor::GeluErf::NAME => "gelu_erf_bf16",
+            kiln_tensor::MlaQuery::NAME => "mla_query_bf16",
+            kiln_tensor::MlaKv::NAME => "mla_kv_bf16",
+            kiln_tensor::MlaOutput::NAME => "mla_output_bf16",
             _ => return false,
         };
         self.dev.has(kernel)
@@ -496,6 +499,12 @@ impl Ops for CudaBackend {
             crate::ops::norm::layer_norm(self, x, ln)
         } else if any.is::<kiln_tensor::GeluErf>() {
             crate::ops::activation::gelu_erf(self, x)
+        } else if let Some(m) = any.downcast_ref::<kiln_tensor::MlaQuery>() {
+            crate::ops::mla::query(self, x, m)
+        } else if let Some(m) = any.downcast_ref::<kiln_tensor::MlaKv>() {
+            crate::ops::mla::kv(self, x, m)
+        } else if let Some(m) = any.downcast_ref::<kiln_tensor::MlaOutput>() {
+            crate::ops::mla::output(self, x, m)
         } else {
             Err(kiln_tensor::TensorError::Unsupported {
                 backend: NAME,

@@ -63,6 +63,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("sample", include_str!("ops/sample/sample.cu")),
     ("lora", include_str!("ops/lora/lora.cu")),
     ("moe", include_str!("ops/moe/moe.cu")),
+    ("mla", include_str!("ops/mla/mla.cu")),
     ("recurrent", include_str!("ops/recurrent/recurrent.cu")),
     (
         "recurrent_chunk",
@@ -73,6 +74,9 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// Every kernel the backend launches by name (the CI compile test checks
 /// each is an entry point of the compiled sources).
 pub const ENTRY_POINTS: &[&str] = &[
+    "mla_query_bf16",
+    "mla_kv_bf16",
+    "mla_output_bf16",
     "embedding_bf16",
     "add_rms_norm_bf16",
     "gated_act_bf16",

@@ -12,29 +12,47 @@
 //! value as `W_UV[h]` times its latent part ([`MlaOutput`]). RoPE then
 //! rotates the first `rope` dims of every head, as partial rotary.
 //!
-//! The projections are per head (block-diagonal), held on the host in f32
-//! for the CPU reference; a backend runs them where it implements the ops.
+//! The projections are per head (block-diagonal). Their weights are
+//! tensors of the backend that runs the ops, uploaded with the model; the
+//! CPU reference ([`ExtensionOp::cpu`]) reads them where they are host
+//! tensors.
 
 use std::any::Any;
 
 use crate::error::{Result, TensorError};
 use crate::extension::ExtensionOp;
+use crate::tensor::Tensor;
 
 fn shape_err(op: &'static str, detail: String) -> TensorError {
     TensorError::Shape { op, detail }
 }
 
+/// `t`'s values, where it is a host (CPU backend) tensor of `len` elements.
+fn host<'a>(t: &'a Tensor, len: usize, op: &'static str) -> Result<&'a [f32]> {
+    match t.storage().downcast_ref::<Vec<f32>>() {
+        Some(v) if v.len() == len => Ok(v),
+        Some(v) => Err(shape_err(
+            op,
+            format!("{} weights, {len} expected", v.len()),
+        )),
+        None => Err(TensorError::Unsupported {
+            backend: "cpu",
+            what: format!("{op} with weights on another backend"),
+        }),
+    }
+}
+
 /// `[n, heads · (nope + rope)]` queries (each head's no-position part, then
 /// its rotary part) to `[n, heads · (rope + latent)]`: each head's rotary
 /// part, then `W_UK[h]ᵀ · q_nope`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct MlaQuery {
     pub heads: usize,
     pub nope: usize,
     pub rope: usize,
     pub latent: usize,
     /// `[heads, nope, latent]`: `W_UK[h]` (`kv_b_proj`'s key rows of head `h`).
-    pub w_uk: Vec<f32>,
+    pub w_uk: Tensor,
 }
 
 impl MlaQuery {
@@ -49,7 +67,8 @@ impl ExtensionOp for MlaQuery {
     fn cpu(&self, x: &[f32], shape: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
         let (h, dn, dr, c) = (self.heads, self.nope, self.rope, self.latent);
         let width = h * (dn + dr);
-        if shape.len() != 2 || shape[1] != width || self.w_uk.len() != h * dn * c {
+        let w_uk = host(&self.w_uk, h * dn * c, Self::NAME)?;
+        if shape.len() != 2 || shape[1] != width {
             return Err(shape_err(
                 Self::NAME,
                 format!("{shape:?} for {h} heads of {dn} + {dr}"),
@@ -63,7 +82,7 @@ impl ExtensionOp for MlaQuery {
                 let q = &xr[head * (dn + dr)..(head + 1) * (dn + dr)];
                 let o = &mut or[head * (dr + c)..(head + 1) * (dr + c)];
                 o[..dr].copy_from_slice(&q[dn..]);
-                let w = &self.w_uk[head * dn * c..(head + 1) * dn * c];
+                let w = &w_uk[head * dn * c..(head + 1) * dn * c];
                 let lat = &mut o[dr..];
                 for (d, &qd) in q[..dn].iter().enumerate() {
                     for (l, &wv) in lat.iter_mut().zip(&w[d * c..(d + 1) * c]) {
@@ -83,11 +102,12 @@ impl ExtensionOp for MlaQuery {
 /// `[n, latent + rope]` (`kv_a_proj_with_mqa`'s output) to the one KV head
 /// `[n, rope + latent]`: the rotary part first, then the latent RMS-normed
 /// with `weight` (`kv_a_layernorm`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct MlaKv {
     pub rope: usize,
     pub latent: usize,
-    pub weight: Vec<f32>,
+    /// `[latent]`.
+    pub weight: Tensor,
     pub eps: f32,
 }
 
@@ -102,7 +122,8 @@ impl ExtensionOp for MlaKv {
 
     fn cpu(&self, x: &[f32], shape: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
         let (dr, c) = (self.rope, self.latent);
-        if shape.len() != 2 || shape[1] != dr + c || self.weight.len() != c {
+        let weight = host(&self.weight, c, Self::NAME)?;
+        if shape.len() != 2 || shape[1] != dr + c {
             return Err(shape_err(
                 Self::NAME,
                 format!("{shape:?} for a latent of {c} and {dr} rotary dims"),
@@ -112,7 +133,7 @@ impl ExtensionOp for MlaKv {
             .chunks_exact(dr + c)
             .flat_map(|r| r[..c].iter().copied())
             .collect();
-        let normed = crate::cpu::ops::rms_norm(&latent, &self.weight, self.eps, 0.0);
+        let normed = crate::cpu::ops::rms_norm(&latent, weight, self.eps, 0.0);
         let mut out = Vec::with_capacity(x.len());
         for (r, l) in x.chunks_exact(dr + c).zip(normed.chunks_exact(c)) {
             out.extend_from_slice(&r[c..]);
@@ -128,14 +149,14 @@ impl ExtensionOp for MlaKv {
 
 /// `[n, heads · (rope + latent)]` attention outputs to `[n, heads · value]`:
 /// each head's value `W_UV[h] · o[h][rope..]`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct MlaOutput {
     pub heads: usize,
     pub rope: usize,
     pub latent: usize,
     pub value: usize,
     /// `[heads, value, latent]`: `W_UV[h]` (`kv_b_proj`'s value rows).
-    pub w_uv: Vec<f32>,
+    pub w_uv: Tensor,
 }
 
 impl MlaOutput {
@@ -150,7 +171,8 @@ impl ExtensionOp for MlaOutput {
     fn cpu(&self, x: &[f32], shape: &[usize]) -> Result<(Vec<usize>, Vec<f32>)> {
         let (h, dr, c, dv) = (self.heads, self.rope, self.latent, self.value);
         let width = h * (dr + c);
-        if shape.len() != 2 || shape[1] != width || self.w_uv.len() != h * dv * c {
+        let w_uv = host(&self.w_uv, h * dv * c, Self::NAME)?;
+        if shape.len() != 2 || shape[1] != width {
             return Err(shape_err(
                 Self::NAME,
                 format!("{shape:?} for {h} heads of {dr} + {c}"),
@@ -161,7 +183,7 @@ impl ExtensionOp for MlaOutput {
         for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(h * dv)) {
             for head in 0..h {
                 let lat = &xr[head * (dr + c) + dr..(head + 1) * (dr + c)];
-                let w = &self.w_uv[head * dv * c..(head + 1) * dv * c];
+                let w = &w_uv[head * dv * c..(head + 1) * dv * c];
                 for (j, o) in or[head * dv..(head + 1) * dv].iter_mut().enumerate() {
                     *o = w[j * c..(j + 1) * c]
                         .iter()
@@ -182,6 +204,8 @@ impl ExtensionOp for MlaOutput {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Memory;
+    use crate::cpu::CpuBackend;
 
     /// The absorbed form scores and mixes as the expanded one: per head,
     /// `[q_rope ‖ W_UKᵀ q_nope] · [k_rope ‖ c] = q_nope · (W_UK c) + q_rope ·
@@ -196,18 +220,20 @@ mod tests {
         let kv: Vec<f32> = (0..c + dr).map(|i| val(i + 3)).collect();
         let weight: Vec<f32> = (0..c).map(|i| 1.0 + val(i) / 3.0).collect();
         let eps = 1e-6;
+        let cpu = CpuBackend::new();
+        let up = |v: &[f32]| cpu.upload(&[v.len()], v).unwrap();
         let mq = MlaQuery {
             heads: h,
             nope: dn,
             rope: dr,
             latent: c,
-            w_uk: w_uk.clone(),
+            w_uk: up(&w_uk),
         };
         let (_, qa) = mq.cpu(&q, &[1, h * (dn + dr)]).unwrap();
         let mk = MlaKv {
             rope: dr,
             latent: c,
-            weight: weight.clone(),
+            weight: up(&weight),
             eps,
         };
         let (_, k) = mk.cpu(&kv, &[1, c + dr]).unwrap();
@@ -239,7 +265,7 @@ mod tests {
             rope: dr,
             latent: c,
             value: dv,
-            w_uv: w_uv.clone(),
+            w_uv: up(&w_uv),
         };
         let (shape, v) = mo.cpu(&o, &[1, h * (dr + c)]).unwrap();
         assert_eq!(shape, [1, h * dv]);

@@ -9,6 +9,7 @@ pub(crate) mod elementwise;
 pub(crate) mod gather;
 pub(crate) mod lora;
 pub(crate) mod matmul;
+pub(crate) mod mla;
 pub(crate) mod moe;
 pub(crate) mod norm;
 pub(crate) mod recurrent;

@@ -224,6 +224,7 @@ fn dense_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
     let g = p.gpu.extension(&kiln_tensor::GeluErf, &xg).map_err(e)?;
     let c = p.cpu.extension(&kiln_tensor::GeluErf, &xc).map_err(e)?;
     p.compare("extension gelu_erf".into(), &g, &c, TOL)?;
+    mla_ops(p, rng)?;
     for act in [Activation::Silu, Activation::GeluTanh] {
         let g = p.gpu.gated_activation(&xg, &yg, act).map_err(e)?;
         let c = p.cpu.gated_activation(&xc, &yc, act).map_err(e)?;
@@ -632,5 +633,50 @@ fn lora_case(
         &c,
         TOL,
     )?;
+    Ok(())
+}
+
+/// Latent attention's extension ops (`kiln_tensor::mla`) at DeepSeek-V3's
+/// head sizes and at a tiny checkpoint's, against the CPU.
+fn mla_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
+    for (h, dn, dr, c, dv) in [(4usize, 128, 64, 512, 128), (3, 8, 8, 16, 12)] {
+        let n = 19;
+        let (wk_g, wk_c) = p.up(&[h, dn, c], &rng.vec(h * dn * c, 0.1))?;
+        let (wv_g, wv_c) = p.up(&[h, dv, c], &rng.vec(h * dv * c, 0.1))?;
+        let (nw_g, nw_c) = p.up(&[c], &rng.vec(c, 1.0))?;
+        let query = |w_uk| kiln_tensor::MlaQuery {
+            heads: h,
+            nope: dn,
+            rope: dr,
+            latent: c,
+            w_uk,
+        };
+        let kv = |weight| kiln_tensor::MlaKv {
+            rope: dr,
+            latent: c,
+            weight,
+            eps: 1e-6,
+        };
+        let output = |w_uv| kiln_tensor::MlaOutput {
+            heads: h,
+            rope: dr,
+            latent: c,
+            value: dv,
+            w_uv,
+        };
+        let name = format!("heads={h} nope={dn} rope={dr} latent={c} value={dv}");
+        let (xg, xc) = p.up(&[n, h * (dn + dr)], &rng.vec(n * h * (dn + dr), 1.0))?;
+        let g = p.gpu.extension(&query(wk_g), &xg).map_err(e)?;
+        let cpu = p.cpu.extension(&query(wk_c), &xc).map_err(e)?;
+        p.compare(format!("extension mla_query {name}"), &g, &cpu, TOL)?;
+        let (xg, xc) = p.up(&[n, c + dr], &rng.vec(n * (c + dr), 2.0))?;
+        let g = p.gpu.extension(&kv(nw_g), &xg).map_err(e)?;
+        let cpu = p.cpu.extension(&kv(nw_c), &xc).map_err(e)?;
+        p.compare(format!("extension mla_kv {name}"), &g, &cpu, TOL)?;
+        let (xg, xc) = p.up(&[n, h * (dr + c)], &rng.vec(n * h * (dr + c), 1.0))?;
+        let g = p.gpu.extension(&output(wv_g), &xg).map_err(e)?;
+        let cpu = p.cpu.extension(&output(wv_c), &xc).map_err(e)?;
+        p.compare(format!("extension mla_output {name}"), &g, &cpu, TOL)?;
+    }
     Ok(())
 }

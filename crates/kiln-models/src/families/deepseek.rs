@@ -496,17 +496,25 @@ impl Mla {
             let r0 = head * (dn + dv) + from;
             kv_b[r0 * c..(r0 + n) * c].to_vec()
         };
+        // The per-head projections live where the model does.
+        let up = |shape: &[usize], v: Vec<f32>| -> Result<Tensor> {
+            let t = l.backend.upload(shape, &v)?;
+            l.note(&Weight::Dense(t.clone()));
+            Ok(t)
+        };
+        let w_uk: Vec<f32> = (0..nh).flat_map(|hd| rows(hd, 0, dn)).collect();
+        let w_uv: Vec<f32> = (0..nh).flat_map(|hd| rows(hd, dn, dv)).collect();
         let query = MlaQuery {
             heads: nh,
             nope: dn,
             rope: dr,
             latent: c,
-            w_uk: (0..nh).flat_map(|hd| rows(hd, 0, dn)).collect(),
+            w_uk: up(&[nh, dn, c], w_uk)?,
         };
         let kv = MlaKv {
             rope: dr,
             latent: c,
-            weight: l.host(&format!("{p}.kv_a_layernorm.weight"), &[c])?,
+            weight: l.tensor(&format!("{p}.kv_a_layernorm.weight"), &[c])?,
             eps,
         };
         let output = MlaOutput {
@@ -514,7 +522,7 @@ impl Mla {
             rope: dr,
             latent: c,
             value: dv,
-            w_uv: (0..nh).flat_map(|hd| rows(hd, dn, dv)).collect(),
+            w_uv: up(&[nh, dv, c], w_uv)?,
         };
         require_extensions(l.backend.as_ref(), &[&query, &kv, &output])?;
         Ok(Mla {
