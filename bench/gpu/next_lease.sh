@@ -13,10 +13,12 @@
 #   6. (`chunk`) the delta rule's chunk-parallel form in the tiny Qwen3.5 against the CPU; at real
 #      head sizes, 1,200 tokens prefilled in one step and in steps of 7, 64 and 1,000; against
 #      transformers (parity.py). hprof times it on the 9B shape's 4,096-token prefill.
-#   7. (`glm`) GLM-4.5 (glm4_moe: DeepSeek-style grouped sigmoid routing) on CUDA: the tiny random
-#      checkpoint's rows against the CPU's, its MTP layer's speculation against plain decoding, and
-#      a 1024-wide checkpoint with real head sizes against transformers (parity.py).
-#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]   (STAGES: check lora hybrid chunk hprof mtp glm)
+#   7. (`glm`, `deepseek`) GLM-4.5 (DeepSeek-style grouped sigmoid routing) and DeepSeek-V3/V2,
+#      GLM-4.7-Flash (latent attention) on CUDA: the tiny random checkpoints' rows against the
+#      CPU's, MTP speculation against plain decoding, a 1024-wide checkpoint with real head sizes
+#      against transformers (parity.py).
+#   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]
+#   (STAGES: check lora hybrid chunk hprof mtp glm deepseek)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
 K=${KILN:-.device/kiln}; export KILN=$K
@@ -26,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if has check; then
   timeout 150 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; echo "cuda-check rc=$?"
   grep -E "^FAIL" "$OUT/check.log" | cut -c1-140 | head -20
-  grep -E "lora_|recurrent|gated_delta|deepseek" "$OUT/check.log" | cut -c1-140 | head -60
+  grep -E "lora_|recurrent|gated_delta|deepseek|mla_" "$OUT/check.log" | cut -c1-140 | head -60
   echo "ok lines: $(grep -c '^ok' "$OUT/check.log")"
 fi
 if has lora; then
@@ -125,31 +127,50 @@ for m, v in d['methods'].items():
         print('mtp tiny cuda', m, 'x' + c, 'equal to plain', l.get('outputs_equal_plain'), 'drafts', l.get('draft_tokens'))"
 fi
 
-if has glm; then
-  M=crates/kiln-models/tests/data/moe/glm4_moe
-  IDS=1,17,93,5,64,11,33,8,77,90,45,3,88,19,56,60,27,71,9,42,7,7,13,21,34,55,89,2,4,8,16,32
+# Sparse families with DeepSeek-style routing (glm: GLM-4.5; deepseek: DeepSeek-V3/V2 and
+# GLM-4.7-Flash with latent attention): each tiny random checkpoint's rows on CUDA against the CPU,
+# MTP speculation against plain decoding where it ships a head, and a 1024-wide checkpoint with
+# real head sizes against transformers (parity.py).
+tiny_vs_cpu() {  # NAME DIR
+  local IDS=1,17,93,5,64,11,33,8,77,90,45,3,88,19,56,60,27,71,9,42,7,7,13,21,34,55,89,2,4,8,16,32
   for d in cpu cuda; do
-    timeout 60 "$K" dev logits -m $M --device $d --ids $IDS --prefill 20 -o "$OUT/glm-$d.npy" > /dev/null 2> "$OUT/glm.err" || tail -3 "$OUT/glm.err"
+    timeout 60 "$K" dev logits -m "$2" --device $d --ids $IDS --prefill 20 -o "$OUT/$1-$d.npy" > /dev/null 2> "$OUT/$1.err" || tail -3 "$OUT/$1.err"
   done
-  python3 - "$OUT" <<'PY'
+  python3 - "$OUT" "$1" <<'PY'
 import sys
 import numpy as np
-o = sys.argv[1]
-cpu, cu = (np.load(f"{o}/glm-{n}.npy").astype(np.float64) for n in ("cpu", "cuda"))
+o, n = sys.argv[1], sys.argv[2]
+cpu, cu = (np.load(f"{o}/{n}-{d}.npy").astype(np.float64) for d in ("cpu", "cuda"))
 cos = (cpu * cu).sum(1) / np.linalg.norm(cpu, axis=1) / np.linalg.norm(cu, axis=1)
-print("glm tiny cuda vs cpu: min cosine", round(cos.min(), 5), "argmax agreement",
+print(n, "tiny cuda vs cpu: min cosine", round(cos.min(), 5), "argmax agreement",
       round(float((cpu.argmax(1) == cu.argmax(1)).mean()), 4))
 PY
-  timeout 90 "$K" bench-spec --device cuda -m $M --workload repeat --methods off,mtp --gen-tokens 32 \
+}
+mtp_vs_plain() {  # NAME DIR
+  timeout 90 "$K" bench-spec --device cuda -m "$2" --workload repeat --methods off,mtp --gen-tokens 32 \
     --prompt-tokens 64 --concurrency 1,4 2>/dev/null | python3 -c "
 import json, sys; d = json.load(sys.stdin)
 for m, v in d['methods'].items():
     for c, l in v.items():
-        print('glm mtp tiny cuda', m, 'x' + c, 'equal to plain', l.get('outputs_equal_plain'), 'drafts', l.get('draft_tokens'))"
-  W=${WORK:-$PWD/target/kiln-w}; G=$W/glm4_moe-small
-  [ -d "$G" ] || python3 bench/gpu/hybrid_ckpt.py glm4_moe-small "$G" > /dev/null 2> "$OUT/ckpt-glm.err" || tail -3 "$OUT/ckpt-glm.err"
-  timeout 200 python3 bench/gpu/parity.py --kiln "$K" --ckpt "$G" --out "$OUT/parity-glm.json" \
-    --tokens 300 --prefill 200 --cpu 2> "$OUT/parity-glm.err" | sed "s/^/glm parity /"; tail -2 "$OUT/parity-glm.err"
+        print('$1 mtp tiny cuda', m, 'x' + c, 'equal to plain', l.get('outputs_equal_plain'), 'drafts', l.get('draft_tokens'))"
+}
+parity_small() {  # SHAPE
+  local W=${WORK:-$PWD/target/kiln-w}; local G=$W/$1
+  [ -d "$G" ] || python3 bench/gpu/hybrid_ckpt.py $1 "$G" > /dev/null 2> "$OUT/ckpt-$1.err" || tail -3 "$OUT/ckpt-$1.err"
+  timeout 200 python3 bench/gpu/parity.py --kiln "$K" --ckpt "$G" --out "$OUT/parity-$1.json" \
+    --tokens 300 --prefill 200 --cpu 2> "$OUT/parity-$1.err" | sed "s/^/$1 parity /"; tail -2 "$OUT/parity-$1.err"
+  rm -rf "$G"
+}
+D=crates/kiln-models/tests/data/moe
+if has glm; then
+  tiny_vs_cpu glm $D/glm4_moe
+  mtp_vs_plain glm $D/glm4_moe
+  parity_small glm4_moe-small
+fi
+if has deepseek; then
+  for c in deepseek_v3 deepseek_v2 glm4_moe_lite; do tiny_vs_cpu $c $D/$c; done
+  mtp_vs_plain deepseek_v3 $D/deepseek_v3
+  parity_small deepseek-small
 fi
 
 [ -n "${KEEP_CKPT:-}" ] || rm -rf "${WORK:-$PWD/target/kiln-w}/qwen3_5-9b"
