@@ -15,3 +15,33 @@ def write_tokenizer(out, vocab_size):
     }
     with open(os.path.join(out, "tokenizer.json"), "w") as f:
         json.dump(tok, f)
+
+
+def sigmoid_routing_margins(module, run, k, groups, keep):
+    """DeepSeek-V3-style routers (sigmoid keys plus `e_score_correction_bias`,
+    the best `keep` of `groups` groups by their two largest keys): the
+    smallest gaps, over the `mlp.gate` routers of `module` while `run()` runs
+    and every token, between the kept and the first dropped group score
+    (`groups` > 1) and between the k-th and (k+1)-th key of the kept groups.
+    A test tolerance means nothing if f32 rounding could flip a choice."""
+    import torch
+
+    gaps = {"groups": [], "experts": []} if groups > 1 else {"experts": []}
+
+    def hook(mod, inp, out):
+        keys = out[0].double().sigmoid() + mod.e_score_correction_bias.double()
+        if groups > 1:
+            g = keys.view(keys.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+            top = g.topk(keep + 1, dim=-1)
+            gaps["groups"].append((top.values[:, keep - 1] - top.values[:, keep]).min().item())
+            mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, top.indices[:, :keep], True)
+            keys = keys.masked_fill(~mask.repeat_interleave(keys.shape[1] // groups, 1), float("-inf"))
+        t = keys.topk(k + 1, dim=-1).values
+        gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
+
+    hooks = [m.register_forward_hook(hook) for n, m in module.named_modules() if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        run()
+    for h in hooks:
+        h.remove()
+    return {key: min(v) for key, v in gaps.items()}

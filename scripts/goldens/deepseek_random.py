@@ -39,7 +39,7 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nextn_golden  # noqa: E402
-from common import write_tokenizer  # noqa: E402
+from common import sigmoid_routing_margins, write_tokenizer  # noqa: E402
 
 COMMON = {
     "vocab_size": 96,
@@ -103,38 +103,23 @@ def randomise(model, gen, skip=()):
 
 
 def margins(model, cfg, run, v3):
-    """The smallest gaps over sparse layers and tokens: V3, between the kept
-    and the first dropped group score and between the k-th and (k+1)-th key
-    of the kept groups; V2, between the k-th and (k+1)-th softmax score."""
+    """The smallest routing gaps: V3's (`common.sigmoid_routing_margins`), or
+    V2's between the k-th and (k+1)-th softmax score."""
     k = cfg.num_experts_per_tok
-    gaps = {"groups": [], "experts": []} if v3 and cfg.n_group > 1 else {"experts": []}
+    if v3:
+        return sigmoid_routing_margins(model, run, k, cfg.n_group, cfg.topk_group)
+    gaps = []
 
     def hook(mod, inp, out):
-        logits = out[0].double()
-        if not v3:
-            t = logits.softmax(-1).topk(k + 1, dim=-1).values
-            gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
-            return
-        groups, keep = cfg.n_group, cfg.topk_group
-        keys = logits.sigmoid() + mod.e_score_correction_bias.double()
-        if groups == 1:
-            t = keys.topk(k + 1, dim=-1).values
-            gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
-            return
-        g = keys.view(keys.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
-        top = g.topk(keep + 1, dim=-1)
-        gaps["groups"].append((top.values[:, keep - 1] - top.values[:, keep]).min().item())
-        mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, top.indices[:, :keep], True)
-        kept = keys.masked_fill(~mask.repeat_interleave(keys.shape[1] // groups, 1), float("-inf"))
-        t = kept.topk(k + 1, dim=-1).values
-        gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
+        t = out[0].double().softmax(-1).topk(k + 1, dim=-1).values
+        gaps.append((t[:, k - 1] - t[:, k]).min().item())
 
     hooks = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
     with torch.no_grad():
         run()
     for h in hooks:
         h.remove()
-    return {key: min(v) for key, v in gaps.items()}
+    return {"experts": min(gaps)}
 
 
 def main(root):

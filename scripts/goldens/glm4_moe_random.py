@@ -34,7 +34,7 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
 sys.path.insert(0, os.path.dirname(__file__))
 import nextn_golden  # noqa: E402
-from common import write_tokenizer  # noqa: E402
+from common import sigmoid_routing_margins, write_tokenizer  # noqa: E402
 
 CONFIG = {
     "vocab_size": 96,
@@ -84,29 +84,8 @@ def randomise(module, gen, skip=()):
 
 
 def margins(module, run):
-    """The smallest gaps, over sparse layers and tokens, between the kept
-    and the first dropped group score, and between the k-th and (k+1)-th
-    key among the kept groups' experts."""
-    cfg = CONFIG
-    k, groups, keep = cfg["num_experts_per_tok"], cfg["n_group"], cfg["topk_group"]
-    gaps = {"groups": [], "experts": []}
-
-    def hook(mod, inp, out):
-        keys = out[0].double().sigmoid() + mod.e_score_correction_bias.double()
-        g = keys.view(keys.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
-        top = g.topk(keep + 1, dim=-1)
-        gaps["groups"].append((top.values[:, keep - 1] - top.values[:, keep]).min().item())
-        mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, top.indices[:, :keep], True)
-        kept = keys.masked_fill(~mask.repeat_interleave(keys.shape[1] // groups, 1), float("-inf"))
-        t = kept.topk(k + 1, dim=-1).values
-        gaps["experts"].append((t[:, k - 1] - t[:, k]).min().item())
-
-    hooks = [m.register_forward_hook(hook) for n, m in module.named_modules() if n.endswith("mlp.gate")]
-    with torch.no_grad():
-        run()
-    for h in hooks:
-        h.remove()
-    return {key: min(v) for key, v in gaps.items()}
+    return sigmoid_routing_margins(module, run, CONFIG["num_experts_per_tok"], CONFIG["n_group"],
+                                   CONFIG["topk_group"])
 
 
 def main(root):

@@ -7,6 +7,10 @@
 //! - `llama` files: rows of `attn_q`/`attn_k` are permuted for adjacent-pair
 //!   RoPE; we permute them back so every model uses Hugging Face's rotate-half.
 //! - `gemma3` files: norm weights are stored as `1 + w`; we subtract 1.
+//! - `glm4moe` files: `block_count` counts the MTP layers after the
+//!   decoder's (`nextn_predict_layers`, their tensors `blk.N.nextn.*`); the
+//!   router's selection bias is `exp_probs_b.bias`; RoPE's rotated width is
+//!   `rope.dimension_count`.
 
 use std::path::Path;
 
@@ -26,6 +30,7 @@ pub const SUPPORTED_ARCHS: &[(&str, &str, &str)] = &[
     ("gemma3", "Gemma3ForCausalLM", "gemma3_text"),
     ("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
     ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
+    ("glm4moe", "Glm4MoeForCausalLM", "glm4_moe"),
     ("gpt-oss", "GptOssForCausalLM", "gpt_oss"),
 ];
 
@@ -64,6 +69,13 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
         // A parameter, not a module: no `.weight`.
         return Some(format!("model.layers.{layer}.self_attn.sinks"));
     }
+    if base == "exp_probs_b" {
+        // DeepSeek-style routing's selection bias: a buffer, no suffix.
+        return Some(format!(
+            "model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        ));
+    }
+    let glm = arch == "glm4moe";
     let hf = match base {
         "attn_norm" => "input_layernorm",
         "attn_q" => "self_attn.q_proj",
@@ -89,6 +101,16 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
         "ffn_up_exps" if suffix == "bias" => "mlp.experts.up_proj",
         "ffn_down_exps" if suffix == "bias" => "mlp.experts.down_proj",
         "ffn_gate_inp" => "mlp.gate",
+        // DeepSeek-style shared experts (ungated).
+        "ffn_gate_shexp" if glm => "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp" if glm => "mlp.shared_experts.up_proj",
+        "ffn_down_shexp" if glm => "mlp.shared_experts.down_proj",
+        // The MTP layer's own tensors (its `embed_tokens` and
+        // `shared_head_head` repeat the model's and are not read).
+        "nextn.eh_proj" => "eh_proj",
+        "nextn.enorm" => "enorm",
+        "nextn.hnorm" => "hnorm",
+        "nextn.shared_head_norm" => "shared_head.norm",
         "ffn_gate_shexp" => "mlp.shared_expert.gate_proj",
         "ffn_up_shexp" => "mlp.shared_expert.up_proj",
         "ffn_down_shexp" => "mlp.shared_expert.down_proj",
@@ -140,6 +162,10 @@ const GGUF_BASES: &[&str] = &[
     "ffn_up_shexp",
     "ffn_down_shexp",
     "ffn_gate_inp_shexp",
+    "nextn.eh_proj",
+    "nextn.enorm",
+    "nextn.hnorm",
+    "nextn.shared_head_norm",
 ];
 
 /// The GGUF name of the Hugging Face tensor `hf` for `arch`: the inverse
@@ -152,6 +178,9 @@ pub fn gguf_name(arch: &str, hf: &str) -> Option<String> {
     }
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
+    if rest == "mlp.gate.e_score_correction_bias" {
+        return Some(format!("blk.{layer}.exp_probs_b.bias"));
+    }
     let suffix = rest.rsplit_once('.')?.1;
     GGUF_BASES
         .iter()
@@ -564,10 +593,17 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
         };
         c.insert("norm_topk_prob".into(), json!(norm));
     }
-    c.insert(
-        "num_hidden_layers".into(),
-        json!(md.req_u64(&k("block_count"))?),
-    );
+    // llama.cpp counts a GLM-4.5 file's MTP layers in `block_count`.
+    let nextn = md.u64(&k("nextn_predict_layers"))?.unwrap_or(0);
+    let blocks = md.req_u64(&k("block_count"))?;
+    if nextn > blocks {
+        return Err(FormatError::Metadata {
+            path: md.path.clone(),
+            key: k("nextn_predict_layers"),
+            what: format!("{nextn} MTP layers of {blocks} blocks"),
+        });
+    }
+    c.insert("num_hidden_layers".into(), json!(blocks - nextn));
     c.insert("num_attention_heads".into(), json!(n_head));
     c.insert("num_key_value_heads".into(), json!(n_kv));
     c.insert("head_dim".into(), json!(head_dim));
@@ -598,6 +634,9 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     c.insert("torch_dtype".into(), json!("float32"));
     if arch == "gpt-oss" {
         gpt_oss_config(md, &mut c, experts)?;
+    }
+    if arch == "glm4moe" {
+        glm4moe_config(md, &mut c, file, head_dim, nextn)?;
     }
     if arch == "qwen2" || arch == "qwen2moe" {
         c.insert("attention_bias".into(), json!(true));
@@ -630,6 +669,57 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
         }
     }
     Ok(Value::Object(c))
+}
+
+/// GLM-4.5's keys: the DeepSeek-style routing (sigmoid gating, shared
+/// experts, leading dense layers, the weights' scale, expert groups), the
+/// rotated share of each head, the biases and QK-norm the tensors show,
+/// and the MTP layers.
+fn glm4moe_config(
+    md: &GgufMetadata,
+    c: &mut Map<String, Value>,
+    file: &GgufFile,
+    head_dim: u64,
+    nextn: u64,
+) -> Result<()> {
+    let k = |s: &str| format!("glm4moe.{s}");
+    if let Some(f) = md.u64(&k("expert_gating_func"))? {
+        // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID.
+        if f != 2 {
+            return Err(FormatError::Metadata {
+                path: md.path.clone(),
+                key: k("expert_gating_func"),
+                what: format!("{f} (GLM-4.5 routes by sigmoid, 2)"),
+            });
+        }
+    }
+    if let Some(e) = md.u64(&k("expert_count"))? {
+        c.insert("n_routed_experts".into(), json!(e));
+    }
+    for (key, gkey) in [
+        ("n_shared_experts", "expert_shared_count"),
+        ("first_k_dense_replace", "leading_dense_block_count"),
+        ("n_group", "expert_group_count"),
+        ("topk_group", "expert_group_used_count"),
+    ] {
+        if let Some(v) = md.u64(&k(gkey))? {
+            c.insert(key.into(), json!(v));
+        }
+    }
+    if let Some(s) = decimal_f64(md, &k("expert_weights_scale"))? {
+        c.insert("routed_scaling_factor".into(), json!(s));
+    }
+    if let Some(r) = md.u64(&k("rope.dimension_count"))? {
+        c.insert(
+            "partial_rotary_factor".into(),
+            json!(r as f64 / head_dim.max(1) as f64),
+        );
+    }
+    let has = |name: &str| file.tensors.iter().any(|t| t.name == name);
+    c.insert("attention_bias".into(), json!(has("blk.0.attn_q.bias")));
+    c.insert("use_qk_norm".into(), json!(has("blk.0.attn_q_norm.weight")));
+    c.insert("num_nextn_predict_layers".into(), json!(nextn));
+    Ok(())
 }
 
 /// gpt-oss's keys: the experts' size, the sliding window on even layers

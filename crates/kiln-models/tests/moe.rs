@@ -259,6 +259,68 @@ fn a_router_that_does_not_fit_the_experts_is_refused_before_loading() {
     assert!(err.contains("num_experts_per_tok"), "{err}");
 }
 
+/// A DeepSeek config whose latent or value width does not fit the file is
+/// refused before anything loads, naming the key; so is one declaring
+/// fewer layers than the file has (its MTP layer aside).
+#[test]
+fn a_latent_attention_config_that_does_not_fit_is_refused_before_loading() {
+    let dir = SafetensorsDir::open(case_dir("deepseek_v3")).unwrap();
+    let refused = |key: &str, value: serde_json::Value| -> String {
+        let mut c = dir.config().clone();
+        c[key] = value;
+        let cfg = ModelConfig::from_hf(&c).unwrap();
+        match load_model(Arc::new(CpuBackend::new()), &dir, cfg) {
+            Ok(_) => panic!("loaded with {key} changed"),
+            Err(e) => e.to_string(),
+        }
+    };
+    let err = refused("kv_lora_rank", serde_json::json!(12));
+    assert!(err.contains("kv_lora_rank") && err.contains("24"), "{err}");
+    let err = refused("v_head_dim", serde_json::json!(16));
+    assert!(err.contains("v_head_dim"), "{err}");
+    let err = refused("num_hidden_layers", serde_json::json!(2));
+    assert!(err.contains("num_hidden_layers"), "{err}");
+    // Without its MTP layer declared, layer 3 is one too many.
+    let err = refused("num_nextn_predict_layers", serde_json::json!(0));
+    assert!(err.contains("num_hidden_layers"), "{err}");
+}
+
+/// llama.cpp's `glm4moe` layout of the GLM-4.5 checkpoint (names from the
+/// `gguf` package's own map, `scripts/goldens/glm4moe_gguf.py`): the config
+/// rebuilt from its metadata is the checkpoint's (its MTP layer counted in
+/// `block_count`, the rotated width, sigmoid gating, groups, the scale),
+/// and every tensor reads back as the checkpoint's (its logits and MTP
+/// head: `tests/mtp.rs`).
+#[test]
+fn glm4moe_gguf_reads_as_its_checkpoint() {
+    use kiln_formats::{GgufWeights, WeightSource};
+    let w = GgufWeights::open(case_dir("gguf").join("glm4moe.gguf")).unwrap();
+    let from_gguf = ModelConfig::from_hf(&w.hf_config().unwrap()).unwrap();
+    let st = config("glm4_moe");
+    assert_eq!(from_gguf.family, st.family);
+    assert_eq!(
+        (
+            from_gguf.num_layers,
+            from_gguf.head_dim,
+            from_gguf.num_kv_heads
+        ),
+        (st.num_layers, st.head_dim, st.num_kv_heads)
+    );
+    let dir = SafetensorsDir::open(case_dir("glm4_moe")).unwrap();
+    let mut names: Vec<String> = dir.tensors().into_iter().map(|t| t.name).collect();
+    let mut from: Vec<String> = w.tensors().into_iter().map(|t| t.name).collect();
+    names.sort();
+    from.sort();
+    assert_eq!(from, names);
+    for n in &names {
+        assert_eq!(
+            w.load_f32(n).unwrap().data,
+            dir.load_f32(n).unwrap().data,
+            "{n}"
+        );
+    }
+}
+
 /// The prefill logits of `m` over `prompt`, compared with `rows`.
 fn prefill_against(m: &dyn CausalLm, prompt: &[u32], rows: &[Vec<f64>]) -> f64 {
     let vocab = m.config().vocab_size;

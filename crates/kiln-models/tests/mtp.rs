@@ -28,8 +28,28 @@ fn data(case: &str) -> PathBuf {
         .join(case)
 }
 
-/// Every checkpoint with a head.
-const HEADS: [&str; 3] = ["hybrid/qwen3_5_mtp", "moe/glm4_moe", "moe/deepseek_v3"];
+/// Every checkpoint with a head, and the directory of its golden: the
+/// GLM-4.5 GGUF file holds the safetensors checkpoint's values.
+const HEADS: [(&str, &str); 4] = [
+    ("hybrid/qwen3_5_mtp", "hybrid/qwen3_5_mtp"),
+    ("moe/glm4_moe", "moe/glm4_moe"),
+    ("moe/deepseek_v3", "moe/deepseek_v3"),
+    ("moe/gguf/glm4moe.gguf", "moe/glm4_moe"),
+];
+
+/// A checkpoint directory or GGUF file, on the CPU.
+fn load(case: &str) -> Box<dyn CausalLm> {
+    let path = data(case);
+    match case.ends_with(".gguf") {
+        true => {
+            use std::sync::Arc;
+            let w = kiln_formats::GgufWeights::open(&path).unwrap();
+            let cfg = kiln_models::ModelConfig::from_hf(&w.hf_config().unwrap()).unwrap();
+            kiln_models::load_model(Arc::new(kiln_tensor::cpu::CpuBackend::new()), &w, cfg).unwrap()
+        }
+        false => common::load_safetensors_dir(&path),
+    }
+}
 
 struct Golden {
     prompt: Vec<u32>,
@@ -136,14 +156,14 @@ fn the_checkpoint_declares_and_ships_one_head() {
 
 #[test]
 fn the_head_matches_transformers_at_every_position_and_depth() {
-    for case in HEADS {
-        head_matches_transformers(case);
+    for (case, golden_dir) in HEADS {
+        head_matches_transformers(case, golden_dir);
     }
 }
 
-fn head_matches_transformers(case: &str) {
-    let g = golden(case);
-    let m = common::load_safetensors_dir(&data(case));
+fn head_matches_transformers(case: &str, golden_dir: &str) {
+    let g = golden(golden_dir);
+    let m = load(case);
     let b = m.backend().clone();
     let vocab = m.config().vocab_size;
     let n = g.prompt.len();

@@ -67,7 +67,7 @@ pub static FAMILY: Family = Family {
     tied_by_default: false,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, deepseek_config(cfg)?)),
-    check_weights: |_, _| Ok(()),
+    check_weights,
     stored_blocks: super::no_stored_blocks,
     tensor_parallel: None,
     load: |backend, source, cfg, progress| {
@@ -304,6 +304,56 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
         layer_kv: Some(vec![kv; num_layers]),
         family: FamilyConfig::Deepseek(cfg),
     })
+}
+
+/// The config against the tensor table before anything loads: the layer
+/// count (MTP layers past it where declared) and the latent attention's
+/// widths, each mismatch naming its key.
+fn check_weights(cfg: &ModelConfig, tensors: &[kiln_formats::StoredTensor]) -> Result<()> {
+    let d = deepseek_config(cfg)?;
+    let layers = tensors
+        .iter()
+        .filter_map(|t| t.name.strip_prefix("model.layers.")?.split('.').next())
+        .filter_map(|i| i.parse::<usize>().ok())
+        .max()
+        .map_or(0, |i| i + 1);
+    if layers < cfg.num_layers || layers > cfg.num_layers + d.nextn_layers {
+        return Err(err(
+            "num_hidden_layers",
+            format!(
+                "config.json says {} layers, the weights have {layers}",
+                cfg.num_layers
+            ),
+        ));
+    }
+    let rows = |name: &str| {
+        tensors
+            .iter()
+            .find(|t| t.name == name)
+            .and_then(|t| t.shape.first().copied())
+    };
+    let p = "model.layers.0.self_attn";
+    let checks = [
+        (
+            "kv_lora_rank",
+            format!("{p}.kv_a_proj_with_mqa.weight"),
+            d.kv_lora_rank + d.rope,
+        ),
+        (
+            "v_head_dim",
+            format!("{p}.kv_b_proj.weight"),
+            cfg.num_heads * (d.nope + d.value),
+        ),
+    ];
+    for (key, name, want) in checks {
+        if let Some(found) = rows(&name).filter(|&r| r != want) {
+            return Err(err(
+                key,
+                format!("config.json gives {want} rows for {name}, the weights have {found}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn deepseek_config(cfg: &ModelConfig) -> Result<&DeepseekConfig> {
@@ -737,14 +787,8 @@ impl CausalLm for Deepseek {
     }
 
     fn new_mtp_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
-        let m = self.nextn()?;
-        Ok(self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
-            num_layers: 1,
-            num_groups: 1,
-            num_blocks,
-            block_size,
-            kv_row: m.block.attn.params.head_dim,
-        })?)
+        let width = self.nextn()?.block.attn.params.head_dim;
+        super::mtp_cache(self.backend.as_ref(), width, num_blocks, block_size)
     }
 
     /// The logits as [`CausalLm::forward`] computes them (the same fused
@@ -756,11 +800,9 @@ impl CausalLm for Deepseek {
         cache: &mut KvCache,
     ) -> Result<(Tensor, Tensor)> {
         self.nextn()?;
-        let b = self.backend.as_ref();
         let x = self.trunk(batch, cache)?;
-        let last = b.gather_rows(&x, &batch.logits_rows)?;
-        let logits = self.lm_head.forward(b, &last, Fuse::norm(&self.norm))?;
-        Ok((logits, self.norm.forward(b, &x)?))
+        let b = self.backend.as_ref();
+        super::logits_and_hidden(b, &x, &batch.logits_rows, &self.norm, &self.lm_head)
     }
 
     fn mtp_forward(

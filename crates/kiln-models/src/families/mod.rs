@@ -98,6 +98,38 @@ pub(crate) enum StepOutput {
     Hidden,
 }
 
+/// A one-layer paged KV cache of `kv_row`-wide rows for a model's MTP
+/// head ([`CausalLm::new_mtp_cache`]).
+pub(crate) fn mtp_cache(
+    b: &dyn kiln_tensor::Backend,
+    kv_row: usize,
+    num_blocks: usize,
+    block_size: usize,
+) -> Result<kiln_tensor::KvCache> {
+    Ok(b.alloc_kv_cache(kiln_tensor::KvPoolShape {
+        num_layers: 1,
+        num_groups: 1,
+        num_blocks,
+        block_size,
+        kv_row,
+    })?)
+}
+
+/// [`CausalLm::forward_with_hidden`] from the trunk's output `x`: the
+/// logits of `rows` through `norm` fused into `lm_head` (the bits
+/// `forward` computes) and every row's normed hidden state.
+pub(crate) fn logits_and_hidden(
+    b: &dyn kiln_tensor::Backend,
+    x: &kiln_tensor::Tensor,
+    rows: &[u32],
+    norm: &crate::layers::RmsNorm,
+    lm_head: &crate::layers::Linear,
+) -> Result<(kiln_tensor::Tensor, kiln_tensor::Tensor)> {
+    let last = b.gather_rows(x, rows)?;
+    let logits = lm_head.forward(b, &last, crate::layers::Fuse::norm(norm))?;
+    Ok((logits, norm.forward(b, x)?))
+}
+
 /// The error of a family's entry point handed another family's config:
 /// the registry never does this.
 pub(crate) fn wrong_family(cfg: &ModelConfig, family: &str) -> crate::error::ModelError {

@@ -874,13 +874,12 @@ impl CausalLm for Qwen35 {
 
     fn new_mtp_cache(&self, num_blocks: usize, block_size: usize) -> Result<KvCache> {
         self.mtp_head()?;
-        Ok(self.backend.alloc_kv_cache(kiln_tensor::KvPoolShape {
-            num_layers: 1,
-            num_groups: 1,
+        super::mtp_cache(
+            self.backend.as_ref(),
+            self.cfg.num_kv_heads * self.cfg.head_dim,
             num_blocks,
             block_size,
-            kv_row: self.cfg.num_kv_heads * self.cfg.head_dim,
-        })?)
+        )
     }
 
     /// The logits as [`CausalLm::forward`] computes them (the same fused
@@ -891,11 +890,9 @@ impl CausalLm for Qwen35 {
         batch: &ForwardBatch,
         cache: &mut KvCache,
     ) -> Result<(Tensor, Tensor)> {
-        let b = self.backend.as_ref();
         let x = self.trunk(batch, cache)?;
-        let last = b.gather_rows(&x, &batch.logits_rows)?;
-        let logits = self.lm_head.forward(b, &last, Fuse::norm(&self.norm))?;
-        Ok((logits, self.norm.forward(b, &x)?))
+        let b = self.backend.as_ref();
+        super::logits_and_hidden(b, &x, &batch.logits_rows, &self.norm, &self.lm_head)
     }
 
     fn mtp_forward(
