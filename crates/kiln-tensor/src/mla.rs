@@ -19,6 +19,8 @@
 
 use std::any::Any;
 
+use rayon::prelude::*;
+
 use crate::error::{Result, TensorError};
 use crate::extension::ExtensionOp;
 use crate::tensor::Tensor;
@@ -77,7 +79,8 @@ impl ExtensionOp for MlaQuery {
         let n = shape[0];
         let out_w = h * (dr + c);
         let mut out = vec![0f32; n * out_w];
-        for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(out_w)) {
+        // Rows in parallel; each row's sums in a fixed order.
+        let row = |(xr, or): (&[f32], &mut [f32])| {
             for head in 0..h {
                 let q = &xr[head * (dn + dr)..(head + 1) * (dn + dr)];
                 let o = &mut or[head * (dr + c)..(head + 1) * (dr + c)];
@@ -90,7 +93,10 @@ impl ExtensionOp for MlaQuery {
                     }
                 }
             }
-        }
+        };
+        x.par_chunks_exact(width)
+            .zip(out.par_chunks_exact_mut(out_w))
+            .for_each(row);
         Ok((vec![n, out_w], out))
     }
 
@@ -180,7 +186,7 @@ impl ExtensionOp for MlaOutput {
         }
         let n = shape[0];
         let mut out = vec![0f32; n * h * dv];
-        for (xr, or) in x.chunks_exact(width).zip(out.chunks_exact_mut(h * dv)) {
+        let row = |(xr, or): (&[f32], &mut [f32])| {
             for head in 0..h {
                 let lat = &xr[head * (dr + c) + dr..(head + 1) * (dr + c)];
                 let w = &w_uv[head * dv * c..(head + 1) * dv * c];
@@ -192,7 +198,10 @@ impl ExtensionOp for MlaOutput {
                         .sum();
                 }
             }
-        }
+        };
+        x.par_chunks_exact(width)
+            .zip(out.par_chunks_exact_mut(h * dv))
+            .for_each(row);
         Ok((vec![n, h * dv], out))
     }
 
