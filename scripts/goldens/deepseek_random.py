@@ -13,6 +13,8 @@ experts.
   its outputs at depths 1 and 2;
 - `deepseek_v2`: `q_proj` directly, plain RoPE, 8 experts, top 3 of a
   softmax over all, not renormalized, scaled 1.5, two shared experts;
+- `deepseek_v2_grouped`: as V2 with `group_limited_greedy` (the best 2 of 4
+  groups by their best expert), as the 236B releases route;
 - `glm4_moe_lite` (GLM-4.7-Flash): V3's attention with GLM-4.5's routing
   (sigmoid, one group), sparse layers from `mlp_layer_types`.
 
@@ -73,6 +75,11 @@ CASES = {
         "topk_group": 1, "topk_method": "greedy", "n_shared_experts": 2,
         "routed_scaling_factor": 1.5, "moe_layer_freq": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "deepseek_v2_grouped": (DeepseekV2Config, DeepseekV2ForCausalLM, {
+        "q_lora_rank": None, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+        "topk_group": 2, "topk_method": "group_limited_greedy", "n_shared_experts": 1,
+        "routed_scaling_factor": 1.0, "moe_layer_freq": 1,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     "glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, {
         "q_lora_rank": 24, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 1,
         "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.8, "norm_topk_prob": True,
@@ -108,10 +115,19 @@ def margins(model, cfg, run, v3):
     k = cfg.num_experts_per_tok
     if v3:
         return sigmoid_routing_margins(model, run, k, cfg.n_group, cfg.topk_group)
-    gaps = []
+    grouped = getattr(cfg, "topk_method", "greedy") == "group_limited_greedy"
+    gaps, group_gaps = [], []
 
     def hook(mod, inp, out):
-        t = out[0].double().softmax(-1).topk(k + 1, dim=-1).values
+        p = out[0].double().softmax(-1)
+        if grouped:
+            groups, keep = cfg.n_group, cfg.topk_group
+            g = p.view(p.shape[0], groups, -1).max(-1).values
+            top = g.topk(keep + 1, dim=-1)
+            group_gaps.append((top.values[:, keep - 1] - top.values[:, keep]).min().item())
+            mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, top.indices[:, :keep], True)
+            p = p.masked_fill(~mask.repeat_interleave(p.shape[1] // groups, 1), 0.0)
+        t = p.topk(k + 1, dim=-1).values
         gaps.append((t[:, k - 1] - t[:, k]).min().item())
 
     hooks = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
@@ -119,7 +135,7 @@ def margins(model, cfg, run, v3):
         run()
     for h in hooks:
         h.remove()
-    return {"experts": min(gaps)}
+    return {"experts": min(gaps), **({"groups": min(group_gaps)} if grouped else {})}
 
 
 def main(root):

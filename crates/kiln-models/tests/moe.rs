@@ -11,7 +11,8 @@
 //! `deepseek_v3` and `deepseek_v2` (`scripts/goldens/deepseek_random.py`):
 //! multi-head latent attention (through `q_lora_rank` with YaRN's mscale,
 //! or `q_proj`), interleaved RoPE, V3's grouped sigmoid routing and V2's
-//! unnormalized softmax, shared experts; `glm4_moe_lite` (GLM-4.7-Flash):
+//! unnormalized softmax (`deepseek_v2_grouped`: within the best groups,
+//! `group_limited_greedy`), shared experts; `glm4_moe_lite` (GLM-4.7-Flash):
 //! V3's attention, one expert group, sparse layers from `mlp_layer_types`.
 
 mod common;
@@ -25,13 +26,14 @@ use kiln_models::{load_model, CausalLm, ModelConfig};
 use kiln_tensor::cpu::CpuBackend;
 use kiln_tensor::ForwardBatch;
 
-const CASES: [&str; 7] = [
+const CASES: [&str; 8] = [
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v2",
+    "deepseek_v2_grouped",
     "glm4_moe_lite",
 ];
 
@@ -142,6 +144,14 @@ fn configs_read_each_familys_routing_and_sparse_layers() {
             d.shared_intermediate
         ),
         (kiln_tensor::Scoring::Softmax, false, 1.5, Some(48))
+    );
+    let c = config("deepseek_v2_grouped");
+    let FamilyConfig::Deepseek(d) = &c.family else {
+        unreachable!()
+    };
+    assert_eq!(
+        d.scoring,
+        kiln_tensor::Scoring::SoftmaxGroups { groups: 4, keep: 2 }
     );
     // Every expert of every sparse layer is a weight the model has.
     let shapes = kiln_models::tensor_shapes(&config("qwen3_moe")).unwrap();

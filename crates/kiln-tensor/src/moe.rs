@@ -38,6 +38,10 @@ pub enum Scoring {
     /// 1: no limit). Weighted by their sigmoids, renormalized with `1e-20`
     /// added to the sum.
     SigmoidGroups { groups: u16, keep: u16 },
+    /// DeepSeek-V2's `group_limited_greedy`: [`Scoring::Softmax`] with only
+    /// the best `keep` of `groups` equal groups of experts eligible, a group
+    /// scored by its largest probability.
+    SoftmaxGroups { groups: u16, keep: u16 },
 }
 
 impl Scoring {
@@ -226,13 +230,21 @@ pub fn route(logits: &[f32], r: &Routing, selection_bias: Option<&[f32]>) -> Vec
             }
         })
         .collect();
-    if let Scoring::SigmoidGroups { groups, keep } = r.scoring {
-        limit_groups(&mut keys, groups as usize, keep as usize);
+    match r.scoring {
+        Scoring::SigmoidGroups { groups, keep } => {
+            limit_groups(&mut keys, groups as usize, keep as usize, true)
+        }
+        // A softmax keeps the logits' order: the group's largest logit
+        // ranks it as its largest probability.
+        Scoring::SoftmaxGroups { groups, keep } => {
+            limit_groups(&mut keys, groups as usize, keep as usize, false)
+        }
+        _ => {}
     }
     order.sort_by(|&a, &b| keys[b].total_cmp(&keys[a]).then(a.cmp(&b)));
     order.truncate(k);
     let mut picked: Vec<(usize, f32)> = match r.scoring {
-        Scoring::Softmax => {
+        Scoring::Softmax | Scoring::SoftmaxGroups { .. } => {
             let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let sum: f32 = logits.iter().map(|&v| (v - max).exp()).sum();
             order
@@ -273,11 +285,13 @@ pub fn route(logits: &[f32], r: &Routing, selection_bias: Option<&[f32]>) -> Vec
     picked
 }
 
-/// [`Scoring::SigmoidGroups`]' limit: every key outside the `keep` groups
-/// (of `groups` equal runs) whose two largest keys sum highest becomes
-/// `-inf` (ties: the lower group). One group, or a split that does not
-/// divide the keys, limits nothing (the family's parse refuses the latter).
-fn limit_groups(keys: &mut [f32], groups: usize, keep: usize) {
+/// The group limit of [`Scoring::SigmoidGroups`] (`top2`: a group scored
+/// by its two largest keys' sum) and [`Scoring::SoftmaxGroups`] (by its
+/// largest): every key outside the best `keep` of `groups` equal runs
+/// becomes `-inf` (ties: the lower group). One group, or a split that does
+/// not divide the keys, limits nothing (the family's parse refuses the
+/// latter).
+fn limit_groups(keys: &mut [f32], groups: usize, keep: usize, top2: bool) {
     if groups <= 1 || keep >= groups || keys.len() % groups != 0 {
         return;
     }
@@ -293,7 +307,7 @@ fn limit_groups(keys: &mut [f32], groups: usize, keep: usize) {
                     b = k;
                 }
             }
-            if size < 2 {
+            if size < 2 || !top2 {
                 a
             } else {
                 a + b
@@ -565,5 +579,30 @@ mod tests {
             None,
         );
         assert_eq!(all.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2, 3]);
+    }
+
+    #[test]
+    fn grouped_softmax_routing_ranks_groups_by_their_best_expert() {
+        let r = Routing {
+            top_k: 2,
+            scoring: Scoring::SoftmaxGroups { groups: 3, keep: 1 },
+            normalize: false,
+            scale: 1.5,
+        };
+        // Group 0 has the single best expert; group 1 the best pair.
+        let logits = [3.0f32, -5.0, 2.5, 2.4, 0.0, 0.1];
+        let got = route(&logits, &r, None);
+        assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 1]);
+        // The weights are the softmax over every expert, scaled.
+        let z: f32 = logits.iter().map(|v| v.exp()).sum();
+        assert!(close(got[0].1, 3f32.exp() / z * 1.5));
+        assert!(close(got[1].1, (-5f32).exp() / z * 1.5));
+        // Two groups kept: the best two experts of groups 0 and 1.
+        let two = Routing {
+            scoring: Scoring::SoftmaxGroups { groups: 3, keep: 2 },
+            ..r
+        };
+        let got = route(&logits, &two, None);
+        assert_eq!(got.iter().map(|p| p.0).collect::<Vec<_>>(), [0, 2]);
     }
 }

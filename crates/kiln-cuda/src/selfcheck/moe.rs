@@ -125,7 +125,8 @@ fn layers(p: &Pair, rng: &mut Rng, c: &Case) -> R<(MoeLayer, MoeLayer, Vec<f32>,
             scoring: match (c.sigmoid, c.groups) {
                 (true, Some((groups, keep))) => Scoring::SigmoidGroups { groups, keep },
                 (true, None) => Scoring::Sigmoid,
-                (false, _) => Scoring::Softmax,
+                (false, Some((groups, keep))) => Scoring::SoftmaxGroups { groups, keep },
+                (false, None) => Scoring::Softmax,
             },
             normalize,
             scale: if c.sigmoid { 2.5 } else { 1.0 },
@@ -179,7 +180,9 @@ fn clear_rows(rng: &mut Rng, router: &[f32], bias: &[f32], c: &Case, n: usize) -
                 .map(|(g, k)| {
                     let mut k = k.to_vec();
                     k.sort_by(|a, b| b.total_cmp(a));
-                    (k[0] + k[1], g)
+                    // DeepSeek-V3 scores a group by its two best keys,
+                    // V2 by its best.
+                    (if c.sigmoid { k[0] + k[1] } else { k[0] }, g)
                 })
                 .collect();
             score.sort_by(|a, b| b.0.total_cmp(&a.0));
@@ -259,6 +262,18 @@ pub(super) fn moe_ops(p: &mut Pair, rng: &mut Rng) -> R<()> {
             clamped: false,
             sigmoid: true,
             groups: Some((8, 2)),
+            mxfp4: false,
+        },
+        Case {
+            name: "deepseek-v2-style softmax top 3 of 24 in the best 2 of 4 groups",
+            hidden: 64,
+            experts: 24,
+            inter: 32,
+            top_k: 3,
+            shared: Some(48),
+            clamped: false,
+            sigmoid: false,
+            groups: Some((4, 2)),
             mxfp4: false,
         },
     ];

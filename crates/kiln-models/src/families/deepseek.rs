@@ -28,8 +28,9 @@
 //!   as `Scoring::SigmoidGroups` (sigmoids plus `e_score_correction_bias`
 //!   pick within the best `topk_group` of `n_group` groups, renormalized
 //!   with `norm_topk_prob`); V2 by a softmax over every expert, top k,
-//!   never renormalized (`topk_method` `greedy`; the grouped
-//!   `group_limited_greedy` of the 236B release is refused). Both scale the
+//!   never renormalized (`topk_method` `greedy`, or `group_limited_greedy`
+//!   as the 236B releases: only the best `topk_group` of `n_group` groups,
+//!   ranked by their best expert, `Scoring::SoftmaxGroups`). Both scale the
 //!   weights by `routed_scaling_factor`.
 //! - V3 checkpoints ship a multi-token-prediction layer after the
 //!   decoder's (`model.layers.{num_layers}`, [`NextN`]; its block sparse);
@@ -246,13 +247,27 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
                 .get("topk_method")
                 .and_then(Value::as_str)
                 .unwrap_or("greedy");
-            if method != "greedy" && groups > 1 {
-                return Err(err(
-                    "topk_method",
-                    format!("{method} over {groups} groups is not supported (greedy is)"),
-                ));
+            match method {
+                "greedy" => Scoring::Softmax,
+                "group_limited_greedy" => {
+                    if groups > 64 || keep > groups || num_experts % groups != 0 {
+                        return Err(err(
+                            "n_group",
+                            format!("{groups} groups keeping {keep} of {num_experts} experts"),
+                        ));
+                    }
+                    Scoring::SoftmaxGroups {
+                        groups: groups as u16,
+                        keep: keep as u16,
+                    }
+                }
+                other => {
+                    return Err(err(
+                        "topk_method",
+                        format!("{other} (greedy and group_limited_greedy are supported)"),
+                    ))
+                }
             }
-            Scoring::Softmax
         }
     };
     if sparse_layers.iter().any(|&s| s) && (top_k == 0 || top_k > num_experts) {

@@ -567,7 +567,7 @@ fn route(
         Scoring::Softmax => (0, 1, 1),
         Scoring::TopKSoftmax => (1, 1, 1),
         Scoring::Sigmoid => (2, 1, 1),
-        Scoring::SigmoidGroups { groups, keep } => {
+        Scoring::SigmoidGroups { groups, keep } | Scoring::SoftmaxGroups { groups, keep } => {
             if groups > 64 || experts % groups.max(1) as usize != 0 {
                 return Err(TensorError::Unsupported {
                     backend: "cuda",
@@ -576,7 +576,11 @@ fn route(
                     ),
                 });
             }
-            (3, groups.max(1) as i32, keep.min(groups) as i32)
+            let kind = match layer.routing.scoring {
+                Scoring::SigmoidGroups { .. } => 3,
+                _ => 4,
+            };
+            (kind, groups.max(1) as i32, keep.min(groups) as i32)
         }
     };
     let (e_i, k_i, pairs_i) = (experts as i32, s.k as i32, pairs as i32);

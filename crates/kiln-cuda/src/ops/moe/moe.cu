@@ -30,7 +30,7 @@ __device__ __forceinline__ void moe_finish_row(const float* val, const int* pick
     for (int j = 0; j < top_k; ++j) {
         const float v = val[picks[j]];
         float wj;
-        if (scoring == 0) wj = expf(v - mx) / sum_all;
+        if (scoring == 0 || scoring == 4) wj = expf(v - mx) / sum_all;
         else if (scoring == 1) wj = expf(v - first) / topk_sum;
         else wj = 1.0f / (1.0f + expf(-v));
         w[j] = wj;
@@ -53,7 +53,7 @@ __device__ __forceinline__ void moe_finish_row(const float* val, const int* pick
 // A routing key: the logit, or for sigmoid scores (2, 3) its sigmoid plus the selection bias; NaN as -inf.
 __device__ __forceinline__ float moe_key(float v, int e, int scoring, const float* __restrict__ sel_bias) {
     float k = v;
-    if (scoring >= 2) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
+    if (scoring == 2 || scoring == 3) k = 1.0f / (1.0f + expf(-v)) + (sel_bias ? sel_bias[e] : 0.0f);
     return (k != k) ? NEG_INF : k;
 }
 
@@ -75,11 +75,12 @@ __device__ __forceinline__ void moe_warp_best(float& bv, int& bi) {
     }
 }
 
-// DeepSeek-V3's group limit (scoring 3 with groups > 1; kiln_tensor::moe::route): the experts
-// split into `groups` equal runs, each scored by the sum of its two largest keys; the keys outside
-// the best `keep` groups become -inf (ties: the lower group). One warp, every lane; groups <= 64
-// and dividing num_experts (the launcher checks).
-__device__ void moe_limit_groups(float* key, int num_experts, int groups, int keep, int lane) {
+// The group limit (groups > 1; kiln_tensor::moe::route) of DeepSeek-V3 (scoring 3, top2: a group
+// scored by the sum of its two largest keys) and DeepSeek-V2 (scoring 4: by its largest): the
+// experts split into `groups` equal runs; the keys outside the best `keep` groups become -inf (ties:
+// the lower group). One warp, every lane; groups <= 64 and dividing num_experts (the launcher
+// checks).
+__device__ void moe_limit_groups(float* key, int num_experts, int groups, int keep, bool top2, int lane) {
     const int size = num_experts / groups;
     float gs[2];
 #pragma unroll
@@ -95,7 +96,7 @@ __device__ void moe_limit_groups(float* key, int num_experts, int groups, int ke
                 b = k;
             }
         }
-        gs[s] = size < 2 ? a : a + b;
+        gs[s] = (size < 2 || !top2) ? a : a + b;
     }
     unsigned long long chosen = 0;
     for (int j = 0; j < keep; ++j) {
@@ -197,7 +198,7 @@ __device__ __forceinline__ float moe_act(float g, float u, int act, float alpha,
 // Routing of one row a block: scoring 0 = softmax over every expert, then the top_k largest;
 // 1 = the top_k largest logits, then a softmax over those; 2 = sigmoids, picked by sigmoid plus
 // sel_bias (may be null), weighed by the sigmoids; 3 = as 2 within the best keep_groups of groups
-// (moe_limit_groups). Then, if normalize, the weights divided by their sum (plus 1e-6 for 2, 1e-20
+// (moe_limit_groups); 4 = as 0 within the best groups by their largest logit. Then, if normalize, the weights divided by their sum (plus 1e-6 for 2, 1e-20
 // for 3), times scale. Ties go to the lower expert, NaN logits pick last (as
 // kiln_tensor::moe::route). Writes ids / weights [rows, top_k] (top_k <= num_experts) and, where
 // counts is not null, adds one to counts[e] a pick of every row whose slots[row] is not pad_slot
@@ -227,8 +228,8 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
         if (v == v) local_max = fmaxf(local_max, v);
     }
     __syncthreads();
-    if (scoring == 3 && groups > 1) {
-        if (warp == 0) moe_limit_groups(key, num_experts, groups, keep_groups, lane);
+    if ((scoring == 3 || scoring == 4) && groups > 1) {
+        if (warp == 0) moe_limit_groups(key, num_experts, groups, keep_groups, scoring == 3, lane);
         __syncthreads();
     }
     for (int j = 0; j < top_k; ++j) {
@@ -261,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_bf16(
     }
     // The softmax over every expert needs the row's max and sum of exponentials.
     float mx = NEG_INF, sum_all = 0.0f;
-    if (scoring == 0) {
+    if (scoring == 0 || scoring == 4) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, off));
         if (lane == 0) red_v[warp] = local_max;
@@ -630,7 +631,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
             if (v == v) mx = fmaxf(mx, v);
         }
         __syncwarp();
-        if (scoring == 3 && groups > 1) moe_limit_groups(key, num_experts, groups, keep_groups, lane);
+        if ((scoring == 3 || scoring == 4) && groups > 1)
+            moe_limit_groups(key, num_experts, groups, keep_groups, scoring == 3, lane);
         int pick[32];
         for (int j = 0; j < top_k; ++j) {
             float bv = NEG_INF;
@@ -650,7 +652,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route_group_bf16(
             __syncwarp();
         }
         float sum_all = 0.0f;
-        if (scoring == 0) {
+        if (scoring == 0 || scoring == 4) {
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
             float s = 0.0f;
