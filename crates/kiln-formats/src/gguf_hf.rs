@@ -7,6 +7,14 @@
 //! - `llama` files: rows of `attn_q`/`attn_k` are permuted for adjacent-pair
 //!   RoPE; we permute them back so every model uses Hugging Face's rotate-half.
 //! - `gemma3` files: norm weights are stored as `1 + w`; we subtract 1.
+//! - `deepseek2` files (DeepSeek-V2/V3 and the models built on them): the
+//!   latent attention's `kv_b_proj` is stored split for llama.cpp's
+//!   absorbed form, each head's key rows transposed (`attn_k_b`, `[heads,
+//!   kv_lora_rank, nope]`) and its value rows (`attn_v_b`, `[heads, value,
+//!   kv_lora_rank]`); we join them back (older files keep `attn_kv_b`).
+//!   The metadata's KV heads and lengths describe that MQA form
+//!   (`key_length_mla` / `value_length_mla` are the model's); the gating
+//!   function tells V3's sigmoid routing from V2's softmax.
 //! - `glm4moe` files: `block_count` counts the MTP layers after the
 //!   decoder's (`nextn_predict_layers`, their tensors `blk.N.nextn.*`); the
 //!   router's selection bias is `exp_probs_b.bias`; RoPE's rotated width is
@@ -31,6 +39,7 @@ pub const SUPPORTED_ARCHS: &[(&str, &str, &str)] = &[
     ("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),
     ("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),
     ("glm4moe", "Glm4MoeForCausalLM", "glm4_moe"),
+    ("deepseek2", "DeepseekV2ForCausalLM", "deepseek_v2"),
     ("gpt-oss", "GptOssForCausalLM", "gpt_oss"),
 ];
 
@@ -75,7 +84,8 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
             "model.layers.{layer}.mlp.gate.e_score_correction_bias"
         ));
     }
-    let glm = arch == "glm4moe";
+    // DeepSeek-style shared experts (ungated, `shared_experts`).
+    let deepseek_shared = arch == "glm4moe" || arch == "deepseek2";
     let hf = match base {
         "attn_norm" => "input_layernorm",
         "attn_q" => "self_attn.q_proj",
@@ -101,10 +111,17 @@ pub fn hf_name(arch: &str, gguf_name: &str) -> Option<String> {
         "ffn_up_exps" if suffix == "bias" => "mlp.experts.up_proj",
         "ffn_down_exps" if suffix == "bias" => "mlp.experts.down_proj",
         "ffn_gate_inp" => "mlp.gate",
-        // DeepSeek-style shared experts (ungated).
-        "ffn_gate_shexp" if glm => "mlp.shared_experts.gate_proj",
-        "ffn_up_shexp" if glm => "mlp.shared_experts.up_proj",
-        "ffn_down_shexp" if glm => "mlp.shared_experts.down_proj",
+        "ffn_gate_shexp" if deepseek_shared => "mlp.shared_experts.gate_proj",
+        "ffn_up_shexp" if deepseek_shared => "mlp.shared_experts.up_proj",
+        "ffn_down_shexp" if deepseek_shared => "mlp.shared_experts.down_proj",
+        // Latent attention (`deepseek2`; `attn_k_b` / `attn_v_b` are joined
+        // into `kv_b_proj` by `GgufWeights`).
+        "attn_q_a" => "self_attn.q_a_proj",
+        "attn_q_a_norm" => "self_attn.q_a_layernorm",
+        "attn_q_b" => "self_attn.q_b_proj",
+        "attn_kv_a_mqa" => "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm" => "self_attn.kv_a_layernorm",
+        "attn_kv_b" => "self_attn.kv_b_proj",
         // The MTP layer's own tensors (its `embed_tokens` and
         // `shared_head_head` repeat the model's and are not read).
         "nextn.eh_proj" => "eh_proj",
@@ -162,6 +179,12 @@ const GGUF_BASES: &[&str] = &[
     "ffn_up_shexp",
     "ffn_down_shexp",
     "ffn_gate_inp_shexp",
+    "attn_q_a",
+    "attn_q_a_norm",
+    "attn_q_b",
+    "attn_kv_a_mqa",
+    "attn_kv_a_norm",
+    "attn_kv_b",
     "nextn.eh_proj",
     "nextn.enorm",
     "nextn.hnorm",
@@ -254,6 +277,9 @@ struct Entry {
     index: usize,
     /// `Some((e, n))`: expert `e` of the `n` a stacked 3-D tensor holds.
     expert: Option<(usize, usize)>,
+    /// `Some(v)`: `kv_b_proj` joined from `attn_k_b` (`index`) and
+    /// `attn_v_b` (`file.tensors[v]`).
+    kv_b: Option<usize>,
 }
 
 impl std::fmt::Debug for GgufWeights {
@@ -305,8 +331,28 @@ impl GgufWeights {
                     Entry {
                         index,
                         expert: None,
+                        kv_b: None,
                     },
                 ));
+                continue;
+            }
+            // Latent attention's split `kv_b_proj`: one name for the pair.
+            if let Some(layer) = t
+                .name
+                .strip_prefix("blk.")
+                .and_then(|r| r.strip_suffix(".attn_k_b.weight"))
+            {
+                let v_name = format!("blk.{layer}.attn_v_b.weight");
+                if let Some(v) = file.tensors.iter().position(|x| x.name == v_name) {
+                    names.push((
+                        format!("model.layers.{layer}.self_attn.kv_b_proj.weight"),
+                        Entry {
+                            index,
+                            expert: None,
+                            kv_b: Some(v),
+                        },
+                    ));
+                }
                 continue;
             }
             // A stacked expert tensor: one Hugging Face tensor an expert
@@ -321,7 +367,14 @@ impl GgufWeights {
             for e in 0..num {
                 if let Some(n) = hf_expert_name(&arch, &t.name, e) {
                     let expert = Some((e, num));
-                    names.push((n, Entry { index, expert }));
+                    names.push((
+                        n,
+                        Entry {
+                            index,
+                            expert,
+                            kv_b: None,
+                        },
+                    ));
                 }
             }
         }
@@ -351,6 +404,15 @@ impl GgufWeights {
     /// files, as its `[1, hidden]` projection).
     fn entry_shape(&self, name: &str, e: Entry) -> Vec<usize> {
         let shape = self.file.tensors[e.index].shape();
+        if let Some(v) = e.kv_b {
+            // k_b [heads, latent, nope] and v_b [heads, value, latent] as
+            // kv_b_proj [heads · (nope + value), latent].
+            let vs = self.file.tensors[v].shape();
+            return match (shape.as_slice(), vs.as_slice()) {
+                (&[h, c, nope], &[_, value, _]) => vec![h * (nope + value), c],
+                _ => shape,
+            };
+        }
         match e.expert {
             Some(_) => shape[1..].to_vec(),
             None if name.ends_with("shared_expert_gate.weight") => {
@@ -382,6 +444,45 @@ impl GgufWeights {
 }
 
 impl GgufWeights {
+    /// `kv_b_proj` `[heads · (nope + value), latent]` from llama.cpp's
+    /// `attn_k_b` `[heads, latent, nope]` (each head's key rows transposed)
+    /// and `attn_v_b` `[heads, value, latent]`.
+    fn joined_kv_b(
+        &self,
+        name: &str,
+        k: &crate::gguf::GgufTensorInfo,
+        v: &crate::gguf::GgufTensorInfo,
+    ) -> Result<HostTensor> {
+        let (ks, vs) = (k.shape(), v.shape());
+        let (&[h, c, nope], &[vh, value, vc]) = (ks.as_slice(), vs.as_slice()) else {
+            return Err(FormatError::ShapeMismatch {
+                path: self.file.path.clone(),
+                tensor: format!("{name} (GGUF {} and {})", k.name, v.name),
+                found: ks,
+                expected: vec![0, 0, 0],
+            });
+        };
+        if (vh, vc) != (h, c) {
+            return Err(FormatError::ShapeMismatch {
+                path: self.file.path.clone(),
+                tensor: format!("{name} (GGUF {})", v.name),
+                found: vs,
+                expected: vec![h, value, c],
+            });
+        }
+        let kd = self.file.tensor_f32(&k.name)?;
+        let vd = self.file.tensor_f32(&v.name)?;
+        let mut out = Vec::with_capacity(h * (nope + value) * c);
+        for head in 0..h {
+            let kh = &kd[head * c * nope..(head + 1) * c * nope];
+            for d in 0..nope {
+                out.extend((0..c).map(|j| kh[j * nope + d]));
+            }
+            out.extend_from_slice(&vd[head * value * c..(head + 1) * value * c]);
+        }
+        Ok(HostTensor::new(vec![h * (nope + value), c], out))
+    }
+
     /// The heads of a `llama` q/k weight whose rows llama.cpp permuted
     /// (`None` for every other tensor); an error when its rows do not split
     /// into them.
@@ -419,11 +520,15 @@ impl WeightSource for GgufWeights {
             .map(|(n, e)| {
                 let t = &self.file.tensors[e.index];
                 let bytes = t.ggml_type.bytes_for(&t.ne).unwrap_or(0);
+                let joined = e.kv_b.map_or(0, |v| {
+                    let vt = &self.file.tensors[v];
+                    vt.ggml_type.bytes_for(&vt.ne).unwrap_or(0)
+                });
                 StoredTensor {
                     name: n.clone(),
                     shape: self.entry_shape(n, *e),
                     dtype: t.ggml_type.name().to_string(),
-                    num_bytes: bytes / e.expert.map_or(1, |x| x.1.max(1) as u64),
+                    num_bytes: bytes / e.expert.map_or(1, |x| x.1.max(1) as u64) + joined,
                 }
             })
             .collect()
@@ -440,6 +545,9 @@ impl WeightSource for GgufWeights {
         })?;
         let info = &self.file.tensors[entry.index];
         let shape = self.entry_shape(name, entry);
+        if let Some(v) = entry.kv_b {
+            return self.joined_kv_b(name, info, &self.file.tensors[v]);
+        }
         if let Some(range) = self.expert_bytes(entry) {
             let bytes = &self.file.tensor_bytes(info)[range];
             let n = shape.iter().product();
@@ -479,7 +587,7 @@ impl WeightSource for GgufWeights {
     /// Every 2-D tensor in a block format, in place; `llama` q/k rows are
     /// un-permuted into a copy.
     fn load_blocks(&self, name: &str) -> Result<Option<QuantMatrix>> {
-        let Some(entry) = self.entry(name) else {
+        let Some(entry) = self.entry(name).filter(|e| e.kv_b.is_none()) else {
             return Ok(None);
         };
         let info = &self.file.tensors[entry.index];
@@ -530,6 +638,12 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     let found = match arch {
         "llama" if experts > 0 => Some(&MIXTRAL),
         _ => SUPPORTED_ARCHS.iter().find(|a| a.0 == arch),
+    };
+    // llama.cpp stores DeepSeek-V3 (sigmoid gating) as `deepseek2` too.
+    const DEEPSEEK_V3: (&str, &str, &str) = ("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3");
+    let found = match (arch, md.u64(&format!("{arch}.expert_gating_func"))?) {
+        ("deepseek2", Some(2)) => Some(&DEEPSEEK_V3),
+        _ => found,
     };
     let Some(&(_, class, model_type)) = found else {
         return Err(FormatError::UnknownArchitecture {
@@ -638,6 +752,9 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     if arch == "glm4moe" {
         glm4moe_config(md, &mut c, file, head_dim, nextn)?;
     }
+    if arch == "deepseek2" {
+        deepseek2_config(md, &mut c, file, model_type, n_head, head_dim)?;
+    }
     if arch == "qwen2" || arch == "qwen2moe" {
         c.insert("attention_bias".into(), json!(true));
     }
@@ -669,6 +786,102 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
         }
     }
     Ok(Value::Object(c))
+}
+
+/// DeepSeek-V2/V3's keys: the latent attention's sizes (a file written for
+/// llama.cpp's absorbed form gives them as `key_length_mla` and
+/// `value_length_mla`; an older one's `key_length` / `value_length` are the
+/// model's own), its routing, and YaRN (llama.cpp keeps `mscale_all_dim`
+/// as a log multiplier of a tenth of it).
+fn deepseek2_config(
+    md: &GgufMetadata,
+    c: &mut Map<String, Value>,
+    file: &GgufFile,
+    model_type: &str,
+    n_head: u64,
+    head_dim: u64,
+) -> Result<()> {
+    let k = |s: &str| format!("deepseek2.{s}");
+    let req = |s: &str| md.req_u64(&k(s));
+    let rope = req("rope.dimension_count")?;
+    let (qk, value) = match md.u64(&k("attention.key_length_mla"))? {
+        Some(qk) => (qk, req("attention.value_length_mla")?),
+        None => (head_dim, req("attention.value_length")?),
+    };
+    if rope > qk {
+        return Err(FormatError::Metadata {
+            path: md.path.clone(),
+            key: k("rope.dimension_count"),
+            what: format!("{rope} rotary dims of a {qk}-wide query head"),
+        });
+    }
+    c.insert("qk_rope_head_dim".into(), json!(rope));
+    c.insert("qk_nope_head_dim".into(), json!(qk - rope));
+    c.insert("v_head_dim".into(), json!(value));
+    c.insert("head_dim".into(), json!(rope));
+    c.insert("kv_lora_rank".into(), json!(req("attention.kv_lora_rank")?));
+    if let Some(r) = md.u64(&k("attention.q_lora_rank"))? {
+        c.insert("q_lora_rank".into(), json!(r));
+    }
+    // The model's heads all keep their own keys and values in transformers'
+    // terms; the file's one KV head is llama.cpp's absorbed form.
+    c.insert("num_key_value_heads".into(), json!(n_head));
+    if let Some(e) = md.u64(&k("expert_count"))? {
+        c.insert("n_routed_experts".into(), json!(e));
+    }
+    let groups = md.u64(&k("expert_group_count"))?.unwrap_or(1);
+    for (key, gkey) in [
+        ("n_shared_experts", "expert_shared_count"),
+        ("first_k_dense_replace", "leading_dense_block_count"),
+        ("n_group", "expert_group_count"),
+        ("topk_group", "expert_group_used_count"),
+    ] {
+        if let Some(v) = md.u64(&k(gkey))? {
+            c.insert(key.into(), json!(v));
+        }
+    }
+    if model_type == "deepseek_v2" {
+        let method = if groups > 1 {
+            "group_limited_greedy"
+        } else {
+            "greedy"
+        };
+        c.insert("topk_method".into(), json!(method));
+    }
+    c.insert(
+        "routed_scaling_factor".into(),
+        json!(decimal_f64(md, &k("expert_weights_scale"))?.unwrap_or(1.0)),
+    );
+    if md.str(&k("rope.scaling.type"))? == Some("yarn") {
+        let mul = decimal_f64(md, &k("rope.scaling.yarn_log_multiplier"))?.unwrap_or(0.0);
+        let mut y = json!({
+            "rope_type": "yarn",
+            "factor": decimal_f64(md, &k("rope.scaling.factor"))?.unwrap_or(1.0),
+            "original_max_position_embeddings":
+                md.u64(&k("rope.scaling.original_context_length"))?.unwrap_or(4096),
+            "mscale": mul / 0.1,
+            "mscale_all_dim": mul / 0.1,
+        });
+        for (key, gkey) in [
+            ("beta_fast", "rope.scaling.yarn_beta_fast"),
+            ("beta_slow", "rope.scaling.yarn_beta_slow"),
+        ] {
+            if let Some(b) = decimal_f64(md, &k(gkey))? {
+                y[key] = json!(b);
+            }
+        }
+        c.insert("rope_scaling".into(), y);
+    }
+    let has = |name: &str| file.tensors.iter().any(|t| t.name == name);
+    c.insert(
+        "attention_bias".into(),
+        json!(has("blk.0.attn_kv_a_mqa.bias")),
+    );
+    c.insert(
+        "num_nextn_predict_layers".into(),
+        json!(md.u64(&k("nextn_predict_layers"))?.unwrap_or(0)),
+    );
+    Ok(())
 }
 
 /// GLM-4.5's keys: the DeepSeek-style routing (sigmoid gating, shared

@@ -331,6 +331,49 @@ fn glm4moe_gguf_reads_as_its_checkpoint() {
     }
 }
 
+/// llama.cpp's `deepseek2` layout of the DeepSeek checkpoints
+/// (`scripts/goldens/deepseek2_gguf.py`: names from the `gguf` package's
+/// own map, `kv_b_proj` split and transposed as llama.cpp's converter
+/// writes it, the MTP layer left out): the config rebuilt from the metadata
+/// is the checkpoint's (V3 told from V2 by its gating, groups, YaRN),
+/// `kv_b_proj` joins back to the checkpoint's values, and the logits match
+/// transformers' golden.
+#[test]
+fn deepseek2_gguf_files_read_as_their_checkpoints() {
+    use kiln_formats::{GgufWeights, WeightSource};
+    for case in ["deepseek_v3", "deepseek_v2", "deepseek_v2_grouped"] {
+        let w = GgufWeights::open(case_dir("gguf").join(format!("{case}.gguf"))).unwrap();
+        let from_gguf = ModelConfig::from_hf(&w.hf_config().unwrap()).unwrap();
+        let st = config(case);
+        let (FamilyConfig::Deepseek(g), FamilyConfig::Deepseek(d)) =
+            (&from_gguf.family, &st.family)
+        else {
+            panic!("{case}: {:?}", from_gguf.family)
+        };
+        // The file leaves the MTP layer out, as llama.cpp's converter does.
+        let d = kiln_models::families::deepseek::DeepseekConfig {
+            nextn_layers: 0,
+            ..d.clone()
+        };
+        assert_eq!(*g, d, "{case}");
+        assert_eq!(from_gguf.model_type, st.model_type, "{case}");
+        let dir = SafetensorsDir::open(case_dir(case)).unwrap();
+        for l in 0..st.num_layers {
+            let n = format!("model.layers.{l}.self_attn.kv_b_proj.weight");
+            assert_eq!(
+                w.load_f32(&n).unwrap().data,
+                dir.load_f32(&n).unwrap().data,
+                "{case} {n}"
+            );
+        }
+        let m = load_model(Arc::new(CpuBackend::new()), &w, from_gguf).unwrap();
+        let (prompt, rows) = golden(case);
+        let worst = prefill_against(m.as_ref(), &prompt, &rows);
+        eprintln!("{case}.gguf: max |Δ log-softmax| {worst:.2e}");
+        assert!(worst <= 1e-3, "{case}.gguf: {worst}");
+    }
+}
+
 /// The prefill logits of `m` over `prompt`, compared with `rows`.
 fn prefill_against(m: &dyn CausalLm, prompt: &[u32], rows: &[Vec<f64>]) -> f64 {
     let vocab = m.config().vocab_size;
