@@ -132,6 +132,12 @@ fn configs_read_each_familys_routing_and_sparse_layers() {
     // YaRN's mscale (0.1 ln 4 + 1) squared on 16^-0.5.
     let ms = 0.1 * 4f32.ln() + 1.0;
     assert!((d.scale - ms * ms / 4.0).abs() < 1e-6, "{}", d.scale);
+    // Kimi-K2 ships V3's architecture under `model_type: kimi_k2`.
+    let dir = SafetensorsDir::open(case_dir("deepseek_v3")).unwrap();
+    let mut kimi = dir.config().clone();
+    kimi["model_type"] = serde_json::json!("kimi_k2");
+    let k = ModelConfig::from_hf(&kimi).unwrap();
+    assert_eq!(k.family, c.family);
     let c = config("deepseek_v2");
     let FamilyConfig::Deepseek(d) = &c.family else {
         unreachable!()

@@ -1,5 +1,6 @@
 //! DeepSeek-V2 and DeepSeek-V3 (`deepseek_v2`, `deepseek_v3`; also the
-//! Kimi-K2 and Moonlight releases that use them) and GLM-4.7-Flash
+//! releases built on them: Moonlight as `deepseek_v3`, Kimi-K2 as
+//! `kimi_k2`) and GLM-4.7-Flash
 //! (`glm4_moe_lite`: DeepSeek-V3's attention and routing, its sparse layers
 //! listed in `mlp_layer_types`): multi-head latent attention and sparse
 //! feed-forwards with shared experts. Reference: transformers
@@ -64,7 +65,7 @@ use crate::CausalLm;
 /// The registry's entry for the family.
 pub static FAMILY: Family = Family {
     name: "deepseek",
-    model_types: &["deepseek_v2", "deepseek_v3", "glm4_moe_lite"],
+    model_types: &["deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite"],
     tied_by_default: false,
     parse,
     tensor_shapes: |cfg| Ok(tensor_shapes(cfg, deepseek_config(cfg)?)),
@@ -148,7 +149,9 @@ impl DeepseekConfig {
 
 fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers> {
     let model_type = c.get("model_type").and_then(Value::as_str).unwrap_or("");
-    let v3 = matches!(model_type, "deepseek_v3" | "glm4_moe_lite");
+    // Kimi-K2's checkpoints are DeepSeek-V3's architecture under their own
+    // `model_type`.
+    let v3 = matches!(model_type, "deepseek_v3" | "kimi_k2" | "glm4_moe_lite");
     let need = |k: &str| -> Result<usize> {
         opt_usize(c, k)?
             .filter(|&v| v > 0)
@@ -204,7 +207,7 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
     }
     let num_experts = opt_usize(c, "n_routed_experts")?.unwrap_or(0);
     let first_dense = opt_usize(c, "first_k_dense_replace")?.unwrap_or(match model_type {
-        "deepseek_v3" => 3,
+        "deepseek_v3" | "kimi_k2" => 3,
         "glm4_moe_lite" => 1,
         _ => 0,
     });
