@@ -45,3 +45,16 @@ def sigmoid_routing_margins(module, run, k, groups, keep):
     for h in hooks:
         h.remove()
     return {key: min(v) for key, v in gaps.items()}
+
+
+def add_stacked_experts(writer, names, experts):
+    """Each layer's experts as llama.cpp stacks them, one 3-D F32 tensor a
+    projection (experts outermost), named by the `gguf` package's map
+    `names` (a `TensorNameMap`). `experts`: {(layer, proj): {e: matrix}}."""
+    import numpy as np
+
+    for (layer, proj), by_e in sorted(experts.items()):
+        stacked = np.stack([by_e[e] for e in range(len(by_e))]).astype(np.float32)
+        g = names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
+        assert g is not None, (layer, proj)
+        writer.add_tensor(g, stacked)

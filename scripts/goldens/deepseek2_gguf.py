@@ -30,6 +30,9 @@ import gguf
 from gguf.constants import MODEL_ARCH
 from safetensors.numpy import load_file
 
+sys.path.insert(0, os.path.dirname(__file__))
+from common import add_stacked_experts  # noqa: E402
+
 CASES = ["deepseek_v3", "deepseek_v2", "deepseek_v2_grouped"]
 
 
@@ -104,11 +107,7 @@ def write(root, case):
         g = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert g is not None, name
         w.add_tensor(g, t.astype(np.float32))
-    for (layer, proj), by_e in sorted(experts.items()):
-        stacked = np.stack([by_e[e] for e in range(len(by_e))]).astype(np.float32)
-        g = names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
-        assert g is not None, (layer, proj)
-        w.add_tensor(g, stacked)
+    add_stacked_experts(w, names, experts)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -28,6 +28,9 @@ import gguf
 from gguf.constants import MODEL_ARCH
 from safetensors.numpy import load_file
 
+sys.path.insert(0, os.path.dirname(__file__))
+from common import add_stacked_experts  # noqa: E402
+
 
 def main(root):
     src = os.path.join(root, "glm4_moe")
@@ -76,12 +79,7 @@ def main(root):
         assert g is not None, name
         w.add_tensor(g, t.astype(np.float32))
         written.add(name)
-    for (layer, proj), by_e in sorted(experts.items()):
-        stacked = np.stack([by_e[e] for e in range(len(by_e))]).astype(np.float32)
-        # The stacked projection's name is the map's for any one expert.
-        g = names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
-        assert g is not None, (layer, proj)
-        w.add_tensor(g, stacked)
+    add_stacked_experts(w, names, experts)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -788,6 +788,26 @@ pub fn hf_config(md: &GgufMetadata, has_output: bool, file: &GgufFile) -> Result
     Ok(Value::Object(c))
 }
 
+/// The keys of DeepSeek-style routing both `deepseek2` and `glm4moe` files
+/// keep: shared experts, leading dense layers, expert groups.
+fn deepseek_moe_keys(
+    md: &GgufMetadata,
+    c: &mut Map<String, Value>,
+    k: &dyn Fn(&str) -> String,
+) -> Result<()> {
+    for (key, gkey) in [
+        ("n_shared_experts", "expert_shared_count"),
+        ("first_k_dense_replace", "leading_dense_block_count"),
+        ("n_group", "expert_group_count"),
+        ("topk_group", "expert_group_used_count"),
+    ] {
+        if let Some(v) = md.u64(&k(gkey))? {
+            c.insert(key.into(), json!(v));
+        }
+    }
+    Ok(())
+}
+
 /// DeepSeek-V2/V3's keys: the latent attention's sizes (a file written for
 /// llama.cpp's absorbed form gives them as `key_length_mla` and
 /// `value_length_mla`; an older one's `key_length` / `value_length` are the
@@ -830,16 +850,7 @@ fn deepseek2_config(
         c.insert("n_routed_experts".into(), json!(e));
     }
     let groups = md.u64(&k("expert_group_count"))?.unwrap_or(1);
-    for (key, gkey) in [
-        ("n_shared_experts", "expert_shared_count"),
-        ("first_k_dense_replace", "leading_dense_block_count"),
-        ("n_group", "expert_group_count"),
-        ("topk_group", "expert_group_used_count"),
-    ] {
-        if let Some(v) = md.u64(&k(gkey))? {
-            c.insert(key.into(), json!(v));
-        }
-    }
+    deepseek_moe_keys(md, c, &k)?;
     if model_type == "deepseek_v2" {
         let method = if groups > 1 {
             "group_limited_greedy"
@@ -909,16 +920,7 @@ fn glm4moe_config(
     if let Some(e) = md.u64(&k("expert_count"))? {
         c.insert("n_routed_experts".into(), json!(e));
     }
-    for (key, gkey) in [
-        ("n_shared_experts", "expert_shared_count"),
-        ("first_k_dense_replace", "leading_dense_block_count"),
-        ("n_group", "expert_group_count"),
-        ("topk_group", "expert_group_used_count"),
-    ] {
-        if let Some(v) = md.u64(&k(gkey))? {
-            c.insert(key.into(), json!(v));
-        }
-    }
+    deepseek_moe_keys(md, c, &k)?;
     if let Some(s) = decimal_f64(md, &k("expert_weights_scale"))? {
         c.insert("routed_scaling_factor".into(), json!(s));
     }

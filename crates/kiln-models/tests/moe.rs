@@ -111,17 +111,19 @@ fn configs_read_each_familys_routing_and_sparse_layers() {
         assert_eq!(d.q_lora_rank.is_some(), case == "deepseek_v3");
         assert!(d.rope_interleave);
     }
-    let c = config("deepseek_v3");
-    let FamilyConfig::Deepseek(d) = &c.family else {
-        unreachable!()
-    };
-    assert_eq!(
-        (
+    let routing = |case| match config(case).family {
+        FamilyConfig::Deepseek(d) => (
             d.scoring,
             d.normalize,
             d.routed_scale,
-            d.shared_intermediate
+            d.shared_intermediate,
+            d.scale,
         ),
+        other => panic!("{case}: {other:?}"),
+    };
+    let (scoring, normalize, scale, shared, softmax_scale) = routing("deepseek_v3");
+    assert_eq!(
+        (scoring, normalize, scale, shared),
         (
             kiln_tensor::Scoring::SigmoidGroups { groups: 4, keep: 2 },
             true,
@@ -131,32 +133,23 @@ fn configs_read_each_familys_routing_and_sparse_layers() {
     );
     // YaRN's mscale (0.1 ln 4 + 1) squared on 16^-0.5.
     let ms = 0.1 * 4f32.ln() + 1.0;
-    assert!((d.scale - ms * ms / 4.0).abs() < 1e-6, "{}", d.scale);
+    assert!(
+        (softmax_scale - ms * ms / 4.0).abs() < 1e-6,
+        "{softmax_scale}"
+    );
     // Kimi-K2 ships V3's architecture under `model_type: kimi_k2`.
     let dir = SafetensorsDir::open(case_dir("deepseek_v3")).unwrap();
     let mut kimi = dir.config().clone();
     kimi["model_type"] = serde_json::json!("kimi_k2");
     let k = ModelConfig::from_hf(&kimi).unwrap();
-    assert_eq!(k.family, c.family);
-    let c = config("deepseek_v2");
-    let FamilyConfig::Deepseek(d) = &c.family else {
-        unreachable!()
-    };
+    assert_eq!(k.family, config("deepseek_v3").family);
+    let (scoring, normalize, scale, shared, _) = routing("deepseek_v2");
     assert_eq!(
-        (
-            d.scoring,
-            d.normalize,
-            d.routed_scale,
-            d.shared_intermediate
-        ),
+        (scoring, normalize, scale, shared),
         (kiln_tensor::Scoring::Softmax, false, 1.5, Some(48))
     );
-    let c = config("deepseek_v2_grouped");
-    let FamilyConfig::Deepseek(d) = &c.family else {
-        unreachable!()
-    };
     assert_eq!(
-        d.scoring,
+        routing("deepseek_v2_grouped").0,
         kiln_tensor::Scoring::SoftmaxGroups { groups: 4, keep: 2 }
     );
     // Every expert of every sparse layer is a weight the model has.

@@ -232,18 +232,20 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
     let top_k = opt_usize(c, "num_experts_per_tok")?.unwrap_or(if v3 { 8 } else { 6 });
     let groups = opt_usize(c, "n_group")?.unwrap_or(1).max(1);
     let keep = opt_usize(c, "topk_group")?.unwrap_or(1).max(1);
+    // The routers' group limit: equal groups (at most 64), `keep` of them.
+    let group_limit = || -> Result<(u16, u16)> {
+        match groups <= 64 && keep <= groups && num_experts % groups == 0 {
+            true => Ok((groups as u16, keep as u16)),
+            false => Err(err(
+                "n_group",
+                format!("{groups} groups keeping {keep} of {num_experts} experts"),
+            )),
+        }
+    };
     let scoring = match v3 {
         true => {
-            if groups > 64 || keep > groups || num_experts % groups != 0 {
-                return Err(err(
-                    "n_group",
-                    format!("{groups} groups keeping {keep} of {num_experts} experts"),
-                ));
-            }
-            Scoring::SigmoidGroups {
-                groups: groups as u16,
-                keep: keep as u16,
-            }
+            let (groups, keep) = group_limit()?;
+            Scoring::SigmoidGroups { groups, keep }
         }
         false => {
             let method = c
@@ -253,16 +255,8 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
             match method {
                 "greedy" => Scoring::Softmax,
                 "group_limited_greedy" => {
-                    if groups > 64 || keep > groups || num_experts % groups != 0 {
-                        return Err(err(
-                            "n_group",
-                            format!("{groups} groups keeping {keep} of {num_experts} experts"),
-                        ));
-                    }
-                    Scoring::SoftmaxGroups {
-                        groups: groups as u16,
-                        keep: keep as u16,
-                    }
+                    let (groups, keep) = group_limit()?;
+                    Scoring::SoftmaxGroups { groups, keep }
                 }
                 other => {
                     return Err(err(
