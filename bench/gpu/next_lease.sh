@@ -17,8 +17,10 @@
 #      GLM-4.7-Flash (latent attention) on CUDA: the tiny random checkpoints' rows against the
 #      CPU's, MTP speculation against plain decoding, a 1024-wide checkpoint with real head sizes
 #      against transformers (parity.py).
+#   8. (`gemma`) issue 16: the Gemma-3-1B shape's batch-1 decode and ncu's time per kernel
+#      (bench/gpu/decode_prof.sh; eager under ncu).
 #   KILN=.device/kiln bench/gpu/next_lease.sh OUT_DIR [STAGES]
-#   (STAGES: check lora hybrid chunk hprof mtp glm deepseek)
+#   (STAGES: check lora hybrid chunk hprof mtp glm deepseek gemma)
 set -uo pipefail
 OUT=${1:?usage: bench/gpu/next_lease.sh OUT_DIR [STAGES]}; STAGES=${2:-check lora hybrid}
 K=${KILN:-.device/kiln}; export KILN=$K
@@ -26,7 +28,7 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if has check; then
-  timeout 150 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; echo "cuda-check rc=$?"
+  timeout 200 "$K" dev cuda-check -o "$OUT/cuda-check.json" > "$OUT/check.log" 2>&1; echo "cuda-check rc=$?"
   grep -E "^FAIL" "$OUT/check.log" | cut -c1-140 | head -20
   grep -E "lora_|recurrent|gated_delta|deepseek|mla_" "$OUT/check.log" | cut -c1-140 | head -60
   echo "ok lines: $(grep -c '^ok' "$OUT/check.log")"
@@ -171,6 +173,10 @@ if has deepseek; then
   for c in deepseek_v3 deepseek_v2 glm4_moe_lite; do tiny_vs_cpu $c $D/$c; done
   mtp_vs_plain deepseek_v3 $D/deepseek_v3
   parity_small deepseek-small
+fi
+
+if has gemma; then
+  NCU_SKIP=3000 NCU_COUNT=700 timeout 420 bench/gpu/decode_prof.sh "$OUT/gemma" gemma3-1b 1024 2>&1 | tail -24
 fi
 
 [ -n "${KEEP_CKPT:-}" ] || rm -rf "${WORK:-$PWD/target/kiln-w}/qwen3_5-9b"
