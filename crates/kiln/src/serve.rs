@@ -123,8 +123,9 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may run after a shutdown signal.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
-    /// Tool-call syntax to read: hermes (also qwen), llama3, mistral or
-    /// gemma (default: the one the chat template teaches).
+    /// Tool-call syntax to read: hermes (also qwen), llama3, mistral,
+    /// gemma, glm45, deepseek_v3 (also deepseek_v31) or kimi_k2 (default:
+    /// the one the chat template teaches).
     #[arg(long)]
     pub tool_call_parser: Option<String>,
     /// Split `<think>` reasoning from answers: think, or none (default:
@@ -273,7 +274,8 @@ fn output_overrides(a: &ServeArgs) -> Result<kiln_server::OutputOverrides> {
         None => None,
         Some(name) => Some(kiln_server::ToolSyntax::from_name(name).ok_or_else(|| {
             anyhow::anyhow!(
-                "--tool-call-parser `{name}`: expected hermes, qwen, llama3, mistral or gemma"
+                "--tool-call-parser `{name}`: expected hermes, qwen, llama3, mistral, gemma, \
+                 glm45, deepseek_v3, deepseek_v31 or kimi_k2"
             )
         })?),
     };

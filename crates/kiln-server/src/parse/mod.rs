@@ -10,6 +10,7 @@ mod reasoning;
 #[cfg(test)]
 mod tests;
 mod tools;
+mod xml_calls;
 
 pub use forced::ForcedCallStream;
 pub use harmony::HarmonyStream;

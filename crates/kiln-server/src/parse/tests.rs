@@ -161,6 +161,83 @@ fn mistral_calls() {
 }
 
 #[test]
+fn glm45_calls_with_typed_and_string_arguments() {
+    let s = syntax(ToolSyntax::Glm45, true);
+    let p = check(
+        "<think>Weather first.</think>Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>search\n<arg_key>q</arg_key>\n<arg_value>{\"a\": [1, 2]}</arg_value>\n</tool_call>",
+        &s,
+    );
+    assert_eq!(p.reasoning.as_deref(), Some("Weather first."));
+    assert_eq!(p.content.as_deref(), Some("Checking."));
+    assert_eq!(p.calls.len(), 2);
+    // A value that parses as JSON is JSON; any other is a string.
+    assert_eq!(
+        (p.calls[0].name.as_str(), args(&p.calls[0])),
+        ("get_weather", json!({"city": "Paris", "days": 3}))
+    );
+    assert_eq!(args(&p.calls[1]), json!({"q": {"a": [1, 2]}}));
+    // A call without arguments; a body that is not one stays text.
+    let p = check("<tool_call>search</tool_call>", &s);
+    assert_eq!(
+        (p.calls[0].name.as_str(), args(&p.calls[0])),
+        ("search", json!({}))
+    );
+    let p = check("<tool_call>get weather now</tool_call>", &s);
+    assert_eq!(
+        (p.calls.len(), p.content.as_deref()),
+        (0, Some("<tool_call>get weather now</tool_call>"))
+    );
+}
+
+#[test]
+fn deepseek_v3_calls_in_both_spellings() {
+    let s = syntax(ToolSyntax::DeepSeekV3, false);
+    // V3 / R1: `function<sep>NAME` and a fenced JSON block.
+    let p = check(
+        "Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{\"q\": \"fjord\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        &s,
+    );
+    assert_eq!(p.content.as_deref(), Some("Let me look."));
+    assert_eq!(p.calls.len(), 2);
+    assert_eq!(
+        (p.calls[0].name.as_str(), args(&p.calls[0])),
+        ("get_weather", json!({"city": "Oslo"}))
+    );
+    assert_eq!(args(&p.calls[1]), json!({"q": "fjord"}));
+    // V3.1: `NAME<sep>{…}`.
+    let p = check(
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>{\"q\": \"é\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        &s,
+    );
+    assert_eq!(
+        (p.calls[0].name.as_str(), args(&p.calls[0])),
+        ("search", json!({"q": "é"}))
+    );
+    // Arguments that are not an object: text, as written.
+    let text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>[1]<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+    let p = check(text, &s);
+    assert_eq!((p.calls.len(), p.content.as_deref()), (0, Some(text)));
+}
+
+#[test]
+fn kimi_k2_calls() {
+    let s = syntax(ToolSyntax::KimiK2, false);
+    let p = check(
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Kyoto\"}<|tool_call_end|><|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+        &s,
+    );
+    assert_eq!(p.content, None);
+    assert_eq!(
+        (p.calls[0].name.as_str(), args(&p.calls[0])),
+        ("get_weather", json!({"city": "Kyoto"}))
+    );
+    assert_eq!(
+        (p.calls[1].name.as_str(), args(&p.calls[1])),
+        ("search", json!({}))
+    );
+}
+
+#[test]
 fn gemma_calls() {
     let s = syntax(ToolSyntax::Gemma, false);
     let p = check(
@@ -244,6 +321,24 @@ fn syntax_detection() {
         ToolSyntax::Gemma
     );
     assert_eq!(ToolSyntax::detect("<|im_start|>"), ToolSyntax::Hermes);
+    // GLM-4.5's template teaches `<tool_call>` too; its `<arg_key>` decides.
+    assert_eq!(
+        ToolSyntax::detect("<tool_call>{{ name }}<arg_key>{{ k }}</arg_key>"),
+        ToolSyntax::Glm45
+    );
+    assert_eq!(
+        ToolSyntax::detect("{{'<｜tool▁calls▁begin｜>'}}"),
+        ToolSyntax::DeepSeekV3
+    );
+    assert_eq!(
+        ToolSyntax::detect("<|tool_calls_section_begin|>"),
+        ToolSyntax::KimiK2
+    );
+    assert_eq!(ToolSyntax::from_name("glm45"), Some(ToolSyntax::Glm45));
+    assert_eq!(
+        ToolSyntax::from_name("deepseek_v31"),
+        Some(ToolSyntax::DeepSeekV3)
+    );
     assert!(ThinkSyntax::detect("<|im_start|>").is_none());
 }
 

@@ -8,7 +8,9 @@
 //!   newer `[TOOL_CALLS]name[ARGS]{…}`;
 //! - Gemma: FunctionGemma's `<start_function_call>call:name{k:<escape>v<escape>}<end_function_call>`
 //!   and the ```` ```tool_code ```` block of Python calls Gemma 3 is
-//!   prompted with.
+//!   prompted with;
+//! - GLM-4.5's `<arg_key>`/`<arg_value>` calls, DeepSeek-V3's and Kimi-K2's
+//!   sections of calls ([`super::xml_calls`]).
 //!
 //! In every syntax an answer (or the text right after a call) that is
 //! nothing but a JSON call naming a declared tool counts as a call too:
@@ -24,6 +26,7 @@ use serde_json::Value;
 
 use super::gemma;
 use super::json_scan::value_end;
+use super::xml_calls;
 use super::Piece;
 
 /// One parsed call.
@@ -41,12 +44,21 @@ pub enum ToolSyntax {
     Llama3,
     Mistral,
     Gemma,
+    Glm45,
+    DeepSeekV3,
+    KimiK2,
 }
 
 impl ToolSyntax {
     /// The syntax a chat template teaches (Hermes when it names none).
     pub fn detect(template: &str) -> ToolSyntax {
-        if template.contains("<tool_call>") {
+        if template.contains("<arg_key>") {
+            ToolSyntax::Glm45
+        } else if template.contains(xml_calls::DEEPSEEK_OPEN) {
+            ToolSyntax::DeepSeekV3
+        } else if template.contains(xml_calls::KIMI_OPEN) {
+            ToolSyntax::KimiK2
+        } else if template.contains("<tool_call>") {
             ToolSyntax::Hermes
         } else if template.contains("[TOOL_CALLS]") {
             ToolSyntax::Mistral
@@ -70,6 +82,9 @@ impl ToolSyntax {
             "llama3" | "llama3_json" | "llama" => ToolSyntax::Llama3,
             "mistral" => ToolSyntax::Mistral,
             "gemma" | "functiongemma" => ToolSyntax::Gemma,
+            "glm45" | "glm47" => ToolSyntax::Glm45,
+            "deepseek_v3" | "deepseek_v31" => ToolSyntax::DeepSeekV3,
+            "kimi_k2" => ToolSyntax::KimiK2,
             _ => return None,
         })
     }
@@ -101,7 +116,11 @@ impl ToolSyntax {
                 array: true,
                 many: false,
             }),
-            ToolSyntax::Mistral | ToolSyntax::Gemma => None,
+            ToolSyntax::Mistral
+            | ToolSyntax::Gemma
+            | ToolSyntax::Glm45
+            | ToolSyntax::DeepSeekV3
+            | ToolSyntax::KimiK2 => None,
         }
     }
 
@@ -112,6 +131,9 @@ impl ToolSyntax {
             ToolSyntax::Llama3 => &["<|python_tag|>"],
             ToolSyntax::Mistral => &["[TOOL_CALLS]"],
             ToolSyntax::Gemma => &[gemma::CALL_OPEN, gemma::CODE_OPEN],
+            ToolSyntax::Glm45 => &[xml_calls::GLM_OPEN],
+            ToolSyntax::DeepSeekV3 => &[xml_calls::DEEPSEEK_OPEN],
+            ToolSyntax::KimiK2 => &[xml_calls::KIMI_OPEN],
         }
     }
 }
@@ -290,6 +312,27 @@ fn region(syntax: ToolSyntax, opener: &str, text: &str, end: bool) -> Region {
         ToolSyntax::Gemma => {
             tagged_region(text, opener, gemma::CODE_CLOSE, end, gemma::parse_tool_code)
         }
+        ToolSyntax::Glm45 => tagged_region(
+            text,
+            opener,
+            xml_calls::GLM_CLOSE,
+            end,
+            xml_calls::parse_glm,
+        ),
+        ToolSyntax::DeepSeekV3 => tagged_region(
+            text,
+            opener,
+            xml_calls::DEEPSEEK_CLOSE,
+            end,
+            xml_calls::parse_deepseek,
+        ),
+        ToolSyntax::KimiK2 => tagged_region(
+            text,
+            opener,
+            xml_calls::KIMI_CLOSE,
+            end,
+            xml_calls::parse_kimi,
+        ),
     }
 }
 
@@ -383,7 +426,13 @@ impl ToolStream {
                     self.syntax
                         .openers()
                         .iter()
-                        .filter_map(|o| (1..o.len()).rev().find(|&n| self.buf.ends_with(&o[..n])))
+                        .filter_map(|o| {
+                            // (Openers may be multi-byte: DeepSeek's `｜`.)
+                            (1..o.len())
+                                .rev()
+                                .filter(|&n| o.is_char_boundary(n))
+                                .find(|&n| self.buf.ends_with(&o[..n]))
+                        })
                         .max()
                         .unwrap_or(0)
                 };
