@@ -15,6 +15,10 @@ metadata of that MQA form (one KV head, `key_length` = latent + rope,
 F32, so each file holds its checkpoint's values and the checkpoint's golden
 (its `golden.json` logprobs) applies unchanged.
 
+`deepseek_v2_legacy.gguf` is the V2 checkpoint as converters wrote it before
+the absorbed layout (`attn_kv_b` whole, the model's own KV heads and
+lengths).
+
 Run once with the `gguf` package and safetensors; the outputs are committed
 and tests never run this:
 
@@ -36,14 +40,17 @@ from common import add_stacked_experts  # noqa: E402
 CASES = ["deepseek_v3", "deepseek_v2", "deepseek_v2_grouped"]
 
 
-def write(root, case):
+def write(root, case, legacy=False):
+    """`legacy`: as converters wrote files before llama.cpp's absorbed
+    attention (`attn_kv_b` whole; the KV heads and key/value lengths the
+    model's own, no `*_length_mla`)."""
     src = os.path.join(root, case)
     cfg = json.load(open(os.path.join(src, "config.json")))
     sd = load_file(os.path.join(src, "model.safetensors"))
     layers = cfg["num_hidden_layers"]
     v3 = cfg["model_type"] == "deepseek_v3"
     names = gguf.TensorNameMap(MODEL_ARCH.DEEPSEEK2, layers)
-    out = os.path.join(root, "gguf", f"{case}.gguf")
+    out = os.path.join(root, "gguf", f"{case}{'_legacy' if legacy else ''}.gguf")
     w = gguf.GGUFWriter(out, "deepseek2")
     heads, c = cfg["num_attention_heads"], cfg["kv_lora_rank"]
     nope, rope, value = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
@@ -52,7 +59,7 @@ def write(root, case):
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(1)
+    w.add_head_count_kv(heads if legacy else 1)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -60,10 +67,14 @@ def write(root, case):
     if cfg.get("q_lora_rank"):
         w.add_q_lora_rank(cfg["q_lora_rank"])
     w.add_kv_lora_rank(c)
-    w.add_key_length(c + rope)
-    w.add_value_length(c)
-    w.add_key_length_mla(nope + rope)
-    w.add_value_length_mla(value)
+    if legacy:
+        w.add_key_length(nope + rope)
+        w.add_value_length(value)
+    else:
+        w.add_key_length(c + rope)
+        w.add_value_length(c)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(value)
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_expert_count(cfg["n_routed_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -94,7 +105,7 @@ def write(root, case):
         if ".mlp.experts." in name:
             experts.setdefault((int(parts[2]), parts[6]), {})[int(parts[5])] = t
             continue
-        if name.endswith("kv_b_proj.weight"):
+        if name.endswith("kv_b_proj.weight") and not legacy:
             kv_b = t.reshape(heads, nope + value, c)
             k_b = np.ascontiguousarray(kv_b[:, :nope, :].transpose(0, 2, 1))
             v_b = np.ascontiguousarray(kv_b[:, nope:, :])
@@ -118,6 +129,7 @@ def write(root, case):
 def main(root):
     for case in CASES:
         write(root, case)
+    write(root, "deepseek_v2", legacy=True)
 
 
 if __name__ == "__main__":

@@ -340,8 +340,15 @@ fn glm4moe_gguf_reads_as_its_checkpoint() {
 #[test]
 fn deepseek2_gguf_files_read_as_their_checkpoints() {
     use kiln_formats::{GgufWeights, WeightSource};
-    for case in ["deepseek_v3", "deepseek_v2", "deepseek_v2_grouped"] {
-        let w = GgufWeights::open(case_dir("gguf").join(format!("{case}.gguf"))).unwrap();
+    // (file, checkpoint): `deepseek_v2_legacy` is the layout converters
+    // wrote before the absorbed one (`attn_kv_b` whole, the model's lengths).
+    for (file, case) in [
+        ("deepseek_v3", "deepseek_v3"),
+        ("deepseek_v2", "deepseek_v2"),
+        ("deepseek_v2_grouped", "deepseek_v2_grouped"),
+        ("deepseek_v2_legacy", "deepseek_v2"),
+    ] {
+        let w = GgufWeights::open(case_dir("gguf").join(format!("{file}.gguf"))).unwrap();
         let from_gguf = ModelConfig::from_hf(&w.hf_config().unwrap()).unwrap();
         let st = config(case);
         let (FamilyConfig::Deepseek(g), FamilyConfig::Deepseek(d)) =
@@ -368,8 +375,8 @@ fn deepseek2_gguf_files_read_as_their_checkpoints() {
         let m = load_model(Arc::new(CpuBackend::new()), &w, from_gguf).unwrap();
         let (prompt, rows) = golden(case);
         let worst = prefill_against(m.as_ref(), &prompt, &rows);
-        eprintln!("{case}.gguf: max |Δ log-softmax| {worst:.2e}");
-        assert!(worst <= 1e-3, "{case}.gguf: {worst}");
+        eprintln!("{file}.gguf: max |Δ log-softmax| {worst:.2e}");
+        assert!(worst <= 1e-3, "{file}.gguf: {worst}");
     }
 }
 
