@@ -75,19 +75,19 @@ pub fn parse_glm(body: &str) -> Option<Vec<ToolCall>> {
     }])
 }
 
-/// DeepSeek-V3's calls between its section markers.
-pub fn parse_deepseek(body: &str) -> Option<Vec<ToolCall>> {
+/// The calls of a section body: each between `open` and `close`, read by
+/// `call` into a name and an arguments object.
+fn section_calls(
+    body: &str,
+    open: &str,
+    close: &str,
+    call: impl Fn(&str) -> Option<(&str, &str)>,
+) -> Option<Vec<ToolCall>> {
     let mut calls = Vec::new();
     let mut rest = body;
     while !rest.trim().is_empty() {
-        let (call, after) = between(rest, DEEPSEEK_CALL, DEEPSEEK_CALL_END)?;
-        let (head, tail) = call.split_once(DEEPSEEK_SEP)?;
-        let (name, args) = match tail.split_once("```json") {
-            // V3 / R1: `function<sep>NAME\n```json\n{…}\n````.
-            Some((name, fenced)) => (name.trim(), fenced.rsplit_once("```")?.0),
-            // V3.1: `NAME<sep>{…}`.
-            None => (head.trim(), tail),
-        };
+        let (text, after) = between(rest, open, close)?;
+        let (name, args) = call(text)?;
         if !plausible_name(name) {
             return None;
         }
@@ -100,24 +100,25 @@ pub fn parse_deepseek(body: &str) -> Option<Vec<ToolCall>> {
     Some(calls)
 }
 
+/// DeepSeek-V3's calls between its section markers.
+pub fn parse_deepseek(body: &str) -> Option<Vec<ToolCall>> {
+    section_calls(body, DEEPSEEK_CALL, DEEPSEEK_CALL_END, |call| {
+        let (head, tail) = call.split_once(DEEPSEEK_SEP)?;
+        Some(match tail.split_once("```json") {
+            // V3 / R1: `function<sep>NAME\n```json\n{…}\n````.
+            Some((name, fenced)) => (name.trim(), fenced.rsplit_once("```")?.0),
+            // V3.1: `NAME<sep>{…}`.
+            None => (head.trim(), tail),
+        })
+    })
+}
+
 /// Kimi-K2's calls between its section markers: `functions.NAME:INDEX` ids.
 pub fn parse_kimi(body: &str) -> Option<Vec<ToolCall>> {
-    let mut calls = Vec::new();
-    let mut rest = body;
-    while !rest.trim().is_empty() {
-        let (call, after) = between(rest, KIMI_CALL, KIMI_CALL_END)?;
+    section_calls(body, KIMI_CALL, KIMI_CALL_END, |call| {
         let (id, args) = call.split_once(KIMI_ARGS)?;
         let id = id.trim();
         let id = id.strip_prefix("functions.").unwrap_or(id);
-        let name = id.rsplit_once(':').map_or(id, |(n, _)| n);
-        if !plausible_name(name) {
-            return None;
-        }
-        calls.push(ToolCall {
-            name: name.to_string(),
-            arguments: object(args)?,
-        });
-        rest = after;
-    }
-    Some(calls)
+        Some((id.rsplit_once(':').map_or(id, |(n, _)| n), args))
+    })
 }
