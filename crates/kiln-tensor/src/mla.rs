@@ -31,16 +31,12 @@ fn shape_err(op: &'static str, detail: String) -> TensorError {
 
 /// `t`'s values, where it is a host (CPU backend) tensor of `len` elements.
 fn host<'a>(t: &'a Tensor, len: usize, op: &'static str) -> Result<&'a [f32]> {
-    match t.storage().downcast_ref::<Vec<f32>>() {
-        Some(v) if v.len() == len => Ok(v),
-        Some(v) => Err(shape_err(
+    match crate::cpu::host_data(t, op)? {
+        v if v.len() == len => Ok(v),
+        v => Err(shape_err(
             op,
             format!("{} weights, {len} expected", v.len()),
         )),
-        None => Err(TensorError::Unsupported {
-            backend: "cpu",
-            what: format!("{op} with weights on another backend"),
-        }),
     }
 }
 

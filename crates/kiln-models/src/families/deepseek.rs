@@ -323,21 +323,7 @@ fn parse(c: &Value, num_layers: usize, _head_dim: usize) -> Result<FamilyLayers>
 /// widths, each mismatch naming its key.
 fn check_weights(cfg: &ModelConfig, tensors: &[kiln_formats::StoredTensor]) -> Result<()> {
     let d = deepseek_config(cfg)?;
-    let layers = tensors
-        .iter()
-        .filter_map(|t| t.name.strip_prefix("model.layers.")?.split('.').next())
-        .filter_map(|i| i.parse::<usize>().ok())
-        .max()
-        .map_or(0, |i| i + 1);
-    if layers < cfg.num_layers || layers > cfg.num_layers + d.nextn_layers {
-        return Err(err(
-            "num_hidden_layers",
-            format!(
-                "config.json says {} layers, the weights have {layers}",
-                cfg.num_layers
-            ),
-        ));
-    }
+    super::llama::check_layer_count(cfg, tensors, d.nextn_layers)?;
     let rows = |name: &str| {
         tensors
             .iter()
@@ -472,21 +458,14 @@ fn permuted_linear(
         .iter()
         .flat_map(|&r| w[r * cols..(r + 1) * cols].iter().copied())
         .collect();
-    let weight = Weight::Dense(l.backend.upload(&[rows, cols], &w)?);
-    l.note(&weight);
     let bias = match bias {
         true => {
             let b = l.host(&format!("{name}.bias"), &[rows])?;
-            let b: Vec<f32> = perm.iter().map(|&r| b[r]).collect();
-            Some(l.backend.upload(&[rows], &b)?)
+            Some(perm.iter().map(|&r| b[r]).collect::<Vec<f32>>())
         }
         false => None,
     };
-    Ok(Linear {
-        weight,
-        bias,
-        parts: vec![(name.to_string(), 0..rows)],
-    })
+    Linear::from_host(l, name, [rows, cols], &w, bias.as_deref())
 }
 
 enum Query {

@@ -391,24 +391,11 @@ impl Llama {
 /// shape shows (the embedding's vocabulary and width, the first layer's
 /// q, k and gate rows). A mismatch names the `config.json` key.
 pub fn check_weights(cfg: &ModelConfig, tensors: &[StoredTensor]) -> Result<()> {
-    let layers_found = tensors
-        .iter()
-        .filter_map(|t| t.name.strip_prefix("model.layers.")?.split('.').next())
-        .filter_map(|i| i.parse::<usize>().ok())
-        .max()
-        .map_or(0, |i| i + 1);
-    // DeepSeek-style MTP layers follow the decoder's (the file may have
-    // them or not).
-    let nextn = llama_config(cfg).map_or(0, |f| f.nextn_layers);
-    if layers_found < cfg.num_layers || layers_found > cfg.num_layers + nextn {
-        return Err(config_error(
-            "num_hidden_layers",
-            format!(
-                "config.json says {} layers, the weights have {layers_found}",
-                cfg.num_layers
-            ),
-        ));
-    }
+    check_layer_count(
+        cfg,
+        tensors,
+        llama_config(cfg).map_or(0, |f| f.nextn_layers),
+    )?;
     let shape = |name: &str| tensors.iter().find(|t| t.name == name).map(|t| &t.shape);
     let (q, kv) = (
         cfg.num_heads * cfg.head_dim,
@@ -460,6 +447,32 @@ pub fn check_weights(cfg: &ModelConfig, tensors: &[StoredTensor]) -> Result<()> 
             };
             return Err(config_error(key, what));
         }
+    }
+    Ok(())
+}
+
+/// The layers the tensor table has (`model.layers.N.*`) against the
+/// config's count; `nextn` DeepSeek-style MTP layers may follow the
+/// decoder's (the file may have them or not).
+pub(crate) fn check_layer_count(
+    cfg: &ModelConfig,
+    tensors: &[StoredTensor],
+    nextn: usize,
+) -> Result<()> {
+    let found = tensors
+        .iter()
+        .filter_map(|t| t.name.strip_prefix("model.layers.")?.split('.').next())
+        .filter_map(|i| i.parse::<usize>().ok())
+        .max()
+        .map_or(0, |i| i + 1);
+    if found < cfg.num_layers || found > cfg.num_layers + nextn {
+        return Err(config_error(
+            "num_hidden_layers",
+            format!(
+                "config.json says {} layers, the weights have {found}",
+                cfg.num_layers
+            ),
+        ));
     }
     Ok(())
 }

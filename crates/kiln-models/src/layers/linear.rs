@@ -100,15 +100,28 @@ impl Linear {
                 .flat_map(|r| if right { &r[half..] } else { &r[..half] })
                 .copied()
                 .collect();
-            let weight = Weight::Dense(l.backend.upload(&[rows, half], &cols)?);
-            l.note(&weight);
-            Ok(Linear {
-                weight,
-                bias: None,
-                parts: vec![(module.to_string(), 0..rows)],
-            })
+            Linear::from_host(l, module, [rows, half], &cols, None)
         };
         Ok([side(false)?, side(true)?])
+    }
+
+    /// Module `module` from values its family reshaped on the host
+    /// (`[rows, cols]` row-major, the bias `[rows]`): dense, on the
+    /// loader's backend, counted in the model's weight bytes.
+    pub fn from_host(
+        l: &WeightLoader,
+        module: &str,
+        [rows, cols]: [usize; 2],
+        values: &[f32],
+        bias: Option<&[f32]>,
+    ) -> Result<Linear> {
+        let weight = Weight::Dense(l.backend.upload(&[rows, cols], values)?);
+        l.note(&weight);
+        Ok(Linear {
+            weight,
+            bias: bias.map(|b| l.backend.upload(&[rows], b)).transpose()?,
+            parts: vec![(module.to_string(), 0..rows)],
+        })
     }
 
     /// The output projection: `lm_head.weight` (`[vocab, hidden]`) unless

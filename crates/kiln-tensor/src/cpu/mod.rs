@@ -50,6 +50,18 @@ impl CpuKvDtype {
     }
 }
 
+/// A host (CPU backend) tensor's values; another backend's tensor is an
+/// error naming `op`.
+pub(crate) fn host_data<'a>(t: &'a Tensor, op: &'static str) -> Result<&'a [f32]> {
+    t.storage()
+        .downcast_ref::<Vec<f32>>()
+        .map(|v| v.as_slice())
+        .ok_or(TensorError::WrongBackend {
+            op,
+            expected: "cpu",
+        })
+}
+
 /// The CPU backend. Threads come from the rayon pool the caller set up,
 /// or, for a rank of a tensor-parallel group, from a pool of its own.
 #[derive(Debug, Default, Clone)]
@@ -120,13 +132,7 @@ impl CpuBackend {
     }
 
     fn data<'a>(&self, t: &'a Tensor, op: &'static str) -> Result<&'a [f32]> {
-        t.storage()
-            .downcast_ref::<Vec<f32>>()
-            .map(|v| v.as_slice())
-            .ok_or(TensorError::WrongBackend {
-                op,
-                expected: "cpu",
-            })
+        host_data(t, op)
     }
 
     fn wrap(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
